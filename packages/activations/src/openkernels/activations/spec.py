@@ -1,0 +1,54 @@
+"""What each activation op computes, as data shared by every backend.
+
+Gated ops split the last dim of x, shape (..., 2d), into halves a = x[..., :d] and
+b = x[..., d:]. `*_and_mul` ops return act(a) * b (activated half first); `mul_and_silu`
+returns a * silu(b) (vLLM's convention). Every backend computes in float32 and rounds
+once to the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+__all__ = ["Act", "OpSpec", "SPECS", "act_for"]
+
+
+class Act(IntEnum):
+    """Activation codes passed to kernels (Triton constexpr, C++ switch)."""
+
+    SILU = 0  # x * sigmoid(x)
+    GELU = 1  # x * Phi(x), exact (erf)
+    GELU_TANH = 2  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    GELU_QUICK = 3  # x * sigmoid(1.702 x)
+    RELU_SQUARED = 4  # max(x, 0)^2
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    gated: bool
+    act_first: bool = True
+    approximate: bool = False  # takes approximate="none" | "tanh" (GELU family)
+    act: Act = Act.SILU
+
+
+SPECS: dict[str, OpSpec] = {
+    s.name: s
+    for s in (
+        OpSpec("silu", gated=False, act=Act.SILU),
+        OpSpec("gelu", gated=False, approximate=True, act=Act.GELU),
+        OpSpec("gelu_quick", gated=False, act=Act.GELU_QUICK),
+        OpSpec("relu_squared", gated=False, act=Act.RELU_SQUARED),
+        OpSpec("silu_and_mul", gated=True, act=Act.SILU),
+        OpSpec("gelu_and_mul", gated=True, approximate=True, act=Act.GELU),
+        OpSpec("mul_and_silu", gated=True, act_first=False, act=Act.SILU),
+    )
+}
+
+
+def act_for(spec: OpSpec, approximate: str = "none") -> Act:
+    """The activation code of one call; `approximate` only matters for the GELU ops."""
+    if spec.approximate and approximate == "tanh":
+        return Act.GELU_TANH
+    return spec.act

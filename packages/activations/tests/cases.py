@@ -1,0 +1,82 @@
+"""Op variants, shapes and implementations the activation tests run over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import openkernels.activations as A
+from openkernels.activations import reference as R
+from openkernels.activations.spec import SPECS
+from openkernels.shared.platform import triton_interpreting
+from openkernels.shared.testing import ODD_SIZES, testable_implementations
+
+
+@dataclass(frozen=True)
+class Variant:
+    op: str
+    approximate: str | None = None
+
+    @property
+    def gated(self) -> bool:
+        return SPECS[self.op].gated
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.approximate}" if self.approximate else self.op
+
+    def args(self) -> tuple:
+        return (self.approximate,) if self.approximate else ()
+
+    def __call__(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return getattr(A, self.op)(x, *self.args(), **kwargs)
+
+    def ref(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(R, f"{self.op}_ref")(x, *self.args())
+
+    @property
+    def library_op(self):
+        return getattr(torch.ops.openkernels, self.op).default
+
+
+VARIANTS = [
+    Variant("silu"),
+    Variant("gelu", "none"),
+    Variant("gelu", "tanh"),
+    Variant("gelu_quick"),
+    Variant("relu_squared"),
+    Variant("silu_and_mul"),
+    Variant("gelu_and_mul", "none"),
+    Variant("gelu_and_mul", "tanh"),
+    Variant("mul_and_silu"),
+]
+KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def variant_params():
+    return [pytest.param(v, id=v.id) for v in VARIANTS]
+
+
+def targets():
+    """(device, implementation) pairs testable in this process, with marks."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    params = []
+    for device in devices:
+        for impl in testable_implementations("silu", device):
+            marks = [pytest.mark.interpreter] if triton_interpreting() else []
+            if device != "cpu":
+                marks.append(pytest.mark.gpu)
+            params.append(pytest.param(device, impl, id=f"{device}-{impl}", marks=marks))
+    return params
+
+
+def shapes(gated: bool) -> list[tuple[int, ...]]:
+    """Odd shapes; small ones under the interpreter, which runs each program in Python."""
+    if triton_interpreting():
+        # (64, 128) divides the 4096-element tile exactly: the unmasked (EVEN) kernels.
+        base = [(1, 1), (7, 7), (33, 130), (2, 3, 5), (64, 128)]
+    else:
+        base = [(1, ODD_SIZES[0]), (7, 127), (127, ODD_SIZES[3]), (4097, 7), (2, 3, 130), (64, 128)]
+    return [(*s[:-1], 2 * s[-1]) if gated else s for s in base]

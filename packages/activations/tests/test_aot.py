@@ -1,0 +1,114 @@
+"""Ahead-of-time compile checks of every activations kernel and launch config it can pick,
+for sm_80, sm_90 (CUDA configs) and gfx90a, gfx942, gfx950 (ROCm configs): compiles,
+no register spills, no scratch, shared memory within the chip's limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from openkernels.activations.spec import Act
+from openkernels.activations.triton import configs
+from openkernels.shared.platform import triton_interpreting
+
+pytestmark = pytest.mark.aot
+
+_KERNELS = "openkernels.activations.triton.kernels"
+_PTRS = {
+    "unary_fwd": ("x_ptr", "out_ptr"),
+    "unary_bwd": ("dy_ptr", "x_ptr", "dx_ptr"),
+    "gated_fwd": ("x_ptr", "out_ptr"),
+    "gated_bwd": ("dy_ptr", "x_ptr", "dx_ptr"),
+}
+_INTS = {
+    "unary_fwd": ("n_rows", "n_cols", "stride_x", "stride_out"),
+    "unary_bwd": ("n_rows", "n_cols", "stride_dy", "stride_x", "stride_dx"),
+    "gated_fwd": ("n_rows", "n_cols", "stride_x", "stride_out"),
+    "gated_bwd": ("n_rows", "n_cols", "stride_dy", "stride_x", "stride_dx"),
+}
+_NAMES = {
+    "unary_fwd": "_activation_fwd_kernel",
+    "unary_bwd": "_activation_bwd_kernel",
+    "gated_fwd": "_gated_activation_fwd_kernel",
+    "gated_bwd": "_gated_activation_bwd_kernel",
+}
+_TRITON_DTYPE = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+
+
+def _case(
+    kind: str,
+    cfg: configs.LaunchConfig,
+    dtype: str,
+    act: Act,
+    *,
+    even: bool,
+    aligned: bool = True,
+    int_type: str = "i32",
+    act_first: bool = True,
+):
+    from openkernels.shared.testing.aot import AotCase
+
+    signature = {p: _TRITON_DTYPE[dtype] for p in _PTRS[kind]}
+    signature.update({i: int_type for i in _INTS[kind]})
+    constexprs = {"ACT": int(act), "BLOCK_R": cfg.block_rows, "BLOCK_C": cfg.block_cols, "EVEN": even}
+    if kind.startswith("gated"):
+        constexprs["ACT_FIRST"] = act_first
+    # Sizes and strides that are multiples of 16 are what Triton specializes on at launch
+    # (the vectorized kernel); `aligned=False` checks the kernel odd shapes get.
+    attrs = {i: "D" for i in _INTS[kind] if i != "n_rows"} if aligned else {}
+    label = (
+        f"{kind}-{act.name}-{dtype}-r{cfg.block_rows}c{cfg.block_cols}w{cfg.num_warps}"
+        f"{'-even' if even else ''}{'' if aligned else '-unaligned'}{'-' + int_type if int_type != 'i32' else ''}"
+        f"{'' if act_first else '-actlast'}"
+    )
+    return AotCase(
+        f"{_KERNELS}:{_NAMES[kind]}",
+        signature,
+        constexprs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        label=label,
+        attrs=attrs,
+    )
+
+
+def cases_for(backend: str) -> list:
+    """Every config `launch_config` can return, with the heaviest activation (exact GELU)
+    in bf16 and fp32; every activation, dtype and variant on the widest config; odd-shape
+    (unaligned) and int64-offset specializations."""
+    all_configs = configs.all_configs(backend)
+    widest = all_configs[-1]
+    out = {}
+    for kind in _NAMES:
+        for cfg in all_configs:
+            for dtype in ("bf16", "fp32"):
+                c = _case(kind, cfg, dtype, Act.GELU, even=False)
+                out[c.label] = c
+        for act in Act:
+            for dtype in ("bf16", "fp16", "fp32"):
+                for even in (False, True):
+                    c = _case(kind, widest, dtype, act, even=even)
+                    out[c.label] = c
+        extra = [
+            _case(kind, all_configs[len(all_configs) // 2], "bf16", Act.GELU, even=False, aligned=False),
+            _case(kind, widest, "bf16", Act.GELU, even=False, int_type="i64"),
+        ]
+        if kind.startswith("gated"):
+            extra.append(_case(kind, widest, "bf16", Act.SILU, even=True, act_first=False))
+        out.update({c.label: c for c in extra})
+    return list(out.values())
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+
+    prefix = "sm_" if vendor == "cuda" else "gfx"
+    targets = [t for t in targets_from_env() if t.startswith(prefix)]
+    if not targets:
+        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
+    reports = check_cases(cases_for(vendor), targets)
+    print(format_reports(reports))
+    assert_clean(reports)
+    assert len(reports) == len(cases_for(vendor)) * len(targets)

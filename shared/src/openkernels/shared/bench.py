@@ -1,0 +1,258 @@
+"""Benchmark harness shared by every family.
+
+A family declares `BenchCase`s: a shape, a dtype, a direction, the bytes (or FLOPs) the
+work must move at least, a factory of input sets and the contenders (ours and the peers)
+as functions of one input set. `run_cases` times every contender on the same inputs in
+the same process, rotating input sets so the L2 cache (60 MB on H200) is not what gets
+measured, and reports GB/s (or TFLOP/s) and the ratio to a ceiling measured in the same
+run. Timing uses triton.testing.do_bench (CUDA events, median) on GPUs and a
+perf_counter median on CPUs. Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BenchCase",
+    "Check",
+    "score",
+    "Measurement",
+    "copy_ceiling_gbps",
+    "time_ms",
+    "run_cases",
+    "format_table",
+    "write_json",
+]
+
+L2_BYTES = 60 * 2**20  # H200; rotation targets 3x this so nothing stays resident
+
+
+@dataclass
+class BenchCase:
+    """One benchmark point.
+
+    make_inputs(device) returns one input set (a dict); contenders map a name ("ours",
+    "torch", "torch.compile", "liger", ...) to a function of that set. `bytes` counts each
+    input read once and each output written once; `flops` is set for compute-bound work.
+    """
+
+    family: str
+    op: str
+    direction: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+    make_inputs: Callable[[torch.device], dict[str, Any]]
+    contenders: dict[str, Callable[[dict[str, Any]], Any]]
+    flops: int = 0
+    setup: dict[str, Callable[[dict[str, Any]], Any]] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        shape = "x".join(map(str, self.shape))
+        return f"{self.op} {self.direction} {shape} {str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass
+class Check:
+    """One self-check: an implementation's result against the float64 reference.
+
+    error: the largest |ours - ref| / (atol + rtol |ref|) over all elements, with the
+    tolerance table of openkernels.shared.testing; <= 1 passes, NaN never does."""
+
+    op: str
+    direction: str
+    implementation: str
+    dtype: str
+    error: float
+    ok: bool
+
+
+def score(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
+    """(error, ok) of `actual` against `expected` under the tolerance of `dtype`."""
+    from .testing import tolerance
+
+    tol = tolerance(dtype)
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if a.shape != e.shape or (torch.isnan(a) & ~torch.isnan(e)).any():
+        return float("nan"), False
+    ratio = ((a - e).abs() / (tol.atol + tol.rtol * e.abs())).nan_to_num(0.0)
+    error = float(ratio.max()) if ratio.numel() else 0.0
+    return error, error <= 1.0
+
+
+@dataclass
+class Measurement:
+    family: str
+    op: str
+    direction: str
+    shape: tuple[int, ...]
+    dtype: str
+    contender: str
+    ms: float
+    gbps: float
+    tflops: float
+    ratio_to_ceiling: float
+    device: str
+    error: str = ""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(
+    fn: Callable[[dict[str, Any]], Any],
+    input_sets: Sequence[dict[str, Any]],
+    device: torch.device,
+    *,
+    warmup_ms: float = 25.0,
+    rep_ms: float = 100.0,
+) -> float:
+    """Median milliseconds of fn over rotating input sets."""
+    index = [0]
+
+    def step() -> None:
+        fn(input_sets[index[0] % len(input_sets)])
+        index[0] += 1
+
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    step()  # warm-up: first-call compilation and allocator growth stay out of the numbers
+    samples = []
+    deadline = time.perf_counter() + max(rep_ms, 1.0) / 1e3
+    while len(samples) < 5 or (time.perf_counter() < deadline and len(samples) < 200):
+        start = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_ceiling_gbps(device: torch.device, nbytes: int = 2**31) -> float:
+    """Device copy bandwidth (bytes read + written per second, in GB/s), measured now."""
+    n = nbytes // 4 if device.type == "cuda" else nbytes // 32
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda _: dst.copy_(src), [{}], device, rep_ms=200)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def _input_sets(case: BenchCase, device: torch.device) -> list[dict[str, Any]]:
+    """Enough input sets that together they exceed 3x the L2 cache."""
+    first = case.make_inputs(device)
+    per_set = max(case.bytes, 1)
+    count = 1 if device.type == "cpu" else min(8, max(2, math.ceil(3 * L2_BYTES / per_set)))
+    return [first] + [case.make_inputs(device) for _ in range(count - 1)]
+
+
+def run_cases(
+    cases: Sequence[BenchCase],
+    device: torch.device | str,
+    *,
+    ceiling_gbps: float | None = None,
+    only: Sequence[str] | None = None,
+    rep_ms: float = 100.0,
+    same_size_copy: bool = True,
+) -> list[Measurement]:
+    """Time every contender of every case on the same inputs; errors are recorded, not raised."""
+    device = torch.device(device)
+    ceiling = ceiling_gbps or copy_ceiling_gbps(device)
+    results = []
+    for case in cases:
+        sets = _input_sets(case, device)
+        contenders = dict(case.contenders)
+        if same_size_copy and not case.flops:
+            # A copy moving the same bytes: what the memory system gives a problem this small.
+            contenders["copy"] = _same_size_copy(case.bytes, device, len(sets))
+        for name, fn in contenders.items():
+            if only and name not in only:
+                continue
+            prepared = sets
+            try:
+                if name in case.setup:
+                    prepared = [case.setup[name](s) for s in sets]
+                ms = time_ms(fn, prepared, device, rep_ms=rep_ms)
+                error = ""
+            except Exception as exc:  # a peer that cannot run this case is reported, not fatal
+                ms, error = float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
+            gbps = case.bytes / ms / 1e6 if ms == ms else float("nan")
+            tflops = case.flops / ms / 1e9 if case.flops and ms == ms else 0.0
+            results.append(
+                Measurement(
+                    case.family,
+                    case.op,
+                    case.direction,
+                    tuple(case.shape),
+                    str(case.dtype).removeprefix("torch."),
+                    name,
+                    ms,
+                    gbps,
+                    tflops,
+                    gbps / ceiling,
+                    _device_name(device),
+                    error,
+                )
+            )
+            _sync(device)
+        del sets
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _same_size_copy(nbytes: int, device: torch.device, count: int) -> Callable[[dict[str, Any]], Any]:
+    n = max(1, nbytes // 2 // 4)
+    pairs = [(torch.empty(n, device=device), torch.empty(n, device=device)) for _ in range(count)]
+    index = [0]
+
+    def copy(_: dict[str, Any]) -> Any:
+        src, dst = pairs[index[0] % count]
+        index[0] += 1
+        return dst.copy_(src)
+
+    return copy
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu x{torch.get_num_threads()}"
+
+
+def format_table(results: Sequence[Measurement], *, ceiling_gbps: float | None = None) -> str:
+    """One row per case, one column group per contender: ms, GB/s, ratio to ceiling."""
+    lines = []
+    if ceiling_gbps:
+        lines.append(f"copy ceiling: {ceiling_gbps:.0f} GB/s")
+    header = f"{'case':<46} {'contender':<14} {'ms':>9} {'GB/s':>8} {'ceil':>6}  vs ours"
+    lines += [header, "-" * len(header)]
+    ours = {(m.op, m.direction, m.shape, m.dtype): m.ms for m in results if m.contender == "ours"}
+    for m in results:
+        label = f"{m.op} {m.direction} {'x'.join(map(str, m.shape))} {m.dtype}"
+        if m.error:
+            lines.append(f"{label:<46} {m.contender:<14} {'error':>9}  {m.error}")
+            continue
+        base = ours.get((m.op, m.direction, m.shape, m.dtype))
+        speed = f"{m.ms / base:5.2f}x" if base and m.contender != "ours" else ""
+        lines.append(
+            f"{label:<46} {m.contender:<14} {m.ms:9.4f} {m.gbps:8.0f} {m.ratio_to_ceiling:6.3f}  {speed}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(results: Sequence[Measurement], path: str, **meta: Any) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": [asdict(m) for m in results]}, f, indent=1)

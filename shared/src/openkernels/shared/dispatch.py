@@ -1,0 +1,367 @@
+"""Implementation registry and per-call selection for every openkernels op.
+
+Each op (a name such as "silu_and_mul") has implementations registered per backend with
+a priority and a predicate. A call builds a DispatchKey from its inputs (backend, arch,
+dtype, features); the ordered list of usable implementations is cached per key. The user
+steers selection with OPENKERNELS_FORCE / OPENKERNELS_FORBID or the `force` / `forbid`
+context managers; `explain(op, *args)` says what runs and why the others do not.
+
+A kernel that raises while compiling or launching is skipped for that key with one
+warning and the next implementation runs, unless OPENKERNELS_STRICT=1 (the test suites
+set it) or the implementation was forced, in which case the error propagates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .platform import device_info, triton_available, triton_interpreting
+
+__all__ = [
+    "DispatchKey",
+    "Implementation",
+    "KernelFallbackWarning",
+    "UnsupportedError",
+    "define",
+    "explain",
+    "forbid",
+    "force",
+    "implementations",
+    "key_for",
+    "lazy",
+    "register",
+    "run",
+    "select",
+    "strict",
+    "triton_supports",
+]
+
+FORCE_ENV = "OPENKERNELS_FORCE"
+FORBID_ENV = "OPENKERNELS_FORBID"
+STRICT_ENV = "OPENKERNELS_STRICT"
+
+
+class UnsupportedError(ValueError):
+    """No registered implementation can run these inputs (or the forced one cannot)."""
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """A kernel failed to compile or launch; the next implementation ran instead."""
+
+
+class DispatchKey(NamedTuple):
+    """What selection depends on. Two calls with equal keys pick the same implementation.
+    (A NamedTuple: hashing it on every call is cheap.)"""
+
+    backend: str
+    arch: str
+    dtype: torch.dtype
+    features: frozenset[str] = frozenset()
+
+    def __str__(self) -> str:
+        feats = ",".join(sorted(self.features)) or "-"
+        return f"{self.backend}/{self.arch} {str(self.dtype).removeprefix('torch.')} [{feats}]"
+
+
+Predicate = Callable[[DispatchKey], "str | None"]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to compute an op.
+
+    backends: the device backends it runs on ("cuda", "rocm", "cpu").
+    supports: returns None when it can run a key, else the reason it cannot.
+    interpretable: a Triton kernel that may also run on CPU tensors under
+        TRITON_INTERPRET=1, but only when forced by name (tests do that).
+    """
+
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    backends: frozenset[str]
+    priority: int = 0
+    supports: Predicate | None = None
+    interpretable: bool = False
+
+    def rejection(self, key: DispatchKey, *, forced: bool = False) -> str | None:
+        on_interpreter = forced and self.interpretable and key.backend == "cpu" and triton_interpreting()
+        if key.backend not in self.backends and not on_interpreter:
+            return f"runs on {'/'.join(sorted(self.backends))}, not {key.backend}"
+        if self.supports is None:
+            return None
+        try:
+            return self.supports(key)
+        except Exception as error:  # a broken predicate disqualifies its implementation only
+            return f"predicate failed: {type(error).__name__}: {error}"
+
+
+class lazy:  # noqa: N801 - used like a function
+    """A callable that imports "package.module:attr" on first call, then calls it.
+
+    Keeps Triton (and compilers) out of import time of the public packages.
+    """
+
+    __slots__ = ("_fn", "_kwargs", "_target")
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        self._target = target
+        self._fn: Callable[..., Any] | None = None
+        self._kwargs = kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self._fn
+        if fn is None:
+            module, _, attr = self._target.partition(":")
+            fn = self._fn = getattr(importlib.import_module(module), attr)
+        return fn(*args, **self._kwargs, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"lazy({self._target!r})"
+
+
+@dataclass
+class _Op:
+    key_fn: Callable[..., DispatchKey] | None = None
+    impls: list[Implementation] = field(default_factory=list)
+
+
+_OPS: dict[str, _Op] = {}
+_SELECTION_CACHE: dict[tuple, tuple[Implementation, ...]] = {}
+_BROKEN: set[tuple[str, str, DispatchKey]] = set()
+_FORCED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("openkernels_forced", default=())
+_FORBIDDEN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "openkernels_forbidden", default=()
+)
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("openkernels_strict", default=False)
+
+
+def define(op: str, key_fn: Callable[..., DispatchKey]) -> None:
+    """Declare an op and how its DispatchKey is read from its arguments."""
+    _OPS.setdefault(op, _Op()).key_fn = key_fn
+
+
+def register(
+    op: str,
+    name: str,
+    fn: Callable[..., Any],
+    *,
+    backends: tuple[str, ...],
+    priority: int = 0,
+    supports: Predicate | None = None,
+    interpretable: bool = False,
+) -> Implementation:
+    """Register implementation `name` of `op`; higher priority wins among usable ones."""
+    entry = _OPS.setdefault(op, _Op())
+    if any(i.name == name for i in entry.impls):
+        raise ValueError(f"{op}: implementation {name!r} is already registered")
+    impl = Implementation(op, name, fn, frozenset(backends), priority, supports, interpretable)
+    entry.impls.append(impl)
+    entry.impls.sort(key=lambda i: -i.priority)
+    _SELECTION_CACHE.clear()
+    return impl
+
+
+def implementations(op: str) -> list[Implementation]:
+    """All implementations of `op`, highest priority first."""
+    return list(_op(op).impls)
+
+
+_KEYS: dict[tuple, DispatchKey] = {}
+
+
+def key_for(tensor: torch.Tensor, *features: str) -> DispatchKey:
+    """The DispatchKey of a call whose main input is `tensor` (cached per device and dtype)."""
+    cache_key = (tensor.device, tensor.dtype, features)
+    key = _KEYS.get(cache_key)
+    if key is None:
+        info = device_info(tensor.device)
+        key = _KEYS[cache_key] = DispatchKey(info.backend, info.arch, tensor.dtype, frozenset(features))
+    return key
+
+
+def triton_supports(key: DispatchKey) -> str | None:
+    """Predicate shared by Triton implementations: triton importable, GPU or interpreter."""
+    if not triton_available():
+        return "the triton package is not installed"
+    if key.backend == "cpu" and not triton_interpreting():
+        return "needs a CUDA or ROCm device (or TRITON_INTERPRET=1)"
+    return None
+
+
+def _parse(spec: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in spec.split(",") if s.strip())
+
+
+def _names_for(op: str, specs: tuple[str, ...], impls: list[Implementation]) -> list[str]:
+    """Entries are "name" (every op that has such an implementation) or "op:name"."""
+    known = {i.name for i in impls}
+    names = []
+    for spec in specs:
+        scope, sep, name = spec.rpartition(":")
+        if sep and scope != op:
+            continue
+        if sep and name not in known:
+            raise UnsupportedError(f"{op}: no implementation named {name!r}; known: {sorted(known)}")
+        if name in known:
+            names.append(name)
+    return names
+
+
+def _op(op: str) -> _Op:
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise UnsupportedError(f"unknown op {op!r}; registered: {sorted(_OPS)}") from None
+
+
+def _steering() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    forced = _FORCED.get() + _parse(os.environ.get(FORCE_ENV, ""))
+    forbidden = _FORBIDDEN.get() + _parse(os.environ.get(FORBID_ENV, ""))
+    return forced, forbidden
+
+
+def _steering_state() -> tuple:
+    """Everything besides the key that selection depends on, unparsed (cheap per call)."""
+    env = os.environ
+    return (env.get(FORCE_ENV), env.get(FORBID_ENV), _FORCED.get(), _FORBIDDEN.get())
+
+
+def _reasons(op: str, key: DispatchKey, forced: list[str], forbidden: list[str]) -> list[str]:
+    lines = []
+    for impl in _op(op).impls:
+        if impl.name in forbidden:
+            lines.append(f"{impl.name}: forbidden")
+        elif forced and impl.name not in forced:
+            lines.append(f"{impl.name}: not forced")
+        else:
+            why = impl.rejection(key, forced=impl.name in forced)
+            lines.append(f"{impl.name}: {why or 'usable'}")
+    return lines
+
+
+def select(op: str, key: DispatchKey) -> tuple[Implementation, ...]:
+    """Usable implementations of `op` for `key`, in the order they will be tried."""
+    cache_key = (op, key, _steering_state())
+    hit = _SELECTION_CACHE.get(cache_key)
+    if hit is not None:
+        return hit
+    forced_specs, forbidden_specs = _steering()
+    impls = _op(op).impls
+    forced = _names_for(op, forced_specs, impls)
+    forbidden = _names_for(op, forbidden_specs, impls)
+    if forced:
+        by_name = {i.name: i for i in impls}
+        chosen = tuple(
+            by_name[n]
+            for n in forced
+            if n not in forbidden and by_name[n].rejection(key, forced=True) is None
+        )[:1]
+    else:
+        chosen = tuple(i for i in impls if i.name not in forbidden and i.rejection(key) is None)
+    if not chosen:
+        what = f"forced {forced}" if forced else "no implementation"
+        detail = "; ".join(_reasons(op, key, forced, forbidden))
+        raise UnsupportedError(f"{op}: {what} can run {key} ({detail})")
+    _SELECTION_CACHE[cache_key] = chosen
+    return chosen
+
+
+def is_strict() -> bool:
+    return _STRICT.get() or os.environ.get(STRICT_ENV, "0") not in ("", "0")
+
+
+def run(op: str, *args: Any, **kwargs: Any) -> Any:
+    """Run `op` with the best usable implementation for its arguments."""
+    entry = _op(op)
+    if entry.key_fn is None:
+        raise UnsupportedError(f"{op}: no key function defined")
+    key = entry.key_fn(*args, **kwargs)
+    chosen = select(op, key)
+    if len(chosen) == 1 and not _BROKEN:  # the common case: one try, no bookkeeping
+        return chosen[0].fn(*args, **kwargs)
+    for position, impl in enumerate(chosen):
+        if (op, impl.name, key) in _BROKEN:
+            continue
+        try:
+            return impl.fn(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            forced = bool(_names_for(op, _steering()[0], entry.impls))
+            if is_strict() or forced or position == len(chosen) - 1:
+                raise
+            _BROKEN.add((op, impl.name, key))
+            warnings.warn(
+                f"openkernels: {op} implementation {impl.name!r} failed on {key} "
+                f"({type(error).__name__}: {error}); using {chosen[position + 1].name!r} from now on",
+                KernelFallbackWarning,
+                stacklevel=2,
+            )
+    raise UnsupportedError(f"{op}: every implementation failed on {key}")
+
+
+def explain(op: str, *args: Any, **kwargs: Any) -> str:
+    """Which implementation `op(*args)` runs and why each other one is not used."""
+    entry = _op(op)
+    if entry.key_fn is None:
+        raise UnsupportedError(f"{op}: no key function defined")
+    key = entry.key_fn(*args, **kwargs)
+    forced_specs, forbidden_specs = _steering()
+    forced = _names_for(op, forced_specs, entry.impls)
+    forbidden = _names_for(op, forbidden_specs, entry.impls)
+    try:
+        chosen = select(op, key)
+        head = f"{op} on {key}: runs {chosen[0].name!r}"
+    except UnsupportedError as error:
+        chosen, head = (), f"{op} on {key}: nothing can run ({error})"
+    lines = [head]
+    for impl, reason in zip(entry.impls, _reasons(op, key, forced, forbidden)):
+        mark = "->" if chosen and impl is chosen[0] else "  "
+        broken = " (failed earlier, skipped)" if (op, impl.name, key) in _BROKEN else ""
+        lines.append(f" {mark} {reason} [priority {impl.priority}]{broken}")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def force(*specs: str) -> Iterator[None]:
+    """Use only these implementations ("name" or "op:name") inside the block."""
+    token = _FORCED.set(_FORCED.get() + specs)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+@contextlib.contextmanager
+def forbid(*specs: str) -> Iterator[None]:
+    """Never use these implementations ("name" or "op:name") inside the block."""
+    token = _FORBIDDEN.set(_FORBIDDEN.get() + specs)
+    try:
+        yield
+    finally:
+        _FORBIDDEN.reset(token)
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True) -> Iterator[None]:
+    """Inside the block a failing kernel raises instead of falling back."""
+    token = _STRICT.set(enabled)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+def reset_failures() -> None:
+    """Forget kernels marked failed (tests use this)."""
+    _BROKEN.clear()
