@@ -187,3 +187,11 @@ def _free_gib() -> float:
         return info.get("MemAvailable", 0) / 2**20
     except OSError:
         return 0.0
+
+
+def test_self_checks_pass_on_this_machine() -> None:
+    from openkernels.activations.bench import checks
+
+    results = checks("cpu", torch.float32)
+    assert results and all(c.ok for c in results), [c for c in results if not c.ok]
+    assert {c.implementation for c in results} >= {"reference"}

@@ -230,10 +230,17 @@ def _steering() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return forced, forbidden
 
 
+# os.environ.get costs ~1-2 us (it encodes the name and decodes the value); selection reads
+# two variables on every call, so on POSIX read CPython's underlying bytes dict instead.
+_RAW_ENV = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_FORCE_KEY, _FORBID_KEY = FORCE_ENV.encode(), FORBID_ENV.encode()
+
+
 def _steering_state() -> tuple:
     """Everything besides the key that selection depends on, unparsed (cheap per call)."""
-    env = os.environ
-    return (env.get(FORCE_ENV), env.get(FORBID_ENV), _FORCED.get(), _FORBIDDEN.get())
+    if _RAW_ENV is not None:
+        return (_RAW_ENV.get(_FORCE_KEY), _RAW_ENV.get(_FORBID_KEY), _FORCED.get(), _FORBIDDEN.get())
+    return (os.environ.get(FORCE_ENV), os.environ.get(FORBID_ENV), _FORCED.get(), _FORBIDDEN.get())
 
 
 def _reasons(op: str, key: DispatchKey, forced: list[str], forbidden: list[str]) -> list[str]:

@@ -69,11 +69,12 @@ def _check(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: st
 def _eager_fast_path(x: torch.Tensor) -> bool:
     """Skip the torch.library layer where it adds only overhead: plain eager calls that
     need no autograd, on a real device (meta/fake tensors take the library op's fake)."""
+    # type() is exact: subclasses (FakeTensor, tensor wrappers) take the library op.
     return (
-        x.device.type in ("cpu", "cuda")
+        type(x) is torch.Tensor
         and not (x.requires_grad and torch.is_grad_enabled())
+        and x.device.type in ("cpu", "cuda")
         and not torch.compiler.is_compiling()
-        and not isinstance(x, torch._subclasses.FakeTensor)
     )
 
 

@@ -68,6 +68,8 @@ _SCHEMAS: dict[str, tuple[str, str, str]] = {
 assert _SCHEMAS.keys() == SPECS.keys()
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
+# (op, approximate) -> Act code as an int, looked up once per call.
+_ACT_CODES = {(name, a): int(act_for(spec, a)) for name, spec in SPECS.items() for a in ("none", "tanh")}
 
 
 def _out_shape(spec: OpSpec, x: torch.Tensor) -> tuple[int, ...]:
@@ -90,7 +92,7 @@ def forward_into(name: str, x: torch.Tensor, out: torch.Tensor, approximate: str
     """Compute op `name` of x into the contiguous tensor `out` with the best backend."""
     if x.numel() == 0:
         return
-    dispatch.run(name, as_rows(x), as_rows(out), int(act_for(SPECS[name], approximate)))
+    dispatch.run(name, as_rows(x), as_rows(out), _ACT_CODES[name, approximate])
 
 
 def forward(name: str, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -101,14 +103,12 @@ def forward(name: str, x: torch.Tensor, approximate: str = "none") -> torch.Tens
 
 def backward(name: str, grad_out: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """Gradient of op `name` with respect to x, shape and dtype of x."""
-    spec = SPECS[name]
     grad_in = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return grad_in
     grad_out = grad_out.to(x.dtype)
-    dispatch.run(
-        f"{name}_backward", as_rows(grad_out), as_rows(x), as_rows(grad_in), int(act_for(spec, approximate))
-    )
+    codes = _ACT_CODES[name, approximate]
+    dispatch.run(f"{name}_backward", as_rows(grad_out), as_rows(x), as_rows(grad_in), codes)
     return grad_in
 
 

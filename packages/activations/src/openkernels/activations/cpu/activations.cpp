@@ -1,0 +1,457 @@
+// Fused activation kernels for CPU: unary act(x), gated act(g) * l, and their backward passes.
+//
+// Plain C++17 + OpenMP, no torch headers; openkernels.shared.cpu_build compiles it on first use with
+// -O3 -march=native. Every inner loop is straight-line code the compiler vectorizes (exp and erfc are
+// written here for that: libm calls would not vectorize). Math runs in float32 and rounds once to the
+// output dtype; the 16-bit GELU forwards read their float32 results from a table of every input.
+// Rows may have any stride; columns are contiguous.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define OK_INLINE inline __attribute__((always_inline))
+#define OK_NOINLINE __attribute__((noinline))  // one copy of each vectorized loop, shared by f32 and f16
+
+namespace {
+
+enum Dtype { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum Act { kSilu = 0, kGelu = 1, kGeluTanh = 2, kGeluQuick = 3, kReluSquared = 4 };
+
+constexpr int64_t kBlock = 512;             // f16 staging buffers (floats): a block's buffers fit in L1
+constexpr int64_t kSerialBelow = 32 * 1024;  // elements; smaller calls lose more to fork/join than they gain
+
+OK_INLINE uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+OK_INLINE float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// min(|x|, c) and x clamped to [-c, c], for c > 0, by an integer min on the magnitude bits: compilers
+// do not turn float selects into min/max (NaN rules) and emit several mask instructions instead.
+// NaN becomes c or +-c; the activations carry NaN through a final product with x.
+OK_INLINE float abs_min(float x, float c) { return from_bits(std::min(bits(x) & 0x7fffffffu, bits(c))); }
+
+OK_INLINE float clamp_abs(float x, float c) { return from_bits((bits(x) & 0x80000000u) | bits(abs_min(x, c))); }
+
+// exp(a + b) for -150 <= a + b <= 89, |b| <= 2, about 1 ulp in the normal range; results below 2^-126
+// flush to 0 and results from about 88.4 on are inf. a + b = n ln2 + r with |r| <= ln2/2 (Cody-Waite: ln2
+// split in two so n ln2_hi is exact); b is added only after n ln2 was taken off a, so a large a with a
+// small correction b loses nothing to rounding. exp(r) = 1 + r + r^2 R(r), R of degree 4 fitted for
+// relative error (3e-9). 2^n is built in the exponent field: n + 127 <= 0 gives 0, n = 128 gives inf.
+OK_INLINE float exp_sum(float a, float b) {
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds (a + b) / ln2 into the low bits
+  float k = std::fma(a + b, 1.44269504f, shifter);
+  float n = k - shifter;
+  float r = std::fma(n, -0.693145751953125f, a) + b;
+  r = std::fma(n, -1.42860682030941723e-6f, r);
+  float p = 0.00138131445f;
+  p = std::fma(p, r, 0.00836941883f);
+  p = std::fma(p, r, 0.0416684568f);
+  p = std::fma(p, r, 0.166665148f);
+  p = std::fma(p, r, 0.499999931f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  int32_t biased = std::max(int32_t(bits(k) - bits(shifter)) + 127, 0);  // n + 127
+  return p * from_bits(uint32_t(biased) << 23);
+}
+
+// exp(x) for any x (NaN gives a number: callers carry NaN themselves).
+// x + (-0) == x for every x, so the compiler drops the additions.
+OK_INLINE float exp_(float x) { return exp_sum(clamp_abs(x, 89.0f), -0.0f); }
+
+// s = sigmoid(z) = 1 / (1 + e), e = exp(-z), and its complement 1 - s = e s, both without cancellation
+// (1 - s would lose all digits for z >> 0). For z << 0, e overflows to inf and s to 0, not NaN.
+OK_INLINE void sigmoid(float z, float& s, float& sc) {
+  float e = exp_(-z);
+  s = 1.0f / (1.0f + e);
+  sc = z > 0.0f ? e * s : 1.0f - s;
+}
+
+// Phi(-a) (the standard normal CDF) and exp(-a^2/2) for 0 <= a <= 15, about 3e-7 relative down to where
+// exp flushes (a > 13.2: 0, the exact values are subnormal). With z = a / sqrt(2): Phi(-a) = erfc(z) / 2
+// = exp(-z^2) t Q(t), t = 1 / (1 + z/2), Q of degree 8 fitted to erfcx(z) / (2t) on z in [0, 10.7]
+// (iteratively reweighted least squares on the relative error: 4e-8; Q(0) = 1 / (4 sqrt(pi)) gives
+// the right asymptote). The exponent z^2 = a^2/2 reaches 88, where one fp32 rounding would cost 4e-6
+// relative, so it is kept as an exact hi + lo pair (FMA gives the rounding error of a*a).
+OK_INLINE void normal_tail(float a, float& tail, float& gauss) {
+  float aa = a * a;
+  gauss = exp_sum(-0.5f * aa, -0.5f * std::fma(a, a, -aa));
+  float t = 1.0f / std::fma(0.353553391f, a, 1.0f);
+  float q = -0.0296071031f;
+  q = std::fma(q, t, 0.142642367f);
+  q = std::fma(q, t, -0.244335989f);
+  q = std::fma(q, t, 0.139877078f);
+  q = std::fma(q, t, -0.013894916f);
+  q = std::fma(q, t, 0.101590147f);
+  q = std::fma(q, t, 0.121489424f);
+  q = std::fma(q, t, 0.141196252f);
+  q = std::fma(q, t, 0.141042718f);
+  tail = gauss * t * q;
+}
+
+// f = act(x) and df = act'(x). Callers that use one of them let the compiler drop the other.
+// Clamped copies xc of x keep x^2 finite where the result no longer depends on x; each result ends
+// with a product by x itself, which carries NaN (and gives NaN at x = +-inf where the reference does).
+template <int A>
+OK_INLINE void act_both(float x, float& f, float& df) {
+  if constexpr (A == kSilu || A == kGeluQuick) {
+    const float k = A == kSilu ? 1.0f : 1.702f;  // x sigmoid(k x)
+    float s, sc;
+    sigmoid(k * x, s, sc);
+    f = x * s;
+    df = s + x * (k * s * sc);
+  } else if constexpr (A == kGelu) {  // x Phi(x)
+    float tail, gauss;  // Phi(-|x|), exp(-x^2/2)
+    normal_tail(abs_min(x, 15.0f), tail, gauss);
+    float cdf = x < 0.0f ? tail : 1.0f - tail;
+    f = x * cdf;
+    df = cdf + x * (0.398942280f * gauss);  // Phi(x) + x phi(x)
+  } else if constexpr (A == kGeluTanh) {
+    // 0.5 (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3); 1 - tanh(u)^2 = 4 s (1 - s).
+    const float c1 = 1.59576912f, c3 = 0.0713548162f;  // 2 sqrt(2/pi), 2 sqrt(2/pi) 0.044715
+    float xc = clamp_abs(x, 20.0f);  // beyond, s is exactly 0 or 1 in fp32
+    float x2 = xc * xc;
+    float s, sc;
+    sigmoid(xc * std::fma(c3, x2, c1), s, sc);
+    f = x * s;
+    df = s + x * (s * sc * std::fma(3.0f * c3, x2, c1));
+  } else {  // relu(x)^2; `x < 0 ? 0 : x` keeps NaN
+    float r = x < 0.0f ? 0.0f : x;
+    f = r * r;
+    df = 2.0f * r;
+  }
+}
+
+template <int A>
+OK_INLINE float act(float x) {
+  float f, df;
+  act_both<A>(x, f, df);
+  return f;
+}
+
+template <int A>
+OK_INLINE float act_grad(float x) {
+  float f, df;
+  act_both<A>(x, f, df);
+  return df;
+}
+
+// ---- dtypes. f32 and bf16 convert inline, inside the vectorized loops. F16C's conversions do not
+// auto-vectorize from scalar code, so f16 rows go through float buffers and the f32 loops ----
+
+template <int D>
+struct Elem;
+
+template <>
+struct Elem<kF32> {
+  using T = float;
+  static OK_INLINE float load(float v) { return v; }
+  static OK_INLINE float store(float v) { return v; }
+};
+
+template <>
+struct Elem<kBF16> {
+  using T = uint16_t;
+  static OK_INLINE float load(uint16_t h) { return from_bits(uint32_t(h) << 16); }
+  // Round to nearest even; NaN keeps its sign and becomes a quiet NaN (rounding could carry it to inf).
+  static OK_INLINE uint16_t store(float v) {
+    uint32_t u = bits(v);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return uint16_t(v != v ? (u >> 16) | 0x40u : rounded);
+  }
+};
+
+template <>
+struct Elem<kF16> {
+  using T = uint16_t;
+};
+
+void f16_to_float(const uint16_t* __restrict src, float* __restrict dst, int64_t m) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= m; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < m; ++i) dst[i] = _cvtsh_ss(src[i]);
+#else
+  for (; i < m; ++i) {
+    _Float16 h;
+    std::memcpy(&h, src + i, 2);
+    dst[i] = float(h);
+  }
+#endif
+}
+
+void float_to_f16(const float* __restrict src, uint16_t* __restrict dst, int64_t m) {  // nearest even
+  int64_t i = 0;
+#if defined(__F16C__)
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (; i + 8 <= m; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), kRne));
+  for (; i < m; ++i) dst[i] = _cvtss_sh(src[i], kRne);
+#else
+  for (; i < m; ++i) {
+    _Float16 h = _Float16(src[i]);
+    std::memcpy(dst + i, &h, 2);
+  }
+#endif
+}
+
+// ---- the four ops. Each has `loop<D, A>` over one contiguous run of elements (D: f32 or bf16) and
+// `tile<D, A>`, which runs it on the row segment [c0, c1) of the output columns ----
+
+struct Job {
+  const void* x;
+  int64_t x_stride;
+  const void* dy;
+  int64_t dy_stride;
+  void* out;  // out (forward) or grad_in (backward), contiguous
+  int64_t out_stride;
+  int64_t g_off, l_off;  // gated: column offsets of the activated half g and the linear half l
+};
+
+template <int D>
+using T = typename Elem<D>::T;
+
+template <int D>
+OK_INLINE const T<D>* row(const void* base, int64_t r, int64_t stride) {
+  return static_cast<const T<D>*>(base) + r * stride;
+}
+
+template <int D>
+OK_INLINE T<D>* row(void* base, int64_t r, int64_t stride) {
+  return static_cast<T<D>*>(base) + r * stride;
+}
+
+struct UnaryFwd {  // y = act(x)
+  template <int D, int A>
+  OK_NOINLINE static void loop(const T<D>* __restrict x, T<D>* __restrict y, int64_t m) {
+    using E = Elem<D>;
+    for (int64_t i = 0; i < m; ++i) y[i] = E::store(act<A>(E::load(x[i])));
+  }
+
+  // A 16-bit x takes one of 65536 values, so act(x) can be read from a table of all of them, filled on
+  // first use by the float32 loop: the same results as computing them. A lookup costs about as much as
+  // a sigmoid, so only the GELUs (erfc; cubic and sigmoid) use it.
+  template <int D, int A>
+  static const float* table() {
+    static const float* values = [] {
+      float* x = new float[65536];
+      float* y = new float[65536];
+      for (uint32_t h = 0; h < 65536; ++h) {
+        const uint16_t code = uint16_t(h);
+        if constexpr (D == kBF16) x[h] = Elem<kBF16>::load(code);
+        else f16_to_float(&code, x + h, 1);
+      }
+      loop<kF32, A>(x, y, 65536);
+      delete[] x;
+      return y;
+    }();
+    return values;
+  }
+  template <int D>  // D: the output, bf16 or f32 (an f16 staging buffer)
+  OK_NOINLINE static void lookup(const float* __restrict table, const uint16_t* __restrict x, T<D>* __restrict y,
+                                 int64_t m) {
+    for (int64_t i = 0; i < m; ++i) y[i] = Elem<D>::store(table[x[i]]);
+  }
+
+  template <int D, int A>
+  static void tile(const Job& j, int64_t r, int64_t c0, int64_t c1) {
+    const T<D>* x = row<D>(j.x, r, j.x_stride) + c0;
+    T<D>* y = row<D>(j.out, r, j.out_stride) + c0;
+    if constexpr (D == kF32 || (A != kGelu && A != kGeluTanh)) {
+      if constexpr (D == kF16) {
+        alignas(64) float xb[kBlock], yb[kBlock];
+        for (int64_t c = 0; c < c1 - c0; c += kBlock) {
+          const int64_t m = std::min(kBlock, c1 - c0 - c);
+          f16_to_float(x + c, xb, m);
+          loop<kF32, A>(xb, yb, m);
+          float_to_f16(yb, y + c, m);
+        }
+      } else {
+        loop<D, A>(x, y, c1 - c0);
+      }
+    } else if constexpr (D == kBF16) {
+      lookup<kBF16>(table<D, A>(), x, y, c1 - c0);
+    } else {
+      alignas(64) float yb[kBlock];
+      for (int64_t c = 0; c < c1 - c0; c += kBlock) {
+        const int64_t m = std::min(kBlock, c1 - c0 - c);
+        lookup<kF32>(table<D, A>(), x + c, yb, m);
+        float_to_f16(yb, y + c, m);
+      }
+    }
+  }
+};
+
+struct UnaryBwd {  // dx = dy act'(x)
+  template <int D, int A>
+  OK_NOINLINE static void loop(const T<D>* __restrict dy, const T<D>* __restrict x, T<D>* __restrict dx, int64_t m) {
+    using E = Elem<D>;
+    for (int64_t i = 0; i < m; ++i) dx[i] = E::store(E::load(dy[i]) * act_grad<A>(E::load(x[i])));
+  }
+  template <int D, int A>
+  static void tile(const Job& j, int64_t r, int64_t c0, int64_t c1) {
+    const T<D>* dy = row<D>(j.dy, r, j.dy_stride) + c0;
+    const T<D>* x = row<D>(j.x, r, j.x_stride) + c0;
+    T<D>* dx = row<D>(j.out, r, j.out_stride) + c0;
+    if constexpr (D == kF16) {
+      alignas(64) float yb[kBlock], xb[kBlock], db[kBlock];
+      for (int64_t c = 0; c < c1 - c0; c += kBlock) {
+        const int64_t m = std::min(kBlock, c1 - c0 - c);
+        f16_to_float(dy + c, yb, m);
+        f16_to_float(x + c, xb, m);
+        loop<kF32, A>(yb, xb, db, m);
+        float_to_f16(db, dx + c, m);
+      }
+    } else {
+      loop<D, A>(dy, x, dx, c1 - c0);
+    }
+  }
+};
+
+struct GatedFwd {  // y = act(g) l
+  template <int D, int A>
+  OK_NOINLINE static void loop(const T<D>* __restrict g, const T<D>* __restrict l, T<D>* __restrict y, int64_t m) {
+    using E = Elem<D>;
+    for (int64_t i = 0; i < m; ++i) y[i] = E::store(act<A>(E::load(g[i])) * E::load(l[i]));
+  }
+  template <int D, int A>
+  static void tile(const Job& j, int64_t r, int64_t c0, int64_t c1) {
+    const T<D>* g = row<D>(j.x, r, j.x_stride) + j.g_off + c0;
+    const T<D>* l = row<D>(j.x, r, j.x_stride) + j.l_off + c0;
+    T<D>* y = row<D>(j.out, r, j.out_stride) + c0;
+    if constexpr (D == kF16) {
+      alignas(64) float gb[kBlock], lb[kBlock], yb[kBlock];
+      for (int64_t c = 0; c < c1 - c0; c += kBlock) {
+        const int64_t m = std::min(kBlock, c1 - c0 - c);
+        f16_to_float(g + c, gb, m);
+        f16_to_float(l + c, lb, m);
+        loop<kF32, A>(gb, lb, yb, m);
+        float_to_f16(yb, y + c, m);
+      }
+    } else {
+      loop<D, A>(g, l, y, c1 - c0);
+    }
+  }
+};
+
+struct GatedBwd {  // dg = dy l act'(g), dl = dy act(g)
+  template <int D, int A>
+  OK_NOINLINE static void loop(const T<D>* __restrict dy, const T<D>* __restrict g, const T<D>* __restrict l,
+                   T<D>* __restrict dg, T<D>* __restrict dl, int64_t m) {
+    using E = Elem<D>;
+    for (int64_t i = 0; i < m; ++i) {
+      float f, df;
+      act_both<A>(E::load(g[i]), f, df);
+      const float y = E::load(dy[i]);
+      dg[i] = E::store(y * E::load(l[i]) * df);
+      dl[i] = E::store(y * f);
+    }
+  }
+  template <int D, int A>
+  static void tile(const Job& j, int64_t r, int64_t c0, int64_t c1) {
+    const T<D>* dy = row<D>(j.dy, r, j.dy_stride) + c0;
+    const T<D>* g = row<D>(j.x, r, j.x_stride) + j.g_off + c0;
+    const T<D>* l = row<D>(j.x, r, j.x_stride) + j.l_off + c0;
+    T<D>* dg = row<D>(j.out, r, j.out_stride) + j.g_off + c0;
+    T<D>* dl = row<D>(j.out, r, j.out_stride) + j.l_off + c0;
+    if constexpr (D == kF16) {
+      alignas(64) float yb[kBlock], gb[kBlock], lb[kBlock], dgb[kBlock], dlb[kBlock];
+      for (int64_t c = 0; c < c1 - c0; c += kBlock) {
+        const int64_t m = std::min(kBlock, c1 - c0 - c);
+        f16_to_float(dy + c, yb, m);
+        f16_to_float(g + c, gb, m);
+        f16_to_float(l + c, lb, m);
+        loop<kF32, A>(yb, gb, lb, dgb, dlb, m);
+        float_to_f16(dgb, dg + c, m);
+        float_to_f16(dlb, dl + c, m);
+      }
+    } else {
+      loop<D, A>(dy, g, l, dg, dl, c1 - c0);
+    }
+  }
+};
+
+// Runs Op::tile<D, A> over rows x column chunks. Rows are the unit of work; with fewer than 4 rows per
+// thread, rows are also split into column chunks (multiples of 64 elements, at least ~kBlock wide).
+template <class Op, int D, int A>
+void run_tiles(const Job& j, int64_t rows, int64_t cols, int num_threads) {
+  int64_t chunks = 1;
+  const int64_t want = 4 * int64_t(num_threads);
+  if (num_threads > 1 && rows < want) chunks = std::min((want + rows - 1) / rows, (cols + kBlock - 1) / kBlock);
+  const int64_t width = ((cols + chunks - 1) / chunks + 63) / 64 * 64;
+  chunks = (cols + width - 1) / width;
+  const int64_t tiles = rows * chunks;
+  const bool parallel = num_threads > 1 && tiles > 1 && rows * cols >= kSerialBelow;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r = t / chunks, c0 = (t % chunks) * width;
+    Op::template tile<D, A>(j, r, c0, std::min(cols, c0 + width));
+  }
+}
+
+template <class Op, int D>
+int dispatch_act(const Job& j, int64_t rows, int64_t cols, int act, int num_threads) {
+  switch (act) {
+    case kSilu: run_tiles<Op, D, kSilu>(j, rows, cols, num_threads); return 0;
+    case kGelu: run_tiles<Op, D, kGelu>(j, rows, cols, num_threads); return 0;
+    case kGeluTanh: run_tiles<Op, D, kGeluTanh>(j, rows, cols, num_threads); return 0;
+    case kGeluQuick: run_tiles<Op, D, kGeluQuick>(j, rows, cols, num_threads); return 0;
+    case kReluSquared: run_tiles<Op, D, kReluSquared>(j, rows, cols, num_threads); return 0;
+  }
+  return -1;
+}
+
+// Returns 0, or -1 for an unknown dtype or activation code.
+template <class Op>
+int dispatch(const Job& j, int64_t rows, int64_t cols, int dtype, int act, int num_threads) {
+  switch (dtype) {
+    case kF32: return dispatch_act<Op, kF32>(j, rows, cols, act, num_threads);
+    case kBF16: return dispatch_act<Op, kBF16>(j, rows, cols, act, num_threads);
+    case kF16: return dispatch_act<Op, kF16>(j, rows, cols, act, num_threads);
+  }
+  return -1;
+}
+
+}  // namespace
+
+// Strides are in elements; out / grad_in are contiguous. Gated ops: x has 2d columns, halves
+// a = x[:, :d], b = x[:, d:]; act_first != 0 activates a, else b. Each returns 0, or -1 for a bad code.
+extern "C" {
+
+int ok_unary_fwd(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t n, int dtype, int act,
+                 int num_threads) {
+  const Job j{x, x_stride, nullptr, 0, out, n, 0, 0};
+  return dispatch<UnaryFwd>(j, rows, n, dtype, act, num_threads);
+}
+
+int ok_unary_bwd(const void* dy, int64_t dy_stride, const void* x, int64_t x_stride, void* dx, int64_t rows,
+                 int64_t n, int dtype, int act, int num_threads) {
+  const Job j{x, x_stride, dy, dy_stride, dx, n, 0, 0};
+  return dispatch<UnaryBwd>(j, rows, n, dtype, act, num_threads);
+}
+
+int ok_gated_fwd(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t d, int dtype, int act,
+                 int act_first, int num_threads) {
+  const Job j{x, x_stride, nullptr, 0, out, d, act_first ? 0 : d, act_first ? d : 0};
+  return dispatch<GatedFwd>(j, rows, d, dtype, act, num_threads);
+}
+
+int ok_gated_bwd(const void* dy, int64_t dy_stride, const void* x, int64_t x_stride, void* dx, int64_t rows,
+                 int64_t d, int dtype, int act, int act_first, int num_threads) {
+  const Job j{x, x_stride, dy, dy_stride, dx, 2 * d, act_first ? 0 : d, act_first ? d : 0};
+  return dispatch<GatedBwd>(j, rows, d, dtype, act, num_threads);
+}
+
+}  // extern "C"
