@@ -14,7 +14,8 @@ from collections import defaultdict
 
 
 def table(path: str) -> str:
-    data = json.load(open(path))
+    with open(path) as f:
+        data = json.load(f)
     rows: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for m in data["results"]:
         rows[(m["op"], m["direction"], "x".join(map(str, m["shape"])), m["dtype"])][m["contender"]] = m
