@@ -4,7 +4,7 @@
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels) with the call; results in $OUT.
 set -uo pipefail
 family=${1:-activations}
-steps=${2:-tests,overhead,bench}
+steps=${2:-tests,overhead,bench,dtypes,demo}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -25,5 +25,12 @@ if [[ $steps == *overhead* && -f benchmarks/overhead.py ]]; then
   python3 benchmarks/overhead.py 2>&1 | tee "$out/overhead.txt"
 fi
 if [[ $steps == *bench* ]]; then
-  python3 benchmarks/run.py "$family" --json "$out/bench_bf16.json" 2>&1 | tee "$out/bench_bf16.txt"
+  python3 benchmarks/run.py "$family" --json "$out/bench_bf16.json" 2>&1 | grep -v '^W1130' | tee "$out/bench_bf16.txt"
+fi
+if [[ $steps == *dtypes* ]]; then
+  python3 benchmarks/run.py "$family" --dtype float16,float32 --ops silu_and_mul,gelu_and_mul \
+    --json "$out/bench_f16_f32.json" 2>&1 | grep -v '^W1130' | tee "$out/bench_f16_f32.txt"
+fi
+if [[ $steps == *demo* ]]; then
+  python3 -m openkernels.shared.demo --quick 2>&1 | grep -v '^W1130' | tee "$out/demo.txt" | grep -E "FAIL|checks|passed"
 fi

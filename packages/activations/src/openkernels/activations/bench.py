@@ -115,6 +115,13 @@ def cases(
     """Benchmark cases for `device` (GPU shapes on CUDA/ROCm, CPU shapes on CPU)."""
     device = torch.device(device)
     shapes = shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
+    # dynamic=False specializes per shape, dtype and grad mode, and the gated peers share
+    # one code object: past dynamo's default limit of 8 recompiles the compiled peer would
+    # silently run eager (seen in a GPU run; docs/perf.md).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        torch._dynamo.config.accumulated_recompile_limit, 4096
+    )
     out = []
     for op, approximate in variants:
         gated = SPECS[op].gated
