@@ -340,33 +340,27 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
 
 
 @contextlib.contextmanager
-def force(*specs: str) -> Iterator[None]:
+def _set(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def force(*specs: str) -> contextlib.AbstractContextManager[None]:
     """Use only these implementations ("name" or "op:name") inside the block."""
-    token = _FORCED.set(_FORCED.get() + specs)
-    try:
-        yield
-    finally:
-        _FORCED.reset(token)
+    return _set(_FORCED, _FORCED.get() + specs)
 
 
-@contextlib.contextmanager
-def forbid(*specs: str) -> Iterator[None]:
+def forbid(*specs: str) -> contextlib.AbstractContextManager[None]:
     """Never use these implementations ("name" or "op:name") inside the block."""
-    token = _FORBIDDEN.set(_FORBIDDEN.get() + specs)
-    try:
-        yield
-    finally:
-        _FORBIDDEN.reset(token)
+    return _set(_FORBIDDEN, _FORBIDDEN.get() + specs)
 
 
-@contextlib.contextmanager
-def strict(enabled: bool = True) -> Iterator[None]:
+def strict(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Inside the block a failing kernel raises instead of falling back."""
-    token = _STRICT.set(enabled)
-    try:
-        yield
-    finally:
-        _STRICT.reset(token)
+    return _set(_STRICT, enabled)
 
 
 def reset_failures() -> None:

@@ -137,20 +137,26 @@ class Silu(nn.Module):
         return silu(x)
 
 
-class Gelu(nn.Module):
-    """Module form of `gelu`; approximate is "none" (erf) or "tanh"."""
+class _Approximated(nn.Module):
+    """Base of the GELU modules: validates and shows `approximate` ("none" or "tanh")."""
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
         if approximate not in _APPROXIMATE:
-            raise ValueError(f"Gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+            raise ValueError(
+                f"{type(self).__name__}: approximate must be 'none' or 'tanh', got {approximate!r}"
+            )
         self.approximate = approximate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gelu(x, self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
+
+
+class Gelu(_Approximated):
+    """Module form of `gelu`; approximate is "none" (erf) or "tanh"."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu(x, self.approximate)
 
 
 class GeluQuick(nn.Module):
@@ -174,20 +180,11 @@ class SiluAndMul(nn.Module):
         return silu_and_mul(x)
 
 
-class GeluAndMul(nn.Module):
+class GeluAndMul(_Approximated):
     """Module form of `gelu_and_mul`: (..., 2d) -> (..., d)."""
-
-    def __init__(self, approximate: str = "none") -> None:
-        super().__init__()
-        if approximate not in _APPROXIMATE:
-            raise ValueError(f"GeluAndMul: approximate must be 'none' or 'tanh', got {approximate!r}")
-        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gelu_and_mul(x, self.approximate)
-
-    def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}"
 
 
 class MulAndSilu(nn.Module):
