@@ -233,7 +233,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def format_table(results: Sequence[Measurement], *, ceiling_gbps: float | None = None) -> str:
-    """One row per case, one column group per contender: ms, GB/s, ratio to ceiling."""
+    """One row per case and contender: ms, GB/s, ratio to the ceiling, and the peer's time as
+    a multiple of ours (> 1: ours is faster; not shown for the same-size copy)."""
     lines = []
     if ceiling_gbps:
         lines.append(f"copy ceiling: {ceiling_gbps:.0f} GB/s")
@@ -246,7 +247,7 @@ def format_table(results: Sequence[Measurement], *, ceiling_gbps: float | None =
             lines.append(f"{label:<46} {m.contender:<14} {'error':>9}  {m.error}")
             continue
         base = ours.get((m.op, m.direction, m.shape, m.dtype))
-        speed = f"{m.ms / base:5.2f}x" if base and m.contender != "ours" else ""
+        speed = f"{m.ms / base:5.2f}x" if base and m.contender not in ("ours", "copy") else ""
         lines.append(
             f"{label:<46} {m.contender:<14} {m.ms:9.4f} {m.gbps:8.0f} {m.ratio_to_ceiling:6.3f}  {speed}"
         )
