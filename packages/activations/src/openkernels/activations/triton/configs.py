@@ -14,12 +14,13 @@ import torch
 __all__ = ["LaunchConfig", "launch_config", "all_configs", "MAX_GRID"]
 
 # Wide rows fill a program by themselves; narrow rows stack several rows per tile.
-MAX_BLOCK_COLS = 4096
-# Elements per program, and warps. Swept on H200 (docs/perf.md, bf16 silu_and_mul):
-# 4096-element tiles with 8 warps gave fwd 0.967 / bwd 0.976 of copy on 16384x16384 and
-# 0.78 / 0.86 on 4096x8192; 2048-16384 tiles and 4-16 warps were within ~2%, 16384-element
-# tiles lost 5-15%.
-TILE_ELEMENTS = 4096
+MAX_BLOCK_COLS = 2048
+# Elements per program, and warps (16 elements, two 16-byte bf16 vectors, per thread).
+# Swept on H200 with the row-major 1D grid (docs/perf.md, bf16): 2048-element tiles with
+# 4 warps gave gated silu fwd 1.001 / bwd 0.996 and unary silu fwd 0.959 / bwd 0.989 of
+# copy at 16384 rows, against 0.995 / 1.000 and 0.926 / 0.995 for 4096-element tiles with
+# 8 warps; 8192+-element tiles lost 1-8%.
+TILE_ELEMENTS = 2048
 MAX_GRID = 2**31 - 1  # grid axis 0 limit on CUDA and ROCm
 
 
@@ -46,7 +47,7 @@ def launch_config(n_rows: int, n_cols: int, dtype: torch.dtype, backend: str) ->
     # Narrow rows stack up to a full tile; rows past n_rows are masked off (cheap), which
     # keeps the set of compiled configs small: one per block_cols.
     block_rows = max(1, TILE_ELEMENTS // block_cols)
-    warps = 4 if backend == "rocm" else 8  # same 256 threads: AMD wavefronts are 64 wide
+    warps = 2 if backend == "rocm" else 4  # same 128 threads: AMD wavefronts are 64 wide
     return LaunchConfig(block_rows, block_cols, warps)
 
 
