@@ -4,14 +4,23 @@
 // -O3 -march=native. Every inner loop is straight-line code the compiler vectorizes (exp and erfc are
 // written here for that: libm calls would not vectorize). Math runs in float32 and rounds once to the
 // output dtype; the 16-bit GELU forwards read their float32 results from a table of every input.
-// Rows may have any stride; columns are contiguous.
+// Rows may have any stride; columns are contiguous. Large float32 / bfloat16 outputs are written with
+// streaming stores (AVX2 or AVX-512), which skip the read an ordinary store makes of each line it writes.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__F16C__)
+#include <type_traits>
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
+#define OK_STREAM 1
+#endif
+#if defined(OK_STREAM) && defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #define OK_INLINE inline __attribute__((always_inline))
@@ -24,6 +33,11 @@ enum Act { kSilu = 0, kGelu = 1, kGeluTanh = 2, kGeluQuick = 3, kReluSquared = 4
 
 constexpr int64_t kBlock = 512;             // f16 staging buffers (floats): a block's buffers fit in L1
 constexpr int64_t kSerialBelow = 32 * 1024;  // elements; smaller calls lose more to fork/join than they gain
+// Output bytes from which stores bypass the cache (streaming stores). An ordinary store first reads the
+// line it writes (read-for-ownership): a unary op moves 3 bytes for the 2 it needs, a gated forward 4
+// for 3. An output this large does not stay in a 32 MB L3 for the next op anyway; smaller ones do, and
+// the next op reading them from cache gains more than streaming saves (measured from 2 to 16 MB).
+constexpr int64_t kStreamFrom = int64_t(32) << 20;
 
 OK_INLINE uint32_t bits(float f) {
   uint32_t u;
@@ -207,8 +221,71 @@ void float_to_f16(const float* __restrict src, uint16_t* __restrict dst, int64_t
 #endif
 }
 
-// ---- the four ops. Each has `loop<D, A>` over one contiguous run of elements (D: f32 or bf16) and
-// `tile<D, A>`, which runs it on the row segment [c0, c1) of the output columns ----
+// ---- streaming stores ----
+
+#if defined(OK_STREAM)
+// Whether the page holding p was touched before. The first store to a fresh page faults and the kernel
+// zeroes the page, which leaves it in cache: ordinary stores then cost no extra read, and streaming ones
+// are slower (measured 2-10%). glibc gives every allocation of 32 MB or more fresh pages (mmap).
+bool resident(const void* p) {
+#if defined(__linux__)
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  unsigned char in_core = 0;
+  return mincore(reinterpret_cast<void*>(uintptr_t(p) & ~(page - 1)), 1, &in_core) == 0 && (in_core & 1);
+#else
+  return p != nullptr;  // no cheap test: assume memory an allocator reuses
+#endif
+}
+#endif
+
+// One 64-byte line from v to dst, both 64-byte aligned, bypassing the cache.
+OK_INLINE void stream_line(void* dst, const void* v) {
+#if defined(__AVX512F__)
+  _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_load_si512(v));
+#elif defined(__AVX2__)
+  auto d = static_cast<__m256i*>(dst);
+  auto s = static_cast<const __m256i*>(v);
+  _mm256_stream_si256(d, _mm256_load_si256(s));
+  _mm256_stream_si256(d + 1, _mm256_load_si256(s + 1));
+#else
+  std::memcpy(dst, v, 64);  // not reached: streaming needs AVX2 (OK_STREAM)
+#endif
+}
+
+// y[i] = f(i) for i in [0, m): ordinary stores, or (NT) streaming ones, for which y is 64-byte aligned and
+// m a whole number of lines. Each line is computed into v (a register once vectorized), then streamed.
+template <bool NT, class U, class F>
+OK_INLINE void put(U* __restrict y, int64_t m, F&& f) {
+  if constexpr (NT) {
+    constexpr int kLine = 64 / sizeof(U);
+    for (int64_t i = 0; i < m; i += kLine) {
+      alignas(64) U v[kLine];
+#pragma GCC unroll 1  // left a loop for the vectorizer: fully unrolled, relu^2's select stays scalar
+      for (int k = 0; k < kLine; ++k) v[k] = f(i + k);
+      stream_line(y + i, v);
+    }
+  } else {
+    for (int64_t i = 0; i < m; ++i) y[i] = f(i);
+  }
+}
+
+// Runs body(c0, c1, nt) on the parts of the row segment y[0, m): with streaming, its whole 64-byte lines
+// with nt = std::true_type and the partial lines at either end with ordinary stores; else all of it.
+template <class U, class F>
+OK_INLINE void split_lines(bool stream, const U* y, int64_t m, F&& body) {
+  constexpr int64_t kLine = 64 / sizeof(U);
+  int64_t a = m, b = m;  // [a, b): the whole lines
+  if (stream) {
+    a = std::min(m, int64_t(-reinterpret_cast<uintptr_t>(y) & 63) / int64_t(sizeof(U)));
+    b = a + (m - a) / kLine * kLine;
+  }
+  if (a > 0) body(int64_t(0), a, std::false_type{});
+  if (b > a) body(a, b, std::true_type{});
+  if (m > b) body(b, m, std::false_type{});
+}
+
+// ---- the four ops. Each has `loop<D, A, NT>` over one contiguous run of elements (D: f32 or bf16; NT:
+// streaming stores) and `tile<D, A>`, which runs it on the row segment [c0, c1) of the output columns ----
 
 struct Job {
   const void* x;
@@ -218,6 +295,7 @@ struct Job {
   void* out;  // out (forward) or grad_in (backward), contiguous
   int64_t out_stride;
   int64_t g_off, l_off;  // gated: column offsets of the activated half g and the linear half l
+  bool stream;           // f32 / bf16 outputs through streaming stores (set by run_tiles)
 };
 
 template <int D>
@@ -234,10 +312,10 @@ OK_INLINE T<D>* row(void* base, int64_t r, int64_t stride) {
 }
 
 struct UnaryFwd {  // y = act(x)
-  template <int D, int A>
+  template <int D, int A, bool NT = false>
   OK_NOINLINE static void loop(const T<D>* __restrict x, T<D>* __restrict y, int64_t m) {
     using E = Elem<D>;
-    for (int64_t i = 0; i < m; ++i) y[i] = E::store(act<A>(E::load(x[i])));
+    put<NT>(y, m, [&](int64_t i) { return E::store(act<A>(E::load(x[i]))); });
   }
 
   // A 16-bit x takes one of 65536 values, so act(x) can be read from a table of all of them, filled on
@@ -259,10 +337,10 @@ struct UnaryFwd {  // y = act(x)
     }();
     return values;
   }
-  template <int D>  // D: the output, bf16 or f32 (an f16 staging buffer)
+  template <int D, bool NT = false>  // D: the output, bf16 or f32 (an f16 staging buffer)
   OK_NOINLINE static void lookup(const float* __restrict table, const uint16_t* __restrict x, T<D>* __restrict y,
                                  int64_t m) {
-    for (int64_t i = 0; i < m; ++i) y[i] = Elem<D>::store(table[x[i]]);
+    put<NT>(y, m, [&](int64_t i) { return Elem<D>::store(table[x[i]]); });
   }
 
   template <int D, int A>
@@ -279,10 +357,14 @@ struct UnaryFwd {  // y = act(x)
           float_to_f16(yb, y + c, m);
         }
       } else {
-        loop<D, A>(x, y, c1 - c0);
+        split_lines(j.stream, y, c1 - c0, [&](int64_t a, int64_t b, auto nt) {
+          loop<D, A, decltype(nt)::value>(x + a, y + a, b - a);
+        });
       }
     } else if constexpr (D == kBF16) {
-      lookup<kBF16>(table<D, A>(), x, y, c1 - c0);
+      split_lines(j.stream, y, c1 - c0, [&](int64_t a, int64_t b, auto nt) {
+        lookup<kBF16, decltype(nt)::value>(table<D, A>(), x + a, y + a, b - a);
+      });
     } else {
       alignas(64) float yb[kBlock];
       for (int64_t c = 0; c < c1 - c0; c += kBlock) {
@@ -295,10 +377,10 @@ struct UnaryFwd {  // y = act(x)
 };
 
 struct UnaryBwd {  // dx = dy act'(x)
-  template <int D, int A>
+  template <int D, int A, bool NT = false>
   OK_NOINLINE static void loop(const T<D>* __restrict dy, const T<D>* __restrict x, T<D>* __restrict dx, int64_t m) {
     using E = Elem<D>;
-    for (int64_t i = 0; i < m; ++i) dx[i] = E::store(E::load(dy[i]) * act_grad<A>(E::load(x[i])));
+    put<NT>(dx, m, [&](int64_t i) { return E::store(E::load(dy[i]) * act_grad<A>(E::load(x[i]))); });
   }
   template <int D, int A>
   static void tile(const Job& j, int64_t r, int64_t c0, int64_t c1) {
@@ -315,16 +397,18 @@ struct UnaryBwd {  // dx = dy act'(x)
         float_to_f16(db, dx + c, m);
       }
     } else {
-      loop<D, A>(dy, x, dx, c1 - c0);
+      split_lines(j.stream, dx, c1 - c0, [&](int64_t a, int64_t b, auto nt) {
+        loop<D, A, decltype(nt)::value>(dy + a, x + a, dx + a, b - a);
+      });
     }
   }
 };
 
 struct GatedFwd {  // y = act(g) l
-  template <int D, int A>
+  template <int D, int A, bool NT = false>
   OK_NOINLINE static void loop(const T<D>* __restrict g, const T<D>* __restrict l, T<D>* __restrict y, int64_t m) {
     using E = Elem<D>;
-    for (int64_t i = 0; i < m; ++i) y[i] = E::store(act<A>(E::load(g[i])) * E::load(l[i]));
+    put<NT>(y, m, [&](int64_t i) { return E::store(act<A>(E::load(g[i])) * E::load(l[i])); });
   }
   template <int D, int A>
   static void tile(const Job& j, int64_t r, int64_t c0, int64_t c1) {
@@ -341,22 +425,36 @@ struct GatedFwd {  // y = act(g) l
         float_to_f16(yb, y + c, m);
       }
     } else {
-      loop<D, A>(g, l, y, c1 - c0);
+      split_lines(j.stream, y, c1 - c0, [&](int64_t a, int64_t b, auto nt) {
+        loop<D, A, decltype(nt)::value>(g + a, l + a, y + a, b - a);
+      });
     }
   }
 };
 
 struct GatedBwd {  // dg = dy l act'(g), dl = dy act(g)
-  template <int D, int A>
+  template <int D, int A, bool NT = false>
   OK_NOINLINE static void loop(const T<D>* __restrict dy, const T<D>* __restrict g, const T<D>* __restrict l,
                    T<D>* __restrict dg, T<D>* __restrict dl, int64_t m) {
     using E = Elem<D>;
-    for (int64_t i = 0; i < m; ++i) {
+    auto both = [&](int64_t i, T<D>& dgi, T<D>& dli) {
       float f, df;
       act_both<A>(E::load(g[i]), f, df);
       const float y = E::load(dy[i]);
-      dg[i] = E::store(y * E::load(l[i]) * df);
-      dl[i] = E::store(y * f);
+      dgi = E::store(y * E::load(l[i]) * df);
+      dli = E::store(y * f);
+    };
+    if constexpr (NT) {  // put() with two outputs
+      constexpr int kLine = 64 / sizeof(T<D>);
+      for (int64_t i = 0; i < m; i += kLine) {
+        alignas(64) T<D> vg[kLine], vl[kLine];
+#pragma GCC unroll 1  // as in put()
+        for (int k = 0; k < kLine; ++k) both(i + k, vg[k], vl[k]);
+        stream_line(dg + i, vg);
+        stream_line(dl + i, vl);
+      }
+    } else {
+      for (int64_t i = 0; i < m; ++i) both(i, dg[i], dl[i]);
     }
   }
   template <int D, int A>
@@ -378,7 +476,11 @@ struct GatedBwd {  // dg = dy l act'(g), dl = dy act(g)
         float_to_f16(dlb, dl + c, m);
       }
     } else {
-      loop<D, A>(dy, g, l, dg, dl, c1 - c0);
+      // The lines split on dg's alignment; dl streams too only where it has the same alignment.
+      const bool stream = j.stream && (j.l_off - j.g_off) * int64_t(sizeof(T<D>)) % 64 == 0;
+      split_lines(stream, dg, c1 - c0, [&](int64_t a, int64_t b, auto nt) {
+        loop<D, A, decltype(nt)::value>(dy + a, g + a, l + a, dg + a, dl + a, b - a);
+      });
     }
   }
 };
@@ -386,7 +488,7 @@ struct GatedBwd {  // dg = dy l act'(g), dl = dy act(g)
 // Runs Op::tile<D, A> over rows x column chunks. Rows are the unit of work; with fewer than 4 rows per
 // thread, rows are also split into column chunks (multiples of 64 elements, at least ~kBlock wide).
 template <class Op, int D, int A>
-void run_tiles(const Job& j, int64_t rows, int64_t cols, int num_threads) {
+void run_tiles(Job j, int64_t rows, int64_t cols, int num_threads) {
   int64_t chunks = 1;
   const int64_t want = 4 * int64_t(num_threads);
   if (num_threads > 1 && rows < want) chunks = std::min((want + rows - 1) / rows, (cols + kBlock - 1) / kBlock);
@@ -394,10 +496,20 @@ void run_tiles(const Job& j, int64_t rows, int64_t cols, int num_threads) {
   chunks = (cols + width - 1) / width;
   const int64_t tiles = rows * chunks;
   const bool parallel = num_threads > 1 && tiles > 1 && rows * cols >= kSerialBelow;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t r = t / chunks, c0 = (t % chunks) * width;
-    Op::template tile<D, A>(j, r, c0, std::min(cols, c0 + width));
+#if defined(OK_STREAM)
+  const int64_t bytes = rows * j.out_stride * int64_t(sizeof(T<D>));
+  j.stream = D != kF16 && bytes >= kStreamFrom && resident(static_cast<char*>(j.out) + bytes - 1);
+#endif
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r = t / chunks, c0 = (t % chunks) * width;
+      Op::template tile<D, A>(j, r, c0, std::min(cols, c0 + width));
+    }
+#if defined(OK_STREAM)
+    if (j.stream) _mm_sfence();  // streaming stores are weakly ordered: complete them before the region ends
+#endif
   }
 }
 
@@ -432,25 +544,25 @@ extern "C" {
 
 int ok_unary_fwd(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t n, int dtype, int act,
                  int num_threads) {
-  const Job j{x, x_stride, nullptr, 0, out, n, 0, 0};
+  const Job j{x, x_stride, nullptr, 0, out, n, 0, 0, false};
   return dispatch<UnaryFwd>(j, rows, n, dtype, act, num_threads);
 }
 
 int ok_unary_bwd(const void* dy, int64_t dy_stride, const void* x, int64_t x_stride, void* dx, int64_t rows,
                  int64_t n, int dtype, int act, int num_threads) {
-  const Job j{x, x_stride, dy, dy_stride, dx, n, 0, 0};
+  const Job j{x, x_stride, dy, dy_stride, dx, n, 0, 0, false};
   return dispatch<UnaryBwd>(j, rows, n, dtype, act, num_threads);
 }
 
 int ok_gated_fwd(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t d, int dtype, int act,
                  int act_first, int num_threads) {
-  const Job j{x, x_stride, nullptr, 0, out, d, act_first ? 0 : d, act_first ? d : 0};
+  const Job j{x, x_stride, nullptr, 0, out, d, act_first ? 0 : d, act_first ? d : 0, false};
   return dispatch<GatedFwd>(j, rows, d, dtype, act, num_threads);
 }
 
 int ok_gated_bwd(const void* dy, int64_t dy_stride, const void* x, int64_t x_stride, void* dx, int64_t rows,
                  int64_t d, int dtype, int act, int act_first, int num_threads) {
-  const Job j{x, x_stride, dy, dy_stride, dx, 2 * d, act_first ? 0 : d, act_first ? d : 0};
+  const Job j{x, x_stride, dy, dy_stride, dx, 2 * d, act_first ? 0 : d, act_first ? d : 0, false};
   return dispatch<GatedBwd>(j, rows, d, dtype, act, num_threads);
 }
 
