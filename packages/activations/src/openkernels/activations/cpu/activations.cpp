@@ -376,6 +376,27 @@ struct UnaryFwd {  // y = act(x)
   }
 };
 
+// Tile body shared by the two-input, one-output ops (unary backward, gated forward): fp16
+// goes through float staging blocks (F16C conversions), the other dtypes run Op's loop in
+// place, streaming whole cache lines when `stream` is set.
+template <class Op, int D, int A>
+static void two_in_one_out(bool stream, const T<D>* a, const T<D>* b, T<D>* out, int64_t n) {
+  if constexpr (D == kF16) {
+    alignas(64) float ab[kBlock], bb[kBlock], ob[kBlock];
+    for (int64_t c = 0; c < n; c += kBlock) {
+      const int64_t m = std::min(kBlock, n - c);
+      f16_to_float(a + c, ab, m);
+      f16_to_float(b + c, bb, m);
+      Op::template loop<kF32, A>(ab, bb, ob, m);
+      float_to_f16(ob, out + c, m);
+    }
+  } else {
+    split_lines(stream, out, n, [&](int64_t lo, int64_t hi, auto nt) {
+      Op::template loop<D, A, decltype(nt)::value>(a + lo, b + lo, out + lo, hi - lo);
+    });
+  }
+}
+
 struct UnaryBwd {  // dx = dy act'(x)
   template <int D, int A, bool NT = false>
   OK_NOINLINE static void loop(const T<D>* __restrict dy, const T<D>* __restrict x, T<D>* __restrict dx, int64_t m) {
@@ -387,20 +408,7 @@ struct UnaryBwd {  // dx = dy act'(x)
     const T<D>* dy = row<D>(j.dy, r, j.dy_stride) + c0;
     const T<D>* x = row<D>(j.x, r, j.x_stride) + c0;
     T<D>* dx = row<D>(j.out, r, j.out_stride) + c0;
-    if constexpr (D == kF16) {
-      alignas(64) float yb[kBlock], xb[kBlock], db[kBlock];
-      for (int64_t c = 0; c < c1 - c0; c += kBlock) {
-        const int64_t m = std::min(kBlock, c1 - c0 - c);
-        f16_to_float(dy + c, yb, m);
-        f16_to_float(x + c, xb, m);
-        loop<kF32, A>(yb, xb, db, m);
-        float_to_f16(db, dx + c, m);
-      }
-    } else {
-      split_lines(j.stream, dx, c1 - c0, [&](int64_t a, int64_t b, auto nt) {
-        loop<D, A, decltype(nt)::value>(dy + a, x + a, dx + a, b - a);
-      });
-    }
+    two_in_one_out<UnaryBwd, D, A>(j.stream, dy, x, dx, c1 - c0);
   }
 };
 
@@ -415,20 +423,7 @@ struct GatedFwd {  // y = act(g) l
     const T<D>* g = row<D>(j.x, r, j.x_stride) + j.g_off + c0;
     const T<D>* l = row<D>(j.x, r, j.x_stride) + j.l_off + c0;
     T<D>* y = row<D>(j.out, r, j.out_stride) + c0;
-    if constexpr (D == kF16) {
-      alignas(64) float gb[kBlock], lb[kBlock], yb[kBlock];
-      for (int64_t c = 0; c < c1 - c0; c += kBlock) {
-        const int64_t m = std::min(kBlock, c1 - c0 - c);
-        f16_to_float(g + c, gb, m);
-        f16_to_float(l + c, lb, m);
-        loop<kF32, A>(gb, lb, yb, m);
-        float_to_f16(yb, y + c, m);
-      }
-    } else {
-      split_lines(j.stream, y, c1 - c0, [&](int64_t a, int64_t b, auto nt) {
-        loop<D, A, decltype(nt)::value>(g + a, l + a, y + a, b - a);
-      });
-    }
+    two_in_one_out<GatedFwd, D, A>(j.stream, g, l, y, c1 - c0);
   }
 };
 
