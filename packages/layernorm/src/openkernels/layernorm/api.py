@@ -1,0 +1,294 @@
+"""Public functions and nn.Modules of the layernorm family, with argument checks.
+
+Functions normalize over the last dim of x (..., N). Dtypes: x in float16, bfloat16,
+float32 on every backend, float64 on the CPU and reference backends; statistics in float32
+(float64 for float64 x); see reference.py for the exact casting contract.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from . import ops
+
+__all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "AddRMSNorm", "AddLayerNorm"]
+
+_HALF_AND_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_NAMES = "float16, bfloat16, float32 (or float64 throughout)"
+
+
+def _check_tensor(name: str, what: str, t: object, x: torch.Tensor, allowed: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != x.device:
+        raise ValueError(f"{name}: {what} is on {t.device} but x is on {x.device}")
+    if t.dtype not in allowed:
+        raise TypeError(f"{name}: {what} has dtype {t.dtype}; with x in {x.dtype} it must be one of {allowed}")
+
+
+def _check_dtype_arg(name: str, what: str, dtype: object, allowed: tuple) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name}: {what} must be a floating torch.dtype or None, got {dtype!r}")
+    if dtype not in allowed:
+        raise TypeError(f"{name}: {what}={dtype} is not supported here; allowed: {allowed}")
+
+
+def _check(
+    name: str,
+    x: object,
+    weight: object,
+    bias: object,
+    residual: object,
+    eps: object,
+    weight_offset: object,
+    out_dtype: object,
+    residual_dtype: object,
+) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (*_HALF_AND_FLOAT, torch.float64):
+        raise TypeError(f"{name}: x has dtype {x.dtype}; supported: {_DTYPE_NAMES}")
+    if x.dim() == 0:
+        raise ValueError(f"{name}: x must have at least one dim (the normalized one), got a scalar")
+    # Mixed precision within {fp16, bf16, fp32}; float64 only all the way (tests, gradcheck).
+    allowed = (torch.float64,) if x.dtype == torch.float64 else _HALF_AND_FLOAT
+    n = x.shape[-1]
+    for what, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        _check_tensor(name, what, t, x, allowed)
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"{name}: {what} must have shape ({n},) for x of shape {tuple(x.shape)}, "
+                             f"got {tuple(t.shape)}")  # fmt: skip
+    if residual is not None:
+        _check_tensor(name, "residual", residual, x, allowed)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"{name}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
+            )
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"{name}: eps must be a non-negative float, got {eps!r}")
+    if not isinstance(weight_offset, numbers.Real) or isinstance(weight_offset, bool):
+        raise TypeError(f"{name}: weight_offset must be a float, got {weight_offset!r}")
+    if weight_offset != 0 and weight is None:
+        raise ValueError(f"{name}: weight_offset={weight_offset} scales a weight, but weight is None")
+    _check_dtype_arg(name, "out_dtype", out_dtype, allowed)
+    _check_dtype_arg(name, "residual_dtype", residual_dtype, allowed)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _eager_fast_path(x: torch.Tensor, needs_grad: bool) -> bool:
+    """Skip the torch.library layer where it adds only overhead: plain eager calls that
+    need no autograd, on a real device (meta/fake tensors take the library op's fake)."""
+    # type() is exact: subclasses (FakeTensor, tensor wrappers) take the library op.
+    return (
+        not needs_grad
+        and type(x) is torch.Tensor
+        and x.device.type in ("cpu", "cuda")
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    residual: torch.Tensor | None = None,
+    prenorm: bool = False,
+    weight_offset: float = 0.0,
+    out_dtype: torch.dtype | None = None,
+    residual_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim: y = h / sqrt(mean(h^2) + eps) * (weight + weight_offset).
+
+    x: (..., N); weight: (N,) or None; residual: x's shape or None, then h = x + residual
+    (rounded to residual_dtype, default residual's dtype) is what gets normalized, in one
+    pass. Returns y (..., N) in out_dtype (default x's dtype), or (y, h) with prenorm=True,
+    h being the residual stream for the next block. weight_offset=1.0 gives Gemma's (1 + w).
+    Differentiable in x, weight and residual.
+    """
+    _check("rms_norm", x, weight, None, residual, eps, weight_offset, out_dtype, residual_dtype)
+    weight = _contiguous(weight)
+    needs_grad = _needs_grad(x, weight, residual)
+    store = prenorm or (needs_grad and residual is not None)
+    eps, weight_offset = float(eps), float(weight_offset)
+    if _eager_fast_path(x, needs_grad):
+        out, h, _, _ = ops.forward(True, x, weight, None, residual, eps, weight_offset, store, out_dtype,
+                                   residual_dtype)  # fmt: skip
+    else:
+        out, h, _ = torch.ops.openkernels.rms_norm(
+            x, weight, residual, eps, weight_offset, store, out_dtype, residual_dtype
+        )
+    return (out, h) if prenorm else out
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    residual: torch.Tensor | None = None,
+    prenorm: bool = False,
+    out_dtype: torch.dtype | None = None,
+    residual_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dim: y = (h - mean(h)) / sqrt(var(h) + eps) * weight + bias.
+
+    x: (..., N); weight, bias: (N,) or None; residual, prenorm, out_dtype, residual_dtype
+    as in `rms_norm`. The variance is the biased one, as in torch.nn.LayerNorm.
+    Differentiable in x, weight, bias and residual.
+    """
+    _check("layer_norm", x, weight, bias, residual, eps, 0.0, out_dtype, residual_dtype)
+    weight, bias = _contiguous(weight), _contiguous(bias)
+    needs_grad = _needs_grad(x, weight, bias, residual)
+    store = prenorm or (needs_grad and residual is not None)
+    eps = float(eps)
+    if _eager_fast_path(x, needs_grad):
+        out, h, _, _ = ops.forward(False, x, weight, bias, residual, eps, 0.0, store, out_dtype, residual_dtype)
+    else:
+        out, h, _, _ = torch.ops.openkernels.layer_norm(
+            x, weight, bias, residual, eps, store, out_dtype, residual_dtype
+        )
+    return (out, h) if prenorm else out
+
+
+def _flatten_normalized(
+    name: str, x: torch.Tensor, normalized_shape: Sequence[int], *params: torch.Tensor | None
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """View x (..., *normalized_shape) as (..., prod) and the parameters as (prod,)."""
+    k = len(normalized_shape)
+    if tuple(x.shape[x.dim() - k :]) != tuple(normalized_shape) or x.dim() < k:
+        raise ValueError(
+            f"{name}: x of shape {tuple(x.shape)} does not end in normalized_shape {tuple(normalized_shape)}"
+        )
+    if k == 1:
+        return x, list(params)
+    flat = x.reshape(*x.shape[: x.dim() - k], -1)
+    return flat, [None if p is None else p.reshape(-1) for p in params]
+
+
+def _residual_rows(
+    name: str, residual: torch.Tensor | None, x: torch.Tensor, flat: torch.Tensor
+) -> torch.Tensor | None:
+    if residual is None or flat is x:
+        return residual
+    if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
+        shape = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+        raise ValueError(f"{name}: residual must have x's shape {tuple(x.shape)}, got {shape}")
+    return residual.reshape(flat.shape)
+
+
+class RMSNorm(nn.RMSNorm):
+    """Drop-in for torch.nn.RMSNorm (same arguments, attributes and state_dict keys).
+
+    eps=None means torch.finfo(x.dtype).eps, as in torch. weight_offset=1.0 gives Gemma's
+    (1 + weight) scaling (reset_parameters still starts the weight at ones, as torch does).
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        weight_offset: float = 0.0,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
+        self.weight_offset = float(weight_offset)
+
+    def _eps(self, x: torch.Tensor) -> float:
+        return torch.finfo(x.dtype).eps if self.eps is None else self.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat, (w,) = _flatten_normalized(type(self).__name__, x, self.normalized_shape, self.weight)
+        y = rms_norm(flat, w, self._eps(x), weight_offset=self.weight_offset)
+        return y.view(x.shape)
+
+    def extra_repr(self) -> str:
+        offset = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        return super().extra_repr() + offset
+
+
+class LayerNorm(nn.LayerNorm):
+    """Drop-in for torch.nn.LayerNorm (same arguments, attributes and state_dict keys)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat, (w, b) = _flatten_normalized(type(self).__name__, x, self.normalized_shape, self.weight, self.bias)
+        return layer_norm(flat, w, b, self.eps).view(x.shape)
+
+
+class AddRMSNorm(RMSNorm):
+    """Fused residual add + RMSNorm: forward(x, residual) returns (rms_norm(x + residual), x + residual).
+
+    The second output is the residual stream for the next block, in residual_dtype (default:
+    residual's dtype, or x's when residual is None). Same parameters as RMSNorm.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        weight_offset: float = 0.0,
+        residual_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, weight_offset=weight_offset)
+        self.residual_dtype = residual_dtype
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        flat, (w,) = _flatten_normalized(type(self).__name__, x, self.normalized_shape, self.weight)
+        r = _residual_rows(type(self).__name__, residual, x, flat)
+        y, h = rms_norm(flat, w, self._eps(x), residual=r, prenorm=True, weight_offset=self.weight_offset,
+                        residual_dtype=self.residual_dtype)  # fmt: skip
+        return y.view(x.shape), h.view(x.shape)
+
+
+class AddLayerNorm(LayerNorm):
+    """Fused residual add + LayerNorm: forward(x, residual) returns (layer_norm(x + residual), x + residual).
+
+    Same parameters as LayerNorm, plus residual_dtype as in AddRMSNorm.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        residual_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
+        self.residual_dtype = residual_dtype
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        flat, (w, b) = _flatten_normalized(type(self).__name__, x, self.normalized_shape, self.weight, self.bias)
+        r = _residual_rows(type(self).__name__, residual, x, flat)
+        y, h = layer_norm(flat, w, b, self.eps, residual=r, prenorm=True, residual_dtype=self.residual_dtype)
+        return y.view(x.shape), h.view(x.shape)

@@ -1,0 +1,109 @@
+"""Triton launchers of the layernorm family (see ops.py for the backend contract)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from openkernels.shared.platform import device_info
+
+from .configs import PROGRAMS_PER_SM, NormConfig, launch_config
+from .kernels import _norm_bwd_kernel, _norm_fwd_kernel
+
+__all__ = ["norm_fwd", "norm_bwd"]
+
+
+@functools.cache
+def _config(n_cols: int, dtype: torch.dtype, device: torch.device, direction: str) -> NormConfig:
+    return launch_config(n_cols, dtype, device_info(device).backend, direction)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another: a few are enough
+
+
+@functools.cache
+def _dtype_token(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element tensor whose pointer type tells the kernel the residual stream's dtype
+    when nothing is stored."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def norm_fwd(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    residual_out: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    *,
+    eps: float,
+    weight_offset: float,
+    rms: bool,
+    h_dtype: torch.dtype,
+    config: NormConfig | None = None,
+) -> None:
+    n_rows, n_cols = x.shape
+    cfg = config or _config(n_cols, x.dtype, x.device, "fwd")
+    res_out = residual_out if residual_out is not None else _dtype_token(h_dtype, x.device)
+    grid = (n_rows if cfg.looped else triton.cdiv(n_rows, cfg.block_rows),)
+    _norm_fwd_kernel[grid](
+        x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
+        out, res_out, rstd if mean is None else mean, rstd,
+        n_rows, n_cols, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        0 if residual_out is None else residual_out.stride(0),
+        eps, weight_offset,
+        IS_RMS=rms, HAS_RESIDUAL=residual is not None, STORE_RESIDUAL=residual_out is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOPED=cfg.looped,
+        BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def norm_bwd(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    dh_out: torch.Tensor | None,
+    dh: torch.Tensor,
+    dweight: torch.Tensor | None,
+    dbias: torch.Tensor | None,
+    *,
+    weight_offset: float,
+    rms: bool,
+    config: NormConfig | None = None,
+) -> None:
+    n_rows, n_cols = h.shape
+    cfg = config or _config(n_cols, h.dtype, h.device, "bwd")
+    # Persistent grid: every program gets at least one row, so every partial row is written.
+    rows_per_program = triton.cdiv(n_rows, _sm_count(h.device) * PROGRAMS_PER_SM)
+    if not cfg.looped:
+        rows_per_program = triton.cdiv(rows_per_program, cfg.block_rows) * cfg.block_rows
+    programs = triton.cdiv(n_rows, rows_per_program)
+    dw_part = db_part = rstd
+    if dweight is not None:
+        dw_part = torch.empty((programs, n_cols), dtype=torch.float32, device=h.device)
+    if dbias is not None:
+        db_part = torch.empty((programs, n_cols), dtype=torch.float32, device=h.device)
+    _norm_bwd_kernel[(programs,)](
+        dy, h, h if weight is None else weight, rstd if mean is None else mean, rstd,
+        dh if dh_out is None else dh_out, dh, dw_part, db_part,
+        n_rows, n_cols, dy.stride(0), h.stride(0), 0 if dh_out is None else dh_out.stride(0), dh.stride(0),
+        rows_per_program, weight_offset,
+        IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_DH_OUT=dh_out is not None,
+        WEIGHT_GRAD=dweight is not None, BIAS_GRAD=dbias is not None, LOOPED=cfg.looped,
+        BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    # A fixed-order sum over the program axis: deterministic, unlike atomics.
+    if dweight is not None:
+        torch.sum(dw_part, dim=0, out=dweight)
+    if dbias is not None:
+        torch.sum(db_part, dim=0, out=dbias)

@@ -1,0 +1,238 @@
+"""Public API behaviour: argument errors, the library ops (opcheck, torch.compile), modules as
+drop-ins for torch.nn on loaded state dicts, dispatch and fallback."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import openkernels.layernorm as L
+from openkernels.layernorm import reference as R
+from openkernels.shared import dispatch
+from openkernels.shared.platform import triton_interpreting
+from openkernels.shared.testing import assert_close, failing_implementation, random_tensor, run_opcheck
+
+pytestmark = pytest.mark.skipif(triton_interpreting(), reason="API tests run once, outside the interpreter")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda x: L.rms_norm(x, torch.ones(7)), ValueError, r"weight must have shape \(8,\)"),
+        (lambda x: L.layer_norm(x, None, torch.ones(3)), ValueError, r"bias must have shape \(8,\)"),
+        (lambda x: L.rms_norm(x, residual=torch.ones(4, 9)), ValueError, "residual must have x's shape"),
+        (lambda x: L.rms_norm(x.to(torch.int32)), TypeError, "int32"),
+        (lambda x: L.layer_norm(x, torch.ones(8, dtype=torch.int64)), TypeError, "weight has dtype"),
+        (lambda x: L.rms_norm(x, out_dtype=torch.int8), TypeError, "out_dtype must be a floating"),
+        (lambda x: L.rms_norm(x, residual_dtype="float32"), TypeError, "residual_dtype must be"),
+        (lambda x: L.rms_norm(x, weight_offset=1.0), ValueError, "weight_offset=1.0 scales a weight"),
+        (lambda x: L.rms_norm(x, eps=-1.0), ValueError, "eps must be a non-negative"),
+        (lambda x: L.rms_norm(x, residual=x.double()), TypeError, "residual has dtype"),
+        (lambda x: L.rms_norm(x.double(), out_dtype=torch.float32), TypeError, "out_dtype"),
+        (lambda x: L.rms_norm(x[0, 0]), ValueError, "at least one dim"),
+        (lambda x: L.rms_norm(x.numpy()), TypeError, "x must be a torch.Tensor"),
+    ],
+)
+def test_bad_input_is_a_clear_error(call, error, match) -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(error, match=match):
+        call(x)
+
+
+def test_bad_input_fails_before_any_kernel_runs() -> None:
+    x = torch.randn(4, 8)
+    with failing_implementation("rms_norm", "cpu", AssertionError("kernel ran")), pytest.raises(ValueError):
+        L.rms_norm(x, torch.ones(5))
+
+
+# ---- library ops -----------------------------------------------------------------------
+
+
+def _opcheck_cases(device: str):
+    x = random_tensor((5, 33), torch.bfloat16, device, requires_grad=True)
+    r = random_tensor((5, 33), torch.bfloat16, device, requires_grad=True)
+    w = random_tensor((33,), torch.float32, device, requires_grad=True)
+    b = random_tensor((33,), torch.float32, device, requires_grad=True)
+    ops = torch.ops.openkernels
+    return [
+        (ops.rms_norm.default, (x, w, r, 1e-6, 1.0, True, None, torch.float32)),
+        (ops.rms_norm.default, (x, None, None, 1e-6, 0.0, False, torch.float32, None)),
+        (ops.layer_norm.default, (x, w, b, r, 1e-5, True, None, None)),
+        (ops.layer_norm.default, (x, None, None, None, 1e-5, False, None, None)),
+    ]
+
+
+def test_opcheck(device: str) -> None:
+    for op, args in _opcheck_cases(device):
+        run_opcheck(op, args)
+
+
+def test_backward_ops_opcheck(device: str) -> None:
+    h = random_tensor((5, 33), torch.bfloat16, device)
+    dy = random_tensor((5, 33), torch.bfloat16, device)
+    w = random_tensor((33,), torch.float32, device)
+    mean = torch.randn(5, device=device)
+    rstd = torch.rand(5, device=device) + 0.5
+    ops = torch.ops.openkernels
+    run_opcheck(ops.rms_norm_backward.default, (dy, dy, h, w, rstd, 0.0, True))
+    run_opcheck(ops.layer_norm_backward.default, (dy, None, h, w, mean, rstd, True, False))
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_torch_compile_fullgraph(device: str, rms: bool) -> None:
+    def block(x, r, w, b):
+        if rms:
+            y, h = L.rms_norm(x, w, residual=r, prenorm=True, residual_dtype=torch.float32)
+        else:
+            y, h = L.layer_norm(x, w, b, residual=r, prenorm=True, residual_dtype=torch.float32)
+        return (y.float() * 2).sum() + h.sum()
+
+    compiled = torch.compile(block, fullgraph=True, dynamic=False)
+    args = [
+        random_tensor((6, 40), torch.bfloat16, device, requires_grad=True),
+        random_tensor((6, 40), torch.bfloat16, device, requires_grad=True),
+        random_tensor((40,), torch.bfloat16, device, requires_grad=True),
+        random_tensor((40,), torch.bfloat16, device, requires_grad=True),
+    ]
+    eager = block(*args)
+    grads = torch.autograd.grad(eager, args[:3])
+    got = compiled(*args)
+    got_grads = torch.autograd.grad(got, args[:3])
+    assert_close(got, eager.double(), dtype=torch.float32, terms=240)
+    for a, b in zip(got_grads, grads):
+        assert torch.equal(a, b), "compiled and eager gradients differ"
+
+
+def test_double_backward_is_a_clear_error() -> None:
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    y = L.rms_norm(x)
+    (g,) = torch.autograd.grad(y.sum() * 0 + (y * y).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        g.sum().backward()
+
+
+# ---- modules ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [16, (4, 8)], ids=["int", "tuple"])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+def test_rmsnorm_module_matches_torch(device: str, shape, affine: bool, eps) -> None:
+    theirs = torch.nn.RMSNorm(shape, eps=eps, elementwise_affine=affine, device=device)
+    ours = L.RMSNorm(shape, eps=eps, elementwise_affine=affine, device=device)
+    if affine:
+        theirs.weight.data = random_tensor(theirs.weight.shape, torch.float32, device)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert repr(ours) == repr(theirs)
+    _same_module_outputs(ours, theirs, (3, 5, 16), device)
+
+
+@pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("shape", [16, (4, 4)], ids=["int", "tuple"])
+def test_layernorm_module_matches_torch(device: str, shape, affine: bool, bias: bool) -> None:
+    theirs = torch.nn.LayerNorm(shape, elementwise_affine=affine, bias=bias, device=device)
+    ours = L.LayerNorm(shape, elementwise_affine=affine, bias=bias, device=device)
+    for p in theirs.parameters():
+        p.data = random_tensor(p.shape, torch.float32, device)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    _same_module_outputs(ours, theirs, (3, 5, 16), device)
+
+
+def _same_module_outputs(ours: torch.nn.Module, theirs: torch.nn.Module, shape, device: str) -> None:
+    k = len(theirs.normalized_shape)
+    x_shape = (*shape[:-1], *theirs.normalized_shape) if k > 1 else shape
+    x = random_tensor(x_shape, torch.float32, device, requires_grad=True)
+    y_ours, y_theirs = ours(x), theirs(x)
+    assert y_ours.shape == y_theirs.shape
+    assert_close(y_ours, y_theirs.double(), dtype=torch.float32, terms=16)
+    dy = random_tensor(x_shape, torch.float32, device)
+    g_ours = torch.autograd.grad(y_ours, [x, *ours.parameters()], dy)
+    g_theirs = torch.autograd.grad(y_theirs, [x, *theirs.parameters()], dy)
+    for a, b in zip(g_ours, g_theirs):
+        assert_close(a, b.double(), dtype=torch.float32, terms=16 * 15, term_scale=float(b.abs().max()) * 10)
+
+
+def test_module_rejects_wrong_trailing_shape() -> None:
+    with pytest.raises(ValueError, match="normalized_shape"):
+        L.RMSNorm((4, 8), elementwise_affine=False)(torch.randn(2, 8, 4))
+
+
+def test_add_rmsnorm_module_is_the_unfused_sequence(device: str) -> None:
+    norm = L.AddRMSNorm(64, eps=1e-6, device=device, weight_offset=1.0, residual_dtype=torch.float32)
+    norm.weight.data = random_tensor((64,), torch.float32, device)
+    x = random_tensor((9, 64), torch.bfloat16, device)
+    r = random_tensor((9, 64), torch.bfloat16, device)
+    y, h = norm(x, r)
+    h_ref = x.double() + r.double()
+    assert h.dtype == torch.float32 and y.dtype == torch.bfloat16
+    assert_close(h, h_ref, dtype=torch.float32)
+    y_ref = R.rms_norm_ref(h_ref, norm.weight.double(), 1e-6, weight_offset=1.0)
+    assert_close(y, y_ref, dtype=torch.bfloat16, terms=64)
+    y0, h0 = norm(x)  # no residual yet: the stream starts at x
+    assert torch.equal(h0, x.float())
+    assert_close(y0, R.rms_norm_ref(x.double(), norm.weight.double(), 1e-6, weight_offset=1.0),
+                 dtype=torch.bfloat16, terms=64)  # fmt: skip
+
+
+def test_add_layernorm_module(device: str) -> None:
+    norm = L.AddLayerNorm((2, 32), device=device)
+    x = random_tensor((3, 2, 32), torch.float32, device)
+    r = random_tensor((3, 2, 32), torch.float32, device)
+    y, h = norm(x, r)
+    ref = torch.nn.functional.layer_norm(x + r, (2, 32), norm.weight, norm.bias)
+    assert_close(y, ref.double(), dtype=torch.float32, terms=64)
+    assert_close(h, (x + r).double(), dtype=torch.float32)
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        norm(x, r[:2])
+
+
+# ---- dispatch ----------------------------------------------------------------------------
+
+
+def test_explain_names_the_choice() -> None:
+    text = dispatch.explain("rms_norm", torch.randn(2, 8))
+    assert "cpu" in text and "reference" in text
+
+
+def test_failing_kernel_falls_back_with_one_warning() -> None:
+    x = torch.randn(6, 40)
+    w = torch.randn(40)
+    with dispatch.strict(False), failing_implementation("layer_norm", "cpu", RuntimeError("no launch")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = L.layer_norm(x, w)
+            second = L.layer_norm(x, w)
+    fallbacks = [w for w in caught if issubclass(w.category, dispatch.KernelFallbackWarning)]
+    assert len(fallbacks) == 1
+    ref = R.layer_norm_ref(x.double(), w.double())
+    assert_close(first, ref, dtype=torch.float32, terms=40)
+    assert torch.equal(first, second)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with > 12 GB")
+def test_tensors_past_2_to_the_31_elements() -> None:
+    n = 8192
+    rows = 2**31 // n + 3  # the last rows sit past element 2^31: int64 offsets
+    x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = L.rms_norm(x, w)
+    tail = slice(rows - 4, rows)
+    assert_close(y[tail], R.rms_norm_ref(x[tail].double(), w.double()), dtype=torch.bfloat16, terms=n)
+    y = L.layer_norm(x, w)
+    assert_close(y[tail], R.layer_norm_ref(x[tail].double(), w.double()), dtype=torch.bfloat16, terms=n)

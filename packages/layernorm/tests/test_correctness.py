@@ -1,0 +1,158 @@
+"""Every implementation against the float64 reference: every option combination, forward
+and backward, odd shapes, non-contiguous views, NaN, all kernel dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openkernels.shared import dispatch
+from openkernels.shared.platform import triton_interpreting
+from openkernels.shared.testing import assert_close, noncontiguous_views, poisoned_empty, random_tensor
+
+from .cases import KERNEL_DTYPES, Options, all_options, check_against_reference, option_params, shapes, targets
+
+pytestmark = pytest.mark.parametrize(("device", "impl"), targets())
+
+_ALL = all_options()
+# Under the interpreter the full matrix runs in bfloat16 only (the other dtypes on a subset).
+_SUBSET = [o for o in _ALL if not (o.out_fp32 and o.residual_fp32)] if not triton_interpreting() else [
+    Options(rms=True, residual=True, prenorm=True, weight_offset=1.0),
+    Options(rms=False, bias=True, residual=True, prenorm=True, residual_fp32=True),
+    Options(rms=False, weight=False),
+]  # fmt: skip
+
+
+def _run(device: str, impl: str, options: Options, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    inputs = options.make(shape, dtype, device)
+    with dispatch.force(impl), poisoned_empty():
+        y, h = options.call(inputs, dtype)
+        check_against_reference(options, inputs, dtype, y, h, f"{options.id} {dtype} {shape}")
+
+
+@pytest.mark.parametrize("options", option_params(_ALL))
+def test_every_option_bf16(device: str, impl: str, options: Options) -> None:
+    for shape in shapes():
+        _run(device, impl, options, torch.bfloat16, shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("options", option_params(_SUBSET))
+def test_options_fp32_fp16(device: str, impl: str, options: Options, dtype: torch.dtype) -> None:
+    for shape in shapes():
+        _run(device, impl, options, dtype, shape)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_noncontiguous_views(device: str, impl: str, rms: bool, dtype: torch.dtype) -> None:
+    options = Options(rms=rms, bias=not rms, residual=True, prenorm=True)
+    for layout, x in noncontiguous_views((6, 9), dtype, device):
+        inputs = options.make((6, 9), dtype, device)
+        # x and the residual both in the odd layout; the kernels read them through strides.
+        inputs["x"] = x.requires_grad_()
+        inputs["residual"] = random_tensor((9, 6), dtype, device).t().requires_grad_()
+        with dispatch.force(impl), poisoned_empty():
+            y, h = options.call(inputs, dtype)
+            check_against_reference(options, inputs, dtype, y, h, f"{layout}")
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_row_slices_read_in_place(device: str, impl: str, rms: bool) -> None:
+    # A slice of wider rows (row stride > N) is the layout a fused QKV or MLP output gives.
+    options = Options(rms=rms, residual=True, prenorm=True)
+    wide = random_tensor((37, 300), torch.bfloat16, device)
+    inputs = options.make((37, 100), torch.bfloat16, device)
+    inputs["x"] = wide[:, 50:150].requires_grad_()
+    with dispatch.force(impl), poisoned_empty():
+        y, h = options.call(inputs, torch.bfloat16)
+        check_against_reference(options, inputs, torch.bfloat16, y, h, "row slice")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_nan_stays_in_its_row(device: str, impl: str, rms: bool, dtype: torch.dtype) -> None:
+    options = Options(rms=rms)
+    inputs = options.make((4, 33), dtype, device, grad=False)
+    x = inputs["x"].clone()
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    inputs["x"] = x
+    with dispatch.force(impl):
+        y, _ = options.call(inputs, dtype)
+    # A NaN spreads over its row (and only its row); an inf row follows the reference
+    # (rms: inf * rstd 0 = NaN at the inf, 0 elsewhere).
+    assert torch.isnan(y[1]).all(), "a NaN in a row must make the whole row NaN"
+    y_ref, _, _ = options.reference(inputs, dtype)
+    assert_close(y, y_ref, dtype=dtype, terms=33, msg="rows with NaN and inf")
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_large_offsets_and_constant_rows(device: str, impl: str, rms: bool) -> None:
+    # A large mean on a small spread: LayerNorm must not lose the spread (E[x^2] - E[x]^2
+    # would), and constant rows normalize to the bias exactly.
+    options = Options(rms=rms, bias=not rms)
+    inputs = options.make((5, 20000 if not triton_interpreting() else 3000), torch.float32, device)
+    x = inputs["x"].detach() * 0.01 + 300.0
+    x[0] = 2.5
+    inputs["x"] = x.requires_grad_()
+    with dispatch.force(impl), poisoned_empty():
+        y, h = options.call(inputs, torch.float32)
+        check_against_reference(options, inputs, torch.float32, y, h, "offset rows")
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_empty(device: str, impl: str, rms: bool) -> None:
+    options = Options(rms=rms, bias=not rms, residual=True, prenorm=True)
+    for shape in [(0, 8), (2, 0, 8)]:
+        inputs = options.make(shape, torch.float32, device)
+        with dispatch.force(impl):
+            y, h = options.call(inputs, torch.float32)
+            assert y.shape == shape and h.shape == shape
+            grads = torch.autograd.grad((y.sum() + h.sum()), [v for v in inputs.values() if v is not None])
+        for g, v in zip(grads, [v for v in inputs.values() if v is not None]):
+            assert g.shape == v.shape and (g.numel() == 0 or bool((g == 0).all()))
+
+
+def test_weight_grad_is_deterministic(device: str, impl: str) -> None:
+    options = Options(rms=False, bias=True)
+    inputs = options.make((513, 96), torch.bfloat16, device)
+    dy = random_tensor((513, 96), torch.bfloat16, device)
+    results = []
+    with dispatch.force(impl):
+        for _ in range(2):
+            y, _ = options.call(inputs, torch.bfloat16)
+            results.append(torch.autograd.grad(y, [inputs["weight"], inputs["bias"]], dy))
+    for a, b in zip(*results):
+        assert torch.equal(a, b), "weight/bias gradients differ between two identical runs"
+
+
+def test_float64_runs_on_cpu_and_reference_only(device: str, impl: str) -> None:
+    options = Options(rms=True, residual=True, prenorm=True)
+    inputs = options.make((4, 10), torch.float64, device)
+    if impl == "triton":
+        with dispatch.force(impl), pytest.raises(dispatch.UnsupportedError, match="reference"):
+            options.call(inputs, torch.float64)
+        return
+    with dispatch.force(impl):
+        y, h = options.call(inputs, torch.float64)
+        check_against_reference(options, inputs, torch.float64, y, h, "float64")
+
+
+def test_gradcheck_float64(device: str, impl: str) -> None:
+    if impl == "triton":
+        pytest.skip("float64 runs on the CPU kernel and the reference (gradcheck needs float64)")
+    import openkernels.layernorm as L
+
+    x = random_tensor((3, 11), torch.float64, device, requires_grad=True)
+    r = random_tensor((3, 11), torch.float64, device, requires_grad=True)
+    w = random_tensor((11,), torch.float64, device, requires_grad=True)
+    b = random_tensor((11,), torch.float64, device, requires_grad=True)
+    with dispatch.force(impl):
+        assert torch.autograd.gradcheck(
+            lambda x, r, w: L.rms_norm(x, w, residual=r, prenorm=True, weight_offset=1.0), (x, r, w)
+        )
+        assert torch.autograd.gradcheck(
+            lambda x, r, w, b: L.layer_norm(x, w, b, residual=r, prenorm=True), (x, r, w, b)
+        )
+        assert torch.autograd.gradcheck(lambda x: L.layer_norm(x), (x,))
