@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu_session.sh [family] [steps: tests,tune,bench]
-# Carry .whl (peer wheels from ../shared/tools/peer-wheels) with the call; results in $OUT.
+#   bash benchmarks/gpu_session.sh [family] [steps: tests,tune,overhead,bench,long,dtypes,demo]
+# Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
+# results in $OUT.
 set -uo pipefail
 family=${1:-activations}
 steps=${2:-tests,overhead,bench,dtypes,demo}
@@ -14,23 +15,36 @@ export PYTHONPATH=$PWD/shared/src:$(printf '%s:' "$PWD"/packages/*/src)/tmp/site
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+run() { python3 "$@" 2>&1 | grep -v '^W1130'; }
 if [[ $steps == *tests* ]]; then
-  OPENKERNELS_STRICT=1 python3 -m pytest -p openkernels.shared.testing.plugin -q -x \
-    "packages/$family/tests" -m "not interpreter and not aot" -k "cuda or offsets" 2>&1 | tee "$out/tests.txt" | tail -5
+  # Triton compiles one kernel per option combination: spread them over the CPU cores.
+  xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
+  OPENKERNELS_STRICT=1 python3 -m pytest -p openkernels.shared.testing.plugin -q $xdist \
+    "packages/$family/tests" -m "not interpreter and not aot" -k "cuda or offsets or 2_to_the_31" \
+    2>&1 | tee "$out/tests.txt" | tail -8
 fi
 if [[ $steps == *tune* && -f benchmarks/tune_$family.py ]]; then
-  python3 "benchmarks/tune_$family.py" 2>&1 | tee "$out/tune.txt" | sort -t'(' -k2 -r | head -12
+  run "benchmarks/tune_$family.py" | tee "$out/tune.txt" | tail -3
 fi
 if [[ $steps == *overhead* && -f benchmarks/overhead.py ]]; then
-  python3 benchmarks/overhead.py 2>&1 | tee "$out/overhead.txt"
+  run benchmarks/overhead.py | tee "$out/overhead.txt"
 fi
 if [[ $steps == *bench* ]]; then
-  python3 benchmarks/run.py "$family" --json "$out/bench_bf16.json" 2>&1 | grep -v '^W1130' | tee "$out/bench_bf16.txt"
+  run benchmarks/run.py "$family" --json "$out/bench_bf16.json" | tee "$out/bench_bf16.txt"
+fi
+if [[ $steps == *long* && $family == layernorm ]]; then
+  run benchmarks/run.py layernorm --shapes 1024x65536,256x262144 --json "$out/bench_long.json" \
+    | tee "$out/bench_long.txt"
 fi
 if [[ $steps == *dtypes* ]]; then
-  python3 benchmarks/run.py "$family" --dtype float16,float32 --ops silu_and_mul,gelu_and_mul \
-    --json "$out/bench_f16_f32.json" 2>&1 | grep -v '^W1130' | tee "$out/bench_f16_f32.txt"
+  if [[ $family == activations ]]; then
+    args=(--ops silu_and_mul,gelu_and_mul)
+  else
+    args=(--ops rms_norm,layer_norm --directions fwd)
+  fi
+  run benchmarks/run.py "$family" --dtype float16,float32 "${args[@]}" \
+    --json "$out/bench_f16_f32.json" | tee "$out/bench_f16_f32.txt"
 fi
 if [[ $steps == *demo* ]]; then
-  python3 -m openkernels.shared.demo --quick 2>&1 | grep -v '^W1130' | tee "$out/demo.txt" | grep -E "FAIL|checks|passed"
+  run -m openkernels.shared.demo --quick | tee "$out/demo.txt" | grep -E "FAIL|checks|passed"
 fi

@@ -2,6 +2,7 @@
 
     python benchmarks/run.py activations [--device cuda] [--dtype bfloat16] [--json out.json]
         [--ops silu_and_mul,gelu_and_mul] [--directions fwd,bwd] [--shapes 16384x8192,4096x4096]
+    python benchmarks/run.py layernorm [--ops rms_norm,add_rms_norm] [--directions fwd,fwd+bwd]
 
 Shapes are (rows, d): gated ops read (rows, 2d). Needs the repo's src folders importable.
 """
@@ -22,7 +23,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--ops", default="")
-    parser.add_argument("--directions", default="fwd,bwd")
+    parser.add_argument("--directions", default="", help="default: the family's (fwd,bwd / fwd,fwd+bwd)")
     parser.add_argument("--shapes", default="")
     parser.add_argument("--peers", default="torch,torch.compile,liger")
     parser.add_argument("--rep-ms", type=float, default=100.0)
@@ -33,12 +34,16 @@ def main() -> None:
     device = torch.device(args.device)
     kwargs = {
         "dtypes": [getattr(torch, d) for d in args.dtype.split(",")],
-        "directions": args.directions.split(","),
         "peers": [p for p in args.peers.split(",") if p],
     }
+    if args.directions:
+        kwargs["directions"] = args.directions.split(",")
     if args.ops:
         wanted = args.ops.split(",")
-        kwargs["variants"] = [v for v in bench.VARIANTS if v[0] in wanted or f"{v[0]}[{v[1]}]" in wanted]
+        if hasattr(bench, "VARIANTS"):  # activations: (op, approximate) pairs
+            kwargs["variants"] = [v for v in bench.VARIANTS if v[0] in wanted or f"{v[0]}[{v[1]}]" in wanted]
+        else:
+            kwargs["ops"] = wanted
     if args.shapes:
         kwargs["shapes"] = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     cases = bench.cases(device, **kwargs)

@@ -134,22 +134,31 @@ def targets():
     return params
 
 
-def shapes() -> list[tuple[int, ...]]:
+def shapes(device: str) -> list[tuple[int, ...]]:
     """Odd shapes; small ones under the interpreter, which runs each program in Python.
     (33, 20000) and (2, 70000) take the looped kernels; (257, 64) gives backward programs
-    several row blocks each."""
+    several row blocks each. On a GPU every shape is a compile per option combination, so
+    three shapes cover the tile, the multi-row tile and the looped kernels."""
     if triton_interpreting():
         return [(1, 1), (7, 33), (2, 3, 64), (257, 64), (3, 20000)]
+    if device != "cpu":
+        return [(1, 1), (257, 127), (33, 20000)]
     return [(1, 1), (7, 127), (5, 4097), (2, 3, 130), (257, 64), (33, 20000), (2, 70000)]
 
 
-def check_against_reference(options: Options, inputs: dict, dtype: torch.dtype, y, h, msg: str) -> None:
-    """Forward outputs and all gradients of sum(y * dy) + sum(h * dh) against float64."""
+def check_against_reference(
+    options: Options, inputs: dict, dtype: torch.dtype, y, h, msg: str, *, conditioning: float = 1.0
+) -> None:
+    """Forward outputs and all gradients of sum(y * dy) + sum(h * dh) against float64.
+
+    conditioning: how much the inputs amplify float32 rounding beyond the usual (rows with
+    a large mean: ulp(|h|) * rstd instead of ulp(|y|)); it scales the summed-term bound."""
     y_ref, h_ref, leaves = options.reference(inputs, dtype)
     n = y.shape[-1]
     out_dtype = options.out_dtype(dtype)
     assert y.dtype == out_dtype, f"{msg}: out dtype {y.dtype}"
-    assert_close(y, y_ref, dtype=out_dtype, terms=n, msg=f"{msg} y")
+    y_scale = conditioning * float(y_ref.abs().nan_to_num(0.0, 0.0, 0.0).max()) if y_ref.numel() else 0.0
+    assert_close(y, y_ref, dtype=out_dtype, terms=n, term_scale=y_scale, msg=f"{msg} y")
     if options.prenorm:
         assert h is not None and h.dtype == options.h_dtype(dtype)
         assert_close(h, h_ref, dtype=h.dtype, msg=f"{msg} h")
@@ -166,7 +175,7 @@ def check_against_reference(options: Options, inputs: dict, dtype: torch.dtype, 
     grads = torch.autograd.grad(loss, [inputs[k] for k in wanted])
     grads_ref = torch.autograd.grad(loss_ref, [leaves[k] for k in wanted])
     rows = y.numel() // max(n, 1)
-    scale = _gradient_term_scale(options, inputs, y_ref, dy)
+    scale = conditioning * _gradient_term_scale(options, inputs, y_ref, dy)
     for name, g, g_ref in zip(wanted, grads, grads_ref):
         assert g.dtype == inputs[name].dtype, f"{msg}: d{name} dtype {g.dtype}"
         # dx = rstd * (g - xhat * mean(g * xhat) [- mean(g)]) sums n products per row and

@@ -9,15 +9,20 @@ import triton
 
 from openkernels.shared.platform import device_info
 
-from .configs import PROGRAMS_PER_SM, NormConfig, launch_config
+from .configs import NormConfig, launch_config
 from .kernels import _norm_bwd_kernel, _norm_fwd_kernel
 
 __all__ = ["norm_fwd", "norm_bwd"]
 
 
 @functools.cache
-def _config(n_cols: int, dtype: torch.dtype, device: torch.device, direction: str) -> NormConfig:
-    return launch_config(n_cols, dtype, device_info(device).backend, direction)
+def _config(n_cols: int, dtype: torch.dtype, device: torch.device, direction: str, aligned: bool) -> NormConfig:
+    return launch_config(n_cols, dtype, device_info(device).backend, direction, aligned)
+
+
+def _aligned(n_cols: int, *tensors: torch.Tensor | None) -> bool:
+    """What Triton specializes on at launch: sizes and strides divisible by 16."""
+    return n_cols % 16 == 0 and all(t is None or t.stride(0) % 16 == 0 for t in tensors)
 
 
 @functools.cache
@@ -51,7 +56,7 @@ def norm_fwd(
     config: NormConfig | None = None,
 ) -> None:
     n_rows, n_cols = x.shape
-    cfg = config or _config(n_cols, x.dtype, x.device, "fwd")
+    cfg = config or _config(n_cols, x.dtype, x.device, "fwd", _aligned(n_cols, x, residual))
     res_out = residual_out if residual_out is not None else _dtype_token(h_dtype, x.device)
     grid = (n_rows if cfg.looped else triton.cdiv(n_rows, cfg.block_rows),)
     _norm_fwd_kernel[grid](
@@ -82,9 +87,9 @@ def norm_bwd(
     config: NormConfig | None = None,
 ) -> None:
     n_rows, n_cols = h.shape
-    cfg = config or _config(n_cols, h.dtype, h.device, "bwd")
+    cfg = config or _config(n_cols, h.dtype, h.device, "bwd", _aligned(n_cols, dy, h, dh_out))
     # Persistent grid: every program gets at least one row, so every partial row is written.
-    rows_per_program = triton.cdiv(n_rows, _sm_count(h.device) * PROGRAMS_PER_SM)
+    rows_per_program = triton.cdiv(n_rows, _sm_count(h.device) * cfg.programs_per_sm)
     if not cfg.looped:
         rows_per_program = triton.cdiv(rows_per_program, cfg.block_rows) * cfg.block_rows
     programs = triton.cdiv(n_rows, rows_per_program)

@@ -14,17 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NormConfig", "launch_config", "all_configs", "MAX_TILE_COLS", "CHUNK_COLS"]
+__all__ = ["NormConfig", "launch_config", "all_configs", "MAX_TILE_COLS", "CHUNK_COLS", "PROGRAMS_PER_SM"]
 
-# Past 16384 columns a register-resident row needs > 32 float32 values per thread at 16
-# warps (CUDA allows 32 warps, ROCm 16 wavefronts): the looped kernel takes over.
-MAX_TILE_COLS = 16384
+# Widest row held in registers. Forward: past 16384 columns a row needs > 32 float32
+# values per thread at 16 warps (CUDA allows 32 warps, ROCm 16 wavefronts). Backward keeps
+# dy, h, w and the dweight/dbias accumulators live: at 16384 columns and 32 warps (64
+# registers per thread) it spilled 264-900 B per thread on sm_90, so it loops from there.
+MAX_TILE_COLS = {"fwd": 16384, "bwd": 8192}
 CHUNK_COLS = 4096
 # Elements each thread holds per tile (forward / backward, whose tile carries dy, h, dh
 # and the dweight accumulator).
-ELEMENTS_PER_THREAD = {"fwd": 16, "bwd": 8}
+ELEMENTS_PER_THREAD = {"fwd": 16, "bwd": 16}
 # Narrow rows stack until a tile holds this many elements.
-TILE_ELEMENTS = {"fwd": 4096, "bwd": 4096}
+TILE_ELEMENTS = {"fwd": 4096, "bwd": 2048}
 PROGRAMS_PER_SM = 8  # backward persistent grid: programs = SMs x this (capped by rows)
 MAX_WARPS = {"cuda": 32, "rocm": 16}
 
@@ -35,6 +37,7 @@ class NormConfig:
     block_cols: int
     num_warps: int
     looped: bool
+    programs_per_sm: int = PROGRAMS_PER_SM  # backward: persistent grid of SMs x this
     num_stages: int = 1
 
 
@@ -43,13 +46,19 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.cache
-def launch_config(n_cols: int, dtype: torch.dtype, backend: str, direction: str) -> NormConfig:
+def launch_config(
+    n_cols: int, dtype: torch.dtype, backend: str, direction: str, aligned: bool = True
+) -> NormConfig:
     """Tile and warps for rows of n_cols elements.
 
     direction: "fwd" or "bwd"; backend: "cuda" or "rocm" (64-wide wavefronts: half the
-    warps hold the same tile). dtype: unused today (statistics are float32 either way).
+    warps hold the same tile). aligned: n_cols and the row strides are multiples of 16, so
+    loads are vectorized; unaligned rows load element by element, each element with its
+    own address registers, and switch to the looped kernel at half the width (the 16384
+    forward tile spilled 8 B per thread on sm_80 unaligned). dtype: unused today.
     """
-    looped = n_cols > MAX_TILE_COLS
+    limit = MAX_TILE_COLS[direction] if aligned else MAX_TILE_COLS[direction] // 2
+    looped = n_cols > limit
     block_cols = CHUNK_COLS if looped else _next_pow2(n_cols)
     block_rows = 1 if looped else max(1, TILE_ELEMENTS[direction] // block_cols)
     threads = block_rows * block_cols // ELEMENTS_PER_THREAD[direction]
@@ -62,5 +71,5 @@ def launch_config(n_cols: int, dtype: torch.dtype, backend: str, direction: str)
 def all_configs(backend: str, direction: str) -> list[NormConfig]:
     """Every config `launch_config` can return (for compile-only checks)."""
     seen = {launch_config(1 << k, torch.float32, backend, direction) for k in range(0, 19)}
-    seen.add(launch_config(MAX_TILE_COLS + 1, torch.float32, backend, direction))
+    seen.add(launch_config(MAX_TILE_COLS[direction] + 1, torch.float32, backend, direction))
     return sorted(seen, key=lambda c: (c.looped, c.block_cols))

@@ -42,6 +42,15 @@ def _affine(xhat, w_ptr, b_ptr, cols, col_mask, weight_offset,
 
 
 @triton.jit
+def _corrected_mean(h, mask, count):
+    """Row means of a [R, C] tile: the plain mean plus the mean of what it leaves over,
+    which removes most of the float32 rounding of a sum of large values (rows with a
+    large mean and a small spread)."""
+    mean = tl.sum(h, axis=1) / count
+    return mean + tl.sum(tl.where(mask, h - mean[:, None], 0.0), axis=1) / count
+
+
+@triton.jit
 def _norm_fwd_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, mean_ptr, rstd_ptr,
     n_rows, n_cols, stride_x, stride_res, stride_out, stride_res_out,
@@ -66,7 +75,7 @@ def _norm_fwd_kernel(
             rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
             xhat = h * rstd[:, None]
         else:
-            mean = tl.sum(h, axis=1) / n_cols
+            mean = _corrected_mean(h, mask, n_cols)
             centered = tl.where(mask, h - mean[:, None], 0.0)
             rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
             xhat = centered * rstd[:, None]
@@ -96,7 +105,7 @@ def _norm_fwd_kernel(
                 m2 += tl.sum(h * h, axis=1)
             else:
                 count = tl.minimum(n_cols - i * BLOCK_C, BLOCK_C).to(tl.float32)
-                chunk_mean = tl.sum(h, axis=1) / count
+                chunk_mean = _corrected_mean(h, mask, count)
                 centered = tl.where(mask, h - chunk_mean[:, None], 0.0)
                 chunk_m2 = tl.sum(centered * centered, axis=1)
                 new_total = total + count
@@ -162,10 +171,6 @@ def _norm_bwd_kernel(
     if not LOOPED:
         cols = tl.arange(0, BLOCK_C)
         col_mask = cols < n_cols
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
-        else:
-            w = tl.zeros([BLOCK_C], dtype=tl.float32)
         dw_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         for start in range(0, rows_per_program, BLOCK_R):
@@ -181,6 +186,12 @@ def _norm_bwd_kernel(
                 mean = tl.zeros([BLOCK_R], dtype=tl.float32)
             else:
                 mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            # w is read again per row block (from L1/L2) rather than held across the loop:
+            # the registers go to the dweight/dbias accumulators (no spills at 8192 columns).
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
+            else:
+                w = tl.zeros([BLOCK_C], dtype=tl.float32)
             dh, xhat = _norm_grad_rows(dy, h, w, mean, rstd, mask, n_cols, IS_RMS, HAS_WEIGHT)
             if HAS_DH_OUT:
                 dh += tl.load(dh_out_ptr + r64 * stride_dh_out + cols[None, :], mask=mask, other=0.0).to(

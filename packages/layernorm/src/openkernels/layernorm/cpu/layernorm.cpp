@@ -1,0 +1,810 @@
+// Fused RMSNorm / LayerNorm kernels for CPU: residual add, forward and backward.
+//
+// Plain C++17 + OpenMP, no torch headers; openkernels.shared.cpu_build compiles it on first use with
+// -O3 -march=native. The math follows reference.py: h = round_{h dtype}(x + residual), statistics
+// and the affine math in the accumulator type A (float, or double when x is float64), each output
+// rounded once to its own dtype.
+//
+// Every tensor has its own dtype code. A row is processed in chunks of kChunk elements: each input
+// chunk is converted into an A buffer by a loop chosen once per tensor, the math runs on A buffers
+// (they stay in L1 / L2), and outputs are converted on store. Rows are the unit of parallel work
+// (OpenMP, static schedule); a row is read from memory once (its second and third passes hit the
+// per-thread row buffer in cache). Row strides are in elements and may be anything; columns are
+// contiguous. Large float32 / bfloat16 / float16 outputs use streaming stores (AVX2 / AVX-512).
+//
+// LayerNorm's variance: per chunk (in L1) the shifted sums about the chunk's rounded mean, merged across
+// chunks in double (Chan et al.): centered, so no cancellation, and no second pass over the row.
+// dweight / dbias: each thread sums its static block of rows into its own partials (A over 32 rows,
+// then double); the partials are added in thread order. No atomics: the result depends only on the
+// team size.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
+#define OK_STREAM 1
+#endif
+#if defined(OK_STREAM) && defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#define OK_INLINE inline __attribute__((always_inline))
+#define OK_NOINLINE __attribute__((noinline))
+
+namespace {
+
+enum Dtype { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
+
+constexpr int64_t kChunk = 1024;             // elements per staging chunk: a few of them fit in L1
+constexpr int64_t kSerialBelow = 32 * 1024;  // elements; smaller calls lose more to fork/join than they gain
+// Output bytes from which stores bypass the cache. An ordinary store first reads the line it writes;
+// an output this large does not stay in a 32 MB L3 for the next op anyway.
+constexpr int64_t kStreamFrom = int64_t(32) << 20;
+
+template <class A>
+constexpr int acc_code() {
+  return sizeof(A) == 8 ? kF64 : kF32;
+}
+
+OK_INLINE int64_t elem_size(int code) { return code == kF64 ? 8 : code == kF32 ? 4 : 2; }
+
+OK_INLINE const char* at(const void* base, int64_t r, int64_t stride, int code) {
+  return static_cast<const char*>(base) + r * stride * elem_size(code);
+}
+
+OK_INLINE char* at(void* base, int64_t r, int64_t stride, int code) {
+  return static_cast<char*>(base) + r * stride * elem_size(code);
+}
+
+OK_INLINE uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+OK_INLINE float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+OK_INLINE float bf16_load(uint16_t h) { return from_bits(uint32_t(h) << 16); }
+
+// Round to nearest even; NaN keeps its sign and becomes a quiet NaN (rounding could carry it to inf).
+OK_INLINE uint16_t bf16_store(float v) {
+  uint32_t u = bits(v);
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return uint16_t(v != v ? (u >> 16) | 0x40u : rounded);
+}
+
+// ---- float16 (F16C: its conversions do not auto-vectorize from scalar code) ----
+
+OK_INLINE float f16_load(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return float(v);
+#endif
+}
+
+OK_INLINE uint16_t f16_store(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  _Float16 v = _Float16(f);
+  uint16_t h;
+  std::memcpy(&h, &v, 2);
+  return h;
+#endif
+}
+
+void f16_to_float(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = f16_load(src[i]);
+}
+
+void float_to_f16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), kRne));
+#endif
+  for (; i < n; ++i) dst[i] = f16_store(src[i]);
+}
+
+// ---- loading a chunk into the accumulator type ----
+
+OK_NOINLINE void bf16_to_float(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_load(src[i]);
+}
+
+void load(int code, const char* src, float* __restrict dst, int64_t n) {
+  switch (code) {
+    case kF32: std::memcpy(dst, src, size_t(n) * 4); return;
+    case kBF16: bf16_to_float(reinterpret_cast<const uint16_t*>(src), dst, n); return;
+    case kF16: f16_to_float(reinterpret_cast<const uint16_t*>(src), dst, n); return;
+  }
+}
+
+// The float64 path (x is float64) is for exactness (gradcheck), not speed: plain loops.
+void load(int code, const char* src, double* __restrict dst, int64_t n) {
+  switch (code) {
+    case kF64: std::memcpy(dst, src, size_t(n) * 8); return;
+    case kF32: {
+      auto s = reinterpret_cast<const float*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
+      return;
+    }
+    case kBF16: {
+      auto s = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_load(s[i]);
+      return;
+    }
+    case kF16: {
+      auto s = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = f16_load(s[i]);
+      return;
+    }
+  }
+}
+
+// ---- rounding a chunk to a narrower dtype in place (h = round_{h dtype}(x + residual)) ----
+
+OK_NOINLINE void round_bf16(float* __restrict p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = bf16_load(bf16_store(p[i]));
+}
+
+void round_to(int code, float* __restrict p, int64_t n) {
+  if (code == kBF16) {
+    round_bf16(p, n);
+  } else if (code == kF16) {
+    alignas(64) uint16_t tmp[kChunk];
+    for (int64_t c = 0; c < n; c += kChunk) {
+      const int64_t m = std::min(kChunk, n - c);
+      float_to_f16(p + c, tmp, m);
+      f16_to_float(tmp, p + c, m);
+    }
+  }
+}
+
+// torch converts float64 to a 16-bit type through float32 (c10::BFloat16 / c10::Half take a float).
+void round_to(int code, double* __restrict p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = float(p[i]);
+    p[i] = code == kF32 ? f : code == kBF16 ? bf16_load(bf16_store(f)) : code == kF16 ? f16_load(f16_store(f)) : p[i];
+  }
+}
+
+// ---- storing, optionally with streaming stores ----
+
+#if defined(OK_STREAM)
+// Whether the page holding p was touched before. The first store to a fresh page faults and the kernel
+// zeroes the page, which leaves it in cache: ordinary stores then cost no extra read, and streaming ones
+// are slower. glibc gives large allocations fresh pages (mmap) unless told otherwise.
+bool resident(const void* p) {
+#if defined(__linux__)
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  unsigned char in_core = 0;
+  return mincore(reinterpret_cast<void*>(uintptr_t(p) & ~(page - 1)), 1, &in_core) == 0 && (in_core & 1);
+#else
+  return p != nullptr;
+#endif
+}
+#endif
+
+// One 64-byte line from v (64-byte aligned) to dst (64-byte aligned), bypassing the cache.
+OK_INLINE void stream_line(void* dst, const void* v) {
+#if defined(__AVX512F__)
+  _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_load_si512(v));
+#elif defined(__AVX2__)
+  auto d = static_cast<__m256i*>(dst);
+  auto s = static_cast<const __m256i*>(v);
+  _mm256_stream_si256(d, _mm256_load_si256(s));
+  _mm256_stream_si256(d + 1, _mm256_load_si256(s + 1));
+#else
+  std::memcpy(dst, v, 64);
+#endif
+}
+
+// dst[i] = g(i) for i < n. With `stream`, dst's whole 64-byte lines are computed into an aligned line
+// (a register once vectorized) and streamed; the partial lines at either end take ordinary stores.
+template <class U, class G>
+OK_INLINE void put(bool stream, U* __restrict dst, int64_t n, G&& g) {
+  constexpr int64_t kLine = 64 / sizeof(U);
+  int64_t a = n, b = n;  // [a, b): whole lines
+#if defined(OK_STREAM)
+  if (stream) {
+    a = std::min(n, int64_t(-reinterpret_cast<uintptr_t>(dst) & 63) / int64_t(sizeof(U)));
+    b = a + (n - a) / kLine * kLine;
+  }
+#else
+  (void)stream;
+#endif
+  for (int64_t i = 0; i < a; ++i) dst[i] = g(i);
+  for (int64_t i = a; i < b; i += kLine) {
+    alignas(64) U v[kLine];
+#pragma GCC unroll 1  // left a loop for the vectorizer
+    for (int64_t k = 0; k < kLine; ++k) v[k] = g(i + k);
+    stream_line(dst + i, v);
+  }
+  for (int64_t i = b; i < n; ++i) dst[i] = g(i);
+}
+
+// Generic store of an A chunk into dtype `code` (no streaming for float64 / through float64).
+void store(int code, const float* __restrict src, char* dst, int64_t n, bool stream) {
+  switch (code) {
+    case kF32: put(stream, reinterpret_cast<float*>(dst), n, [&](int64_t i) { return src[i]; }); return;
+    case kBF16: put(stream, reinterpret_cast<uint16_t*>(dst), n, [&](int64_t i) { return bf16_store(src[i]); }); return;
+    case kF16: {
+      auto d = reinterpret_cast<uint16_t*>(dst);
+      const int64_t a = stream ? std::min(n, int64_t(-reinterpret_cast<uintptr_t>(d) & 63) / 2) : n;
+      const int64_t b = a + (n - a) / 32 * 32;
+      float_to_f16(src, d, a);
+      for (int64_t i = a; i < b; i += 32) {
+        alignas(64) uint16_t v[32];
+        float_to_f16(src + i, v, 32);
+        stream_line(d + i, v);
+      }
+      float_to_f16(src + b, d + b, n - b);
+      return;
+    }
+  }
+}
+
+void store(int code, const double* __restrict src, char* dst, int64_t n, bool) {
+  switch (code) {
+    case kF64: std::memcpy(dst, src, size_t(n) * 8); return;
+    case kF32: {
+      auto d = reinterpret_cast<float*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = float(src[i]);
+      return;
+    }
+    case kBF16: {
+      auto d = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = bf16_store(float(src[i]));
+      return;
+    }
+    case kF16: {
+      auto d = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = f16_store(float(src[i]));
+      return;
+    }
+  }
+}
+
+// dst (dtype D, or the runtime `code` when D < 0) [i] = f(i) for i < n <= kChunk. float32 and bfloat16
+// convert inline; float16 and the float64 path go through an A staging chunk.
+constexpr int kAny = -1;
+
+template <class A, int D, class F>
+OK_INLINE void emit(bool stream, char* dst, int64_t n, int code, F&& f) {
+  if constexpr (D == kF32) {
+    put(stream, reinterpret_cast<float*>(dst), n, f);
+  } else if constexpr (D == kBF16) {
+    put(stream, reinterpret_cast<uint16_t*>(dst), n, [&](int64_t i) { return bf16_store(f(i)); });
+  } else {
+    alignas(64) A y[kChunk];
+    for (int64_t i = 0; i < n; ++i) y[i] = f(i);
+    store(D == kAny ? code : D, y, dst, n, stream);
+  }
+}
+
+// ---- reductions over one chunk (vectorized: several partial sums), summed across chunks in double ----
+
+template <class A>
+OK_NOINLINE A sum_of(const A* __restrict p, int64_t n) {
+  A s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += p[i];
+  return s;
+}
+
+template <class A>
+OK_NOINLINE A sum_sq(const A* __restrict p, A center, int64_t n) {
+  A s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) {
+    const A d = p[i] - center;
+    s += d * d;
+  }
+  return s;
+}
+
+// sum(d^2) and sum(d) with d = p - center (the shifted-data sums: exact differences near the center).
+template <class A>
+OK_NOINLINE A centered_sums(const A* __restrict p, A center, int64_t n, A& sum_d) {
+  A s = 0, t = 0;
+#pragma omp simd reduction(+ : s, t)
+  for (int64_t i = 0; i < n; ++i) {
+    const A d = p[i] - center;
+    s += d * d;
+    t += d;
+  }
+  sum_d = t;
+  return s;
+}
+
+// Per-thread scratch that outlives the call (no page faults on reuse): slot k of the calling thread.
+template <class T>
+T* scratch(int slot, int64_t n) {
+  thread_local std::vector<char> buffers[5];
+  std::vector<char>& b = buffers[slot];
+  const size_t need = size_t(n) * sizeof(T) + 64;
+  if (b.size() < need) b.resize(need);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
+}
+
+OK_INLINE int team_size() {
+#if defined(_OPENMP)
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+OK_INLINE int thread_id() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+OK_INLINE void fence(bool any_stream) {
+#if defined(OK_STREAM)
+  if (any_stream) _mm_sfence();  // streaming stores are weakly ordered: complete them before the region ends
+#else
+  (void)any_stream;
+#endif
+}
+
+bool should_stream(void* base, int code, int64_t rows, int64_t cols) {
+#if defined(OK_STREAM)
+  if (base == nullptr || code == kF64) return false;
+  const int64_t bytes = rows * cols * elem_size(code);
+  return bytes >= kStreamFrom && resident(static_cast<char*>(base) + bytes - 1);
+#else
+  (void)base, (void)code, (void)rows, (void)cols;
+  return false;
+#endif
+}
+
+// ================================ forward ================================
+
+template <class A>
+using AffineFn = void (*)(const A*, const A*, const A*, A, A, char*, int64_t, bool, int);
+
+// out = (h - mean) * rstd [* w] [+ b], converted to out's dtype.
+template <class A, int D, bool W, bool B>
+OK_NOINLINE void affine(const A* __restrict h, const A* __restrict w, const A* __restrict b, A mean, A rstd,
+                        char* out, int64_t n, bool stream, int code) {
+  emit<A, D>(stream, out, n, code, [&](int64_t i) {
+    A v = (h[i] - mean) * rstd;
+    if constexpr (W) v = v * w[i];
+    if constexpr (B) v = v + b[i];
+    return v;
+  });
+}
+
+template <class A, int D>
+AffineFn<A> pick_affine(bool w, bool b) {
+  if (w && b) return affine<A, D, true, true>;
+  if (w) return affine<A, D, true, false>;
+  if (b) return affine<A, D, false, true>;
+  return affine<A, D, false, false>;
+}
+
+template <class A>
+AffineFn<A> pick_affine(int code, bool w, bool b) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (code == kF32) return pick_affine<A, kF32>(w, b);
+    if (code == kBF16) return pick_affine<A, kBF16>(w, b);
+    return pick_affine<A, kF16>(w, b);
+  }
+  return pick_affine<A, kAny>(w, b);
+}
+
+// dst[i] = src[i] converted to A; returns sum(dst) or (SQ) sum(dst^2). One pass: the converted chunk
+// is summed while it is in registers.
+template <bool SQ, class U, class Cvt>
+OK_INLINE float convert_sum(const U* __restrict src, float* __restrict dst, int64_t n, Cvt&& cvt) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = cvt(src[i]);
+    dst[i] = v;
+    s += SQ ? v * v : v;
+  }
+  return s;
+}
+
+template <bool SQ>
+OK_NOINLINE float load_sum(int code, const char* src, float* __restrict dst, int64_t n) {
+  switch (code) {
+    case kF32: return convert_sum<SQ>(reinterpret_cast<const float*>(src), dst, n, [](float v) { return v; });
+    case kBF16: return convert_sum<SQ>(reinterpret_cast<const uint16_t*>(src), dst, n, bf16_load);
+  }
+  load(code, src, dst, n);
+  return SQ ? sum_sq<float>(dst, 0.0f, n) : sum_of<float>(dst, n);
+}
+
+template <bool SQ>
+double load_sum(int code, const char* src, double* __restrict dst, int64_t n) {
+  load(code, src, dst, n);
+  return SQ ? sum_sq<double>(dst, 0.0, n) : sum_of<double>(dst, n);
+}
+
+template <class A>
+OK_NOINLINE void add_to(A* __restrict h, const A* __restrict r, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] += r[i];
+}
+
+struct Fwd {
+  const void* x;
+  int64_t x_stride;
+  int x_code;
+  const void* res;  // nullable
+  int64_t res_stride;
+  int res_code;
+  const void* w;  // A[N] (weight + weight_offset), nullable
+  const void* b;  // A[N], nullable
+  void* out;      // contiguous
+  int out_code;
+  void* res_out;  // contiguous, nullable
+  int res_out_code;
+  void* mean;  // A[M], nullable
+  void* rstd;  // A[M]
+  int h_code;
+  int64_t M, N;
+  double eps;
+  bool rms;
+};
+
+// One row. hb: a row buffer of N (unused when h is x itself), tb: a chunk buffer.
+template <class A>
+void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A* __restrict tb, bool stream_out,
+             bool stream_res) {
+  constexpr int kAcc = acc_code<A>();
+  const int64_t N = f.N;
+  const char* x = at(f.x, r, f.x_stride, f.x_code);
+  const char* res = f.res ? at(f.res, r, f.res_stride, f.res_code) : nullptr;
+  char* ro = f.res_out ? at(f.res_out, r, N, f.res_out_code) : nullptr;
+  char* out = at(f.out, r, N, f.out_code);
+  // h rounds to its dtype unless it already is that dtype's value (no residual, x of that dtype).
+  const bool round = f.h_code != kAcc && (res != nullptr || f.x_code != f.h_code);
+  const bool alias = res == nullptr && f.x_code == kAcc && !round;  // h is x itself
+  const bool fused = res == nullptr && !round;                     // h is x converted: sum while converting
+  const A* h = alias ? reinterpret_cast<const A*>(x) : hb;
+
+  // Pass 1: h (into hb), residual_out, and sum(h^2) (RMSNorm) or, per chunk while it is in L1, sum(h)
+  // and the sum of squares about the chunk's mean, merged across chunks in double (Chan et al.): the
+  // variance comes from centered sums without a second pass over the row.
+  double s = 0.0, cnt = 0.0, mu = 0.0, m2 = 0.0;
+  for (int64_t c = 0; c < N; c += kChunk) {
+    const int64_t m = std::min(kChunk, N - c);
+    const char* xc = x + c * elem_size(f.x_code);
+    const A* hc = h + c;
+    double sc;  // sum(h) or sum(h^2) of the chunk
+    if (alias) {
+      sc = f.rms ? double(sum_sq<A>(hc, A(0), m)) : double(sum_of<A>(hc, m));
+    } else if (fused) {
+      sc = f.rms ? double(load_sum<true>(f.x_code, xc, hb + c, m)) : double(load_sum<false>(f.x_code, xc, hb + c, m));
+    } else {
+      load(f.x_code, xc, hb + c, m);
+      if (res) {
+        load(f.res_code, res + c * elem_size(f.res_code), tb, m);
+        add_to(hb + c, tb, m);
+      }
+      if (round) round_to(f.h_code, hb + c, m);
+      sc = f.rms ? double(sum_sq<A>(hc, A(0), m)) : double(sum_of<A>(hc, m));
+    }
+    if (ro) store(f.res_out_code, hc, ro + c * elem_size(f.res_out_code), m, stream_res);
+    if (f.rms) {
+      s += sc;
+    } else {
+      // sum((h - center)^2) = m2_c + m (mean_c - center)^2, with mean_c - center = sum(h - center) / m
+      // exactly: the rounded sum(h) only picks the center.
+      const A center = A(sc / double(m));
+      A sum_d;
+      const double ss = double(centered_sums<A>(hc, center, m, sum_d));
+      const double dc = double(sum_d) / double(m);
+      const double mean_c = double(center) + dc;
+      const double m2_c = std::max(0.0, ss - double(m) * dc * dc);
+      const double n1 = cnt + double(m), delta = mean_c - mu;
+      mu += delta * double(m) / n1;
+      m2 += m2_c + delta * delta * cnt * double(m) / n1;
+      cnt = n1;
+    }
+  }
+  A mean = 0, var;
+  if (f.rms) {
+    var = A(s / double(N));  // mean(h^2)
+  } else {
+    mean = A(mu);
+    var = A(m2 / double(N));
+  }
+  const A rstd = A(1) / std::sqrt(var + A(f.eps));
+  static_cast<A*>(f.rstd)[r] = rstd;
+  if (f.mean) static_cast<A*>(f.mean)[r] = mean;
+
+  // Pass 2: y.
+  const A* w = static_cast<const A*>(f.w);
+  const A* b = static_cast<const A*>(f.b);
+  for (int64_t c = 0; c < N; c += kChunk) {
+    const int64_t m = std::min(kChunk, N - c);
+    affine_fn(h + c, w ? w + c : nullptr, b ? b + c : nullptr, mean, rstd, out + c * elem_size(f.out_code), m,
+              stream_out, f.out_code);
+  }
+}
+
+template <class A>
+void run_fwd(const Fwd& f, int num_threads) {
+  constexpr int kAcc = acc_code<A>();
+  const bool stream_out = should_stream(f.out, f.out_code, f.M, f.N);
+  const bool stream_res = should_stream(f.res_out, f.res_out_code, f.M, f.N);
+  const bool parallel = num_threads > 1 && f.M > 1 && f.M * f.N >= kSerialBelow;
+  const bool need_hb = !(f.res == nullptr && f.x_code == kAcc && f.h_code == kAcc);
+  const AffineFn<A> affine_fn = pick_affine<A>(f.out_code, f.w != nullptr, f.b != nullptr);
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    A* hb = need_hb ? scratch<A>(0, f.N) : nullptr;
+    A* tb = scratch<A>(2, kChunk);
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < f.M; ++r) fwd_row<A>(f, affine_fn, r, hb, tb, stream_out, stream_res);
+    fence(stream_out || stream_res);
+  }
+}
+
+// ================================ backward ================================
+
+struct Bwd {
+  const void* dy;
+  int64_t dy_stride;
+  int dy_code;
+  const void* h;
+  int64_t h_stride;
+  int h_code;
+  const void* w;     // A[N] (weight + weight_offset), nullable
+  const void* mean;  // A[M], nullable (0)
+  const void* rstd;  // A[M]
+  const void* dh_out;  // nullable
+  int64_t dh_out_stride;
+  int dh_out_code;
+  void* dh;  // contiguous
+  int dh_code;
+  void* dw;  // A[N], nullable
+  void* db;  // A[N], nullable
+  int64_t M, N;
+  bool rms;
+};
+
+constexpr int64_t kFlushRows = 32;  // rows summed into the A partials before they go into the double ones
+
+// Pass 1 over a chunk: xhat (into xh), sum(wg xhat) and sum(wg) with wg = dy w, and this thread's
+// dweight / dbias partials.
+template <class A, bool W, bool DW, bool DB>
+OK_NOINLINE void bwd_stats(const A* __restrict h, const A* __restrict dy, const A* __restrict w, A mean, A rstd,
+                           A* __restrict xh, A* __restrict pdw, A* __restrict pdb, int64_t n, A& s_gx, A& s_g) {
+  A a = 0, b = 0;
+#pragma omp simd reduction(+ : a, b)
+  for (int64_t i = 0; i < n; ++i) {
+    const A xhat = (h[i] - mean) * rstd;
+    xh[i] = xhat;
+    const A g = W ? dy[i] * w[i] : dy[i];
+    a += g * xhat;
+    b += g;
+    if constexpr (DW) pdw[i] += dy[i] * xhat;
+    if constexpr (DB) pdb[i] += dy[i];
+  }
+  s_gx = a;
+  s_g = b;
+}
+
+template <class A>
+using GradFn = void (*)(const A*, const A*, const A*, const A*, A, A, A, char*, int64_t, bool, int);
+
+// Pass 2: dh = rstd ((wg - xhat c_gx) - c_g) [+ dh_out], converted to dh's dtype.
+template <class A, int D, bool W, bool ADD>
+OK_NOINLINE void bwd_grad(const A* __restrict xh, const A* __restrict dy, const A* __restrict w,
+                          const A* __restrict add, A rstd, A c_gx, A c_g, char* out, int64_t n, bool stream,
+                          int code) {
+  emit<A, D>(stream, out, n, code, [&](int64_t i) {
+    const A g = W ? dy[i] * w[i] : dy[i];
+    A v = rstd * ((g - xh[i] * c_gx) - c_g);
+    if constexpr (ADD) v = v + add[i];
+    return v;
+  });
+}
+
+template <class A, int D>
+GradFn<A> pick_grad(bool w, bool add) {
+  if (w && add) return bwd_grad<A, D, true, true>;
+  if (w) return bwd_grad<A, D, true, false>;
+  if (add) return bwd_grad<A, D, false, true>;
+  return bwd_grad<A, D, false, false>;
+}
+
+template <class A>
+GradFn<A> pick_grad(int code, bool w, bool add) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (code == kF32) return pick_grad<A, kF32>(w, add);
+    if (code == kBF16) return pick_grad<A, kBF16>(w, add);
+    return pick_grad<A, kF16>(w, add);
+  }
+  return pick_grad<A, kAny>(w, add);
+}
+
+struct Scratch {
+  void *xb, *gb, *tb, *pdw, *pdb;
+};
+
+template <class A, bool W, bool DW, bool DB>
+void bwd_row(const Bwd& k, GradFn<A> grad_fn, int64_t r, const Scratch& sc, bool stream) {
+  constexpr int kAcc = acc_code<A>();
+  const int64_t N = k.N;
+  A* xb = static_cast<A*>(sc.xb);
+  A* gb = static_cast<A*>(sc.gb);
+  A* tb = static_cast<A*>(sc.tb);
+  A* pdw = static_cast<A*>(sc.pdw);
+  A* pdb = static_cast<A*>(sc.pdb);
+  const char* dyr = at(k.dy, r, k.dy_stride, k.dy_code);
+  const char* hr = at(k.h, r, k.h_stride, k.h_code);
+  const char* dho = k.dh_out ? at(k.dh_out, r, k.dh_out_stride, k.dh_out_code) : nullptr;
+  char* dh = at(k.dh, r, N, k.dh_code);
+  const A* w = static_cast<const A*>(k.w);
+  const A mean = k.mean ? static_cast<const A*>(k.mean)[r] : A(0);
+  const A rstd = static_cast<const A*>(k.rstd)[r];
+  const A* dy = k.dy_code == kAcc ? reinterpret_cast<const A*>(dyr) : gb;  // dy itself, or converted into gb
+
+  // Pass 1: xhat (into xb), dy (into gb), the two row sums and the dweight / dbias partials.
+  double s_gx = 0.0, s_g = 0.0;
+  for (int64_t c = 0; c < N; c += kChunk) {
+    const int64_t m = std::min(kChunk, N - c);
+    const A* h = reinterpret_cast<const A*>(hr) + c;
+    if (k.h_code != kAcc) {
+      load(k.h_code, hr + c * elem_size(k.h_code), tb, m);
+      h = tb;
+    }
+    if (k.dy_code != kAcc) load(k.dy_code, dyr + c * elem_size(k.dy_code), gb + c, m);
+    A a, b;
+    bwd_stats<A, W, DW, DB>(h, dy + c, W ? w + c : nullptr, mean, rstd, xb + c, DW ? pdw + c : nullptr,
+                            DB ? pdb + c : nullptr, m, a, b);
+    s_gx += double(a);
+    s_g += double(b);
+  }
+  const A c_gx = A(s_gx / double(N));
+  const A c_g = k.rms ? A(0) : A(s_g / double(N));  // (v - 0) == v: RMSNorm takes the same path
+
+  // Pass 2: dh. dh_out goes through tb first, so dh may be dh_out itself.
+  for (int64_t c = 0; c < N; c += kChunk) {
+    const int64_t m = std::min(kChunk, N - c);
+    if (dho) load(k.dh_out_code, dho + c * elem_size(k.dh_out_code), tb, m);
+    grad_fn(xb + c, dy + c, W ? w + c : nullptr, tb, rstd, c_gx, c_g, dh + c * elem_size(k.dh_code), m, stream,
+            k.dh_code);
+  }
+}
+
+template <class A>
+using BwdRow = void (*)(const Bwd&, GradFn<A>, int64_t, const Scratch&, bool);
+
+template <class A, bool W>
+BwdRow<A> pick_row(bool dw, bool db) {
+  if (dw && db) return bwd_row<A, W, true, true>;
+  if (dw) return bwd_row<A, W, true, false>;
+  if (db) return bwd_row<A, W, false, true>;
+  return bwd_row<A, W, false, false>;
+}
+
+template <class A>
+OK_NOINLINE void flush(A* __restrict p, double* __restrict q, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    q[i] += double(p[i]);
+    p[i] = A(0);
+  }
+}
+
+template <class A>
+void run_bwd(const Bwd& k, int num_threads) {
+  const int64_t N = k.N;
+  const bool stream = should_stream(k.dh, k.dh_code, k.M, N);
+  const bool parallel = num_threads > 1 && k.M * N >= kSerialBelow;
+  const bool partials = k.dw != nullptr || k.db != nullptr;
+  const BwdRow<A> row = k.w ? pick_row<A, true>(k.dw, k.db) : pick_row<A, false>(k.dw, k.db);
+  const GradFn<A> grad_fn = pick_grad<A>(k.dh_code, k.w != nullptr, k.dh_out != nullptr);
+  // Double partials of thread t: part[2tN, (2t+1)N) for dweight, then N for dbias. The team has at
+  // most num_threads; its size fixes the row partition, so the summation order.
+  double* part = partials ? scratch<double>(4, 2 * int64_t(parallel ? num_threads : 1) * N) : nullptr;
+  int team = 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    const int nt = team_size(), t = thread_id();
+    if (t == 0) team = nt;
+    Scratch sc{scratch<A>(0, N), scratch<A>(1, k.dy_code == acc_code<A>() ? 0 : N), scratch<A>(2, kChunk),
+               nullptr, nullptr};
+    double* qdw = partials ? part + 2 * int64_t(t) * N : nullptr;  // then qdb = qdw + N
+    if (partials) {
+      std::fill(qdw, qdw + 2 * N, 0.0);
+      A* p = scratch<A>(3, 2 * N);  // A partials over up to kFlushRows rows
+      std::fill(p, p + 2 * N, A(0));
+      sc.pdw = p;
+      sc.pdb = p + N;
+    }
+    const int64_t r0 = k.M * t / nt, r1 = k.M * (t + 1) / nt;  // static partition
+    for (int64_t r = r0; r < r1; ++r) {
+      row(k, grad_fn, r, sc, stream);
+      if (partials && ((r - r0) % kFlushRows == kFlushRows - 1 || r == r1 - 1))
+        flush(static_cast<A*>(sc.pdw), qdw, 2 * N);  // pdw, pdb and qdw, qdb are adjacent
+    }
+    fence(stream);
+  }
+  if (partials) {  // fixed order over threads: deterministic
+    A* dw = static_cast<A*>(k.dw);
+    A* db = static_cast<A*>(k.db);
+#pragma omp parallel for num_threads(num_threads) if (parallel && N >= 8192) schedule(static)
+    for (int64_t j = 0; j < N; ++j) {
+      double a = 0.0, b = 0.0;
+      for (int t = 0; t < team; ++t) {
+        a += part[2 * int64_t(t) * N + j];
+        b += part[(2 * int64_t(t) + 1) * N + j];
+      }
+      if (dw) dw[j] = A(a);
+      if (db) db[j] = A(b);
+    }
+  }
+}
+
+bool valid(int code, bool f64) { return code == kF32 || code == kBF16 || code == kF16 || (f64 && code == kF64); }
+
+}  // namespace
+
+// Strides are in elements; out / residual_out / dh are contiguous (M, N); mean, rstd, weight, bias,
+// dweight, dbias are in the accumulator type (float64 when x (forward) or rstd (backward) is, else
+// float32), weight already holds weight + weight_offset. Null pointers: absent. Dtype codes: 0 float32,
+// 1 bfloat16, 2 float16, 3 float64 (float64 only on the float64 path). Returns 0, or -1 for a bad code.
+extern "C" {
+
+int ok_norm_fwd(const void* x, int64_t x_stride, int x_code, const void* res, int64_t res_stride, int res_code,
+                const void* w, const void* b, void* out, int out_code, void* res_out, int res_out_code, void* mean,
+                void* rstd, int h_code, int64_t M, int64_t N, double eps, int rms, int num_threads) {
+  const bool f64 = x_code == kF64;
+  if (!valid(x_code, f64) || !valid(out_code, f64) || !valid(h_code, f64) || (res && !valid(res_code, f64)) ||
+      (res_out && !valid(res_out_code, f64)))
+    return -1;
+  const Fwd f{x,       x_stride,     x_code, res,  res_stride, res_code, w, b, out, out_code,
+              res_out, res_out_code, mean,   rstd, h_code,     M,        N, eps, rms != 0};
+  if (f64) run_fwd<double>(f, num_threads);
+  else run_fwd<float>(f, num_threads);
+  return 0;
+}
+
+int ok_norm_bwd(const void* dy, int64_t dy_stride, int dy_code, const void* h, int64_t h_stride, int h_code,
+                const void* w, const void* mean, const void* rstd, const void* dh_out, int64_t dh_out_stride,
+                int dh_out_code, void* dh, int dh_code, void* dw, void* db, int64_t M, int64_t N, int rms,
+                int f64, int num_threads) {
+  if (!valid(dy_code, f64) || !valid(h_code, f64) || !valid(dh_code, f64) || (dh_out && !valid(dh_out_code, f64)))
+    return -1;
+  const Bwd k{dy, dy_stride, dy_code, h, h_stride, h_code, w, mean, rstd, dh_out, dh_out_stride, dh_out_code,
+              dh, dh_code,   dw,      db, M, N, rms != 0};
+  if (f64) run_bwd<double>(k, num_threads);
+  else run_bwd<float>(k, num_threads);
+  return 0;
+}
+
+}  // extern "C"
