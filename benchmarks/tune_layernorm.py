@@ -27,33 +27,44 @@ def candidates(n: int, direction: str) -> list[NormConfig]:
     out = []
     if n <= MAX_TILE_COLS[direction]:
         cols = _pow2(n)
-        for rows in (1, 2, 4, 8):
+        for rows in (1, 2, 4):
             if rows > 1 and rows * cols > 8192:
                 continue
             for warps in (2, 4, 8, 16, 32):
                 per_thread = rows * cols // (32 * warps)
-                if 4 <= per_thread <= 32:
-                    out += _with_grid(NormConfig(rows, cols, warps, False), direction)
-    if n >= 8192:
-        for chunk in (2048, 4096, 8192):
-            for warps in (4, 8, 16):
-                if 4 <= chunk // (32 * warps) <= 32 and chunk < n:
-                    out += _with_grid(NormConfig(1, chunk, warps, True), direction)
+                if direction == "fwd" and 8 <= per_thread <= 32:
+                    out += [NormConfig(rows, cols, warps, "tile", p, p > 0) for p in (0, max(1, 32 // warps))]
+                if direction == "bwd" and 4 <= per_thread <= 32:
+                    out += [
+                        NormConfig(rows, cols, warps, "tile", p, True)
+                        for p in {max(1, 32 // warps), max(1, 64 // warps)}
+                    ]
+    if n > 8192 and direction == "fwd":
+        for chunk in (4096, 8192, 16384):
+            for warps in (4, 8, 16, 32):
+                if 8 <= chunk // (32 * warps) <= 32 and chunk < n and -(-n // chunk) <= 64:
+                    out.append(NormConfig(1, chunk, warps, "split"))
+    if n >= 65536 or (direction == "bwd" and n > MAX_TILE_COLS["bwd"]):
+        for chunk in (4096, 8192):
+            for warps in (8, 16):
+                if 8 <= chunk // (32 * warps) <= 32:
+                    out.append(
+                        NormConfig(
+                            1,
+                            chunk,
+                            warps,
+                            "looped",
+                            max(1, 64 // warps // (1 if direction == "bwd" else 64)),
+                        )
+                    )
     return out
-
-
-def _with_grid(cfg: NormConfig, direction: str) -> list[NormConfig]:
-    if direction == "fwd":
-        return [cfg]
-    full = max(1, 64 // cfg.num_warps)  # programs that fill an SM's 64 warps
-    return [NormConfig(cfg.block_rows, cfg.block_cols, cfg.num_warps, cfg.looped, p) for p in {full, 2 * full}]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--shapes", default="")
-    parser.add_argument("--rep-ms", type=float, default=50.0)
+    parser.add_argument("--rep-ms", type=float, default=30.0)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
@@ -86,7 +97,7 @@ def main() -> None:
         for rms in (True, False):
             op = "rms" if rms else "ln"
             for direction in ("fwd", "bwd"):
-                picked = launch_config(n, dtype, "cuda", direction)
+                picked = launch_config(n, dtype, "cuda", direction, True, rms)
                 nbytes = (2 if direction == "fwd" else 3) * rows * n * size
                 for cfg in candidates(n, direction):
 
@@ -112,14 +123,14 @@ def main() -> None:
                     mark = "*" if _same(cfg, picked) else " "
                     print(
                         f"{rows}x{n} {op} {direction} r{cfg.block_rows} c{cfg.block_cols} w{cfg.num_warps} "
-                        f"p{cfg.programs_per_sm if direction == 'bwd' else '-'} "
-                        f"{'looped' if cfg.looped else 'tile'}{mark} {gbps:7.0f} GB/s ({gbps / ceiling:.3f})",
+                        f"p{cfg.programs_per_sm} {'prefetch' if cfg.prefetch else '-'} "
+                        f"{cfg.mode}{mark} {gbps:7.0f} GB/s ({gbps / ceiling:.3f})",
                         flush=True,
                     )
 
 
 def _same(a: NormConfig, b: NormConfig) -> bool:
-    return (a.block_rows, a.block_cols, a.num_warps, a.looped) == (b.block_rows, b.block_cols, b.num_warps, b.looped)
+    return a == b
 
 
 if __name__ == "__main__":

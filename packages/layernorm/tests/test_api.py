@@ -119,6 +119,10 @@ def test_double_backward_is_a_clear_error() -> None:
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     y = L.rms_norm(x)
     (g,) = torch.autograd.grad(y.sum() * 0 + (y * y).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported|once_differentiable"):
+        g.sum().backward()
+    compiled_path = torch.ops.openkernels.rms_norm(x, None, None, 1e-6, 0.0, False, None, None)[0]
+    (g,) = torch.autograd.grad((compiled_path * compiled_path).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward is not supported"):
         g.sum().backward()
 
@@ -212,11 +216,11 @@ def test_failing_kernel_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("OPENKERNELS_STRICT", "0")
     x = torch.randn(6, 40)
     w = torch.randn(40)
-    with failing_implementation("layer_norm", "cpu", RuntimeError("no launch")):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            first = L.layer_norm(x, w)
-            second = L.layer_norm(x, w)
+    failing = failing_implementation("layer_norm", "cpu", RuntimeError("no launch"))
+    with failing, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = L.layer_norm(x, w)
+        second = L.layer_norm(x, w)
     fallbacks = [w for w in caught if issubclass(w.category, dispatch.KernelFallbackWarning)]
     assert len(fallbacks) == 1
     ref = R.layer_norm_ref(x.double(), w.double())

@@ -10,7 +10,15 @@ from openkernels.shared import dispatch
 from openkernels.shared.platform import triton_interpreting
 from openkernels.shared.testing import assert_close, noncontiguous_views, poisoned_empty, random_tensor
 
-from .cases import KERNEL_DTYPES, Options, all_options, check_against_reference, option_params, shapes, targets
+from .cases import (
+    KERNEL_DTYPES,
+    Options,
+    all_options,
+    check_against_reference,
+    option_params,
+    shapes,
+    targets,
+)
 
 pytestmark = pytest.mark.parametrize(("device", "impl"), targets())
 
@@ -107,7 +115,9 @@ def test_large_offsets_and_constant_rows(device: str, impl: str, rms: bool) -> N
     conditioning = 300.0 * 100.0
     with dispatch.force(impl), poisoned_empty():
         y, h = options.call(inputs, torch.float32)
-        check_against_reference(options, inputs, torch.float32, y, h, "offset rows", conditioning=conditioning)
+        check_against_reference(
+            options, inputs, torch.float32, y, h, "offset rows", conditioning=conditioning
+        )
 
 
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
@@ -165,3 +175,77 @@ def test_gradcheck_float64(device: str, impl: str) -> None:
             lambda x, r, w, b: L.layer_norm(x, w, b, residual=r, prenorm=True), (x, r, w, b)
         )
         assert torch.autograd.gradcheck(lambda x: L.layer_norm(x), (x,))
+
+
+def _kernel_paths(device: str) -> list:
+    """Every Triton kernel and launch option a config can pick, on shapes that exercise it."""
+    from openkernels.layernorm.triton.configs import NormConfig
+
+    splits = 1 if device == "cpu" else 3  # the interpreter runs programs one by one
+    return [
+        ("fwd", NormConfig(1, 64, 2, "tile"), (37, 50)),
+        ("fwd", NormConfig(2, 64, 2, "tile"), (37, 64)),  # n == BLOCK_C: no column mask
+        ("fwd", NormConfig(1, 64, 2, "tile", programs_per_sm=1, prefetch=True), (37, 64)),
+        ("fwd", NormConfig(4, 64, 2, "tile", programs_per_sm=1), (37, 50)),
+        ("fwd", NormConfig(2, 64, 2, "tile", programs_per_sm=1, prefetch=True), (37, 50)),
+        ("fwd", NormConfig(1, 128, 4, "split"), (5, 128 * splits - 3)),
+        ("fwd", NormConfig(1, 64, 2, "looped"), (5, 200)),
+        ("bwd", NormConfig(1, 64, 2, "tile", programs_per_sm=2), (37, 50)),
+        ("bwd", NormConfig(2, 64, 2, "tile", programs_per_sm=1, prefetch=True), (37, 64)),
+        ("bwd", NormConfig(4, 64, 2, "tile", programs_per_sm=1, prefetch=True), (37, 50)),
+        ("bwd", NormConfig(1, 64, 2, "tile", programs_per_sm=0, prefetch=True), (37, 50)),
+        ("bwd", NormConfig(1, 64, 2, "looped", programs_per_sm=1), (5, 200)),
+    ]
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_every_kernel_path(device: str, impl: str, rms: bool) -> None:
+    if impl != "triton":
+        pytest.skip("launch configs belong to the Triton kernels")
+    from openkernels.layernorm import reference as R
+    from openkernels.layernorm import triton as T
+
+    for direction, cfg, (m, n) in _kernel_paths(device):
+        msg = f"{direction} {cfg}"
+        x = random_tensor((m, n), torch.bfloat16, device)
+        r = random_tensor((m, n), torch.bfloat16, device)
+        w = random_tensor((n,), torch.bfloat16, device)
+        b = None if rms else random_tensor((n,), torch.bfloat16, device)
+        h = (x.float() + r.float()).to(torch.bfloat16)
+        if direction == "fwd":
+            got = [torch.empty(m, n, dtype=torch.bfloat16, device=device) for _ in range(2)]
+            got += [None if rms else torch.empty(m, device=device), torch.empty(m, device=device)]
+            T.norm_fwd(
+                x, r, w, b, *got, eps=1e-6, weight_offset=0.5, rms=rms, h_dtype=torch.bfloat16, config=cfg
+            )
+            want = [torch.empty(m, n, dtype=torch.float64) for _ in range(2)]
+            want += [
+                None if rms else torch.empty(m, dtype=torch.float64),
+                torch.empty(m, dtype=torch.float64),
+            ]
+            R.norm_fwd(x.double().cpu(), r.double().cpu(), w.double().cpu(), None if b is None else b.double().cpu(),
+                       *want, eps=1e-6, weight_offset=0.5, rms=rms, h_dtype=torch.bfloat16)  # fmt: skip
+            assert_close(got[1], want[1], dtype=torch.bfloat16, msg=f"{msg} h")
+            assert_close(got[0], want[0], dtype=torch.bfloat16, terms=n, msg=f"{msg} y")
+            assert_close(got[3], want[3], dtype=torch.float32, terms=n, msg=f"{msg} rstd")
+            if not rms:
+                assert_close(got[2], want[2], dtype=torch.float32, terms=n, term_scale=4.0, msg=f"{msg} mean")
+        else:
+            hd = h.double().cpu()
+            mean = torch.zeros(m, dtype=torch.float64) if rms else hd.mean(-1)
+            rstd = ((hd - mean[:, None]).square().mean(-1) + 1e-6).rsqrt()
+            dy = random_tensor((m, n), torch.bfloat16, device)
+            dh_out = random_tensor((m, n), torch.bfloat16, device)
+            got = [torch.empty(m, n, dtype=torch.bfloat16, device=device), torch.empty(n, device=device)]
+            got.append(None if rms else torch.empty(n, device=device))
+            T.norm_bwd(dy, h, w, None if rms else mean.float().to(device), rstd.float().to(device), dh_out,
+                       *got, weight_offset=0.5, rms=rms, config=cfg)  # fmt: skip
+            want = [torch.empty(m, n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)]
+            want.append(None if rms else torch.empty(n, dtype=torch.float64))
+            R.norm_bwd(dy.double().cpu(), hd, w.double().cpu(), None if rms else mean, rstd,
+                       dh_out.double().cpu(), *want, weight_offset=0.5, rms=rms)  # fmt: skip
+            scale = float(rstd.max()) * float(dy.abs().max()) * 2.0
+            assert_close(got[0], want[0], dtype=torch.bfloat16, terms=n, term_scale=scale, msg=f"{msg} dh")
+            assert_close(got[1], want[1], dtype=torch.float32, terms=m, term_scale=scale * 4, msg=f"{msg} dw")
+            if not rms:
+                assert_close(got[2], want[2], dtype=torch.float32, terms=m, term_scale=scale, msg=f"{msg} db")

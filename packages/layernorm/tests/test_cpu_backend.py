@@ -85,6 +85,11 @@ FWD_CASES = [
     ("ln-long-row", (2, 262144), False, F32, None, F32, False, F32, F32, F32, 0.0, 0),
     ("ln-many-rows", (515, 64), False, BF16, None, BF16, False, BF16, BF16, BF16, 0.0, 0),
     ("ln-empty", (0, 64), False, BF16, BF16, BF16, True, BF16, BF16, BF16, 0.0, 0),
+    # 16-bit x, no residual, rows of several chunks: pass 2 converts x again (bfloat16: inside affine)
+    ("ln-bf16-no-res-out-f32-strided", (5, 3000), False, BF16, None, BF16, False, F32, BF16, BF16, 0.0, 3),
+    ("ln-bf16-no-res-stored", (3, 4097), False, BF16, None, BF16, True, BF16, F32, F32, 0.0, 0),
+    ("rms-bf16-no-res-h-f32", (3, 2049), True, BF16, None, F32, True, F16, BF16, None, 1.0, 0),
+    ("rms-f16-no-res-stored", (5, 2500), True, F16, None, F16, True, F16, F16, None, 0.0, 1),
 ]
 
 
@@ -289,3 +294,31 @@ def test_backward_rejects():
     with pytest.raises(ValueError):  # dh must be contiguous
         cpu.norm_bwd(h, h, None, None, torch.ones(M), None, torch.empty(N, M).t(), None, None,
                      weight_offset=0.0, rms=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_fresh_output_huge_pages(dtype):
+    """A large output whose pages were never touched gets MADV_HUGEPAGE on its 2 MiB aligned interior
+    (prepare_output). The output is a view that starts at an odd offset inside a larger fresh buffer
+    whose ends alone were written: the results match a call on a touched output, and the bytes around
+    the view are left as they were."""
+    M, N = 3, (12 << 20) // 3 // dtype.itemsize + 7  # about 12 MB, rows of an odd width
+    x, residual = random_tensor((M, N), dtype), random_tensor((M, N), dtype)
+    weight = random_tensor((N,), dtype)
+    pad = 4099  # elements before and after the view
+    buf = torch.empty(M * N + 2 * pad, dtype=dtype)  # fresh pages (glibc mmaps an allocation this large)
+    buf[: 2 * pad] = 7.0
+    buf[-2 * pad :] = 7.0
+    outs = []
+    for fresh in (True, False):
+        out = buf[pad : pad + M * N].view(M, N) if fresh else _nan((M, N), dtype)
+        ro, rstd = _nan((M, N), dtype), _nan((M,), F32)
+        cpu.norm_fwd(
+            x, residual, weight, None, out, ro, None, rstd, eps=1e-6, weight_offset=0.0, rms=True, h_dtype=dtype
+        )  # fmt: skip
+        dh = torch.empty((M, N), dtype=dtype) if fresh else _nan((M, N), dtype)
+        cpu.norm_bwd(residual, ro, weight, None, rstd, None, dh, None, None, weight_offset=0.0, rms=True)
+        outs.append((out.clone(), ro, rstd, dh))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert bool((buf[:pad] == 7.0).all()) and bool((buf[-pad:] == 7.0).all())

@@ -27,7 +27,9 @@ def _check_tensor(name: str, what: str, t: object, x: torch.Tensor, allowed: tup
     if t.device != x.device:
         raise ValueError(f"{name}: {what} is on {t.device} but x is on {x.device}")
     if t.dtype not in allowed:
-        raise TypeError(f"{name}: {what} has dtype {t.dtype}; with x in {x.dtype} it must be one of {allowed}")
+        raise TypeError(
+            f"{name}: {what} has dtype {t.dtype}; with x in {x.dtype} it must be one of {allowed}"
+        )
 
 
 def _check_dtype_arg(name: str, what: str, dtype: object, allowed: tuple) -> None:
@@ -86,16 +88,12 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _eager_fast_path(x: torch.Tensor, needs_grad: bool) -> bool:
-    """Skip the torch.library layer where it adds only overhead: plain eager calls that
-    need no autograd, on a real device (meta/fake tensors take the library op's fake)."""
+def _eager(x: torch.Tensor) -> bool:
+    """Skip the torch.library layer where it adds only overhead: plain eager calls on a real
+    device (meta/fake tensors take the library op's fake, torch.compile traces the op).
+    Without autograd the backend runs directly; with it, through ops.EagerNorm."""
     # type() is exact: subclasses (FakeTensor, tensor wrappers) take the library op.
-    return (
-        not needs_grad
-        and type(x) is torch.Tensor
-        and x.device.type in ("cpu", "cuda")
-        and not torch.compiler.is_compiling()
-    )
+    return type(x) is torch.Tensor and x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -126,9 +124,11 @@ def rms_norm(
     needs_grad = _needs_grad(x, weight, residual)
     store = prenorm or (needs_grad and residual is not None)
     eps, weight_offset = float(eps), float(weight_offset)
-    if _eager_fast_path(x, needs_grad):
-        out, h, _, _ = ops.forward(True, x, weight, None, residual, eps, weight_offset, store, out_dtype,
-                                   residual_dtype)  # fmt: skip
+    args = (x, weight, None, residual, eps, weight_offset, store, out_dtype, residual_dtype)
+    if _eager(x) and not needs_grad:
+        out, h, _, _ = ops.forward(True, *args)
+    elif _eager(x):
+        out, h = ops.EagerNorm.apply(True, *args)
     else:
         out, h, _ = torch.ops.openkernels.rms_norm(
             x, weight, residual, eps, weight_offset, store, out_dtype, residual_dtype
@@ -158,8 +158,11 @@ def layer_norm(
     needs_grad = _needs_grad(x, weight, bias, residual)
     store = prenorm or (needs_grad and residual is not None)
     eps = float(eps)
-    if _eager_fast_path(x, needs_grad):
-        out, h, _, _ = ops.forward(False, x, weight, bias, residual, eps, 0.0, store, out_dtype, residual_dtype)
+    args = (x, weight, bias, residual, eps, 0.0, store, out_dtype, residual_dtype)
+    if _eager(x) and not needs_grad:
+        out, h, _, _ = ops.forward(False, *args)
+    elif _eager(x):
+        out, h = ops.EagerNorm.apply(False, *args)
     else:
         out, h, _, _ = torch.ops.openkernels.layer_norm(
             x, weight, bias, residual, eps, store, out_dtype, residual_dtype
@@ -230,7 +233,9 @@ class LayerNorm(nn.LayerNorm):
     """Drop-in for torch.nn.LayerNorm (same arguments, attributes and state_dict keys)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat, (w, b) = _flatten_normalized(type(self).__name__, x, self.normalized_shape, self.weight, self.bias)
+        flat, (w, b) = _flatten_normalized(
+            type(self).__name__, x, self.normalized_shape, self.weight, self.bias
+        )
         return layer_norm(flat, w, b, self.eps).view(x.shape)
 
 
@@ -252,7 +257,9 @@ class AddRMSNorm(RMSNorm):
         weight_offset: float = 0.0,
         residual_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, weight_offset=weight_offset)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine, device, dtype, weight_offset=weight_offset
+        )
         self.residual_dtype = residual_dtype
 
     def forward(  # type: ignore[override]
@@ -288,7 +295,9 @@ class AddLayerNorm(LayerNorm):
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        flat, (w, b) = _flatten_normalized(type(self).__name__, x, self.normalized_shape, self.weight, self.bias)
+        flat, (w, b) = _flatten_normalized(
+            type(self).__name__, x, self.normalized_shape, self.weight, self.bias
+        )
         r = _residual_rows(type(self).__name__, residual, x, flat)
         y, h = layer_norm(flat, w, b, self.eps, residual=r, prenorm=True, residual_dtype=self.residual_dtype)
         return y.view(x.shape), h.view(x.shape)

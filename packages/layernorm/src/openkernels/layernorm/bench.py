@@ -198,7 +198,9 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
             leaves = [t.detach().to(dtype).requires_grad_() for t in leaves64]
             with dispatch.force(f"{name}:{impl}", f"{name}_backward:{impl}"):
                 if rms:
-                    out = api.rms_norm(leaves[0], leaves[1], EPS, residual=leaves[2] if res is not None else None)
+                    out = api.rms_norm(
+                        leaves[0], leaves[1], EPS, residual=leaves[2] if res is not None else None
+                    )
                 else:
                     out = api.layer_norm(leaves[0], leaves[1], leaves[2], EPS)
                 grads = torch.autograd.grad(out, leaves, dy)

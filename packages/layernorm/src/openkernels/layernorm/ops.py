@@ -29,7 +29,7 @@ from openkernels.shared.layout import as_rows
 
 from .reference import stats_dtype
 
-__all__ = ["forward", "backward", "KERNEL_DTYPES", "OPS"]
+__all__ = ["forward", "backward", "EagerNorm", "KERNEL_DTYPES", "OPS"]
 
 _PKG = "openkernels.layernorm"
 # Dtypes the Triton kernels take; the CPU kernels take float64 too (gradcheck).
@@ -308,7 +308,7 @@ def _saved_h(ctx) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor
 
 
 def _input_grads(ctx, grad_h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    grad_x = grad_h.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+    grad_x = grad_h.to(ctx.x_dtype) if ctx.needs_input_grad[ctx.x_index] else None
     grad_res = None
     if ctx.residual_dtype_in is not None and ctx.needs_input_grad[ctx.residual_index]:
         grad_res = grad_h.to(ctx.residual_dtype_in)
@@ -327,9 +327,9 @@ def _grad_out(grad_out: torch.Tensor | None, h: torch.Tensor, ctx) -> torch.Tens
 
 
 def _rms_setup(ctx, inputs, output) -> None:
-    x, weight, residual, eps, weight_offset, store_residual, out_dtype, residual_dtype = inputs
+    x, weight, residual, _eps, weight_offset, store_residual, _out_dtype, residual_dtype = inputs
     out, residual_out, rstd = output
-    ctx.weight_offset, ctx.residual_index, ctx.out_dtype = weight_offset, 2, out.dtype
+    ctx.weight_offset, ctx.x_index, ctx.residual_index, ctx.out_dtype = weight_offset, 0, 2, out.dtype
     ctx.mark_non_differentiable(rstd)
     _save(ctx, x, weight, residual, residual_out, (rstd,), store_residual, residual_dtype)
 
@@ -338,17 +338,22 @@ def _rms_backward(ctx, grad_out, grad_residual_out, _grad_rstd):
     h, weight, (rstd,) = _saved_h(ctx)
     weight_grad = weight is not None and ctx.needs_input_grad[1]
     grad_h, grad_w = torch.ops.openkernels.rms_norm_backward(
-        _grad_out(grad_out, h, ctx), _grad_residual_out(grad_residual_out, ctx), h, weight, rstd,
-        ctx.weight_offset, weight_grad,
+        _grad_out(grad_out, h, ctx),
+        _grad_residual_out(grad_residual_out, ctx),
+        h,
+        weight,
+        rstd,
+        ctx.weight_offset,
+        weight_grad,
     )
     grad_x, grad_res = _input_grads(ctx, grad_h)
     return grad_x, grad_w if weight_grad else None, grad_res, None, None, None, None, None
 
 
 def _ln_setup(ctx, inputs, output) -> None:
-    x, weight, bias, residual, eps, store_residual, out_dtype, residual_dtype = inputs
+    x, weight, bias, residual, _eps, store_residual, _out_dtype, residual_dtype = inputs
     out, residual_out, mean, rstd = output
-    ctx.residual_index, ctx.out_dtype, ctx.has_bias = 3, out.dtype, bias is not None
+    ctx.x_index, ctx.residual_index, ctx.out_dtype, ctx.has_bias = 0, 3, out.dtype, bias is not None
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.mark_non_differentiable(mean, rstd)
     _save(ctx, x, weight, residual, residual_out, (mean, rstd), store_residual, residual_dtype)
@@ -359,8 +364,14 @@ def _ln_backward(ctx, grad_out, grad_residual_out, _grad_mean, _grad_rstd):
     weight_grad = weight is not None and ctx.needs_input_grad[1]
     bias_grad = ctx.has_bias and ctx.needs_input_grad[2]
     grad_h, grad_w, grad_b = torch.ops.openkernels.layer_norm_backward(
-        _grad_out(grad_out, h, ctx), _grad_residual_out(grad_residual_out, ctx), h, weight, mean, rstd,
-        weight_grad, bias_grad,
+        _grad_out(grad_out, h, ctx),
+        _grad_residual_out(grad_residual_out, ctx),
+        h,
+        weight,
+        mean,
+        rstd,
+        weight_grad,
+        bias_grad,
     )
     grad_x, grad_res = _input_grads(ctx, grad_h)
     return (
@@ -380,6 +391,45 @@ def _no_double_backward(name: str):
         raise NotImplementedError(f"openkernels::{name}: double backward is not supported")
 
     return fail
+
+
+class EagerNorm(torch.autograd.Function):
+    """The library ops' forward and backward as a plain autograd.Function, for eager calls
+    that need gradients: it skips the torch.library layers (custom-op dispatch, the
+    backward op's own dispatch), which cost about as much host time as the kernels take on
+    a 64M-element bf16 tensor. torch.compile and non-plain tensors use the library ops.
+
+    apply(rms, x, weight, bias, residual, eps, weight_offset, store_residual, out_dtype,
+          residual_dtype) -> (out, residual_out or None)
+    """
+
+    @staticmethod
+    def forward(ctx, rms, x, weight, bias, residual, eps, weight_offset, store_residual, out_dtype,
+                residual_dtype):  # fmt: skip
+        out, residual_out, mean, rstd = forward(
+            rms, x, weight, bias, residual, eps, weight_offset, store_residual, out_dtype, residual_dtype
+        )
+        ctx.rms, ctx.weight_offset, ctx.out_dtype = rms, weight_offset, out.dtype
+        ctx.x_index, ctx.residual_index = 1, 4
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        stats = (rstd,) if rms else (mean, rstd)
+        _save(ctx, x, weight, residual, residual_out, stats, store_residual, residual_dtype)
+        return out, residual_out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # double backward: a clear error
+    def backward(ctx, grad_out, grad_residual_out):
+        h, weight, stats = _saved_h(ctx)
+        mean, rstd = (None, stats[0]) if ctx.rms else stats
+        weight_grad = weight is not None and ctx.needs_input_grad[2]
+        bias_grad = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
+        grad_h, grad_w, grad_b = backward(
+            ctx.rms, _grad_out(grad_out, h, ctx), _grad_residual_out(grad_residual_out, ctx), h, weight, mean,
+            rstd, ctx.weight_offset, weight_grad, bias_grad,
+        )  # fmt: skip
+        grad_x, grad_res = _input_grads(ctx, grad_h)
+        grad_b = grad_b.to(ctx.bias_dtype) if bias_grad else None
+        return None, grad_x, grad_w, grad_b, grad_res, None, None, None, None, None
 
 
 torch.library.register_autograd("openkernels::rms_norm", _rms_backward, setup_context=_rms_setup, lib=_LIB)

@@ -61,7 +61,7 @@ def _code(t: Tensor, name: str, wide: bool) -> int:
 
 
 def _cpu(t: Tensor, name: str) -> None:
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{name}: expected a CPU tensor, got one on {t.device}")
 
 

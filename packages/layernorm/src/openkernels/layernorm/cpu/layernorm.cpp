@@ -10,7 +10,9 @@
 // (they stay in L1 / L2), and outputs are converted on store. Rows are the unit of parallel work
 // (OpenMP, static schedule); a row is read from memory once (its second and third passes hit the
 // per-thread row buffer in cache). Row strides are in elements and may be anything; columns are
-// contiguous. Large float32 / bfloat16 / float16 outputs use streaming stores (AVX2 / AVX-512).
+// contiguous. Large float32 / bfloat16 / float16 outputs use streaming stores (AVX2 / AVX-512) when
+// their pages are resident; large fresh ones get transparent huge pages first (prepare_output; set
+// OPENKERNELS_CPU_HUGEPAGES=0 to leave their pages to the system).
 //
 // LayerNorm's variance: per chunk (in L1) the shifted sums about the chunk's rounded mean, merged across
 // chunks in double (Chan et al.): centered, so no cancellation, and no second pass over the row.
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -30,7 +33,7 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #define OK_STREAM 1
 #endif
-#if defined(OK_STREAM) && defined(__linux__)
+#if defined(__linux__)
 #include <sys/mman.h>
 #include <unistd.h>
 #endif
@@ -50,6 +53,8 @@ constexpr int64_t kSerialBelow = 32 * 1024;  // elements; smaller calls lose mor
 // Output bytes from which stores bypass the cache. An ordinary store first reads the line it writes;
 // an output this large does not stay in a 32 MB L3 for the next op anyway.
 constexpr int64_t kStreamFrom = int64_t(32) << 20;
+// Output bytes from which a fresh output is given transparent huge pages (prepare_output).
+constexpr int64_t kHugeFrom = int64_t(4) << 20;
 
 template <class A>
 constexpr int acc_code() {
@@ -194,7 +199,6 @@ void round_to(int code, double* __restrict p, int64_t n) {
 
 // ---- storing, optionally with streaming stores ----
 
-#if defined(OK_STREAM)
 // Whether the page holding p was touched before. The first store to a fresh page faults and the kernel
 // zeroes the page, which leaves it in cache: ordinary stores then cost no extra read, and streaming ones
 // are slower. glibc gives large allocations fresh pages (mmap) unless told otherwise.
@@ -207,7 +211,6 @@ bool resident(const void* p) {
   return p != nullptr;
 #endif
 }
-#endif
 
 // One 64-byte line from v (64-byte aligned) to dst (64-byte aligned), bypassing the cache.
 OK_INLINE void stream_line(void* dst, const void* v) {
@@ -375,6 +378,29 @@ OK_INLINE void fence(bool any_stream) {
 #endif
 }
 
+// A large output whose pages were never touched (glibc serves large allocations with fresh mmap pages)
+// costs one page fault per 4 KiB on first store, each zeroing its page: on this kind of machine that
+// is several times the kernel's own time. Asking for transparent huge pages on the output's 2 MiB
+// aligned interior (before the first store; THP in "madvise" mode honours just that) makes it one
+// fault per 2 MiB. Only the range inside the tensor is advised, and only when its first huge page is
+// not resident (touched memory, e.g. reused from the heap, is left alone). The advice is a hint: a
+// failure (no THP, a special mapping) changes nothing.
+void prepare_output(void* base, int code, int64_t rows, int64_t cols) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (base == nullptr || rows * cols * elem_size(code) < kHugeFrom) return;
+  const char* opt = std::getenv("OPENKERNELS_CPU_HUGEPAGES");  // "0": leave the pages to the system
+  if (opt != nullptr && opt[0] == '0' && opt[1] == 0) return;
+  const int64_t bytes = rows * cols * elem_size(code);
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(base) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(base) + uintptr_t(bytes)) & ~(kHuge - 1);
+  if (hi <= lo || resident(reinterpret_cast<void*>(lo))) return;
+  madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)base, (void)code, (void)rows, (void)cols;
+#endif
+}
+
 bool should_stream(void* base, int code, int64_t rows, int64_t cols) {
 #if defined(OK_STREAM)
   if (base == nullptr || code == kF64) return false;
@@ -388,37 +414,49 @@ bool should_stream(void* base, int code, int64_t rows, int64_t cols) {
 
 // ================================ forward ================================
 
+// h is `const A*`, or (S = uint16_t) bfloat16 x itself, converted on the fly.
 template <class A>
-using AffineFn = void (*)(const A*, const A*, const A*, A, A, char*, int64_t, bool, int);
+using AffineFn = void (*)(const void*, const A*, const A*, A, A, char*, int64_t, bool, int);
 
 // out = (h - mean) * rstd [* w] [+ b], converted to out's dtype.
-template <class A, int D, bool W, bool B>
-OK_NOINLINE void affine(const A* __restrict h, const A* __restrict w, const A* __restrict b, A mean, A rstd,
-                        char* out, int64_t n, bool stream, int code) {
+template <class A, class S, int D, bool W, bool B>
+OK_NOINLINE void affine(const void* hv, const A* __restrict w, const A* __restrict b, A mean, A rstd, char* out,
+                        int64_t n, bool stream, int code) {
+  const S* __restrict h = static_cast<const S*>(hv);
   emit<A, D>(stream, out, n, code, [&](int64_t i) {
-    A v = (h[i] - mean) * rstd;
+    A v;
+    if constexpr (std::is_same_v<S, uint16_t>) v = (bf16_load(h[i]) - mean) * rstd;
+    else v = (h[i] - mean) * rstd;
     if constexpr (W) v = v * w[i];
     if constexpr (B) v = v + b[i];
     return v;
   });
 }
 
-template <class A, int D>
+template <class A, class S, int D>
 AffineFn<A> pick_affine(bool w, bool b) {
-  if (w && b) return affine<A, D, true, true>;
-  if (w) return affine<A, D, true, false>;
-  if (b) return affine<A, D, false, true>;
-  return affine<A, D, false, false>;
+  if (w && b) return affine<A, S, D, true, true>;
+  if (w) return affine<A, S, D, true, false>;
+  if (b) return affine<A, S, D, false, true>;
+  return affine<A, S, D, false, false>;
+}
+
+template <class A, class S>
+AffineFn<A> pick_affine(int code, bool w, bool b) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (code == kF32) return pick_affine<A, S, kF32>(w, b);
+    if (code == kBF16) return pick_affine<A, S, kBF16>(w, b);
+    return pick_affine<A, S, kF16>(w, b);
+  }
+  return pick_affine<A, S, kAny>(w, b);
 }
 
 template <class A>
-AffineFn<A> pick_affine(int code, bool w, bool b) {
+AffineFn<A> pick_affine(int code, bool w, bool b, bool bf16_src) {
   if constexpr (std::is_same_v<A, float>) {
-    if (code == kF32) return pick_affine<A, kF32>(w, b);
-    if (code == kBF16) return pick_affine<A, kBF16>(w, b);
-    return pick_affine<A, kF16>(w, b);
+    if (bf16_src) return pick_affine<A, uint16_t>(code, w, b);
   }
-  return pick_affine<A, kAny>(w, b);
+  return pick_affine<A, A>(code, w, b);
 }
 
 // dst[i] = src[i] converted to A; returns sum(dst) or (SQ) sum(dst^2). One pass: the converted chunk
@@ -477,6 +515,19 @@ struct Fwd {
   bool rms;
 };
 
+// h is x converted (16-bit x, no residual, no rounding): no row buffer, see fwd_row.
+template <class A>
+bool refetches(const Fwd& f) {
+  constexpr int kAcc = acc_code<A>();
+  return f.res == nullptr && f.x_code != kAcc && (f.h_code == kAcc || f.h_code == f.x_code);
+}
+
+// ... and pass 2 reads bfloat16 x itself (a row of more than one chunk).
+template <class A>
+bool reads_bf16(const Fwd& f) {
+  return refetches<A>(f) && f.x_code == kBF16 && f.N > kChunk;
+}
+
 // One row. hb: a row buffer of N (unused when h is x itself), tb: a chunk buffer.
 template <class A>
 void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A* __restrict tb, bool stream_out,
@@ -490,7 +541,11 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
   // h rounds to its dtype unless it already is that dtype's value (no residual, x of that dtype).
   const bool round = f.h_code != kAcc && (res != nullptr || f.x_code != f.h_code);
   const bool alias = res == nullptr && f.x_code == kAcc && !round;  // h is x itself
-  const bool fused = res == nullptr && !round;                     // h is x converted: sum while converting
+  // x converted (16-bit x): no row buffer. Pass 1 converts each chunk of x into tb (in L1) and sums it
+  // there; pass 2 converts again (bfloat16: inside affine, a shift; float16: into tb) rather than keep
+  // a row of A that would live in L2.
+  const bool refetch = refetches<A>(f);
+  const bool direct = reads_bf16<A>(f);
   const A* h = alias ? reinterpret_cast<const A*>(x) : hb;
 
   // Pass 1: h (into hb), residual_out, and sum(h^2) (RMSNorm) or, per chunk while it is in L1, sum(h)
@@ -500,12 +555,12 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
   for (int64_t c = 0; c < N; c += kChunk) {
     const int64_t m = std::min(kChunk, N - c);
     const char* xc = x + c * elem_size(f.x_code);
-    const A* hc = h + c;
+    const A* hc = refetch ? tb : h + c;
     double sc;  // sum(h) or sum(h^2) of the chunk
     if (alias) {
       sc = f.rms ? double(sum_sq<A>(hc, A(0), m)) : double(sum_of<A>(hc, m));
-    } else if (fused) {
-      sc = f.rms ? double(load_sum<true>(f.x_code, xc, hb + c, m)) : double(load_sum<false>(f.x_code, xc, hb + c, m));
+    } else if (refetch) {
+      sc = f.rms ? double(load_sum<true>(f.x_code, xc, tb, m)) : double(load_sum<false>(f.x_code, xc, tb, m));
     } else {
       load(f.x_code, xc, hb + c, m);
       if (res) {
@@ -549,7 +604,14 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
   const A* b = static_cast<const A*>(f.b);
   for (int64_t c = 0; c < N; c += kChunk) {
     const int64_t m = std::min(kChunk, N - c);
-    affine_fn(h + c, w ? w + c : nullptr, b ? b + c : nullptr, mean, rstd, out + c * elem_size(f.out_code), m,
+    const void* hc = h + c;
+    if (direct) {
+      hc = x + c * 2;
+    } else if (refetch) {
+      if (N > kChunk) load(f.x_code, x + c * elem_size(f.x_code), tb, m);  // else tb still holds the row
+      hc = tb;
+    }
+    affine_fn(hc, w ? w + c : nullptr, b ? b + c : nullptr, mean, rstd, out + c * elem_size(f.out_code), m,
               stream_out, f.out_code);
   }
 }
@@ -559,9 +621,12 @@ void run_fwd(const Fwd& f, int num_threads) {
   constexpr int kAcc = acc_code<A>();
   const bool stream_out = should_stream(f.out, f.out_code, f.M, f.N);
   const bool stream_res = should_stream(f.res_out, f.res_out_code, f.M, f.N);
+  prepare_output(f.out, f.out_code, f.M, f.N);
+  prepare_output(f.res_out, f.res_out_code, f.M, f.N);
   const bool parallel = num_threads > 1 && f.M > 1 && f.M * f.N >= kSerialBelow;
-  const bool need_hb = !(f.res == nullptr && f.x_code == kAcc && f.h_code == kAcc);
-  const AffineFn<A> affine_fn = pick_affine<A>(f.out_code, f.w != nullptr, f.b != nullptr);
+  // fwd_row's row buffer: h when it is not x itself nor x converted chunk by chunk (see `refetch`).
+  const bool need_hb = f.res != nullptr || (f.h_code != kAcc && f.x_code != f.h_code);
+  const AffineFn<A> affine_fn = pick_affine<A>(f.out_code, f.w != nullptr, f.b != nullptr, reads_bf16<A>(f));
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
     A* hb = need_hb ? scratch<A>(0, f.N) : nullptr;
@@ -724,6 +789,7 @@ template <class A>
 void run_bwd(const Bwd& k, int num_threads) {
   const int64_t N = k.N;
   const bool stream = should_stream(k.dh, k.dh_code, k.M, N);
+  prepare_output(k.dh, k.dh_code, k.M, N);
   const bool parallel = num_threads > 1 && k.M * N >= kSerialBelow;
   const bool partials = k.dw != nullptr || k.db != nullptr;
   const BwdRow<A> row = k.w ? pick_row<A, true>(k.dw, k.db) : pick_row<A, false>(k.dw, k.db);

@@ -9,15 +9,17 @@ import triton
 
 from openkernels.shared.platform import device_info
 
-from .configs import NormConfig, launch_config
-from .kernels import _norm_bwd_kernel, _norm_fwd_kernel
+from .configs import MAX_SPLITS, NormConfig, launch_config
+from .kernels import _norm_bwd_kernel, _norm_fwd_kernel, _norm_fwd_looped_kernel, _norm_fwd_split_kernel
 
 __all__ = ["norm_fwd", "norm_bwd"]
 
 
 @functools.cache
-def _config(n_cols: int, dtype: torch.dtype, device: torch.device, direction: str, aligned: bool) -> NormConfig:
-    return launch_config(n_cols, dtype, device_info(device).backend, direction, aligned)
+def _config(
+    n_cols: int, dtype: torch.dtype, device: torch.device, direction: str, aligned: bool, rms: bool
+) -> NormConfig:
+    return launch_config(n_cols, dtype, device_info(device).backend, direction, aligned, rms)
 
 
 def _aligned(n_cols: int, *tensors: torch.Tensor | None) -> bool:
@@ -30,6 +32,12 @@ def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter runs programs one after another: a few are enough
+
+
+def _programs(blocks: int, cfg: NormConfig, device: torch.device) -> int:
+    return (
+        blocks if cfg.programs_per_sm == 0 else max(1, min(blocks, _sm_count(device) * cfg.programs_per_sm))
+    )
 
 
 @functools.cache
@@ -56,19 +64,44 @@ def norm_fwd(
     config: NormConfig | None = None,
 ) -> None:
     n_rows, n_cols = x.shape
-    cfg = config or _config(n_cols, x.dtype, x.device, "fwd", _aligned(n_cols, x, residual))
+    cfg = config or _config(n_cols, x.dtype, x.device, "fwd", _aligned(n_cols, x, residual), rms)
     res_out = residual_out if residual_out is not None else _dtype_token(h_dtype, x.device)
-    grid = (n_rows if cfg.looped else triton.cdiv(n_rows, cfg.block_rows),)
-    _norm_fwd_kernel[grid](
+    tensors = (
         x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
         out, res_out, rstd if mean is None else mean, rstd,
-        n_rows, n_cols, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-        0 if residual_out is None else residual_out.stride(0),
-        eps, weight_offset,
-        IS_RMS=rms, HAS_RESIDUAL=residual is not None, STORE_RESIDUAL=residual_out is not None,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOPED=cfg.looped,
-        BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    sizes_strides = (
+        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        0 if residual_out is None else residual_out.stride(0),
+    )  # fmt: skip
+    flags = dict(
+        IS_RMS=rms, HAS_RESIDUAL=residual is not None, STORE_RESIDUAL=residual_out is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if cfg.mode == "tile":
+        grid = (_programs(triton.cdiv(n_rows, cfg.block_rows), cfg, x.device),)
+        _norm_fwd_kernel[grid](
+            *tensors, n_rows, n_cols, *sizes_strides, eps, weight_offset,
+            EVEN_C=n_cols == cfg.block_cols, PERSISTENT=cfg.programs_per_sm > 0, PREFETCH=cfg.prefetch,
+            BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, **flags,
+        )  # fmt: skip
+    elif cfg.mode == "split":
+        splits = triton.cdiv(n_cols, cfg.block_cols)
+        if splits > MAX_SPLITS or (splits > 1 and x.device.type != "cuda"):
+            # Its programs wait for each other: more than fit at once (or the interpreter,
+            # which runs them one by one) would never finish.
+            raise ValueError(f"the split kernel cannot run {splits} splits per row on {x.device}")
+        partials = torch.empty(n_rows * splits * 2, dtype=torch.float32, device=x.device)
+        arrived = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
+        _norm_fwd_split_kernel[(n_rows * splits,)](
+            *tensors, partials, arrived, n_rows, n_cols, splits, *sizes_strides, eps, weight_offset,
+            BLOCK_C=cfg.block_cols, MAX_SPLITS=triton.next_power_of_2(splits), **flags,
+        )  # fmt: skip
+    else:
+        _norm_fwd_looped_kernel[(n_rows,)](
+            *tensors, n_rows, n_cols, *sizes_strides, eps, weight_offset, BLOCK_C=cfg.block_cols, **flags,
+        )  # fmt: skip
 
 
 def norm_bwd(
@@ -87,9 +120,9 @@ def norm_bwd(
     config: NormConfig | None = None,
 ) -> None:
     n_rows, n_cols = h.shape
-    cfg = config or _config(n_cols, h.dtype, h.device, "bwd", _aligned(n_cols, dy, h, dh_out))
-    # Persistent grid: every program gets at least one row, so every partial row is written.
-    rows_per_program = triton.cdiv(n_rows, _sm_count(h.device) * cfg.programs_per_sm)
+    cfg = config or _config(n_cols, h.dtype, h.device, "bwd", _aligned(n_cols, dy, h, dh_out), rms)
+    # Every program gets at least one row, so every partial row is written.
+    rows_per_program = triton.cdiv(n_rows, _programs(n_rows, cfg, h.device))
     if not cfg.looped:
         rows_per_program = triton.cdiv(rows_per_program, cfg.block_rows) * cfg.block_rows
     programs = triton.cdiv(n_rows, rows_per_program)
@@ -105,7 +138,8 @@ def norm_bwd(
         rows_per_program, weight_offset,
         IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_DH_OUT=dh_out is not None,
         WEIGHT_GRAD=dweight is not None, BIAS_GRAD=dbias is not None, LOOPED=cfg.looped,
-        BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_C=n_cols == cfg.block_cols, PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     # A fixed-order sum over the program axis: deterministic, unlike atomics.
     if dweight is not None:

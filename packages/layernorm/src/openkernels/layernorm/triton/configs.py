@@ -1,10 +1,11 @@
 """Launch configs of the layernorm kernels: one pure function of (row length, dtype, arch,
-direction).
+direction, norm), shared by the launchers, the tuning sweep and the compile-only checks.
 
-Rows up to MAX_TILE_COLS wide live in registers (one tile: BLOCK_R rows x next_pow2(n)
-columns); wider rows take the looped kernels in CHUNK_COLS pieces. The backward runs a
-persistent grid of PROGRAMS_PER_SM programs per SM, each reducing its rows' dweight/dbias
-into one partial row.
+Forward: rows up to MAX_TILE_COLS wide live in registers (the tile kernel); longer rows are
+split over up to MAX_SPLITS programs that exchange partial statistics (the split kernel),
+and rows longer still take the looped kernel. Backward: the tile kernel on a persistent
+grid of programs_per_sm programs per SM, each reducing its rows' dweight/dbias into one
+partial row; the looped kernel past MAX_TILE_COLS.
 """
 
 from __future__ import annotations
@@ -14,62 +15,98 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NormConfig", "launch_config", "all_configs", "MAX_TILE_COLS", "CHUNK_COLS", "PROGRAMS_PER_SM"]
+__all__ = ["NormConfig", "launch_config", "all_configs", "MAX_TILE_COLS", "MAX_SPLITS"]
 
 # Widest row held in registers. Forward: past 16384 columns a row needs > 32 float32
 # values per thread at 16 warps (CUDA allows 32 warps, ROCm 16 wavefronts). Backward keeps
-# dy, h, w and the dweight/dbias accumulators live: at 16384 columns and 32 warps (64
+# dy, h and the dweight/dbias accumulators live: at 16384 columns and 32 warps (64
 # registers per thread) it spilled 264-900 B per thread on sm_90, so it loops from there.
 MAX_TILE_COLS = {"fwd": 16384, "bwd": 8192}
-CHUNK_COLS = 4096
-# Elements each thread holds per tile (forward / backward, whose tile carries dy, h, dh
-# and the dweight accumulator).
-ELEMENTS_PER_THREAD = {"fwd": 16, "bwd": 16}
-# Narrow rows stack until a tile holds this many elements.
-TILE_ELEMENTS = {"fwd": 4096, "bwd": 2048}
-PROGRAMS_PER_SM = 8  # backward persistent grid: programs = SMs x this (capped by rows)
+# Split kernel: at most this many programs per row (they must be resident together; any
+# GPU holds 64 such programs at once). Looped kernels: chunk per step.
+MAX_SPLITS = 64
+LOOPED_COLS = 8192
+# Elements each thread holds, by (direction, norm), and how many rows a tile stacks.
+# Measured on H200, bf16, 64M-element grids (docs/perf.md): the RMSNorm forward ran best at
+# 16 per thread (4096 cols: 0.879 of copy at 8 warps vs 0.871 at 4), LayerNorm's at 32
+# (its two extra row sums favour fewer warps: 8192 cols 0.836 at 8 warps, 0.749 at 16);
+# the backward, loading the next block ahead, at 8 per thread on 1-2 programs per SM
+# past 2048 columns (4096 cols: 0.813 at 16 warps x 2 programs vs 0.709 at 4 x 8).
+ELEMENTS_PER_THREAD = {("fwd", True): 16, ("fwd", False): 32, ("bwd", True): 8, ("bwd", False): 8}
+TILE_ELEMENTS = 2048
 MAX_WARPS = {"cuda": 32, "rocm": 16}
 
 
 @dataclass(frozen=True)
 class NormConfig:
+    """mode: "tile", "split" or "looped". programs_per_sm: 0 = one program per row block,
+    else a persistent grid of SMs x this. prefetch: the tile kernels load the next row block
+    before reducing the current one."""
+
     block_rows: int
     block_cols: int
     num_warps: int
-    looped: bool
-    programs_per_sm: int = PROGRAMS_PER_SM  # backward: persistent grid of SMs x this
+    mode: str = "tile"
+    programs_per_sm: int = 0
+    prefetch: bool = False
     num_stages: int = 1
+
+    @property
+    def looped(self) -> bool:
+        return self.mode == "looped"
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _warps(elements: int, per_thread: int, vendor: str) -> int:
+    lane = 64 if vendor == "rocm" else 32
+    return min(MAX_WARPS[vendor], max(1, _next_pow2(elements // per_thread // lane)))
+
+
 @functools.cache
 def launch_config(
-    n_cols: int, dtype: torch.dtype, backend: str, direction: str, aligned: bool = True
+    n_cols: int, dtype: torch.dtype, backend: str, direction: str, aligned: bool = True, rms: bool = True
 ) -> NormConfig:
-    """Tile and warps for rows of n_cols elements.
+    """Kernel, tile and warps for rows of n_cols elements.
 
-    direction: "fwd" or "bwd"; backend: "cuda" or "rocm" (64-wide wavefronts: half the
-    warps hold the same tile). aligned: n_cols and the row strides are multiples of 16, so
-    loads are vectorized; unaligned rows load element by element, each element with its
-    own address registers, and switch to the looped kernel at half the width (the 16384
-    forward tile spilled 8 B per thread on sm_80 unaligned). dtype: unused today.
+    direction: "fwd" or "bwd"; backend: "cuda", "rocm" (64-wide wavefronts: half the warps
+    hold the same tile) or "cpu" (the Triton interpreter: never the split kernel, whose
+    programs wait for each other and the interpreter runs them one after another).
+    aligned: n_cols and the row strides are multiples of 16, so loads are vectorized;
+    unaligned rows load element by element, each element with its own address registers,
+    and leave the tile at half the width (the 16384 forward tile spilled 8 B per thread on
+    sm_80 unaligned). rms: RMSNorm (one row reduction) or LayerNorm (three). dtype: unused.
     """
+    vendor = "rocm" if backend == "rocm" else "cuda"
     limit = MAX_TILE_COLS[direction] if aligned else MAX_TILE_COLS[direction] // 2
-    looped = n_cols > limit
-    block_cols = CHUNK_COLS if looped else _next_pow2(n_cols)
-    block_rows = 1 if looped else max(1, TILE_ELEMENTS[direction] // block_cols)
-    threads = block_rows * block_cols // ELEMENTS_PER_THREAD[direction]
-    vendor = "rocm" if backend == "rocm" else "cuda"  # the interpreter ("cpu") takes CUDA's
-    lane = 64 if vendor == "rocm" else 32
-    warps = min(MAX_WARPS[vendor], max(1, _next_pow2(threads // lane)))
-    return NormConfig(block_rows, block_cols, warps, looped)
+    per_thread = ELEMENTS_PER_THREAD[direction, rms]
+    if n_cols <= limit:
+        block_cols = _next_pow2(n_cols)
+        block_rows = max(1, TILE_ELEMENTS // block_cols)
+        if direction == "fwd":
+            return NormConfig(block_rows, block_cols, _warps(block_rows * block_cols, per_thread, vendor))
+        # Backward: narrow rows keep 16 per thread on 8 programs per SM (2048 cols: 0.78).
+        per_thread = 16 if block_cols <= 2048 else per_thread
+        warps = _warps(block_rows * block_cols, per_thread, vendor)
+        lane_warps = 32 if vendor == "cuda" else 16  # half an SM's warp slots
+        return NormConfig(block_rows, block_cols, warps, "tile", max(1, lane_warps // warps), prefetch=True)
+    if direction == "fwd" and backend in ("cuda", "rocm"):
+        chunk = 16384 if rms else 8192
+        chunk = chunk if aligned else chunk // 2
+        if -(-n_cols // chunk) <= MAX_SPLITS:
+            return NormConfig(1, chunk, _warps(chunk, 32, vendor), "split")
+    chunk = LOOPED_COLS if aligned else LOOPED_COLS // 2
+    warps = _warps(chunk, 16, vendor)
+    return NormConfig(1, chunk, warps, "looped", max(1, 64 // warps // 2) if direction == "bwd" else 0)
 
 
 def all_configs(backend: str, direction: str) -> list[NormConfig]:
-    """Every config `launch_config` can return (for compile-only checks)."""
-    seen = {launch_config(1 << k, torch.float32, backend, direction) for k in range(0, 19)}
-    seen.add(launch_config(MAX_TILE_COLS[direction] + 1, torch.float32, backend, direction))
-    return sorted(seen, key=lambda c: (c.looped, c.block_cols))
+    """Every config `launch_config` can return for aligned rows (for compile-only checks)."""
+    seen = set()
+    for rms in (True, False):
+        for k in range(0, 21):
+            seen.add(launch_config(1 << k, torch.float32, backend, direction, True, rms))
+        seen.add(launch_config(MAX_SPLITS * 16384 + 1, torch.float32, backend, direction, True, rms))
+    return sorted(seen, key=lambda c: (c.mode, c.block_cols, c.block_rows, c.num_warps))

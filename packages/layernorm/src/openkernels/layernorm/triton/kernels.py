@@ -1,15 +1,21 @@
-"""Triton kernels of the layernorm family: one forward and one backward kernel, with RMSNorm
-vs LayerNorm, residual, stored residual stream, affine weight/bias and the looped path for
-rows wider than one tile as compile-time flags.
+"""Triton kernels of the layernorm family. RMSNorm vs LayerNorm, residual, stored
+residual stream and affine weight/bias are compile-time flags of every kernel.
 
 Shapes: x, residual, dy, h, dh_out are (n_rows, n_cols) with unit column stride and a row
 stride each; out, res_out, dh are contiguous; mean/rstd are (n_rows,) float32.
 `res_out_ptr` always carries the residual stream's dtype (h is rounded to it before it is
 normalized, see reference.py), even when STORE_RESIDUAL is off and nothing is written.
 
-Single-tile path (LOOPED off): a program holds BLOCK_R full rows in registers.
-Looped path: a program walks one row in BLOCK_C chunks twice (statistics, then output); the
-second walk goes backwards so it starts on the chunks the first walk left in L2.
+Forward, by row length:
+  _norm_fwd_kernel         rows in registers, BLOCK_R rows per step; programs stride over
+                           the row blocks (a persistent grid when fewer programs than
+                           blocks), optionally loading the next block before reducing this one.
+  _norm_fwd_split_kernel   long rows split over n_splits programs that each hold a chunk in
+                           registers and exchange partial statistics through global memory:
+                           one read of x, one write of y.
+  _norm_fwd_looped_kernel  any length: one program walks a row twice (statistics, then
+                           output), the second walk backwards to start where L2 is warm.
+Backward: _norm_bwd_kernel, tile (persistent, optionally prefetching) or looped.
 """
 
 import triton
@@ -42,12 +48,74 @@ def _affine(xhat, w_ptr, b_ptr, cols, col_mask, weight_offset,
 
 
 @triton.jit
-def _corrected_mean(h, mask, count):
-    """Row means of a [R, C] tile: the plain mean plus the mean of what it leaves over,
-    which removes most of the float32 rounding of a sum of large values (rows with a
-    large mean and a small spread)."""
-    mean = tl.sum(h, axis=1) / count
-    return mean + tl.sum(tl.where(mask, h - mean[:, None], 0.0), axis=1) / count
+def _sum_pair(a, b, axis: tl.constexpr):
+    """(sum a, sum b) along axis. Two tl.sum: a paired tl.reduce with a custom combine
+    function runs ~50x slower under the Triton interpreter (CI)."""
+    return tl.sum(a, axis=axis), tl.sum(b, axis=axis)
+
+
+@triton.jit
+def _round_h(x, r, res_out_ptr, HAS_RESIDUAL: tl.constexpr):
+    """h = x + r rounded to the residual stream's dtype, returned in float32."""
+    h = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        h += r.to(tl.float32)
+    return h.to(res_out_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _tile_stats(h, mask, n_cols, eps, IS_RMS: tl.constexpr):
+    """(mean, rstd, xhat) of each row of a [R, C] float32 tile (masked entries 0).
+
+    LayerNorm: deviations d from the first-pass mean; sum d and sum d^2 correct the mean
+    and give var = mean(d^2) - mean(d)^2 exactly;
+    rows with a large mean and a small spread keep their variance (no E[h^2] - E[h]^2)."""
+    if IS_RMS:
+        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+        return tl.zeros_like(rstd), rstd, h * rstd[:, None]
+    mean = tl.sum(h, axis=1) / n_cols
+    d = tl.where(mask, h - mean[:, None], 0.0)
+    s1, s2 = _sum_pair(d, d * d, 1)
+    shift = s1 / n_cols
+    rstd = tl.rsqrt(tl.maximum(s2 / n_cols - shift * shift, 0.0) + eps)
+    return mean + shift, rstd, (d - shift[:, None]) * rstd[:, None]
+
+
+@triton.jit
+def _load_rows(
+    x_ptr, res_ptr, rows, cols, col_mask, n_rows, stride_x, stride_res, HAS_RESIDUAL: tl.constexpr
+):
+    """Raw x and residual tiles of a row block (x twice without a residual); read once, so
+    marked evict-first to keep L2 for what is reused."""
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    r = x
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + r64 * stride_res + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+    return x, r
+
+
+@triton.jit
+def _fwd_block(x, r, rows, cols, col_mask, w_ptr, b_ptr, out_ptr, res_out_ptr, mean_ptr, rstd_ptr,
+               n_rows, n_cols, stride_out, stride_res_out, eps, weight_offset,
+               IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
+               HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Normalize one loaded row block and store y, h and the statistics."""
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & col_mask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    h = _round_h(x, r, res_out_ptr, HAS_RESIDUAL)
+    if STORE_RESIDUAL:
+        tl.store(res_out_ptr + r64 * stride_res_out + cols[None, :], h.to(res_out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+    mean, rstd, xhat = _tile_stats(h, mask, n_cols, eps, IS_RMS)
+    if not IS_RMS:
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    y = _affine(xhat, w_ptr, b_ptr, cols[None, :], col_mask[None, :], weight_offset, HAS_WEIGHT, HAS_BIAS)
+    tl.store(out_ptr + r64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -56,85 +124,175 @@ def _norm_fwd_kernel(
     n_rows, n_cols, stride_x, stride_res, stride_out, stride_res_out,
     eps, weight_offset,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, LOOPED: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_C: tl.constexpr,
+    PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
+    """Rows held in registers. One row block per program, or (PERSISTENT) blocks p,
+    p + programs, ...; with PREFETCH a persistent program issues the next block's loads
+    before it reduces the current one. EVEN_C: n_cols == BLOCK_C, no column mask."""
     pid = tl.program_id(0)
-    if not LOOPED:
+    cols = tl.arange(0, BLOCK_C)
+    col_mask = cols < (BLOCK_C if EVEN_C else n_cols)
+    if not PERSISTENT:
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_C)
-        row_mask = rows < n_rows
-        col_mask = cols < n_cols
-        mask = row_mask[:, None] & col_mask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
+        x, r = _load_rows(x_ptr, res_ptr, rows, cols, col_mask, n_rows, stride_x, stride_res, HAS_RESIDUAL)
+        _fwd_block(x, r, rows, cols, col_mask, w_ptr, b_ptr, out_ptr, res_out_ptr, mean_ptr, rstd_ptr, n_rows,
+                       n_cols, stride_out, stride_res_out, eps, weight_offset, IS_RMS, HAS_RESIDUAL,
+                       STORE_RESIDUAL, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+    else:
+        step = tl.num_programs(0)
+        n_blocks = tl.cdiv(n_rows, BLOCK_R)
+        if PREFETCH:
+            rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+            x_next, r_next = _load_rows(x_ptr, res_ptr, rows, cols, col_mask, n_rows, stride_x, stride_res,
+                                        HAS_RESIDUAL)  # fmt: skip
+        for block in range(pid, n_blocks, step):
+            rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+            if PREFETCH:
+                x, r = x_next, r_next
+                x_next, r_next = _load_rows(x_ptr, res_ptr, rows + step * BLOCK_R, cols, col_mask, n_rows,
+                                            stride_x, stride_res, HAS_RESIDUAL)  # fmt: skip
+            else:
+                x, r = _load_rows(x_ptr, res_ptr, rows, cols, col_mask, n_rows, stride_x, stride_res,
+                                  HAS_RESIDUAL)  # fmt: skip
+            _fwd_block(x, r, rows, cols, col_mask, w_ptr, b_ptr, out_ptr, res_out_ptr, mean_ptr, rstd_ptr, n_rows,
+                       n_cols, stride_out, stride_res_out, eps, weight_offset, IS_RMS, HAS_RESIDUAL,
+                       STORE_RESIDUAL, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _norm_fwd_split_kernel(
+    x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, mean_ptr, rstd_ptr, part_ptr, arrived_ptr,
+    n_rows, n_cols, n_splits, stride_x, stride_res, stride_out, stride_res_out,
+    eps, weight_offset,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_C: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Program pid holds chunk pid % n_splits of row pid // n_splits. It publishes its
+    chunk's (mean, M2) to part_ptr, counts itself in arrived_ptr[row] (zeroed by the
+    launcher), waits until the row's n_splits chunks have arrived, merges them (Chan et al.)
+    and normalizes its chunk from registers.
+
+    The wait needs the row's programs resident together. Programs start in index order and
+    a row's programs are consecutive, so whenever every resident program waits, the lowest
+    waiting row has all its programs started (or there is room to start more): progress
+    holds while a GPU fits n_splits programs at once (MAX_SPLITS <= 64 does, on any GPU)."""
+    pid = tl.program_id(0)
+    row = (pid // n_splits).to(tl.int64)
+    split = pid % n_splits
+    cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    r = x
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    h = _round_h(x, r, res_out_ptr, HAS_RESIDUAL)
+    if STORE_RESIDUAL:
+        tl.store(res_out_ptr + row * stride_res_out + cols, h.to(res_out_ptr.dtype.element_ty), mask=mask)
+    count = tl.minimum(n_cols - split * BLOCK_C, BLOCK_C).to(tl.float32)
+    if IS_RMS:
+        chunk_mean = 0.0
+        chunk_m2 = tl.sum(h * h, axis=0)
+    else:
+        chunk_mean = tl.sum(h, axis=0) / count
+        d = tl.where(mask, h - chunk_mean, 0.0)
+        s1, s2 = _sum_pair(d, d * d, 0)
+        chunk_mean += s1 / count
+        chunk_m2 = s2 - s1 * s1 / count
+    slot = part_ptr + (row * n_splits + split) * 2
+    tl.store(slot, chunk_mean)
+    tl.store(slot + 1, chunk_m2)
+    tl.debug_barrier()
+    tl.atomic_add(arrived_ptr + row, 1, sem="release")
+    seen = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+    while seen < n_splits:
+        seen = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+    tl.debug_barrier()
+    index = tl.arange(0, MAX_SPLITS)
+    valid = index < n_splits
+    parts = part_ptr + (row * n_splits + index) * 2
+    means = tl.load(parts, mask=valid, other=0.0, cache_modifier=".cg")
+    m2s = tl.load(parts + 1, mask=valid, other=0.0, cache_modifier=".cg")
+    counts = tl.where(valid, tl.minimum(n_cols - index * BLOCK_C, BLOCK_C), 0).to(tl.float32)
+    if IS_RMS:
+        mean = 0.0
+        var = tl.sum(m2s, axis=0) / n_cols
+    else:
+        mean = tl.sum(counts * means, axis=0) / n_cols
+        spread = means - mean
+        var = tl.sum(m2s + counts * spread * spread, axis=0) / n_cols
+    rstd = tl.rsqrt(tl.maximum(var, 0.0) + eps)
+    if split == 0:
+        tl.store(rstd_ptr + row, rstd)
+        if not IS_RMS:
+            tl.store(mean_ptr + row, mean)
+    y = _affine((h - mean) * rstd, w_ptr, b_ptr, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(
+    x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, mean_ptr, rstd_ptr,
+    n_rows, n_cols, stride_x, stride_res, stride_out, stride_res_out,
+    eps, weight_offset,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One row per program in BLOCK_C chunks, walked twice."""
+    row = tl.program_id(0).to(tl.int64)
+    cols0 = tl.arange(0, BLOCK_C)[None, :]
+    x_row, res_row = row * stride_x, row * stride_res
+    res_out_row, out_row = row * stride_res_out, row * stride_out
+    n_chunks = tl.cdiv(n_cols, BLOCK_C)
+    # Walk 1: h and its statistics. LayerNorm merges per-chunk (mean, M2) pairs (Chan et
+    # al.): no E[h^2] - E[h]^2 cancellation on rows with a large mean.
+    total = tl.zeros([1], dtype=tl.float32)
+    mean = tl.zeros([1], dtype=tl.float32)
+    m2 = tl.zeros([1], dtype=tl.float32)
+    for i in range(0, n_chunks):
+        cols = i * BLOCK_C + cols0
+        mask = cols < n_cols
         h = _residual_stream(
-            x_ptr, res_ptr, res_out_ptr, r64 * stride_x + cols[None, :], r64 * stride_res + cols[None, :],
-            r64 * stride_res_out + cols[None, :], mask, HAS_RESIDUAL, STORE_RESIDUAL,
+            x_ptr, res_ptr, res_out_ptr, x_row + cols, res_row + cols, res_out_row + cols, mask,
+            HAS_RESIDUAL, STORE_RESIDUAL,
         )  # fmt: skip
         if IS_RMS:
-            rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
-            xhat = h * rstd[:, None]
+            m2 += tl.sum(h * h, axis=1)
         else:
-            mean = _corrected_mean(h, mask, n_cols)
-            centered = tl.where(mask, h - mean[:, None], 0.0)
-            rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
-            xhat = centered * rstd[:, None]
-            tl.store(mean_ptr + rows, mean, mask=row_mask)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-        y = _affine(xhat, w_ptr, b_ptr, cols[None, :], col_mask[None, :], weight_offset, HAS_WEIGHT, HAS_BIAS)
-        tl.store(out_ptr + r64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        row = pid.to(tl.int64)
-        cols0 = tl.arange(0, BLOCK_C)[None, :]
-        x_row, res_row = row * stride_x, row * stride_res
-        res_out_row, out_row = row * stride_res_out, row * stride_out
-        n_chunks = tl.cdiv(n_cols, BLOCK_C)
-        # Walk 1: h and its statistics. LayerNorm merges per-chunk (mean, M2) pairs (Chan et
-        # al.): no E[h^2] - E[h]^2 cancellation on rows with a large mean.
-        total = tl.zeros([1], dtype=tl.float32)
-        mean = tl.zeros([1], dtype=tl.float32)
-        m2 = tl.zeros([1], dtype=tl.float32)
-        for i in range(0, n_chunks):
-            cols = i * BLOCK_C + cols0
-            mask = cols < n_cols
+            count = tl.minimum(n_cols - i * BLOCK_C, BLOCK_C).to(tl.float32)
+            first_mean = tl.sum(h, axis=1) / count
+            d = tl.where(mask, h - first_mean[:, None], 0.0)
+            s1, s2 = _sum_pair(d, d * d, 1)
+            chunk_mean = first_mean + s1 / count
+            chunk_m2 = s2 - s1 * s1 / count
+            new_total = total + count
+            delta = chunk_mean - mean
+            mean += delta * (count / new_total)
+            m2 += chunk_m2 + delta * delta * (total * count / new_total)
+            total = new_total
+    rstd = tl.rsqrt(m2 / n_cols + eps)
+    tl.store(rstd_ptr + row + tl.arange(0, 1), rstd)
+    if not IS_RMS:
+        tl.store(mean_ptr + row + tl.arange(0, 1), mean)
+    # Walk 2, last chunk first: those are still in L2.
+    for j in range(0, n_chunks):
+        i = n_chunks - 1 - j
+        cols = i * BLOCK_C + cols0
+        mask = cols < n_cols
+        if STORE_RESIDUAL:
+            h = tl.load(res_out_ptr + res_out_row + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
             h = _residual_stream(
                 x_ptr, res_ptr, res_out_ptr, x_row + cols, res_row + cols, res_out_row + cols, mask,
-                HAS_RESIDUAL, STORE_RESIDUAL,
+                HAS_RESIDUAL, False,
             )  # fmt: skip
-            if IS_RMS:
-                m2 += tl.sum(h * h, axis=1)
-            else:
-                count = tl.minimum(n_cols - i * BLOCK_C, BLOCK_C).to(tl.float32)
-                chunk_mean = _corrected_mean(h, mask, count)
-                centered = tl.where(mask, h - chunk_mean[:, None], 0.0)
-                chunk_m2 = tl.sum(centered * centered, axis=1)
-                new_total = total + count
-                delta = chunk_mean - mean
-                mean += delta * (count / new_total)
-                m2 += chunk_m2 + delta * delta * (total * count / new_total)
-                total = new_total
-        rstd = tl.rsqrt(m2 / n_cols + eps)
-        tl.store(rstd_ptr + row + tl.arange(0, 1), rstd)
-        if not IS_RMS:
-            tl.store(mean_ptr + row + tl.arange(0, 1), mean)
-        # Walk 2, last chunk first: those are still in L2.
-        for j in range(0, n_chunks):
-            i = n_chunks - 1 - j
-            cols = i * BLOCK_C + cols0
-            mask = cols < n_cols
-            if STORE_RESIDUAL:
-                h = tl.load(res_out_ptr + res_out_row + cols, mask=mask, other=0.0).to(tl.float32)
-            else:
-                h = _residual_stream(
-                    x_ptr, res_ptr, res_out_ptr, x_row + cols, res_row + cols, res_out_row + cols, mask,
-                    HAS_RESIDUAL, False,
-                )  # fmt: skip
-            if IS_RMS:
-                xhat = h * rstd[:, None]
-            else:
-                xhat = (h - mean[:, None]) * rstd[:, None]
-            y = _affine(xhat, w_ptr, b_ptr, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
-            tl.store(out_ptr + out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if IS_RMS:
+            xhat = h * rstd[:, None]
+        else:
+            xhat = (h - mean[:, None]) * rstd[:, None]
+        y = _affine(xhat, w_ptr, b_ptr, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
+        tl.store(out_ptr + out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -144,12 +302,12 @@ def _norm_grad_rows(dy, h, w, mean, rstd, mask, n_cols, IS_RMS: tl.constexpr, HA
     g = dy
     if HAS_WEIGHT:
         g = dy * w[None, :]
-    c1 = tl.sum(g * xhat, axis=1) / n_cols
     if IS_RMS:
+        c1 = tl.sum(g * xhat, axis=1) / n_cols
         dh = (g - xhat * c1[:, None]) * rstd[:, None]
     else:
-        c2 = tl.sum(g, axis=1) / n_cols
-        dh = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        s1, s2 = _sum_pair(g * xhat, g, 1)
+        dh = (g - xhat * (s1 / n_cols)[:, None] - (s2 / n_cols)[:, None]) * rstd[:, None]
     return dh, xhat
 
 
@@ -159,28 +317,69 @@ def _norm_bwd_kernel(
     n_rows, n_cols, stride_dy, stride_h, stride_dh_out, stride_dh, rows_per_program,
     weight_offset,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DH_OUT: tl.constexpr,
-    WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, LOOPED: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, LOOPED: tl.constexpr, EVEN_C: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Each program takes `rows_per_program` consecutive rows and writes its own row of the
     dweight/dbias partials ((programs, n_cols) float32), summed afterwards: no atomics,
-    the same result on every run."""
+    the same result on every run. With PREFETCH (tile path) the next row block's dy and h
+    loads are issued before this block is reduced."""
     pid = tl.program_id(0)
     first_row = pid * rows_per_program
     part_row = pid.to(tl.int64) * n_cols
     if not LOOPED:
         cols = tl.arange(0, BLOCK_C)
-        col_mask = cols < n_cols
+        col_mask = cols < (BLOCK_C if EVEN_C else n_cols)
         dw_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if PREFETCH:
+            local = tl.arange(0, BLOCK_R)
+            rows = first_row + local
+            mask = ((local < rows_per_program) & (rows < n_rows))[:, None] & col_mask[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            dy_next = tl.load(
+                dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+            )
+            h_next = tl.load(
+                h_ptr + r64 * stride_h + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+            )
         for start in range(0, rows_per_program, BLOCK_R):
             local = start + tl.arange(0, BLOCK_R)
             rows = first_row + local
             row_mask = (local < rows_per_program) & (rows < n_rows)
             mask = row_mask[:, None] & col_mask[None, :]
             r64 = rows.to(tl.int64)[:, None]
-            dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            h = tl.load(h_ptr + r64 * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if PREFETCH:
+                dy, h = dy_next.to(tl.float32), h_next.to(tl.float32)
+                local_n = local + BLOCK_R
+                rows_n = first_row + local_n
+                mask_n = ((local_n < rows_per_program) & (rows_n < n_rows))[:, None] & col_mask[None, :]
+                rn64 = rows_n.to(tl.int64)[:, None]
+                dy_next = tl.load(
+                    dy_ptr + rn64 * stride_dy + cols[None, :],
+                    mask=mask_n,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+                h_next = tl.load(
+                    h_ptr + rn64 * stride_h + cols[None, :],
+                    mask=mask_n,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+            else:
+                dy = tl.load(
+                    dy_ptr + r64 * stride_dy + cols[None, :],
+                    mask=mask,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                ).to(tl.float32)
+                h = tl.load(
+                    h_ptr + r64 * stride_h + cols[None, :],
+                    mask=mask,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                ).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             if IS_RMS:
                 mean = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -250,7 +449,9 @@ def _norm_bwd_kernel(
                 else:
                     dh = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
                 if HAS_DH_OUT:
-                    dh += tl.load(dh_out_ptr + row * stride_dh_out + cols, mask=mask, other=0.0).to(tl.float32)
+                    dh += tl.load(dh_out_ptr + row * stride_dh_out + cols, mask=mask, other=0.0).to(
+                        tl.float32
+                    )
                 tl.store(dh_ptr + row * stride_dh + cols, dh.to(dh_ptr.dtype.element_ty), mask=mask)
                 # The partial row is this program's own: read-modify-write needs no atomics;
                 # its first row writes without reading.
