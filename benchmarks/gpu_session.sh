@@ -30,10 +30,10 @@ if [[ $steps == *overhead* && -f benchmarks/overhead.py ]]; then
   run benchmarks/overhead.py | tee "$out/overhead.txt"
 fi
 if [[ $steps == *bench* ]]; then
-  run benchmarks/run.py "$family" --json "$out/bench_bf16.json" | tee "$out/bench_bf16.txt"
+  run benchmarks/run.py "$family" --kernel-time --json "$out/bench_bf16.json" | tee "$out/bench_bf16.txt"
 fi
 if [[ $steps == *long* && $family == layernorm ]]; then
-  run benchmarks/run.py layernorm --shapes 1024x65536,256x262144 --json "$out/bench_long.json" \
+  run benchmarks/run.py layernorm --shapes 1024x65536,256x262144 --kernel-time --json "$out/bench_long.json" \
     | tee "$out/bench_long.txt"
 fi
 if [[ $steps == *dtypes* ]]; then

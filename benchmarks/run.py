@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--peers", default="torch,torch.compile,liger")
     parser.add_argument("--rep-ms", type=float, default=100.0)
     parser.add_argument("--json", default="")
+    parser.add_argument("--kernel-time", action="store_true", help="also report device time in kernels")
     args = parser.parse_args()
 
     bench = importlib.import_module(f"openkernels.{args.family}.bench")
@@ -48,7 +49,7 @@ def main() -> None:
         kwargs["shapes"] = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     cases = bench.cases(device, **kwargs)
     ceiling = copy_ceiling_gbps(device)
-    results = run_cases(cases, device, ceiling_gbps=ceiling, rep_ms=args.rep_ms)
+    results = run_cases(cases, device, ceiling_gbps=ceiling, rep_ms=args.rep_ms, kernel_time=args.kernel_time)
     print(format_table(results, ceiling_gbps=ceiling), flush=True)
     if args.json:
         write_json(results, args.json, ceiling_gbps=ceiling, device=str(device), torch=torch.__version__)

@@ -36,7 +36,7 @@ _BWD_ALL = {"IS_RMS": False, "HAS_WEIGHT": True, "HAS_DH_OUT": True, "WEIGHT_GRA
 
 
 def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, aligned: bool = True,
-          int_type: str = "i32", h_dtype: str | None = None, max_splits: int = 64):  # fmt: skip
+          int_type: str = "i32", h_dtype: str | None = None, max_splits: int = 64, even: bool = False):  # fmt: skip
     from openkernels.shared.testing.aot import AotCase
 
     act, h = _TRITON_DTYPE[dtype], _TRITON_DTYPE[h_dtype or dtype]
@@ -48,7 +48,9 @@ def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, a
         ints, floats = _FWD_INTS, ("eps", "weight_offset")
         constexprs["BLOCK_C"] = cfg.block_cols
         if cfg.mode == "tile":
-            constexprs.update(PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows)
+            constexprs.update(
+                EVEN_C=even, PERSISTENT=cfg.programs_per_sm > 0, PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows
+            )
         if cfg.mode == "split":
             ptrs.update(part_ptr="*fp32", arrived_ptr="*i32")
             ints = (*ints, "n_splits")
@@ -58,7 +60,7 @@ def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, a
         ptrs = {"dy_ptr": act, "h_ptr": h, "w_ptr": act, "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
                 "dh_out_ptr": h, "dh_ptr": h, "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32"}  # fmt: skip
         ints, floats = _BWD_INTS, ("weight_offset",)
-        constexprs.update(LOOPED=cfg.looped, PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows,
+        constexprs.update(LOOPED=cfg.looped, EVEN_C=even, PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows,
                           BLOCK_C=cfg.block_cols)  # fmt: skip
     signature = {**ptrs, **{i: int_type for i in ints}, **{f: "fp32" for f in floats}}
     # Sizes and strides that are multiples of 16 are what Triton specializes on at launch
@@ -67,7 +69,8 @@ def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, a
     flag_text = "".join(k[0] + k.split("_")[-1][0] for k, v in flags.items() if v)
     label = (
         f"{direction}-{cfg.mode}-{dtype}{'-h' + h_dtype if h_dtype else ''}-r{cfg.block_rows}c{cfg.block_cols}"
-        f"w{cfg.num_warps}{'-prefetch' if cfg.prefetch else ''}"
+        f"w{cfg.num_warps}{'-p' + str(cfg.programs_per_sm) if cfg.programs_per_sm else ''}"
+        f"{'-prefetch' if cfg.prefetch else ''}{'-even' if even else ''}"
         f"{'-s' + str(max_splits) if cfg.mode == 'split' else ''}-{flag_text}"
         f"{'' if aligned else '-unaligned'}{'-' + int_type if int_type != 'i32' else ''}"
     )
@@ -89,7 +92,10 @@ def _flag_variants(direction: str) -> list[dict]:
 
 
 def _with_prefetch(cfg: configs.NormConfig, prefetch: bool) -> configs.NormConfig:
-    return dataclasses.replace(cfg, prefetch=prefetch)
+    """The config as picked, and its persistent, prefetching twin (the tuning sweep's other arm)."""
+    if prefetch == cfg.prefetch:
+        return cfg
+    return dataclasses.replace(cfg, prefetch=prefetch, programs_per_sm=cfg.programs_per_sm or 1)
 
 
 def cases_for(backend: str) -> list:
@@ -102,11 +108,12 @@ def cases_for(backend: str) -> list:
         all_cfgs = configs.all_configs(backend, direction)
         tiles = [c for c in all_cfgs if c.mode == "tile"]
         for cfg in all_cfgs:
-            variants = [_with_prefetch(cfg, p) for p in (False, True)] if cfg.mode == "tile" else [cfg]
-            for variant in variants:
-                for dtype in ("bf16", "fp32"):
-                    c = _case(direction, variant, dtype, every)
-                    out[c.label] = c
+            for dtype in ("bf16", "fp32"):
+                c = _case(direction, cfg, dtype, every)
+                out[c.label] = c
+            if cfg.mode == "tile":  # n_cols == BLOCK_C: the unmasked specialization
+                c = _case(direction, cfg, "bf16", every, even=True)
+                out[c.label] = c
         widest = [max(tiles, key=lambda c: c.block_cols)]
         widest += [next(c for c in all_cfgs if c.mode == mode) for mode in ("split", "looped") if
                    any(c.mode == mode for c in all_cfgs)]  # fmt: skip
@@ -125,7 +132,8 @@ def cases_for(backend: str) -> list:
         unaligned_tile = configs.launch_config(
             configs.MAX_TILE_COLS[direction] // 2, torch.float32, backend, direction, aligned=False
         )
-        for prefetch in (False, True):
+        # The backward's tile is picked with prefetching at some widths and without at others.
+        for prefetch in (False, True) if direction == "bwd" else (False,):
             cfg = _with_prefetch(unaligned_tile, prefetch)
             for c in (_case(direction, cfg, "bf16", every, aligned=False),
                       _case(direction, cfg, "fp32", every, aligned=False, h_dtype="fp32")):  # fmt: skip

@@ -28,6 +28,7 @@ __all__ = [
     "Measurement",
     "copy_ceiling_gbps",
     "time_ms",
+    "kernel_ms",
     "run_cases",
     "format_table",
     "write_json",
@@ -105,6 +106,9 @@ class Measurement:
     ratio_to_ceiling: float
     device: str
     error: str = ""
+    # Device time of the kernels alone (torch.profiler), without the host's launch gaps:
+    # what a step costs the GPU when the host keeps up (0: not measured).
+    kernel_ms: float = 0.0
 
 
 def _sync(device: torch.device) -> None:
@@ -141,6 +145,27 @@ def time_ms(
     return statistics.median(samples)
 
 
+def kernel_ms(
+    fn: Callable[[dict[str, Any]], Any],
+    input_sets: Sequence[dict[str, Any]],
+    device: torch.device,
+    iters: int = 10,
+) -> float:
+    """Milliseconds of device time per call spent in kernels (memsets and copies included),
+    summed from torch.profiler over `iters` calls on rotating input sets. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0.0
+    for s in input_sets[:2]:
+        fn(s)
+    _sync(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(input_sets[i % len(input_sets)])
+        _sync(device)
+    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
+    return total_us / iters / 1e3
+
+
 def copy_ceiling_gbps(device: torch.device, nbytes: int = 2**31) -> float:
     """Device copy bandwidth (bytes read + written per second, in GB/s), measured now."""
     n = nbytes // 4 if device.type == "cuda" else nbytes // 32
@@ -166,8 +191,12 @@ def run_cases(
     only: Sequence[str] | None = None,
     rep_ms: float = 100.0,
     same_size_copy: bool = True,
+    kernel_time: bool = False,
 ) -> list[Measurement]:
-    """Time every contender of every case on the same inputs; errors are recorded, not raised."""
+    """Time every contender of every case on the same inputs; errors are recorded, not raised.
+
+    kernel_time: also measure each contender's device time in kernels (Measurement.kernel_ms),
+    for steps whose host work (autograd, Python launchers) can outrun the GPU."""
     device = torch.device(device)
     ceiling = ceiling_gbps or copy_ceiling_gbps(device)
     results = []
@@ -185,9 +214,10 @@ def run_cases(
                 if name in case.setup:
                     prepared = [case.setup[name](s) for s in sets]
                 ms = time_ms(fn, prepared, device, rep_ms=rep_ms)
+                k_ms = kernel_ms(fn, prepared, device) if kernel_time and name != "copy" else 0.0
                 error = ""
             except Exception as exc:  # a peer that cannot run this case is reported, not fatal
-                ms, error = float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
+                ms, k_ms, error = float("nan"), 0.0, f"{type(exc).__name__}: {str(exc)[:120]}"
             gbps = case.bytes / ms / 1e6 if ms == ms else float("nan")
             tflops = case.flops / ms / 1e9 if case.flops and ms == ms else 0.0
             results.append(
@@ -204,6 +234,7 @@ def run_cases(
                     gbps / ceiling,
                     _device_name(device),
                     error,
+                    k_ms,
                 )
             )
             _sync(device)
@@ -234,13 +265,17 @@ def _device_name(device: torch.device) -> str:
 
 def format_table(results: Sequence[Measurement], *, ceiling_gbps: float | None = None) -> str:
     """One row per case and contender: ms, GB/s, ratio to the ceiling, and the peer's time as
-    a multiple of ours (> 1: ours is faster; not shown for the same-size copy)."""
+    a multiple of ours (> 1: ours is faster; not shown for the same-size copy); then, where
+    measured, the kernels' device time, its GB/s and the same multiple on device time."""
     lines = []
     if ceiling_gbps:
         lines.append(f"copy ceiling: {ceiling_gbps:.0f} GB/s")
-    header = f"{'case':<46} {'contender':<14} {'ms':>9} {'GB/s':>8} {'ceil':>6}  vs ours"
+    header = f"{'case':<46} {'contender':<14} {'ms':>9} {'GB/s':>8} {'ceil':>6}  vs ours  {'kern ms':>8} {'kern GB/s':>9}"
     lines += [header, "-" * len(header)]
     ours = {(m.op, m.direction, m.shape, m.dtype): m.ms for m in results if m.contender == "ours"}
+    kernel_base = {
+        (m.op, m.direction, m.shape, m.dtype): m.kernel_ms for m in results if m.contender == "ours"
+    }
     for m in results:
         label = f"{m.op} {m.direction} {'x'.join(map(str, m.shape))} {m.dtype}"
         if m.error:
@@ -248,8 +283,14 @@ def format_table(results: Sequence[Measurement], *, ceiling_gbps: float | None =
             continue
         base = ours.get((m.op, m.direction, m.shape, m.dtype))
         speed = f"{m.ms / base:5.2f}x" if base and m.contender not in ("ours", "copy") else ""
+        kern = ""
+        if m.kernel_ms:
+            kern_base = kernel_base.get((m.op, m.direction, m.shape, m.dtype))
+            kern_speed = f" {m.kernel_ms / kern_base:5.2f}x" if kern_base and m.contender != "ours" else ""
+            nbytes = m.gbps * m.ms * 1e6
+            kern = f"  {m.kernel_ms:8.4f} {nbytes / m.kernel_ms / 1e6:9.0f}{kern_speed}"
         lines.append(
-            f"{label:<46} {m.contender:<14} {m.ms:9.4f} {m.gbps:8.0f} {m.ratio_to_ceiling:6.3f}  {speed}"
+            f"{label:<46} {m.contender:<14} {m.ms:9.4f} {m.gbps:8.0f} {m.ratio_to_ceiling:6.3f}  {speed:>6}{kern}"
         )
     return "\n".join(lines)
 

@@ -25,15 +25,17 @@ MAX_TILE_COLS = {"fwd": 16384, "bwd": 8192}
 # Split kernel: at most this many programs per row (they must be resident together; any
 # GPU holds 64 such programs at once). Looped kernels: chunk per step.
 MAX_SPLITS = 64
-LOOPED_COLS = 8192
+LOOPED_COLS = 4096
 # Elements each thread holds, by (direction, norm), and how many rows a tile stacks.
 # Measured on H200, bf16, 64M-element grids (docs/perf.md): the RMSNorm forward ran best at
 # 16 per thread (4096 cols: 0.879 of copy at 8 warps vs 0.871 at 4), LayerNorm's at 32
 # (its two extra row sums favour fewer warps: 8192 cols 0.836 at 8 warps, 0.749 at 16);
-# the backward, loading the next block ahead, at 8 per thread on 1-2 programs per SM
-# past 2048 columns (4096 cols: 0.813 at 16 warps x 2 programs vs 0.709 at 4 x 8).
-ELEMENTS_PER_THREAD = {("fwd", True): 16, ("fwd", False): 32, ("bwd", True): 8, ("bwd", False): 8}
-TILE_ELEMENTS = 2048
+# the backward, loading the next block ahead, on 1-2 programs per SM past 2048 columns:
+# RMSNorm at 8 per thread (4096 cols: 0.757-0.813 at 16 warps x 2 programs vs 0.709 at
+# 4 x 8), LayerNorm at 16 on 8192-element tiles (4096 cols: 0.672 with 2 rows x 16 warps
+# vs 0.564 with 1 row; 8192 cols: 0.662 at 16 warps vs 0.570 at 32).
+ELEMENTS_PER_THREAD = {("fwd", True): 16, ("fwd", False): 32, ("bwd", True): 8, ("bwd", False): 16}
+TILE_ELEMENTS = {("fwd", True): 2048, ("fwd", False): 2048, ("bwd", True): 2048, ("bwd", False): 8192}
 MAX_WARPS = {"cuda": 32, "rocm": 16}
 
 
@@ -84,13 +86,20 @@ def launch_config(
     per_thread = ELEMENTS_PER_THREAD[direction, rms]
     if n_cols <= limit:
         block_cols = _next_pow2(n_cols)
-        block_rows = max(1, TILE_ELEMENTS // block_cols)
+        block_rows = max(1, TILE_ELEMENTS[direction, rms] // block_cols)
         if direction == "fwd":
             return NormConfig(block_rows, block_cols, _warps(block_rows * block_cols, per_thread, vendor))
-        # Backward: narrow rows keep 16 per thread on 8 programs per SM (2048 cols: 0.78).
-        per_thread = 16 if block_cols <= 2048 else per_thread
+        # Backward: narrow rows keep 2048-element tiles at 16 per thread on 8 programs per
+        # SM (2048 cols: RMSNorm 0.768-0.783, LayerNorm 0.691-0.706).
+        if block_cols <= 2048:
+            block_rows, per_thread = max(1, 2048 // block_cols), 16
         warps = _warps(block_rows * block_cols, per_thread, vendor)
         lane_warps = 32 if vendor == "cuda" else 16  # half an SM's warp slots
+        if block_cols >= 8192:
+            # The prefetched 8192-column tile spilled 8-92 B per thread on sm_80/sm_90
+            # (float32 h, 32 warps): 16 warps on 4 programs per SM without prefetching.
+            warps = _warps(block_cols, 16, vendor)
+            return NormConfig(1, block_cols, warps, "tile", max(1, 2 * lane_warps // warps))
         return NormConfig(block_rows, block_cols, warps, "tile", max(1, lane_warps // warps), prefetch=True)
     if direction == "fwd" and backend in ("cuda", "rocm"):
         chunk = 16384 if rms else 8192
@@ -99,7 +108,9 @@ def launch_config(
             return NormConfig(1, chunk, _warps(chunk, 32, vendor), "split")
     chunk = LOOPED_COLS if aligned else LOOPED_COLS // 2
     warps = _warps(chunk, 16, vendor)
-    return NormConfig(1, chunk, warps, "looped", max(1, 64 // warps // 2) if direction == "bwd" else 0)
+    # Looped kernels: 4096-column chunks at 16 per thread (8192-column chunks measured
+    # faster, 0.41 vs 0.35 of copy for the RMSNorm backward at 16384, but spilled on sm_80).
+    return NormConfig(1, chunk, warps, "looped", max(1, 32 // warps) if direction == "bwd" else 0)
 
 
 def all_configs(backend: str, direction: str) -> list[NormConfig]:

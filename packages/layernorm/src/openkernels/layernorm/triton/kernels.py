@@ -143,8 +143,10 @@ def _norm_fwd_kernel(
         step = tl.num_programs(0)
         n_blocks = tl.cdiv(n_rows, BLOCK_R)
         if PREFETCH:
-            rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-            x_next, r_next = _load_rows(x_ptr, res_ptr, rows, cols, col_mask, n_rows, stride_x, stride_res,
+            # Its own names: a variable set before the loop and again inside would be loop-
+            # carried, and its type differ (int32 here, int64 in the loop with int64 sizes).
+            first = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+            x_next, r_next = _load_rows(x_ptr, res_ptr, first, cols, col_mask, n_rows, stride_x, stride_res,
                                         HAS_RESIDUAL)  # fmt: skip
         for block in range(pid, n_blocks, step):
             rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -333,15 +335,18 @@ def _norm_bwd_kernel(
         dw_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         if PREFETCH:
-            local = tl.arange(0, BLOCK_R)
-            rows = first_row + local
-            mask = ((local < rows_per_program) & (rows < n_rows))[:, None] & col_mask[None, :]
-            r64 = rows.to(tl.int64)[:, None]
+            local0 = tl.arange(0, BLOCK_R)
+            rows0 = first_row + local0
+            mask0 = ((local0 < rows_per_program) & (rows0 < n_rows))[:, None] & col_mask[None, :]
+            r064 = rows0.to(tl.int64)[:, None]
             dy_next = tl.load(
-                dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+                dy_ptr + r064 * stride_dy + cols[None, :],
+                mask=mask0,
+                other=0.0,
+                eviction_policy="evict_first",
             )
             h_next = tl.load(
-                h_ptr + r64 * stride_h + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+                h_ptr + r064 * stride_h + cols[None, :], mask=mask0, other=0.0, eviction_policy="evict_first"
             )
         for start in range(0, rows_per_program, BLOCK_R):
             local = start + tl.arange(0, BLOCK_R)
