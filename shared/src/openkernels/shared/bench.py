@@ -29,6 +29,7 @@ __all__ = [
     "copy_ceiling_gbps",
     "time_ms",
     "kernel_ms",
+    "compiled_peer",
     "run_cases",
     "format_table",
     "write_json",
@@ -143,6 +144,17 @@ def time_ms(
         step()
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
+
+
+def compiled_peer(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile(fn, dynamic=False) as a benchmark peer, with dynamo's recompile limits
+    raised: dynamic=False specializes per shape, dtype and grad mode, and past the default
+    limit of 8 recompiles of one code object the peer silently runs eager (seen in a GPU
+    run of the activations benchmark)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 1024)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4096)
+    return torch.compile(fn, dynamic=False)
 
 
 def kernel_ms(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.bench import BenchCase, Check
+from openkernels.shared.bench import BenchCase, Check, compiled_peer
 from openkernels.shared.bench import score as _score
 
 from . import api
@@ -115,19 +115,12 @@ def cases(
     """Benchmark cases for `device` (GPU shapes on CUDA/ROCm, CPU shapes on CPU)."""
     device = torch.device(device)
     shapes = shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
-    # dynamic=False specializes per shape, dtype and grad mode, and the gated peers share
-    # one code object: past dynamo's default limit of 8 recompiles the compiled peer would
-    # silently run eager (seen in a GPU run; docs/perf.md).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
-    torch._dynamo.config.accumulated_recompile_limit = max(
-        torch._dynamo.config.accumulated_recompile_limit, 4096
-    )
     out = []
     for op, approximate in variants:
         gated = SPECS[op].gated
         name = f"{op}[{approximate}]" if approximate else op
         ours, composed = _ours(op, approximate), torch_composition(op, approximate)
-        compiled = torch.compile(composed, dynamic=False) if "torch.compile" in peers else None
+        compiled = compiled_peer(composed) if "torch.compile" in peers else None
         liger = _liger(op, approximate) if "liger" in peers else None
         backward = getattr(torch.ops.openkernels, f"{op}_backward")
         for rows, d in shapes:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.bench import BenchCase, Check
+from openkernels.shared.bench import BenchCase, Check, compiled_peer
 from openkernels.shared.bench import score as _score
 
 from . import api
@@ -115,11 +115,6 @@ def cases(
     """Benchmark cases for `device` (the GPU grid on CUDA/ROCm, CPU shapes on CPU)."""
     device = torch.device(device)
     shapes = shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
-    # dynamic=False specializes per shape and grad mode: keep the compiled peer compiled.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
-    torch._dynamo.config.accumulated_recompile_limit = max(
-        torch._dynamo.config.accumulated_recompile_limit, 4096
-    )
     out = []
     for op in ops:
         ours, composed = _ours(op), torch_composition(op)
@@ -127,7 +122,7 @@ def cases(
         if "torch" in peers:
             contenders_fns["torch"] = composed
         if "torch.compile" in peers:
-            contenders_fns["torch.compile"] = torch.compile(composed, dynamic=False)
+            contenders_fns["torch.compile"] = compiled_peer(composed)
         liger = _liger(op) if "liger" in peers and device.type == "cuda" else None
         if liger is not None:
             contenders_fns["liger"] = liger

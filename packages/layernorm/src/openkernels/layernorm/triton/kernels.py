@@ -314,6 +314,21 @@ def _norm_grad_rows(dy, h, w, mean, rstd, mask, n_cols, IS_RMS: tl.constexpr, HA
 
 
 @triton.jit
+def _load_grad_rows(dy_ptr, h_ptr, first_row, local, cols, col_mask, rows_per_program, n_rows, stride_dy,
+                    stride_h):  # fmt: skip
+    """Raw dy and h tiles of rows first_row + local (those of this program's run); read
+    once, so marked evict-first."""
+    rows = first_row + local
+    mask = ((local < rows_per_program) & (rows < n_rows))[:, None] & col_mask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    dy = tl.load(
+        dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+    )
+    h = tl.load(h_ptr + r64 * stride_h + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    return dy, h
+
+
+@triton.jit
 def _norm_bwd_kernel(
     dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, dh_out_ptr, dh_ptr, dw_part_ptr, db_part_ptr,
     n_rows, n_cols, stride_dy, stride_h, stride_dh_out, stride_dh, rows_per_program,
@@ -335,19 +350,10 @@ def _norm_bwd_kernel(
         dw_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         if PREFETCH:
-            local0 = tl.arange(0, BLOCK_R)
-            rows0 = first_row + local0
-            mask0 = ((local0 < rows_per_program) & (rows0 < n_rows))[:, None] & col_mask[None, :]
-            r064 = rows0.to(tl.int64)[:, None]
-            dy_next = tl.load(
-                dy_ptr + r064 * stride_dy + cols[None, :],
-                mask=mask0,
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-            h_next = tl.load(
-                h_ptr + r064 * stride_h + cols[None, :], mask=mask0, other=0.0, eviction_policy="evict_first"
-            )
+            # Own names: set before the loop and again inside, a variable would be loop-
+            # carried, its type int32 here and int64 in the loop with int64 sizes.
+            dy_next, h_next = _load_grad_rows(dy_ptr, h_ptr, first_row, tl.arange(0, BLOCK_R), cols, col_mask,
+                                              rows_per_program, n_rows, stride_dy, stride_h)  # fmt: skip
         for start in range(0, rows_per_program, BLOCK_R):
             local = start + tl.arange(0, BLOCK_R)
             rows = first_row + local
@@ -355,36 +361,13 @@ def _norm_bwd_kernel(
             mask = row_mask[:, None] & col_mask[None, :]
             r64 = rows.to(tl.int64)[:, None]
             if PREFETCH:
-                dy, h = dy_next.to(tl.float32), h_next.to(tl.float32)
-                local_n = local + BLOCK_R
-                rows_n = first_row + local_n
-                mask_n = ((local_n < rows_per_program) & (rows_n < n_rows))[:, None] & col_mask[None, :]
-                rn64 = rows_n.to(tl.int64)[:, None]
-                dy_next = tl.load(
-                    dy_ptr + rn64 * stride_dy + cols[None, :],
-                    mask=mask_n,
-                    other=0.0,
-                    eviction_policy="evict_first",
-                )
-                h_next = tl.load(
-                    h_ptr + rn64 * stride_h + cols[None, :],
-                    mask=mask_n,
-                    other=0.0,
-                    eviction_policy="evict_first",
-                )
+                dy, h = dy_next, h_next
+                dy_next, h_next = _load_grad_rows(dy_ptr, h_ptr, first_row, local + BLOCK_R, cols, col_mask,
+                                                  rows_per_program, n_rows, stride_dy, stride_h)  # fmt: skip
             else:
-                dy = tl.load(
-                    dy_ptr + r64 * stride_dy + cols[None, :],
-                    mask=mask,
-                    other=0.0,
-                    eviction_policy="evict_first",
-                ).to(tl.float32)
-                h = tl.load(
-                    h_ptr + r64 * stride_h + cols[None, :],
-                    mask=mask,
-                    other=0.0,
-                    eviction_policy="evict_first",
-                ).to(tl.float32)
+                dy, h = _load_grad_rows(dy_ptr, h_ptr, first_row, local, cols, col_mask, rows_per_program, n_rows,
+                                        stride_dy, stride_h)  # fmt: skip
+            dy, h = dy.to(tl.float32), h.to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             if IS_RMS:
                 mean = tl.zeros([BLOCK_R], dtype=tl.float32)
