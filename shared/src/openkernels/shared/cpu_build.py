@@ -1,7 +1,10 @@
 """Compile a C++ source shipped in a wheel into a shared library on first use, load it with ctypes.
 
-Libraries are cached under ``${OPENKERNELS_CACHE:-~/.cache/openkernels}/cpu/<name>-<hash>/``; the hash
-covers the source, the flags, the compiler version and the CPU (the code is built for -march=native).
+Every compile gets ``-I INCLUDE_DIR``: the headers shipped with this package (``openkernels_cpu.h``: the
+helpers the kernel families share). Libraries are cached under
+``${OPENKERNELS_CACHE:-~/.cache/openkernels}/cpu/<name>-<hash>/``; the hash covers the source, the
+headers in INCLUDE_DIR, the flags, the compiler version and the CPU (the code is built for
+-march=native), so editing a shared header rebuilds every library that may include it.
 Several processes may build the same library at once: each compiles to a temporary file and renames it
 into place atomically.
 """
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "BASE_FLAGS",
+    "INCLUDE_DIR",
     "CpuBuildError",
     "cache_root",
     "compiler",
@@ -34,6 +38,9 @@ __all__ = [
 
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++17")
 _OPTIONAL_FLAGS = ("-march=native", "-fopenmp")  # dropped, in turn, when the compiler rejects them
+# Shared headers, on every compile's include path. Kept out of the flags that are hashed: the key
+# covers the headers' content, not where this package is installed.
+INCLUDE_DIR = pathlib.Path(__file__).with_name("cpu")
 _TIMEOUT_S = 300
 
 _lock = threading.Lock()
@@ -109,13 +116,43 @@ def _cpu_signature() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+def _headers_digest() -> bytes:
+    """Names and contents of the headers in INCLUDE_DIR (sorted): part of every cache key."""
+    digest = hashlib.sha256()
+    for header in sorted(INCLUDE_DIR.glob("*.h")):
+        for part in (header.name.encode(), header.read_bytes()):
+            digest.update(part)
+            digest.update(b"\0")
+    return digest.digest()
+
+
+def _cache_key(cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str]) -> str:
+    """Hex digest of what the library depends on: source, shared headers, flags, compiler, CPU."""
+    digest = hashlib.sha256()
+    for part in (
+        source.read_bytes(),
+        _headers_digest(),
+        "\0".join(flags).encode(),
+        _compiler_version(cmd).encode(),
+    ):
+        digest.update(part)
+        digest.update(b"\0")
+    digest.update(_cpu_signature().encode())
+    return digest.hexdigest()
+
+
+def _command(cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str]) -> list[str]:
+    """The compile command, without its output: the flags, the shared include directory, the source."""
+    return [*cmd, *flags, "-I", str(INCLUDE_DIR), str(source)]
+
+
 def _compile(cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str], target: pathlib.Path) -> str:
     """Compile to `target` atomically; return "" on success, else the compiler's output."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         run = subprocess.run(
-            [*cmd, *flags, str(source), "-o", tmp],
+            [*_command(cmd, source, flags), "-o", tmp],
             check=False,
             capture_output=True,
             text=True,
@@ -133,7 +170,7 @@ def _compile(cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str], t
 
 
 def load_library(source: pathlib.Path, *, name: str, extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
-    """Compile `source` (once per content, flags, compiler and CPU) and load it with ctypes."""
+    """Compile `source` (once per content, shared headers, flags, compiler and CPU) and load it."""
     source = pathlib.Path(source).resolve()
     flags = (*BASE_FLAGS, *extra_flags)
     key = (str(source), name, flags)
@@ -144,12 +181,7 @@ def load_library(source: pathlib.Path, *, name: str, extra_flags: Sequence[str] 
         cmd = compiler()
         if cmd is None:
             raise CpuBuildError(no_compiler_reason() or "no C++ compiler")
-        digest = hashlib.sha256()
-        for part in (source.read_bytes(), "\0".join(flags).encode(), _compiler_version(cmd).encode()):
-            digest.update(part)
-            digest.update(b"\0")
-        digest.update(_cpu_signature().encode())
-        target = cache_root() / f"{name}-{digest.hexdigest()[:16]}" / f"lib{name}.so"
+        target = cache_root() / f"{name}-{_cache_key(cmd, source, flags)[:16]}" / f"lib{name}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             # Retry without the optional flags a compiler may reject (-march=native, -fopenmp).
@@ -161,7 +193,7 @@ def load_library(source: pathlib.Path, *, name: str, extra_flags: Sequence[str] 
                 error = _compile(cmd, source, attempt, target)
                 if not error:
                     break
-                errors.append(f"$ {shlex.join([*cmd, *attempt, str(source)])}\n{error}")
+                errors.append(f"$ {shlex.join(_command(cmd, source, attempt))}\n{error}")
             else:
                 raise CpuBuildError(f"compiling {source.name} failed:\n" + "\n".join(errors[:1]))
         lib = _loaded[key] = ctypes.CDLL(str(target))

@@ -12,19 +12,10 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX2__) || defined(__AVX512F__)
-#define OK_STREAM 1
-#endif
-#if defined(OK_STREAM) && defined(__linux__)
-#include <sys/mman.h>
-#include <unistd.h>
-#endif
 
-#define OK_INLINE inline __attribute__((always_inline))
-#define OK_NOINLINE __attribute__((noinline))  // one copy of each vectorized loop, shared by f32 and f16
+// OK_INLINE / OK_NOINLINE, OK_STREAM, bits / from_bits, the bfloat16 and float16 conversions,
+// resident(), stream_line() and fence(): shared with the other families (openkernels-shared).
+#include "openkernels_cpu.h"
 
 namespace {
 
@@ -38,18 +29,6 @@ constexpr int64_t kSerialBelow = 32 * 1024;  // elements; smaller calls lose mor
 // for 3. An output this large does not stay in a 32 MB L3 for the next op anyway; smaller ones do, and
 // the next op reading them from cache gains more than streaming saves (measured from 2 to 16 MB).
 constexpr int64_t kStreamFrom = int64_t(32) << 20;
-
-OK_INLINE uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-OK_INLINE float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // min(|x|, c) and x clamped to [-c, c], for c > 0, by an integer min on the magnitude bits: compilers
 // do not turn float selects into min/max (NaN rules) and emit several mask instructions instead.
@@ -177,13 +156,8 @@ struct Elem<kF32> {
 template <>
 struct Elem<kBF16> {
   using T = uint16_t;
-  static OK_INLINE float load(uint16_t h) { return from_bits(uint32_t(h) << 16); }
-  // Round to nearest even; NaN keeps its sign and becomes a quiet NaN (rounding could carry it to inf).
-  static OK_INLINE uint16_t store(float v) {
-    uint32_t u = bits(v);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return uint16_t(v != v ? (u >> 16) | 0x40u : rounded);
-  }
+  static OK_INLINE float load(uint16_t h) { return bf16_load(h); }
+  static OK_INLINE uint16_t store(float v) { return bf16_store(v); }  // nearest even, NaN stays NaN
 };
 
 template <>
@@ -191,66 +165,7 @@ struct Elem<kF16> {
   using T = uint16_t;
 };
 
-void f16_to_float(const uint16_t* __restrict src, float* __restrict dst, int64_t m) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= m; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < m; ++i) dst[i] = _cvtsh_ss(src[i]);
-#else
-  for (; i < m; ++i) {
-    _Float16 h;
-    std::memcpy(&h, src + i, 2);
-    dst[i] = float(h);
-  }
-#endif
-}
-
-void float_to_f16(const float* __restrict src, uint16_t* __restrict dst, int64_t m) {  // nearest even
-  int64_t i = 0;
-#if defined(__F16C__)
-  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  for (; i + 8 <= m; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), kRne));
-  for (; i < m; ++i) dst[i] = _cvtss_sh(src[i], kRne);
-#else
-  for (; i < m; ++i) {
-    _Float16 h = _Float16(src[i]);
-    std::memcpy(dst + i, &h, 2);
-  }
-#endif
-}
-
 // ---- streaming stores ----
-
-#if defined(OK_STREAM)
-// Whether the page holding p was touched before. The first store to a fresh page faults and the kernel
-// zeroes the page, which leaves it in cache: ordinary stores then cost no extra read, and streaming ones
-// are slower (measured 2-10%). glibc gives every allocation of 32 MB or more fresh pages (mmap).
-bool resident(const void* p) {
-#if defined(__linux__)
-  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
-  unsigned char in_core = 0;
-  return mincore(reinterpret_cast<void*>(uintptr_t(p) & ~(page - 1)), 1, &in_core) == 0 && (in_core & 1);
-#else
-  return p != nullptr;  // no cheap test: assume memory an allocator reuses
-#endif
-}
-#endif
-
-// One 64-byte line from v to dst, both 64-byte aligned, bypassing the cache.
-OK_INLINE void stream_line(void* dst, const void* v) {
-#if defined(__AVX512F__)
-  _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_load_si512(v));
-#elif defined(__AVX2__)
-  auto d = static_cast<__m256i*>(dst);
-  auto s = static_cast<const __m256i*>(v);
-  _mm256_stream_si256(d, _mm256_load_si256(s));
-  _mm256_stream_si256(d + 1, _mm256_load_si256(s + 1));
-#else
-  std::memcpy(dst, v, 64);  // not reached: streaming needs AVX2 (OK_STREAM)
-#endif
-}
 
 // y[i] = f(i) for i in [0, m): ordinary stores, or (NT) streaming ones, for which y is 64-byte aligned and
 // m a whole number of lines. Each line is computed into v (a register once vectorized), then streamed.
@@ -502,9 +417,7 @@ void run_tiles(Job j, int64_t rows, int64_t cols, int num_threads) {
       const int64_t r = t / chunks, c0 = (t % chunks) * width;
       Op::template tile<D, A>(j, r, c0, std::min(cols, c0 + width));
     }
-#if defined(OK_STREAM)
-    if (j.stream) _mm_sfence();  // streaming stores are weakly ordered: complete them before the region ends
-#endif
+    fence(j.stream);  // streaming stores are weakly ordered: complete them before the region ends
   }
 }
 

@@ -27,22 +27,16 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX2__) || defined(__AVX512F__)
-#define OK_STREAM 1
-#endif
 #if defined(__linux__)
-#include <sys/mman.h>
-#include <unistd.h>
+#include <sys/mman.h>  // madvise (prepare_output)
 #endif
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
 
-#define OK_INLINE inline __attribute__((always_inline))
-#define OK_NOINLINE __attribute__((noinline))
+// OK_INLINE / OK_NOINLINE, OK_STREAM, bits / from_bits, the bfloat16 and float16 conversions,
+// resident(), stream_line() and fence(): shared with the other families (openkernels-shared).
+#include "openkernels_cpu.h"
 
 namespace {
 
@@ -69,69 +63,6 @@ OK_INLINE const char* at(const void* base, int64_t r, int64_t stride, int code) 
 
 OK_INLINE char* at(void* base, int64_t r, int64_t stride, int code) {
   return static_cast<char*>(base) + r * stride * elem_size(code);
-}
-
-OK_INLINE uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-OK_INLINE float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-OK_INLINE float bf16_load(uint16_t h) { return from_bits(uint32_t(h) << 16); }
-
-// Round to nearest even; NaN keeps its sign and becomes a quiet NaN (rounding could carry it to inf).
-OK_INLINE uint16_t bf16_store(float v) {
-  uint32_t u = bits(v);
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return uint16_t(v != v ? (u >> 16) | 0x40u : rounded);
-}
-
-// ---- float16 (F16C: its conversions do not auto-vectorize from scalar code) ----
-
-OK_INLINE float f16_load(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  _Float16 v;
-  std::memcpy(&v, &h, 2);
-  return float(v);
-#endif
-}
-
-OK_INLINE uint16_t f16_store(float f) {
-#if defined(__F16C__)
-  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-  _Float16 v = _Float16(f);
-  uint16_t h;
-  std::memcpy(&h, &v, 2);
-  return h;
-#endif
-}
-
-void f16_to_float(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = f16_load(src[i]);
-}
-
-void float_to_f16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), kRne));
-#endif
-  for (; i < n; ++i) dst[i] = f16_store(src[i]);
 }
 
 // ---- loading a chunk into the accumulator type ----
@@ -198,33 +129,6 @@ void round_to(int code, double* __restrict p, int64_t n) {
 }
 
 // ---- storing, optionally with streaming stores ----
-
-// Whether the page holding p was touched before. The first store to a fresh page faults and the kernel
-// zeroes the page, which leaves it in cache: ordinary stores then cost no extra read, and streaming ones
-// are slower. glibc gives large allocations fresh pages (mmap) unless told otherwise.
-bool resident(const void* p) {
-#if defined(__linux__)
-  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
-  unsigned char in_core = 0;
-  return mincore(reinterpret_cast<void*>(uintptr_t(p) & ~(page - 1)), 1, &in_core) == 0 && (in_core & 1);
-#else
-  return p != nullptr;
-#endif
-}
-
-// One 64-byte line from v (64-byte aligned) to dst (64-byte aligned), bypassing the cache.
-OK_INLINE void stream_line(void* dst, const void* v) {
-#if defined(__AVX512F__)
-  _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_load_si512(v));
-#elif defined(__AVX2__)
-  auto d = static_cast<__m256i*>(dst);
-  auto s = static_cast<const __m256i*>(v);
-  _mm256_stream_si256(d, _mm256_load_si256(s));
-  _mm256_stream_si256(d + 1, _mm256_load_si256(s + 1));
-#else
-  std::memcpy(dst, v, 64);
-#endif
-}
 
 // dst[i] = g(i) for i < n. With `stream`, dst's whole 64-byte lines are computed into an aligned line
 // (a register once vectorized) and streamed; the partial lines at either end take ordinary stores.
@@ -367,14 +271,6 @@ OK_INLINE int thread_id() {
   return omp_get_thread_num();
 #else
   return 0;
-#endif
-}
-
-OK_INLINE void fence(bool any_stream) {
-#if defined(OK_STREAM)
-  if (any_stream) _mm_sfence();  // streaming stores are weakly ordered: complete them before the region ends
-#else
-  (void)any_stream;
 #endif
 }
 
