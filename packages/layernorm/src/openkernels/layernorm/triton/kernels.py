@@ -344,6 +344,20 @@ def _load_grad_rows(dy_ptr, h_ptr, first_row, local, cols, col_mask, rows_per_pr
 
 
 @triton.jit
+def _grad_chunk(
+    dy_row_ptr, h_row_ptr, w_ptr, cols, mask, mean, rstd, weight_offset, HAS_WEIGHT: tl.constexpr
+):
+    """(dy, xhat, g = dy * (w + weight_offset)) of one [1, C] chunk of a row, in float32."""
+    dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(h_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy
+    if HAS_WEIGHT:
+        g = dy * (tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+    return dy, xhat, g
+
+
+@triton.jit
 def _norm_bwd_kernel(
     dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, dh_out_ptr, dh_ptr, dw_part_ptr, db_part_ptr,
     n_rows, n_cols, stride_dy, stride_h, stride_dh_out, stride_dh, rows_per_program,
@@ -426,12 +440,8 @@ def _norm_bwd_kernel(
             for i in range(0, n_chunks):
                 cols = i * BLOCK_C + cols0
                 mask = (cols < n_cols) & row_ok
-                dy = tl.load(dy_ptr + dy_row + cols, mask=mask, other=0.0).to(tl.float32)
-                h = tl.load(h_ptr + h_row + cols, mask=mask, other=0.0).to(tl.float32)
-                xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
-                g = dy
-                if HAS_WEIGHT:
-                    g = dy * (tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+                dy, xhat, g = _grad_chunk(dy_ptr + dy_row, h_ptr + h_row, w_ptr, cols, mask, mean, rstd,
+                                          weight_offset, HAS_WEIGHT)  # fmt: skip
                 c1 += tl.sum(g * xhat, axis=1)
                 c2 += tl.sum(g, axis=1)
             c1 = c1 / n_cols
@@ -441,12 +451,8 @@ def _norm_bwd_kernel(
                 i = n_chunks - 1 - j
                 cols = i * BLOCK_C + cols0
                 mask = (cols < n_cols) & row_ok
-                dy = tl.load(dy_ptr + dy_row + cols, mask=mask, other=0.0).to(tl.float32)
-                h = tl.load(h_ptr + h_row + cols, mask=mask, other=0.0).to(tl.float32)
-                xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
-                g = dy
-                if HAS_WEIGHT:
-                    g = dy * (tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+                dy, xhat, g = _grad_chunk(dy_ptr + dy_row, h_ptr + h_row, w_ptr, cols, mask, mean, rstd,
+                                          weight_offset, HAS_WEIGHT)  # fmt: skip
                 if IS_RMS:
                     dh = (g - xhat * c1[:, None]) * rstd[:, None]
                 else:
