@@ -114,6 +114,9 @@ def cases(
 ) -> list[BenchCase]:
     """Benchmark cases for `device` (the GPU grid on CUDA/ROCm, CPU shapes on CPU)."""
     device = torch.device(device)
+    unknown = set(directions) - {"fwd", "fwd+bwd"}
+    if unknown:
+        raise ValueError(f"layernorm benchmark directions are 'fwd' and 'fwd+bwd', got {sorted(unknown)}")
     shapes = shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
     out = []
     for op in ops:
