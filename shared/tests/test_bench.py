@@ -50,3 +50,21 @@ def test_score_flags_errors_and_nan() -> None:
     bad = ref.clone()
     bad[3] = float("nan")
     assert not score(bad, ref, torch.float64)[1]
+
+
+def test_kernel_times_fill_in_after_the_wall_times(monkeypatch) -> None:
+    # The second pass (CUDA only in run_cases) fills kernel_ms for contenders that ran and
+    # leaves failed ones and the same-size copy alone; kernel_ms is stubbed: no GPU here.
+    from openkernels.shared import bench
+
+    calls = []
+    monkeypatch.setattr(bench, "kernel_ms", lambda fn, sets, device: calls.append(fn) or 0.25)
+    case = _case()
+    results = run_cases([case], "cpu", ceiling_gbps=10.0, rep_ms=5)
+    assert all(m.kernel_ms == 0.0 for m in results)  # CPU: no second pass
+    bench._add_kernel_times([case], results, torch.device("cpu"), None)
+    by_name = {m.contender: m for m in results}
+    assert by_name["ours"].kernel_ms == 0.25
+    assert by_name["broken"].kernel_ms == 0.0 and by_name["copy"].kernel_ms == 0.0
+    assert len(calls) == 1
+    assert "0.2500" in format_table(results)
