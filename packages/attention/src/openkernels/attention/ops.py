@@ -1,0 +1,280 @@
+"""torch.library ops of the attention family and their dispatch registrations.
+
+Library ops (one explicit schema each, fakes and autograd below):
+  openkernels::attention(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, window_left, window_right, alibi_slopes?, softcap)
+      -> (out, lse)
+  openkernels::attention_backward(grad_out, q, k, v, out, lse, <the same options>)
+      -> (grad_q, grad_k, grad_v)
+Dense calls: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), lse (B, Hq, Sq). Varlen calls (the
+cu_seqlens given, int32): q (Tq, Hq, D), k, v (Tk, Hkv, D), lse (Hq, Tq). out and the
+gradients are contiguous, in the input dtype; lse is float32 (float64 for float64 inputs).
+Causal is window_right = 0; -1 is an unbounded side. ALiBi slopes are not differentiated.
+The backend contract (attn_fwd / attn_bwd on 4D views) is in reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openkernels.shared import dispatch
+
+from .reference import compute_dtype
+
+__all__ = ["forward", "backward", "EagerAttention", "KERNEL_DTYPES", "HEAD_DIMS"]
+
+_PKG = "openkernels.attention"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels take
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+_LIB = torch.library.Library("openkernels", "FRAGMENT")
+_OPTIONS = (
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
+    "int window_left, int window_right, Tensor? alibi_slopes, float softcap"
+)
+_LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Tensor)")
+_LIB.define(
+    f"attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """Kernels index any strides but need unit stride along head_dim."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _as_4d(t: torch.Tensor, varlen: bool) -> torch.Tensor:
+    return t.unsqueeze(0) if varlen else t
+
+
+def _slopes(alibi_slopes: torch.Tensor | None, n_seqs: int, heads: int) -> torch.Tensor | None:
+    """(n_seqs, heads) float32 contiguous, the backends' layout."""
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes.to(torch.float32).expand(n_seqs, heads).contiguous()
+
+
+def _n_seqs(q: torch.Tensor, cu_seqlens_q: torch.Tensor | None) -> int:
+    return q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    alibi_slopes: torch.Tensor | None,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the best backend; returns (out, lse)."""
+    varlen = cu_seqlens_q is not None
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=compute_dtype(q.dtype), device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[-3] == 0:  # no keys at all: every row is empty
+        return out.zero_(), lse.fill_(float("-inf"))
+    dispatch.run(
+        "attention",
+        _as_4d(q, varlen),
+        _as_4d(k, varlen),
+        _as_4d(v, varlen),
+        _as_4d(out, varlen),
+        lse.unsqueeze(0) if varlen else lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        alibi_slopes=_slopes(alibi_slopes, _n_seqs(q, cu_seqlens_q), q.shape[-2]),
+        softcap=softcap,
+    )
+    return out, lse
+
+
+def backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    alibi_slopes: torch.Tensor | None,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_q, grad_k, grad_v), contiguous, in the inputs' dtype."""
+    varlen = cu_seqlens_q is not None
+    q, k, v, out, grad_out = (_unit_last(t) for t in (q, k, v, out, grad_out))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.shape[-3] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dispatch.run(
+        "attention_backward",
+        _as_4d(grad_out, varlen),
+        _as_4d(q, varlen),
+        _as_4d(k, varlen),
+        _as_4d(v, varlen),
+        _as_4d(out, varlen),
+        lse.unsqueeze(0) if varlen else lse,
+        _as_4d(dq, varlen),
+        _as_4d(dk, varlen),
+        _as_4d(dv, varlen),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        alibi_slopes=_slopes(alibi_slopes, _n_seqs(q, cu_seqlens_q), q.shape[-2]),
+        softcap=softcap,
+    )
+    return dq, dk, dv
+
+
+# Selection depends on the query tensor alone: `dispatch.explain("attention", q)` works.
+def _fwd_key(q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.DispatchKey:
+    return dispatch.key_for(q)
+
+
+def _bwd_key(dout: torch.Tensor, q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.DispatchKey:
+    return dispatch.key_for(q)
+
+
+def _triton_supports(key: dispatch.DispatchKey) -> str | None:
+    if key.dtype not in KERNEL_DTYPES:
+        return f"dtype {key.dtype}: the Triton kernels take float16 and bfloat16 (float32 runs a slower path)"
+    return dispatch.triton_supports(key)
+
+
+def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
+    from .cpu import supports
+
+    return supports(key)
+
+
+def _register_backends() -> None:
+    for op, entry, key_fn in (("attention", "attn_fwd", _fwd_key), ("attention_backward", "attn_bwd", _bwd_key)):
+        dispatch.define(op, key_fn)
+        dispatch.register(
+            op,
+            "triton",
+            dispatch.lazy(f"{_PKG}.triton:{entry}"),
+            backends=("cuda", "rocm"),
+            priority=20,
+            supports=_triton_supports,
+            interpretable=True,
+        )
+        dispatch.register(
+            op, "cpu", dispatch.lazy(f"{_PKG}.cpu:{entry}"), backends=("cpu",), priority=10, supports=_cpu_supports
+        )
+        dispatch.register(
+            op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"), backends=("cuda", "rocm", "cpu")
+        )
+
+
+# ---- openkernels::attention ------------------------------------------------------------
+
+
+@torch.library.impl(_LIB, "attention", "CompositeExplicitAutograd")
+def _attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                    window_right, alibi_slopes, softcap):  # fmt: skip
+    return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                   window_right, alibi_slopes, softcap)  # fmt: skip
+
+
+@torch.library.register_fake("openkernels::attention", lib=_LIB)
+def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, cu_seqlens_q is not None), dtype=compute_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
+@torch.library.impl(_LIB, "attention_backward", "CompositeExplicitAutograd")
+def _attention_backward_impl(grad_out, q, k, v, out, lse, *options):
+    return backward(grad_out, q, k, v, out, lse, *options)
+
+
+@torch.library.register_fake("openkernels::attention_backward", lib=_LIB)
+def _attention_backward_fake(grad_out, q, k, v, *args):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+# ---- autograd --------------------------------------------------------------------------
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, *options = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.options = options
+    alibi = options[6]
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+    max_q, max_k, scale, left, right, _, softcap = ctx.options
+    dq, dk, dv = torch.ops.openkernels.attention_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("openkernels::attention_backward: double backward is not supported")
+
+
+class EagerAttention(torch.autograd.Function):
+    """The library ops' forward and backward as a plain autograd.Function, for eager calls
+    that need gradients (skips the torch.library dispatch layers; torch.compile and tensor
+    subclasses use the library ops).
+
+    apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+          window_left, window_right, alibi_slopes, softcap) -> (out, lse)
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
+        out, lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
+        ctx.mark_non_differentiable(lse)
+        ctx.options = (max_q, max_k, scale, left, right, None, softcap)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # double backward: a clear error
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+        max_q, max_k, scale, left, right, _, softcap = ctx.options
+        dq, dk, dv = backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi,
+                              softcap)  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("openkernels::attention", _backward, setup_context=_setup, lib=_LIB)
+torch.library.register_autograd("openkernels::attention_backward", _no_double_backward, lib=_LIB)
+_register_backends()

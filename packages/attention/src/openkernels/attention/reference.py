@@ -1,0 +1,221 @@
+"""Reference attention: plain matmul-softmax-matmul in float32 (float64 for float64 inputs).
+
+Semantics every backend follows (the same as FlashAttention 2):
+  scores   s[i, j] = softmax_scale * q_i . k_j
+  softcap  s = softcap * tanh(s / softcap)                      (when softcap > 0)
+  ALiBi    s -= slope[h] * |i + sk - sq - j|                    (after the softcap)
+  masks    query i of a sequence of sq queries sits at key position i + sk - sq (aligned
+           bottom-right); key j is visible when
+             j >= i + sk - sq - window_left   (window_left >= 0)
+             j <= i + sk - sq + window_right  (window_right >= 0); causal is window_right = 0
+  output   o_i = sum_j softmax(s_i)_j v_j; a row with no visible key gives o_i = 0 and
+           lse_i = -inf (log of an empty sum)
+  lse      natural-log logsumexp of each row of s, float32.
+GQA/MQA: query head h reads key/value head h // (heads_q // heads_kv).
+
+Backend entry points (ops.py calls them; every backend has the same two):
+  attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
+           scale, window_left, window_right, alibi_slopes, softcap)
+  attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q,
+           max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap)
+q: (B, Sq, Hq, D), k, v: (B, Sk, Hkv, D), any strides with a unit last stride. Varlen calls
+pass B = 1 with the packed tokens on dim 1 and int32 cu_seqlens_q / cu_seqlens_k of shape
+(n_seqs + 1,) (None for dense calls). out, dout, dq: like q; dk, dv: like k (out, dq, dk,
+dv contiguous, written in full). lse: (B, Hq, Sq) float32 contiguous; (1, Hq, Tq) varlen.
+alibi_slopes: None, or float32 (n_seqs, Hq) contiguous (a (Hq,) input is expanded).
+window_*: -1 for unbounded. Outputs are written in place; nothing is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["attention_ref", "attention_varlen_ref", "attn_fwd", "attn_bwd", "compute_dtype"]
+
+# Query rows per reference chunk: bounds the float32 score matrix the reference
+# materializes to chunk x sk per head.
+_CHUNK_ELEMENTS = 2**26
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _visible(sq: int, sk: int, rows: torch.Tensor, window_left: int, window_right: int) -> torch.Tensor:
+    """(len(rows), sk) bool: which keys each query row (its index within the sequence) sees."""
+    diag = rows[:, None] + (sk - sq)
+    cols = torch.arange(sk, device=rows.device)[None, :]
+    mask = torch.ones(len(rows), sk, dtype=torch.bool, device=rows.device)
+    if window_left >= 0:
+        mask &= cols >= diag - window_left
+    if window_right >= 0:
+        mask &= cols <= diag + window_right
+    return mask
+
+
+def _attend_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor | None,
+    *,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rows: torch.Tensor,
+    sq: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence. q: (H, R, D) (rows `rows` of its sq queries), k, v: (H, Sk, D) in the
+    compute dtype, heads already matched; slopes: (H,) or None. Returns (o (H, R, D), lse (H, R))."""
+    sk = k.shape[1]
+    if sk == 0:  # no keys: every row is empty
+        return q.new_zeros(q.shape) + 0 * q, q.new_full(q.shape[:-1], float("-inf"))
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        dist = (rows[:, None] + (sk - sq) - torch.arange(sk, device=q.device)[None, :]).abs()
+        s = s - slopes[:, None, None] * dist.to(s.dtype)
+    s = s.masked_fill(~_visible(sq, sk, rows, window_left, window_right), float("-inf"))
+    # Softmax is shift-invariant, so the row max is detached; a row with no visible key has
+    # max -inf: shifted by 0 instead, its terms are exp(-inf) = 0 (no NaN, in autograd too).
+    row_max = s.detach().amax(dim=-1, keepdim=True)
+    row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)
+    e = torch.exp(s - row_max)
+    total = e.sum(dim=-1, keepdim=True)
+    p = e / total.masked_fill(total == 0, 1.0)
+    lse = (row_max + torch.log(total)).squeeze(-1)  # log(0) = -inf for empty rows
+    return torch.matmul(p, v), lse
+
+
+def _attend(q, k, v, slopes, *, scale, window_left, window_right, softcap):
+    """One sequence, all rows: q (Sq, Hq, D), k, v (Sk, Hkv, D) -> o (Sq, Hq, D), lse (Hq, Sq)."""
+    acc = compute_dtype(q.dtype)
+    sq, hq, _ = q.shape
+    sk, hkv, _ = k.shape
+    qh = q.to(acc).transpose(0, 1)
+    kh = k.to(acc).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+    vh = v.to(acc).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+    sl = None if slopes is None else slopes.to(acc)
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, hq * sk))
+    outs, lses = [], []
+    for start in range(0, sq, chunk):
+        rows = torch.arange(start, min(sq, start + chunk), device=q.device)
+        o, lse = _attend_one(
+            qh[:, start : start + chunk], kh, vh, sl, scale=scale, window_left=window_left,
+            window_right=window_right, softcap=softcap, rows=rows, sq=sq,
+        )  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
+    if not outs:
+        return q.new_zeros(q.shape, dtype=acc), q.new_zeros((hq, 0), dtype=acc)
+    return torch.cat(outs, dim=1).transpose(0, 1), torch.cat(lses, dim=1)
+
+
+def _slopes_for(alibi_slopes: torch.Tensor | None, index: int) -> torch.Tensor | None:
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[index]
+
+
+def _window(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
+    left, right = window
+    return left, 0 if causal else right
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `attention`: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> o (B, Sq, Hq, D) in
+    the compute dtype (float32, float64 for float64 inputs) [, lse (B, Hq, Sq)].
+    Differentiable (autograd through plain torch ops)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    left, right = _window(causal, window)
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        o, lse = _attend(q[b], k[b], v[b], _slopes_for(alibi_slopes, b), scale=scale, window_left=left,
+                         window_right=right, softcap=softcap)  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
+    acc = compute_dtype(q.dtype)
+    o = torch.stack(outs) if outs else q.new_zeros(q.shape, dtype=acc)
+    lse = torch.stack(lses) if lses else q.new_zeros((0, q.shape[2], q.shape[1]), dtype=acc)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `attention_varlen`: packed q (Tq, Hq, D), k, v (Tk, Hkv, D), sequence i
+    being rows cu_seqlens[i]:cu_seqlens[i + 1] -> o (Tq, Hq, D) [, lse (Hq, Tq)]."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    left, right = _window(causal, window)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for i in range(len(cq) - 1):
+        o, lse = _attend(
+            q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], _slopes_for(alibi_slopes, i),
+            scale=scale, window_left=left, window_right=right, softcap=softcap,
+        )  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
+    acc = compute_dtype(q.dtype)
+    o = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=acc)
+    lse = torch.cat(lses, dim=1) if lses else q.new_zeros((q.shape[1], q.shape[0]), dtype=acc)
+    return (o, lse) if return_lse else o
+
+
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, window_left, window_right, alibi_slopes, softcap):
+    """The backend contract's 4D tensors through the reference -> (o, lse) in the compute dtype."""
+    opts = dict(softmax_scale=scale, window=(window_left, window_right), softcap=softcap, return_lse=True)
+    if cu_seqlens_q is None:
+        return attention_ref(q, k, v, alibi_slopes=alibi_slopes, **opts)
+    o, lse = attention_varlen_ref(q[0], k[0], v[0], cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes, **opts)
+    return o[None], lse[None]
+
+
+def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, scale, window_left,
+             window_right, alibi_slopes, softcap) -> None:  # fmt: skip
+    with torch.no_grad():
+        o, row_lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, window_left=window_left,
+                          window_right=window_right, alibi_slopes=alibi_slopes, softcap=softcap)  # fmt: skip
+    out.copy_(o)
+    lse.copy_(row_lse)
+
+
+def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
+             scale, window_left, window_right, alibi_slopes, softcap) -> None:  # fmt: skip
+    acc = compute_dtype(q.dtype)
+    with torch.enable_grad():
+        leaves = [t.detach().to(acc).requires_grad_() for t in (q, k, v)]
+        o, _ = _run(*leaves, cu_seqlens_q, cu_seqlens_k, scale=scale, window_left=window_left,
+                    window_right=window_right, alibi_slopes=alibi_slopes, softcap=softcap)  # fmt: skip
+        grads = torch.autograd.grad(o, leaves, dout.to(acc), allow_unused=True)
+    for dst, g in zip((dq, dk, dv), grads):
+        if g is None:
+            dst.zero_()
+        else:
+            dst.copy_(g)

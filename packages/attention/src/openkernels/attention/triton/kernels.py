@@ -1,0 +1,437 @@
+"""Triton kernels of the attention family (FlashAttention-2 style, exp2 online softmax).
+
+Layout: q, o, do, dq (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D) as strided views with a
+unit head_dim stride; varlen calls pass batch strides of 0 and per-sequence starts from
+cu_seqlens. lse, delta: (B, Hq, Sq) float32, natural-log lse.
+
+Scores are carried in log2 units (s * log2(e)) so every exponential is one exp2. Each
+program visits only key (or query) blocks that some of its rows can see, in up to three
+segments: blocks partly masked on the left (sliding window), blocks every row sees in
+full (no mask arithmetic at all), and blocks partly masked on the right (causal diagonal,
+right window, the sequence end).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): one exp2, saturates to +-1 without NaN on both vendors.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _load_tile(base, idx, stride, offs_d, limit, MASK_IDX: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr):  # fmt: skip
+    """Rows `idx` of a (seq, head_dim) slice as (len(idx), BLOCK_D), zeros past `limit` (when
+    MASK_IDX) and past HEAD_DIM; no mask at all for full blocks of power-of-two head dims."""
+    ptrs = base + idx[:, None] * stride + offs_d[None, :]
+    if MASK_IDX:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs, mask=idx[:, None] < limit, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(idx[:, None] < limit) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _log2_scores(
+    qk, i, j, seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
+    MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """Scores in log2 units from raw dot products qk; i (query rows) and j (key columns)
+    broadcast against qk. Returns (s, th): th = tanh of the capped score (for the
+    backward's chain rule) when HAS_SOFTCAP, else qk itself (unused)."""
+    th = qk
+    if HAS_SOFTCAP:
+        th = _tanh(qk * cap_scale)
+        s = th * cap_out
+    else:
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s -= slope_log2 * tl.abs(i + diag - j).to(tl.float32)
+    if MASK:
+        visible = j < seqlen_k
+        if HAS_WINDOW_LEFT:
+            visible &= j >= i + diag - window_left
+        if HAS_WINDOW_RIGHT:
+            visible &= j <= i + diag + window_right
+        s = tl.where(visible, s, float("-inf"))
+    return s, th
+
+
+@triton.jit
+def _segments(
+    first, last, length, diag_sign, window_left, window_right,
+    BLOCK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+):  # fmt: skip
+    """Blocks of the other axis that rows/cols first..last can see: returns (a, b, c, end)
+    such that [a, b) and [c, end) need masks and [b, c) are seen in full.
+
+    diag_sign = +diag when iterating keys for query rows (key j visible from row i when
+    i + diag - wl <= j <= i + diag + wr), -diag when iterating query rows for key columns
+    (row i sees column j when j - diag - wr <= i <= j - diag + wl): the two cases swap the
+    roles of the windows, handled by the caller passing (wl, wr) or (wr, wl)."""
+    lo = 0
+    hi = length
+    full_lo = 0
+    full_hi = length
+    if HAS_WINDOW_RIGHT:
+        hi = tl.minimum(hi, last + diag_sign + window_right + 1)
+        full_hi = tl.minimum(full_hi, first + diag_sign + window_right + 1)
+    if HAS_WINDOW_LEFT:
+        lo = tl.maximum(lo, first + diag_sign - window_left)
+        full_lo = tl.maximum(full_lo, last + diag_sign - window_left)
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    lo = tl.minimum(lo, length)
+    a = lo // BLOCK * BLOCK
+    b = tl.maximum((full_lo + BLOCK - 1) // BLOCK * BLOCK, a)
+    c = tl.maximum(full_hi // BLOCK * BLOCK, b)
+    end = tl.maximum(hi, c)
+    return a, b, c, end
+
+
+@triton.jit
+def _fwd_blocks(
+    acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start, stop, rows, seqlen_k, diag,
+    window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+    HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    for start_n in range(start, stop, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_tile(k_base, cols, stride_ks, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k))
+        s, _ = _log2_scores(
+            qk, rows[:, None], cols[None, :], seqlen_k, diag, window_left, window_right, slope_log2, qk_scale,
+            cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:  # a row that has seen no key yet keeps max -inf: shift by 0 instead
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base, cols, stride_vs, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, heads_q, group, qk_scale, cap_scale, cap_out, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M query rows of one (sequence, query head)."""
+    # Causal work grows with the row block: the heaviest blocks start first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    if IS_VARLEN:
+        q_start = tl.load(cu_q_ptr + b)
+        sq = tl.load(cu_q_ptr + b + 1) - q_start
+        k_start = tl.load(cu_k_ptr + b)
+        sk = tl.load(cu_k_ptr + b + 1) - k_start
+    else:
+        q_start = tl.program_id(0) * 0  # a tensor, like the varlen starts
+        sq = seqlen_q
+        k_start = q_start
+        sk = seqlen_k
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    hk = h // group
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = m0 + offs_m
+    q_mask = (rows[:, None] < sq) & (offs_d[None, :] < HEAD_DIM)
+    q = _load_tile(q_base, rows, stride_qs, offs_d, sq, True, HEAD_DIM, BLOCK_D)
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
+    diag = sk - sq
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    a, b_full, c_full, end = _segments(
+        m0, m0 + BLOCK_M - 1, sk, diag, window_left, window_right, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT
+    )
+    args = (k_base, v_base, stride_ks, stride_vs)
+    opts = (rows, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d)
+    flags = (HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)
+    if HAS_WINDOW_LEFT:
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, a, b_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                    *flags)  # fmt: skip
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, b_full, c_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, False,
+                                *flags)  # fmt: skip
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, c_full, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                *flags)  # fmt: skip
+    # Rows that saw no key: output 0, lse -inf.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_base = o_ptr + b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+    tl.store(o_base + rows[:, None] * stride_os + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
+    lse_base = lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + q_start
+    tl.store(lse_base + rows, lse, mask=rows < sq)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    o_ptr, do_ptr, delta_ptr, cu_q_ptr,
+    stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+    seqlen_q, heads_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """delta = rowsum(o * do) in float32: the softmax backward's per-row term."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    if IS_VARLEN:
+        q_start = tl.load(cu_q_ptr + b)
+        sq = tl.load(cu_q_ptr + b + 1) - q_start
+    else:
+        q_start = tl.program_id(0) * 0
+        sq = seqlen_q
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < sq) & (offs_d[None, :] < HEAD_DIM)
+    start = q_start.to(tl.int64)
+    o = tl.load(o_ptr + b.to(tl.int64) * stride_ob + start * stride_os + h * stride_oh
+                + rows[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)  # fmt: skip
+    do = tl.load(do_ptr + b.to(tl.int64) * stride_dob + start * stride_dos + h * stride_doh
+                 + rows[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + q_start + rows, delta, mask=rows < sq)
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, start, stop, cols, seqlen_q,
+    seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+    HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one key block over query blocks start..stop, in the transposed (key, query)
+    orientation: pT = exp2(sT - lse), dV += pT do, dK += (pT * (dpT - delta)) q."""
+    for start_m in range(start, stop, BLOCK_M):
+        rows = start_m + offs_m
+        q = _load_tile(q_base, rows, stride_qs, offs_d, seqlen_q, MASK, HEAD_DIM, BLOCK_D)
+        do = _load_tile(do_base, rows, stride_dos, offs_d, seqlen_q, MASK, HEAD_DIM, BLOCK_D)
+        # Rows with no visible key (lse -inf) and rows past the end get probability 0.
+        if MASK:
+            lse = tl.load(lse_base + rows, mask=rows < seqlen_q, other=float("-inf"))
+            delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        qk_t = tl.dot(k, tl.trans(q))
+        s_t, th_t = _log2_scores(
+            qk_t, rows[None, :], cols[:, None], seqlen_k, diag, window_left, window_right, slope_log2, qk_scale,
+            cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+        )  # fmt: skip
+        p_t = tl.exp2(s_t - lse2[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - th_t * th_t)
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, heads_q, group, qk_scale, sm_scale, cap_scale, cap_out, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_N keys of one (sequence, kv head); loops over the query heads of
+    its GQA group in order, so dK and dV are summed without atomics (deterministic)."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    heads_kv = heads_q // group
+    b = bh // heads_kv
+    hk = bh % heads_kv
+    if IS_VARLEN:
+        q_start = tl.load(cu_q_ptr + b)
+        sq = tl.load(cu_q_ptr + b + 1) - q_start
+        k_start = tl.load(cu_k_ptr + b)
+        sk = tl.load(cu_k_ptr + b + 1) - k_start
+    else:
+        q_start = tl.program_id(0) * 0  # a tensor, like the varlen starts
+        sq = seqlen_q
+        k_start = q_start
+        sk = seqlen_k
+    n0 = pid_n * BLOCK_N
+    if n0 >= sk:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    kv_mask = (cols[:, None] < sk) & (offs_d[None, :] < HEAD_DIM)
+    k_off = b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
+    v_off = b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
+    k = _load_tile(k_ptr + k_off, cols, stride_ks, offs_d, sk, True, HEAD_DIM, BLOCK_D)
+    v = _load_tile(v_ptr + v_off, cols, stride_vs, offs_d, sk, True, HEAD_DIM, BLOCK_D)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    diag = sk - sq
+    # Query rows that see these keys: the key-side view swaps the windows' roles.
+    a, b_full, c_full, end = _segments(
+        n0, n0 + BLOCK_N - 1, sq, -diag, window_right, window_left, BLOCK_M, HAS_WINDOW_RIGHT, HAS_WINDOW_LEFT
+    )
+    q_row0 = q_start.to(tl.int64)
+    opts = (cols, sq, sk, diag, window_left, window_right)
+    flags = (HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)
+    for g in range(0, group):
+        h = hk * group + g
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + q_row0 * stride_qs + h * stride_qh
+        do_base = do_ptr + b.to(tl.int64) * stride_dob + q_row0 * stride_dos + h * stride_doh
+        lse_base = lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + q_start
+        delta_base = delta_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + q_start
+        slope_log2 = 0.0
+        if HAS_ALIBI:
+            slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
+        bases = (q_base, do_base, lse_base, delta_base, stride_qs, stride_dos)
+        scal = (slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d)
+        if HAS_WINDOW_RIGHT:  # rows before the full range: the key-side left
+            dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, a, b_full, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
+                                  *flags)  # fmt: skip
+        dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, b_full, c_full, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, False,
+                              *flags)  # fmt: skip
+        dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, c_full, end, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
+                              *flags)  # fmt: skip
+    dk *= sm_scale
+    dk_off = b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dks + hk * stride_dkh
+    dv_off = b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvs + hk * stride_dvh
+    tl.store(dk_ptr + dk_off + cols[:, None] * stride_dks + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
+             mask=kv_mask)  # fmt: skip
+    tl.store(dv_ptr + dv_off + cols[:, None] * stride_dvs + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=kv_mask)  # fmt: skip
+
+
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, start, stop, rows, seqlen_k, diag,
+    window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+    HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query block over key blocks start..stop: dQ += (p * (dp - delta)) k."""
+    for start_n in range(start, stop, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_tile(k_base, cols, stride_ks, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
+        v = _load_tile(v_base, cols, stride_vs, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k))
+        s, th = _log2_scores(
+            qk, rows[:, None], cols[None, :], seqlen_k, diag, window_left, window_right, slope_log2, qk_scale,
+            cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+        )  # fmt: skip
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - th * th)
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, heads_q, group, qk_scale, sm_scale, cap_scale, cap_out, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """One program: dQ of BLOCK_M query rows of one (sequence, query head)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    if IS_VARLEN:
+        q_start = tl.load(cu_q_ptr + b)
+        sq = tl.load(cu_q_ptr + b + 1) - q_start
+        k_start = tl.load(cu_k_ptr + b)
+        sk = tl.load(cu_k_ptr + b + 1) - k_start
+    else:
+        q_start = tl.program_id(0) * 0  # a tensor, like the varlen starts
+        sq = seqlen_q
+        k_start = q_start
+        sk = seqlen_k
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    hk = h // group
+    q_row0 = q_start.to(tl.int64)
+    k_row0 = k_start.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = m0 + offs_m
+    q_mask = (rows[:, None] < sq) & (offs_d[None, :] < HEAD_DIM)
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + q_row0 * stride_qs + h * stride_qh
+    do_base = do_ptr + b.to(tl.int64) * stride_dob + q_row0 * stride_dos + h * stride_doh
+    q = _load_tile(q_base, rows, stride_qs, offs_d, sq, True, HEAD_DIM, BLOCK_D)
+    do = _load_tile(do_base, rows, stride_dos, offs_d, sq, True, HEAD_DIM, BLOCK_D)
+    stat_off = b.to(tl.int64) * stride_lb + h * stride_lh + q_start
+    lse = tl.load(lse_ptr + stat_off + rows, mask=rows < sq, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(delta_ptr + stat_off + rows, mask=rows < sq, other=0.0)
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + k_row0 * stride_ks + hk * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + k_row0 * stride_vs + hk * stride_vh
+    diag = sk - sq
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    a, b_full, c_full, end = _segments(
+        m0, m0 + BLOCK_M - 1, sk, diag, window_left, window_right, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT
+    )
+    args = (q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs)
+    opts = (rows, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d)
+    flags = (HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)
+    if HAS_WINDOW_LEFT:
+        dq = _dq_blocks(dq, *args, a, b_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True, *flags)
+    dq = _dq_blocks(dq, *args, b_full, c_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, False, *flags)
+    dq = _dq_blocks(dq, *args, c_full, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True, *flags)
+    dq *= sm_scale
+    tl.store(dq_ptr + b.to(tl.int64) * stride_dqb + q_row0 * stride_dqs + h * stride_dqh
+             + rows[:, None] * stride_dqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=q_mask)  # fmt: skip
