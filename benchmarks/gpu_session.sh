@@ -30,7 +30,13 @@ if [[ $steps == *overhead* && -f benchmarks/overhead.py ]]; then
   run benchmarks/overhead.py | tee "$out/overhead.txt"
 fi
 if [[ $steps == *bench* ]]; then
-  run benchmarks/run.py "$family" --kernel-time --json "$out/bench_bf16.json" | tee "$out/bench_bf16.txt"
+  peers=()
+  if [[ $family == attention ]]; then
+    # TFLOP/s against the bf16 matmul; every fused SDPA backend forced in turn, FlexAttention.
+    peers=(--peers sdpa-flash,sdpa-cudnn,sdpa-efficient,flex)
+  fi
+  run benchmarks/run.py "$family" ${peers[@]+"${peers[@]}"} --kernel-time --json "$out/bench_bf16.json" \
+    | tee "$out/bench_bf16.txt"
 fi
 if [[ $steps == *long* && $family == layernorm ]]; then
   run benchmarks/run.py layernorm --shapes 1024x65536,256x262144 --kernel-time --json "$out/bench_long.json" \
@@ -39,10 +45,15 @@ fi
 if [[ $steps == *dtypes* ]]; then
   if [[ $family == activations ]]; then
     args=(--ops silu_and_mul,gelu_and_mul)
+  elif [[ $family == attention ]]; then
+    # fp16 forward only: the kernels take fp16 and bf16 (fp32 is not a fused-kernel dtype).
+    args=(--peers sdpa-flash,sdpa-cudnn,sdpa-efficient,flex --directions fwd)
   else
     args=(--ops rms_norm,layer_norm --directions fwd)
   fi
-  run benchmarks/run.py "$family" --dtype float16,float32 "${args[@]}" \
+  dtypes=float16,float32
+  [[ $family == attention ]] && dtypes=float16
+  run benchmarks/run.py "$family" --dtype "$dtypes" "${args[@]}" \
     --json "$out/bench_f16_f32.json" | tee "$out/bench_f16_f32.txt"
 fi
 if [[ $steps == *demo* ]]; then

@@ -3,8 +3,14 @@
     python benchmarks/run.py activations [--device cuda] [--dtype bfloat16] [--json out.json]
         [--ops silu_and_mul,gelu_and_mul] [--directions fwd,bwd] [--shapes 16384x8192,4096x4096]
     python benchmarks/run.py layernorm [--ops rms_norm,add_rms_norm] [--directions fwd,fwd+bwd]
+    python benchmarks/run.py attention [--shapes 8x16x2048x128] [--ops causal,full]
+        [--directions fwd,fwd+bwd] [--peers sdpa-flash,sdpa-cudnn,sdpa-efficient,flex]
 
-Shapes are (rows, d): gated ops read (rows, 2d). Needs the repo's src folders importable.
+Shapes are (rows, d) for activations (gated ops read (rows, 2d)) and layernorm, and
+(batch, heads, seqlen, head_dim) for attention. Memory-bound cases print GB/s against the
+device copy, compute-bound ones (attention) TFLOP/s against a bf16 matmul, both measured
+in this run. --peers defaults to the family's own list. Needs the repo's src folders
+importable.
 """
 
 from __future__ import annotations
@@ -14,7 +20,13 @@ import importlib
 
 import torch
 
-from openkernels.shared.bench import copy_ceiling_gbps, format_table, run_cases, write_json
+from openkernels.shared.bench import (
+    copy_ceiling_gbps,
+    format_table,
+    matmul_ceiling_tflops,
+    run_cases,
+    write_json,
+)
 
 
 def main() -> None:
@@ -25,7 +37,12 @@ def main() -> None:
     parser.add_argument("--ops", default="")
     parser.add_argument("--directions", default="", help="default: the family's (fwd,bwd / fwd,fwd+bwd)")
     parser.add_argument("--shapes", default="")
-    parser.add_argument("--peers", default="torch,torch.compile,liger")
+    parser.add_argument(
+        "--peers",
+        default="",
+        help="default: the family's (torch,torch.compile,liger; attention: "
+        "sdpa-flash,sdpa-cudnn,sdpa-efficient,flex on GPUs, sdpa,flex on CPUs)",
+    )
     parser.add_argument("--rep-ms", type=float, default=100.0)
     parser.add_argument("--json", default="")
     parser.add_argument("--kernel-time", action="store_true", help="also report device time in kernels")
@@ -33,10 +50,9 @@ def main() -> None:
 
     bench = importlib.import_module(f"openkernels.{args.family}.bench")
     device = torch.device(args.device)
-    kwargs = {
-        "dtypes": [getattr(torch, d) for d in args.dtype.split(",")],
-        "peers": [p for p in args.peers.split(",") if p],
-    }
+    kwargs = {"dtypes": [getattr(torch, d) for d in args.dtype.split(",")]}
+    if args.peers:
+        kwargs["peers"] = [p for p in args.peers.split(",") if p]
     if args.directions:
         kwargs["directions"] = args.directions.split(",")
     if args.ops:
@@ -48,11 +64,16 @@ def main() -> None:
     if args.shapes:
         kwargs["shapes"] = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     cases = bench.cases(device, **kwargs)
-    ceiling = copy_ceiling_gbps(device)
-    results = run_cases(cases, device, ceiling_gbps=ceiling, rep_ms=args.rep_ms, kernel_time=args.kernel_time)
-    print(format_table(results, ceiling_gbps=ceiling), flush=True)
+    # Each ceiling only where some case is measured against it.
+    ceilings = {}
+    if any(not c.flops for c in cases):
+        ceilings["ceiling_gbps"] = copy_ceiling_gbps(device)
+    if any(c.flops for c in cases):
+        ceilings["ceiling_tflops"] = matmul_ceiling_tflops(device)
+    results = run_cases(cases, device, rep_ms=args.rep_ms, kernel_time=args.kernel_time, **ceilings)
+    print(format_table(results, **ceilings), flush=True)
     if args.json:
-        write_json(results, args.json, ceiling_gbps=ceiling, device=str(device), torch=torch.__version__)
+        write_json(results, args.json, **ceilings, device=str(device), torch=torch.__version__)
 
 
 if __name__ == "__main__":

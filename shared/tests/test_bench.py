@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from openkernels.shared.bench import BenchCase, format_table, run_cases, score, time_ms, write_json
+from openkernels.shared import bench
+from openkernels.shared.bench import (
+    BenchCase,
+    format_table,
+    matmul_ceiling_tflops,
+    run_cases,
+    score,
+    time_ms,
+    write_json,
+)
 
 
 def _case() -> BenchCase:
@@ -68,3 +78,91 @@ def test_kernel_times_fill_in_after_the_wall_times(monkeypatch) -> None:
     assert by_name["broken"].kernel_ms == 0.0 and by_name["copy"].kernel_ms == 0.0
     assert len(calls) == 1
     assert "0.2500" in format_table(results)
+
+
+def _flop_case() -> BenchCase:
+    n = 64
+    return BenchCase(
+        family="demo",
+        op="matmul",
+        direction="fwd",
+        shape=(n, n, n),
+        dtype=torch.float32,
+        bytes=3 * 4 * n * n,
+        make_inputs=lambda device: {
+            "a": torch.randn(n, n, device=device),
+            "b": torch.randn(n, n, device=device),
+        },
+        contenders={"ours": lambda s: s["a"] @ s["b"], "broken": lambda s: 1 / 0},
+        flops=2 * n**3,
+    )
+
+
+def test_matmul_ceiling_is_quick_and_positive_on_cpu() -> None:
+    assert matmul_ceiling_tflops("cpu", n=32) > 0
+    assert matmul_ceiling_tflops("cpu", torch.float32, n=32) > 0
+
+
+def test_flop_cases_report_tflops_against_the_matmul_ceiling(monkeypatch) -> None:
+    # Only compute-bound cases: no copy ceiling is measured and no same-size copy runs;
+    # the matmul ceiling is measured when not given (stubbed here).
+    def no_copy(*args, **kwargs):
+        raise AssertionError("the copy ceiling is not needed by flop cases")
+
+    monkeypatch.setattr(bench, "copy_ceiling_gbps", no_copy)
+    monkeypatch.setattr(bench, "matmul_ceiling_tflops", lambda device: 2e-3)
+    results = run_cases([_flop_case()], "cpu", rep_ms=5)
+    by_name = {m.contender: m for m in results}
+    assert set(by_name) == {"ours", "broken"}
+    ours = by_name["ours"]
+    assert ours.flops == 2 * 64**3
+    assert ours.tflops == pytest.approx(ours.flops / ours.ms / 1e9)
+    assert ours.ratio_to_ceiling == pytest.approx(ours.tflops / 2e-3)
+    assert "ZeroDivisionError" in by_name["broken"].error
+    table = format_table(results)  # the ceiling is read back from the ratios
+    assert "matmul ceiling: 0.0020 TFLOP/s" in table
+    assert "TFLOP/s" in table.splitlines()[1] and "GB/s" not in table and "copy" not in table
+    assert "matmul fwd 64x64x64" in table and "error" in table
+
+
+def test_mixed_lists_print_both_tables(tmp_path) -> None:
+    results = run_cases([_case(), _flop_case()], "cpu", ceiling_gbps=10.0, ceiling_tflops=1e-3, rep_ms=5)
+    by_key = {(m.op, m.contender): m for m in results}
+    assert set(by_key) == {(op, c) for op in ("scale", "matmul") for c in ("ours", "broken")} | {
+        ("scale", "copy")
+    }
+    scale, matmul = by_key["scale", "ours"], by_key["matmul", "ours"]
+    assert scale.flops == 0 and scale.ratio_to_ceiling == pytest.approx(scale.gbps / 10.0)
+    assert matmul.ratio_to_ceiling == pytest.approx(matmul.tflops / 1e-3)
+    matmul.kernel_ms = matmul.ms / 2  # as the CUDA second pass would fill it
+    table = format_table(results, ceiling_gbps=10.0, ceiling_tflops=1e-3)
+    lines = table.splitlines()
+    assert lines[0] == "copy ceiling: 10 GB/s"
+    gb_header = lines.index(next(line for line in lines if line.startswith("case") and "GB/s" in line))
+    flop_line = lines.index("matmul ceiling: 0.0010 TFLOP/s")
+    assert gb_header < flop_line and "TFLOP/s" in lines[flop_line + 1]
+    # Every row sits in its own table, error rows included.
+    assert all("matmul" not in line for line in lines[:flop_line])
+    assert all("scale" not in line for line in lines[flop_line:])
+    matmul_row = next(line for line in lines if line.startswith("matmul") and " ours " in line)
+    assert f"{matmul.kernel_ms:8.4f}" in matmul_row and f"{2 * matmul.tflops:.4f}" in matmul_row
+    path = tmp_path / "out.json"
+    write_json(results, str(path), ceiling_gbps=10.0, ceiling_tflops=1e-3)
+    data = json.loads(path.read_text())
+    assert {r["flops"] for r in data["results"]} == {0, 2 * 64**3}
+
+
+def test_byte_only_tables_keep_their_format() -> None:
+    results = run_cases([_case()], "cpu", ceiling_gbps=10.0, rep_ms=5)
+    lines = format_table(results, ceiling_gbps=10.0).splitlines()
+    header = f"{'case':<46} {'contender':<14} {'ms':>9} {'GB/s':>8} {'ceil':>6}  vs ours  {'kern ms':>8} {'kern GB/s':>9}"
+    assert lines[:3] == ["copy ceiling: 10 GB/s", header, "-" * len(header)]
+    assert len(lines) == 3 + len(results) and not any("TFLOP/s" in line for line in lines)
+
+
+def test_score_takes_a_derived_atol() -> None:
+    ref = torch.zeros(10, dtype=torch.float64)
+    off = ref + 1e-3
+    assert not score(off, ref, torch.bfloat16)[1]
+    error, ok = score(off, ref, torch.bfloat16, atol=2e-3)
+    assert ok and error == pytest.approx(0.5)

@@ -4,8 +4,9 @@ A family declares `BenchCase`s: a shape, a dtype, a direction, the bytes (or FLO
 work must move at least, a factory of input sets and the contenders (ours and the peers)
 as functions of one input set. `run_cases` times every contender on the same inputs in
 the same process, rotating input sets so the L2 cache (60 MB on H200) is not what gets
-measured, and reports GB/s (or TFLOP/s) and the ratio to a ceiling measured in the same
-run. Timing uses triton.testing.do_bench (CUDA events, median) on GPUs and a
+measured, and reports GB/s and the ratio to the device copy, or for compute-bound cases
+(`flops` set) TFLOP/s and the ratio to a dense bf16 matmul, both ceilings measured in the
+same run. Timing uses triton.testing.do_bench (CUDA events, median) on GPUs and a
 perf_counter median on CPUs. Nothing here runs at import.
 """
 
@@ -27,6 +28,7 @@ __all__ = [
     "score",
     "Measurement",
     "copy_ceiling_gbps",
+    "matmul_ceiling_tflops",
     "time_ms",
     "kernel_ms",
     "compiled_peer",
@@ -44,7 +46,8 @@ class BenchCase:
 
     make_inputs(device) returns one input set (a dict); contenders map a name ("ours",
     "torch", "torch.compile", "liger", ...) to a function of that set. `bytes` counts each
-    input read once and each output written once; `flops` is set for compute-bound work.
+    input read once and each output written once; `flops` is set for compute-bound work
+    (reported in TFLOP/s against the matmul ceiling; `bytes` still sizes the input rotation).
     """
 
     family: str
@@ -79,8 +82,12 @@ class Check:
     ok: bool
 
 
-def score(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
-    """(error, ok) of `actual` against `expected` under the tolerance of `dtype`."""
+def score(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, *, atol: float | None = None
+) -> tuple[float, bool]:
+    """(error, ok) of `actual` against `expected` under the tolerance of `dtype`; `atol`
+    replaces the table's absolute tolerance where the caller derives a wider one (outputs
+    that are long sums of rounded terms, like attention's)."""
     from .testing import tolerance
 
     tol = tolerance(dtype)
@@ -88,7 +95,8 @@ def score(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> t
     e = expected.detach().to("cpu", torch.float64)
     if a.shape != e.shape or (torch.isnan(a) & ~torch.isnan(e)).any():
         return float("nan"), False
-    ratio = ((a - e).abs() / (tol.atol + tol.rtol * e.abs())).nan_to_num(0.0)
+    abs_tol = tol.atol if atol is None else atol
+    ratio = ((a - e).abs() / (abs_tol + tol.rtol * e.abs())).nan_to_num(0.0)
     error = float(ratio.max()) if ratio.numel() else 0.0
     return error, error <= 1.0
 
@@ -110,6 +118,9 @@ class Measurement:
     # Device time of the kernels alone (torch.profiler), without the host's launch gaps:
     # what a step costs the GPU when the host keeps up (0: not measured).
     kernel_ms: float = 0.0
+    # The case's FLOPs (0: a memory-bound case, reported in GB/s against the copy ceiling;
+    # else compute-bound, reported in TFLOP/s against the matmul ceiling).
+    flops: int = 0
 
 
 def _sync(device: torch.device) -> None:
@@ -187,6 +198,34 @@ def copy_ceiling_gbps(device: torch.device, nbytes: int = 2**31) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+def matmul_ceiling_tflops(
+    device: torch.device | str, dtype: torch.dtype = torch.bfloat16, n: int = 8192
+) -> float:
+    """Dense matmul throughput (2 n^3 FLOPs per product, in TFLOP/s), measured now: the
+    ceiling of compute-bound work. GPUs: an n x n x n product in `dtype`, timed like the
+    cases (do_bench median). CPUs: n capped at 1024 so it stays quick (a fraction of a
+    second), in float32 unless `dtype` runs faster: CPUs without native bf16/fp16 matmul
+    run those dtypes far below float32 (1.3 vs 50 GFLOP/s on the 2-core development
+    machine), and CPU attention (torch's and ours) computes in float32 there. A 256 probe
+    decides whether `dtype` is worth the full size."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _matmul_tflops(device, dtype, n)
+    n = min(n, 1024)
+    best = _matmul_tflops(device, torch.float32, n)
+    if dtype != torch.float32 and _matmul_tflops(device, dtype, min(n, 256)) > best / 2:
+        best = max(best, _matmul_tflops(device, dtype, n))
+    return best
+
+
+def _matmul_tflops(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    ms = time_ms(lambda _: torch.matmul(a, b, out=c), [{}], device, rep_ms=200)
+    return 2 * n**3 / ms / 1e9
+
+
 def _input_sets(case: BenchCase, device: torch.device) -> list[dict[str, Any]]:
     """Enough input sets that together they exceed 3x the L2 cache."""
     first = case.make_inputs(device)
@@ -200,6 +239,7 @@ def run_cases(
     device: torch.device | str,
     *,
     ceiling_gbps: float | None = None,
+    ceiling_tflops: float | None = None,
     only: Sequence[str] | None = None,
     rep_ms: float = 100.0,
     same_size_copy: bool = True,
@@ -211,9 +251,17 @@ def run_cases(
     for steps whose host work (autograd, Python launchers) can outrun the GPU. Measured in a
     second pass after every wall time: a torch.profiler session leaves per-launch overhead
     behind in the process, which inflated the wall times of Python-launched contenders timed
-    after it (seen on H200: 0.17 vs 0.07 ms for a 0.07 ms kernel)."""
+    after it (seen on H200: 0.17 vs 0.07 ms for a 0.07 ms kernel).
+
+    Cases with `flops` are compute-bound: their ratio_to_ceiling is TFLOP/s over
+    `ceiling_tflops` (the bf16 matmul, measured here when not given) and they get no
+    same-size copy; the others' is GB/s over `ceiling_gbps` (the device copy, measured
+    here when not given). A ceiling no case needs is not measured."""
     device = torch.device(device)
-    ceiling = ceiling_gbps or copy_ceiling_gbps(device)
+    if any(not c.flops for c in cases):
+        ceiling_gbps = ceiling_gbps or copy_ceiling_gbps(device)
+    if any(c.flops for c in cases):
+        ceiling_tflops = ceiling_tflops or matmul_ceiling_tflops(device)
     results = []
     for case in cases:
         sets = _input_sets(case, device)
@@ -234,6 +282,7 @@ def run_cases(
                 ms, error = float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
             gbps = case.bytes / ms / 1e6 if ms == ms else float("nan")
             tflops = case.flops / ms / 1e9 if case.flops and ms == ms else 0.0
+            ratio = tflops / ceiling_tflops if case.flops else gbps / ceiling_gbps
             results.append(
                 Measurement(
                     case.family,
@@ -245,9 +294,10 @@ def run_cases(
                     ms,
                     gbps,
                     tflops,
-                    gbps / ceiling,
+                    ratio,
                     _device_name(device),
                     error,
+                    flops=case.flops,
                 )
             )
             _sync(device)
@@ -300,15 +350,57 @@ def _device_name(device: torch.device) -> str:
     return f"cpu x{torch.get_num_threads()}"
 
 
-def format_table(results: Sequence[Measurement], *, ceiling_gbps: float | None = None) -> str:
+def format_table(
+    results: Sequence[Measurement], *, ceiling_gbps: float | None = None, ceiling_tflops: float | None = None
+) -> str:
     """One row per case and contender: ms, GB/s, ratio to the ceiling, and the peer's time as
     a multiple of ours (> 1: ours is faster; not shown for the same-size copy); then, where
-    measured, the kernels' device time, its GB/s and the same multiple on device time."""
+    measured, the kernels' device time, its GB/s and the same multiple on device time.
+
+    Compute-bound cases (Measurement.flops set) go in a second table of the same columns in
+    TFLOP/s, against the matmul ceiling (`ceiling_tflops`; when not given, read back from
+    the measurements' ratios). A list of only memory-bound cases prints as it always has."""
+    byte_rows = [m for m in results if not m.flops]
+    flop_rows = [m for m in results if m.flops]
     lines = []
-    if ceiling_gbps:
-        lines.append(f"copy ceiling: {ceiling_gbps:.0f} GB/s")
-    header = f"{'case':<46} {'contender':<14} {'ms':>9} {'GB/s':>8} {'ceil':>6}  vs ours  {'kern ms':>8} {'kern GB/s':>9}"
-    lines += [header, "-" * len(header)]
+    if byte_rows or not flop_rows:
+        if ceiling_gbps:
+            lines.append(f"copy ceiling: {ceiling_gbps:.0f} GB/s")
+        lines += _table(byte_rows, "GB/s", lambda m: f"{m.gbps:8.0f}", _kernel_gbps)
+    if flop_rows:
+        if lines:
+            lines.append("")
+        ceiling_tflops = ceiling_tflops or next(
+            (m.tflops / m.ratio_to_ceiling for m in flop_rows if m.tflops and m.ratio_to_ceiling), None
+        )
+        if ceiling_tflops:
+            lines.append(f"matmul ceiling: {_tflops(ceiling_tflops, 0)} TFLOP/s")
+        lines += _table(flop_rows, "TFLOP/s", lambda m: _tflops(m.tflops, 8), _kernel_tflops)
+    return "\n".join(lines)
+
+
+def _kernel_gbps(m: Measurement) -> str:
+    nbytes = m.gbps * m.ms * 1e6
+    return f"{nbytes / m.kernel_ms / 1e6:9.0f}"
+
+
+def _kernel_tflops(m: Measurement) -> str:
+    return _tflops(m.flops / m.kernel_ms / 1e9, 9)
+
+
+def _tflops(value: float, width: int) -> str:
+    """One decimal at GPU rates (hundreds of TFLOP/s), four below 1 (CPUs)."""
+    return f"{value:{width}.1f}" if value >= 1 else f"{value:{width}.4f}"
+
+
+def _table(
+    results: Sequence[Measurement],
+    unit: str,
+    rate: Callable[[Measurement], str],
+    kernel_rate: Callable[[Measurement], str],
+) -> list[str]:
+    header = f"{'case':<46} {'contender':<14} {'ms':>9} {unit:>8} {'ceil':>6}  vs ours  {'kern ms':>8} {'kern ' + unit:>9}"
+    lines = [header, "-" * len(header)]
     ours = {(m.op, m.direction, m.shape, m.dtype): m.ms for m in results if m.contender == "ours"}
     kernel_base = {
         (m.op, m.direction, m.shape, m.dtype): m.kernel_ms for m in results if m.contender == "ours"
@@ -324,12 +416,11 @@ def format_table(results: Sequence[Measurement], *, ceiling_gbps: float | None =
         if m.kernel_ms:
             kern_base = kernel_base.get((m.op, m.direction, m.shape, m.dtype))
             kern_speed = f" {m.kernel_ms / kern_base:5.2f}x" if kern_base and m.contender != "ours" else ""
-            nbytes = m.gbps * m.ms * 1e6
-            kern = f"  {m.kernel_ms:8.4f} {nbytes / m.kernel_ms / 1e6:9.0f}{kern_speed}"
+            kern = f"  {m.kernel_ms:8.4f} {kernel_rate(m)}{kern_speed}"
         lines.append(
-            f"{label:<46} {m.contender:<14} {m.ms:9.4f} {m.gbps:8.0f} {m.ratio_to_ceiling:6.3f}  {speed:>6}{kern}"
+            f"{label:<46} {m.contender:<14} {m.ms:9.4f} {rate(m)} {m.ratio_to_ceiling:6.3f}  {speed:>6}{kern}"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def write_json(results: Sequence[Measurement], path: str, **meta: Any) -> None:
