@@ -10,6 +10,7 @@ aligned bottom-right, softcap, ALiBi, empty rows) are in reference.py.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 
@@ -29,13 +30,20 @@ def _check_options(name, causal, softmax_scale, window, softcap) -> tuple[int, i
         not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool)
         or not math.isfinite(softmax_scale) or softmax_scale <= 0
     ):  # fmt: skip
-        raise ValueError(f"{name}: softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
+        raise ValueError(
+            f"{name}: softmax_scale must be a positive finite float or None, got {softmax_scale!r}"
+        )
     if (
         not isinstance(window, (tuple, list)) or len(window) != 2
         or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window)
     ):  # fmt: skip
         raise ValueError(f"{name}: window must be a pair of ints >= -1 (-1: unbounded side), got {window!r}")
-    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not softcap >= 0 or math.isinf(softcap):
+    if (
+        not isinstance(softcap, numbers.Real)
+        or isinstance(softcap, bool)
+        or not softcap >= 0
+        or math.isinf(softcap)
+    ):
         raise ValueError(f"{name}: softcap must be a finite float >= 0 (0: off), got {softcap!r}")
     left, right = int(window[0]), int(window[1])
     return left, 0 if causal else right
@@ -51,11 +59,15 @@ def _check_qkv(name: str, q: object, k: object, v: object, dims: int) -> None:
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: q, k, v must share a dtype, got q {q.dtype} and {what} {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"{name}: q, k, v must be on one device, got q on {q.device} and {what} on {t.device}")
+            raise ValueError(
+                f"{name}: q, k, v must be on one device, got q on {q.device} and {what} on {t.device}"
+            )
     if q.dtype not in _DTYPES:
         raise TypeError(f"{name}: dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
     if k.shape != v.shape:
-        raise ValueError(f"{name}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"{name}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if dims == 4 and q.shape[0] != k.shape[0]:
         raise ValueError(f"{name}: q has batch {q.shape[0]} but k has batch {k.shape[0]}")
     head_dim = q.shape[-1]
@@ -74,7 +86,9 @@ def _check_alibi(name: str, alibi_slopes: object, q: torch.Tensor, n_seqs: int) 
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"{name}: alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        raise TypeError(
+            f"{name}: alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}"
+        )
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(f"{name}: alibi_slopes must be float32, got {alibi_slopes.dtype}")
     if alibi_slopes.device != q.device:
@@ -86,7 +100,9 @@ def _check_alibi(name: str, alibi_slopes: object, q: torch.Tensor, n_seqs: int) 
         )
 
 
-def _check_cu_seqlens(name: str, what: str, cu: object, q: torch.Tensor, tokens: int, max_seqlen: object) -> None:
+def _check_cu_seqlens(
+    name: str, what: str, cu: object, q: torch.Tensor, tokens: int, max_seqlen: object
+) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -97,26 +113,35 @@ def _check_cu_seqlens(name: str, what: str, cu: object, q: torch.Tensor, tokens:
         raise ValueError(f"{name}: {what} is on {cu.device} but q is on {q.device}")
     if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool) or max_seqlen < 0:
         raise ValueError(f"{name}: max_seqlen for {what} must be an int >= 0, got {max_seqlen!r}")
-    if torch.compiler.is_compiling():
-        return  # values are not known while tracing
+    if torch.compiler.is_compiling() or cu.device.type == "meta":
+        return  # values are not known while tracing (or on meta tensors)
     # One small device-to-host copy: a wrong cu_seqlens would read or write out of bounds.
     values = cu.tolist()
     if values[0] != 0 or values[-1] != tokens:
         raise ValueError(f"{name}: {what} must start at 0 and end at the token count {tokens}, got "
                          f"{values[0]} ... {values[-1]}")  # fmt: skip
-    lengths = [b - a for a, b in zip(values, values[1:])]
+    lengths = [b - a for a, b in itertools.pairwise(values)]
     if any(n < 0 for n in lengths):
         raise ValueError(f"{name}: {what} must be non-decreasing, got {values}")
     if lengths and max(lengths) > max_seqlen:
-        raise ValueError(f"{name}: max_seqlen {max_seqlen} is below the longest sequence ({max(lengths)}) in {what}")
+        raise ValueError(
+            f"{name}: max_seqlen {max_seqlen} is below the longest sequence ({max(lengths)}) in {what}"
+        )
 
 
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
-    """The cheapest path that is still correct: the library op under torch.compile and for
-    tensor subclasses, the autograd.Function when gradients are needed, else the op's body."""
+    """The cheapest path that is still correct: the library op under torch.compile, for
+    tensor subclasses and meta tensors (its fake), the autograd.Function when gradients are
+    needed, else the op's body."""
     tensors = (q, k, v)
-    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors):
-        return torch.ops.openkernels.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
+    if (
+        torch.compiler.is_compiling()
+        or any(type(t) is not torch.Tensor for t in tensors)
+        or q.device.type not in ("cpu", "cuda")
+    ):
+        return torch.ops.openkernels.attention(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap
+        )
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return ops.EagerAttention.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
     return ops.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
@@ -157,7 +182,9 @@ def attention(
     left, right = _check_options(name, causal, softmax_scale, window, softcap)
     _check_alibi(name, alibi_slopes, q, q.shape[0])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = _run(q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, alibi_slopes, float(softcap))
+    out, lse = _run(
+        q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, alibi_slopes, float(softcap)
+    )
     return (out, lse) if return_lse else out
 
 

@@ -41,12 +41,19 @@ def hf_attention_forward(
         is_causal = bool(getattr(module, "is_causal", True))
     dropout = dropout if module is None or getattr(module, "training", False) else 0.0
     if attention_mask is not None or dropout > 0:
-        # Arbitrary masks (padding) and dropout: SDPA, with K/V heads shared as GQA.
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            is_causal=is_causal and attention_mask is None and query.shape[2] > 1,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )  # fmt: skip
+        # Arbitrary masks (padding) and dropout: SDPA, with K/V heads shared as GQA. Without a
+        # mask, causality and the window become one (as the fused path applies them); SDPA
+        # has no softcap, so a capped model takes the same math written out.
+        mask = attention_mask
+        if mask is None and (is_causal or sliding_window):
+            mask = _causal_window_mask(query.shape[2], key.shape[2], is_causal, sliding_window, query.device)
+        if softcap:
+            out = _softcapped_attention(query, key, value, mask, dropout, scaling, float(softcap))
+        else:
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
     # transformers' sliding window W lets a token see itself and the W - 1 before it.
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
@@ -56,6 +63,32 @@ def hf_attention_forward(
         softmax_scale=scaling, window=window, softcap=float(softcap or 0.0),
     )  # fmt: skip
     return out, None
+
+
+def _causal_window_mask(sq: int, sk: int, is_causal: bool, sliding_window: int | None, device):
+    """(sq, sk) bool, True = attend: causal aligned bottom-right, transformers' sliding window."""
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    mask = j <= i if is_causal else torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if sliding_window:
+        mask = mask & (j > i - sliding_window)
+    return mask
+
+
+def _softcapped_attention(query, key, value, mask, dropout, scaling, softcap) -> torch.Tensor:
+    """SDPA's math with scores capped before the mask (float32 scores); rows that see no key
+    give 0. (B, H, S, D) in and out."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    s = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if dropout > 0:
+        p = F.dropout(p, dropout)
+    return torch.matmul(p.to(value.dtype), value)
 
 
 def register_with_transformers(name: str = NAME) -> None:

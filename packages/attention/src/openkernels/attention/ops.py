@@ -15,6 +15,8 @@ The backend contract (attn_fwd / attn_bwd on 4D views) is in reference.py.
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
 from openkernels.shared import dispatch
@@ -177,7 +179,10 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
 
 
 def _register_backends() -> None:
-    for op, entry, key_fn in (("attention", "attn_fwd", _fwd_key), ("attention_backward", "attn_bwd", _bwd_key)):
+    for op, entry, key_fn in (
+        ("attention", "attn_fwd", _fwd_key),
+        ("attention_backward", "attn_bwd", _bwd_key),
+    ):
         dispatch.define(op, key_fn)
         dispatch.register(
             op,
@@ -189,7 +194,12 @@ def _register_backends() -> None:
             interpretable=True,
         )
         dispatch.register(
-            op, "cpu", dispatch.lazy(f"{_PKG}.cpu:{entry}"), backends=("cpu",), priority=10, supports=_cpu_supports
+            op,
+            "cpu",
+            dispatch.lazy(f"{_PKG}.cpu:{entry}"),
+            backends=("cpu",),
+            priority=10,
+            supports=_cpu_supports,
         )
         dispatch.register(
             op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"), backends=("cuda", "rocm", "cpu")
@@ -231,16 +241,18 @@ def _setup(ctx, inputs, output) -> None:
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.options = options
-    alibi = options[6]
+    alibi = options[5]  # (max_q, max_k, scale, left, right, alibi, softcap)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
+    ctx.dispatch_context = contextvars.copy_context()
 
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
     max_q, max_k, scale, left, right, _, softcap = ctx.options
-    dq, dk, dv = torch.ops.openkernels.attention_backward(
-        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap
-    )
+    dq, dk, dv = ctx.dispatch_context.run(
+        torch.ops.openkernels.attention_backward,
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap,
+    )  # fmt: skip
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -263,6 +275,9 @@ class EagerAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(lse)
         ctx.options = (max_q, max_k, scale, left, right, None, softcap)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
+        # dispatch.force / strict are context variables, and autograd runs CUDA backwards on
+        # its own threads: the backward runs in the forward's context.
+        ctx.dispatch_context = contextvars.copy_context()
         return out, lse
 
     @staticmethod
@@ -270,8 +285,8 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
         max_q, max_k, scale, left, right, _, softcap = ctx.options
-        dq, dk, dv = backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi,
-                              softcap)  # fmt: skip
+        dq, dk, dv = ctx.dispatch_context.run(backward, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                                              scale, left, right, alibi, softcap)  # fmt: skip
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

@@ -53,6 +53,20 @@ def _visible(sq: int, sk: int, rows: torch.Tensor, window_left: int, window_righ
     return mask
 
 
+def _scores(q, k, slopes, *, scale, window_left, window_right, softcap, rows, sq):
+    """Masked scores (H, R, Sk) of `_attend_one`, and tanh(raw / softcap) (None without a cap)."""
+    sk = k.shape[1]
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    t = None
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    if slopes is not None:
+        dist = (rows[:, None] + (sk - sq) - torch.arange(sk, device=q.device)[None, :]).abs()
+        s = s - slopes[:, None, None] * dist.to(s.dtype)
+    return s.masked_fill(~_visible(sq, sk, rows, window_left, window_right), float("-inf")), t
+
+
 def _attend_one(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -71,13 +85,8 @@ def _attend_one(
     sk = k.shape[1]
     if sk == 0:  # no keys: every row is empty
         return q.new_zeros(q.shape) + 0 * q, q.new_full(q.shape[:-1], float("-inf"))
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    if slopes is not None:
-        dist = (rows[:, None] + (sk - sq) - torch.arange(sk, device=q.device)[None, :]).abs()
-        s = s - slopes[:, None, None] * dist.to(s.dtype)
-    s = s.masked_fill(~_visible(sq, sk, rows, window_left, window_right), float("-inf"))
+    s, _ = _scores(q, k, slopes, scale=scale, window_left=window_left, window_right=window_right,
+                   softcap=softcap, rows=rows, sq=sq)  # fmt: skip
     # Softmax is shift-invariant, so the row max is detached; a row with no visible key has
     # max -inf: shifted by 0 instead, its terms are exp(-inf) = 0 (no NaN, in autograd too).
     row_max = s.detach().amax(dim=-1, keepdim=True)
@@ -111,6 +120,43 @@ def _attend(q, k, v, slopes, *, scale, window_left, window_right, softcap):
     if not outs:
         return q.new_zeros(q.shape, dtype=acc), q.new_zeros((hq, 0), dtype=acc)
     return torch.cat(outs, dim=1).transpose(0, 1), torch.cat(lses, dim=1)
+
+
+def _attend_grads(q, k, v, dout, slopes, *, scale, window_left, window_right, softcap):
+    """Gradients of `_attend` for one sequence with keys: q, dout (Sq, Hq, D), k, v (Sk, Hkv, D)
+    -> dq, dk, dv in the compute dtype. Explicit, not autograd: attn_bwd also runs inside the
+    library op (torch.compile, opcheck), below the Autograd dispatch key, where autograd
+    records nothing."""
+    acc = compute_dtype(q.dtype)
+    sq, hq, _ = q.shape
+    sk, hkv, _ = k.shape
+    qh, doh = q.to(acc).transpose(0, 1), dout.to(acc).transpose(0, 1)
+    kh = k.to(acc).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+    vh = v.to(acc).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+    sl = None if slopes is None else slopes.to(acc)
+    dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, hq * sk))
+    for start in range(0, sq, chunk):
+        rows = torch.arange(start, min(sq, start + chunk), device=q.device)
+        r = slice(start, start + chunk)
+        s, t = _scores(qh[:, r], kh, sl, scale=scale, window_left=window_left, window_right=window_right,
+                       softcap=softcap, rows=rows, sq=sq)  # fmt: skip
+        row_max = s.amax(dim=-1, keepdim=True)
+        e = torch.exp(s - row_max.masked_fill(torch.isinf(row_max), 0.0))
+        total = e.sum(dim=-1, keepdim=True)
+        p = e / total.masked_fill(total == 0, 1.0)  # rows with no visible key: 0
+        dp = torch.matmul(doh[:, r], vh.transpose(-1, -2))
+        ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))  # sum_j p_ij dp_ij = dout_i . o_i
+        if t is not None:
+            ds = ds * (1 - t * t)  # d(softcap * tanh(x / softcap)) / dx
+        dv += torch.matmul(p.transpose(-1, -2), doh[:, r])
+        dq[:, r] = torch.matmul(ds, kh) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), qh[:, r]) * scale
+
+    def per_kv_head(g):  # (Hq, Sk, D) -> (Sk, Hkv, D): the heads of a group add up
+        return g.unflatten(0, (hkv, hq // hkv)).sum(1).transpose(0, 1)
+
+    return dq.transpose(0, 1), per_kv_head(dk), per_kv_head(dv)
 
 
 def _slopes_for(alibi_slopes: torch.Tensor | None, index: int) -> torch.Tensor | None:
@@ -193,7 +239,9 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, window_left, window_righ
     opts = dict(softmax_scale=scale, window=(window_left, window_right), softcap=softcap, return_lse=True)
     if cu_seqlens_q is None:
         return attention_ref(q, k, v, alibi_slopes=alibi_slopes, **opts)
-    o, lse = attention_varlen_ref(q[0], k[0], v[0], cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes, **opts)
+    o, lse = attention_varlen_ref(
+        q[0], k[0], v[0], cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes, **opts
+    )
     return o[None], lse[None]
 
 
@@ -208,14 +256,18 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
              scale, window_left, window_right, alibi_slopes, softcap) -> None:  # fmt: skip
-    acc = compute_dtype(q.dtype)
-    with torch.enable_grad():
-        leaves = [t.detach().to(acc).requires_grad_() for t in (q, k, v)]
-        o, _ = _run(*leaves, cu_seqlens_q, cu_seqlens_k, scale=scale, window_left=window_left,
-                    window_right=window_right, alibi_slopes=alibi_slopes, softcap=softcap)  # fmt: skip
-        grads = torch.autograd.grad(o, leaves, dout.to(acc), allow_unused=True)
-    for dst, g in zip((dq, dk, dv), grads):
-        if g is None:
-            dst.zero_()
-        else:
+    opts = dict(scale=scale, window_left=window_left, window_right=window_right, softcap=softcap)
+    for g in (dq, dk, dv):
+        g.zero_()  # sequences without queries or keys: nothing attends, zero gradients
+    if cu_seqlens_q is None:
+        spans = [(b, slice(None), slice(None), b) for b in range(q.shape[0])]
+    else:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        spans = [(0, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1]), i) for i in range(len(cq) - 1)]
+    for b, rq, rk, seq in spans:
+        if q[b, rq].shape[0] == 0 or k[b, rk].shape[0] == 0:
+            continue
+        slopes = _slopes_for(alibi_slopes, seq)
+        grads = _attend_grads(q[b, rq], k[b, rk], v[b, rk], dout[b, rq], slopes, **opts)
+        for dst, g in zip((dq[b, rq], dk[b, rk], dv[b, rk]), grads):
             dst.copy_(g)

@@ -46,6 +46,32 @@ def _load_tile(base, idx, stride, offs_d, limit, MASK_IDX: tl.constexpr, HEAD_DI
 
 
 @triton.jit
+def _kv_source(base, seqlen, stride, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               USE_TMA: tl.constexpr):  # fmt: skip
+    """What the key/value loop loads from: a TMA descriptor over this sequence's (seqlen,
+    head_dim) slice (Hopper; rows past the end and the head_dim pad read as zeros), else the
+    slice's base pointer."""
+    if USE_TMA:
+        src = tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride, 1],
+                                        block_shape=[BLOCK, BLOCK_D])  # fmt: skip
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def _load_kv(src, start, idx, stride, offs_d, limit, MASK_IDX: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+    """Rows start..start + len(idx) (idx = start + arange) through the copy engine or as
+    _load_tile does."""
+    if USE_TMA:
+        tile = src.load([start, 0])
+    else:
+        tile = _load_tile(src, idx, stride, offs_d, limit, MASK_IDX, HEAD_DIM, BLOCK_D)
+    return tile
+
+
+@triton.jit
 def _log2_scores(
     qk, i, j, seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
     MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
@@ -63,7 +89,7 @@ def _log2_scores(
     if HAS_ALIBI:
         s -= slope_log2 * tl.abs(i + diag - j).to(tl.float32)
     if MASK:
-        visible = j < seqlen_k
+        visible = tl.broadcast_to(j < seqlen_k, s.shape)
         if HAS_WINDOW_LEFT:
             visible &= j >= i + diag - window_left
         if HAS_WINDOW_RIGHT:
@@ -110,11 +136,11 @@ def _fwd_blocks(
     window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_tile(k_base, cols, stride_ks, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
+        k = _load_kv(k_base, start_n, cols, stride_ks, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
         s, _ = _log2_scores(
             qk, rows[:, None], cols[None, :], seqlen_k, diag, window_left, window_right, slope_log2, qk_scale,
@@ -126,8 +152,8 @@ def _fwd_blocks(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, cols, stride_vs, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = _load_kv(v_base, start_n, cols, stride_vs, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D, USE_TMA)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
 
@@ -140,7 +166,7 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, heads_q, group, qk_scale, cap_scale, cap_out, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (sequence, query head)."""
     # Causal work grows with the row block: the heaviest blocks start first.
@@ -181,22 +207,41 @@ def _attn_fwd_kernel(
     a, b_full, c_full, end = _segments(
         m0, m0 + BLOCK_M - 1, sk, diag, window_left, window_right, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT
     )
-    args = (k_base, v_base, stride_ks, stride_vs)
-    opts = (rows, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d)
-    flags = (HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)
+    k_src = _kv_source(k_base, sk, stride_ks, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+    v_src = _kv_source(v_base, sk, stride_vs, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
+    args = (k_src, v_src, stride_ks, stride_vs)
+    opts = (
+        rows,
+        sk,
+        diag,
+        window_left,
+        window_right,
+        slope_log2,
+        qk_scale,
+        cap_scale,
+        cap_out,
+        offs_n,
+        offs_d,
+    )
+    # A sliding window runs one masked loop: three loops' scalars spilled on AMD and the
+    # window is narrow. Otherwise the blocks every row sees in full skip the mask.
     if HAS_WINDOW_LEFT:
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, a, b_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True,
-                                    *flags)  # fmt: skip
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, b_full, c_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, False,
-                                *flags)  # fmt: skip
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, c_full, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True,
-                                *flags)  # fmt: skip
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, a, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                    HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, USE_TMA)  # fmt: skip
+    else:
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, b_full, c_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                    False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+                                    USE_TMA)  # fmt: skip
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, c_full, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                    HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, USE_TMA)  # fmt: skip
     # Rows that saw no key: output 0, lse -inf.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_base = o_ptr + b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
-    tl.store(o_base + rows[:, None] * stride_os + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(
+        o_base + rows[:, None] * stride_os + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask
+    )
     lse_base = lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + q_start
     tl.store(lse_base + rows, lse, mask=rows < sq)
 
@@ -279,13 +324,16 @@ def _attn_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_N keys of one (sequence, kv head); loops over the query heads of
-    its GQA group in order, so dK and dV are summed without atomics (deterministic)."""
+    """One program: BLOCK_N keys of one (sequence, query head). dK and dV of that query
+    head's share are written to dk/dv at head h: with GQA the launcher passes float32
+    buffers with one head per query head and sums each group in a fixed order afterwards
+    (deterministic, no atomics; a loop over the group inside the program kept four more
+    tiles live and spilled)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
-    heads_kv = heads_q // group
-    b = bh // heads_kv
-    hk = bh % heads_kv
+    b = bh // heads_q
+    h = bh % heads_q
+    hk = h // group
     if IS_VARLEN:
         q_start = tl.load(cu_q_ptr + b)
         sq = tl.load(cu_q_ptr + b + 1) - q_start
@@ -315,29 +363,30 @@ def _attn_bwd_dkdv_kernel(
         n0, n0 + BLOCK_N - 1, sq, -diag, window_right, window_left, BLOCK_M, HAS_WINDOW_RIGHT, HAS_WINDOW_LEFT
     )
     q_row0 = q_start.to(tl.int64)
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + q_row0 * stride_qs + h * stride_qh
+    do_base = do_ptr + b.to(tl.int64) * stride_dob + q_row0 * stride_dos + h * stride_doh
+    lse_base = lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + q_start
+    delta_base = delta_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + q_start
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
+    bases = (q_base, do_base, lse_base, delta_base, stride_qs, stride_dos)
     opts = (cols, sq, sk, diag, window_left, window_right)
-    flags = (HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)
-    for g in range(0, group):
-        h = hk * group + g
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + q_row0 * stride_qs + h * stride_qh
-        do_base = do_ptr + b.to(tl.int64) * stride_dob + q_row0 * stride_dos + h * stride_doh
-        lse_base = lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + q_start
-        delta_base = delta_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + q_start
-        slope_log2 = 0.0
-        if HAS_ALIBI:
-            slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
-        bases = (q_base, do_base, lse_base, delta_base, stride_qs, stride_dos)
-        scal = (slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d)
-        if HAS_WINDOW_RIGHT:  # rows before the full range: the key-side left
+    scal = (slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d)
+    if HAS_WINDOW_LEFT and HAS_WINDOW_RIGHT:  # a sliding window: one masked loop (as the forward)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, a, end, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
+                              HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+    else:
+        if HAS_WINDOW_RIGHT:  # rows before the full range: the key-side left (the causal diagonal)
             dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, a, b_full, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
-                                  *flags)  # fmt: skip
-        dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, b_full, c_full, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, False,
-                              *flags)  # fmt: skip
+                                  HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+        dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, b_full, c_full, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D,
+                              False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
         dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, c_full, end, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
-                              *flags)  # fmt: skip
+                              HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
     dk *= sm_scale
-    dk_off = b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dks + hk * stride_dkh
-    dv_off = b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvs + hk * stride_dvh
+    dk_off = b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dks + h * stride_dkh
+    dv_off = b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvs + h * stride_dvh
     tl.store(dk_ptr + dk_off + cols[:, None] * stride_dks + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=kv_mask)  # fmt: skip
     tl.store(dv_ptr + dv_off + cols[:, None] * stride_dvs + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
@@ -426,12 +475,27 @@ def _attn_bwd_dq_kernel(
         m0, m0 + BLOCK_M - 1, sk, diag, window_left, window_right, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT
     )
     args = (q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs)
-    opts = (rows, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d)
-    flags = (HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)
-    if HAS_WINDOW_LEFT:
-        dq = _dq_blocks(dq, *args, a, b_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True, *flags)
-    dq = _dq_blocks(dq, *args, b_full, c_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, False, *flags)
-    dq = _dq_blocks(dq, *args, c_full, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True, *flags)
+    opts = (
+        rows,
+        sk,
+        diag,
+        window_left,
+        window_right,
+        slope_log2,
+        qk_scale,
+        cap_scale,
+        cap_out,
+        offs_n,
+        offs_d,
+    )
+    if HAS_WINDOW_LEFT:  # a sliding window: one masked loop (as the forward)
+        dq = _dq_blocks(dq, *args, a, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW_LEFT,
+                        HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+    else:
+        dq = _dq_blocks(dq, *args, b_full, c_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, False, HAS_WINDOW_LEFT,
+                        HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+        dq = _dq_blocks(dq, *args, c_full, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW_LEFT,
+                        HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
     dq *= sm_scale
     tl.store(dq_ptr + b.to(tl.int64) * stride_dqb + q_row0 * stride_dqs + h * stride_dqh
              + rows[:, None] * stride_dqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=q_mask)  # fmt: skip

@@ -1,0 +1,123 @@
+"""Ahead-of-time compile checks of the attention kernels for every launch config they can
+pick, for sm_80, sm_90 (CUDA configs) and gfx90a, gfx942, gfx950 (ROCm configs): compiles,
+no register spills, no scratch, shared memory within the chip's limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from openkernels.attention.triton import configs
+from openkernels.shared.platform import triton_interpreting
+
+pytestmark = pytest.mark.aot
+
+_KERNELS = "openkernels.attention.triton.kernels"
+_ACT = {"bf16": "*bf16", "fp16": "*fp16"}
+_FLAGS = ("IS_VARLEN", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_ALIBI", "HAS_SOFTCAP")
+_NONE = dict.fromkeys(_FLAGS, False)
+_ALL = dict.fromkeys(_FLAGS, True)
+_CAUSAL = _NONE | {"HAS_WINDOW_RIGHT": True}
+_WINDOWS = _NONE | {"IS_VARLEN": True, "HAS_WINDOW_LEFT": True, "HAS_WINDOW_RIGHT": True}
+
+
+def _strides(*names: str) -> dict[str, str]:
+    return {f"stride_{n}{axis}": "i32" for n in names for axis in "bsh"}
+
+
+def _signature(direction: str, act: str) -> dict[str, str]:
+    lse = {"stride_lb": "i32", "stride_lh": "i32"}
+    sizes = {"seqlen_q": "i32", "seqlen_k": "i32", "heads_q": "i32", "group": "i32"}
+    window = {"window_left": "i32", "window_right": "i32"}
+    if direction == "fwd":
+        ptrs = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "o_ptr": act, "lse_ptr": "*fp32",
+                "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "slopes_ptr": "*fp32"}  # fmt: skip
+        return {**ptrs, **_strides("q", "k", "v", "o"), **lse, **sizes,
+                "qk_scale": "fp32", "cap_scale": "fp32", "cap_out": "fp32", **window}  # fmt: skip
+    ptrs = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "do_ptr": act, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+    if direction == "dkdv":
+        ptrs |= {"dk_ptr": act, "dv_ptr": act}
+        grads = ("dk", "dv")
+    else:
+        ptrs |= {"dq_ptr": act}
+        grads = ("dq",)
+    ptrs |= {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "slopes_ptr": "*fp32"}
+    scales = {"qk_scale": "fp32", "sm_scale": "fp32", "cap_scale": "fp32", "cap_out": "fp32"}
+    return {**ptrs, **_strides("q", "k", "v", "do", *grads), **lse, **sizes, **scales, **window}
+
+
+def _case(direction: str, head_dim: int, cfg: configs.AttnConfig, dtype: str, flags: dict, *,
+          aligned_seqlens: bool = False):  # fmt: skip
+    from openkernels.shared.testing.aot import AotCase
+
+    kernel = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel"}[
+        direction
+    ]
+    signature = _signature(direction, _ACT[dtype])
+    # Sequence and head strides are multiples of 16 for every supported head_dim (Triton
+    # specializes on that at launch); the lse strides are sequence lengths (any value).
+    attrs = {name: "D" for name in signature if name.startswith("stride_") and name[-2] != "l"}
+    if aligned_seqlens:  # the fast path's launches: Triton specializes on lengths % 16 == 0
+        attrs |= {"seqlen_q": "D", "seqlen_k": "D"}
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
+                  "BLOCK_N": cfg.block_n, **flags}  # fmt: skip
+    flag_text = "".join(name.split("_")[-1][0] for name, on in flags.items() if on) or "plain"
+    label = (
+        f"{direction}-d{head_dim}-{dtype}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}-{flag_text}"
+        f"{'-aligned' if aligned_seqlens else ''}"
+    )
+    return AotCase(f"{_KERNELS}:{kernel}", signature, constexprs, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages, label=label, attrs=attrs)  # fmt: skip
+
+
+def _preprocess_case(head_dim: int):
+    from openkernels.shared.testing.aot import AotCase
+
+    signature = {"o_ptr": "*bf16", "do_ptr": "*bf16", "delta_ptr": "*fp32", "cu_q_ptr": "*i32",
+                 **_strides("o", "do"), "stride_lb": "i32", "stride_lh": "i32", "seqlen_q": "i32",
+                 "heads_q": "i32"}  # fmt: skip
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim),
+                  "BLOCK_M": configs.preprocess_block_m(head_dim), "IS_VARLEN": True}  # fmt: skip
+    return AotCase(f"{_KERNELS}:_attn_bwd_preprocess_kernel", signature, constexprs, num_warps=4,
+                   label=f"preprocess-d{head_dim}")  # fmt: skip
+
+
+def cases_for(arch: str) -> list:
+    """Every config `launch_config` picks, with the heaviest variant it serves. Fast configs
+    (dense, causal or none, 16-aligned sequence lengths and strides): causal, which
+    compiles every segment loop the plain call has plus its mask. General configs: varlen
+    with two-sided windows, and every flag on (neither register count bounds the other).
+    Head dims 64, 128, 256 (the widest of each BLOCK_D); 32, 96, 192 (the same tiles,
+    masked head_dim padding) with every flag on. One fp16 forward, the preprocess kernel.
+    Each compile takes 2-15 s on one CI core, so the grid is what bounds the registers."""
+    out = {}
+    for head_dim, direction, general, cfg in configs.all_configs(arch):
+        if not general:
+            variants = [("bf16", _CAUSAL, True)] if head_dim in (64, 128, 256) else []
+        elif head_dim in (64, 128, 256):
+            variants = [("bf16", _WINDOWS, False), ("bf16", _ALL, False)]
+        else:
+            variants = [("bf16", _ALL, False)]
+        if general and head_dim == 128 and direction == "fwd":
+            variants.append(("fp16", _ALL, False))
+        for dtype, flags, aligned in variants:
+            c = _case(direction, head_dim, cfg, dtype, flags, aligned_seqlens=aligned)
+            out[c.label] = c
+    for head_dim in (32, 64, 96, 128, 192, 256):
+        c = _preprocess_case(head_dim)
+        out[c.label] = c
+    return list(out.values())
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx90a", "gfx942", "gfx950"])
+def test_kernels_compile_clean_for_every_config(target: str) -> None:
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+
+    if target not in targets_from_env():
+        pytest.skip(f"{target} is not in OPENKERNELS_AOT_TARGETS")
+    cases = cases_for(target)
+    reports = check_cases(cases, [target])
+    print(format_reports(reports))
+    assert_clean(reports)
+    assert len(reports) == len(cases)
