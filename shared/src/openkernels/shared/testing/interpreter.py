@@ -56,8 +56,12 @@ def install_bf16_round_to_nearest() -> None:
 
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
-            a = I.TensorHandle(_bf16_bits_to_f32(a.data) if a.dtype.scalar == tl.bfloat16 else a.data, tl.float32)
-            b = I.TensorHandle(_bf16_bits_to_f32(b.data) if b.dtype.scalar == tl.bfloat16 else b.data, tl.float32)
+            a = I.TensorHandle(
+                _bf16_bits_to_f32(a.data) if a.dtype.scalar == tl.bfloat16 else a.data, tl.float32
+            )
+            b = I.TensorHandle(
+                _bf16_bits_to_f32(b.data) if b.dtype.scalar == tl.bfloat16 else b.data, tl.float32
+            )
         return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     builder.cast_impl = patched_cast
