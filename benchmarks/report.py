@@ -2,8 +2,10 @@
 
     python benchmarks/report.py bench.json [more.json ...]
 
-One row per case: our time and GB/s, the ratio to the copy ceiling measured in the same
-run, the same-size copy, and each peer's time as a multiple of ours (> 1: we are faster).
+One row per case: our time and GB/s (TFLOP/s for compute-bound cases such as attention),
+the ratio to the ceiling measured in the same run (device copy, or bf16 matmul), the
+same-size copy for memory-bound cases, and each peer's time as a multiple of ours (> 1: we
+are faster).
 """
 
 from __future__ import annotations
@@ -21,10 +23,17 @@ def table(path: str) -> str:
         rows[(m["op"], m["direction"], "x".join(map(str, m["shape"])), m["dtype"])][m["contender"]] = m
     peers = sorted({c for r in rows.values() for c in r} - {"ours", "copy"})
     meta = data["meta"]
+    compute = any(m.get("flops") for m in data["results"])
+    where = f"({meta.get('device', '')}, torch {meta.get('torch', '')})"
+    if compute:
+        head = f"bf16 matmul ceiling in this run: {meta['ceiling_tflops']:.0f} TFLOP/s {where}."
+    else:
+        head = f"Device copy ceiling in this run: {meta['ceiling_gbps']:.0f} GB/s {where}."
+    unit = "TFLOP/s" if compute else "GB/s"
     lines = [
-        f"Device copy ceiling in this run: {meta['ceiling_gbps']:.0f} GB/s ({meta.get('device', '')}, torch {meta.get('torch', '')}).",
+        head,
         "",
-        "| op | dir | shape | dtype | ours ms | GB/s | / ceiling | same-size copy | "
+        f"| op | dir | shape | dtype | ours ms | {unit} | / ceiling | same-size copy | "
         + " | ".join(f"{p} (x ours)" for p in peers)
         + " |",
         "|" + "---|" * (8 + len(peers)),
@@ -40,7 +49,7 @@ def table(path: str) -> str:
             shape,
             dtype,
             f"{ours['ms']:.4f}",
-            f"{ours['gbps']:.0f}",
+            f"{ours['tflops']:.0f}" if compute else f"{ours['gbps']:.0f}",
             f"{ours['ratio_to_ceiling']:.3f}",
             f"{copy['ratio_to_ceiling']:.3f}" if copy else "",
         ]
