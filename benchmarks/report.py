@@ -26,7 +26,7 @@ def table(path: str) -> str:
     compute = any(m.get("flops") for m in data["results"])
     where = f"({meta.get('device', '')}, torch {meta.get('torch', '')})"
     if compute:
-        head = f"bf16 matmul ceiling in this run: {meta['ceiling_tflops']:.0f} TFLOP/s {where}."
+        head = f"bf16 matmul ceiling in this run: {meta['ceiling_tflops']:.3g} TFLOP/s {where}."
     else:
         head = f"Device copy ceiling in this run: {meta['ceiling_gbps']:.0f} GB/s {where}."
     unit = "TFLOP/s" if compute else "GB/s"
@@ -49,7 +49,7 @@ def table(path: str) -> str:
             shape,
             dtype,
             f"{ours['ms']:.4f}",
-            f"{ours['tflops']:.0f}" if compute else f"{ours['gbps']:.0f}",
+            f"{ours['tflops']:.3g}" if compute else f"{ours['gbps']:.0f}",
             f"{ours['ratio_to_ceiling']:.3f}",
             f"{copy['ratio_to_ceiling']:.3f}" if copy else "",
         ]
