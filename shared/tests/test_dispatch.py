@@ -162,3 +162,24 @@ def test_triton_predicate_on_cpu() -> None:
         assert "CUDA or ROCm" in (dispatch.triton_supports(key) or "")
     elif triton_interpreting():
         assert dispatch.triton_supports(key) is None
+
+
+def test_snapshot_carries_force_to_another_thread() -> None:
+    """Autograd runs CUDA backwards on its own threads: a backward run in the forward's
+    snapshot sees the forward's force block; one run without it does not."""
+    import threading
+
+    op, _ = _fresh_op(("fast", ("cpu",), 10, None), ("reference", ALL, 0, None))
+    x = torch.ones(2)
+    with dispatch.force("reference"):
+        saved = dispatch.snapshot()
+    results: dict[str, str] = {}
+
+    def worker() -> None:
+        results["plain"] = dispatch.run(op, x)
+        results["snapshot"] = saved.run(dispatch.run, op, x)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert results == {"plain": "fast", "snapshot": "reference"}

@@ -41,6 +41,7 @@ __all__ = [
     "register",
     "run",
     "select",
+    "snapshot",
     "strict",
     "triton_supports",
 ]
@@ -361,6 +362,14 @@ def forbid(*specs: str) -> contextlib.AbstractContextManager[None]:
 def strict(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Inside the block a failing kernel raises instead of falling back."""
     return _set(_STRICT, enabled)
+
+
+def snapshot() -> contextvars.Context:
+    """The steering state (force / forbid / strict blocks) of the current call, to run
+    later work under: `snapshot().run(fn, *args)`. Autograd runs CUDA backwards on its own
+    threads, where context variables set around the forward are not visible; families save
+    a snapshot in the forward's autograd context and run the backward in it."""
+    return contextvars.copy_context()
 
 
 def reset_failures() -> None:

@@ -196,12 +196,13 @@ def _define_library_ops(spec: OpSpec) -> None:
     def setup_context(ctx, inputs, output) -> None:
         ctx.save_for_backward(inputs[0])
         ctx.approximate = inputs[1] if len(inputs) > 1 else None
+        ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
 
     def autograd_bwd(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
         if ctx.approximate is None:
-            return backward_op(grad_out, x)
-        return backward_op(grad_out, x, ctx.approximate), None
+            return ctx.dispatch_context.run(backward_op, grad_out, x)
+        return ctx.dispatch_context.run(backward_op, grad_out, x, ctx.approximate), None
 
     torch.library.register_autograd(qualified, autograd_bwd, setup_context=setup_context, lib=_LIB)
 

@@ -15,8 +15,6 @@ The backend contract (attn_fwd / attn_bwd on 4D views) is in reference.py.
 
 from __future__ import annotations
 
-import contextvars
-
 import torch
 
 from openkernels.shared import dispatch
@@ -243,7 +241,7 @@ def _setup(ctx, inputs, output) -> None:
     ctx.options = options
     alibi = options[5]  # (max_q, max_k, scale, left, right, alibi, softcap)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
-    ctx.dispatch_context = contextvars.copy_context()
+    ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
 
 
 def _backward(ctx, grad_out, _grad_lse):
@@ -277,7 +275,7 @@ class EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
         # dispatch.force / strict are context variables, and autograd runs CUDA backwards on
         # its own threads: the backward runs in the forward's context.
-        ctx.dispatch_context = contextvars.copy_context()
+        ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
         return out, lse
 
     @staticmethod

@@ -286,6 +286,7 @@ def _save(ctx, x, weight, residual, residual_out, stats, store_residual, residua
     """Save what the backward reads: the normalized h (the stored residual stream, or x
     itself when there is no residual), the weight and the statistics."""
     ctx.set_materialize_grads(False)
+    ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
     ctx.x_dtype = x.dtype
     ctx.residual_dtype_in = None if residual is None else residual.dtype
     ctx.h_dtype = _h_dtype(x, residual, residual_dtype)
@@ -337,7 +338,8 @@ def _rms_setup(ctx, inputs, output) -> None:
 def _rms_backward(ctx, grad_out, grad_residual_out, _grad_rstd):
     h, weight, (rstd,) = _saved_h(ctx)
     weight_grad = weight is not None and ctx.needs_input_grad[1]
-    grad_h, grad_w = torch.ops.openkernels.rms_norm_backward(
+    grad_h, grad_w = ctx.dispatch_context.run(
+        torch.ops.openkernels.rms_norm_backward,
         _grad_out(grad_out, h, ctx),
         _grad_residual_out(grad_residual_out, ctx),
         h,
@@ -363,7 +365,8 @@ def _ln_backward(ctx, grad_out, grad_residual_out, _grad_mean, _grad_rstd):
     h, weight, (mean, rstd) = _saved_h(ctx)
     weight_grad = weight is not None and ctx.needs_input_grad[1]
     bias_grad = ctx.has_bias and ctx.needs_input_grad[2]
-    grad_h, grad_w, grad_b = torch.ops.openkernels.layer_norm_backward(
+    grad_h, grad_w, grad_b = ctx.dispatch_context.run(
+        torch.ops.openkernels.layer_norm_backward,
         _grad_out(grad_out, h, ctx),
         _grad_residual_out(grad_residual_out, ctx),
         h,
@@ -423,8 +426,8 @@ class EagerNorm(torch.autograd.Function):
         mean, rstd = (None, stats[0]) if ctx.rms else stats
         weight_grad = weight is not None and ctx.needs_input_grad[2]
         bias_grad = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
-        grad_h, grad_w, grad_b = backward(
-            ctx.rms, _grad_out(grad_out, h, ctx), _grad_residual_out(grad_residual_out, ctx), h, weight, mean,
+        grad_h, grad_w, grad_b = ctx.dispatch_context.run(
+            backward, ctx.rms, _grad_out(grad_out, h, ctx), _grad_residual_out(grad_residual_out, ctx), h, weight, mean,
             rstd, ctx.weight_offset, weight_grad, bias_grad,
         )  # fmt: skip
         grad_x, grad_res = _input_grads(ctx, grad_h)
