@@ -72,6 +72,23 @@ def _load_kv(src, start, idx, stride, offs_d, limit, MASK_IDX: tl.constexpr, HEA
 
 
 @triton.jit
+def _sequence(cu_q_ptr, cu_k_ptr, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k) of sequence b: from cu_seqlens when varlen,
+    else 0 and the dense lengths (starts as tensors either way, for .to(int64))."""
+    if IS_VARLEN:
+        q_start = tl.load(cu_q_ptr + b)
+        sq = tl.load(cu_q_ptr + b + 1) - q_start
+        k_start = tl.load(cu_k_ptr + b)
+        sk = tl.load(cu_k_ptr + b + 1) - k_start
+    else:
+        q_start = b * 0
+        sq = seqlen_q
+        k_start = q_start
+        sk = seqlen_k
+    return q_start, sq, k_start, sk
+
+
+@triton.jit
 def _log2_scores(
     qk, i, j, seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
     MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
@@ -174,16 +191,7 @@ def _attn_fwd_kernel(
     bh = tl.program_id(1)
     b = bh // heads_q
     h = bh % heads_q
-    if IS_VARLEN:
-        q_start = tl.load(cu_q_ptr + b)
-        sq = tl.load(cu_q_ptr + b + 1) - q_start
-        k_start = tl.load(cu_k_ptr + b)
-        sk = tl.load(cu_k_ptr + b + 1) - k_start
-    else:
-        q_start = tl.program_id(0) * 0  # a tensor, like the varlen starts
-        sq = seqlen_q
-        k_start = q_start
-        sk = seqlen_k
+    q_start, sq, k_start, sk = _sequence(cu_q_ptr, cu_k_ptr, b, seqlen_q, seqlen_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
@@ -334,16 +342,7 @@ def _attn_bwd_dkdv_kernel(
     b = bh // heads_q
     h = bh % heads_q
     hk = h // group
-    if IS_VARLEN:
-        q_start = tl.load(cu_q_ptr + b)
-        sq = tl.load(cu_q_ptr + b + 1) - q_start
-        k_start = tl.load(cu_k_ptr + b)
-        sk = tl.load(cu_k_ptr + b + 1) - k_start
-    else:
-        q_start = tl.program_id(0) * 0  # a tensor, like the varlen starts
-        sq = seqlen_q
-        k_start = q_start
-        sk = seqlen_k
+    q_start, sq, k_start, sk = _sequence(cu_q_ptr, cu_k_ptr, b, seqlen_q, seqlen_k, IS_VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= sk:
         return
@@ -435,16 +434,7 @@ def _attn_bwd_dq_kernel(
     bh = tl.program_id(1)
     b = bh // heads_q
     h = bh % heads_q
-    if IS_VARLEN:
-        q_start = tl.load(cu_q_ptr + b)
-        sq = tl.load(cu_q_ptr + b + 1) - q_start
-        k_start = tl.load(cu_k_ptr + b)
-        sk = tl.load(cu_k_ptr + b + 1) - k_start
-    else:
-        q_start = tl.program_id(0) * 0  # a tensor, like the varlen starts
-        sq = seqlen_q
-        k_start = q_start
-        sk = seqlen_k
+    q_start, sq, k_start, sk = _sequence(cu_q_ptr, cu_k_ptr, b, seqlen_q, seqlen_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
