@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu_session.sh [family] [steps: tests,tune,overhead,bench,long,dtypes,demo]
+#   bash benchmarks/gpu_session.sh [family] [steps: tests,check,tune,overhead,bench,long,dtypes,demo]
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
 # results in $OUT.
 set -uo pipefail
@@ -22,6 +22,9 @@ if [[ $steps == *tests* ]]; then
   OPENKERNELS_STRICT=1 python3 -m pytest -p openkernels.shared.testing.plugin -q $xdist \
     "packages/$family/tests" -m "not interpreter and not aot" -k "cuda or offsets or 2_to_the_31" \
     2>&1 | tee "$out/tests.txt" | tail -8
+fi
+if [[ $steps == *check* && -f benchmarks/check_${family}_gpu.py ]]; then
+  run "benchmarks/check_${family}_gpu.py" | tee "$out/check.txt" | grep -E "BAD|checks passed"
 fi
 if [[ $steps == *tune* && -f benchmarks/tune_$family.py ]]; then
   run "benchmarks/tune_$family.py" | tee "$out/tune.txt" | tail -3
