@@ -1,14 +1,27 @@
-"""openkernels.attention: fused attention for PyTorch (training and prefill).
+"""openkernels.attention: fused attention for PyTorch (training, prefill, and decode against a
+(paged, int8/int4 quantized) KV cache).
 
 Backends: Triton (CUDA and ROCm), CPU, reference.
 """
 
 from . import ops as _ops  # registers the torch.library ops and dispatch entries
-from .api import attention, attention_varlen
+from .api import attention, attention_varlen, attention_with_kvcache
+from .kvcache import KVCache
+from .kvformat import QuantizedKV, dequantize_kv, quantize_kv
 from .hf import hf_attention_forward, register_with_transformers
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_varlen", "hf_attention_forward", "register_with_transformers"]
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
+    "KVCache",
+    "QuantizedKV",
+    "quantize_kv",
+    "dequantize_kv",
+    "hf_attention_forward",
+    "register_with_transformers",
+]
 
 del _ops

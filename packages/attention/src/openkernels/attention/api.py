@@ -17,8 +17,9 @@ import numbers
 import torch
 
 from . import ops
+from .kvformat import BITS, QuantizedKV, code_width
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -226,4 +227,226 @@ def attention_varlen(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, left, right,
                     alibi_slopes, float(softcap))  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+# ---- attention against a KV cache --------------------------------------------------------
+
+_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) -> tuple[int, int]:
+    """(bits, group_size) of a cache given as two tensors or two QuantizedKV; checks that the
+    two sides agree and each is well formed."""
+    head_dim = q.shape[-1]
+    if isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+        for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name}: {what} must have q's dtype {q.dtype} (or be a QuantizedKV), got {t.dtype}")
+        return 16, head_dim
+    if not (isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)):
+        raise TypeError(f"{name}: k_cache and v_cache must both be torch.Tensor or both QuantizedKV, got "
+                        f"{type(k_cache).__name__} and {type(v_cache).__name__}")  # fmt: skip
+    if (k_cache.bits, k_cache.group_size) != (v_cache.bits, v_cache.group_size):
+        raise ValueError(f"{name}: k_cache and v_cache must share bits and group_size, got "
+                         f"{(k_cache.bits, k_cache.group_size)} and {(v_cache.bits, v_cache.group_size)}")  # fmt: skip
+    bits, group = k_cache.bits, k_cache.group_size
+    if bits not in BITS:
+        raise ValueError(f"{name}: a QuantizedKV cache has bits 4 or 8, got {bits!r}")
+    if group not in (32, 64, 128, head_dim) or head_dim % group:
+        raise ValueError(f"{name}: group_size must divide head_dim {head_dim} and be 32, 64, 128 or head_dim, got {group}")
+    for what, side in (("k_cache", k_cache), ("v_cache", v_cache)):
+        lead = tuple(side.data.shape[:-1])
+        if side.data.dtype != torch.uint8 or side.data.dim() != 4:
+            raise TypeError(f"{name}: {what}.data must be 4D uint8, got {side.data.dtype} {tuple(side.data.shape)}")
+        if side.data.shape[-1] != code_width(head_dim, bits):
+            raise ValueError(f"{name}: {what}.data's last dim must be {code_width(head_dim, bits)} for head_dim "
+                             f"{head_dim} at {bits} bits, got {side.data.shape[-1]}")  # fmt: skip
+        for part in ("scale", "zero"):
+            t = getattr(side, part)
+            want = (*lead, head_dim // group)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != want:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: {what}.{part} must be float16 of shape {want}, got {got}")
+            if not t.is_contiguous() or t.device != q.device:
+                raise ValueError(f"{name}: {what}.{part} must be contiguous and on {q.device}")
+        if k_cache.scale.stride() != v_cache.scale.stride():
+            raise ValueError(f"{name}: k_cache and v_cache must have the same shapes")
+    return bits, group
+
+
+def _cache_data(t: torch.Tensor | QuantizedKV) -> torch.Tensor:
+    return t.data if isinstance(t, QuantizedKV) else t
+
+
+def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin):
+    """Shapes, dtypes and devices of attention_with_kvcache's tensors; returns (bits, group)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"{name}: q must be a 4D (batch, seqlen_q, heads_q, head_dim) tensor")
+    if q.dtype not in _CACHE_DTYPES:
+        raise TypeError(f"{name}: q's dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if head_dim not in ops.HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {ops.HEAD_DIMS}")
+    bits, group = _cache_format(name, k_cache, v_cache, q)
+    kd, vd = _cache_data(k_cache), _cache_data(v_cache)
+    if kd.dim() != 4 or kd.shape != vd.shape:
+        raise ValueError(f"{name}: k_cache and v_cache must be 4D of one shape, got {tuple(kd.shape)} and "
+                         f"{tuple(vd.shape)}")  # fmt: skip
+    for what, t in (("k_cache", kd), ("v_cache", vd)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: {what} is on {t.device} but q is on {q.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: {what} must have a unit stride along head_dim (it is written in place)")
+    heads_kv = kd.shape[2]
+    if bits == 16 and kd.shape[3] != head_dim:
+        raise ValueError(f"{name}: q has head_dim {head_dim} but the cache has {kd.shape[3]}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})")
+    if block_table is None:
+        if kd.shape[0] != batch:
+            raise ValueError(f"{name}: the cache has batch {kd.shape[0]} but q has {batch}")
+    else:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+            raise TypeError(f"{name}: block_table must be an int32 (batch, max_pages) tensor")
+        if block_table.shape[0] != batch or block_table.device != q.device:
+            raise ValueError(f"{name}: block_table must have {batch} rows and be on {q.device}, got "
+                             f"{tuple(block_table.shape)} on {block_table.device}")  # fmt: skip
+        if kd.shape[1] % 16:
+            raise ValueError(f"{name}: the page size (k_cache.shape[1] = {kd.shape[1]}) must be a multiple of 16")
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"{name}: cache_seqlens must be an int32 tensor of shape ({batch},)")
+    if tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.device != q.device:
+        raise ValueError(f"{name}: cache_seqlens must have shape ({batch},) and be on {q.device}, got "
+                         f"{tuple(cache_seqlens.shape)} on {cache_seqlens.device}")  # fmt: skip
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"{name}: k_new and v_new must be given together")
+    if k_new is not None:
+        want = (batch, seqlen_q, heads_kv, head_dim)
+        for what, t in (("k_new", k_new), ("v_new", v_new)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: {what} must have shape {want} (one new token per query), got {got}")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise TypeError(f"{name}: {what} must have q's dtype and device, got {t.dtype} on {t.device}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{name}: rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        for what, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+                raise TypeError(f"{name}: {what} must be a float (seqlen_ro, rotary_dim / 2) tensor")
+            if t.shape != rotary_cos.shape or t.device != q.device or t.stride(-1) != 1:
+                raise ValueError(f"{name}: rotary_cos and rotary_sin must share a shape, be on {q.device} and "
+                                 "have a unit last stride")  # fmt: skip
+        if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
+            raise ValueError(f"{name}: rotary_dim (2 x rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must be "
+                             f"in 2..head_dim ({head_dim})")  # fmt: skip
+    return bits, group
+
+
+def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int, seqlen_q: int,
+                  rotary_rows: int | None) -> list[int]:  # fmt: skip
+    """Host lengths before the append against the capacity (and the rotary table); returns
+    the lengths after the append."""
+    for b, cached in enumerate(lengths):
+        if cached < 0 or cached + seqlen_new > capacity:
+            raise ValueError(f"{name}: cache_seqlens[{b}] = {cached} plus {seqlen_new} new tokens is outside the "
+                             f"cache's capacity of {capacity} tokens")  # fmt: skip
+        if rotary_rows is not None and (cached + seqlen_new - seqlen_q < 0 or cached + seqlen_new > rotary_rows):
+            raise ValueError(f"{name}: rotary positions {cached + seqlen_new - seqlen_q}..{cached + seqlen_new - 1} of "
+                             f"sequence {b} are outside rotary_cos's {rotary_rows} rows")  # fmt: skip
+    return [n + seqlen_new for n in lengths]
+
+
+def check_block_table(name: str, block_table: torch.Tensor, lengths: torch.Tensor | list[int], page: int,
+                      num_pages: int) -> None:  # fmt: skip
+    """Every page that holds one of `lengths` tokens of a sequence must exist (one small
+    device-to-host copy)."""
+    need = torch.as_tensor(lengths, device=block_table.device).to(torch.int64)
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page < need[:, None]
+    bad = (used & ((block_table < 0) | (block_table >= num_pages))).nonzero()
+    if bad.shape[0]:
+        b, i = bad[0].tolist()
+        raise ValueError(f"{name}: block_table[{b}, {i}] = {block_table[b, i].item()} is not a page of the cache "
+                         f"(0..{num_pages - 1})")  # fmt: skip
+
+
+def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale, window,
+                  alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, host_lengths):  # fmt: skip
+    """attention_with_kvcache's body; host_lengths: the lengths after the append when the
+    caller knows them (KVCache), else they are checked here with one device-to-host copy."""
+    name = "attention_with_kvcache"
+    bits, group = _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos,
+                                 rotary_sin)  # fmt: skip
+    left, right = _check_options(name, causal, softmax_scale, window, softcap)
+    _check_alibi(name, alibi_slopes, q, q.shape[0])
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"{name}: rotary_interleaved must be a bool, got {rotary_interleaved!r}")
+    kd, vd = _cache_data(k_cache), _cache_data(v_cache)
+    seqlen_new = 0 if k_new is None else k_new.shape[1]
+    tracing = torch.compiler.is_compiling() or q.device.type == "meta"
+    capacity = kd.shape[1] if block_table is None else block_table.shape[1] * kd.shape[1]
+    if host_lengths is None and not tracing:  # one small device-to-host copy (two when paged)
+        rows = None if rotary_cos is None else rotary_cos.shape[0]
+        host_lengths = check_lengths(name, cache_seqlens.tolist(), capacity, seqlen_new, q.shape[1], rows)
+        if block_table is not None:
+            check_block_table(name, block_table, host_lengths, kd.shape[1], kd.shape[0])
+    max_seqlen_k = max(host_lengths, default=0) if host_lengths is not None else capacity
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    quant = (k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero) if bits != 16 else (None,) * 4
+    library = tracing or any(type(t) is not torch.Tensor for t in (q, kd, vd))
+    append = torch.ops.openkernels.kvcache_append if library else ops.kvcache_append
+    forward = torch.ops.openkernels.attention_kvcache if library else ops.kvcache_forward
+    if k_new is not None:
+        append(kd, vd, *quant, k_new, v_new, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
+               bits, group)  # fmt: skip
+    return forward(q, kd, vd, *quant, cache_seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
+                   scale, left, right, alibi_slopes, float(softcap), rotary_interleaved, bits, group)  # fmt: skip
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor | QuantizedKV,
+    v_cache: torch.Tensor | QuantizedKV,
+    cache_seqlens: torch.Tensor,
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    rotary_interleaved: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of new queries against a KV cache: decode (seqlen_q 1) and chunked prefill.
+
+    q: (batch, seqlen_q, heads_q, head_dim) float16/bfloat16 (float32 on the CPU path or the
+    reference). k_cache, v_cache: the cache, either tensors in q's dtype or `QuantizedKV`
+    (int8 / int4 codes with float16 per-group scale and zero, kvformat.py), laid out
+    contiguous (batch, capacity, heads_kv, head_dim) or paged (num_pages, page_size,
+    heads_kv, head_dim) with `block_table` (batch, max_pages) int32 (page_size a multiple of
+    16). heads_q a multiple of heads_kv (GQA/MQA). `KVCache` builds and owns all of this.
+    cache_seqlens: int32 (batch,), tokens already in each sequence's cache.
+    k_new, v_new: (batch, seqlen_q, heads_kv, head_dim): written into the cache in place at
+        cache_seqlens (rotated first when rotary_cos is given; quantized for a quantized
+        cache) before the attention. cache_seqlens itself is not advanced.
+    Sequence b attends its first cache_seqlens[b] (+ seqlen_q when k_new) positions; query i
+    sits at the last seqlen_q of them (bottom-right, as in `attention`), which is also its
+    rotary position. causal (default True), softmax_scale, window, alibi_slopes (float32
+    (heads_q,) or (batch, heads_q)), softcap: as in `attention`.
+    rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2); rotary on q and k_new over the
+        first rotary_dim elements, GPT-NeoX halves or (rotary_interleaved) GPT-J pairs.
+    Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype [, lse (batch, heads_q,
+    seqlen_q) float32]. Bounds (lengths against the capacity, block_table entries, rotary
+    rows) are checked with a small device-to-host copy before anything is written (`KVCache`
+    knows its lengths and skips it); a bad call raises and leaves the cache unchanged.
+    Inference only (no autograd).
+    """
+    out, lse = _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
+                             window, alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, None)  # fmt: skip
     return (out, lse) if return_lse else out

@@ -21,7 +21,7 @@ from openkernels.shared import dispatch
 
 from .reference import compute_dtype
 
-__all__ = ["forward", "backward", "EagerAttention", "KERNEL_DTYPES", "HEAD_DIMS"]
+__all__ = ["forward", "backward", "EagerAttention", "kvcache_append", "kvcache_forward", "KERNEL_DTYPES", "HEAD_DIMS"]
 
 _PKG = "openkernels.attention"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels take
@@ -36,6 +36,21 @@ _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Te
 _LIB.define(
     f"attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}) "
     "-> (Tensor, Tensor, Tensor)"
+)
+# Attention against a KV cache (inference only: no autograd). A cache side is data plus, for
+# int8/int4 (bits 8/4), float16 scale and zero (kvformat.py); block_table pages it.
+_CACHE = "Tensor? k_scale, Tensor? k_zero, Tensor? v_scale, Tensor? v_zero"
+_ROTARY = "Tensor? rotary_cos, Tensor? rotary_sin"
+_LIB.define(
+    "kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? k_zero, "
+    "Tensor(e!)? v_scale, Tensor(f!)? v_zero, Tensor k_new, Tensor v_new, Tensor cache_seqlens, "
+    f"Tensor? block_table, {_ROTARY}, bool rotary_interleaved, int bits, int group_size) -> ()"
+)
+_LIB.define(
+    f"attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, {_CACHE}, Tensor cache_seqlens, "
+    f"Tensor? block_table, {_ROTARY}, int seqlen_new, int max_seqlen_k, float softmax_scale, int window_left, "
+    "int window_right, Tensor? alibi_slopes, float softcap, bool rotary_interleaved, int bits, int group_size) "
+    "-> (Tensor, Tensor)"
 )
 
 
@@ -155,6 +170,73 @@ def backward(
     return dq, dk, dv
 
 
+def kvcache_append(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None,
+    rotary_interleaved: bool,
+    bits: int,
+    group_size: int,
+) -> None:
+    """Write k_new/v_new (B, Sn, Hkv, D) into the cache at cache_seqlens (in place)."""
+    if k_new.numel() == 0:
+        return
+    dispatch.run(
+        "kvcache_append", k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, _unit_last(k_new), _unit_last(v_new),
+        cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved=rotary_interleaved, bits=bits,
+        group_size=group_size,
+    )  # fmt: skip
+
+
+def kvcache_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None,
+    seqlen_new: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    alibi_slopes: torch.Tensor | None,
+    softcap: float,
+    rotary_interleaved: bool,
+    bits: int,
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, Sq, Hq, D) against the cache (the append already done); returns
+    out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) float32."""
+    q = _unit_last(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    dispatch.run(
+        "attention_kvcache", q, k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens,
+        block_table, rotary_cos, rotary_sin, seqlen_new=seqlen_new, max_seqlen_k=max_seqlen_k,
+        scale=softmax_scale, window_left=window_left, window_right=window_right,
+        alibi_slopes=_slopes(alibi_slopes, q.shape[0], q.shape[2]), softcap=softcap,
+        rotary_interleaved=rotary_interleaved, bits=bits, group_size=group_size,
+    )  # fmt: skip
+    return out, lse
+
+
 # Selection depends on the query tensor alone: `dispatch.explain("attention", q)` works.
 def _fwd_key(q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.DispatchKey:
     return dispatch.key_for(q)
@@ -162,6 +244,11 @@ def _fwd_key(q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.Dispa
 
 def _bwd_key(dout: torch.Tensor, q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.DispatchKey:
     return dispatch.key_for(q)
+
+
+def _append_key(k_cache: torch.Tensor, v_cache, k_scale, k_zero, v_scale, v_zero, k_new: torch.Tensor, *args: object,
+                **kwargs: object) -> dispatch.DispatchKey:  # fmt: skip
+    return dispatch.key_for(k_new)
 
 
 def _triton_supports(key: dispatch.DispatchKey) -> str | None:
@@ -199,6 +286,20 @@ def _register_backends() -> None:
             priority=10,
             supports=_cpu_supports,
         )
+        dispatch.register(
+            op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"), backends=("cuda", "rocm", "cpu")
+        )
+    # The cache ops: append has no CPU kernel of its own (the reference's indexed writes are it).
+    for op, entry, key_fn, cpu in (
+        ("kvcache_append", "kvcache_append_fwd", _append_key, None),
+        ("attention_kvcache", "attention_kvcache_fwd", _fwd_key, "cpu.kvcache"),
+    ):
+        dispatch.define(op, key_fn)
+        dispatch.register(op, "triton", dispatch.lazy(f"{_PKG}.triton:{entry}"), backends=("cuda", "rocm"),
+                          priority=20, supports=_triton_supports, interpretable=True)  # fmt: skip
+        if cpu is not None:
+            dispatch.register(op, "cpu", dispatch.lazy(f"{_PKG}.{cpu}:{entry}"), backends=("cpu",), priority=10,
+                              supports=_cpu_supports)  # fmt: skip
         dispatch.register(
             op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"), backends=("cuda", "rocm", "cpu")
         )
@@ -286,6 +387,30 @@ class EagerAttention(torch.autograd.Function):
         dq, dk, dv = ctx.dispatch_context.run(backward, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
                                               scale, left, right, alibi, softcap)  # fmt: skip
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+# ---- openkernels::kvcache_append / attention_kvcache ---------------------------------------
+
+
+@torch.library.impl(_LIB, "kvcache_append", "CompositeExplicitAutograd")
+def _kvcache_append_impl(*args):
+    kvcache_append(*args)
+
+
+@torch.library.register_fake("openkernels::kvcache_append", lib=_LIB)
+def _kvcache_append_fake(*args):
+    return None
+
+
+@torch.library.impl(_LIB, "attention_kvcache", "CompositeExplicitAutograd")
+def _attention_kvcache_impl(*args):
+    return kvcache_forward(*args)
+
+
+@torch.library.register_fake("openkernels::attention_kvcache", lib=_LIB)
+def _attention_kvcache_fake(q, *args):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device)
 
 
 torch.library.register_autograd("openkernels::attention", _backward, setup_context=_setup, lib=_LIB)

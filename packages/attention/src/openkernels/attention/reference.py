@@ -271,3 +271,96 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
         grads = _attend_grads(q[b, rq], k[b, rk], v[b, rk], dout[b, rq], slopes, **opts)
         for dst, g in zip((dq[b, rq], dk[b, rk], dv[b, rk]), grads):
             dst.copy_(g)
+
+
+# ---- attention against a KV cache ------------------------------------------------------
+# Semantics (attention_with_kvcache; every backend follows them):
+#   append   k_new/v_new (B, Sn, Hkv, D) are written at positions cache_seqlens[b] + t of
+#            sequence b (rotary applied to k_new first), quantized when the cache is.
+#   keys     sequence b attends its first L_b = cache_seqlens[b] + Sn cache positions; query i
+#            of Sq sits at position L_b - Sq + i (bottom-right, as in `attention`), which is
+#            also its rotary position. A row that sees no key gives 0 and lse -inf.
+#   rotary   cos, sin (seqlen_ro, R / 2), R <= D even: the first R elements of each head rotate
+#            in float32, in halves (x[:R/2], x[R/2:R]) or interleaved pairs (x[2j], x[2j+1]);
+#            q is rounded back to its dtype, k_new is stored (or quantized) from float32.
+#   dequant  a quantized cache is read as code * scale + zero (kvformat.py) in float32.
+#
+# Backend entry points:
+#   kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, v_new, cache_seqlens,
+#             block_table, rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size)
+#   attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens,
+#           block_table, rotary_cos, rotary_sin, *, seqlen_new, scale, window_left,
+#           window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size)
+# q, out (B, Sq, Hq, D); lse (B, Hq, Sq) float32; cache sides as in kvformat.py, (B, S_cap,
+# Hkv, ·) or paged (P, page, Hkv, ·) with block_table (B, max_pages) int32; cache_seqlens
+# int32 (B,) (before the append: attention_kvcache_fwd adds seqlen_new); max_seqlen_k: a bound on every
+# cache_seqlens[b] + seqlen_new (for planning splits); scale/zero None for bits == 16;
+# alibi_slopes float32 (B, Hq) contiguous or None. The callers check every bound first.
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
+    """Rotary embedding of x (S, H, D) at `positions` (S,), float32 result."""
+    half = cos.shape[-1]
+    c = cos[positions].to(torch.float32)[:, None, :]
+    s = sin[positions].to(torch.float32)[:, None, :]
+    x = x.to(torch.float32).clone()
+    if interleaved:
+        x1, x2 = x[..., 0 : 2 * half : 2].clone(), x[..., 1 : 2 * half : 2].clone()
+        x[..., 0 : 2 * half : 2] = x1 * c - x2 * s
+        x[..., 1 : 2 * half : 2] = x2 * c + x1 * s
+    else:
+        x1, x2 = x[..., :half].clone(), x[..., half : 2 * half].clone()
+        x[..., :half] = x1 * c - x2 * s
+        x[..., half : 2 * half] = x2 * c + x1 * s
+    return x
+
+
+def _cache_index(b: int, positions: torch.Tensor, block_table: torch.Tensor | None, page: int):
+    """Index of sequence b's `positions` into a (B, S, ...) or (P, page, ...) tensor."""
+    if block_table is None:
+        return torch.full_like(positions, b), positions
+    return block_table[b, positions // page].long(), positions % page
+
+
+def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, v_new, cache_seqlens, block_table,
+              rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size) -> None:  # fmt: skip
+    from .kvformat import quantize_unchecked
+
+    lengths = cache_seqlens.tolist()
+    for b, start in enumerate(lengths):
+        pos = torch.arange(start, start + k_new.shape[1], device=k_new.device)
+        idx = _cache_index(b, pos, block_table, k_data.shape[1])
+        k = k_new[b].to(torch.float32)
+        if rotary_cos is not None:
+            k = rotate(k, pos, rotary_cos, rotary_sin, rotary_interleaved)
+        for x, data, sc, zr in ((k, k_data, k_scale, k_zero), (v_new[b], v_data, v_scale, v_zero)):
+            if bits == 16:
+                data[idx] = x.to(data.dtype)
+            else:
+                qx = quantize_unchecked(x, bits, group_size)
+                data[idx], sc[idx], zr[idx] = qx.data, qx.scale, qx.zero
+
+
+def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
+            rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
+            rotary_interleaved, bits, group_size) -> None:  # fmt: skip
+    from .kvformat import gather_sequence
+
+    sq = q.shape[1]
+    acc = compute_dtype(q.dtype)
+    with torch.no_grad():
+        for b, cached in enumerate(cache_seqlens.tolist()):
+            length = cached + seqlen_new
+            k, v = (
+                gather_sequence(d, sc, zr, b, length, block_table, bits=bits, group_size=group_size, dtype=acc)
+                for d, sc, zr in ((k_data, k_scale, k_zero), (v_data, v_scale, v_zero))
+            )
+            qb = q[b]
+            if rotary_cos is not None:
+                pos = torch.arange(length - sq, length, device=q.device)
+                qb = rotate(qb, pos, rotary_cos, rotary_sin, rotary_interleaved).to(q.dtype)
+            slopes = None if alibi_slopes is None else alibi_slopes[b]
+            o, row_lse = _attend(qb.to(acc), k, v, slopes, scale=scale, window_left=window_left,
+                                 window_right=window_right, softcap=softcap)  # fmt: skip
+            out[b].copy_(o)
+            lse[b].copy_(row_lse)

@@ -13,7 +13,7 @@ from openkernels.shared.platform import device_info
 from .configs import AttnConfig, block_d, launch_config, preprocess_block_m
 from .kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel, _attn_fwd_kernel
 
-__all__ = ["attn_fwd", "attn_bwd"]
+__all__ = ["attn_fwd", "attn_bwd", "kvcache_append_fwd", "attention_kvcache_fwd"]
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -222,3 +222,6 @@ def attn_bwd(
         BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
         **flags,
     )  # fmt: skip
+
+
+from .kvcache import kvcache_append_fwd, attention_kvcache_fwd  # noqa: E402 - uses _scales above

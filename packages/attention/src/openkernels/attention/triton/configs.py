@@ -127,3 +127,36 @@ def all_configs(arch: str) -> list[tuple[int, str, bool, AttnConfig]]:
         for direction in DIRECTIONS
         for general in (False, True)
     ]
+
+
+# ---- attention against a KV cache (kvcache_kernels.py) -----------------------------------
+# Rows are (query, head) pairs of one KV head's group: a decode step of GQA 32/8 has 4 rows,
+# padded to the 16 a matrix-unit tile needs (the K/V bytes, not the math, bound decode).
+# Splits cut the key axis until about `KV_PROGRAMS_PER_SM` programs per SM are in flight.
+KV_PROGRAMS_PER_SM = 4
+_KV_MIN_BLOCKS_PER_SPLIT = 4  # below this the partials' write and merge cost more than they save
+
+
+def kv_config(head_dim: int, bits: int, rows: int, arch: str) -> AttnConfig:
+    """Launch config of `_attention_kvcache_fwd_kernel` for `rows` packed rows (seqlen_q * group) of one
+    KV head, a cache of `bits` (16, 8, 4) on `arch`."""
+    family = arch_family(arch)
+    if family == "interpreter":
+        return _INTERPRETER
+    stages = 1 if family == "cdna" else 3
+    if rows <= 16:  # decode: stream K/V with as many bytes in flight as the stages allow
+        block_n = 64 if head_dim <= 128 else 32
+        return AttnConfig(16, block_n, 4, stages)
+    return AttnConfig(64, 64 if head_dim <= 128 else 32, 4, 1 if family == "cdna" else 2)
+
+
+def kv_splits(programs: int, key_blocks: int, sm_count: int) -> int:
+    """How many splits of the key axis: enough programs for every SM, at least
+    _KV_MIN_BLOCKS_PER_SPLIT key blocks each, at most 128."""
+    want = -(-KV_PROGRAMS_PER_SM * sm_count // max(programs, 1))
+    return max(1, min(want, key_blocks // _KV_MIN_BLOCKS_PER_SPLIT, 128))
+
+
+def kv_append_block_t(head_dim: int) -> int:
+    """New tokens per program of `_kvcache_append_fwd_kernel` (a (tokens, head_dim) float32 tile)."""
+    return max(1, 2048 // block_d(head_dim))

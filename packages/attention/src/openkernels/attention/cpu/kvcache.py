@@ -1,0 +1,38 @@
+"""CPU backend of attention against a KV cache: each sequence's keys gathered (and
+dequantized) into the query's dtype, then the family's CPU attention (PyTorch's CPU flash
+kernel or the blockwise path) on them. Contract: reference.attention_kvcache_fwd."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kvformat import gather_sequence
+from ..reference import rotate
+from . import attn_fwd
+
+__all__ = ["attention_kvcache_fwd"]
+
+
+def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
+            rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
+            rotary_interleaved, bits, group_size) -> None:  # fmt: skip
+    sq = q.shape[1]
+    with torch.no_grad():
+        for b, cached in enumerate(cache_seqlens.tolist()):
+            length = cached + seqlen_new
+            if length == 0:
+                out[b].zero_()
+                lse[b].fill_(float("-inf"))
+                continue
+            k, v = (
+                gather_sequence(d, sc, zr, b, length, block_table, bits=bits, group_size=group_size, dtype=q.dtype)
+                for d, sc, zr in ((k_data, k_scale, k_zero), (v_data, v_scale, v_zero))
+            )
+            qb = q[b]
+            if rotary_cos is not None:
+                pos = torch.arange(length - sq, length, device=q.device)
+                qb = rotate(qb, pos, rotary_cos, rotary_sin, rotary_interleaved).to(q.dtype)
+            attn_fwd(qb[None], k[None], v[None], out[b : b + 1], lse[b : b + 1], None, None, max_seqlen_q=sq,
+                     max_seqlen_k=length, scale=scale, window_left=window_left, window_right=window_right,
+                     alibi_slopes=None if alibi_slopes is None else alibi_slopes[b : b + 1],
+                     softcap=softcap)  # fmt: skip

@@ -1,0 +1,220 @@
+"""`KVCache`: storage for attention_with_kvcache that knows its own layout and lengths."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .api import _kvcache_call, check_block_table, check_lengths
+from .kvformat import QuantizedKV, code_width, gather_sequence
+
+__all__ = ["KVCache"]
+
+_KV_DTYPES = ("int8", "int4")
+
+
+class KVCache:
+    """A KV cache for `batch_size` sequences of up to `max_seqlen` tokens each.
+
+    kv_dtype: torch.float16 / torch.bfloat16 (stored as is), "int8" or "int4" (codes with a
+        float16 scale and zero per token, head and group of `group_size` elements along
+        head_dim: 32, 64, 128 or None for the whole head).
+    page_size: None for contiguous storage (batch_size, max_seqlen, heads_kv, head_dim), or
+        a multiple of 16 for paged storage (num_pages, page_size, heads_kv, head_dim) with a
+        block table (batch_size, pages_per_seq) int32; num_pages defaults to what every
+        sequence needs at max_seqlen, and the default block table gives sequence b the pages
+        b * pages_per_seq onward. Pass (or later assign) `block_table` to share fewer pages;
+        it is checked once then, so calls need no device-to-host copy.
+    The lengths live on the device (`seqlens`, int32) and on the host, so `attend` and
+    `append` check bounds without a device-to-host copy.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_seqlen: int,
+        heads_kv: int,
+        head_dim: int,
+        *,
+        kv_dtype: torch.dtype | str = torch.bfloat16,
+        group_size: int | None = None,
+        page_size: int | None = None,
+        num_pages: int | None = None,
+        block_table: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for what, n in (("batch_size", batch_size), ("max_seqlen", max_seqlen), ("heads_kv", heads_kv)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"KVCache: {what} must be a positive int, got {n!r}")
+        if head_dim not in ops.HEAD_DIMS:
+            raise ValueError(f"KVCache: head_dim {head_dim} is not supported; supported: {ops.HEAD_DIMS}")
+        if kv_dtype not in (torch.float16, torch.bfloat16, torch.float32, *_KV_DTYPES):
+            raise ValueError(f"KVCache: kv_dtype must be torch.float16, torch.bfloat16, 'int8' or 'int4', got {kv_dtype!r}")
+        self.bits = 16 if isinstance(kv_dtype, torch.dtype) else int(kv_dtype[3:])
+        self.group_size = head_dim if group_size is None else group_size
+        if self.bits != 16 and (self.group_size not in (32, 64, 128, head_dim) or head_dim % self.group_size):
+            raise ValueError(f"KVCache: group_size must divide head_dim {head_dim} and be 32, 64, 128 or None, got "
+                             f"{group_size!r}")  # fmt: skip
+        if page_size is not None and (not isinstance(page_size, int) or page_size < 16 or page_size % 16):
+            raise ValueError(f"KVCache: page_size must be a multiple of 16, got {page_size!r}")
+        self.kv_dtype, self.head_dim, self.heads_kv, self.max_seqlen = kv_dtype, head_dim, heads_kv, max_seqlen
+        self.page_size = page_size
+        device = torch.device("cpu" if device is None else device)
+        if page_size is None:
+            lead = (batch_size, max_seqlen)
+            self.block_table = None
+        else:
+            per_seq = -(-max_seqlen // page_size)
+            num_pages = batch_size * per_seq if num_pages is None else num_pages
+            lead = (num_pages, page_size)
+        self.k, self.v = (self._empty(lead, device) for _ in range(2))
+        self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self._lengths = [0] * batch_size
+        self._block_table = None
+        if page_size is not None:
+            if block_table is None:
+                if num_pages < batch_size * per_seq:
+                    raise ValueError(f"KVCache: {num_pages} pages are fewer than the {batch_size * per_seq} the default "
+                                     "block table gives out; pass block_table")  # fmt: skip
+                block_table = torch.arange(batch_size * per_seq, dtype=torch.int32, device=device)
+                block_table = block_table.view(batch_size, per_seq)
+            self.block_table = block_table
+        elif block_table is not None:
+            raise ValueError("KVCache: block_table needs a page_size")
+
+    def _empty(self, lead: tuple[int, int], device: torch.device) -> torch.Tensor | QuantizedKV:
+        shape = (*lead, self.heads_kv)
+        if self.bits == 16:
+            return torch.zeros((*shape, self.head_dim), dtype=self.kv_dtype, device=device)
+        groups = self.head_dim // self.group_size
+        return QuantizedKV(
+            torch.zeros((*shape, code_width(self.head_dim, self.bits)), dtype=torch.uint8, device=device),
+            torch.zeros((*shape, groups), dtype=torch.float16, device=device),
+            torch.zeros((*shape, groups), dtype=torch.float16, device=device),
+            self.bits,
+            self.group_size,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.seqlens.shape[0]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens held per sequence (host copy)."""
+        return list(self._lengths)
+
+    @property
+    def nbytes(self) -> int:
+        sides = (self.k, self.v)
+        return sum(s.nbytes if isinstance(s, QuantizedKV) else s.numel() * s.element_size() for s in sides)
+
+    def _data(self, side: torch.Tensor | QuantizedKV) -> torch.Tensor:
+        return side.data if isinstance(side, QuantizedKV) else side
+
+    @property
+    def block_table(self) -> torch.Tensor | None:
+        """(batch_size, pages_per_seq) int32 page indices of a paged cache, else None."""
+        return self._block_table
+
+    @block_table.setter
+    def block_table(self, table: torch.Tensor | None) -> None:
+        """Assign pages (checked once here, so calls need no device-to-host copy)."""
+        if (table is None) != (self.page_size is None):
+            raise ValueError("KVCache: only a paged cache has a block_table")
+        if table is not None:
+            want = (self.batch_size, -(-self.max_seqlen // self.page_size))
+            if table.dtype != torch.int32 or tuple(table.shape) != want or table.device != self.seqlens.device:
+                raise ValueError(f"KVCache: block_table must be int32 of shape {want} on {self.seqlens.device}")
+            check_block_table("KVCache", table, [self.max_seqlen] * self.batch_size, self.page_size,
+                              self._data(self.k).shape[0])  # fmt: skip
+        self._block_table = table
+
+    def _advance(self, n: int, name: str, rotary_cos: torch.Tensor | None, seqlen_q: int) -> list[int]:
+        """Host lengths after appending n tokens (bounds checked on the host copy)."""
+        rows = None if rotary_cos is None else rotary_cos.shape[0]
+        return check_lengths(name, self._lengths, self.max_seqlen, n, seqlen_q, rows)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None,
+        **options,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """attention_with_kvcache(q, ..., k_new=k_new, v_new=v_new, **options) on this cache,
+        then the lengths advance by k_new's tokens. options: causal, softmax_scale, window,
+        alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, return_lse."""
+        return_lse = options.pop("return_lse", False)
+        unknown = set(options) - {"causal", "softmax_scale", "window", "alibi_slopes", "softcap", "rotary_cos",
+                                  "rotary_sin", "rotary_interleaved"}  # fmt: skip
+        if unknown:
+            raise TypeError(f"KVCache.attend: unknown options {sorted(unknown)}")
+        n = 0 if k_new is None else k_new.shape[1]
+        lengths = None
+        if not torch.compiler.is_compiling():
+            lengths = self._advance(n, "KVCache.attend", options.get("rotary_cos"), q.shape[1] if q.dim() == 4 else 0)
+        out, lse = _kvcache_call(
+            q, self.k, self.v, self.seqlens, k_new, v_new, self.block_table, options.get("causal", True),
+            options.get("softmax_scale"), options.get("window", (-1, -1)), options.get("alibi_slopes"),
+            options.get("softcap", 0.0), options.get("rotary_cos"), options.get("rotary_sin"),
+            options.get("rotary_interleaved", False), lengths,
+        )  # fmt: skip
+        if n:
+            self.seqlens += n
+            self._lengths = [x + n for x in self._lengths]
+        return (out, lse) if return_lse else out
+
+    def append(
+        self,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        *,
+        rotary_cos: torch.Tensor | None = None,
+        rotary_sin: torch.Tensor | None = None,
+        rotary_interleaved: bool = False,
+    ) -> None:
+        """Write k_new, v_new (batch, n, heads_kv, head_dim) after each sequence's tokens
+        (rotary on k_new when given; quantized for an int8/int4 cache) and advance."""
+        for what, t in (("k_new", k_new), ("v_new", v_new)):
+            want = (self.batch_size, k_new.shape[1] if k_new.dim() == 4 else -1, self.heads_kv, self.head_dim)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                raise ValueError(f"KVCache.append: {what} must have shape {want}, got {tuple(t.shape)}")
+            if not t.is_floating_point() or t.device != self.seqlens.device:
+                raise TypeError(f"KVCache.append: {what} must be a float tensor on {self.seqlens.device}")
+            if self.bits == 16 and t.dtype != self.kv_dtype:
+                raise TypeError(f"KVCache.append: {what} must be {self.kv_dtype}, got {t.dtype}")
+        n = k_new.shape[1]
+        self._advance(n, "KVCache.append", rotary_cos, n)
+        quant = (self.k.scale, self.k.zero, self.v.scale, self.v.zero) if self.bits != 16 else (None,) * 4
+        ops.kvcache_append(self._data(self.k), self._data(self.v), *quant, k_new, v_new, self.seqlens,
+                           self.block_table, rotary_cos, rotary_sin, rotary_interleaved, self.bits,
+                           self.group_size)  # fmt: skip
+        self.seqlens += n
+        self._lengths = [x + n for x in self._lengths]
+
+    def reset(self) -> None:
+        """Forget every token (the storage is kept)."""
+        self.seqlens.zero_()
+        self._lengths = [0] * self.batch_size
+
+    def dequantize(self, b: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence b's keys and values as (length, heads_kv, head_dim) in `dtype`."""
+        bits, group = self.bits, self.group_size
+        sides = []
+        for side in (self.k, self.v):
+            if isinstance(side, QuantizedKV):
+                parts = (side.data, side.scale, side.zero)
+            else:
+                parts = (side, None, None)
+            sides.append(gather_sequence(*parts, b, self._lengths[b], self.block_table, bits=bits, group_size=group,
+                                         dtype=dtype))  # fmt: skip
+        return sides[0], sides[1]
+
+    def __repr__(self) -> str:
+        layout = "contiguous" if self.page_size is None else f"paged({self.page_size})"
+        return (f"KVCache(batch_size={self.batch_size}, max_seqlen={self.max_seqlen}, heads_kv={self.heads_kv}, "
+                f"head_dim={self.head_dim}, kv_dtype={self.kv_dtype}, group_size={self.group_size}, {layout}, "
+                f"lengths={self._lengths})")  # fmt: skip
+
+

@@ -1,0 +1,380 @@
+"""Triton kernels of attention against a KV cache (decode and chunked prefill).
+
+Cache formats (16-bit, int8, int4 with float16 per-group scale and zero) are in kvformat.py;
+the semantics (append positions, bottom-right alignment, rotary) in reference.py.
+
+- `_kvcache_append_fwd_kernel`: rotary on the new keys, quantization (per token, head and group) and
+  the write into contiguous or paged storage, K and V in one launch.
+- `_attention_kvcache_fwd_kernel`: split-KV (flash-decoding) attention. One program takes BLOCK_M rows of
+  one (sequence, KV head): the query heads of a GQA group are packed along the rows (row r is
+  query r // group of head hk * group + r % group), so K and V tiles are read once per group,
+  and a decode step (one query) still fills a matrix-unit tile. The key axis is cut into
+  splits so that one long sequence spreads over the GPU; each split writes a float32 partial
+  output and lse, merged by `_attention_kvcache_combine_kernel` (with one split the kernel writes the final
+  output directly). Quantized tiles are dequantized in registers right after their load:
+  K and V never exist in 16-bit memory. int4 keeps the two nibbles of each byte apart (even
+  and odd elements of head_dim) and takes two half-width dot products instead of
+  interleaving them in registers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .kernels import _log2_scores, _segments
+
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_rotated(row_ptrs, row_mask, offs, pos, cos_ptr, sin_ptr, stride_ro, rot_half,
+                  HEAD_DIM: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+    """Elements `offs` of rows `row_ptrs` as float32 (len(rows), len(offs)), with the rotary
+    embedding at positions `pos` applied to the first 2 * rot_half elements."""
+    mask = row_mask[:, None] & (offs[None, :] < HEAD_DIM)
+    x = tl.load(row_ptrs[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROTARY:
+        if INTERLEAVED:  # pairs (2j, 2j + 1)
+            partner = offs ^ 1
+            freq = offs // 2
+            sign = tl.where(offs % 2 == 0, -1.0, 1.0)
+        else:  # halves (j, j + rot_half)
+            first = offs < rot_half
+            partner = tl.where(first, offs + rot_half, offs - rot_half)
+            freq = tl.where(first, offs, offs - rot_half)
+            sign = tl.where(first, -1.0, 1.0)
+        rot = mask & (offs[None, :] < 2 * rot_half)
+        xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=rot, other=0.0).to(tl.float32)
+        trig = pos[:, None].to(tl.int64) * stride_ro + freq[None, :]
+        c = tl.load(cos_ptr + trig, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + trig, mask=rot, other=0.0).to(tl.float32)
+        x = tl.where(rot, x * c + sign[None, :] * xp * s, x)
+    return x
+
+
+@triton.jit
+def _kvcache_append_fwd_kernel(
+    k_new_ptr, v_new_ptr, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr,
+    stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+    stride_bt, stride_ro, seqlen_new, heads_kv, page_size, rot_half,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
+    GROUP: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_T new tokens of one (sequence, KV head), K and V."""
+    bh = tl.program_id(1)
+    b = bh // heads_kv
+    h = bh % heads_kv
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = t < seqlen_new
+    pos = tl.load(seqlens_ptr + b) + t
+    if IS_PAGED:
+        page = tl.load(block_table_ptr + b * stride_bt + pos // page_size, mask=valid, other=0).to(tl.int64)
+        slot = pos % page_size
+    else:
+        page = b.to(tl.int64)
+        slot = pos
+    offs = tl.arange(0, BLOCK_D)
+    k = _load_rotated(k_new_ptr + b.to(tl.int64) * stride_knb + t.to(tl.int64) * stride_kns + h * stride_knh,
+                      valid, offs, pos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM, HAS_ROTARY,
+                      INTERLEAVED)  # fmt: skip
+    v = _load_rotated(v_new_ptr + b.to(tl.int64) * stride_vnb + t.to(tl.int64) * stride_vns + h * stride_vnh,
+                      valid, offs, pos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM, False, INTERLEAVED)  # fmt: skip
+    k_rows = k_ptr + page * stride_kb + slot * stride_ks + h * stride_kh
+    v_rows = v_ptr + page * stride_vb + slot * stride_vs + h * stride_vh
+    s_rows = page * stride_sb + slot * stride_ss + h * stride_sh
+    if BITS == 16:
+        mask = valid[:, None] & (offs[None, :] < HEAD_DIM)
+        tl.store(k_rows[:, None] + offs[None, :], k.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_rows[:, None] + offs[None, :], v.to(v_ptr.dtype.element_ty), mask=mask)
+    else:
+        _quantize_store(k, k_rows, k_scale_ptr + s_rows, k_zero_ptr + s_rows, valid, offs, HEAD_DIM, BLOCK_D,
+                        BLOCK_T, BITS, GROUP)  # fmt: skip
+        _quantize_store(v, v_rows, v_scale_ptr + s_rows, v_zero_ptr + s_rows, valid, offs, HEAD_DIM, BLOCK_D,
+                        BLOCK_T, BITS, GROUP)  # fmt: skip
+
+
+@triton.jit
+def _quantize_store(x, data_rows, scale_rows, zero_rows, valid, offs, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """Quantize float32 rows x (BLOCK_T, BLOCK_D) per group (kvformat.py's expressions) and
+    store codes, scales and zeros."""
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    in_dim = offs[None, :] < HEAD_DIM
+    if GROUP == HEAD_DIM:  # one group per row (any head_dim): plain row reductions
+        lo = tl.min(tl.where(in_dim, x, float("inf")), 1)
+        hi = tl.max(tl.where(in_dim, x, float("-inf")), 1)
+        scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
+        zero = lo.to(tl.float16)
+        s32 = scale.to(tl.float32)
+        inv = tl.where(s32 > 0, tl.math.div_rn(1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
+        codes = tl.floor((x - zero.to(tl.float32)[:, None]) * inv[:, None] + 0.5)
+        tl.store(scale_rows, scale, mask=valid)
+        tl.store(zero_rows, zero, mask=valid)
+    else:  # GROUP a power of two: groups are a reshape (the head_dim pad forms whole groups)
+        NG: tl.constexpr = BLOCK_D // GROUP
+        xg = tl.reshape(x, (BLOCK_T, NG, GROUP))
+        lo = tl.min(xg, 2)
+        hi = tl.max(xg, 2)
+        scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
+        zero = lo.to(tl.float16)
+        s32 = scale.to(tl.float32)
+        inv = tl.where(s32 > 0, tl.math.div_rn(1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
+        codes = tl.floor((xg - zero.to(tl.float32)[:, :, None]) * inv[:, :, None] + 0.5)
+        codes = tl.reshape(codes, (BLOCK_T, BLOCK_D))
+        groups = tl.arange(0, NG)
+        g_mask = valid[:, None] & (groups[None, :] < HEAD_DIM // GROUP)
+        tl.store(scale_rows[:, None] + groups[None, :], scale, mask=g_mask)
+        tl.store(zero_rows[:, None] + groups[None, :], zero, mask=g_mask)
+    codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.uint8)
+    if BITS == 8:
+        tl.store(data_rows[:, None] + offs[None, :], codes, mask=valid[:, None] & in_dim)
+    else:
+        lo4, hi4 = tl.split(tl.reshape(codes, (BLOCK_T, BLOCK_D // 2, 2)))
+        half = tl.arange(0, BLOCK_D // 2)
+        tl.store(data_rows[:, None] + half[None, :], lo4 | (hi4 << 4),
+                 mask=valid[:, None] & (half[None, :] < HEAD_DIM // 2))  # fmt: skip
+
+
+@triton.jit
+def _dequant(codes, scale_rows, zero_rows, elems, mask_n, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+             MASK: tl.constexpr):  # fmt: skip
+    """codes (BLOCK_N, len(elems)) -> code * scale + zero (float32); elems: the head_dim index
+    of each column."""
+    if GROUP == HEAD_DIM:
+        if MASK:
+            sc = tl.load(scale_rows, mask=mask_n, other=0.0)
+            zr = tl.load(zero_rows, mask=mask_n, other=0.0)
+        else:
+            sc = tl.load(scale_rows)
+            zr = tl.load(zero_rows)
+        x = codes.to(tl.float32) * sc.to(tl.float32)[:, None] + zr.to(tl.float32)[:, None]
+    else:  # one (cached) gather per element: every column of a group reads the same scale
+        g = (elems // GROUP)[None, :]
+        if MASK:
+            sc = tl.load(scale_rows[:, None] + g, mask=mask_n[:, None], other=0.0)
+            zr = tl.load(zero_rows[:, None] + g, mask=mask_n[:, None], other=0.0)
+        else:
+            sc = tl.load(scale_rows[:, None] + g)
+            zr = tl.load(zero_rows[:, None] + g)
+        x = codes.to(tl.float32) * sc.to(tl.float32) + zr.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_codes(rows, cols, mask_n, MASK: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Tile (BLOCK_N, BLOCK_W) of a cache side's data, zeros past the sequence and WIDTH."""
+    ptrs = rows[:, None] + cols[None, :]
+    if MASK:
+        if BLOCK_W == WIDTH:
+            tile = tl.load(ptrs, mask=mask_n[:, None], other=0)
+        else:
+            tile = tl.load(ptrs, mask=mask_n[:, None] & (cols[None, :] < WIDTH), other=0)
+    else:
+        if BLOCK_W == WIDTH:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=cols[None, :] < WIDTH, other=0)
+    return tile
+
+
+@triton.jit
+def _kv_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_h, dtype: tl.constexpr,
+             MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
+             GROUP: tl.constexpr):  # fmt: skip
+    """One K or V tile in `dtype`: (BLOCK_N, BLOCK_D), or for int4 the even and odd elements
+    of head_dim as two (BLOCK_N, BLOCK_D // 2) tiles (the second is the first otherwise)."""
+    if BITS == 16:
+        t0 = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+        t1 = t0
+    elif BITS == 8:
+        codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+        t0 = _dequant(codes, scale_ptr + s_rows, zero_ptr + s_rows, offs_d, mask_n, GROUP, HEAD_DIM, MASK).to(dtype)
+        t1 = t0
+    else:
+        packed = _load_codes(data_ptr + rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
+        t0 = _dequant(packed & 15, scale_ptr + s_rows, zero_ptr + s_rows, offs_h * 2, mask_n, GROUP, HEAD_DIM,
+                      MASK).to(dtype)  # fmt: skip
+        t1 = _dequant(packed >> 4, scale_ptr + s_rows, zero_ptr + s_rows, offs_h * 2 + 1, mask_n, GROUP, HEAD_DIM,
+                      MASK).to(dtype)  # fmt: skip
+    return t0, t1
+
+
+@triton.jit
+def _kv_blocks(
+    acc0, acc1, l_i, m_i, q0, q1, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+    block_table_ptr, b, hk, start, stop, qrow, sk, diag, window_left, window_right, slope_log2, qk_scale,
+    cap_scale, cap_out, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+    stride_sh, stride_bt, page_size, offs_n, offs_d, offs_h,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
+    GROUP: tl.constexpr, IS_PAGED: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
+    HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    dtype = q0.dtype
+    for start_n in range(start, stop, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < sk
+        if IS_PAGED:
+            if MASK:
+                page = tl.load(block_table_ptr + b * stride_bt + cols // page_size, mask=mask_n, other=0)
+            else:
+                page = tl.load(block_table_ptr + b * stride_bt + cols // page_size)
+            page = page.to(tl.int64)
+            slot = cols % page_size
+        else:
+            page = b.to(tl.int64)
+            slot = cols
+        k0, k1 = _kv_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
+                          page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, dtype,
+                          MASK, HEAD_DIM, BLOCK_D, BITS, GROUP)  # fmt: skip
+        qk = tl.dot(q0, tl.trans(k0))
+        if BITS == 4:
+            qk = tl.dot(q1, tl.trans(k1), qk)
+        s, _ = _log2_scores(
+            qk, qrow[:, None], cols[None, :], sk, diag, window_left, window_right, slope_log2, qk_scale,
+            cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:  # a row that has seen no key yet keeps max -inf: shift by 0 instead
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v0, v1 = _kv_tile(v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
+                          page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, dtype,
+                          MASK, HEAD_DIM, BLOCK_D, BITS, GROUP)  # fmt: skip
+        acc0 = tl.dot(p.to(dtype), v0, acc0 * alpha[:, None])
+        if BITS == 4:
+            acc1 = tl.dot(p.to(dtype), v1, acc1 * alpha[:, None])
+        m_i = m_new
+    return acc0, acc1, l_i, m_i
+
+
+@triton.jit
+def _attention_kvcache_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, o_ptr, lse_ptr,
+    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, slopes_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh, stride_ob, stride_os, stride_oh, stride_osplit,
+    stride_lb, stride_lh, stride_ls, stride_lsplit, stride_bt, stride_ro,
+    seqlen_q, seqlen_new, heads_kv, group, page_size, split_len, rot_half,
+    qk_scale, cap_scale, cap_out, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M packed (query, head) rows of one (sequence, KV head), keys of one
+    split. Writes out/lse at split index program_id(2) (a float32 partial when split)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = bh // heads_kv
+    hk = bh % heads_kv
+    sk = tl.load(seqlens_ptr + b) + seqlen_new
+    diag = sk - seqlen_q
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qrow = r // group
+    head = hk * group + r % group
+    row_ok = qrow < seqlen_q
+    qpos = tl.maximum(qrow + diag, 0)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + qrow.to(tl.int64) * stride_qs + head * stride_qh
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_h = tl.arange(0, BLOCK_D // 2)
+    dtype = q_ptr.dtype.element_ty
+    if BITS == 4:  # even and odd elements, against the two nibbles
+        q0 = _load_rotated(q_rows, row_ok, offs_h * 2, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
+                           HAS_ROTARY, INTERLEAVED).to(dtype)  # fmt: skip
+        q1 = _load_rotated(q_rows, row_ok, offs_h * 2 + 1, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
+                           HAS_ROTARY, INTERLEAVED).to(dtype)  # fmt: skip
+        acc0 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
+    else:
+        q0 = _load_rotated(q_rows, row_ok, offs_d, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
+                           HAS_ROTARY, INTERLEAVED).to(dtype)  # fmt: skip
+        q1 = q0
+        acc0 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
+    slope_log2 = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+    if HAS_ALIBI:
+        slope_log2 = tl.load(slopes_ptr + b * heads_kv * group + head, mask=row_ok, other=0.0)[:, None] * LOG2E
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    first = pid_m * BLOCK_M // group
+    last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
+    a, b_full, c_full, end = _segments(first, last, sk, diag, window_left, window_right, BLOCK_N, HAS_WINDOW_LEFT,
+                                       HAS_WINDOW_RIGHT)  # fmt: skip
+    lo = split * split_len
+    hi = lo + split_len
+    args = (k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, block_table_ptr, b, hk)
+    opts = (qrow, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+            stride_bt, page_size, offs_n, offs_d, offs_h)  # fmt: skip
+    if HAS_WINDOW_LEFT:  # one masked loop, as in the prefill kernel
+        acc0, acc1, l_i, m_i = _kv_blocks(
+            acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(a, lo), tl.minimum(end, hi), *opts, BLOCK_N, HEAD_DIM,
+            BLOCK_D, BITS, GROUP, IS_PAGED, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+        )  # fmt: skip
+    else:
+        acc0, acc1, l_i, m_i = _kv_blocks(
+            acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(b_full, lo), tl.minimum(c_full, hi), *opts, BLOCK_N,
+            HEAD_DIM, BLOCK_D, BITS, GROUP, IS_PAGED, False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
+            HAS_SOFTCAP,
+        )  # fmt: skip
+        acc0, acc1, l_i, m_i = _kv_blocks(
+            acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(c_full, lo), tl.minimum(end, hi), *opts, BLOCK_N,
+            HEAD_DIM, BLOCK_D, BITS, GROUP, IS_PAGED, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
+            HAS_SOFTCAP,
+        )  # fmt: skip
+    empty = l_i == 0.0  # no visible key in this split
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    o_rows = (o_ptr + b.to(tl.int64) * stride_ob + qrow.to(tl.int64) * stride_os + head * stride_oh
+              + split * stride_osplit)  # fmt: skip
+    out_ty = o_ptr.dtype.element_ty
+    if BITS == 4:
+        cols = offs_h * 2
+        mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+        tl.store(o_rows[:, None] + cols[None, :], (acc0 * inv_l[:, None]).to(out_ty), mask=mask)
+        tl.store(o_rows[:, None] + cols[None, :] + 1, (acc1 * inv_l[:, None]).to(out_ty), mask=mask)
+    else:
+        mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        tl.store(o_rows[:, None] + offs_d[None, :], (acc0 * inv_l[:, None]).to(out_ty), mask=mask)
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + head * stride_lh + qrow * stride_ls + split * stride_lsplit,
+             lse, mask=row_ok)  # fmt: skip
+
+
+@triton.jit
+def _attention_kvcache_combine_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr, lse_ptr,
+    stride_pb, stride_ps, stride_ph, stride_psplit, stride_plb, stride_plh, stride_pls,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    seqlen_q, heads_q, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """One program: one (sequence, query, head) row; merges its splits' partials by their lse."""
+    row = tl.program_id(0)
+    b = row // (seqlen_q * heads_q)
+    i = (row // heads_q) % seqlen_q
+    h = row % heads_q
+    splits = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = splits < num_splits
+    lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_plb + h * stride_plh + i * stride_pls + splits,
+                  mask=s_ok, other=float("-inf"))  # fmt: skip
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2((lse - m_safe) * LOG2E)
+    total = tl.sum(w, 0)
+    base = b.to(tl.int64) * stride_pb + i * stride_ps + h * stride_ph
+    parts = tl.load(part_o_ptr + base + splits[:, None] * stride_psplit + offs_d[None, :],
+                    mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
+    empty = total == 0.0
+    out = tl.sum(parts * w[:, None], 0) / tl.where(empty, 1.0, total)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + i * stride_os + h * stride_oh + offs_d,
+             out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)  # fmt: skip
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + i,
+             tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))))  # fmt: skip
