@@ -137,17 +137,30 @@ KV_PROGRAMS_PER_SM = 4
 _KV_MIN_BLOCKS_PER_SPLIT = 4  # below this the partials' write and merge cost more than they save
 
 
+# arch family -> (decode, chunked prefill) at head_dim <= 128, and every call at D256.
+# Compile checks with every flag on: on sm_90 4 warps put dequantized int8 tiles at 246-255
+# registers and spilled at D256, 8 warps hold 116-213; 64-row prefill tiles spilled at D256
+# on sm_90 and for quantized caches on sm_80 (32 rows do not); gfx942 spilled up to 128
+# VGPRs with 64-key tiles (gathered group scales); 32-key tiles of 16 rows (4 warps) and
+# 16-key tiles at D256 compile clean on gfx90a, gfx942 and gfx950 (32-row ones did not).
+_KV_TABLE: dict[str, tuple[AttnConfig, AttnConfig, AttnConfig]] = {
+    "hopper": (_C(16, 64, 8, 3), _C(64, 64, 8, 2), _C(16, 32, 8, 3)),
+    "ampere": (_C(16, 64, 8, 3), _C(32, 64, 8, 2), _C(16, 32, 8, 3)),
+    "cdna": (_C(16, 32, 4, 1), _C(16, 32, 4, 1), _C(16, 16, 8, 1)),
+}
+
+
 def kv_config(head_dim: int, bits: int, rows: int, arch: str) -> AttnConfig:
-    """Launch config of `_attention_kvcache_fwd_kernel` for `rows` packed rows (seqlen_q * group) of one
-    KV head, a cache of `bits` (16, 8, 4) on `arch`."""
+    """Launch config of `_attention_kvcache_fwd_kernel` for `rows` packed rows (seqlen_q *
+    group) of one KV head, a cache of `bits` (16, 8, 4) on `arch`; decode (rows <= 16)
+    streams K/V with 16-row tiles."""
     family = arch_family(arch)
     if family == "interpreter":
         return _INTERPRETER
-    stages = 1 if family == "cdna" else 3
-    if rows <= 16:  # decode: stream K/V with as many bytes in flight as the stages allow
-        block_n = 64 if head_dim <= 128 else 32
-        return AttnConfig(16, block_n, 4, stages)
-    return AttnConfig(64, 64 if head_dim <= 128 else 32, 4, 1 if family == "cdna" else 2)
+    decode, prefill, wide = _KV_TABLE[family]
+    if head_dim > 128:
+        return wide
+    return decode if rows <= 16 else prefill
 
 
 def kv_splits(programs: int, key_blocks: int, sm_count: int) -> int:

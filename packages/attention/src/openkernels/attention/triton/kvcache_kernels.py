@@ -24,8 +24,8 @@ import triton.language as tl
 
 from .kernels import _log2_scores, _segments
 
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -362,18 +362,18 @@ def _attention_kvcache_combine_kernel(
     h = row % heads_q
     splits = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = splits < num_splits
-    lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_plb + h * stride_plh + i * stride_pls + splits,
-                  mask=s_ok, other=float("-inf"))  # fmt: skip
+    lse_base = part_lse_ptr + b.to(tl.int64) * stride_plb + h * stride_plh + i * stride_pls
+    lse = tl.load(lse_base + splits, mask=splits < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2((lse - m_safe) * LOG2E)
-    total = tl.sum(w, 0)
-    base = b.to(tl.int64) * stride_pb + i * stride_ps + h * stride_ph
-    parts = tl.load(part_o_ptr + base + splits[:, None] * stride_psplit + offs_d[None, :],
-                    mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
+    total = tl.sum(tl.exp2((lse - m_safe) * LOG2E), 0)
+    base = part_o_ptr + b.to(tl.int64) * stride_pb + i * stride_ps + h * stride_ph
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for s in range(num_splits):  # one split at a time: a (splits, head_dim) tile spilled at D256
+        w = tl.exp2((tl.load(lse_base + s) - m_safe) * LOG2E)
+        acc += w * tl.load(base + s * stride_psplit + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
     empty = total == 0.0
-    out = tl.sum(parts * w[:, None], 0) / tl.where(empty, 1.0, total)
+    out = acc / tl.where(empty, 1.0, total)
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + i * stride_os + h * stride_oh + offs_d,
              out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)  # fmt: skip
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + i,

@@ -1,0 +1,116 @@
+"""Ahead-of-time compile checks of the KV-cache kernels (kvcache_kernels.py) for sm_80,
+sm_90, gfx90a, gfx942, gfx950: every config `kv_config` picks (decode and chunked prefill)
+at its heaviest variant, for each cache format, compiles without spills or scratch."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from openkernels.attention.triton import configs
+from openkernels.shared.platform import triton_interpreting
+
+pytestmark = pytest.mark.aot
+
+_KERNELS = "openkernels.attention.triton.kvcache_kernels"
+_FLOATS = ("qk_scale", "cap_scale", "cap_out")
+# (bits, group): 16-bit, then int8 and int4 with one group per head and with groups of 32
+# (the gathered scale tile is the register-heavy case).
+_FORMATS = ((16, None), (8, None), (8, 32), (4, None), (4, 32))
+_ALL_FLAGS = dict(IS_PAGED=True, HAS_ROTARY=True, INTERLEAVED=False, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True,
+                  HAS_ALIBI=True, HAS_SOFTCAP=True)  # fmt: skip
+
+
+def _signature(kernel_name: str, pointers: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Types of the runtime arguments (pointers as given, floats fp32, ints i32) and the
+    "D" (multiple of 16) attribute for the 16-byte-aligned row strides the launchers pass."""
+    import importlib
+
+    kernel = getattr(importlib.import_module(_KERNELS), kernel_name)
+    names = [n for n, p in inspect.signature(kernel.fn).parameters.items() if "constexpr" not in str(p.annotation)]
+    signature, attrs = {}, {}
+    for n in names:
+        if n.endswith("_ptr"):
+            signature[n] = pointers.get(n, "*fp32")
+        elif n in _FLOATS:
+            signature[n] = "fp32"
+        else:
+            signature[n] = "i32"
+            # Row strides of q, K/V data, outputs and new tokens are multiples of 16 for every
+            # supported head_dim (int4 rows are head_dim / 2 bytes); scale rows are not.
+            if n.startswith("stride_") and n[-1] in "bsh" and n[7] in "qkvo" and n != "stride_sh":
+                attrs[n] = "D"
+    return signature, attrs
+
+
+def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str, split: bool):
+    from openkernels.shared.testing.aot import AotCase
+
+    cfg = configs.kv_config(head_dim, bits, rows, arch)
+    data = "*bf16" if bits == 16 else "*u8"
+    pointers = {"q_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": "*fp16", "k_zero_ptr": "*fp16",
+                "v_scale_ptr": "*fp16", "v_zero_ptr": "*fp16", "o_ptr": "*fp32" if split else "*bf16",
+                "seqlens_ptr": "*i32", "block_table_ptr": "*i32"}  # fmt: skip
+    signature, attrs = _signature("_attention_kvcache_fwd_kernel", pointers)
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
+                  "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim, **_ALL_FLAGS}  # fmt: skip
+    label = (f"attn-d{head_dim}-{bits}b-g{group or 'head'}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}"
+             f"s{cfg.num_stages}{'-split' if split else ''}")  # fmt: skip
+    return AotCase(f"{_KERNELS}:_attention_kvcache_fwd_kernel", signature, constexprs, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages, label=label, attrs=attrs)  # fmt: skip
+
+
+def _append_case(head_dim: int, bits: int, group: int | None):
+    from openkernels.shared.testing.aot import AotCase
+
+    data = "*bf16" if bits == 16 else "*u8"
+    pointers = {"k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": "*fp16",
+                "k_zero_ptr": "*fp16", "v_scale_ptr": "*fp16", "v_zero_ptr": "*fp16", "seqlens_ptr": "*i32",
+                "block_table_ptr": "*i32"}  # fmt: skip
+    signature, attrs = _signature("_kvcache_append_fwd_kernel", pointers)
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim),
+                  "BLOCK_T": configs.kv_append_block_t(head_dim), "BITS": bits, "GROUP": group or head_dim,
+                  "IS_PAGED": True, "HAS_ROTARY": True, "INTERLEAVED": False}  # fmt: skip
+    return AotCase(f"{_KERNELS}:_kvcache_append_fwd_kernel", signature, constexprs, num_warps=4,
+                   label=f"append-d{head_dim}-{bits}b-g{group or 'head'}", attrs=attrs)  # fmt: skip
+
+
+def _combine_case(head_dim: int):
+    from openkernels.shared.testing.aot import AotCase
+
+    signature, attrs = _signature("_attention_kvcache_combine_kernel", {"o_ptr": "*bf16"})
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_SPLITS": 128}
+    return AotCase(f"{_KERNELS}:_attention_kvcache_combine_kernel", signature, constexprs, num_warps=4,
+                   label=f"combine-d{head_dim}", attrs=attrs)  # fmt: skip
+
+
+def cases_for(arch: str) -> list:
+    """Decode (16 rows) and chunked-prefill configs at head_dim 128 and 256 (the widest tile
+    of each config; 96 and 192 pad to them) for every cache format with every flag on; the
+    split (float32 partial) store once per config; the append kernel per format; the merge."""
+    out = []
+    for head_dim in (128, 256):
+        for rows in (16, 64):
+            for bits, group in _FORMATS:
+                out.append(_attn_case(head_dim, rows, bits, group, arch, split=False))
+            out.append(_attn_case(head_dim, rows, 4, 32, arch, split=True))
+        for bits, group in _FORMATS:
+            out.append(_append_case(head_dim, bits, group))
+        out.append(_combine_case(head_dim))
+    return out
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx90a", "gfx942", "gfx950"])
+def test_kvcache_kernels_compile_clean(target: str) -> None:
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+
+    if target not in targets_from_env():
+        pytest.skip(f"{target} is not in OPENKERNELS_AOT_TARGETS")
+    cases = cases_for(target)
+    reports = check_cases(cases, [target])
+    print(format_reports(reports))
+    assert_clean(reports)
+    assert len(reports) == len(cases)
