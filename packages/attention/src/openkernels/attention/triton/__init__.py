@@ -224,4 +224,4 @@ def attn_bwd(
     )  # fmt: skip
 
 
-from .kvcache import kvcache_append_fwd, attention_kvcache_fwd  # noqa: E402 - uses _scales above
+from .kvcache import attention_kvcache_fwd, kvcache_append_fwd  # noqa: E402 - uses _scales above

@@ -12,9 +12,16 @@ from openkernels.shared.platform import device_info
 
 from . import _scales
 from .configs import AttnConfig, block_d, kv_append_block_t, kv_config, kv_splits
-from .kvcache_kernels import _kvcache_append_fwd_kernel, _attention_kvcache_fwd_kernel, _attention_kvcache_combine_kernel
+from .kvcache_kernels import (
+    _attention_kvcache_combine_kernel,
+    _attention_kvcache_fwd_kernel,
+    _kvcache_append_fwd_kernel,
+)
 
-__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd"]
+__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "FORCE_SPLITS"]
+
+# Pin the number of key splits (tests, tuning); None: kv_splits' heuristic.
+FORCE_SPLITS: int | None = None
 
 
 @functools.cache
@@ -71,7 +78,7 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     cfg = config or _config(head_dim, bits, min(seqlen_q * group, 17), q.device)
     m_blocks = triton.cdiv(seqlen_q * group, cfg.block_m)
     key_blocks = triton.cdiv(max_seqlen_k, cfg.block_n)
-    splits = num_splits or kv_splits(m_blocks * batch * heads_kv, key_blocks, _sm_count(q.device))
+    splits = num_splits or FORCE_SPLITS or kv_splits(m_blocks * batch * heads_kv, key_blocks, _sm_count(q.device))
     split_blocks = max(1, triton.cdiv(key_blocks, splits))
     splits = max(1, triton.cdiv(key_blocks, split_blocks))
     if splits == 1:
