@@ -22,10 +22,11 @@ from openkernels.shared.bench import copy_ceiling_gbps
 
 SHAPES = ((32, 32, 8, 4096, 128), (1, 32, 8, 131072, 128))
 FORMATS = {"bf16": {}, "int8": {"kv_dtype": "int8"}, "int4": {"kv_dtype": "int4"},
-           "int4-g32": {"kv_dtype": "int4", "group_size": 32}, "paged16": {"page_size": 16}}  # fmt: skip
+           "int4-g32": {"kv_dtype": "int4", "group_size": 32}, "int8-g32": {"kv_dtype": "int8", "group_size": 32},
+           "paged16": {"page_size": 16}, "paged256": {"page_size": 256}}  # fmt: skip
 
 
-def _call(cache: KVCache, q, cfg, splits):
+def _call(cache: KVCache, q, cfg, splits, gather=False):
     k, v = cache.k, cache.v
     quant = (k.scale, k.zero, v.scale, v.zero) if isinstance(k, QuantizedKV) else (None,) * 4
     kd = k.data if isinstance(k, QuantizedKV) else k
@@ -37,6 +38,7 @@ def _call(cache: KVCache, q, cfg, splits):
         q, kd, vd, *quant, out, lse, cache.seqlens, cache.block_table, None, None, seqlen_new=0, max_seqlen_k=n,
         scale=q.shape[-1] ** -0.5, window_left=-1, window_right=0, alibi_slopes=None, softcap=0.0,
         rotary_interleaved=False, bits=cache.bits, group_size=cache.group_size, config=cfg, num_splits=splits,
+        scale_gather=gather,
     )  # fmt: skip
 
 

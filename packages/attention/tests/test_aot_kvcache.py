@@ -18,7 +18,7 @@ _FLOATS = ("qk_scale", "cap_scale", "cap_out")
 # (bits, group): 16-bit, then int8 and int4 with one group per head and with groups of 32
 # (the gathered scale tile is the register-heavy case).
 _FORMATS = ((16, None), (8, None), (8, 32), (4, None), (4, 32))
-_ALL_FLAGS = dict(IS_PAGED=True, HAS_ROTARY=True, INTERLEAVED=False, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True,
+_ALL_FLAGS = dict(PAGE_SIZE=16, HAS_ROTARY=True, INTERLEAVED=False, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True,
                   HAS_ALIBI=True, HAS_SOFTCAP=True)  # fmt: skip
 
 
@@ -54,7 +54,8 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
                 "seqlens_ptr": "*i32", "block_table_ptr": "*i32"}  # fmt: skip
     signature, attrs = _signature("_attention_kvcache_fwd_kernel", pointers)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
-                  "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim, **_ALL_FLAGS}  # fmt: skip
+                  "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim, **_ALL_FLAGS,
+                  "FAST_DEQUANT": arch.startswith("sm_")}  # fmt: skip
     label = (f"attn-d{head_dim}-{bits}b-g{group or 'head'}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}"
              f"s{cfg.num_stages}{'-split' if split else ''}")  # fmt: skip
     return AotCase(f"{_KERNELS}:_attention_kvcache_fwd_kernel", signature, constexprs, num_warps=cfg.num_warps,
@@ -71,7 +72,7 @@ def _append_case(head_dim: int, bits: int, group: int | None):
     signature, attrs = _signature("_kvcache_append_fwd_kernel", pointers)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim),
                   "BLOCK_T": configs.kv_append_block_t(head_dim), "BITS": bits, "GROUP": group or head_dim,
-                  "IS_PAGED": True, "HAS_ROTARY": True, "INTERLEAVED": False}  # fmt: skip
+                  "PAGE_SIZE": 16, "HAS_ROTARY": True, "INTERLEAVED": False}  # fmt: skip
     return AotCase(f"{_KERNELS}:_kvcache_append_fwd_kernel", signature, constexprs, num_warps=4,
                    label=f"append-d{head_dim}-{bits}b-g{group or 'head'}", attrs=attrs)  # fmt: skip
 

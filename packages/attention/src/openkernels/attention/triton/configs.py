@@ -133,7 +133,7 @@ def all_configs(arch: str) -> list[tuple[int, str, bool, AttnConfig]]:
 # Rows are (query, head) pairs of one KV head's group: a decode step of GQA 32/8 has 4 rows,
 # padded to the 16 a matrix-unit tile needs (the K/V bytes, not the math, bound decode).
 # Splits cut the key axis until about `KV_PROGRAMS_PER_SM` programs per SM are in flight.
-KV_PROGRAMS_PER_SM = 4
+KV_PROGRAMS_PER_SM = 2
 _KV_MIN_BLOCKS_PER_SPLIT = 4  # below this the partials' write and merge cost more than they save
 
 

@@ -40,6 +40,18 @@ def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if scale is None else (scale.stride(0), scale.stride(1), scale.stride(2))
 
 
+def _page_size(data: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """A compile-time page size (0: contiguous): page arithmetic becomes shifts or
+    multiply-shifts, and a key block within one page reads one table entry."""
+    return 0 if block_table is None else data.shape[1]
+
+
+@functools.cache
+def _fast_dequant(device: torch.device) -> bool:
+    """The bit-trick dequantization is NVIDIA PTX (inline asm)."""
+    return device.type == "cuda" and torch.version.hip is None
+
+
 def _rotary(rotary_cos: torch.Tensor | None) -> tuple[int, int]:
     """(row stride, rot_half) of the cos/sin tables."""
     return (0, 0) if rotary_cos is None else (rotary_cos.stride(0), rotary_cos.shape[1])
@@ -56,9 +68,9 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
         k_new, v_new, k_data, v_data, k_scale, k_zero, v_scale, v_zero, cache_seqlens, block_table, rotary_cos,
         rotary_sin, k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1),
         v_new.stride(2), *_side(k_data, block_table), *_side(v_data, block_table), *_scale_strides(k_scale),
-        0 if block_table is None else block_table.stride(0), stride_ro, seqlen_new, heads_kv, k_data.shape[1],
-        rot_half, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=block_t, BITS=bits, GROUP=group_size,
-        IS_PAGED=block_table is not None, HAS_ROTARY=rotary_cos is not None, INTERLEAVED=rotary_interleaved,
+        0 if block_table is None else block_table.stride(0), stride_ro, seqlen_new, heads_kv, rot_half,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=block_t, BITS=bits, GROUP=group_size,
+        PAGE_SIZE=_page_size(k_data, block_table), HAS_ROTARY=rotary_cos is not None, INTERLEAVED=rotary_interleaved,
         num_warps=4,
     )  # fmt: skip
 
@@ -71,7 +83,7 @@ def _config(head_dim: int, bits: int, rows: int, device: torch.device) -> AttnCo
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
             rotary_interleaved, bits, group_size, config: AttnConfig | None = None,
-            num_splits: int | None = None) -> None:  # fmt: skip
+            num_splits: int | None = None, scale_gather: bool = False) -> None:  # fmt: skip
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_data.shape[2]
     group = heads_q // heads_kv
@@ -90,19 +102,24 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
         dst_lse = torch.empty((batch, heads_q, seqlen_q, splits), dtype=torch.float32, device=q.device)
         o_strides = (dst_o.stride(0), dst_o.stride(1), dst_o.stride(2), dst_o.stride(3))
         l_strides = dst_lse.stride()
-    qk_scale, cap_scale, cap_out = _scales(scale, softcap)
+    if bits == 16:
+        q_scale = 1.0
+        qk_scale, cap_scale, cap_out = _scales(scale, softcap)
+    else:  # the kernel multiplies q by softmax_scale before its float16 cast
+        q_scale = scale
+        qk_scale, cap_scale, cap_out = _scales(1.0, softcap)
     stride_ro, rot_half = _rotary(rotary_cos)
     _attention_kvcache_fwd_kernel[(m_blocks, batch * heads_kv, splits)](
         q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, dst_o, dst_lse, cache_seqlens, block_table,
         rotary_cos, rotary_sin, alibi_slopes, q.stride(0), q.stride(1), q.stride(2), *_side(k_data, block_table),
         *_side(v_data, block_table), *_scale_strides(k_scale), *o_strides, *l_strides,
         0 if block_table is None else block_table.stride(0), stride_ro, seqlen_q, seqlen_new, heads_kv, group,
-        k_data.shape[1], split_blocks * cfg.block_n, rot_half, qk_scale, cap_scale, cap_out, window_left,
-        window_right, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BITS=bits, GROUP=group_size, IS_PAGED=block_table is not None, HAS_ROTARY=rotary_cos is not None,
+        split_blocks * cfg.block_n, rot_half, q_scale, qk_scale, cap_scale, cap_out, window_left, window_right,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BITS=bits,
+        GROUP=group_size, PAGE_SIZE=_page_size(k_data, block_table), HAS_ROTARY=rotary_cos is not None,
         INTERLEAVED=rotary_interleaved, HAS_WINDOW_LEFT=window_left >= 0, HAS_WINDOW_RIGHT=window_right >= 0,
-        HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap > 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap > 0, FAST_DEQUANT=_fast_dequant(q.device),
+        SCALE_GATHER=scale_gather, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
         _attention_kvcache_combine_kernel[(batch * seqlen_q * heads_q,)](

@@ -60,9 +60,9 @@ def _kvcache_append_fwd_kernel(
     seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr,
     stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-    stride_bt, stride_ro, seqlen_new, heads_kv, page_size, rot_half,
+    stride_bt, stride_ro, seqlen_new, heads_kv, rot_half,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
-    GROUP: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_T new tokens of one (sequence, KV head), K and V."""
     bh = tl.program_id(1)
@@ -71,9 +71,9 @@ def _kvcache_append_fwd_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = t < seqlen_new
     pos = tl.load(seqlens_ptr + b) + t
-    if IS_PAGED:
-        page = tl.load(block_table_ptr + b * stride_bt + pos // page_size, mask=valid, other=0).to(tl.int64)
-        slot = pos % page_size
+    if PAGE_SIZE > 0:
+        page = tl.load(block_table_ptr + b * stride_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = pos % PAGE_SIZE
     else:
         page = b.to(tl.int64)
         slot = pos
@@ -140,10 +140,43 @@ def _quantize_store(x, data_rows, scale_rows, zero_rows, valid, offs, HEAD_DIM: 
 
 
 @triton.jit
-def _dequant(codes, scale_rows, zero_rows, elems, mask_n, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-             MASK: tl.constexpr):  # fmt: skip
-    """codes (BLOCK_N, len(elems)) -> code * scale + zero (float32); elems: the head_dim index
-    of each column."""
+def _u8_magic(codes):
+    """uint8 codes -> fp16 1024 + code, by placing each byte under fp16 1024's exponent
+    (0x64xx): two byte permutes per four codes instead of int-to-float conversions, which
+    bounded the decode kernel at about 1.7 T codes/s on H200 (slower than reading them)."""
+    return tl.inline_asm_elementwise(
+        asm="prmt.b32 $0, $2, 0x64646464, 0x4140;\n\tprmt.b32 $1, $2, 0x64646464, 0x4342;",
+        constraints="=r,=r,r", args=[codes], dtype=tl.float16, is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _u4x2_magic(packed):
+    """uint8 bytes -> (fp16 1024 + low nibble, fp16 1024 + high nibble): bytes reordered
+    (b0 b2 b1 b3) so that a mask-and-or (lop3) on each shift lands two nibbles of
+    neighbouring bytes in one fp16 pair."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, s;
+        prmt.b32 t, $4, 0, 0x3120;
+        lop3.b32 $0, t, 0x000f000f, 0x64006400, 0xea;
+        shr.b32 s, t, 8;
+        lop3.b32 $1, s, 0x000f000f, 0x64006400, 0xea;
+        shr.b32 s, t, 4;
+        lop3.b32 $2, s, 0x000f000f, 0x64006400, 0xea;
+        shr.b32 s, t, 12;
+        lop3.b32 $3, s, 0x000f000f, 0x64006400, 0xea;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _scale_tiles(scale_rows, zero_rows, mask_n, elems, MASK: tl.constexpr, GROUP: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+    """float16 scale and zero for a tile whose columns are head_dim elements `elems`: (BLOCK_N,
+    1) with one group per head; else (BLOCK_N, len(elems)) gathered per column (GATHER), or
+    (BLOCK_N, groups, 1) for a reshape of the tile to (BLOCK_N, groups, columns per group)."""
     if GROUP == HEAD_DIM:
         if MASK:
             sc = tl.load(scale_rows, mask=mask_n, other=0.0)
@@ -151,17 +184,30 @@ def _dequant(codes, scale_rows, zero_rows, elems, mask_n, GROUP: tl.constexpr, H
         else:
             sc = tl.load(scale_rows)
             zr = tl.load(zero_rows)
-        x = codes.to(tl.float32) * sc.to(tl.float32)[:, None] + zr.to(tl.float32)[:, None]
-    else:  # one (cached) gather per element: every column of a group reads the same scale
+        sc, zr = sc[:, None], zr[:, None]
+    elif GATHER:  # every column of a group reads the same (L1-cached) scale
         g = (elems // GROUP)[None, :]
-        if MASK:
-            sc = tl.load(scale_rows[:, None] + g, mask=mask_n[:, None], other=0.0)
-            zr = tl.load(zero_rows[:, None] + g, mask=mask_n[:, None], other=0.0)
-        else:
-            sc = tl.load(scale_rows[:, None] + g)
-            zr = tl.load(zero_rows[:, None] + g)
-        x = codes.to(tl.float32) * sc.to(tl.float32) + zr.to(tl.float32)
-    return x
+        sc = tl.load(scale_rows[:, None] + g, mask=mask_n[:, None], other=0.0)
+        zr = tl.load(zero_rows[:, None] + g, mask=mask_n[:, None], other=0.0)
+    else:
+        groups = tl.arange(0, BLOCK_D // GROUP)
+        m = mask_n[:, None] & (groups[None, :] < HEAD_DIM // GROUP)
+        sc = tl.load(scale_rows[:, None] + groups[None, :], mask=m, other=0.0)[:, :, None]
+        zr = tl.load(zero_rows[:, None] + groups[None, :], mask=m, other=0.0)[:, :, None]
+    return sc, zr
+
+
+@triton.jit
+def _apply_scale(x, sc, zr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GATHER: tl.constexpr):
+    """x (BLOCK_N, W) * scale + zero, with scale/zero from _scale_tiles."""
+    if GROUP == HEAD_DIM or GATHER:
+        y = x * sc + zr
+    else:
+        n: tl.constexpr = x.shape[0]
+        w: tl.constexpr = x.shape[1]
+        ng: tl.constexpr = sc.shape[1]
+        y = tl.reshape(tl.reshape(x, (n, ng, w // ng)) * sc + zr, (n, w))
+    return y
 
 
 @triton.jit
@@ -182,24 +228,39 @@ def _load_codes(rows, cols, mask_n, MASK: tl.constexpr, WIDTH: tl.constexpr, BLO
 
 
 @triton.jit
-def _kv_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_h, dtype: tl.constexpr,
-             MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
-             GROUP: tl.constexpr):  # fmt: skip
-    """One K or V tile in `dtype`: (BLOCK_N, BLOCK_D), or for int4 the even and odd elements
-    of head_dim as two (BLOCK_N, BLOCK_D // 2) tiles (the second is the first otherwise)."""
+def _kv_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_h, MASK: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+             FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr):  # fmt: skip
+    """One K or V tile: (BLOCK_N, BLOCK_D) as stored (16-bit), or dequantized to float16; for
+    int4 the even and odd elements of head_dim as two (BLOCK_N, BLOCK_D // 2) tiles (the
+    second is the first otherwise). Dequantized: (code * scale + zero) in float16, from
+    1024 + code built with bit operations (FAST_DEQUANT, NVIDIA) or an int-to-float cast."""
     if BITS == 16:
         t0 = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
         t1 = t0
-    elif BITS == 8:
-        codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
-        t0 = _dequant(codes, scale_ptr + s_rows, zero_ptr + s_rows, offs_d, mask_n, GROUP, HEAD_DIM, MASK).to(dtype)
-        t1 = t0
     else:
-        packed = _load_codes(data_ptr + rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
-        t0 = _dequant(packed & 15, scale_ptr + s_rows, zero_ptr + s_rows, offs_h * 2, mask_n, GROUP, HEAD_DIM,
-                      MASK).to(dtype)  # fmt: skip
-        t1 = _dequant(packed >> 4, scale_ptr + s_rows, zero_ptr + s_rows, offs_h * 2 + 1, mask_n, GROUP, HEAD_DIM,
-                      MASK).to(dtype)  # fmt: skip
+        c1024 = tl.full((1, 1), 1024.0, tl.float16)
+        if BITS == 8:
+            codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+            sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_d, MASK, GROUP, HEAD_DIM,
+                                  BLOCK_D, SCALE_GATHER)  # fmt: skip
+            if FAST_DEQUANT:
+                x = _u8_magic(codes) - c1024
+            else:
+                x = codes.to(tl.float16)
+            t0 = _apply_scale(x, sc, zr, GROUP, HEAD_DIM, SCALE_GATHER)
+            t1 = t0
+        else:
+            packed = _load_codes(data_ptr + rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
+            sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_h * 2, MASK, GROUP,
+                                  HEAD_DIM, BLOCK_D, SCALE_GATHER)  # fmt: skip
+            if FAST_DEQUANT:
+                lo, hi = _u4x2_magic(packed)
+                lo, hi = lo - c1024, hi - c1024
+            else:
+                lo, hi = (packed & 15).to(tl.float16), (packed >> 4).to(tl.float16)
+            t0 = _apply_scale(lo, sc, zr, GROUP, HEAD_DIM, SCALE_GATHER)
+            t1 = _apply_scale(hi, sc, zr, GROUP, HEAD_DIM, SCALE_GATHER)
     return t0, t1
 
 
@@ -208,28 +269,33 @@ def _kv_blocks(
     acc0, acc1, l_i, m_i, q0, q1, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
     block_table_ptr, b, hk, start, stop, qrow, sk, diag, window_left, window_right, slope_log2, qk_scale,
     cap_scale, cap_out, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
-    stride_sh, stride_bt, page_size, offs_n, offs_d, offs_h,
+    stride_sh, stride_bt, offs_n, offs_d, offs_h,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
-    GROUP: tl.constexpr, IS_PAGED: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
     HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr,
 ):  # fmt: skip
     dtype = q0.dtype
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < sk
-        if IS_PAGED:
-            if MASK:
-                page = tl.load(block_table_ptr + b * stride_bt + cols // page_size, mask=mask_n, other=0)
+        if PAGE_SIZE > 0:  # a constant page size: the division is a multiply-shift
+            if PAGE_SIZE % BLOCK_N == 0:  # the block sits in one page: one table entry
+                page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
+                slot = start_n % PAGE_SIZE + offs_n
             else:
-                page = tl.load(block_table_ptr + b * stride_bt + cols // page_size)
-            page = page.to(tl.int64)
-            slot = cols % page_size
+                if MASK:
+                    page = tl.load(block_table_ptr + b * stride_bt + cols // PAGE_SIZE, mask=mask_n, other=0)
+                else:
+                    page = tl.load(block_table_ptr + b * stride_bt + cols // PAGE_SIZE)
+                page = page.to(tl.int64)
+                slot = cols % PAGE_SIZE
         else:
             page = b.to(tl.int64)
             slot = cols
         k0, k1 = _kv_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
-                          page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, dtype,
-                          MASK, HEAD_DIM, BLOCK_D, BITS, GROUP)  # fmt: skip
+                          page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
+                          HEAD_DIM, BLOCK_D, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)  # fmt: skip
         qk = tl.dot(q0, tl.trans(k0))
         if BITS == 4:
             qk = tl.dot(q1, tl.trans(k1), qk)
@@ -244,8 +310,8 @@ def _kv_blocks(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v0, v1 = _kv_tile(v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
-                          page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, dtype,
-                          MASK, HEAD_DIM, BLOCK_D, BITS, GROUP)  # fmt: skip
+                          page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
+                          HEAD_DIM, BLOCK_D, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)  # fmt: skip
         acc0 = tl.dot(p.to(dtype), v0, acc0 * alpha[:, None])
         if BITS == 4:
             acc1 = tl.dot(p.to(dtype), v1, acc1 * alpha[:, None])
@@ -260,12 +326,13 @@ def _attention_kvcache_fwd_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh, stride_ob, stride_os, stride_oh, stride_osplit,
     stride_lb, stride_lh, stride_ls, stride_lsplit, stride_bt, stride_ro,
-    seqlen_q, seqlen_new, heads_kv, group, page_size, split_len, rot_half,
-    qk_scale, cap_scale, cap_out, window_left, window_right,
+    seqlen_q, seqlen_new, heads_kv, group, split_len, rot_half,
+    q_scale, qk_scale, cap_scale, cap_out, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BITS: tl.constexpr, GROUP: tl.constexpr, IS_PAGED: tl.constexpr, HAS_ROTARY: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_ROTARY: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_DEQUANT: tl.constexpr = False,
+    SCALE_GATHER: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_M packed (query, head) rows of one (sequence, KV head), keys of one
     split. Writes out/lse at split index program_id(2) (a float32 partial when split)."""
@@ -285,16 +352,23 @@ def _attention_kvcache_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_D // 2)
-    dtype = q_ptr.dtype.element_ty
+    # A quantized cache dequantizes to float16 (its scale and zero are float16), so q meets it
+    # in float16, pre-scaled by softmax_scale (q_scale) to stay far from float16's range.
+    if BITS == 16:
+        dtype = q_ptr.dtype.element_ty
+    else:
+        dtype = tl.float16
     if BITS == 4:  # even and odd elements, against the two nibbles
         q0 = _load_rotated(q_rows, row_ok, offs_h * 2, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
-                           HAS_ROTARY, INTERLEAVED).to(dtype)  # fmt: skip
+                           HAS_ROTARY, INTERLEAVED)  # fmt: skip
         q1 = _load_rotated(q_rows, row_ok, offs_h * 2 + 1, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
-                           HAS_ROTARY, INTERLEAVED).to(dtype)  # fmt: skip
+                           HAS_ROTARY, INTERLEAVED)  # fmt: skip
+        q0, q1 = (q0 * q_scale).to(dtype), (q1 * q_scale).to(dtype)
         acc0 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
     else:
         q0 = _load_rotated(q_rows, row_ok, offs_d, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
-                           HAS_ROTARY, INTERLEAVED).to(dtype)  # fmt: skip
+                           HAS_ROTARY, INTERLEAVED)  # fmt: skip
+        q0 = (q0 * q_scale).to(dtype)
         q1 = q0
         acc0 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
@@ -312,22 +386,23 @@ def _attention_kvcache_fwd_kernel(
     args = (k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, block_table_ptr, b, hk)
     opts = (qrow, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-            stride_bt, page_size, offs_n, offs_d, offs_h)  # fmt: skip
+            stride_bt, offs_n, offs_d, offs_h)  # fmt: skip
     if HAS_WINDOW_LEFT:  # one masked loop, as in the prefill kernel
         acc0, acc1, l_i, m_i = _kv_blocks(
             acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(a, lo), tl.minimum(end, hi), *opts, BLOCK_N, HEAD_DIM,
-            BLOCK_D, BITS, GROUP, IS_PAGED, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+            BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+            FAST_DEQUANT, SCALE_GATHER,
         )  # fmt: skip
     else:
         acc0, acc1, l_i, m_i = _kv_blocks(
             acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(b_full, lo), tl.minimum(c_full, hi), *opts, BLOCK_N,
-            HEAD_DIM, BLOCK_D, BITS, GROUP, IS_PAGED, False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
-            HAS_SOFTCAP,
+            HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
+            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER,
         )  # fmt: skip
         acc0, acc1, l_i, m_i = _kv_blocks(
             acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(c_full, lo), tl.minimum(end, hi), *opts, BLOCK_N,
-            HEAD_DIM, BLOCK_D, BITS, GROUP, IS_PAGED, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
-            HAS_SOFTCAP,
+            HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
+            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER,
         )  # fmt: skip
     empty = l_i == 0.0  # no visible key in this split
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)

@@ -1,0 +1,464 @@
+"""Calls of attention_with_kvcache the KV-cache tests run, and their float64 reference check.
+
+A `Scenario` describes one call (cache lengths, queries, layout, cache format, options); `build`
+makes a `KVCall` of it with fresh random inputs. The cache is poisoned wherever it holds no
+token before the call: NaN in 16-bit data, NaN scales in a quantized cache, NaN-filled pages
+no sequence owns (and, when asked, -1 in the block table past each sequence's last page). An
+implementation that reads a slot it must not, or forgets to write one it must, puts NaN in
+its output and fails the comparison.
+
+`check_call` runs one call under an implementation and checks
+  - the append: the slots at cache_seqlens[b] .. + seqlen_new hold k_new / v_new (rotated,
+    quantized as kvformat.quantize_kv does: scale and zero equal, codes equal but rarely one
+    apart), every other slot of every cache tensor is bitwise unchanged;
+  - the attention: out and lse against the float64 reference (reference.attention_ref) on the
+    cache the call left (dequantized in float32, as the semantics in reference.py read it).
+
+Tolerances (derived as in cases.py, whose bound they extend). A fused implementation feeds
+its matrix products in q's dtype: a quantized cache is dequantized in float32 and then
+rounded to q's dtype (the CPU backend gathers it in q's dtype, the Triton kernel converts each
+dequantized tile). That rounding is part of the implementation's error against the float32
+semantics, and it is known exactly: the reference on the rounded cache minus the reference on
+the float32 one. So
+    |out - ref| <= |out - ref_rounded| + |ref_rounded - ref|
+                   cases.py's half-precision bound    computed, added as `extra`
+with the cases.py bound taken on M = max(P |V|) of both caches (P |V| is the attention output
+of |V|: the reference computes it, no probability matrix needed), and lse allowed float32
+rounding on the largest score plus |lse_rounded - lse|. For a 16-bit or float32 cache the
+extra is 0: the cases.py bound as is.
+Rotary on a GPU: the kernel rotates q with fused multiply-adds, so the rotated float32 values
+may differ from the reference's in the last bit and round to the other neighbour of q's dtype
+(one ulp, rtol(dtype) relative). That moves each score by at most d = scale * rtol *
+sum_d |q_d| |k_d|, each probability by a factor within exp(+-2d): out by at most
+(exp(2d) - 1) * M and lse by d. On the CPU (the interpreter, the CPU backend and the
+reference) the same float32 expressions run in the same order, and this term is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+import openkernels.attention as A
+from openkernels.attention import reference as R
+from openkernels.attention.kvformat import (
+    QuantizedKV,
+    code_width,
+    quantize_kv,
+    quantize_unchecked,
+    unpack_codes,
+)
+from openkernels.shared import dispatch
+from openkernels.shared.testing import TOLERANCES, assert_close, poisoned_empty, random_tensor
+
+from .cases import assert_attention_close
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+HALF = (BF16, F16)
+
+# name -> (q dtype, bits, group_size (None: the whole head))
+FORMATS = {
+    "bf16": (BF16, 16, None),
+    "fp16": (F16, 16, None),
+    "fp32": (F32, 16, None),
+    "int8": (BF16, 8, None),
+    "int8-g32": (BF16, 8, 32),
+    "int8-g32-fp16": (F16, 8, 32),
+    "int4": (BF16, 4, None),
+    "int4-g32": (BF16, 4, 32),
+}
+SOFTCAP = 2.0
+SCALE = 0.3
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One attention_with_kvcache call. lengths: cache_seqlens (before the append);
+    capacity: tokens per sequence (contiguous) or pages per sequence x page (paged), by
+    default the longest sequence after the call (which then fills its cache exactly)."""
+
+    name: str
+    lengths: tuple[int, ...]
+    seqlen_q: int = 1
+    append: bool = True
+    heads: tuple[int, int] = (2, 1)
+    head_dim: int = 64
+    page: int | None = None
+    capacity: int | None = None
+    fmt: str = "bf16"
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    alibi: str | None = None  # None, "heads" ((heads_q,) slopes) or "batch" ((batch, heads_q))
+    softcap: float = 0.0
+    softmax_scale: float | None = None
+    rotary: str | None = None  # None, "halves" (GPT-NeoX) or "interleaved" (GPT-J)
+    rotary_dim: int | None = None  # default: head_dim
+    pad_table: bool = False  # -1 in the block table past each sequence's last page
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return FORMATS[self.fmt][0]
+
+    @property
+    def bits(self) -> int:
+        return FORMATS[self.fmt][1]
+
+    @property
+    def seqlen_new(self) -> int:
+        return self.seqlen_q if self.append else 0
+
+
+@dataclass
+class KVCall:
+    """The arguments of one attention_with_kvcache call (the cache is updated in place)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor | QuantizedKV
+    v_cache: torch.Tensor | QuantizedKV
+    cache_seqlens: torch.Tensor
+    k_new: torch.Tensor | None
+    v_new: torch.Tensor | None
+    block_table: torch.Tensor | None
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    softmax_scale: float | None
+    alibi_slopes: torch.Tensor | None
+    rotary_cos: torch.Tensor | None
+    rotary_sin: torch.Tensor | None
+    rotary_interleaved: bool
+    name: str = ""
+
+    @property
+    def bits(self) -> int:
+        return self.k_cache.bits if isinstance(self.k_cache, QuantizedKV) else 16
+
+    @property
+    def group(self) -> int:
+        return self.k_cache.group_size if isinstance(self.k_cache, QuantizedKV) else self.q.shape[-1]
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.cache_seqlens.tolist()
+
+    @property
+    def seqlen_new(self) -> int:
+        return 0 if self.k_new is None else self.k_new.shape[1]
+
+    @property
+    def page(self) -> int | None:
+        return None if self.block_table is None else data_of(self.k_cache).shape[1]
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5 if self.softmax_scale is None else self.softmax_scale
+
+    def kwargs(self) -> dict:
+        return dict(k_new=self.k_new, v_new=self.v_new, block_table=self.block_table, causal=self.causal,
+                    softmax_scale=self.softmax_scale, window=self.window, alibi_slopes=self.alibi_slopes,
+                    softcap=self.softcap, rotary_cos=self.rotary_cos, rotary_sin=self.rotary_sin,
+                    rotary_interleaved=self.rotary_interleaved)  # fmt: skip
+
+    def call(self, **overrides):
+        """attention_with_kvcache(..., return_lse=True) -> (out, lse)."""
+        kw = {**self.kwargs(), **overrides}
+        return A.attention_with_kvcache(
+            self.q, self.k_cache, self.v_cache, self.cache_seqlens, return_lse=True, **kw
+        )
+
+    def storage(self) -> list[torch.Tensor]:
+        """Every tensor of the cache (data, and scale and zero when quantized)."""
+        out = []
+        for side in (self.k_cache, self.v_cache):
+            out += [side.data, side.scale, side.zero] if isinstance(side, QuantizedKV) else [side]
+        return out
+
+
+def data_of(side: torch.Tensor | QuantizedKV) -> torch.Tensor:
+    return side.data if isinstance(side, QuantizedKV) else side
+
+
+def rotary_tables(rows: int, rotary_dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (rows, rotary_dim / 2) float32 of the usual 10000^(-2j / rotary_dim) frequencies."""
+    inv = 10000.0 ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv[None, :]
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def slots(b: int, positions: torch.Tensor, block_table: torch.Tensor | None,
+          page: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Storage index (lead 0, lead 1) of sequence b's token positions."""
+    if block_table is None:
+        return torch.full_like(positions, b), positions
+    return block_table[b, positions // page].long(), positions % page
+
+
+def _poison(side: torch.Tensor | QuantizedKV, valid: torch.Tensor) -> None:
+    """NaN where `valid` (lead dims) is False: in the data of a 16-bit side, in the scales
+    of a quantized one."""
+    target = side.scale if isinstance(side, QuantizedKV) else side
+    target[~valid.to(target.device)] = float("nan")
+
+
+def build(s: Scenario, device: str) -> KVCall:
+    """Fresh N(0, 1) inputs of scenario `s` (module docstring: the poisoned slots)."""
+    dtype, bits, group = FORMATS[s.fmt]
+    batch, (hq, hkv), d, sn = len(s.lengths), s.heads, s.head_dim, s.seqlen_new
+    after = [n + sn for n in s.lengths]
+    capacity = s.capacity or max(after)
+    if s.page is None:
+        lead, block_table = (batch, capacity), None
+        assert capacity >= max(after), s
+    else:
+        per_seq = -(-capacity // s.page)
+        num_pages = batch * per_seq + 2  # two pages nobody owns
+        lead = (num_pages, s.page)
+        block_table = torch.randperm(num_pages)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+        assert per_seq * s.page >= max(after), s
+    full = random_tensor((*lead, hkv, d), dtype if bits == 16 else F32, device)
+    fullv = random_tensor((*lead, hkv, d), dtype if bits == 16 else F32, device)
+    if bits == 16:
+        k_cache, v_cache = full, fullv
+    else:
+        k_cache, v_cache = quantize_kv(full, bits, group), quantize_kv(fullv, bits, group)
+    valid = torch.zeros(lead, dtype=torch.bool)
+    for b, n in enumerate(s.lengths):
+        if n:
+            valid[slots(b, torch.arange(n), block_table, s.page)] = True
+    for side in (k_cache, v_cache):
+        _poison(side, valid)
+    if block_table is not None and s.pad_table:
+        for b, n in enumerate(after):
+            block_table[b, -(-n // s.page) :] = -1
+    if block_table is not None:
+        block_table = block_table.to(device)
+    rotary_cos = rotary_sin = None
+    if s.rotary:
+        rotary_cos, rotary_sin = rotary_tables(capacity, s.rotary_dim or d, device)
+    alibi = None
+    if s.alibi:
+        alibi = torch.rand((hq,) if s.alibi == "heads" else (batch, hq), device=device) * 0.9 + 0.1
+    return KVCall(
+        q=random_tensor((batch, s.seqlen_q, hq, d), dtype, device),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cache_seqlens=torch.tensor(s.lengths, dtype=torch.int32, device=device),
+        k_new=random_tensor((batch, sn, hkv, d), dtype, device) if s.append else None,
+        v_new=random_tensor((batch, sn, hkv, d), dtype, device) if s.append else None,
+        block_table=block_table,
+        causal=s.causal,
+        window=s.window,
+        softcap=s.softcap,
+        softmax_scale=s.softmax_scale,
+        alibi_slopes=alibi,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        rotary_interleaved=s.rotary == "interleaved",
+        name=s.name,
+    )
+
+
+# ---- the check ---------------------------------------------------------------------------
+
+
+def raw_bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers (NaN compares equal to the same NaN)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16)
+    if t.dtype == torch.float32:
+        return t.view(torch.int32)
+    return t
+
+
+def snapshot(call: KVCall) -> list[torch.Tensor]:
+    return [t.clone() for t in call.storage()]
+
+
+def assert_unchanged(call: KVCall, before: list[torch.Tensor], msg: str) -> None:
+    for i, (a, b) in enumerate(zip(call.storage(), before)):
+        assert torch.equal(raw_bits(a), raw_bits(b)), f"{msg}: cache tensor {i} changed"
+
+
+def _gather(call: KVCall, side: torch.Tensor | QuantizedKV, b: int, length: int) -> torch.Tensor:
+    """Sequence b's first `length` tokens of one side, dequantized in float32: (L, Hkv, D)."""
+    idx = slots(b, torch.arange(length, device=call.q.device), call.block_table, call.page)
+    if not isinstance(side, QuantizedKV):
+        return side[idx].to(F32)
+    return QuantizedKV(
+        side.data[idx], side.scale[idx], side.zero[idx], side.bits, side.group_size
+    ).dequantize()
+
+
+def ulp_apart(a: torch.Tensor, b: torch.Tensor, ulps: int) -> bool:
+    """Same-sign finite floats at most `ulps` representable values apart."""
+    diff = (raw_bits(a).to(torch.int64) - raw_bits(b).to(torch.int64)).abs()
+    return bool((diff <= ulps).all())
+
+
+def check_append(call: KVCall, before: list[torch.Tensor], *, fma: bool, msg: str) -> None:
+    """The appended slots hold k_new (rotated) / v_new as the semantics say; every other slot
+    of every cache tensor is bitwise unchanged. fma: rotated values may differ in the last
+    float32 bit (module docstring), one ulp of the stored format."""
+    after = call.storage()
+    if call.k_new is None:
+        assert_unchanged(call, before, f"{msg} (no k_new)")
+        return
+    device = call.q.device
+    lead = data_of(call.k_cache).shape[:2]
+    touched = torch.zeros(lead, dtype=torch.bool, device=device)
+    rotated = call.rotary_cos is not None
+    for b, start in enumerate(call.lengths):
+        pos = torch.arange(start, start + call.seqlen_new, device=device)
+        idx = slots(b, pos, call.block_table, call.page)
+        touched[idx] = True
+        k = call.k_new[b].to(F32)
+        if rotated:
+            k = R.rotate(k, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
+        for what, x, side, fuzzy in (
+            ("k", k, call.k_cache, fma and rotated),
+            ("v", call.v_new[b], call.v_cache, False),
+        ):
+            where = f"{msg}: appended {what} of sequence {b}"
+            if call.bits == 16:
+                got, want = side[idx], x.to(side.dtype)
+                ok = ulp_apart(got, want, 1) if fuzzy else torch.equal(got, want)
+                assert ok, (
+                    f"{where} differs from k_new / v_new{' rotated' if what == 'k' and rotated else ''}"
+                )
+                continue
+            want = quantize_unchecked(x, call.bits, call.group)
+            for part in ("scale", "zero"):
+                got_p, want_p = getattr(side, part)[idx], getattr(want, part)
+                ok = ulp_apart(got_p, want_p, 1) if fuzzy else torch.equal(got_p, want_p)
+                assert ok, f"{where}: {part} differs from kvformat.quantize_kv's"
+            codes = unpack_codes(side.data[idx], call.bits).int()
+            diff = (codes - unpack_codes(want.data, call.bits).int()).abs()
+            # A code may land one apart where (x - zero) / scale sits within a float32 ulp of
+            # a rounding boundary: rare. More than a few, or two apart, is a bug.
+            assert int(diff.max()) <= 1, f"{where}: codes {int(diff.max())} apart from quantize_kv's"
+            assert int((diff > 0).sum()) <= 1 + diff.numel() // 256, (
+                f"{where}: {int((diff > 0).sum())} of {diff.numel()} codes one apart from quantize_kv's"
+            )
+    for i, (a, b) in enumerate(zip(after, before)):
+        assert torch.equal(raw_bits(a)[~touched], raw_bits(b)[~touched]), (
+            f"{msg}: cache tensor {i} changed outside the appended slots"
+        )
+
+
+def query(call: KVCall, b: int, length: int) -> torch.Tensor:
+    """Sequence b's queries (Sq, Hq, D) as the semantics use them: rotated at positions
+    length - Sq .. length - 1 in float32 and rounded back to q's dtype."""
+    q = call.q[b]
+    if call.rotary_cos is None:
+        return q
+    pos = torch.arange(length - q.shape[0], length, device=q.device)
+    return R.rotate(q, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved).to(q.dtype)
+
+
+def reference(call: KVCall, b: int, k: torch.Tensor, v: torch.Tensor):
+    """The float64 reference of sequence b on keys / values k, v (L, Hkv, D) -> (out (Sq, Hq,
+    D), lse (Hq, Sq))."""
+    slopes = call.alibi_slopes
+    if slopes is not None and slopes.dim() == 2:
+        slopes = slopes[b : b + 1]
+    q = query(call, b, k.shape[0])
+    o, lse = R.attention_ref(q.double()[None], k.double()[None], v.double()[None], causal=call.causal,
+                             softmax_scale=call.softmax_scale, window=call.window, alibi_slopes=slopes,
+                             softcap=call.softcap, return_lse=True)  # fmt: skip
+    return o[0], lse[0]
+
+
+def _finite_max(t: torch.Tensor) -> float:
+    t = t[torch.isfinite(t)]
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, fma: bool, msg: str) -> None:
+    """out (B, Sq, Hq, D), lse (B, Hq, Sq) of an implementation against the reference on the
+    cache as it is now (module docstring: the tolerances)."""
+    dtype = call.q.dtype
+    sq, hq, d = call.q.shape[1:]
+    assert out.dtype == dtype and out.shape == call.q.shape, f"{msg}: out {out.dtype} {tuple(out.shape)}"
+    assert lse.dtype == F32 and tuple(lse.shape) == (call.q.shape[0], hq, sq), (
+        f"{msg}: lse {tuple(lse.shape)}"
+    )
+    for b, cached in enumerate(call.lengths):
+        length = cached + call.seqlen_new
+        where = f"{msg} [{call.name}: sequence {b}, {length} keys]"
+        k, v = _gather(call, call.k_cache, b, length), _gather(call, call.v_cache, b, length)
+        kr, vr = k.to(dtype), v.to(dtype)  # what a fused implementation multiplies
+        o_ref, l_ref = reference(call, b, k, v)
+        o_rnd, l_rnd = reference(call, b, kr, vr)
+        magnitude = max(_finite_max(reference(call, b, k, v.abs())[0]),
+                        _finite_max(reference(call, b, kr, vr.abs())[0]))  # fmt: skip
+        extra_out = _finite_max(o_rnd - o_ref)
+        extra_lse = _finite_max(torch.where(torch.isfinite(l_ref), l_rnd - l_ref, 0.0))
+        # |score| <= scale * max ||q_i||_1 * max |k| (+ ALiBi's largest bias below)
+        score_max = 0.0
+        if length:
+            q1 = float(query(call, b, length).double().abs().sum(-1).max())
+            score_max = call.scale * q1 * float(k.abs().max())
+        if fma and call.rotary_cos is not None:
+            # q may round one ulp the other way after a fused rotation (module docstring).
+            dist = TOLERANCES[dtype].rtol * score_max
+            extra_out += math.expm1(2 * dist) * magnitude
+            extra_lse += dist
+        terms = length + d
+        assert_attention_close(out[b], o_ref, dtype=dtype, magnitude=magnitude, terms=terms, extra=extra_out,
+                               msg=f"{where} out")  # fmt: skip
+        if call.alibi_slopes is not None:
+            score_max += float(call.alibi_slopes.max()) * (length + sq)
+        unit = 4 * math.sqrt(terms) * 2.0**-24
+        assert_close(lse[b], l_ref, dtype=F32, terms=terms, term_scale=score_max + extra_lse / unit,
+                     msg=f"{where} lse")  # fmt: skip
+        empty = torch.isneginf(l_ref).cpu()  # (Hq, Sq): rows that see no key
+        if empty.any():
+            assert torch.isneginf(lse[b].cpu()[empty]).all(), f"{where}: lse of a row with no visible key"
+            assert (out[b].cpu().transpose(0, 1)[empty] == 0).all(), (
+                f"{where}: out of a row with no visible key"
+            )
+
+
+def check_call(call: KVCall, impl: str, device: str, msg: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `call` under `impl` (outputs poisoned) and check the append and the attention."""
+    msg = f"{msg} {impl}".strip()
+    before = snapshot(call)
+    with dispatch.force(impl), poisoned_empty():
+        out, lse = call.call()
+    fma = device != "cpu"
+    check_append(call, before, fma=fma, msg=msg)
+    compare(call, out, lse, fma=fma, msg=msg)
+    return out, lse
+
+
+def copy_call(call: KVCall) -> KVCall:
+    """The same call on a copy of the cache."""
+
+    def clone(side):
+        if isinstance(side, QuantizedKV):
+            return dataclasses.replace(
+                side, data=side.data.clone(), scale=side.scale.clone(), zero=side.zero.clone()
+            )
+        return side.clone()
+
+    return dataclasses.replace(call, k_cache=clone(call.k_cache), v_cache=clone(call.v_cache))
+
+
+__all__ = [
+    "FORMATS",
+    "SCALE",
+    "SOFTCAP",
+    "KVCall",
+    "Scenario",
+    "build",
+    "check_append",
+    "check_call",
+    "code_width",
+    "compare",
+    "copy_call",
+    "rotary_tables",
+    "snapshot",
+]

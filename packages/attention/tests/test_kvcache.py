@@ -1,0 +1,637 @@
+"""attention_with_kvcache and KVCache against the float64 reference, for every implementation:
+decode and chunked prefill, with and without k_new, ragged lengths (0, full to capacity, up to
+70000 tokens), contiguous and paged caches (shuffled and partly filled pages, appends across
+a page boundary), GQA/MQA, head_dim 64/96/128, every option, rotary, 16-bit and int8/int4
+caches, lse and empty rows; the Triton split path; the KVCache object; the quantization error
+itself (measured); torch.compile and opcheck; bad input (a clear error, the cache untouched).
+
+The comparison and its tolerances are in kvcache_cases.py."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+import openkernels.attention as A
+from openkernels.attention import reference as R
+from openkernels.attention.kvformat import QuantizedKV, dequantize_kv, quantize_kv, unpack_codes
+from openkernels.shared import dispatch
+from openkernels.shared.testing import failing_implementation, poisoned_empty, random_tensor, run_opcheck
+
+from .cases import INTERPRETING, targets
+from .kvcache_cases import (
+    BF16,
+    F16,
+    F32,
+    SCALE,
+    SOFTCAP,
+    KVCall,
+    Scenario,
+    assert_unchanged,
+    build,
+    check_append,
+    check_call,
+    compare,
+    copy_call,
+    rotary_tables,
+    snapshot,
+)
+
+TARGETS = targets()
+
+
+def _skip_unless_runs(impl: str, s: Scenario) -> None:
+    if impl == "triton" and s.dtype == F32:
+        pytest.skip("the Triton kernels take float16 and bfloat16 (test_float32_is_not_a_triton_dtype)")
+
+
+# ---- scenarios ---------------------------------------------------------------------------
+# Sized for the interpreter (at most ~130 keys, 16-key tiles): between them they cover every
+# item of the feature list. "full" marks a sequence that fills its cache exactly.
+
+_S = Scenario
+SCENARIOS = [
+    # decode
+    _S("decode-ragged-0-1-full", (0, 1, 37, 47)),
+    _S("decode-no-append-empty-and-full", (0, 5, 48), append=False, heads=(4, 1), capacity=48),
+    _S("decode-mqa-h4", (9, 20), heads=(4, 1)),
+    _S("decode-h1", (30,), heads=(1, 1), capacity=40),
+    _S("decode-fp16", (3, 33), fmt="fp16", heads=(4, 2)),
+    _S("decode-fp32", (3, 33), fmt="fp32", heads=(2, 1)),
+    _S("decode-auto-splits-window", (40, 130), window=(7, -1)),
+    # chunked prefill
+    _S("prefill5-paged16-crosses-page", (14, 0, 27), seqlen_q=5, page=16, heads=(4, 1)),
+    _S("prefill17-paged32-gqa4-d128", (3, 40, 47), seqlen_q=17, page=32, heads=(8, 2), head_dim=128),
+    _S("prefill5-no-append-empty-rows", (2, 0, 9), seqlen_q=5, append=False, capacity=16),
+    _S("prefill5-window-left", (20, 3), seqlen_q=5, window=(3, -1), page=16),
+    _S("prefill5-not-causal", (11, 0), seqlen_q=5, causal=False),
+    _S("prefill5-not-causal-window", (11, 2), seqlen_q=5, causal=False, window=(4, 2), page=16),
+    _S("prefill5-alibi-batch", (12, 30), seqlen_q=5, alibi="batch", heads=(4, 2)),
+    _S("decode-alibi-heads-window", (25, 6), alibi="heads", window=(9, -1), page=32),
+    _S("prefill5-softcap-scale", (7, 19), seqlen_q=5, softcap=SOFTCAP, softmax_scale=SCALE),
+    _S("prefill5-pages-partly-filled-padded-table", (1, 17, 33), seqlen_q=5, page=16, capacity=64, pad_table=True),
+    # rotary
+    _S("prefill5-rotary-halves-paged", (14, 3), seqlen_q=5, rotary="halves", page=16, heads=(4, 2)),
+    _S("decode-rotary-interleaved-part", (21, 0), rotary="interleaved", rotary_dim=32),
+    _S("prefill5-rotary-halves-part-int8", (6, 10), seqlen_q=5, rotary="halves", rotary_dim=32, fmt="int8-g32"),
+    # quantized caches
+    _S("decode-int8-head", (0, 23, 47), fmt="int8"),
+    _S("prefill5-int8-g32-paged16", (14, 2), seqlen_q=5, fmt="int8-g32", page=16, heads=(4, 1)),
+    _S("decode-int8-g32-fp16", (19, 40), fmt="int8-g32-fp16", heads=(4, 2)),
+    _S("decode-int4-head", (5, 31), fmt="int4", window=(11, -1)),
+    _S("prefill17-int4-g32-paged32-d128", (0, 15), seqlen_q=17, fmt="int4-g32", page=32, head_dim=128,
+       heads=(4, 1)),
+    _S("prefill5-int4-g32-rotary-interleaved", (8, 27), seqlen_q=5, fmt="int4-g32", rotary="interleaved",
+       alibi="heads", softcap=SOFTCAP),
+    _S("prefill5-int4-g32-no-append", (4, 9), seqlen_q=5, fmt="int4-g32", append=False, capacity=16),
+    # padded head_dim (96 -> 128 tiles)
+    _S("prefill5-d96-int8-g32-paged", (12, 40), seqlen_q=5, head_dim=96, fmt="int8-g32", page=16),
+    _S("decode-d96-bf16", (7, 0), head_dim=96, rotary="halves"),
+]  # fmt: skip
+
+# Compiled kernels and the CPU backend: long caches (a 70000-token one with tiny heads).
+LONG_SCENARIOS = [
+    _S("prefill17-long-paged32-int8", (1000, 3, 777), seqlen_q=17, page=32, fmt="int8-g32", heads=(4, 1)),
+    _S("decode-70000-full", (69999, 40), heads=(2, 1), capacity=70000),
+    _S("prefill5-70000-paged32-int4-window", (69995, 1), seqlen_q=5, page=32, fmt="int4-g32", heads=(2, 1),
+       window=(2000, -1)),
+    _S("decode-70000-no-append-rotary", (70000, 7), append=False, rotary="halves", capacity=70000),
+]  # fmt: skip
+
+
+def _params(scenarios):
+    return [pytest.param(s, id=s.name) for s in scenarios]
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize("scenario", _params(SCENARIOS))
+def test_matches_reference(device: str, impl: str, scenario: Scenario) -> None:
+    _skip_unless_runs(impl, scenario)
+    check_call(build(scenario, device), impl, device)
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize("scenario", _params(LONG_SCENARIOS))
+def test_long_caches(device: str, impl: str, scenario: Scenario) -> None:
+    if INTERPRETING:
+        pytest.skip("long caches are for compiled kernels and the CPU backend (the interpreter is slow)")
+    check_call(build(scenario, device), impl, device)
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+def test_each_option_changes_the_result(device: str, impl: str) -> None:
+    # The comparisons can only catch an ignored option when the option moves the output by
+    # more than the tolerance: each must, here (a call without it fails the comparison).
+    base = Scenario("base", (20, 33), seqlen_q=5, heads=(4, 2), rotary="halves", fmt="int8-g32")
+    call = build(base, device)
+    for name, change in (
+        ("causal", dict(causal=False)),
+        ("window", dict(window=(3, -1))),
+        ("alibi", dict(alibi_slopes=torch.linspace(0.2, 1.0, 4, device=device))),
+        ("softcap", dict(softcap=1.0)),
+        ("softmax_scale", dict(softmax_scale=SCALE)),
+        ("rotary_interleaved", dict(rotary_interleaved=True)),
+        ("no rotary", dict(rotary_cos=None, rotary_sin=None)),
+    ):
+        with dispatch.force(impl):
+            out, lse = copy_call(call).call(**change)
+        with pytest.raises(AssertionError, match=r"out|lse"):
+            compare(copy_call(call), out, lse, fma=device != "cpu", msg=f"without {name}")
+
+
+# ---- the Triton split path -----------------------------------------------------------------
+
+_SPLIT_SCENARIOS = [
+    # ragged: the short sequences' later splits are empty; one sequence has no key at all
+    _S("split-ragged-with-empty", (0, 3, 90), append=False, capacity=96, heads=(4, 1)),
+    # a left window: the first splits see no key
+    _S("split-window-empty-first", (70, 90), seqlen_q=5, window=(6, -1), page=16, heads=(4, 2)),
+    _S("split-int4-g32-rotary-alibi", (37, 80), seqlen_q=5, fmt="int4-g32", rotary="interleaved", alibi="batch",
+       softcap=SOFTCAP),
+    _S("split-int8-paged32-gqa", (45, 81), fmt="int8", page=32, heads=(8, 2)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize("scenario", _params(_SPLIT_SCENARIOS))
+def test_triton_forced_splits(device: str, impl: str, scenario: Scenario) -> None:
+    # The launcher takes num_splits (and a config): 1 split writes the output directly, more
+    # write float32 partials that the combine kernel merges by their lse. 7 splits of 16-key
+    # blocks over ~100 keys leave some empty for every sequence; a sequence without keys has
+    # every split empty.
+    if impl != "triton":
+        pytest.skip("the split path is the Triton kernel's")
+    from openkernels.attention.triton.configs import AttnConfig
+    from openkernels.attention.triton.kvcache import attention_kvcache_fwd
+
+    call = build(scenario, device)
+    check_call(call, impl, device)  # the default plan, and the append done
+    d = call.q.shape[-1]
+    left, right = call.window[0], 0 if call.causal else call.window[1]
+    slopes = call.alibi_slopes
+    if slopes is not None:
+        slopes = slopes.expand(call.q.shape[0], call.q.shape[2]).contiguous()
+    quant = [None] * 4
+    if isinstance(call.k_cache, QuantizedKV):
+        quant = [call.k_cache.scale, call.k_cache.zero, call.v_cache.scale, call.v_cache.zero]
+    max_k = max(call.lengths) + call.seqlen_new
+    for splits in (1, 3, 7):
+        for config in (None, AttnConfig(32, 32, 4, 1)):  # the default tiles; 32 packed rows x 32 keys
+            with poisoned_empty():
+                out = torch.empty_like(call.q)
+                lse = torch.empty(call.q.shape[0], call.q.shape[2], call.q.shape[1], device=device)
+            attention_kvcache_fwd(
+                call.q, call.k_cache.data if quant[0] is not None else call.k_cache,
+                call.v_cache.data if quant[0] is not None else call.v_cache, *quant, out, lse, call.cache_seqlens,
+                call.block_table, call.rotary_cos, call.rotary_sin, seqlen_new=call.seqlen_new, max_seqlen_k=max_k,
+                scale=d**-0.5 if call.softmax_scale is None else call.softmax_scale, window_left=left,
+                window_right=right, alibi_slopes=slopes, softcap=call.softcap,
+                rotary_interleaved=call.rotary_interleaved, bits=call.bits, group_size=call.group,
+                config=config, num_splits=splits,
+            )  # fmt: skip
+            compare(call, out, lse, fma=device != "cpu", msg=f"{splits} splits, config {config}")
+
+
+# ---- KVCache -------------------------------------------------------------------------------
+
+_CACHE_KINDS = [
+    pytest.param(BF16, None, None, id="bf16-contiguous"),
+    pytest.param(F16, None, 16, id="fp16-paged16"),
+    pytest.param("int8", None, 16, id="int8-paged16"),
+    pytest.param("int4", 32, None, id="int4-g32-contiguous"),
+]
+
+
+def _history_check(cache: A.KVCache, keys: list, values: list, msg: str, *, fma: bool, rotary=None) -> None:
+    """cache.dequantize(b) holds the history (keys rotated at their positions when rotary):
+    exactly for a 16-bit cache, within one code step (scale) of kvformat's quantization for
+    int8/int4. fma: a GPU's fused rotation may round the other way (kvcache_cases.py)."""
+    for b in range(cache.batch_size):
+        k, v = cache.dequantize(b)
+        hk, hv = torch.cat([x[b] for x in keys]).float(), torch.cat([x[b] for x in values]).float()
+        if rotary is not None:
+            cos, sin, interleaved = rotary
+            hk = R.rotate(hk, torch.arange(hk.shape[0], device=hk.device), cos, sin, interleaved)
+        assert k.shape == hk.shape == v.shape, f"{msg}: dequantize({b}) has shape {tuple(k.shape)}"
+        for what, got, want in (("k", k, hk), ("v", v, hv)):
+            slack = 2.0**-7 * want.abs() if fma and what == "k" else 0.0
+            if cache.bits == 16:
+                want = want.to(cache.kv_dtype).float()
+                assert ((got - want).abs() <= slack).all(), f"{msg}: {what} history of sequence {b}"
+            else:
+                q = quantize_kv(want, cache.bits, cache.group_size)
+                step = q.scale.float().repeat_interleave(cache.group_size, -1)
+                ok = ((got - dequantize_kv(q)).abs() <= step * 1.001 + slack).all()
+                assert ok, f"{msg}: {what} history of sequence {b} off by more than one code"
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize(("kv_dtype", "group", "page"), _CACHE_KINDS)
+def test_kvcache_decode_loop(device: str, impl: str, kv_dtype, group, page) -> None:
+    batch, hq, hkv, d, prompt = 2, 4, 2, 64, 13
+    dtype = kv_dtype if isinstance(kv_dtype, torch.dtype) else BF16
+    cache = A.KVCache(batch, 40, hkv, d, kv_dtype=kv_dtype, group_size=group, page_size=page, device=device)
+    cos, sin = rotary_tables(40, d, device)
+    rot = dict(rotary_cos=cos, rotary_sin=sin)
+    fma = device != "cpu"
+    keys, values = (
+        [random_tensor((batch, prompt, hkv, d), dtype, device)],
+        [random_tensor((batch, prompt, hkv, d), dtype, device)],
+    )
+    with dispatch.force(impl):
+        cache.append(keys[0], values[0], **rot)
+    assert cache.lengths == [prompt] * batch and cache.seqlens.tolist() == [prompt] * batch
+    for step, n in enumerate((1, 1, 5, 1)):  # decode steps and one chunk of 5
+        q = random_tensor((batch, n, hq, d), dtype, device)
+        keys.append(random_tensor((batch, n, hkv, d), dtype, device))
+        values.append(random_tensor((batch, n, hkv, d), dtype, device))
+        with dispatch.force(impl), poisoned_empty():
+            out, lse = cache.attend(q, keys[-1], values[-1], return_lse=True, **rot)
+        length = prompt + sum(x.shape[1] for x in keys[1:])
+        assert cache.lengths == [length] * batch and cache.seqlens.tolist() == [length] * batch
+        _history_check(cache, keys, values, f"step {step}", fma=fma, rotary=(cos, sin, False))
+        _cache_compare(cache, q, out, lse, f"step {step}", fma, rot)
+    # No k_new: attend reads without advancing.
+    q = random_tensor((batch, 1, hq, d), dtype, device)
+    with dispatch.force(impl):
+        out, lse = cache.attend(q, return_lse=True, causal=False, **rot)
+    assert cache.lengths == [length] * batch
+    _cache_compare(cache, q, out, lse, "no k_new", fma, {**rot, "causal": False})
+    # reset: the next token sees only itself, so its output is its value (exactly, 16-bit).
+    cache.reset()
+    assert cache.lengths == [0] * batch and cache.seqlens.tolist() == [0] * batch
+    q, kn, vn = (random_tensor((batch, 1, h, d), dtype, device) for h in (hq, hkv, hkv))
+    with dispatch.force(impl):
+        out = cache.attend(q, kn, vn, **rot)
+    assert cache.lengths == [1] * batch
+    if cache.bits == 16:
+        assert torch.equal(out, vn.repeat_interleave(hq // hkv, dim=2)), "after reset: out must be v_new"
+    _history_check(cache, [kn], [vn], "after reset", fma=fma, rotary=(cos, sin, False))
+
+
+def _cache_compare(cache: A.KVCache, q, out, lse, msg: str, fma: bool, options: dict) -> None:
+    """attend's out and lse against the reference on the cache's own contents (dequantize)."""
+    sides = [cache.dequantize(b) for b in range(cache.batch_size)]
+    length = sides[0][0].shape[0]
+    store = q.dtype if cache.bits == 16 else F32  # float32 holds a dequantized cache exactly
+    call = KVCall(
+        q, torch.stack([s[0] for s in sides]).to(store), torch.stack([s[1] for s in sides]).to(store),
+        torch.full((cache.batch_size,), length, dtype=torch.int32, device=q.device), None, None, None,
+        options.get("causal", True), options.get("window", (-1, -1)), options.get("softcap", 0.0),
+        options.get("softmax_scale"), options.get("alibi_slopes"), options.get("rotary_cos"),
+        options.get("rotary_sin"), options.get("rotary_interleaved", False), name=msg,
+    )  # fmt: skip
+    compare(call, out, lse, fma=fma, msg=msg)
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+def test_kvcache_custom_block_table(device: str, impl: str) -> None:
+    # Fewer pages than the default table needs, handed out out of order; then reassigned.
+    batch, hkv, d, page = 2, 1, 64, 16
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32, device=device)
+    cache = A.KVCache(batch, 48, hkv, d, kv_dtype="int8", page_size=page, num_pages=6, block_table=table,
+                      device=device)  # fmt: skip
+    assert cache.block_table is table
+    keys = [random_tensor((batch, 20, hkv, d), BF16, device)]
+    values = [random_tensor((batch, 20, hkv, d), BF16, device)]
+    with dispatch.force(impl):
+        cache.append(keys[0], values[0])
+    _history_check(cache, keys, values, "custom table", fma=False)
+    q = random_tensor((batch, 3, 2, d), BF16, device)
+    keys.append(random_tensor((batch, 3, hkv, d), BF16, device))
+    values.append(random_tensor((batch, 3, hkv, d), BF16, device))
+    with dispatch.force(impl):
+        out, lse = cache.attend(q, keys[-1], values[-1], return_lse=True)
+    _history_check(cache, keys, values, "custom table, attend", fma=False)
+    _cache_compare(cache, q, out, lse, "custom table", device != "cpu", {})
+    # 23 tokens fill two pages per sequence (4, 0 and 1, 5): the third pages are untouched.
+    for side in (cache.k, cache.v):
+        assert (side.scale[[2, 3]] == 0).all() and (side.data[[2, 3]] == 0).all(), (
+            "a page past the tokens changed"
+        )
+    # Reassigning the table moves what the cache reads: sequence 0 now reads sequence 1's pages.
+    k1, v1 = cache.dequantize(1)
+    cache.block_table = table.flip(0).contiguous()
+    k0, v0 = cache.dequantize(0)
+    assert torch.equal(k0, k1) and torch.equal(v0, v1), "the reassigned block table is not read"
+    with pytest.raises(ValueError, match="block_table"):
+        cache.block_table = torch.tensor([[6, 0, 1], [2, 3, 4]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="block_table"):
+        A.KVCache(batch, 48, hkv, d, page_size=page, num_pages=6, block_table=table[:, :2].contiguous(),
+                  device=device)  # fmt: skip
+
+
+# ---- quantization error (measured) ---------------------------------------------------------
+
+# Largest relative L2 error ||out_q - out_bf16|| / ||out_bf16|| measured on every run with
+# the inputs below, times ~3 for margin (the numbers are printed under `pytest -s`).
+_QUANT_BOUNDS = {
+    ("random", "int8", None): 0.02,
+    ("random", "int8", 32): 0.02,
+    ("random", "int4", None): 0.35,
+    ("random", "int4", 32): 0.3,
+    ("outliers", "int8", None): 0.1,
+    ("outliers", "int8", 32): 0.1,
+    ("outliers", "int4", None): 1.5,
+    ("outliers", "int4", 32): 1.5,
+}
+
+
+def test_quantization_error_is_measured_and_bounded() -> None:
+    if INTERPRETING:
+        pytest.skip("a property of the format, measured once outside the interpreter")
+    g = torch.Generator().manual_seed(0)
+    batch, seqlen, sq, hq, hkv, d = 4, 1024, 4, 8, 2, 128
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g)
+
+    q = randn(batch, sq, hq, d).to(BF16)
+    v = randn(batch, seqlen, hkv, d).to(BF16)
+    k_random = randn(batch, seqlen, hkv, d)
+    # A model-like key: 4 of 128 channels (one per group of 32) ~20x larger than the rest,
+    # plus a per-channel offset (LLM keys have a few such outlier channels).
+    k_outliers = randn(batch, seqlen, hkv, d) + 0.5 * randn(1, 1, hkv, d)
+    k_outliers[..., [5, 40, 77, 110]] *= 20
+    rows = []
+    for kind, k in (("random", k_random.to(BF16)), ("outliers", k_outliers.to(BF16))):
+        base = R.attention_ref(q.double(), k.double(), v.double(), causal=True)
+        for bits, group in (("int8", None), ("int8", 32), ("int4", None), ("int4", 32)):
+            n = 8 if bits == "int8" else 4
+            kq, vq = (quantize_kv(x, n, group).dequantize().double() for x in (k, v))
+            out = R.attention_ref(q.double(), kq, vq, causal=True)
+            rel = float((out - base).norm() / base.norm())
+            worst = float((out - base).abs().max() / base.abs().max())
+            out_k = R.attention_ref(q.double(), kq, v.double(), causal=True)  # K only
+            rel_k = float((out_k - base).norm() / base.norm())
+            rows.append((kind, bits, group, rel, rel_k, worst))
+    print("\nquantization error of attention (decode, B4 S1024 H8/2 D128), vs the bf16 cache:")
+    print(f"{'keys':10}{'format':8}{'group':>6}{'rel L2':>10}{'K only':>10}{'max/max':>10}")
+    for kind, bits, group, rel, rel_k, worst in rows:
+        print(f"{kind:10}{bits:8}{group or 'head':>6}{rel:10.4f}{rel_k:10.4f}{worst:10.4f}")
+    for kind, bits, group, rel, _, _ in rows:
+        bound = _QUANT_BOUNDS[kind, bits, group]
+        assert rel < bound, f"{kind} keys, {bits} group {group}: relative error {rel:.4f} >= {bound}"
+
+
+# ---- torch.compile and opcheck -----------------------------------------------------------
+
+
+def _compile_calls(device: str) -> list[KVCall]:
+    return [
+        build(_S("compile-bf16-paged", (14, 3), seqlen_q=5, page=16, heads=(4, 2), alibi="batch"), device),
+        build(_S("compile-int4-rotary", (20, 0), fmt="int4-g32", rotary="halves", window=(9, -1), softcap=SOFTCAP),
+              device),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+def test_torch_compile_fullgraph(device: str, impl: str) -> None:
+    for call in _compile_calls(device):
+        # A fresh compile per call: recompiling one function for another float softcap makes
+        # the float dynamic, which the argument checks' math.isinf cannot take (a known limit
+        # of attention and attention_with_kvcache under fullgraph=True).
+        torch._dynamo.reset()
+        eager_call, compiled_call = copy_call(call), copy_call(call)
+
+        def step(q, k_cache, v_cache, cache_seqlens, k_new, v_new, call=call):
+            opts = call.kwargs() | dict(k_new=k_new, v_new=v_new)
+            return A.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, return_lse=True, **opts)
+
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        with dispatch.force(impl):
+            out, lse = step(
+                call.q, eager_call.k_cache, eager_call.v_cache, call.cache_seqlens, call.k_new, call.v_new
+            )
+            out_c, lse_c = compiled(call.q, compiled_call.k_cache, compiled_call.v_cache, call.cache_seqlens,
+                                    call.k_new, call.v_new)  # fmt: skip
+        assert torch.equal(out_c, out) and torch.equal(lse_c, lse), f"{call.name}: compiled output differs"
+        for a, b in zip(compiled_call.storage(), eager_call.storage()):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
+                f"{call.name}: compiled append differs"
+            )
+        compare(compiled_call, out_c, lse_c, fma=device != "cpu", msg=f"{call.name} compiled")
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+def test_opcheck(device: str, impl: str) -> None:
+    ops = torch.ops.openkernels
+    for call in _compile_calls(device):
+        quant = [None] * 4
+        kd, vd = call.k_cache, call.v_cache
+        if isinstance(kd, QuantizedKV):
+            quant = [kd.scale, kd.zero, vd.scale, vd.zero]
+            kd, vd = kd.data, vd.data
+        rot = (call.rotary_cos, call.rotary_sin)
+        left, right = call.window[0], 0 if call.causal else call.window[1]
+        append = (kd, vd, *quant, call.k_new, call.v_new, call.cache_seqlens, call.block_table, *rot,
+                  call.rotary_interleaved, call.bits, call.group)  # fmt: skip
+        forward = (call.q, kd, vd, *quant, call.cache_seqlens, call.block_table, *rot, call.seqlen_new,
+                   max(call.lengths) + call.seqlen_new, call.scale, left, right, call.alibi_slopes, call.softcap,
+                   call.rotary_interleaved, call.bits, call.group)  # fmt: skip
+        with dispatch.force(impl):
+            run_opcheck(ops.kvcache_append.default, append)
+            # opcheck runs on copies: append for real, the forward reads the new tokens (NaN
+            # poison in their slots until then).
+            ops.kvcache_append(*append)
+            run_opcheck(ops.attention_kvcache.default, forward)
+            out, lse = ops.attention_kvcache(*forward)
+        compare(call, out, lse, fma=device != "cpu", msg=f"{call.name} library op")
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+_BAD_BASE = _S("bad", (20, 3), seqlen_q=2, page=16, heads=(4, 2), rotary="halves", capacity=32)
+_BAD_INT4 = _S("bad-int4", (14, 3), seqlen_q=2, heads=(4, 2), fmt="int4-g32", capacity=32)
+
+
+def _i32(values, device="cpu"):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _swap(c: KVCall, **changes) -> KVCall:
+    return dataclasses.replace(c, **changes)
+
+
+def _requant(side: QuantizedKV, bits: int, group: int) -> QuantizedKV:
+    return quantize_kv(dequantize_kv(side).nan_to_num(0.0), bits, group)
+
+
+# (name, scenario, call on the KVCall, error type, message pattern); every call has k_new.
+_ERRORS = [
+    # bounds (checked on the host before anything is written)
+    ("block_table-out-of-range", _BAD_BASE,
+     lambda c: c.call(block_table=torch.where(torch.arange(2)[None, :] == 0, c.block_table, 99).int()),
+     ValueError, r"block_table\[0, 1\] = 99 is not a page of the cache \(0\.\.5\)"),
+    ("block_table-negative", _BAD_BASE,
+     lambda c: c.call(block_table=torch.where(torch.arange(2)[None, :] == 0, c.block_table, -1).int()),
+     ValueError, r"block_table\[0, 1\] = -1 is not a page"),
+    ("cache_seqlens-beyond-capacity", _BAD_BASE, lambda c: _swap(c, cache_seqlens=_i32([20, 31])).call(),
+     ValueError, r"cache_seqlens\[1\] = 31 plus 2 new tokens is outside the cache's capacity of 32 tokens"),
+    ("cache_seqlens-negative", _BAD_BASE, lambda c: _swap(c, cache_seqlens=_i32([-1, 3])).call(),
+     ValueError, r"cache_seqlens\[0\] = -1"),
+    ("rotary-beyond-table", _BAD_BASE,
+     lambda c: c.call(rotary_cos=c.rotary_cos[:16], rotary_sin=c.rotary_sin[:16]), ValueError,
+     r"rotary positions 20\.\.21 of sequence 0 are outside rotary_cos's 16 rows"),
+    # dtypes
+    ("cache-dtype", _BAD_BASE, lambda c: A.attention_with_kvcache(c.q, c.k_cache.half(), c.v_cache.half(),
+     c.cache_seqlens, **c.kwargs()), TypeError, "k_cache must have q's dtype torch.bfloat16"),
+    ("cache_seqlens-int64", _BAD_BASE, lambda c: _swap(c, cache_seqlens=c.cache_seqlens.long()).call(),
+     TypeError, r"cache_seqlens must be an int32 tensor of shape \(2,\)"),
+    ("block_table-float", _BAD_BASE, lambda c: c.call(block_table=c.block_table.float()), TypeError,
+     r"block_table must be an int32 \(batch, max_pages\) tensor"),
+    ("k_new-dtype", _BAD_BASE, lambda c: c.call(k_new=c.k_new.half()), TypeError,
+     "k_new must have q's dtype and device"),
+    ("q-dtype", _BAD_BASE, lambda c: _swap(c, q=c.q.double()).call(), TypeError,
+     "q's dtype torch.float64 is not supported"),
+    ("rotary-int", _BAD_BASE, lambda c: c.call(rotary_cos=c.rotary_cos.int(), rotary_sin=c.rotary_sin.int()),
+     TypeError, "rotary_cos must be a float"),
+    ("scale-dtype", _BAD_INT4, lambda c: _swap(c, k_cache=_swap(c.k_cache,
+     scale=c.k_cache.scale.float())).call(), ValueError, r"k_cache.scale must be float16 of shape"),
+    ("codes-dtype", _BAD_INT4, lambda c: _swap(c, k_cache=_swap(c.k_cache,
+     data=c.k_cache.data.to(torch.int8))).call(), TypeError, "k_cache.data must be 4D uint8"),
+    # shapes
+    ("k_new-shape", _BAD_BASE, lambda c: c.call(k_new=c.k_new[:, :1], v_new=c.v_new[:, :1]), ValueError,
+     r"k_new must have shape \(2, 2, 2, 64\) \(one new token per query\), got \(2, 1, 2, 64\)"),
+    ("v_new-heads", _BAD_BASE, lambda c: c.call(v_new=c.v_new[:, :, :1]), ValueError, "v_new must have shape"),
+    ("cache_seqlens-shape", _BAD_BASE, lambda c: _swap(c, cache_seqlens=_i32([14, 3, 0])).call(),
+     ValueError, r"cache_seqlens must have shape \(2,\)"),
+    ("block_table-rows", _BAD_BASE, lambda c: c.call(block_table=c.block_table[:1]), ValueError,
+     "block_table must have 2 rows"),
+    ("block_table-1d", _BAD_BASE, lambda c: c.call(block_table=c.block_table[0]), TypeError,
+     r"block_table must be an int32 \(batch, max_pages\)"),
+    ("cache-batch", _BAD_INT4, lambda c: _swap(c, q=c.q[:1], k_new=c.k_new[:1],
+     v_new=c.v_new[:1], cache_seqlens=c.cache_seqlens[:1]).call(), ValueError, "the cache has batch 2 but q has 1"),
+    ("k-vs-v-cache", _BAD_BASE, lambda c: A.attention_with_kvcache(c.q, c.k_cache, c.v_cache[:5], c.cache_seqlens,
+     **c.kwargs()), ValueError, "k_cache and v_cache must be 4D of one shape"),
+    ("cache-head_dim", _BAD_BASE, lambda c: A.attention_with_kvcache(c.q, c.k_cache[..., :32],
+     c.v_cache[..., :32], c.cache_seqlens, **c.kwargs()), ValueError, "q has head_dim 64 but the cache has 32"),
+    ("heads", _BAD_BASE, lambda c: _swap(c, q=c.q[:, :, :3]).call(), ValueError,
+     r"heads_q \(3\) must be a multiple of the cache's heads_kv \(2\)"),
+    ("q-3d", _BAD_BASE, lambda c: _swap(c, q=c.q[0]).call(), ValueError, "q must be a 4D"),
+    ("codes-width", _BAD_INT4, lambda c: _swap(c, k_cache=_swap(c.k_cache, data=c.k_cache.data[
+     ..., :16]), v_cache=_swap(c.v_cache, data=c.v_cache.data[..., :16])).call(), ValueError,
+     r"k_cache.data's last dim must be 32 for head_dim 64 at 4 bits, got 16"),
+    ("rotary-dim-too-large", _BAD_BASE, lambda c: c.call(rotary_cos=torch.ones(32, 33), rotary_sin=torch.ones(32, 33)),
+     ValueError, r"rotary_dim \(2 x rotary_cos.shape\[1\] = 66\) must be in 2\.\.head_dim \(64\)"),
+    ("alibi-shape", _BAD_BASE, lambda c: c.call(alibi_slopes=torch.ones(2)), ValueError,
+     r"alibi_slopes must have shape \(4,\) or \(2, 4\)"),
+    # pairs
+    ("k_new-without-v_new", _BAD_BASE, lambda c: c.call(v_new=None), ValueError,
+     "k_new and v_new must be given together"),
+    ("rotary_cos-without-sin", _BAD_BASE, lambda c: c.call(rotary_sin=None), ValueError,
+     "rotary_cos and rotary_sin must be given together"),
+    ("quantized-and-tensor", _BAD_INT4, lambda c: A.attention_with_kvcache(c.q, c.k_cache,
+     c.v_cache.dequantize(BF16), c.cache_seqlens, **c.kwargs()), TypeError,
+     "k_cache and v_cache must both be torch.Tensor or both QuantizedKV"),
+    ("quantized-bits-mismatch", _BAD_INT4, lambda c: A.attention_with_kvcache(c.q, c.k_cache,
+     _requant(c.v_cache, 8, 32), c.cache_seqlens, **c.kwargs()), ValueError,
+     r"k_cache and v_cache must share bits and group_size, got \(4, 32\) and \(8, 32\)"),
+    ("quantized-group-mismatch", _BAD_INT4, lambda c: A.attention_with_kvcache(c.q, c.k_cache,
+     _requant(c.v_cache, 4, 64), c.cache_seqlens, **c.kwargs()), ValueError,
+     r"must share bits and group_size, got \(4, 32\) and \(4, 64\)"),
+    ("quantized-group-16", _BAD_INT4, lambda c: A.attention_with_kvcache(c.q, _requant(c.k_cache, 4, 16),
+     _requant(c.v_cache, 4, 16), c.cache_seqlens, **c.kwargs()), ValueError,
+     "group_size must divide head_dim 64 and be 32, 64, 128 or head_dim, got 16"),
+    # layout
+    ("page-size-8", _BAD_BASE, lambda c: A.attention_with_kvcache(c.q, c.k_cache.view(12, 8, 2, 64),
+     c.v_cache.view(12, 8, 2, 64), c.cache_seqlens, **(c.kwargs() | dict(block_table=_i32([[0, 1, 2, 3],
+     [4, 5, 6, 7]])))), ValueError, r"the page size \(k_cache.shape\[1\] = 8\) must be a multiple of 16"),
+    ("cache-head_dim-stride", _BAD_BASE, lambda c: A.attention_with_kvcache(c.q, c.k_cache.transpose(2, 3)
+     .contiguous().transpose(2, 3), c.v_cache, c.cache_seqlens, **c.kwargs()), ValueError,
+     "k_cache must have a unit stride along head_dim"),
+    # options
+    ("rotary_interleaved-int", _BAD_BASE, lambda c: c.call(rotary_interleaved=1), TypeError,
+     "rotary_interleaved must be a bool"),
+    ("window", _BAD_BASE, lambda c: c.call(window=(-2, 0)), ValueError, "window must be a pair of ints >= -1"),
+    ("softcap", _BAD_BASE, lambda c: c.call(softcap=-1.0), ValueError, "softcap must be a finite float >= 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scenario", "bad", "error", "match"), [pytest.param(s, f, e, m, id=n) for n, s, f, e, m in _ERRORS]
+)
+def test_bad_input_is_a_clear_error_and_leaves_the_cache(scenario, bad, error, match) -> None:
+    if INTERPRETING:
+        pytest.skip("argument checks run before any kernel: once, outside the interpreter")
+    call = build(scenario, "cpu")
+    before = snapshot(call)
+    # Every implementation raises AssertionError if reached: the error must come from the
+    # argument checks, before any kernel (and before the append).
+    with contextlib.ExitStack() as stack:
+        for op in ("kvcache_append", "attention_kvcache"):
+            for impl in dispatch.implementations(op):
+                stack.enter_context(failing_implementation(op, impl.name, AssertionError(f"{impl.name} ran")))
+        with pytest.raises(error, match=match) as caught:
+            bad(call)
+    assert str(caught.value).startswith("attention_with_kvcache: "), "an error names the function"
+    assert_unchanged(call, before, f"after the {type(caught.value).__name__}")
+
+
+def test_kvcache_bad_input() -> None:
+    if INTERPRETING:
+        pytest.skip("argument checks run before any kernel: once, outside the interpreter")
+    cache = A.KVCache(2, 20, 1, 64, kv_dtype="int4", group_size=32, page_size=16)
+    k = random_tensor((2, 15, 1, 64), BF16)
+    cache.append(k, k)
+    before = [t.clone() for t in (cache.k.data, cache.k.scale, cache.v.data, cache.v.zero)]
+    q = random_tensor((2, 6, 2, 64), BF16)
+    kn = random_tensor((2, 6, 1, 64), BF16)
+    with pytest.raises(
+        ValueError, match=r"KVCache.attend: cache_seqlens\[0\] = 15 plus 6 new tokens is outside"
+    ):
+        cache.attend(q, kn, kn)
+    with pytest.raises(ValueError, match=r"KVCache.append: cache_seqlens\[0\] = 15 plus 6"):
+        cache.append(kn, kn)
+    with pytest.raises(TypeError, match=r"unknown options \['casual'\]"):
+        cache.attend(q[:, :1], kn[:, :1], kn[:, :1], casual=True)
+    with pytest.raises(ValueError, match=r"KVCache\.append: v_new must have shape"):
+        cache.append(kn[:, :1], kn[:, :2])
+    cos, sin = rotary_tables(15, 64, "cpu")
+    with pytest.raises(
+        ValueError, match=r"rotary positions 15\.\.15 of sequence 0 are outside rotary_cos.s 15 rows"
+    ):
+        cache.attend(q[:, :1], kn[:, :1], kn[:, :1], rotary_cos=cos, rotary_sin=sin)
+    after = (cache.k.data, cache.k.scale, cache.v.data, cache.v.zero)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before))
+    assert cache.lengths == [15, 15] and cache.seqlens.tolist() == [15, 15]
+    for kwargs, match in (
+        (dict(kv_dtype="int2"), "kv_dtype must be"),
+        (dict(kv_dtype="int8", group_size=48), "group_size must divide head_dim 64"),
+        (dict(page_size=8), "page_size must be a multiple of 16"),
+        (dict(page_size=16, num_pages=3), "3 pages are fewer than the 4"),
+        (dict(block_table=_i32([[0], [1]])), "block_table needs a page_size"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            A.KVCache(2, 20, 1, 64, **kwargs)
+
+
+# ---- append quantization against kvformat ------------------------------------------------
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize(
+    "fmt", [(8, None), (8, 32), (4, None), (4, 32)], ids=["int8", "int8-g32", "int4", "int4-g32"]
+)
+def test_append_quantizes_like_kvformat(device: str, impl: str, fmt) -> None:
+    # Many tokens at once, ranges from tiny to large and constant groups (scale 0): the
+    # appended codes are kvformat's (except, rarely, one apart), scale and zero exactly.
+    bits, group = fmt
+    n = 20 if INTERPRETING else 200
+    call = build(_S("append", (3, 0), seqlen_q=n, fmt="int8", capacity=n + 3), device)
+    call.k_cache = _requant(call.k_cache, bits, group or 64)
+    call.v_cache = _requant(call.v_cache, bits, group or 64)
+    scales = torch.logspace(-3, 3, n, device=device)[None, :, None, None]
+    call.k_new = (call.k_new.float() * scales).to(BF16)
+    call.v_new = call.v_new.clone()
+    call.v_new[:, ::3] = 1.5  # constant tokens: scale 0, every code 0
+    before = snapshot(call)
+    with dispatch.force(impl):
+        A.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.cache_seqlens, k_new=call.k_new,
+                                 v_new=call.v_new)  # fmt: skip
+    check_append(call, before, fma=device != "cpu", msg=f"{impl} append")
+    stored = call.v_cache.data[0, 3 : 3 + n : 3]
+    assert (unpack_codes(stored, bits) == 0).all() and (call.v_cache.scale[0, 3 : 3 + n : 3] == 0).all()
