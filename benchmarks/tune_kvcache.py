@@ -45,14 +45,17 @@ def _call(cache: KVCache, q, cfg, splits, gather=False):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--stages", default="2,3,4")
     args = parser.parse_args()
     dev = torch.device("cuda")
     ceiling = copy_ceiling_gbps(dev)
     print(f"copy ceiling {ceiling:.0f} GB/s")
     blocks = (32, 64, 128)
     warps = (4, 8)
-    stages = (2, 3, 4) if not args.quick else (3,)
-    for shape, (fmt, opts) in itertools.product(SHAPES, FORMATS.items()):
+    stages = tuple(int(x) for x in args.stages.split(",")) if not args.quick else (3,)
+    formats = {name: FORMATS[name] for name in args.formats.split(",")}
+    for shape, (fmt, opts) in itertools.product(SHAPES, formats.items()):
         b, hq, hkv, n, d = shape
         cache = KVCache(b, n, hkv, d, device=dev, **{"kv_dtype": torch.bfloat16, **opts})
         cache.append(torch.randn(b, n, hkv, d, device=dev, dtype=torch.bfloat16),

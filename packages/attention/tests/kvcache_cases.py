@@ -348,26 +348,63 @@ def check_append(call: KVCall, before: list[torch.Tensor], *, fma: bool, msg: st
         )
 
 
-def query(call: KVCall, b: int, length: int) -> torch.Tensor:
-    """Sequence b's queries (Sq, Hq, D) as the semantics use them: rotated at positions
-    length - Sq .. length - 1 in float32 and rounded back to q's dtype."""
+def query(call: KVCall, b: int, length: int, *, rounded: bool = True) -> torch.Tensor:
+    """Sequence b's queries (Sq, Hq, D) rotated at positions length - Sq .. length - 1 in
+    float32 and (rounded, as the semantics say) back to q's dtype."""
     q = call.q[b]
     if call.rotary_cos is None:
         return q
     pos = torch.arange(length - q.shape[0], length, device=q.device)
-    return R.rotate(q, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved).to(q.dtype)
+    q = R.rotate(q, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
+    return q.to(call.q.dtype) if rounded else q
 
 
-def reference(call: KVCall, b: int, k: torch.Tensor, v: torch.Tensor):
-    """The float64 reference of sequence b on keys / values k, v (L, Hkv, D) -> (out (Sq, Hq,
+def _codes(call: KVCall, side: QuantizedKV, b: int, length: int):
+    """Sequence b's codes, scales and zeros per element (L, Hkv, D): float32, float16, float16."""
+    idx = slots(b, torch.arange(length, device=call.q.device), call.block_table, call.page)
+    codes = unpack_codes(side.data[idx], side.bits).float()
+    scale = side.scale[idx].repeat_interleave(side.group_size, -1)
+    zero = side.zero[idx].repeat_interleave(side.group_size, -1)
+    return codes, scale, zero
+
+
+def operands(call: KVCall, impl: str, b: int, length: int):
+    """(q, k, v, softmax scale) that implementation `impl` multiplies for sequence b (module
+    docstring), and per-element bounds (e_q, e_k, e_v) of what a GPU may round otherwise (fused
+    multiply-adds; None on the CPU, where the model is exact)."""
+    dtype = call.q.dtype
+    k, v = _gather(call, call.k_cache, b, length), _gather(call, call.v_cache, b, length)
+    q = query(call, b, length)
+    if impl == "cpu":  # gathers (and dequantizes) the cache in q's dtype
+        return (q, k.to(dtype), v.to(dtype), call.scale), (TOLERANCES[dtype].rtol * q.abs(), None, None)
+    if impl == "triton" and call.bits != 16:
+        # float16 operands: the float32 rotation of q times softmax_scale, rounded once;
+        # code * scale + zero in float16 arithmetic (kvcache_kernels._kv_tile).
+        qh = (query(call, b, length, rounded=False).float() * call.scale).half()
+        sides, bounds = [], []
+        for side in (call.k_cache, call.v_cache):
+            codes, scale, zero = _codes(call, side, b, length)
+            x = codes.half() * scale + zero
+            sides.append(x)
+            # fused: one rounding fewer (of code * scale), and the result one ulp either way
+            bounds.append(U16 * (codes * scale.float()).abs() + 2 * U16 * x.float().abs())
+        return (qh, sides[0], sides[1], 1.0), (2 * U16 * qh.float().abs(), *bounds)
+    # the reference, and Triton on a 16-bit cache: the semantics' operands
+    return (q, k, v, call.scale), (TOLERANCES[dtype].rtol * q.abs(), None, None)
+
+
+U16 = 2.0**-11  # float16's unit roundoff
+
+
+def reference(call: KVCall, b: int, q, k, v, scale: float):
+    """The float64 reference of sequence b on q (Sq, Hq, D), k, v (L, Hkv, D) -> (out (Sq, Hq,
     D), lse (Hq, Sq))."""
     slopes = call.alibi_slopes
     if slopes is not None and slopes.dim() == 2:
         slopes = slopes[b : b + 1]
-    q = query(call, b, k.shape[0])
     o, lse = R.attention_ref(q.double()[None], k.double()[None], v.double()[None], causal=call.causal,
-                             softmax_scale=call.softmax_scale, window=call.window, alibi_slopes=slopes,
-                             softcap=call.softcap, return_lse=True)  # fmt: skip
+                             softmax_scale=scale, window=call.window, alibi_slopes=slopes, softcap=call.softcap,
+                             return_lse=True)  # fmt: skip
     return o[0], lse[0]
 
 
@@ -376,35 +413,47 @@ def _finite_max(t: torch.Tensor) -> float:
     return float(t.abs().max()) if t.numel() else 0.0
 
 
-def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, fma: bool, msg: str) -> None:
-    """out (B, Sq, Hq, D), lse (B, Hq, Sq) of an implementation against the reference on the
-    cache as it is now (module docstring: the tolerances)."""
+def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, impl: str, device: str, msg: str) -> None:
+    """out (B, Sq, Hq, D), lse (B, Hq, Sq) of `impl` against the reference on the cache as it
+    is now (module docstring: the tolerances)."""
     dtype = call.q.dtype
     sq, hq, d = call.q.shape[1:]
     assert out.dtype == dtype and out.shape == call.q.shape, f"{msg}: out {out.dtype} {tuple(out.shape)}"
     assert lse.dtype == F32 and tuple(lse.shape) == (call.q.shape[0], hq, sq), (
         f"{msg}: lse {tuple(lse.shape)}"
     )
+    group = hq // data_of(call.k_cache).shape[2]
     for b, cached in enumerate(call.lengths):
         length = cached + call.seqlen_new
         where = f"{msg} [{call.name}: sequence {b}, {length} keys]"
         k, v = _gather(call, call.k_cache, b, length), _gather(call, call.v_cache, b, length)
-        kr, vr = k.to(dtype), v.to(dtype)  # what a fused implementation multiplies
-        o_ref, l_ref = reference(call, b, k, v)
-        o_rnd, l_rnd = reference(call, b, kr, vr)
-        magnitude = max(_finite_max(reference(call, b, k, v.abs())[0]),
-                        _finite_max(reference(call, b, kr, vr.abs())[0]))  # fmt: skip
-        extra_out = _finite_max(o_rnd - o_ref)
-        extra_lse = _finite_max(torch.where(torch.isfinite(l_ref), l_rnd - l_ref, 0.0))
-        # |score| <= scale * max ||q_i||_1 * max |k| (+ ALiBi's largest bias below)
+        q = query(call, b, length)
+        (qm, km, vm, scale_m), (e_q, e_k, e_v) = operands(call, impl, b, length)
+        o_ref, l_ref = reference(call, b, q, k, v, call.scale)
+        o_mod, l_mod = reference(call, b, qm, km, vm, scale_m)
+        magnitude = max(_finite_max(reference(call, b, q, k, v.abs(), call.scale)[0]),
+                        _finite_max(reference(call, b, qm, km, vm.abs(), scale_m)[0]))  # fmt: skip
+        extra_out = _finite_max(o_mod - o_ref)
+        extra_lse = _finite_max(torch.where(torch.isfinite(l_ref), l_mod - l_ref, 0.0))
         score_max = 0.0
-        if length:
-            q1 = float(query(call, b, length).double().abs().sum(-1).max())
-            score_max = call.scale * q1 * float(k.abs().max())
-        if fma and call.rotary_cos is not None:
-            # q may round one ulp the other way after a fused rotation (module docstring).
-            dist = TOLERANCES[dtype].rtol * score_max
+        if length:  # |score| <= scale * max ||q_i||_1 * max |k| (+ ALiBi's largest bias below)
+            score_max = call.scale * float(q.double().abs().sum(-1).max()) * float(k.abs().max())
+        if length and device != "cpu" and (call.rotary_cos is not None or e_k is not None):
+            # A GPU's fused multiply-adds (module docstring): each score moves by at most
+            # dist = scale * sum_d (e_q |k| + |q| e_k + e_q e_k), each probability by a factor
+            # within exp(+-2 dist), and the output also by P e_v.
+            qa = qm.double().abs().transpose(0, 1)  # (Hq, Sq, D)
+            ka = km.double().abs().repeat_interleave(group, 1).transpose(0, 1)  # (Hq, L, D)
+            eq = e_q.double().transpose(0, 1)
+            ek = (
+                torch.zeros_like(ka)
+                if e_k is None
+                else e_k.double().repeat_interleave(group, 1).transpose(0, 1)
+            )
+            dist = scale_m * float((eq @ ka.mT + qa @ ek.mT + eq @ ek.mT).max())
             extra_out += math.expm1(2 * dist) * magnitude
+            if e_v is not None:
+                extra_out += _finite_max(reference(call, b, qm, km, e_v, scale_m)[0])
             extra_lse += dist
         terms = length + d
         assert_attention_close(out[b], o_ref, dtype=dtype, magnitude=magnitude, terms=terms, extra=extra_out,
@@ -428,9 +477,8 @@ def check_call(call: KVCall, impl: str, device: str, msg: str = "") -> tuple[tor
     before = snapshot(call)
     with dispatch.force(impl), poisoned_empty():
         out, lse = call.call()
-    fma = device != "cpu"
-    check_append(call, before, fma=fma, msg=msg)
-    compare(call, out, lse, fma=fma, msg=msg)
+    check_append(call, before, fma=device != "cpu", msg=msg)
+    compare(call, out, lse, impl=impl, device=device, msg=msg)
     return out, lse
 
 

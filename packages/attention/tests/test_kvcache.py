@@ -139,7 +139,7 @@ def test_each_option_changes_the_result(device: str, impl: str) -> None:
         with dispatch.force(impl):
             out, lse = copy_call(call).call(**change)
         with pytest.raises(AssertionError, match=r"out|lse"):
-            compare(copy_call(call), out, lse, fma=device != "cpu", msg=f"without {name}")
+            compare(copy_call(call), out, lse, impl=impl, device=device, msg=f"without {name}")
 
 
 # ---- the Triton split path -----------------------------------------------------------------
@@ -157,42 +157,46 @@ _SPLIT_SCENARIOS = [
 
 @pytest.mark.parametrize(("device", "impl"), TARGETS)
 @pytest.mark.parametrize("scenario", _params(_SPLIT_SCENARIOS))
-def test_triton_forced_splits(device: str, impl: str, scenario: Scenario) -> None:
-    # The launcher takes num_splits (and a config): 1 split writes the output directly, more
+def test_triton_forced_splits(device: str, impl: str, scenario: Scenario, monkeypatch) -> None:
+    # The launcher takes num_splits and a config: 1 split writes the output directly, more
     # write float32 partials that the combine kernel merges by their lse. 7 splits of 16-key
     # blocks over ~100 keys leave some empty for every sequence; a sequence without keys has
-    # every split empty.
+    # every split empty. The public path runs too, with the module's FORCE_SPLITS.
     if impl != "triton":
         pytest.skip("the split path is the Triton kernel's")
+    from openkernels.attention.triton import kvcache as launcher
     from openkernels.attention.triton.configs import AttnConfig
-    from openkernels.attention.triton.kvcache import attention_kvcache_fwd
 
     call = build(scenario, device)
-    check_call(call, impl, device)  # the default plan, and the append done
+    check_call(call, impl, device)  # the default plan (and the append done)
+    monkeypatch.setattr(launcher, "FORCE_SPLITS", 5)
+    check_call(call, impl, device, "FORCE_SPLITS=5")  # appends the same tokens again
+    monkeypatch.undo()
     d = call.q.shape[-1]
     left, right = call.window[0], 0 if call.causal else call.window[1]
     slopes = call.alibi_slopes
     if slopes is not None:
         slopes = slopes.expand(call.q.shape[0], call.q.shape[2]).contiguous()
-    quant = [None] * 4
-    if isinstance(call.k_cache, QuantizedKV):
-        quant = [call.k_cache.scale, call.k_cache.zero, call.v_cache.scale, call.v_cache.zero]
-    max_k = max(call.lengths) + call.seqlen_new
-    for splits in (1, 3, 7):
-        for config in (None, AttnConfig(32, 32, 4, 1)):  # the default tiles; 32 packed rows x 32 keys
-            with poisoned_empty():
-                out = torch.empty_like(call.q)
-                lse = torch.empty(call.q.shape[0], call.q.shape[2], call.q.shape[1], device=device)
-            attention_kvcache_fwd(
-                call.q, call.k_cache.data if quant[0] is not None else call.k_cache,
-                call.v_cache.data if quant[0] is not None else call.v_cache, *quant, out, lse, call.cache_seqlens,
-                call.block_table, call.rotary_cos, call.rotary_sin, seqlen_new=call.seqlen_new, max_seqlen_k=max_k,
-                scale=d**-0.5 if call.softmax_scale is None else call.softmax_scale, window_left=left,
-                window_right=right, alibi_slopes=slopes, softcap=call.softcap,
-                rotary_interleaved=call.rotary_interleaved, bits=call.bits, group_size=call.group,
-                config=config, num_splits=splits,
-            )  # fmt: skip
-            compare(call, out, lse, fma=device != "cpu", msg=f"{splits} splits, config {config}")
+    quant, kd, vd = [None] * 4, call.k_cache, call.v_cache
+    if isinstance(kd, QuantizedKV):
+        quant, kd, vd = [kd.scale, kd.zero, vd.scale, vd.zero], kd.data, vd.data
+    runs = [(1, None, False), (3, None, False), (7, None, False), (3, AttnConfig(32, 32, 4, 1), False)]
+    if quant[0] is not None:
+        runs.append((3, None, True))  # group scales gathered per column
+    for splits, config, gather in runs:
+        with poisoned_empty():
+            out = torch.empty_like(call.q)
+            lse = torch.empty(call.q.shape[0], call.q.shape[2], call.q.shape[1], device=device)
+        launcher.attention_kvcache_fwd(
+            call.q, kd, vd, *quant, out, lse, call.cache_seqlens, call.block_table, call.rotary_cos,
+            call.rotary_sin, seqlen_new=call.seqlen_new, max_seqlen_k=max(call.lengths) + call.seqlen_new,
+            scale=d**-0.5 if call.softmax_scale is None else call.softmax_scale, window_left=left,
+            window_right=right, alibi_slopes=slopes, softcap=call.softcap, rotary_interleaved=call.rotary_interleaved,
+            bits=call.bits, group_size=call.group, config=config, num_splits=splits, scale_gather=gather,
+        )  # fmt: skip
+        compare(
+            call, out, lse, impl=impl, device=device, msg=f"{splits} splits, {config}, scale_gather {gather}"
+        )
 
 
 # ---- KVCache -------------------------------------------------------------------------------
@@ -253,13 +257,13 @@ def test_kvcache_decode_loop(device: str, impl: str, kv_dtype, group, page) -> N
         length = prompt + sum(x.shape[1] for x in keys[1:])
         assert cache.lengths == [length] * batch and cache.seqlens.tolist() == [length] * batch
         _history_check(cache, keys, values, f"step {step}", fma=fma, rotary=(cos, sin, False))
-        _cache_compare(cache, q, out, lse, f"step {step}", fma, rot)
+        _cache_compare(cache, q, out, lse, f"step {step}", impl, device, rot)
     # No k_new: attend reads without advancing.
     q = random_tensor((batch, 1, hq, d), dtype, device)
     with dispatch.force(impl):
         out, lse = cache.attend(q, return_lse=True, causal=False, **rot)
     assert cache.lengths == [length] * batch
-    _cache_compare(cache, q, out, lse, "no k_new", fma, {**rot, "causal": False})
+    _cache_compare(cache, q, out, lse, "no k_new", impl, device, {**rot, "causal": False})
     # reset: the next token sees only itself, so its output is its value (exactly, 16-bit).
     cache.reset()
     assert cache.lengths == [0] * batch and cache.seqlens.tolist() == [0] * batch
@@ -272,19 +276,16 @@ def test_kvcache_decode_loop(device: str, impl: str, kv_dtype, group, page) -> N
     _history_check(cache, [kn], [vn], "after reset", fma=fma, rotary=(cos, sin, False))
 
 
-def _cache_compare(cache: A.KVCache, q, out, lse, msg: str, fma: bool, options: dict) -> None:
-    """attend's out and lse against the reference on the cache's own contents (dequantize)."""
-    sides = [cache.dequantize(b) for b in range(cache.batch_size)]
-    length = sides[0][0].shape[0]
-    store = q.dtype if cache.bits == 16 else F32  # float32 holds a dequantized cache exactly
+def _cache_compare(cache: A.KVCache, q, out, lse, msg: str, impl: str, device: str, options: dict) -> None:
+    """attend's out and lse against the reference on the cache's own storage (as it is now:
+    every token in the cache, none to append)."""
     call = KVCall(
-        q, torch.stack([s[0] for s in sides]).to(store), torch.stack([s[1] for s in sides]).to(store),
-        torch.full((cache.batch_size,), length, dtype=torch.int32, device=q.device), None, None, None,
-        options.get("causal", True), options.get("window", (-1, -1)), options.get("softcap", 0.0),
-        options.get("softmax_scale"), options.get("alibi_slopes"), options.get("rotary_cos"),
-        options.get("rotary_sin"), options.get("rotary_interleaved", False), name=msg,
+        q, cache.k, cache.v, cache.seqlens.clone(), None, None, cache.block_table, options.get("causal", True),
+        options.get("window", (-1, -1)), options.get("softcap", 0.0), options.get("softmax_scale"),
+        options.get("alibi_slopes"), options.get("rotary_cos"), options.get("rotary_sin"),
+        options.get("rotary_interleaved", False), name=msg,
     )  # fmt: skip
-    compare(call, out, lse, fma=fma, msg=msg)
+    compare(call, out, lse, impl=impl, device=device, msg=msg)
 
 
 @pytest.mark.parametrize(("device", "impl"), TARGETS)
@@ -306,7 +307,7 @@ def test_kvcache_custom_block_table(device: str, impl: str) -> None:
     with dispatch.force(impl):
         out, lse = cache.attend(q, keys[-1], values[-1], return_lse=True)
     _history_check(cache, keys, values, "custom table, attend", fma=False)
-    _cache_compare(cache, q, out, lse, "custom table", device != "cpu", {})
+    _cache_compare(cache, q, out, lse, "custom table", impl, device, {})
     # 23 tokens fill two pages per sequence (4, 0 and 1, 5): the third pages are untouched.
     for side in (cache.k, cache.v):
         assert (side.scale[[2, 3]] == 0).all() and (side.data[[2, 3]] == 0).all(), (
@@ -413,7 +414,7 @@ def test_torch_compile_fullgraph(device: str, impl: str) -> None:
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
                 f"{call.name}: compiled append differs"
             )
-        compare(compiled_call, out_c, lse_c, fma=device != "cpu", msg=f"{call.name} compiled")
+        compare(compiled_call, out_c, lse_c, impl=impl, device=device, msg=f"{call.name} compiled")
 
 
 @pytest.mark.parametrize(("device", "impl"), TARGETS)
@@ -439,7 +440,7 @@ def test_opcheck(device: str, impl: str) -> None:
             ops.kvcache_append(*append)
             run_opcheck(ops.attention_kvcache.default, forward)
             out, lse = ops.attention_kvcache(*forward)
-        compare(call, out, lse, fma=device != "cpu", msg=f"{call.name} library op")
+        compare(call, out, lse, impl=impl, device=device, msg=f"{call.name} library op")
 
 
 # ---- bad input ---------------------------------------------------------------------------

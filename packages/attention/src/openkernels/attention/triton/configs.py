@@ -155,8 +155,8 @@ def kv_config(head_dim: int, bits: int, rows: int, arch: str) -> AttnConfig:
     group) of one KV head, a cache of `bits` (16, 8, 4) on `arch`; decode (rows <= 16)
     streams K/V with 16-row tiles."""
     family = arch_family(arch)
-    if family == "interpreter":
-        return _INTERPRETER
+    if family == "interpreter":  # 32 keys: a page of 16 takes the per-key table lookups
+        return AttnConfig(16, 32, 4, 1)
     decode, prefill, wide = _KV_TABLE[family]
     if head_dim > 128:
         return wide

@@ -228,22 +228,38 @@ def _load_codes(rows, cols, mask_n, MASK: tl.constexpr, WIDTH: tl.constexpr, BLO
 
 
 @triton.jit
-def _kv_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_h, MASK: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-             FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr):  # fmt: skip
-    """One K or V tile: (BLOCK_N, BLOCK_D) as stored (16-bit), or dequantized to float16; for
-    int4 the even and odd elements of head_dim as two (BLOCK_N, BLOCK_D // 2) tiles (the
-    second is the first otherwise). Dequantized: (code * scale + zero) in float16, from
-    1024 + code built with bit operations (FAST_DEQUANT, NVIDIA) or an int-to-float cast."""
+def _raw_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_h, MASK: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+              SCALE_GATHER: tl.constexpr):  # fmt: skip
+    """The loads of one K or V tile: (data, scale, zero); 16-bit tiles have no scale (the data
+    is returned in their place)."""
     if BITS == 16:
-        t0 = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
-        t1 = t0
+        codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+        sc, zr = codes, codes
+    elif BITS == 8:
+        codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+        sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_d, MASK, GROUP, HEAD_DIM,
+                              BLOCK_D, SCALE_GATHER)  # fmt: skip
+    else:
+        codes = _load_codes(data_ptr + rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
+        sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_h * 2, MASK, GROUP, HEAD_DIM,
+                              BLOCK_D, SCALE_GATHER)  # fmt: skip
+    return codes, sc, zr
+
+
+@triton.jit
+def _dequant_tile(codes, sc, zr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                  FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr):  # fmt: skip
+    """A loaded tile as the dot takes it: 16-bit data as is, codes as (code * scale + zero) in
+    float16 from 1024 + code built with bit operations (FAST_DEQUANT, NVIDIA) or an
+    int-to-float cast; int4 gives the even and odd elements of head_dim as two
+    (BLOCK_N, BLOCK_D // 2) tiles (the second is the first otherwise)."""
+    if BITS == 16:
+        t0 = codes
+        t1 = codes
     else:
         c1024 = tl.full((1, 1), 1024.0, tl.float16)
         if BITS == 8:
-            codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
-            sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_d, MASK, GROUP, HEAD_DIM,
-                                  BLOCK_D, SCALE_GATHER)  # fmt: skip
             if FAST_DEQUANT:
                 x = _u8_magic(codes) - c1024
             else:
@@ -251,51 +267,92 @@ def _kv_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_h
             t0 = _apply_scale(x, sc, zr, GROUP, HEAD_DIM, SCALE_GATHER)
             t1 = t0
         else:
-            packed = _load_codes(data_ptr + rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
-            sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_h * 2, MASK, GROUP,
-                                  HEAD_DIM, BLOCK_D, SCALE_GATHER)  # fmt: skip
             if FAST_DEQUANT:
-                lo, hi = _u4x2_magic(packed)
+                lo, hi = _u4x2_magic(codes)
                 lo, hi = lo - c1024, hi - c1024
             else:
-                lo, hi = (packed & 15).to(tl.float16), (packed >> 4).to(tl.float16)
+                lo, hi = (codes & 15).to(tl.float16), (codes >> 4).to(tl.float16)
             t0 = _apply_scale(lo, sc, zr, GROUP, HEAD_DIM, SCALE_GATHER)
             t1 = _apply_scale(hi, sc, zr, GROUP, HEAD_DIM, SCALE_GATHER)
     return t0, t1
 
 
 @triton.jit
+def _block_rows(block_table_ptr, b, start_n, offs_n, limit, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK: tl.constexpr):  # fmt: skip
+    """(page, slot, mask) of keys start_n + offs_n: the page (int64; the sequence index for a
+    contiguous cache), the row within it, and which keys are below `limit`."""
+    cols = start_n + offs_n
+    mask_n = cols < limit
+    if PAGE_SIZE > 0:  # a constant page size: the division is a multiply-shift
+        if PAGE_SIZE % BLOCK_N == 0:  # the block sits in one page: one table entry
+            if MASK:
+                page = tl.load(block_table_ptr + start_n // PAGE_SIZE, mask=start_n < limit, other=0)
+            else:
+                page = tl.load(block_table_ptr + start_n // PAGE_SIZE)
+            slot = start_n % PAGE_SIZE + offs_n
+        else:
+            if MASK:
+                page = tl.load(block_table_ptr + cols // PAGE_SIZE, mask=mask_n, other=0)
+            else:
+                page = tl.load(block_table_ptr + cols // PAGE_SIZE)
+            slot = cols % PAGE_SIZE
+        page = page.to(tl.int64)
+    else:
+        page = b.to(tl.int64)
+        slot = cols
+    return page, slot, mask_n
+
+
+@triton.jit
 def _kv_blocks(
     acc0, acc1, l_i, m_i, q0, q1, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-    block_table_ptr, b, hk, start, stop, qrow, sk, diag, window_left, window_right, slope_log2, qk_scale,
+    table_ptr, b, hk, start, stop, qrow, sk, diag, window_left, window_right, slope_log2, qk_scale,
     cap_scale, cap_out, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
-    stride_sh, stride_bt, offs_n, offs_d, offs_h,
+    stride_sh, offs_n, offs_d, offs_h,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
     HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr,
 ):  # fmt: skip
+    """Key blocks start..stop of one program (table_ptr: this sequence's block-table row).
+    Quantized tiles are loaded one block ahead into registers (a few bytes per thread):
+    Triton pipelines only loads that feed a dot, and these feed the dequantization, so
+    without the prefetch every block waited out a full memory latency (int4 took as long
+    as bf16 on H200)."""
     dtype = q0.dtype
+    PREFETCH: tl.constexpr = BITS != 16
+    limit = tl.minimum(stop, sk)
+    if PREFETCH:
+        page, slot, mask_n = _block_rows(table_ptr, b, start, offs_n, limit, PAGE_SIZE, BLOCK_N, True)
+        kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
+                               page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, True,
+                               HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
+        vc, vs, vz = _raw_tile(v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
+                               page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, True,
+                               HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
-        mask_n = cols < sk
-        if PAGE_SIZE > 0:  # a constant page size: the division is a multiply-shift
-            if PAGE_SIZE % BLOCK_N == 0:  # the block sits in one page: one table entry
-                page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
-                slot = start_n % PAGE_SIZE + offs_n
-            else:
-                if MASK:
-                    page = tl.load(block_table_ptr + b * stride_bt + cols // PAGE_SIZE, mask=mask_n, other=0)
-                else:
-                    page = tl.load(block_table_ptr + b * stride_bt + cols // PAGE_SIZE)
-                page = page.to(tl.int64)
-                slot = cols % PAGE_SIZE
+        if PREFETCH:  # this block's tiles arrived during the previous one; ask for the next
+            cur_kc, cur_ks, cur_kz, cur_vc, cur_vs, cur_vz = kc, ks, kz, vc, vs, vz
+            page, slot, mask_n = _block_rows(table_ptr, b, start_n + BLOCK_N, offs_n, limit, PAGE_SIZE, BLOCK_N,
+                                             True)  # fmt: skip
+            kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr,
+                                   page * stride_kb + slot * stride_ks + hk * stride_kh,
+                                   page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h,
+                                   True, HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
+            vc, vs, vz = _raw_tile(v_ptr, v_scale_ptr, v_zero_ptr,
+                                   page * stride_vb + slot * stride_vs + hk * stride_vh,
+                                   page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h,
+                                   True, HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
         else:
-            page = b.to(tl.int64)
-            slot = cols
-        k0, k1 = _kv_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
-                          page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
-                          HEAD_DIM, BLOCK_D, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)  # fmt: skip
+            page, slot, mask_n = _block_rows(table_ptr, b, start_n, offs_n, sk, PAGE_SIZE, BLOCK_N, MASK)
+            cur_kc, cur_ks, cur_kz = _raw_tile(
+                k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
+                page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK, HEAD_DIM,
+                BLOCK_D, BITS, GROUP, SCALE_GATHER,
+            )  # fmt: skip
+        k0, k1 = _dequant_tile(cur_kc, cur_ks, cur_kz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
         qk = tl.dot(q0, tl.trans(k0))
         if BITS == 4:
             qk = tl.dot(q1, tl.trans(k1), qk)
@@ -309,9 +366,13 @@ def _kv_blocks(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v0, v1 = _kv_tile(v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
-                          page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
-                          HEAD_DIM, BLOCK_D, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)  # fmt: skip
+        if not PREFETCH:
+            cur_vc, cur_vs, cur_vz = _raw_tile(
+                v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
+                page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK, HEAD_DIM,
+                BLOCK_D, BITS, GROUP, SCALE_GATHER,
+            )  # fmt: skip
+        v0, v1 = _dequant_tile(cur_vc, cur_vs, cur_vz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
         acc0 = tl.dot(p.to(dtype), v0, acc0 * alpha[:, None])
         if BITS == 4:
             acc1 = tl.dot(p.to(dtype), v1, acc1 * alpha[:, None])
@@ -383,10 +444,13 @@ def _attention_kvcache_fwd_kernel(
                                        HAS_WINDOW_RIGHT)  # fmt: skip
     lo = split * split_len
     hi = lo + split_len
-    args = (k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, block_table_ptr, b, hk)
+    table_ptr = block_table_ptr
+    if PAGE_SIZE > 0:
+        table_ptr += b.to(tl.int64) * stride_bt
+    args = (k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, table_ptr, b, hk)
     opts = (qrow, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-            stride_bt, offs_n, offs_d, offs_h)  # fmt: skip
+            offs_n, offs_d, offs_h)  # fmt: skip
     if HAS_WINDOW_LEFT:  # one masked loop, as in the prefill kernel
         acc0, acc1, l_i, m_i = _kv_blocks(
             acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(a, lo), tl.minimum(end, hi), *opts, BLOCK_N, HEAD_DIM,
