@@ -44,7 +44,11 @@ def _signature(kernel_name: str, pointers: dict[str, str]) -> tuple[dict[str, st
     return signature, attrs
 
 
-def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str, split: bool):
+def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str, split: bool,
+               plain: bool = False):  # fmt: skip
+    """plain: what a decode step on a contiguous cache launches (causal only): no block
+    table, rotary tables or slopes (None pointers are constants to Triton), no scales for a
+    16-bit cache."""
     from openkernels.shared.testing.aot import AotCase
 
     cfg = configs.kv_config(head_dim, bits, rows, arch)
@@ -56,8 +60,16 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
                   "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim, **_ALL_FLAGS,
                   "FAST_DEQUANT": arch.startswith("sm_")}  # fmt: skip
+    if plain:
+        nones = ["block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr"]
+        if bits == 16:
+            nones += ["k_scale_ptr", "k_zero_ptr", "v_scale_ptr", "v_zero_ptr"]
+        for name in nones:
+            del signature[name]
+            constexprs[name] = None
+        constexprs |= dict(PAGE_SIZE=0, HAS_ROTARY=False, HAS_WINDOW_LEFT=False, HAS_ALIBI=False, HAS_SOFTCAP=False)
     label = (f"attn-d{head_dim}-{bits}b-g{group or 'head'}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}"
-             f"s{cfg.num_stages}{'-split' if split else ''}")  # fmt: skip
+             f"s{cfg.num_stages}{'-split' if split else ''}{'-plain' if plain else ''}")  # fmt: skip
     return AotCase(f"{_KERNELS}:_attention_kvcache_fwd_kernel", signature, constexprs, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, label=label, attrs=attrs)  # fmt: skip
 
@@ -96,6 +108,7 @@ def cases_for(arch: str) -> list:
             for bits, group in _FORMATS:
                 out.append(_attn_case(head_dim, rows, bits, group, arch, split=False))
             out.append(_attn_case(head_dim, rows, 4, 32, arch, split=True))
+            out += [_attn_case(head_dim, rows, bits, None, arch, split=False, plain=True) for bits in (16, 4)]
         for bits, group in _FORMATS:
             out.append(_append_case(head_dim, bits, group))
         out.append(_combine_case(head_dim))

@@ -278,24 +278,25 @@ def _dequant_tile(codes, sc, zr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GRO
 
 
 @triton.jit
-def _block_rows(block_table_ptr, b, start_n, offs_n, limit, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK: tl.constexpr):  # fmt: skip
+def _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, limit, PAGE_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
     """(page, slot, mask) of keys start_n + offs_n: the page (int64; the sequence index for a
     contiguous cache), the row within it, and which keys are below `limit`."""
     cols = start_n + offs_n
     mask_n = cols < limit
     if PAGE_SIZE > 0:  # a constant page size: the division is a multiply-shift
+        row = block_table_ptr + b.to(tl.int64) * stride_bt
         if PAGE_SIZE % BLOCK_N == 0:  # the block sits in one page: one table entry
             if MASK:
-                page = tl.load(block_table_ptr + start_n // PAGE_SIZE, mask=start_n < limit, other=0)
+                page = tl.load(row + start_n // PAGE_SIZE, mask=start_n < limit, other=0)
             else:
-                page = tl.load(block_table_ptr + start_n // PAGE_SIZE)
+                page = tl.load(row + start_n // PAGE_SIZE)
             slot = start_n % PAGE_SIZE + offs_n
         else:
             if MASK:
-                page = tl.load(block_table_ptr + cols // PAGE_SIZE, mask=mask_n, other=0)
+                page = tl.load(row + cols // PAGE_SIZE, mask=mask_n, other=0)
             else:
-                page = tl.load(block_table_ptr + cols // PAGE_SIZE)
+                page = tl.load(row + cols // PAGE_SIZE)
             slot = cols % PAGE_SIZE
         page = page.to(tl.int64)
     else:
@@ -307,7 +308,7 @@ def _block_rows(block_table_ptr, b, start_n, offs_n, limit, PAGE_SIZE: tl.conste
 @triton.jit
 def _kv_blocks(
     acc0, acc1, l_i, m_i, q0, q1, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-    table_ptr, b, hk, start, stop, qrow, sk, diag, window_left, window_right, slope_log2, qk_scale,
+    block_table_ptr, stride_bt, b, hk, start, stop, qrow, sk, diag, window_left, window_right, slope_log2, qk_scale,
     cap_scale, cap_out, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     stride_sh, offs_n, offs_d, offs_h,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
@@ -315,7 +316,7 @@ def _kv_blocks(
     HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr,
 ):  # fmt: skip
-    """Key blocks start..stop of one program (table_ptr: this sequence's block-table row).
+    """Key blocks start..stop of one program.
     Quantized tiles are loaded one block ahead into registers (a few bytes per thread):
     Triton pipelines only loads that feed a dot, and these feed the dequantization, so
     without the prefetch every block waited out a full memory latency (int4 took as long
@@ -324,7 +325,7 @@ def _kv_blocks(
     PREFETCH: tl.constexpr = BITS != 16
     limit = tl.minimum(stop, sk)
     if PREFETCH:
-        page, slot, mask_n = _block_rows(table_ptr, b, start, offs_n, limit, PAGE_SIZE, BLOCK_N, True)
+        page, slot, mask_n = _block_rows(block_table_ptr, stride_bt, b, start, offs_n, limit, PAGE_SIZE, BLOCK_N, True)
         kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
                                page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, True,
                                HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
@@ -335,7 +336,7 @@ def _kv_blocks(
         cols = start_n + offs_n
         if PREFETCH:  # this block's tiles arrived during the previous one; ask for the next
             cur_kc, cur_ks, cur_kz, cur_vc, cur_vs, cur_vz = kc, ks, kz, vc, vs, vz
-            page, slot, mask_n = _block_rows(table_ptr, b, start_n + BLOCK_N, offs_n, limit, PAGE_SIZE, BLOCK_N,
+            page, slot, mask_n = _block_rows(block_table_ptr, stride_bt, b, start_n + BLOCK_N, offs_n, limit, PAGE_SIZE, BLOCK_N,
                                              True)  # fmt: skip
             kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr,
                                    page * stride_kb + slot * stride_ks + hk * stride_kh,
@@ -346,7 +347,7 @@ def _kv_blocks(
                                    page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h,
                                    True, HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
         else:
-            page, slot, mask_n = _block_rows(table_ptr, b, start_n, offs_n, sk, PAGE_SIZE, BLOCK_N, MASK)
+            page, slot, mask_n = _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, sk, PAGE_SIZE, BLOCK_N, MASK)
             cur_kc, cur_ks, cur_kz = _raw_tile(
                 k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
                 page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK, HEAD_DIM,
@@ -444,10 +445,7 @@ def _attention_kvcache_fwd_kernel(
                                        HAS_WINDOW_RIGHT)  # fmt: skip
     lo = split * split_len
     hi = lo + split_len
-    table_ptr = block_table_ptr
-    if PAGE_SIZE > 0:
-        table_ptr += b.to(tl.int64) * stride_bt
-    args = (k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, table_ptr, b, hk)
+    args = (k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, block_table_ptr, stride_bt, b, hk)
     opts = (qrow, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
             offs_n, offs_d, offs_h)  # fmt: skip
