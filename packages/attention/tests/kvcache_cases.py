@@ -14,24 +14,31 @@ its output and fails the comparison.
   - the attention: out and lse against the float64 reference (reference.attention_ref) on the
     cache the call left (dequantized in float32, as the semantics in reference.py read it).
 
-Tolerances (derived as in cases.py, whose bound they extend). A fused implementation feeds
-its matrix products in q's dtype: a quantized cache is dequantized in float32 and then
-rounded to q's dtype (the CPU backend gathers it in q's dtype, the Triton kernel converts each
-dequantized tile). That rounding is part of the implementation's error against the float32
-semantics, and it is known exactly: the reference on the rounded cache minus the reference on
-the float32 one. So
-    |out - ref| <= |out - ref_rounded| + |ref_rounded - ref|
-                   cases.py's half-precision bound    computed, added as `extra`
-with the cases.py bound taken on M = max(P |V|) of both caches (P |V| is the attention output
-of |V|: the reference computes it, no probability matrix needed), and lse allowed float32
-rounding on the largest score plus |lse_rounded - lse|. For a 16-bit or float32 cache the
-extra is 0: the cases.py bound as is.
-Rotary on a GPU: the kernel rotates q with fused multiply-adds, so the rotated float32 values
-may differ from the reference's in the last bit and round to the other neighbour of q's dtype
-(one ulp, rtol(dtype) relative). That moves each score by at most d = scale * rtol *
-sum_d |q_d| |k_d|, each probability by a factor within exp(+-2d): out by at most
-(exp(2d) - 1) * M and lse by d. On the CPU (the interpreter, the CPU backend and the
-reference) the same float32 expressions run in the same order, and this term is 0.
+Tolerances (derived as in cases.py, whose bound they extend). The semantics read a quantized
+cache in float32 and multiply q rounded to its dtype; a fused implementation multiplies
+half-precision operands instead, in one of these forms (`designs`):
+  q      as the semantics say, or float16(rotated q * softmax_scale) (the Triton kernel on
+         int8/int4: q meets the dequantized cache in float16);
+  k, v   the float32 dequantization, or it rounded to q's dtype (the CPU backend gathers the
+         cache in q's dtype), or code * scale + zero in float16 arithmetic (the Triton
+         kernel's tiles); the kernel's factored form for one group per head, scale * (q .
+         codes) + zero * sum(q), multiplies the float32 values.
+The effect of each combination is known exactly: the float64 reference on its operands minus
+the reference on the semantics' ones. Whichever form runs,
+    |out - ref| <= |out - ref_form|               + |ref_form - ref|
+                   cases.py's half-precision bound  at most the largest over the forms: `extra`
+with cases.py's bound taken on M = max(P |V|) over the forms (P |V| is the attention output of
+|V|: the reference computes it, no probability matrix needed). For a quantized cache M takes
+|scale * code| + |zero| for |V|: the terms the factored form rounds (p * scale in float16)
+and those of code * scale + zero. lse is allowed float32 rounding on the largest score plus
+the largest |lse_form - lse|. On a 16-bit or float32 cache there is one form, the extra is 0
+and the bound is cases.py's.
+On a GPU the forms are exact up to fused multiply-adds (in the rotation of q and in code *
+scale + zero), which may round the other way: with per-element bounds e_q, e_k, e_v of that,
+each score moves by at most dist = scale * max sum_d (e_q |k| + |q| e_k + e_q e_k), each
+probability by a factor within exp(+-2 dist): out by (exp(2 dist) - 1) M + P e_v more, lse
+by dist more. On the CPU (the interpreter, the CPU backend, the reference) the same
+expressions run in the same order and this term is 0.
 """
 
 from __future__ import annotations
@@ -44,20 +51,13 @@ import torch
 
 import openkernels.attention as A
 from openkernels.attention import reference as R
-from openkernels.attention.kvformat import (
-    QuantizedKV,
-    code_width,
-    quantize_kv,
-    quantize_unchecked,
-    unpack_codes,
-)
+from openkernels.attention.kvformat import QuantizedKV, quantize_kv, quantize_unchecked, unpack_codes
 from openkernels.shared import dispatch
 from openkernels.shared.testing import TOLERANCES, assert_close, poisoned_empty, random_tensor
 
 from .cases import assert_attention_close
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-HALF = (BF16, F16)
 
 # name -> (q dtype, bits, group_size (None: the whole head))
 FORMATS = {
@@ -72,6 +72,7 @@ FORMATS = {
 }
 SOFTCAP = 2.0
 SCALE = 0.3
+U16 = 2.0**-11  # float16's unit roundoff
 
 
 @dataclass(frozen=True)
@@ -368,32 +369,21 @@ def _codes(call: KVCall, side: QuantizedKV, b: int, length: int):
     return codes, scale, zero
 
 
-def operands(call: KVCall, impl: str, b: int, length: int):
-    """(q, k, v, softmax scale) that implementation `impl` multiplies for sequence b (module
-    docstring), and per-element bounds (e_q, e_k, e_v) of what a GPU may round otherwise (fused
-    multiply-adds; None on the CPU, where the model is exact)."""
+def designs(call: KVCall, b: int, length: int):
+    """The operands an implementation may multiply for sequence b (module docstring): q
+    designs [(q, softmax scale)], k designs, v designs (the semantics' first), and the
+    magnitude of each value's terms, (L, Hkv, D): |v|, or |scale * code| + |zero| when
+    quantized."""
     dtype = call.q.dtype
     k, v = _gather(call, call.k_cache, b, length), _gather(call, call.v_cache, b, length)
-    q = query(call, b, length)
-    if impl == "cpu":  # gathers (and dequantizes) the cache in q's dtype
-        return (q, k.to(dtype), v.to(dtype), call.scale), (TOLERANCES[dtype].rtol * q.abs(), None, None)
-    if impl == "triton" and call.bits != 16:
-        # float16 operands: the float32 rotation of q times softmax_scale, rounded once;
-        # code * scale + zero in float16 arithmetic (kvcache_kernels._kv_tile).
-        qh = (query(call, b, length, rounded=False).float() * call.scale).half()
-        sides, bounds = [], []
-        for side in (call.k_cache, call.v_cache):
+    qs, ks, vs, mag = [(query(call, b, length), call.scale)], [k], [v], v.abs()
+    if call.bits != 16:
+        qs.append(((query(call, b, length, rounded=False).float() * call.scale).half(), 1.0))
+        for side, out in ((call.k_cache, ks), (call.v_cache, vs)):
             codes, scale, zero = _codes(call, side, b, length)
-            x = codes.half() * scale + zero
-            sides.append(x)
-            # fused: one rounding fewer (of code * scale), and the result one ulp either way
-            bounds.append(U16 * (codes * scale.float()).abs() + 2 * U16 * x.float().abs())
-        return (qh, sides[0], sides[1], 1.0), (2 * U16 * qh.float().abs(), *bounds)
-    # the reference, and Triton on a 16-bit cache: the semantics' operands
-    return (q, k, v, call.scale), (TOLERANCES[dtype].rtol * q.abs(), None, None)
-
-
-U16 = 2.0**-11  # float16's unit roundoff
+            out += [out[0].to(dtype), codes.half() * scale + zero]
+            mag = (codes * scale.float()).abs() + zero.float().abs()  # the v side's, last
+    return qs, ks, vs, mag
 
 
 def reference(call: KVCall, b: int, q, k, v, scale: float):
@@ -413,9 +403,9 @@ def _finite_max(t: torch.Tensor) -> float:
     return float(t.abs().max()) if t.numel() else 0.0
 
 
-def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, impl: str, device: str, msg: str) -> None:
-    """out (B, Sq, Hq, D), lse (B, Hq, Sq) of `impl` against the reference on the cache as it
-    is now (module docstring: the tolerances)."""
+def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, device: str, msg: str) -> None:
+    """out (B, Sq, Hq, D), lse (B, Hq, Sq) of an implementation against the reference on the
+    cache as it is now (module docstring: the tolerances)."""
     dtype = call.q.dtype
     sq, hq, d = call.q.shape[1:]
     assert out.dtype == dtype and out.shape == call.q.shape, f"{msg}: out {out.dtype} {tuple(out.shape)}"
@@ -426,34 +416,40 @@ def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, impl: str, de
     for b, cached in enumerate(call.lengths):
         length = cached + call.seqlen_new
         where = f"{msg} [{call.name}: sequence {b}, {length} keys]"
-        k, v = _gather(call, call.k_cache, b, length), _gather(call, call.v_cache, b, length)
-        q = query(call, b, length)
-        (qm, km, vm, scale_m), (e_q, e_k, e_v) = operands(call, impl, b, length)
-        o_ref, l_ref = reference(call, b, q, k, v, call.scale)
-        o_mod, l_mod = reference(call, b, qm, km, vm, scale_m)
-        magnitude = max(_finite_max(reference(call, b, q, k, v.abs(), call.scale)[0]),
-                        _finite_max(reference(call, b, qm, km, vm.abs(), scale_m)[0]))  # fmt: skip
-        extra_out = _finite_max(o_mod - o_ref)
-        extra_lse = _finite_max(torch.where(torch.isfinite(l_ref), l_mod - l_ref, 0.0))
+        qs, ks, vs, mag = designs(call, b, length)
+        (q, scale), k, v = qs[0], ks[0], vs[0]
+        o_ref, l_ref = reference(call, b, q, k, v, scale)
+        magnitude = extra_out = extra_lse = 0.0
+        for qd, sd in qs:
+            for kd in ks:
+                magnitude = max(magnitude, _finite_max(reference(call, b, qd, kd, mag, sd)[0]))
+                for vd in vs:
+                    o, l = reference(call, b, qd, kd, vd, sd)
+                    extra_out = max(extra_out, _finite_max(o - o_ref))
+                    extra_lse = max(
+                        extra_lse, _finite_max(torch.where(torch.isfinite(l_ref), l - l_ref, 0.0))
+                    )
         score_max = 0.0
         if length:  # |score| <= scale * max ||q_i||_1 * max |k| (+ ALiBi's largest bias below)
-            score_max = call.scale * float(q.double().abs().sum(-1).max()) * float(k.abs().max())
-        if length and device != "cpu" and (call.rotary_cos is not None or e_k is not None):
-            # A GPU's fused multiply-adds (module docstring): each score moves by at most
-            # dist = scale * sum_d (e_q |k| + |q| e_k + e_q e_k), each probability by a factor
-            # within exp(+-2 dist), and the output also by P e_v.
-            qa = qm.double().abs().transpose(0, 1)  # (Hq, Sq, D)
-            ka = km.double().abs().repeat_interleave(group, 1).transpose(0, 1)  # (Hq, L, D)
-            eq = e_q.double().transpose(0, 1)
-            ek = (
-                torch.zeros_like(ka)
-                if e_k is None
-                else e_k.double().repeat_interleave(group, 1).transpose(0, 1)
+            score_max = scale * float(q.double().abs().sum(-1).max()) * float(k.abs().max())
+        quantized = call.bits != 16
+        if length and device != "cpu" and (call.rotary_cos is not None or quantized):
+            # A GPU's fused multiply-adds (module docstring): e_q one ulp of the rotated q,
+            # e_k, e_v: code * scale rounded once fewer, the result one float16 ulp either way.
+            e_q = TOLERANCES[dtype].rtol * q.double().abs() if call.rotary_cos is not None else 0 * q.double()
+            e_k = e_v = torch.zeros_like(k, dtype=torch.float64)
+            if quantized:
+                e_k, e_v = (
+                    3 * U16 * _codes_mag(call, side, b, length) for side in (call.k_cache, call.v_cache)
+                )
+            qa, eq = q.double().abs().transpose(0, 1), e_q.transpose(0, 1)  # (Hq, Sq, D)
+            ka, ek = (
+                t.double().abs().repeat_interleave(group, 1).transpose(0, 1) for t in (k, e_k)
+            )  # (Hq, L, D)
+            dist = scale * float((eq @ ka.mT + qa @ ek.mT + eq @ ek.mT).max())
+            extra_out += math.expm1(2 * dist) * magnitude + _finite_max(
+                reference(call, b, q, k, e_v, scale)[0]
             )
-            dist = scale_m * float((eq @ ka.mT + qa @ ek.mT + eq @ ek.mT).max())
-            extra_out += math.expm1(2 * dist) * magnitude
-            if e_v is not None:
-                extra_out += _finite_max(reference(call, b, qm, km, e_v, scale_m)[0])
             extra_lse += dist
         terms = length + d
         assert_attention_close(out[b], o_ref, dtype=dtype, magnitude=magnitude, terms=terms, extra=extra_out,
@@ -471,6 +467,12 @@ def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, impl: str, de
             )
 
 
+def _codes_mag(call: KVCall, side: QuantizedKV, b: int, length: int) -> torch.Tensor:
+    """|scale * code| + |zero| per element (L, Hkv, D), float64."""
+    codes, scale, zero = _codes(call, side, b, length)
+    return (codes.double() * scale.double()).abs() + zero.double().abs()
+
+
 def check_call(call: KVCall, impl: str, device: str, msg: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Run `call` under `impl` (outputs poisoned) and check the append and the attention."""
     msg = f"{msg} {impl}".strip()
@@ -478,7 +480,7 @@ def check_call(call: KVCall, impl: str, device: str, msg: str = "") -> tuple[tor
     with dispatch.force(impl), poisoned_empty():
         out, lse = call.call()
     check_append(call, before, fma=device != "cpu", msg=msg)
-    compare(call, out, lse, impl=impl, device=device, msg=msg)
+    compare(call, out, lse, device=device, msg=msg)
     return out, lse
 
 
@@ -504,7 +506,6 @@ __all__ = [
     "build",
     "check_append",
     "check_call",
-    "code_width",
     "compare",
     "copy_call",
     "rotary_tables",

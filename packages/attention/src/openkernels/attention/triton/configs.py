@@ -137,16 +137,21 @@ KV_PROGRAMS_PER_SM = 2
 _KV_MIN_BLOCKS_PER_SPLIT = 4  # below this the partials' write and merge cost more than they save
 
 
-# arch family -> (decode, chunked prefill) at head_dim <= 128, and every call at D256.
-# Compile checks with every flag on: on sm_90 4 warps put dequantized int8 tiles at 246-255
-# registers and spilled at D256, 8 warps hold 116-213; 64-row prefill tiles spilled at D256
-# on sm_90 and for quantized caches on sm_80 (32 rows do not); gfx942 spilled up to 128
-# VGPRs with 64-key tiles (gathered group scales); 32-key tiles of 16 rows (4 warps) and
-# 16-key tiles at D256 compile clean on gfx90a, gfx942 and gfx950 (32-row ones did not).
-_KV_TABLE: dict[str, tuple[AttnConfig, AttnConfig, AttnConfig]] = {
-    "hopper": (_C(16, 64, 8, 3), _C(64, 64, 8, 2), _C(16, 32, 8, 3)),
-    "ampere": (_C(16, 64, 8, 3), _C(32, 64, 8, 2), _C(16, 32, 8, 3)),
-    "cdna": (_C(16, 32, 4, 1), _C(16, 32, 4, 1), _C(16, 16, 8, 1)),
+# arch family -> (decode of a 16-bit cache, decode of an int8/int4 cache, chunked prefill) at
+# head_dim <= 128, and every call at D256.
+# Hopper, measured on H200 (benchmarks/tune_kvcache.py, GQA 32/8 D128): 16-bit decode led
+# with 128-key tiles at 4 warps, 3 stages (0.939 of copy bandwidth at B32 S4096, 0.891 at
+# B1 S131072 with 33 splits) but spills 8 B in its plain variant; 64-key tiles are within
+# 1% (0.926 / 0.884); quantized caches led with 64-key tiles at 4 warps too (their loads
+# feed the dequantization, which Triton does not pipeline: stages matter little). Compile checks with every flag on: 4 warps put dequantized int8 tiles at
+# 246-255 registers and spilled at D256, 8 warps hold them there; 64-row prefill tiles
+# spilled at D256 on sm_90 and for quantized caches on sm_80 (32 rows do not); gfx942
+# spilled up to 128 VGPRs with 64-key tiles (gathered group scales); 32-key tiles of 16
+# rows (4 warps) and 16-key tiles at D256 compile clean on gfx90a, gfx942 and gfx950.
+_KV_TABLE: dict[str, tuple[AttnConfig, AttnConfig, AttnConfig, AttnConfig]] = {
+    "hopper": (_C(16, 64, 4, 3), _C(16, 64, 4, 3), _C(32, 64, 8, 2), _C(16, 32, 8, 3)),
+    "ampere": (_C(16, 64, 8, 3), _C(16, 64, 4, 3), _C(32, 64, 8, 2), _C(16, 32, 8, 2)),
+    "cdna": (_C(16, 32, 4, 1), _C(16, 32, 4, 1), _C(16, 32, 4, 1), _C(16, 16, 8, 1)),
 }
 
 
@@ -157,10 +162,12 @@ def kv_config(head_dim: int, bits: int, rows: int, arch: str) -> AttnConfig:
     family = arch_family(arch)
     if family == "interpreter":  # 32 keys: a page of 16 takes the per-key table lookups
         return AttnConfig(16, 32, 4, 1)
-    decode, prefill, wide = _KV_TABLE[family]
+    decode16, decode_quant, prefill, wide = _KV_TABLE[family]
     if head_dim > 128:
         return wide
-    return decode if rows <= 16 else prefill
+    if rows > 16:
+        return prefill
+    return decode16 if bits == 16 else decode_quant
 
 
 def kv_splits(programs: int, key_blocks: int, sm_count: int) -> int:

@@ -248,6 +248,24 @@ def _raw_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_
 
 
 @triton.jit
+def _codes_f16(codes, BITS: tl.constexpr, FAST_DEQUANT: tl.constexpr):
+    """Codes as float16 tiles, offset by 1024 when built with the bit trick (FAST_DEQUANT):
+    (codes,) for int8, (low nibbles, high nibbles) for int4 (the second is the first for int8)."""
+    if BITS == 8:
+        if FAST_DEQUANT:
+            t0 = _u8_magic(codes)
+        else:
+            t0 = codes.to(tl.float16)
+        t1 = t0
+    else:
+        if FAST_DEQUANT:
+            t0, t1 = _u4x2_magic(codes)
+        else:
+            t0, t1 = (codes & 15).to(tl.float16), (codes >> 4).to(tl.float16)
+    return t0, t1
+
+
+@triton.jit
 def _dequant_tile(codes, sc, zr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                   FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr):  # fmt: skip
     """A loaded tile as the dot takes it: 16-bit data as is, codes as (code * scale + zero) in
@@ -307,56 +325,44 @@ def _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, limit, PAGE_SIZE
 
 @triton.jit
 def _kv_blocks(
-    acc0, acc1, l_i, m_i, q0, q1, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-    block_table_ptr, stride_bt, b, hk, start, stop, qrow, sk, diag, window_left, window_right, slope_log2, qk_scale,
-    cap_scale, cap_out, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
-    stride_sh, offs_n, offs_d, offs_h,
+    acc0, acc1, l_i, m_i, off_i, zsum_i, q0, q1, qsum, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr,
+    v_zero_ptr, block_table_ptr, stride_bt, b, hk, start, stop, qrow, sk, diag, window_left, window_right,
+    slope_log2, qk_scale, cap_scale, cap_out, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh, offs_n, offs_d, offs_h,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
     HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr,
 ):  # fmt: skip
     """Key blocks start..stop of one program.
-    Quantized tiles are loaded one block ahead into registers (a few bytes per thread):
-    Triton pipelines only loads that feed a dot, and these feed the dequantization, so
-    without the prefetch every block waited out a full memory latency (int4 took as long
-    as bf16 on H200)."""
+
+    With one scale and zero per token (GROUP == HEAD_DIM) a quantized tile never gets them
+    applied elementwise: q . (s c + z) = s (q . c) + z sum(q) on the (rows, keys) scores,
+    and sum_n p_n (s_n c_n + z_n) = (p s) . c + sum_n p_n z_n with the scales folded into P.
+    The dots then take the codes as float16 straight from the bit trick (1024 + c, exact;
+    the 1024 offset comes off the float32 results: off_i tracks sum_n (p s)_n per row, zsum_i
+    sum_n p_n z_n). Measured on H200: the elementwise float16 scale-and-shift made int4
+    decode as slow as bf16."""
     dtype = q0.dtype
-    PREFETCH: tl.constexpr = BITS != 16
-    limit = tl.minimum(stop, sk)
-    if PREFETCH:
-        page, slot, mask_n = _block_rows(block_table_ptr, stride_bt, b, start, offs_n, limit, PAGE_SIZE, BLOCK_N, True)
-        kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
-                               page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, True,
-                               HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
-        vc, vs, vz = _raw_tile(v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
-                               page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, True,
-                               HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
+    FACTORED: tl.constexpr = BITS != 16 and GROUP == HEAD_DIM
+    OFFSET: tl.constexpr = 1024.0 if FAST_DEQUANT else 0.0
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
-        if PREFETCH:  # this block's tiles arrived during the previous one; ask for the next
-            cur_kc, cur_ks, cur_kz, cur_vc, cur_vs, cur_vz = kc, ks, kz, vc, vs, vz
-            page, slot, mask_n = _block_rows(block_table_ptr, stride_bt, b, start_n + BLOCK_N, offs_n, limit, PAGE_SIZE, BLOCK_N,
-                                             True)  # fmt: skip
-            kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr,
-                                   page * stride_kb + slot * stride_ks + hk * stride_kh,
-                                   page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h,
-                                   True, HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
-            vc, vs, vz = _raw_tile(v_ptr, v_scale_ptr, v_zero_ptr,
-                                   page * stride_vb + slot * stride_vs + hk * stride_vh,
-                                   page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h,
-                                   True, HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
+        page, slot, mask_n = _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, sk, PAGE_SIZE, BLOCK_N, MASK)
+        kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
+                               page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
+                               HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
+        if FACTORED:
+            k0, k1 = _codes_f16(kc, BITS, FAST_DEQUANT)
         else:
-            page, slot, mask_n = _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, sk, PAGE_SIZE, BLOCK_N, MASK)
-            cur_kc, cur_ks, cur_kz = _raw_tile(
-                k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
-                page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK, HEAD_DIM,
-                BLOCK_D, BITS, GROUP, SCALE_GATHER,
-            )  # fmt: skip
-        k0, k1 = _dequant_tile(cur_kc, cur_ks, cur_kz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
+            k0, k1 = _dequant_tile(kc, ks, kz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
         qk = tl.dot(q0, tl.trans(k0))
         if BITS == 4:
             qk = tl.dot(q1, tl.trans(k1), qk)
+        if FACTORED:  # ks, kz: (BLOCK_N, 1) float16
+            ks_row = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)[None, :]
+            kz_row = tl.reshape(kz, (BLOCK_N,)).to(tl.float32)[None, :]
+            qk = ks_row * (qk - OFFSET * qsum[:, None]) + kz_row * qsum[:, None]
         s, _ = _log2_scores(
             qk, qrow[:, None], cols[None, :], sk, diag, window_left, window_right, slope_log2, qk_scale,
             cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
@@ -367,18 +373,24 @@ def _kv_blocks(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not PREFETCH:
-            cur_vc, cur_vs, cur_vz = _raw_tile(
-                v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
-                page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK, HEAD_DIM,
-                BLOCK_D, BITS, GROUP, SCALE_GATHER,
-            )  # fmt: skip
-        v0, v1 = _dequant_tile(cur_vc, cur_vs, cur_vz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
-        acc0 = tl.dot(p.to(dtype), v0, acc0 * alpha[:, None])
+        vc, vs, vz = _raw_tile(v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
+                               page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
+                               HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
+        if FACTORED:
+            v0, v1 = _codes_f16(vc, BITS, FAST_DEQUANT)
+            vs_row = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)[None, :]
+            vz_row = tl.reshape(vz, (BLOCK_N,)).to(tl.float32)[None, :]
+            pv = (p * vs_row).to(dtype)
+            off_i = off_i * alpha + tl.sum(pv.to(tl.float32), 1)
+            zsum_i = zsum_i * alpha + tl.sum(p * vz_row, 1)
+        else:
+            v0, v1 = _dequant_tile(vc, vs, vz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
+            pv = p.to(dtype)
+        acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
         if BITS == 4:
-            acc1 = tl.dot(p.to(dtype), v1, acc1 * alpha[:, None])
+            acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
         m_i = m_new
-    return acc0, acc1, l_i, m_i
+    return acc0, acc1, l_i, m_i, off_i, zsum_i
 
 
 @triton.jit
@@ -439,6 +451,11 @@ def _attention_kvcache_fwd_kernel(
         slope_log2 = tl.load(slopes_ptr + b * heads_kv * group + head, mask=row_ok, other=0.0)[:, None] * LOG2E
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    off_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # per-token-scale caches: see _kv_blocks
+    zsum_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    qsum = tl.sum(q0.to(tl.float32), 1)
+    if BITS == 4:
+        qsum += tl.sum(q1.to(tl.float32), 1)
     first = pid_m * BLOCK_M // group
     last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
     a, b_full, c_full, end = _segments(first, last, sk, diag, window_left, window_right, BLOCK_N, HAS_WINDOW_LEFT,
@@ -450,22 +467,26 @@ def _attention_kvcache_fwd_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
             offs_n, offs_d, offs_h)  # fmt: skip
     if HAS_WINDOW_LEFT:  # one masked loop, as in the prefill kernel
-        acc0, acc1, l_i, m_i = _kv_blocks(
-            acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(a, lo), tl.minimum(end, hi), *opts, BLOCK_N, HEAD_DIM,
+        acc0, acc1, l_i, m_i, off_i, zsum_i = _kv_blocks(
+            acc0, acc1, l_i, m_i, off_i, zsum_i, q0, q1, qsum, *args, tl.maximum(a, lo), tl.minimum(end, hi), *opts, BLOCK_N, HEAD_DIM,
             BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
             FAST_DEQUANT, SCALE_GATHER,
         )  # fmt: skip
     else:
-        acc0, acc1, l_i, m_i = _kv_blocks(
-            acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(b_full, lo), tl.minimum(c_full, hi), *opts, BLOCK_N,
+        acc0, acc1, l_i, m_i, off_i, zsum_i = _kv_blocks(
+            acc0, acc1, l_i, m_i, off_i, zsum_i, q0, q1, qsum, *args, tl.maximum(b_full, lo), tl.minimum(c_full, hi), *opts, BLOCK_N,
             HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
             HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER,
         )  # fmt: skip
-        acc0, acc1, l_i, m_i = _kv_blocks(
-            acc0, acc1, l_i, m_i, q0, q1, *args, tl.maximum(c_full, lo), tl.minimum(end, hi), *opts, BLOCK_N,
+        acc0, acc1, l_i, m_i, off_i, zsum_i = _kv_blocks(
+            acc0, acc1, l_i, m_i, off_i, zsum_i, q0, q1, qsum, *args, tl.maximum(c_full, lo), tl.minimum(end, hi), *opts, BLOCK_N,
             HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
             HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER,
         )  # fmt: skip
+    if BITS != 16 and GROUP == HEAD_DIM:  # undo the 1024 offset of the codes, add the zeros
+        shift = zsum_i - (1024.0 if FAST_DEQUANT else 0.0) * off_i
+        acc0 += shift[:, None]
+        acc1 += shift[:, None]
     empty = l_i == 0.0  # no visible key in this split
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
