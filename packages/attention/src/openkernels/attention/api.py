@@ -268,10 +268,9 @@ def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) 
             if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != want:
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{name}: {what}.{part} must be float16 of shape {want}, got {got}")
-            if not t.is_contiguous() or t.device != q.device:
-                raise ValueError(f"{name}: {what}.{part} must be contiguous and on {q.device}")
-        if k_cache.scale.stride() != v_cache.scale.stride():
-            raise ValueError(f"{name}: k_cache and v_cache must have the same shapes")
+            if t.stride(-1) != 1 or t.stride() != k_cache.scale.stride() or t.device != q.device:
+                raise ValueError(f"{name}: {what}.{part} must be on {q.device}, with a unit last stride and the "
+                                 "strides of k_cache.scale (the kernels index all four alike)")  # fmt: skip
     return bits, group
 
 

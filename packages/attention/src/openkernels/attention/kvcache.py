@@ -19,14 +19,15 @@ class KVCache:
     kv_dtype: torch.float16 / torch.bfloat16 (stored as is), "int8" or "int4" (codes with a
         float16 scale and zero per token, head and group of `group_size` elements along
         head_dim: 32, 64, 128 or None for the whole head).
-    page_size: None for contiguous storage (batch_size, max_seqlen, heads_kv, head_dim), or
+    page_size: None for one block per sequence (batch_size, max_seqlen, heads_kv, head_dim), or
         a multiple of 16 for paged storage (num_pages, page_size, heads_kv, head_dim) with a
         block table (batch_size, pages_per_seq) int32; num_pages defaults to what every
         sequence needs at max_seqlen, and the default block table gives sequence b the pages
         b * pages_per_seq onward. Pass (or later assign) `block_table` to share fewer pages;
         it is checked once then, so calls need no device-to-host copy.
-    The lengths live on the device (`seqlens`, int32) and on the host, so `attend` and
-    `append` check bounds without a device-to-host copy.
+    Storage is head-major underneath (each head's tokens adjacent), exposed through views
+    of those shapes. The lengths live on the device (`seqlens`, int32) and on the host, so
+    `attend` and `append` check bounds without a device-to-host copy.
     """
 
     def __init__(
@@ -83,14 +84,21 @@ class KVCache:
             raise ValueError("KVCache: block_table needs a page_size")
 
     def _empty(self, lead: tuple[int, int], device: torch.device) -> torch.Tensor | QuantizedKV:
-        shape = (*lead, self.heads_kv)
+        def zeros(width: int, dtype: torch.dtype) -> torch.Tensor:
+            # Head-major storage seen through a (.., tokens, heads, width) view: each program
+            # of the decode kernel streams one contiguous run per head. Token-major rows made
+            # every (sequence, head) program read 256-byte pieces at the same offsets of
+            # equally sized sequences, and ran 10% slower than a shuffled paged cache on H200.
+            t = torch.zeros((lead[0], self.heads_kv, lead[1], width), dtype=dtype, device=device)
+            return t.transpose(1, 2)
+
         if self.bits == 16:
-            return torch.zeros((*shape, self.head_dim), dtype=self.kv_dtype, device=device)
+            return zeros(self.head_dim, self.kv_dtype)
         groups = self.head_dim // self.group_size
         return QuantizedKV(
-            torch.zeros((*shape, code_width(self.head_dim, self.bits)), dtype=torch.uint8, device=device),
-            torch.zeros((*shape, groups), dtype=torch.float16, device=device),
-            torch.zeros((*shape, groups), dtype=torch.float16, device=device),
+            zeros(code_width(self.head_dim, self.bits), torch.uint8),
+            zeros(groups, torch.float16),
+            zeros(groups, torch.float16),
             self.bits,
             self.group_size,
         )
