@@ -25,9 +25,8 @@ class KVCache:
         sequence needs at max_seqlen, and the default block table gives sequence b the pages
         b * pages_per_seq onward. Pass (or later assign) `block_table` to share fewer pages;
         it is checked once then, so calls need no device-to-host copy.
-    Storage is head-major underneath (each head's tokens adjacent), exposed through views
-    of those shapes. The lengths live on the device (`seqlens`, int32) and on the host, so
-    `attend` and `append` check bounds without a device-to-host copy.
+    The lengths live on the device (`seqlens`, int32) and on the host, so `attend` and
+    `append` check bounds without a device-to-host copy.
     """
 
     def __init__(
@@ -85,12 +84,7 @@ class KVCache:
 
     def _empty(self, lead: tuple[int, int], device: torch.device) -> torch.Tensor | QuantizedKV:
         def zeros(width: int, dtype: torch.dtype) -> torch.Tensor:
-            # Head-major storage seen through a (.., tokens, heads, width) view: each program
-            # of the decode kernel streams one contiguous run per head. Token-major rows made
-            # every (sequence, head) program read 256-byte pieces at the same offsets of
-            # equally sized sequences, and ran 10% slower than a shuffled paged cache on H200.
-            t = torch.zeros((lead[0], self.heads_kv, lead[1], width), dtype=dtype, device=device)
-            return t.transpose(1, 2)
+            return torch.zeros((*lead, self.heads_kv, width), dtype=dtype, device=device)
 
         if self.bits == 16:
             return zeros(self.head_dim, self.kv_dtype)
