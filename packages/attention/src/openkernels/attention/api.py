@@ -278,8 +278,11 @@ def _cache_data(t: torch.Tensor | QuantizedKV) -> torch.Tensor:
     return t.data if isinstance(t, QuantizedKV) else t
 
 
-def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin):
-    """Shapes, dtypes and devices of attention_with_kvcache's tensors; returns (bits, group)."""
+def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
+                   cache_format=None):  # fmt: skip
+    """Shapes, dtypes and devices of attention_with_kvcache's tensors; returns (bits, group).
+    cache_format: the (bits, group) of a cache already checked for q's dtype, head_dim and
+    device (KVCache remembers it), which skips the per-side format checks."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"{name}: q must be a 4D (batch, seqlen_q, heads_q, head_dim) tensor")
     if q.dtype not in _CACHE_DTYPES:
@@ -287,7 +290,7 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     batch, seqlen_q, heads_q, head_dim = q.shape
     if head_dim not in ops.HEAD_DIMS:
         raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {ops.HEAD_DIMS}")
-    bits, group = _cache_format(name, k_cache, v_cache, q)
+    bits, group = cache_format or _cache_format(name, k_cache, v_cache, q)
     kd, vd = _cache_data(k_cache), _cache_data(v_cache)
     if kd.dim() != 4 or kd.shape != vd.shape:
         raise ValueError(f"{name}: k_cache and v_cache must be 4D of one shape, got {tuple(kd.shape)} and "
@@ -371,12 +374,14 @@ def check_block_table(name: str, block_table: torch.Tensor, lengths: torch.Tenso
 
 
 def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale, window,
-                  alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, host_lengths):  # fmt: skip
+                  alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, host_lengths,
+                  cache_format=None):  # fmt: skip
     """attention_with_kvcache's body; host_lengths: the lengths after the append when the
-    caller knows them (KVCache), else they are checked here with one device-to-host copy."""
+    caller knows them (KVCache), else they are checked here with one device-to-host copy;
+    cache_format: see _check_kvcache."""
     name = "attention_with_kvcache"
     bits, group = _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos,
-                                 rotary_sin)  # fmt: skip
+                                 rotary_sin, cache_format)  # fmt: skip
     left, right = _check_options(name, causal, softmax_scale, window, softcap)
     _check_alibi(name, alibi_slopes, q, q.shape[0])
     if not isinstance(rotary_interleaved, bool):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .api import _kvcache_call, check_block_table, check_lengths
+from .api import _cache_format, _kvcache_call, check_block_table, check_lengths
 from .kvformat import QuantizedKV, code_width, gather_sequence
 
 __all__ = ["KVCache"]
@@ -70,6 +70,7 @@ class KVCache:
         self.k, self.v = (self._empty(lead, device) for _ in range(2))
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._lengths = [0] * batch_size
+        self._formats: dict[tuple, tuple[int, int]] = {}  # (q dtype, head_dim, device) -> (bits, group)
         self._block_table = None
         if page_size is not None:
             if block_table is None:
@@ -153,6 +154,14 @@ class KVCache:
         if unknown:
             raise TypeError(f"KVCache.attend: unknown options {sorted(unknown)}")
         n = 0 if k_new is None else k_new.shape[1]
+        # The storage's format is checked once per (q dtype, head_dim, device): a decode step
+        # is a ~0.1 ms kernel, and the per-side checks cost ~30 us of Python here.
+        key = (q.dtype, q.shape[-1], q.device) if isinstance(q, torch.Tensor) else None
+        fmt = self._formats.get(key)
+        if fmt is None:
+            fmt = _cache_format("KVCache.attend", self.k, self.v, q) if key is not None else None
+            if fmt is not None:
+                self._formats[key] = fmt
         lengths = None
         if not torch.compiler.is_compiling():
             lengths = self._advance(n, "KVCache.attend", options.get("rotary_cos"), q.shape[1] if q.dim() == 4 else 0)
@@ -160,7 +169,7 @@ class KVCache:
             q, self.k, self.v, self.seqlens, k_new, v_new, self.block_table, options.get("causal", True),
             options.get("softmax_scale"), options.get("window", (-1, -1)), options.get("alibi_slopes"),
             options.get("softcap", 0.0), options.get("rotary_cos"), options.get("rotary_sin"),
-            options.get("rotary_interleaved", False), lengths,
+            options.get("rotary_interleaved", False), lengths, fmt,
         )  # fmt: skip
         if n:
             self.seqlens += n
