@@ -13,6 +13,7 @@ import time
 import torch
 
 import openkernels.attention as A
+from openkernels.attention.kvformat import unpack_codes
 from openkernels.attention.triton import kvcache as launcher
 from openkernels.shared import dispatch
 
@@ -50,7 +51,10 @@ def check(lengths, sq=1, hq=32, hkv=8, d=128, kv_dtype=torch.bfloat16, group=Non
             c.block_table = perm.view_as(c.block_table)
         caches.append(c)
     q = torch.randn(b, sq, hq, d, device=DEV, dtype=dtype)
-    kn, vn = torch.randn(b, sq, hkv, d, device=DEV, dtype=dtype), torch.randn(b, sq, hkv, d, device=DEV, dtype=dtype)
+    kn, vn = (
+        torch.randn(b, sq, hkv, d, device=DEV, dtype=dtype),
+        torch.randn(b, sq, hkv, d, device=DEV, dtype=dtype),
+    )
     opts = dict(kw)
     if rotary:
         opts["rotary_cos"], opts["rotary_sin"] = _rotary(cap, d // 2)
@@ -86,8 +90,8 @@ def _same_cache(a: A.KVCache, b: A.KVCache) -> bool:
             continue
         if not (torch.equal(x.scale, y.scale) and torch.equal(x.zero, y.zero)):
             return False
-        cx = A.kvformat.unpack_codes(x.data, x.bits).int()
-        cy = A.kvformat.unpack_codes(y.data, y.bits).int()
+        cx = unpack_codes(x.data, x.bits).int()
+        cy = unpack_codes(y.data, y.bits).int()
         diff = (cx - cy).abs()
         if diff.max() > 1 or (diff > 0).float().mean() > 1e-4:
             return False

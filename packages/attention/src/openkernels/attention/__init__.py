@@ -4,14 +4,13 @@
 Backends: Triton (CUDA and ROCm), CPU, reference.
 """
 
-from . import kvformat
 from . import ops as _ops  # registers the torch.library ops and dispatch entries
 from .api import attention, attention_varlen, attention_with_kvcache
 from .hf import hf_attention_forward, register_with_transformers
 from .kvcache import KVCache
 from .kvformat import QuantizedKV, dequantize_kv, quantize_kv
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "attention",

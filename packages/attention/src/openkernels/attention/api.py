@@ -242,7 +242,9 @@ def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) 
     if isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
         for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if t.dtype != q.dtype:
-                raise TypeError(f"{name}: {what} must have q's dtype {q.dtype} (or be a QuantizedKV), got {t.dtype}")
+                raise TypeError(
+                    f"{name}: {what} must have q's dtype {q.dtype} (or be a QuantizedKV), got {t.dtype}"
+                )
         return 16, head_dim
     if not (isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)):
         raise TypeError(f"{name}: k_cache and v_cache must both be torch.Tensor or both QuantizedKV, got "
@@ -254,11 +256,15 @@ def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) 
     if bits not in BITS:
         raise ValueError(f"{name}: a QuantizedKV cache has bits 4 or 8, got {bits!r}")
     if group not in (32, 64, 128, head_dim) or head_dim % group:
-        raise ValueError(f"{name}: group_size must divide head_dim {head_dim} and be 32, 64, 128 or head_dim, got {group}")
+        raise ValueError(
+            f"{name}: group_size must divide head_dim {head_dim} and be 32, 64, 128 or head_dim, got {group}"
+        )
     for what, side in (("k_cache", k_cache), ("v_cache", v_cache)):
         lead = tuple(side.data.shape[:-1])
         if side.data.dtype != torch.uint8 or side.data.dim() != 4:
-            raise TypeError(f"{name}: {what}.data must be 4D uint8, got {side.data.dtype} {tuple(side.data.shape)}")
+            raise TypeError(
+                f"{name}: {what}.data must be 4D uint8, got {side.data.dtype} {tuple(side.data.shape)}"
+            )
         if side.data.shape[-1] != code_width(head_dim, bits):
             raise ValueError(f"{name}: {what}.data's last dim must be {code_width(head_dim, bits)} for head_dim "
                              f"{head_dim} at {bits} bits, got {side.data.shape[-1]}")  # fmt: skip
@@ -299,23 +305,33 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         if t.device != q.device:
             raise ValueError(f"{name}: {what} is on {t.device} but q is on {q.device}")
         if t.stride(-1) != 1:
-            raise ValueError(f"{name}: {what} must have a unit stride along head_dim (it is written in place)")
+            raise ValueError(
+                f"{name}: {what} must have a unit stride along head_dim (it is written in place)"
+            )
     heads_kv = kd.shape[2]
     if bits == 16 and kd.shape[3] != head_dim:
         raise ValueError(f"{name}: q has head_dim {head_dim} but the cache has {kd.shape[3]}")
     if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})")
+        raise ValueError(
+            f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})"
+        )
     if block_table is None:
         if kd.shape[0] != batch:
             raise ValueError(f"{name}: the cache has batch {kd.shape[0]} but q has {batch}")
     else:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        if (
+            not isinstance(block_table, torch.Tensor)
+            or block_table.dtype != torch.int32
+            or block_table.dim() != 2
+        ):
             raise TypeError(f"{name}: block_table must be an int32 (batch, max_pages) tensor")
         if block_table.shape[0] != batch or block_table.device != q.device:
             raise ValueError(f"{name}: block_table must have {batch} rows and be on {q.device}, got "
                              f"{tuple(block_table.shape)} on {block_table.device}")  # fmt: skip
         if kd.shape[1] % 16:
-            raise ValueError(f"{name}: the page size (k_cache.shape[1] = {kd.shape[1]}) must be a multiple of 16")
+            raise ValueError(
+                f"{name}: the page size (k_cache.shape[1] = {kd.shape[1]}) must be a multiple of 16"
+            )
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32:
         raise TypeError(f"{name}: cache_seqlens must be an int32 tensor of shape ({batch},)")
     if tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.device != q.device:
@@ -328,7 +344,9 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         for what, t in (("k_new", k_new), ("v_new", v_new)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name}: {what} must have shape {want} (one new token per query), got {got}")
+                raise ValueError(
+                    f"{name}: {what} must have shape {want} (one new token per query), got {got}"
+                )
             if t.dtype != q.dtype or t.device != q.device:
                 raise TypeError(f"{name}: {what} must have q's dtype and device, got {t.dtype} on {t.device}")
     if (rotary_cos is None) != (rotary_sin is None):
@@ -354,7 +372,9 @@ def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int,
         if cached < 0 or cached + seqlen_new > capacity:
             raise ValueError(f"{name}: cache_seqlens[{b}] = {cached} plus {seqlen_new} new tokens is outside the "
                              f"cache's capacity of {capacity} tokens")  # fmt: skip
-        if rotary_rows is not None and (cached + seqlen_new - seqlen_q < 0 or cached + seqlen_new > rotary_rows):
+        if rotary_rows is not None and (
+            cached + seqlen_new - seqlen_q < 0 or cached + seqlen_new > rotary_rows
+        ):
             raise ValueError(f"{name}: rotary positions {cached + seqlen_new - seqlen_q}..{cached + seqlen_new - 1} of "
                              f"sequence {b} are outside rotary_cos's {rotary_rows} rows")  # fmt: skip
     return [n + seqlen_new for n in lengths]

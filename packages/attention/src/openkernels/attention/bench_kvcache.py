@@ -113,5 +113,7 @@ def cases(
                 setup["flex"] = _bhsd_setup
             except ImportError:  # a torch without FlexAttention
                 pass
-        out.append(BenchCase("attention", "decode", "fwd", shape, dtype, kv_bytes(shape), make, fns, setup=setup))
+        out.append(
+            BenchCase("attention", "decode", "fwd", shape, dtype, kv_bytes(shape), make, fns, setup=setup)
+        )
     return out

@@ -49,7 +49,9 @@ class KVCache:
         if head_dim not in ops.HEAD_DIMS:
             raise ValueError(f"KVCache: head_dim {head_dim} is not supported; supported: {ops.HEAD_DIMS}")
         if kv_dtype not in (torch.float16, torch.bfloat16, torch.float32, *_KV_DTYPES):
-            raise ValueError(f"KVCache: kv_dtype must be torch.float16, torch.bfloat16, 'int8' or 'int4', got {kv_dtype!r}")
+            raise ValueError(
+                f"KVCache: kv_dtype must be torch.float16, torch.bfloat16, 'int8' or 'int4', got {kv_dtype!r}"
+            )
         self.bits = 16 if isinstance(kv_dtype, torch.dtype) else int(kv_dtype[3:])
         self.group_size = head_dim if group_size is None else group_size
         if self.bits != 16 and (self.group_size not in (32, 64, 128, head_dim) or head_dim % self.group_size):
@@ -57,7 +59,12 @@ class KVCache:
                              f"{group_size!r}")  # fmt: skip
         if page_size is not None and (not isinstance(page_size, int) or page_size < 16 or page_size % 16):
             raise ValueError(f"KVCache: page_size must be a multiple of 16, got {page_size!r}")
-        self.kv_dtype, self.head_dim, self.heads_kv, self.max_seqlen = kv_dtype, head_dim, heads_kv, max_seqlen
+        self.kv_dtype, self.head_dim, self.heads_kv, self.max_seqlen = (
+            kv_dtype,
+            head_dim,
+            heads_kv,
+            max_seqlen,
+        )
         self.page_size = page_size
         device = torch.device("cpu" if device is None else device)
         if page_size is None:
@@ -127,8 +134,14 @@ class KVCache:
             raise ValueError("KVCache: only a paged cache has a block_table")
         if table is not None:
             want = (self.batch_size, -(-self.max_seqlen // self.page_size))
-            if table.dtype != torch.int32 or tuple(table.shape) != want or table.device != self.seqlens.device:
-                raise ValueError(f"KVCache: block_table must be int32 of shape {want} on {self.seqlens.device}")
+            if (
+                table.dtype != torch.int32
+                or tuple(table.shape) != want
+                or table.device != self.seqlens.device
+            ):
+                raise ValueError(
+                    f"KVCache: block_table must be int32 of shape {want} on {self.seqlens.device}"
+                )
             check_block_table("KVCache", table, [self.max_seqlen] * self.batch_size, self.page_size,
                               self._data(self.k).shape[0])  # fmt: skip
         self._block_table = table
@@ -164,7 +177,9 @@ class KVCache:
                 self._formats[key] = fmt
         lengths = None
         if not torch.compiler.is_compiling():
-            lengths = self._advance(n, "KVCache.attend", options.get("rotary_cos"), q.shape[1] if q.dim() == 4 else 0)
+            lengths = self._advance(
+                n, "KVCache.attend", options.get("rotary_cos"), q.shape[1] if q.dim() == 4 else 0
+            )
         out, lse = _kvcache_call(
             q, self.k, self.v, self.seqlens, k_new, v_new, self.block_table, options.get("causal", True),
             options.get("softmax_scale"), options.get("window", (-1, -1)), options.get("alibi_slopes"),
@@ -227,5 +242,3 @@ class KVCache:
         return (f"KVCache(batch_size={self.batch_size}, max_seqlen={self.max_seqlen}, heads_kv={self.heads_kv}, "
                 f"head_dim={self.head_dim}, kv_dtype={self.kv_dtype}, group_size={self.group_size}, {layout}, "
                 f"lengths={self._lengths})")  # fmt: skip
-
-

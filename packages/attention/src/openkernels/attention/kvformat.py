@@ -93,7 +93,9 @@ def quantize_kv(x: torch.Tensor, bits: int, group_size: int | None = None) -> Qu
     head_dim = x.shape[-1]
     group_size = head_dim if group_size is None else group_size
     if group_size <= 0 or head_dim % group_size or (bits == 4 and group_size % 2):
-        raise ValueError(f"quantize_kv: group_size {group_size} must divide head_dim {head_dim} (and be even for int4)")
+        raise ValueError(
+            f"quantize_kv: group_size {group_size} must divide head_dim {head_dim} (and be even for int4)"
+        )
     if not x.is_floating_point():
         raise TypeError(f"quantize_kv: x must be a float tensor, got {x.dtype}")
     xf = x.to(torch.float32)
@@ -134,7 +136,9 @@ def dequantize_kv(qkv: QuantizedKV, dtype: torch.dtype = torch.float32) -> torch
     return x.flatten(-2).to(dtype)
 
 
-def _rows(t: torch.Tensor | None, b: int, length: int, block_table: torch.Tensor | None) -> torch.Tensor | None:
+def _rows(
+    t: torch.Tensor | None, b: int, length: int, block_table: torch.Tensor | None
+) -> torch.Tensor | None:
     """Tokens 0..length-1 of sequence b as (length, ...) from a contiguous (B, S, ...) or
     paged (P, page, ...) tensor."""
     if t is None:

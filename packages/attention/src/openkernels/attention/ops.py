@@ -21,7 +21,15 @@ from openkernels.shared import dispatch
 
 from .reference import compute_dtype
 
-__all__ = ["forward", "backward", "EagerAttention", "kvcache_append", "kvcache_forward", "KERNEL_DTYPES", "HEAD_DIMS"]
+__all__ = [
+    "forward",
+    "backward",
+    "EagerAttention",
+    "kvcache_append",
+    "kvcache_forward",
+    "KERNEL_DTYPES",
+    "HEAD_DIMS",
+]
 
 _PKG = "openkernels.attention"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels take
@@ -410,7 +418,9 @@ def _attention_kvcache_impl(*args):
 @torch.library.register_fake("openkernels::attention_kvcache", lib=_LIB)
 def _attention_kvcache_fake(q, *args):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return out, torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device)
+    return out, torch.empty(
+        (q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device
+    )
 
 
 torch.library.register_autograd("openkernels::attention", _backward, setup_context=_setup, lib=_LIB)

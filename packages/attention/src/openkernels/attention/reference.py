@@ -352,7 +352,9 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
         for b, cached in enumerate(cache_seqlens.tolist()):
             length = cached + seqlen_new
             k, v = (
-                gather_sequence(d, sc, zr, b, length, block_table, bits=bits, group_size=group_size, dtype=acc)
+                gather_sequence(
+                    d, sc, zr, b, length, block_table, bits=bits, group_size=group_size, dtype=acc
+                )
                 for d, sc, zr in ((k_data, k_scale, k_zero), (v_data, v_scale, v_zero))
             )
             qb = q[b]

@@ -25,7 +25,9 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
                 lse[b].fill_(float("-inf"))
                 continue
             k, v = (
-                gather_sequence(d, sc, zr, b, length, block_table, bits=bits, group_size=group_size, dtype=q.dtype)
+                gather_sequence(
+                    d, sc, zr, b, length, block_table, bits=bits, group_size=group_size, dtype=q.dtype
+                )
                 for d, sc, zr in ((k_data, k_scale, k_zero), (v_data, v_scale, v_zero))
             )
             qb = q[b]

@@ -90,7 +90,9 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     cfg = config or _config(head_dim, bits, min(seqlen_q * group, 17), q.device)
     m_blocks = triton.cdiv(seqlen_q * group, cfg.block_m)
     key_blocks = triton.cdiv(max_seqlen_k, cfg.block_n)
-    splits = num_splits or FORCE_SPLITS or kv_splits(m_blocks * batch * heads_kv, key_blocks, _sm_count(q.device))
+    splits = (
+        num_splits or FORCE_SPLITS or kv_splits(m_blocks * batch * heads_kv, key_blocks, _sm_count(q.device))
+    )
     split_blocks = max(1, triton.cdiv(key_blocks, splits))
     splits = max(1, triton.cdiv(key_blocks, split_blocks))
     if splits == 1:
@@ -98,7 +100,9 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
         o_strides = (*out.stride()[:3], 0)
         l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), 0)
     else:  # float32 partials, merged below
-        dst_o = torch.empty((batch, seqlen_q, heads_q, splits, head_dim), dtype=torch.float32, device=q.device)
+        dst_o = torch.empty(
+            (batch, seqlen_q, heads_q, splits, head_dim), dtype=torch.float32, device=q.device
+        )
         dst_lse = torch.empty((batch, heads_q, seqlen_q, splits), dtype=torch.float32, device=q.device)
         o_strides = (dst_o.stride(0), dst_o.stride(1), dst_o.stride(2), dst_o.stride(3))
         l_strides = dst_lse.stride()

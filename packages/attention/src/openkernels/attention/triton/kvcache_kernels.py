@@ -348,7 +348,9 @@ def _kv_blocks(
     OFFSET: tl.constexpr = 1024.0 if FAST_DEQUANT else 0.0
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
-        page, slot, mask_n = _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, sk, PAGE_SIZE, BLOCK_N, MASK)
+        page, slot, mask_n = _block_rows(
+            block_table_ptr, stride_bt, b, start_n, offs_n, sk, PAGE_SIZE, BLOCK_N, MASK
+        )
         kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
                                page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
                                HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
@@ -448,7 +450,9 @@ def _attention_kvcache_fwd_kernel(
     acc1 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
     slope_log2 = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if HAS_ALIBI:
-        slope_log2 = tl.load(slopes_ptr + b * heads_kv * group + head, mask=row_ok, other=0.0)[:, None] * LOG2E
+        slope_log2 = (
+            tl.load(slopes_ptr + b * heads_kv * group + head, mask=row_ok, other=0.0)[:, None] * LOG2E
+        )
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     off_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # per-token-scale caches: see _kv_blocks

@@ -1,0 +1,50 @@
+"""Quantization error of the int8 / int4 KV-cache formats on the attention output: float32
+reference attention on the bf16 cache against the same on the dequantized cache, for random
+normal activations and for keys with outlier channels (the table in
+docs/ops/attention-kvcache.md).
+
+    python benchmarks/kvcache_quant_error.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openkernels.attention import reference as R
+from openkernels.attention.kvformat import dequantize_kv, quantize_kv
+
+B, Hq, Hk, D, S = 4, 32, 8, 128, 2048
+
+
+def run(kind: str) -> list[str]:
+    q = torch.randn(B, 1, Hq, D)
+    k = torch.randn(B, S, Hk, D)
+    v = torch.randn(B, S, Hk, D)
+    if kind == "outliers":  # real-model-like keys: a few channels 20x larger, a per-channel bias
+        ch = torch.randperm(D)[:4]
+        k[..., ch] *= 20
+        k += torch.randn(D) * 2
+        v[..., torch.randperm(D)[:2]] *= 8
+    kb, vb = k.bfloat16(), v.bfloat16()
+    ref = R.attention_ref(q.bfloat16().float(), kb.float(), vb.float(), causal=True)
+    rows = []
+    for bits, g in ((8, None), (8, 32), (4, None), (4, 64), (4, 32)):
+        kq = dequantize_kv(quantize_kv(kb, bits, g))
+        vq = dequantize_kv(quantize_kv(vb, bits, g))
+        o = R.attention_ref(q.bfloat16().float(), kq, vq, causal=True)
+        rel = ((o - ref).norm() / ref.norm()).item()
+        mx = ((o - ref).abs().max() / ref.abs().max()).item()
+        rows.append(f"| {kind} | int{bits} | {g or 'head'} | {rel:.2e} | {mx:.2e} |")
+    return rows
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print("| inputs | cache | group | rel. L2 error | max error / max |out| |")
+    print("|---|---|---|---|---|")
+    for kind in ("random", "outliers"):
+        print("\n".join(run(kind)))
+
+
+if __name__ == "__main__":
+    main()
