@@ -28,7 +28,9 @@ def _signature(kernel_name: str, pointers: dict[str, str]) -> tuple[dict[str, st
     import importlib
 
     kernel = getattr(importlib.import_module(_KERNELS), kernel_name)
-    names = [n for n, p in inspect.signature(kernel.fn).parameters.items() if "constexpr" not in str(p.annotation)]
+    names = [
+        n for n, p in inspect.signature(kernel.fn).parameters.items() if "constexpr" not in str(p.annotation)
+    ]
     signature, attrs = {}, {}
     for n in names:
         if n.endswith("_ptr"):
@@ -67,7 +69,9 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
         for name in nones:
             del signature[name]
             constexprs[name] = None
-        constexprs |= dict(PAGE_SIZE=0, HAS_ROTARY=False, HAS_WINDOW_LEFT=False, HAS_ALIBI=False, HAS_SOFTCAP=False)
+        constexprs |= dict(
+            PAGE_SIZE=0, HAS_ROTARY=False, HAS_WINDOW_LEFT=False, HAS_ALIBI=False, HAS_SOFTCAP=False
+        )
     label = (f"attn-d{head_dim}-{bits}b-g{group or 'head'}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}"
              f"s{cfg.num_stages}{'-split' if split else ''}{'-plain' if plain else ''}")  # fmt: skip
     return AotCase(f"{_KERNELS}:_attention_kvcache_fwd_kernel", signature, constexprs, num_warps=cfg.num_warps,

@@ -411,10 +411,7 @@ def _compile_calls(device: str) -> list[KVCall]:
 @pytest.mark.parametrize(("device", "impl"), TARGETS)
 def test_torch_compile_fullgraph(device: str, impl: str) -> None:
     for call in _compile_calls(device):
-        # A fresh compile per call: recompiling one function for another float softcap makes
-        # the float dynamic, which the argument checks' math.isinf cannot take (a known limit
-        # of attention and attention_with_kvcache under fullgraph=True).
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # each call compiled on its own (test_compile_with_changing_floats: one function)
         eager_call, compiled_call = copy_call(call), copy_call(call)
 
         def step(q, k_cache, v_cache, cache_seqlens, k_new, v_new, call=call):
@@ -434,6 +431,48 @@ def test_torch_compile_fullgraph(device: str, impl: str) -> None:
                 f"{call.name}: compiled append differs"
             )
         compare(compiled_call, out_c, lse_c, device=device, msg=f"{call.name} compiled")
+
+
+def test_compile_with_changing_floats() -> None:
+    """One compiled function called with other softcap and softmax_scale values: dynamo makes
+    the floats symbolic on the recompile, and the argument checks must trace with them."""
+    torch._dynamo.reset()
+    q = random_tensor((2, 1, 2, 64), torch.bfloat16)
+    k = random_tensor((2, 16, 1, 64), torch.bfloat16)
+    v = random_tensor((2, 16, 1, 64), torch.bfloat16)
+    lengths = torch.tensor([3, 16], dtype=torch.int32)
+
+    def step(q, k, v, cap, scale):
+        return A.attention_with_kvcache(q, k, v, lengths, softcap=cap, softmax_scale=scale)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for cap, scale in ((0.0, 0.125), (2.0, 0.2), (3.0, 0.3)):
+        assert torch.equal(compiled(q, k, v, cap, scale), step(q, k, v, cap, scale)), (cap, scale)
+    x = random_tensor((1, 8, 2, 64), torch.bfloat16)
+    plain = torch.compile(
+        lambda x, cap: A.attention(x, x, x, softcap=cap), fullgraph=True, backend="aot_eager"
+    )
+    for cap in (1.0, 2.0):
+        assert torch.equal(plain(x, cap), A.attention(x, x, x, softcap=cap))
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_cache_with_huge_queries_stays_finite(device: str, impl: str, fmt: str) -> None:
+    """A quantized cache meets q * softmax_scale in float16 on the Triton path: past 65504 it
+    is clamped (a hard argmax either way), never inf then NaN: the output stays a convex
+    combination of the value rows."""
+    q = random_tensor((1, 1, 2, 64), torch.bfloat16, device=device, scale=1e6)
+    side = quantize_kv(random_tensor((1, 16, 1, 64), device=device), 8 if fmt == "int8" else 4)
+    lengths = torch.tensor([16], dtype=torch.int32, device=device)
+    with dispatch.force(impl):
+        out, lse = A.attention_with_kvcache(q, side, side, lengths, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    values = dequantize_kv(side)[0, :, 0]  # (16, 64)
+    slack = 0.01 * values.abs().max()
+    assert (out.float() >= values.min(0).values - slack).all() and (
+        out.float() <= values.max(0).values + slack
+    ).all()
 
 
 @pytest.mark.parametrize(("device", "impl"), TARGETS)

@@ -11,7 +11,6 @@ aligned bottom-right, softcap, ALiBi, empty rows) are in reference.py.
 from __future__ import annotations
 
 import itertools
-import math
 import numbers
 
 import torch
@@ -24,12 +23,18 @@ __all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _finite(x) -> bool:
+    """math.isfinite that dynamo can trace when it turns a float argument into a symbolic
+    one (math.isinf/isfinite on it is unsupported): x - x is NaN for +-inf and NaN."""
+    return x - x == 0
+
+
 def _check_options(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
     if not isinstance(causal, bool):
         raise TypeError(f"{name}: causal must be a bool, got {causal!r}")
     if softmax_scale is not None and (
         not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool)
-        or not math.isfinite(softmax_scale) or softmax_scale <= 0
+        or not _finite(softmax_scale) or softmax_scale <= 0
     ):  # fmt: skip
         raise ValueError(
             f"{name}: softmax_scale must be a positive finite float or None, got {softmax_scale!r}"
@@ -43,7 +48,7 @@ def _check_options(name, causal, softmax_scale, window, softcap) -> tuple[int, i
         not isinstance(softcap, numbers.Real)
         or isinstance(softcap, bool)
         or not softcap >= 0
-        or math.isinf(softcap)
+        or not _finite(softcap)
     ):
         raise ValueError(f"{name}: softcap must be a finite float >= 0 (0: off), got {softcap!r}")
     left, right = int(window[0]), int(window[1])

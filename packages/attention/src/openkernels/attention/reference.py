@@ -284,6 +284,9 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
 #            in float32, in halves (x[:R/2], x[R/2:R]) or interleaved pairs (x[2j], x[2j+1]);
 #            q is rounded back to its dtype, k_new is stored (or quantized) from float32.
 #   dequant  a quantized cache is read as code * scale + zero (kvformat.py) in float32.
+# Kernels may round more: Triton's quantized path dequantizes to float16 and meets it with
+# q * softmax_scale rounded (and clamped) to float16, P in float16 (tests/kvcache_cases.py
+# bounds the difference).
 #
 # Backend entry points:
 #   kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, v_new, cache_seqlens,

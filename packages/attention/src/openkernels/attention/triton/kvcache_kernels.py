@@ -140,6 +140,13 @@ def _quantize_store(x, data_rows, scale_rows, zero_rows, valid, offs, HEAD_DIM: 
 
 
 @triton.jit
+def _to_f16_range(x):
+    """Clamp to float16's finite range: a q * softmax_scale past 65504 (a hard argmax either
+    way) would turn into inf and then NaN in the scores."""
+    return tl.clamp(x, -65504.0, 65504.0)
+
+
+@triton.jit
 def _u8_magic(codes):
     """uint8 codes -> fp16 1024 + code, by placing each byte under fp16 1024's exponent
     (0x64xx): two byte permutes per four codes instead of int-to-float conversions, which
@@ -439,12 +446,12 @@ def _attention_kvcache_fwd_kernel(
                            HAS_ROTARY, INTERLEAVED)  # fmt: skip
         q1 = _load_rotated(q_rows, row_ok, offs_h * 2 + 1, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
                            HAS_ROTARY, INTERLEAVED)  # fmt: skip
-        q0, q1 = (q0 * q_scale).to(dtype), (q1 * q_scale).to(dtype)
+        q0, q1 = _to_f16_range(q0 * q_scale).to(dtype), _to_f16_range(q1 * q_scale).to(dtype)
         acc0 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
     else:
         q0 = _load_rotated(q_rows, row_ok, offs_d, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
                            HAS_ROTARY, INTERLEAVED)  # fmt: skip
-        q0 = (q0 * q_scale).to(dtype)
+        q0 = _to_f16_range(q0 * q_scale).to(dtype)
         q1 = q0
         acc0 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
