@@ -71,3 +71,49 @@ class AttentionSuite:
         return self.case.flops / time_ms(self.fn, [self.inputs], self.device) / 1e9
 
     track_tflops.unit = "TFLOP/s"
+
+
+DECODE_SHAPES = ["32x32x8x4096x128", "1x32x8x131072x128", "cpu"]
+DECODE_CONTENDERS = ["ours", "ours-paged16", "ours-paged256", "ours-int8", "ours-int4", "sdpa", "flex"]
+
+
+class DecodeSuite:
+    """Decode against a KV cache (openkernels.attention.bench_kvcache): one query per
+    sequence, GQA 32/8, D128; `track_gbps` counts the bf16 cache's bytes for every contender
+    (a quantized cache past the copy ceiling is faster than a 16-bit kernel could be)."""
+
+    params = (DECODE_SHAPES, DECODE_CONTENDERS)
+    param_names = ["shape", "contender"]
+    timeout = 600
+
+    def setup(self, shape: str, contender: str) -> None:
+        from openkernels.attention import bench_kvcache
+
+        device = _device()
+        if (shape == "cpu") != (device.type == "cpu"):
+            raise NotImplementedError
+        dims = bench_kvcache.CPU_SHAPES[0] if shape == "cpu" else tuple(int(n) for n in shape.split("x"))
+        ours = contender.startswith("ours")
+        (case,) = bench_kvcache.cases(
+            device, shapes=[dims], formats=[contender] if ours else [], peers=[] if ours else [contender]
+        )
+        if contender not in case.contenders:
+            raise NotImplementedError
+        self.case, self.device = case, device
+        self.inputs = case.setup[contender](case.make_inputs(device))
+        self.fn = case.contenders[contender]
+        self.fn(self.inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def time_step(self, shape: str, contender: str) -> None:
+        self.fn(self.inputs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def track_gbps(self, shape: str, contender: str) -> float:
+        from openkernels.shared.bench import time_ms
+
+        return self.case.bytes / time_ms(self.fn, [self.inputs], self.device) / 1e6
+
+    track_gbps.unit = "GB/s"
