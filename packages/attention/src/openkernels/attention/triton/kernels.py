@@ -148,6 +148,19 @@ def _segments(
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i, MASK: tl.constexpr):
+    """One block of the online softmax over log2-unit scores s (rows, keys): returns the
+    block's probabilities relative to the new row max, the factor that rescales what was
+    accumulated before, the new row sums and the new row max."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASK:  # a row that has seen no key yet keeps max -inf: shift by 0 instead
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
 def _fwd_blocks(
     acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start, stop, rows, seqlen_k, diag,
     window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,
@@ -163,12 +176,7 @@ def _fwd_blocks(
             qk, rows[:, None], cols[None, :], seqlen_k, diag, window_left, window_right, slope_log2, qk_scale,
             cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASK:  # a row that has seen no key yet keeps max -inf: shift by 0 instead
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK)
         v = _load_kv(v_base, start_n, cols, stride_vs, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _log2_scores, _segments
+from .kernels import _log2_scores, _segments, _softmax_step
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -376,12 +376,7 @@ def _kv_blocks(
             qk, qrow[:, None], cols[None, :], sk, diag, window_left, window_right, slope_log2, qk_scale,
             cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASK:  # a row that has seen no key yet keeps max -inf: shift by 0 instead
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK)
         vc, vs, vz = _raw_tile(v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
                                page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
                                HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
