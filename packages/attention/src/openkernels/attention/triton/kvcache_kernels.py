@@ -3,18 +3,19 @@
 Cache formats (16-bit, int8, int4 with float16 per-group scale and zero) are in kvformat.py;
 the semantics (append positions, bottom-right alignment, rotary) in reference.py.
 
-- `_kvcache_append_fwd_kernel`: rotary on the new keys, quantization (per token, head and group) and
-  the write into contiguous or paged storage, K and V in one launch.
-- `_attention_kvcache_fwd_kernel`: split-KV (flash-decoding) attention. One program takes BLOCK_M rows of
-  one (sequence, KV head): the query heads of a GQA group are packed along the rows (row r is
-  query r // group of head hk * group + r % group), so K and V tiles are read once per group,
-  and a decode step (one query) still fills a matrix-unit tile. The key axis is cut into
-  splits so that one long sequence spreads over the GPU; each split writes a float32 partial
-  output and lse, merged by `_attention_kvcache_combine_kernel` (with one split the kernel writes the final
-  output directly). Quantized tiles are dequantized in registers right after their load:
-  K and V never exist in 16-bit memory. int4 keeps the two nibbles of each byte apart (even
-  and odd elements of head_dim) and takes two half-width dot products instead of
-  interleaving them in registers.
+- `_kvcache_append_fwd_kernel`: rotary on the new keys, quantization (per token, head and
+  group) and the write into contiguous or paged storage, K and V in one launch.
+- `_attention_kvcache_fwd_kernel`: split-KV (flash-decoding) attention. One program takes
+  BLOCK_M rows of one (sequence, KV head): the query heads of a GQA group are packed along
+  the rows (row r is query r // group of head hk * group + r % group), so K and V tiles are
+  read once per group and a decode step (one query) still fills a matrix-unit tile. The key
+  axis is cut into splits so that one long sequence spreads over the GPU; each split writes
+  a float32 partial output and lse, merged by `_attention_kvcache_combine_kernel` (with one
+  split the kernel writes the final output directly). Quantized tiles are dequantized in
+  registers right after their load (K and V never exist in 16-bit memory); with one scale
+  per token the scales act on the scores and on P instead (see _kv_blocks). int4 keeps the
+  two nibbles of each byte apart (even and odd elements of head_dim) and takes two
+  half-width dot products instead of interleaving them in registers.
 """
 
 from __future__ import annotations
