@@ -84,6 +84,9 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
             rotary_interleaved, bits, group_size, config: AttnConfig | None = None,
             num_splits: int | None = None, scale_gather: bool = False) -> None:  # fmt: skip
+    """config, num_splits: override kv_config / kv_splits (tuning, tests). scale_gather: read
+    grouped scales with one gathered load per element instead of a (keys, groups) load and a
+    reshape (never ahead in the H200 sweeps of tune_kvcache.py; kept for them)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_data.shape[2]
     group = heads_q // heads_kv
