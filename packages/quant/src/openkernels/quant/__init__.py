@@ -1,0 +1,23 @@
+"""openkernels.quant: 4-bit weight-only linear layers (int4 with per-group scales and zeros,
+NF4), from batch 1 decode to prefill; GPTQ and AWQ checkpoint import.
+
+Backends: Triton (CUDA and ROCm), CPU (C++), reference.
+"""
+
+from . import ops as _ops  # registers the torch.library ops and dispatch entries
+from .api import dequantize_int4, int4_linear
+from .format import NF4_VALUES, Int4Weight
+from .quantize import quantize_int4, quantize_nf4
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Int4Weight",
+    "NF4_VALUES",
+    "quantize_int4",
+    "quantize_nf4",
+    "dequantize_int4",
+    "int4_linear",
+]
+
+del _ops

@@ -1,0 +1,198 @@
+"""Benchmark cases of the quant family: shape grid, peers and byte / FLOP counts.
+
+y = x (M, K) @ W^T with W (N, K) in 4 bits, group 128, bf16 activations. Peers, each on the
+same x and a weight quantized from the same W in its own format:
+  "bf16"        torch.nn.functional.linear with the 16-bit W (cuBLAS): the speed to beat
+  "tinygemm"    torch's int4 kernel (aten._weight_int4pack_mm), from our int4 codes
+  "bnb-nf4"     bitsandbytes NF4, blocksize 64 (if installed)
+  "gemlite"     GemLite's Triton int4 GEMM/GEMV, group 128 (if installed)
+Small M is memory-bound (GB/s of the weight bytes read once, ratio to the copy ceiling);
+from M >= 128 the case also counts FLOPs. Nothing runs at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from openkernels.shared.bench import BenchCase, Check
+from openkernels.shared.bench import score as _score
+
+from . import api, reference
+from .format import Int4Weight
+from .quantize import quantize_int4, quantize_nf4
+
+__all__ = ["GPU_SHAPES", "CPU_SHAPES", "GPU_MS", "CPU_MS", "cases", "checks", "PEERS"]
+
+GPU_SHAPES = ((8192, 8192), (28672, 8192))  # (N, K): a square projection and an MLP up-projection
+CPU_SHAPES = ((4096, 4096),)
+GPU_MS = (1, 16, 128, 2048)
+CPU_MS = (1, 16, 128)
+PEERS = ("bf16", "tinygemm", "bnb-nf4", "gemlite")
+COMPUTE_BOUND_M = 128
+
+
+def weight_bytes(n: int, k: int, group: int) -> int:
+    """Bytes of a 4-bit weight with float16 scales and zeros."""
+    return n * k // 2 + 2 * 2 * n * (k // group)
+
+
+def _make(
+    m: int, n: int, k: int, group: int, dtype: torch.dtype, kind: str
+) -> Callable[[torch.device], dict]:
+    def make(device: torch.device) -> dict[str, Any]:
+        w = (torch.randn(n, k, device=device) * 0.02).to(dtype)
+        q = quantize_nf4(w, group) if kind == "nf4" else quantize_int4(w, group)
+        return {"x": torch.randn(m, k, device=device, dtype=dtype), "w": w, "q": q}
+
+    return make
+
+
+def _tinygemm_setup(s: dict) -> dict:
+    """torch's tinygemm layout from our asymmetric int4 codes: W = (q - 8) * s + zero, so
+    zero = (8 - z) * s; codes packed high nibble first, then tiled by the op."""
+    q: Int4Weight = s["q"]
+    packed = ((q.qweight & 0xF) << 4) | (q.qweight >> 4)
+    tiled = torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), 8)
+    scale = q.scales.to(torch.bfloat16)
+    zero = ((8 - q.zeros.float()) * q.scales.float()).to(torch.bfloat16)
+    return {
+        "x": s["x"],
+        "tiled": tiled,
+        "sz": torch.stack((scale, zero), dim=-1).contiguous(),
+        "group": q.group_size,
+    }
+
+
+def _tinygemm(s: dict) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm(s["x"], s["tiled"], s["group"], s["sz"])
+
+
+def _bnb_setup(s: dict) -> dict:
+    import bitsandbytes.functional as bf
+
+    packed, state = bf.quantize_4bit(s["w"], blocksize=64, quant_type="nf4")
+    return {"x": s["x"], "packed": packed, "state": state}
+
+
+def _bnb(s: dict) -> torch.Tensor:
+    import bitsandbytes as bnb
+
+    return bnb.matmul_4bit(s["x"], s["packed"].t(), quant_state=s["state"])
+
+
+_gemlite_ready = False
+
+
+def _gemlite_setup(s: dict) -> dict:
+    """GemLite's A16W4 layer from our int4 codes (its HQQ-style INT format has the same
+    W = (q - zero) * scale). GemLite ships tuned configs by GPU name and has none for the H200:
+    its H100 table is loaded instead of autotuning in the timed process."""
+    global _gemlite_ready
+    import os
+
+    import gemlite
+    from gemlite.helper import A16W4_HQQ_INT
+
+    if not _gemlite_ready:
+        name = torch.cuda.get_device_properties(0).name.lower()
+        if "h200" in name:
+            gemlite.load_config(os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json"))
+        _gemlite_ready = True
+    q: Int4Weight = s["q"]
+    codes = reference.unpack_codes(q.qweight).to(torch.uint8)
+    dtype = s["x"].dtype
+    layer = A16W4_HQQ_INT(device=str(q.device), dtype=dtype).from_weights(
+        codes, q.scales.t().contiguous().to(dtype), q.zeros.t().contiguous().to(dtype)
+    )
+    return {"x": s["x"], "layer": layer}
+
+
+def _gemlite(s: dict) -> torch.Tensor:
+    return s["layer"](s["x"])
+
+
+def _available(peer: str) -> bool:
+    import importlib.util
+
+    module = {"bnb-nf4": "bitsandbytes", "gemlite": "gemlite"}.get(peer)
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def cases(
+    device: torch.device | str,
+    *,
+    shapes: Sequence[tuple[int, int]] | None = None,
+    ms: Sequence[int] | None = None,
+    group: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    kinds: Sequence[str] = ("int4",),
+    peers: Sequence[str] = PEERS,
+) -> list[BenchCase]:
+    """One case per (kind, M, N, K): ours plus the installed peers, on the same inputs."""
+    device = torch.device(device)
+    gpu = device.type == "cuda"
+    shapes = shapes or (GPU_SHAPES if gpu else CPU_SHAPES)
+    ms = ms or (GPU_MS if gpu else CPU_MS)
+    out = []
+    for kind in kinds:
+        for n, k in shapes:
+            for m in ms:
+                g = 64 if kind == "nf4" and group == 128 else group
+                contenders: dict[str, Callable] = {"ours": lambda s: api.int4_linear(s["x"], s["q"])}
+                setup: dict[str, Callable] = {}
+                if "bf16" in peers:
+                    contenders["bf16"] = lambda s: F.linear(s["x"], s["w"])
+                if gpu and kind == "int4" and "tinygemm" in peers and dtype == torch.bfloat16:
+                    contenders["tinygemm"], setup["tinygemm"] = _tinygemm, _tinygemm_setup
+                if gpu and "bnb-nf4" in peers and _available("bnb-nf4"):
+                    contenders["bnb-nf4"], setup["bnb-nf4"] = _bnb, _bnb_setup
+                if gpu and kind == "int4" and "gemlite" in peers and _available("gemlite"):
+                    contenders["gemlite"], setup["gemlite"] = _gemlite, _gemlite_setup
+                nbytes = weight_bytes(n, k, g) + 2 * m * (k + n)
+                flops = 2 * m * n * k if m >= COMPUTE_BOUND_M else 0
+                out.append(BenchCase("quant", f"int4_linear[{kind}]", "fwd", (m, n, k), dtype, nbytes,
+                                     _make(m, n, k, g, dtype, kind), contenders, flops=flops, setup=setup))  # fmt: skip
+    return out
+
+
+def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> list[Check]:
+    """int4_linear (every kind, the gemv / tiled / dequantize paths) and dequantize_int4 on every
+    implementation usable on `device`, against the float64 reference: the self-check."""
+    from openkernels.shared import dispatch
+    from openkernels.shared.testing import testable_implementations
+
+    device = torch.device(device)
+    results = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for kind in ("int4", "nf4"):
+        w = torch.randn(300, 512, generator=gen) * 0.02
+        q = (quantize_nf4(w) if kind == "nf4" else quantize_int4(w)).to(device)
+        w64 = reference.dequantize_int4_ref(q.qweight, q.scales, q.zeros, q.group_size, kind, torch.float64)
+        for m in (1, 16, 1100):
+            x = torch.randn(m, 512, generator=gen).to(device, dtype)
+            ref = x.double() @ w64.t()
+            bound = reference.linear_error_bound(x.double(), w64, ref, dtype, weight_rounded_to=dtype)
+            for impl in testable_implementations("int4_linear", device):
+                with dispatch.force(impl):
+                    out = api.int4_linear(x, q)
+                error, ok = _bound_score(out, ref, bound)
+                results.append(Check(f"int4_linear[{kind}] M={m}", "fwd", impl, str(dtype).removeprefix("torch."),
+                                     error, ok))  # fmt: skip
+        for impl in testable_implementations("dequantize_int4", device):
+            with dispatch.force(impl):
+                got = api.dequantize_int4(q, dtype)
+            results.append(Check(f"dequantize_int4[{kind}]", "fwd", impl, str(dtype).removeprefix("torch."),
+                                 *_score(got, w64.to(dtype).double(), dtype)))  # fmt: skip
+    return results
+
+
+def _bound_score(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[float, bool]:
+    got = out.double()
+    if torch.isnan(got).any():
+        return float("nan"), False
+    error = float(((got - ref).abs() / bound).max())
+    return error, error <= 1.0

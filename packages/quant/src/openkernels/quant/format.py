@@ -1,0 +1,175 @@
+"""The packed 4-bit weight format every backend of this family reads.
+
+A linear layer's weight W (N, K) (nn.Linear layout: out_features x in_features) becomes
+
+    qweight  (N, K // 2) uint8: the 4-bit codes, two per byte along K; the code of column
+             2j sits in the low nibble of byte j, column 2j + 1 in the high nibble.
+    scales   (K // group_size, N), float16 or bfloat16: one scale per group of
+             `group_size` consecutive columns of a row (group-major, as GPTQ and AWQ
+             store theirs, so a tile of N columns reads contiguous scales).
+    zeros    (K // group_size, N), the dtype of scales, integer values 0..15, or None.
+
+and W is recovered per element as
+
+    kind "int4", zeros given:   W[n, k] = (code - zeros[g, n]) * scales[g, n]
+    kind "int4", zeros None:    W[n, k] = (code - 8) * scales[g, n]          (symmetric)
+    kind "nf4":                 W[n, k] = NF4_VALUES[code] * scales[g, n]    (zeros None)
+
+with g = k // group_size. An optional `perm` (K,) int64 reorders the input columns first
+(GPTQ act-order checkpoints): y = x[..., perm] @ W^T. The layout is the same on every
+backend, so converting is done once, when a weight is quantized or loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Int4Weight", "NF4_VALUES", "KINDS", "SCALE_DTYPES", "nf4_values", "check_parts"]
+
+KINDS = ("int4", "nf4")
+SCALE_DTYPES = (torch.float16, torch.bfloat16)
+
+# The 16 NF4 levels (normal-float 4-bit, QLoRA / bitsandbytes): quantiles of a standard
+# normal scaled to [-1, 1], with an exact zero.
+NF4_VALUES: tuple[float, ...] = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+
+_nf4_tables: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def nf4_values(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Tensor:
+    """NF4_VALUES as a (16,) tensor on `device` (cached: kernels read it on every call)."""
+    key = (torch.device(device), dtype)
+    table = _nf4_tables.get(key)
+    if table is None:
+        table = _nf4_tables[key] = torch.tensor(NF4_VALUES, dtype=dtype, device=key[0])
+    return table
+
+
+def check_parts(
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None,
+    group_size: int,
+    kind: str,
+    perm: Tensor | None = None,
+    *,
+    in_features: int | None = None,
+    where: str = "Int4Weight",
+) -> int:
+    """Raise ValueError / TypeError naming the tensor when the parts do not form a valid
+    weight; return in_features (K)."""
+    if kind not in KINDS:
+        raise ValueError(f"{where}: kind must be one of {KINDS}, got {kind!r}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise TypeError(
+            f"{where}: qweight must be a 2D uint8 tensor (N, K // 2), got {qweight.dim()}D {qweight.dtype}"
+        )
+    n, half_k = qweight.shape
+    k = 2 * half_k if in_features is None else in_features
+    if k != 2 * half_k:
+        raise ValueError(f"{where}: qweight has {half_k} bytes per row, in_features {k} needs {k // 2}")
+    if not isinstance(group_size, int) or group_size <= 0 or k % group_size:
+        raise ValueError(f"{where}: group_size {group_size} must be a positive divisor of in_features {k}")
+    if group_size % 2:
+        raise ValueError(f"{where}: group_size {group_size} must be even (two codes per byte)")
+    groups = k // group_size
+    if scales.dtype not in SCALE_DTYPES:
+        raise TypeError(f"{where}: scales must be float16 or bfloat16, got {scales.dtype}")
+    if tuple(scales.shape) != (groups, n):
+        raise ValueError(
+            f"{where}: scales has shape {tuple(scales.shape)}, expected (in_features // group_size, "
+            f"out_features) = ({groups}, {n})"
+        )
+    if zeros is not None:
+        if kind == "nf4":
+            raise ValueError(f"{where}: nf4 weights have no zeros")
+        if zeros.dtype != scales.dtype or tuple(zeros.shape) != (groups, n):
+            raise ValueError(
+                f"{where}: zeros must match scales ({groups}, {n}) {scales.dtype}, got "
+                f"{tuple(zeros.shape)} {zeros.dtype}"
+            )
+    if perm is not None and (perm.dtype != torch.int64 or tuple(perm.shape) != (k,)):
+        raise ValueError(
+            f"{where}: perm must be an int64 ({k},) permutation, got {tuple(perm.shape)} {perm.dtype}"
+        )
+    devices = {t.device for t in (qweight, scales, zeros, perm) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{where}: qweight, scales, zeros and perm must be on one device, got {sorted(map(str, devices))}"
+        )
+    return k
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Weight:
+    """A 4-bit weight in this family's layout (module docstring): qweight (N, K // 2) uint8,
+    scales and zeros (K // group_size, N), kind "int4" or "nf4", optional act-order perm (K,)."""
+
+    qweight: Tensor
+    scales: Tensor
+    zeros: Tensor | None
+    group_size: int
+    kind: str = "int4"
+    perm: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_parts(self.qweight, self.scales, self.zeros, self.group_size, self.kind, self.perm)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return 2 * self.qweight.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features): the shape of the dequantized weight."""
+        return (self.out_features, self.in_features)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def nbytes(self) -> int:
+        """Bytes the weight occupies (codes, scales, zeros, perm)."""
+        parts = (self.qweight, self.scales, self.zeros, self.perm)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def to(self, device: torch.device | str) -> Int4Weight:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Int4Weight(move(self.qweight), move(self.scales), move(self.zeros), self.group_size, self.kind,
+                          move(self.perm))  # fmt: skip
+
+    def __repr__(self) -> str:
+        zeros = "symmetric" if self.zeros is None else "zeros"
+        perm = ", act-order" if self.perm is not None else ""
+        return (
+            f"Int4Weight({self.kind}, {self.out_features}x{self.in_features}, group_size={self.group_size}, "
+            f"{zeros}, scales {str(self.scales.dtype).removeprefix('torch.')}, {self.device}{perm})"
+        )

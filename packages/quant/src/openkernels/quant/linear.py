@@ -1,0 +1,294 @@
+"""nn.Module front end: Int4Linear, whole-model quantization, safetensors save and load.
+
+Int4Linear keeps the weight's parts as buffers (qweight, scales, and zeros / perm when the
+weight has them) plus an optional float bias parameter, so `state_dict()` round-trips and
+`torch.compile(fullgraph=True)` traces straight into openkernels::int4_linear. Loading a state
+dict checks every tensor's shape and dtype against the module's format and names the tensor
+that does not match (torch's default would silently cast an int32 qweight to uint8).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .api import linear_parts
+from .format import Int4Weight, check_parts
+from .quantize import quantize_int4, quantize_nf4, resolve_group_size
+
+__all__ = ["Int4Linear", "QuantizeReport", "quantize_model", "save_quantized", "load_quantized"]
+
+_FORMAT_KEY = "openkernels.quant"
+_FORMAT_VERSION = 1
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T + bias with a 4-bit W (format.py); x (..., in_features) float16 / bfloat16
+    (GPU kernels) or float32 / float64, y (..., out_features) in x's dtype."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group_size: int | None = 128,
+        kind: str = "int4",
+        symmetric: bool = False,
+        act_order: bool = False,
+        scale_dtype: torch.dtype = torch.float16,
+        bias_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        group_size = resolve_group_size(group_size, in_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.kind = group_size, kind
+        groups = in_features // group_size if group_size else 0
+        qweight = torch.zeros((out_features, in_features // 2), dtype=torch.uint8, device=device)
+        scales = torch.ones((groups, out_features), dtype=scale_dtype, device=device)
+        zeros = None if symmetric or kind == "nf4" else torch.full_like(scales, 8.0)
+        perm = torch.arange(in_features, device=device) if act_order else None
+        check_parts(
+            qweight, scales, zeros, group_size, kind, perm, in_features=in_features, where="Int4Linear"
+        )
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("perm", perm)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_weight(cls, weight: Int4Weight, bias: Tensor | None = None) -> Int4Linear:
+        """Wrap an Int4Weight (and an optional (N,) bias, kept in its dtype)."""
+        module = cls(weight.in_features, weight.out_features, bias is not None, group_size=weight.group_size,
+                     kind=weight.kind, symmetric=weight.zeros is None, act_order=weight.perm is not None,
+                     scale_dtype=weight.scales.dtype, device="meta")  # fmt: skip
+        module.qweight, module.scales, module.zeros, module.perm = (
+            weight.qweight,
+            weight.scales,
+            weight.zeros,
+            weight.perm,
+        )
+        if bias is not None:
+            module.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+        return module
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        group_size: int | None = 128,
+        kind: str = "int4",
+        symmetric: bool = False,
+        search: str | None = None,
+        scale_dtype: torch.dtype = torch.float16,
+    ) -> Int4Linear:
+        """Quantize an nn.Linear's weight (on its device); the bias is copied unchanged."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        if kind == "nf4":
+            q = quantize_nf4(w, group_size, search=search, scale_dtype=scale_dtype)
+        elif kind == "int4":
+            q = quantize_int4(w, group_size, symmetric, search=search, scale_dtype=scale_dtype)
+        else:
+            raise ValueError(f"kind must be 'int4' or 'nf4', got {kind!r}")
+        return cls.from_weight(q, linear.bias)
+
+    @property
+    def weight(self) -> Int4Weight:
+        """The packed weight as an Int4Weight (views of this module's buffers)."""
+        return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size, self.kind, self.perm)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear_parts(x, self.qweight, self.scales, self.zeros, self.bias, self.group_size, self.kind,
+                            self.perm)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        zeros = "symmetric" if self.zeros is None else "zeros"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"kind={self.kind}, group_size={self.group_size}, {zeros}{', act_order' if self.perm is not None else ''}"
+        )
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:  # fmt: skip
+        for name in ("qweight", "scales", "zeros", "perm"):
+            mine, key = getattr(self, name), prefix + name
+            theirs = state_dict.get(key)
+            if theirs is None:
+                continue
+            if mine is None:
+                raise ValueError(
+                    f"{key}: this Int4Linear has no {name} ({self.extra_repr()}), the state dict has one"
+                )
+            if theirs.dtype != mine.dtype or theirs.shape != mine.shape:
+                raise ValueError(
+                    f"{key}: expected {tuple(mine.shape)} {mine.dtype}, got {tuple(theirs.shape)} {theirs.dtype} "
+                    f"({self.extra_repr()})"
+                )
+        perm = state_dict.get(prefix + "perm")
+        if perm is not None and not torch.equal(perm.sort().values.cpu(), torch.arange(self.in_features)):
+            raise ValueError(f"{prefix}perm: not a permutation of 0..{self.in_features - 1}")
+        zeros = state_dict.get(prefix + "zeros")
+        if zeros is not None and ((zeros < 0) | (zeros > 15) | (zeros != zeros.round())).any():
+            raise ValueError(f"{prefix}zeros: values must be integers 0..15")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)  # fmt: skip
+
+
+@dataclass
+class QuantizeReport:
+    """What quantize_model did: module names quantized, (name, reason) skipped, bytes of the
+    weights before and after."""
+
+    quantized: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def __str__(self) -> str:
+        ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+        lines = [f"quantized {len(self.quantized)} linear layers: {self.bytes_before / 2**20:.1f} MiB -> "
+                 f"{self.bytes_after / 2**20:.1f} MiB of weights ({ratio:.2f}x smaller)"]  # fmt: skip
+        lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+
+def _progress(items: list, enabled: bool) -> Iterable:
+    if not enabled or not items:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _text_progress(items)
+    return tqdm(items, desc="quantizing", unit="layer")
+
+
+def _text_progress(items: list) -> Iterable:
+    for i, item in enumerate(items, 1):
+        yield item
+        print(
+            f"\rquantizing {i}/{len(items)} linear layers",
+            end="" if i < len(items) else "\n",
+            file=sys.stderr,
+        )
+
+
+def _skip_reason(name: str, module: nn.Linear, skip: tuple[str, ...], group_size: int | None) -> str | None:
+    for pattern in skip:
+        if fnmatch.fnmatchcase(name, pattern) or name.split(".")[-1] == pattern:
+            return f"matches skip pattern {pattern!r}"
+    k = module.in_features
+    if k % 2:
+        return f"in_features {k} is odd"
+    g = resolve_group_size(group_size, k)
+    if k % g:
+        return f"group_size {g} does not divide in_features {k}"
+    return None
+
+
+def quantize_model(
+    model: nn.Module,
+    *,
+    group_size: int | None = 128,
+    kind: str = "int4",
+    symmetric: bool = False,
+    search: str | None = None,
+    skip: Iterable[str] = ("lm_head",),
+    scale_dtype: torch.dtype = torch.float16,
+    progress: bool = True,
+) -> QuantizeReport:
+    """Replace every nn.Linear of `model` (in place) by an Int4Linear.
+
+    `skip`: module names or glob patterns over qualified names ("lm_head", "*.gate") left in
+    16-bit; layers whose in_features the group size does not divide are skipped too. Each
+    weight is quantized on its current device. Returns a QuantizeReport.
+    """
+    skip = tuple(skip)
+    report = QuantizeReport()
+    todo = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear:
+            reason = _skip_reason(name, module, skip, group_size)
+            if reason:
+                report.skipped.append((name, reason))
+            else:
+                todo.append(name)
+    for name in _progress(todo, progress):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child)
+        quantized = Int4Linear.from_linear(linear, group_size=group_size, kind=kind, symmetric=symmetric,
+                                           search=search, scale_dtype=scale_dtype)  # fmt: skip
+        report.bytes_before += linear.weight.numel() * linear.weight.element_size()
+        report.bytes_after += quantized.weight.nbytes()
+        setattr(parent, child, quantized)
+        report.quantized.append(name)
+    return report
+
+
+def _layer_meta(module: Int4Linear) -> dict:
+    return {
+        "in_features": module.in_features, "out_features": module.out_features, "group_size": module.group_size,
+        "kind": module.kind, "symmetric": module.zeros is None, "act_order": module.perm is not None,
+        "bias": module.bias is not None, "scale_dtype": str(module.scales.dtype).removeprefix("torch."),
+    }  # fmt: skip
+
+
+def save_quantized(model: nn.Module, path: str | Path) -> None:
+    """Write the model's state dict to a safetensors file, with the Int4Linear layers' formats
+    in its metadata so load_quantized can rebuild them on an unquantized model."""
+    from safetensors.torch import save_file
+
+    layers = {name: _layer_meta(m) for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    meta = {_FORMAT_KEY: json.dumps({"version": _FORMAT_VERSION, "layers": layers})}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_quantized(model: nn.Module, path: str | Path, *, device: torch.device | str | None = None,
+                   strict: bool = True) -> nn.Module:  # fmt: skip
+    """Load a file written by save_quantized into `model` (built unquantized, e.g. from its
+    config): the layers recorded as Int4Linear are replaced first, then the state dict is
+    loaded, with every tensor's shape and dtype checked. Returns the model."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = (f.metadata() or {}).get(_FORMAT_KEY)
+    if meta is None:
+        raise ValueError(f"{path}: no {_FORMAT_KEY} metadata; was it written by save_quantized?")
+    info = json.loads(meta)
+    if info.get("version") != _FORMAT_VERSION:
+        raise ValueError(f"{path}: format version {info.get('version')} is not supported ({_FORMAT_VERSION})")
+    for name, layer in info["layers"].items():
+        parent_name, _, child = name.rpartition(".")
+        try:
+            old = model.get_submodule(name)
+        except AttributeError as error:
+            raise ValueError(f"{path}: layer {name!r} is not in the model") from error
+        if not isinstance(old, (nn.Linear, Int4Linear)) or (old.in_features, old.out_features) != (
+            layer["in_features"], layer["out_features"]):  # fmt: skip
+            raise ValueError(f"{path}: layer {name!r} is {old}, expected a linear layer "
+                             f"{layer['in_features']} -> {layer['out_features']}")  # fmt: skip
+        bias_dtype = old.bias.dtype if isinstance(old, nn.Linear) and old.bias is not None else torch.float32
+        new = Int4Linear(layer["in_features"], layer["out_features"], layer["bias"], group_size=layer["group_size"],
+                         kind=layer["kind"], symmetric=layer["symmetric"], act_order=layer["act_order"],
+                         scale_dtype=getattr(torch, layer["scale_dtype"]), bias_dtype=bias_dtype,
+                         device=device)  # fmt: skip
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    state = load_file(str(path), device=str(device) if device is not None else "cpu")
+    model.load_state_dict(state, strict=strict)
+    if device is not None:
+        model.to(device)
+    return model

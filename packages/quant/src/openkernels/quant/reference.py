@@ -1,0 +1,122 @@
+"""Plain PyTorch definitions of this family's ops: the definition of correct.
+
+The weight is dequantized to float32 (format.py gives the formula), the product is taken in
+float32 (float64 for float64 inputs) and rounded once to the input dtype. The reference
+backend calls the `*_fwd` entries, which write into preallocated outputs; every backend
+implements the same two entries:
+
+    dequantize_int4_fwd(qweight, scales, zeros, out, group_size, kind)
+        qweight (N, K // 2) uint8, scales / zeros (K // group_size, N), zeros may be None;
+        out (N, K) contiguous, any float dtype.
+    int4_linear_fwd(x, qweight, scales, zeros, bias, out, group_size, kind)
+        x (M, K) with unit column stride, fp16 / bf16 / fp32 (fp64 on the reference); bias
+        (N,) or None; out (M, N) contiguous, x's dtype. The act-order perm is applied by
+        the caller (api.py), never by a backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .format import nf4_values
+
+__all__ = [
+    "unpack_codes",
+    "dequantize_int4_ref",
+    "int4_linear_ref",
+    "dequantize_int4_fwd",
+    "int4_linear_fwd",
+    "linear_error_bound",
+]
+
+
+def unpack_codes(qweight: Tensor) -> Tensor:
+    """(N, K // 2) uint8 -> (N, K) int64 codes 0..15, column 2j from the low nibble of byte j."""
+    low = (qweight & 0xF).long()
+    high = (qweight >> 4).long()
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def dequantize_int4_ref(
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None,
+    group_size: int,
+    kind: str = "int4",
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """The weight (N, K) in float32 (or float64 when dtype is float64), cast to `dtype`."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    codes = unpack_codes(qweight)
+    s = scales.to(work).t().repeat_interleave(group_size, dim=1)  # (N, K)
+    if kind == "nf4":
+        w = nf4_values(qweight.device, work)[codes] * s
+    else:
+        z = 8.0 if zeros is None else zeros.to(work).t().repeat_interleave(group_size, dim=1)
+        w = (codes.to(work) - z) * s
+    return w.to(dtype)
+
+
+def int4_linear_ref(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None,
+    group_size: int,
+    kind: str = "int4",
+    bias: Tensor | None = None,
+) -> Tensor:
+    """x (..., K) @ W^T (+ bias) computed in float32 (float64 for float64 x), in x's dtype."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = dequantize_int4_ref(qweight, scales, zeros, group_size, kind, work)
+    y = x.to(work) @ w.t()
+    if bias is not None:
+        y = y + bias.to(work)
+    return y.to(x.dtype)
+
+
+def dequantize_int4_fwd(
+    qweight: Tensor, scales: Tensor, zeros: Tensor | None, out: Tensor, group_size: int, kind: str
+) -> None:
+    out.copy_(dequantize_int4_ref(qweight, scales, zeros, group_size, kind, out.dtype))
+
+
+def int4_linear_fwd(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None,
+    bias: Tensor | None,
+    out: Tensor,
+    group_size: int,
+    kind: str,
+) -> None:
+    out.copy_(int4_linear_ref(x, qweight, scales, zeros, group_size, kind, bias))
+
+
+_UNIT_ROUNDOFF = {
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+    torch.float32: 2.0**-24,
+    torch.float64: 2.0**-53,
+}
+
+
+def linear_error_bound(
+    x: Tensor, w: Tensor, ref: Tensor, out_dtype: torch.dtype, *, weight_rounded_to: torch.dtype | None = None
+) -> Tensor:
+    """Elementwise bound on |out - ref| for int4_linear (the kernels' error contract).
+
+    x (M, K) and w (N, K) in float64 (w dequantized), ref = x @ w^T (+ bias) in float64:
+        u_out |ref|                    the single rounding of the output
+      + 4 u_w sqrt(sum_k (x_k w_k)^2)  W rounded to x's dtype before the products (the
+                                       dequantize + matmul path, NF4 levels in the MMA):
+                                       K independent roundings, a random walk, 4 sigma
+      + 4 sqrt(K) 2^-24 sum_k |x_k w_k| float32 accumulation of K products
+    """
+    u_out = _UNIT_ROUNDOFF[out_dtype]
+    u_w = _UNIT_ROUNDOFF[weight_rounded_to] if weight_rounded_to is not None else 0.0
+    rss = ((x * x) @ (w * w).t()).sqrt()
+    abs_sum = x.abs() @ w.abs().t()
+    return u_out * ref.abs() + 4 * u_w * rss + 4 * w.shape[1] ** 0.5 * 2.0**-24 * abs_sum + 1e-30

@@ -1,0 +1,83 @@
+"""Weights, shapes, implementations and the error bound the quant tests share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openkernels.quant as Q
+from openkernels.quant import reference as R
+from openkernels.shared.platform import triton_interpreting
+from openkernels.shared.testing import testable_implementations
+
+# (kind, symmetric) formats; group sizes per format.
+FORMATS = [("int4", False), ("int4", True), ("nf4", True)]
+
+
+def targets(op: str = "int4_linear"):
+    """(device, implementation) pairs testable in this process, with marks."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    params = []
+    for device in devices:
+        for impl in testable_implementations(op, device):
+            marks = [pytest.mark.interpreter] if triton_interpreting() else []
+            if device != "cpu":
+                marks.append(pytest.mark.gpu)
+            params.append(pytest.param(device, impl, id=f"{device}-{impl}", marks=marks))
+    return params
+
+
+def make_weight(
+    n: int, k: int, *, heavy: bool = False, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """A float32 weight (N, K): Gaussian, or heavy-tailed like trained LLM weights (Student-t
+    with 3 degrees of freedom plus a few outlier input channels 20x larger)."""
+    w = torch.randn(n, k, generator=generator) * 0.02
+    if heavy:
+        chi = torch.randn(n, k, 3, generator=generator).square().sum(-1)
+        w = 0.02 * torch.randn(n, k, generator=generator) / (chi / 3).sqrt()
+        cols = torch.randperm(k, generator=generator)[: max(1, k // 64)]
+        w[:, cols] *= 20
+    return w
+
+
+def quantize(w: torch.Tensor, kind: str, symmetric: bool, group_size: int | None) -> Q.Int4Weight:
+    if kind == "nf4":
+        return Q.quantize_nf4(w, group_size)
+    return Q.quantize_int4(w, group_size, symmetric)
+
+
+def rounds_weight(impl: str, kind: str, m: int, n: int, k: int, group: int, device: str) -> bool:
+    """Whether the path the launcher picks rounds W (or the NF4 levels) to x's dtype before
+    the products: the dequantize + matmul path of large M, and NF4 levels in the MMA."""
+    if impl != "triton":
+        return False
+    from openkernels.quant.triton import config_for
+
+    path = config_for(m, n, k, group, torch.device(device)).path
+    return path == "dequant" or (kind == "nf4" and path == "tiled")
+
+
+def assert_linear_close(out, x, weight: Q.Int4Weight, bias, *, w_rounded: bool, msg: str = "") -> None:
+    """|out - ref| within reference.linear_error_bound, elementwise, with ref the float64
+    product of x and the dequantized weight; NaN never passes."""
+    xd = x.detach().double().cpu()
+    w = Q.dequantize_int4(weight.to("cpu"), torch.float64)
+    ref = xd @ w.t()
+    if bias is not None:
+        ref = ref + bias.detach().double().cpu()
+    bound = R.linear_error_bound(xd, w, ref, out.dtype, weight_rounded_to=x.dtype if w_rounded else None)
+    got = out.detach().double().cpu()
+    assert got.shape == ref.shape, f"{msg}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(got).any(), f"{msg}: NaN in the output"
+    excess = (got - ref).abs() - bound
+    if (excess > 0).any():
+        worst = int(excess.argmax())
+        raise AssertionError(
+            f"{msg}: {int((excess > 0).sum())} outputs out of bound, worst at {worst}: got "
+            f"{got.flatten()[worst]:.6g}, ref {ref.flatten()[worst]:.6g}, bound {bound.flatten()[worst]:.3g}"
+        )
+
+
+def interpreter_shapes() -> bool:
+    return triton_interpreting()

@@ -1,0 +1,118 @@
+"""Ahead-of-time compile checks of every quant kernel and launch config it can pick, for
+sm_80, sm_90 (CUDA configs) and gfx90a, gfx942, gfx950 (ROCm configs): compiles, no register
+spills, no scratch, shared memory within the chip's limit. Signatures mirror the launcher
+(triton/__init__.py): absent zeros / bias / NF4 table are the scales pointer, split-K
+partials are float32, and sizes/strides that are multiples of 16 get the "D" attribute."""
+
+from __future__ import annotations
+
+import pytest
+
+from openkernels.quant.triton import configs
+from openkernels.shared.platform import triton_interpreting
+
+pytestmark = pytest.mark.aot
+
+_KERNELS = "openkernels.quant.triton.kernels"
+_T = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+FAMILIES = {"cuda": ("hopper", "ampere"), "rocm": ("cdna",)}
+
+
+def _pointers(x: str, scales: str, *, zeros: bool, nf4: bool, bias: bool, out: str) -> dict[str, str]:
+    return {
+        "x_ptr": _T[x], "qw_ptr": "*u8", "s_ptr": _T[scales], "z_ptr": _T[scales],
+        "lut_ptr": "*fp32" if nf4 else _T[scales], "bias_ptr": "*fp32" if bias else _T[scales], "out_ptr": _T[out],
+    }  # fmt: skip
+
+
+def _linear_case(cfg: configs.LinearConfig, x: str = "bf16", scales: str = "fp16", *, zeros: bool = True,
+                 nf4: bool = False, bias: bool = False, split: int = 1, group: int = 128, even_k: bool = True):  # fmt: skip
+    from openkernels.shared.testing.aot import AotCase
+
+    out = "fp32" if split > 1 else x
+    sig = _pointers(x, scales, zeros=zeros, nf4=nf4, bias=bias, out=out)
+    flags = dict(GROUP=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_ZEROS=zeros, NF4=nf4, HAS_BIAS=bias,
+                 SPLIT_K=split, EVEN_K=even_k)  # fmt: skip
+    if cfg.path == "gemv":
+        sig.pop("x_ptr"), sig.pop("out_ptr")
+        sig = {"x_ptr": _T[x], **sig, "out_ptr": _T[out]}
+        ints = ("N", "K", "k_per_split", "stride_qn", "stride_sg")
+        kernel = "_int4_linear_gemv_fwd_kernel"
+    else:
+        ints = ("M", "N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_sg", "stride_om")
+        kernel = "_int4_linear_fwd_kernel"
+        flags.update(BLOCK_M=cfg.block_m, GROUP_N=cfg.group_n)
+    sig.update({i: "i32" for i in ints})
+    attrs = {i: "D" for i in ints if i != "M"} if even_k else {}
+    label = (f"{cfg.path}-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}-{x}-{scales}"
+             f"{'-zeros' if zeros else '-sym'}{'-nf4' if nf4 else ''}{'-bias' if bias else ''}-split{split}"
+             f"-g{group}{'' if even_k else '-oddk'}")  # fmt: skip
+    return AotCase(f"{_KERNELS}:{kernel}", sig, flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                   label=label, attrs=attrs)  # fmt: skip
+
+
+def _helper_cases() -> list:
+    from openkernels.shared.testing.aot import AotCase
+
+    cases = []
+    for out in ("bf16", "fp16", "fp32"):
+        for nf4, zeros in ((False, True), (False, False), (True, False)):
+            sig = {"qw_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "lut_ptr": "*fp32" if nf4 else "*fp16",
+                   "out_ptr": _T[out], "N": "i32", "K": "i32", "stride_qn": "i32", "stride_sg": "i32",
+                   "stride_on": "i32"}  # fmt: skip
+            for group in (32, 128, 200):
+                cases.append(AotCase(f"{_KERNELS}:_dequantize_int4_fwd_kernel", sig,
+                                     dict(GROUP=group, BLOCK_N=32, BLOCK_K=64, HAS_ZEROS=zeros, NF4=nf4),
+                                     label=f"dequant-{out}-g{group}{'-nf4' if nf4 else ''}{'-zeros' if zeros else ''}"))  # fmt: skip
+    for out in ("bf16", "fp16"):
+        for bias in (False, True):
+            sig = {"part_ptr": "*fp32", "bias_ptr": "*fp32" if bias else _T[out], "out_ptr": _T[out], "M": "i32",
+                   "N": "i32", "stride_om": "i32"}  # fmt: skip
+            cases.append(AotCase(f"{_KERNELS}:_int4_linear_reduce_kernel", sig,
+                                 dict(SPLIT_K=8, BLOCK=1024, HAS_BIAS=bias), label=f"reduce-{out}-{bias}"))  # fmt: skip
+    return cases
+
+
+def cases_for(vendor: str) -> list:
+    """Every config the table can return (bf16, fp16 scales, zeros, split and not), every
+    format and dtype variant on the M=1 and M=16 configs, odd K, and the helper kernels."""
+    out = {}
+    for family in FAMILIES[vendor]:
+        for cfg in configs.all_configs(family):
+            if cfg.path == "dequant":
+                continue
+            for split in (1, 4):
+                c = _linear_case(cfg, split=split, group=min(128, 4096))
+                out[c.label] = c
+        for m in (1, 16):
+            cfg = configs.linear_config(m, 4096, 4096, 128, family, 132)
+            for x in ("bf16", "fp16"):
+                for scales in ("fp16", "bf16"):
+                    for zeros, nf4 in ((True, False), (False, False), (False, True)):
+                        for bias in (False, True):
+                            c = _linear_case(cfg, x, scales, zeros=zeros, nf4=nf4, bias=bias)
+                            out[c.label] = c
+            # (group, K): groups of 32 / 64, one group per row (K a power of two, and an odd
+            # K = 200 that leaves a masked tail).
+            for group, k in ((32, 4096), (64, 4096), (4096, 4096), (200, 200)):
+                cfg = configs.linear_config(m, 4096, k, group, family, 132)
+                c = _linear_case(cfg, group=configs.kernel_group(group, k), even_k=k % cfg.block_k == 0)
+                out[c.label] = c
+    out.update({c.label: c for c in _helper_cases()})
+    return list(out.values())
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+
+    prefix = "sm_" if vendor == "cuda" else "gfx"
+    targets = [t for t in targets_from_env() if t.startswith(prefix)]
+    if not targets:
+        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
+    reports = check_cases(cases_for(vendor), targets)
+    print(format_reports(reports))
+    assert_clean(reports)
+    assert len(reports) == len(cases_for(vendor)) * len(targets)
