@@ -9,6 +9,7 @@ cuBLAS bf16 for scale. Each config is checked against the reference before it is
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
@@ -21,24 +22,22 @@ from openkernels.quant.triton.configs import LinearConfig
 
 
 def candidates(m: int) -> list[LinearConfig]:
+    t = functools.partial(LinearConfig, "tiled")
     if m == 1:
-        grid = [LinearConfig("gemv", 1, bn, bk, w, 1, s)
-                for bn, bk, w, s in itertools.product((8, 16, 32), (256, 512, 1024), (4,), (1, 2, 4))]  # fmt: skip
-        grid += [LinearConfig("gemv", 1, 16, 512, w, 1, 1) for w in (2, 8)]
-        grid += [LinearConfig("tiled", 16, bn, 128, 4, 3, s) for bn in (64, 128) for s in (1, 2)]
-        return grid
+        return [LinearConfig("gemv", 1, 16, 1024, 4, 1, s) for s in (1, 2, 4)] + [
+            t(16, 64, 128, 4, 3, 2), t(16, 64, 128, 4, 3, 4), t(16, 64, 128, 4, 3, 8), t(16, 32, 128, 4, 3, 4),
+            t(16, 32, 128, 4, 3, 8), t(16, 128, 128, 8, 3, 4), t(16, 64, 128, 4, 4, 4), t(16, 64, 128, 2, 3, 4),
+        ]  # fmt: skip
     if m <= 64:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        grid = [LinearConfig("tiled", bm, bn, bk, 4, st, s)
-                for bn, bk, st, s in itertools.product((32, 64, 128), (64, 128), (3,), (1, 2, 4))]  # fmt: skip
-        grid += [LinearConfig("tiled", bm, 64, 128, w, st, 1) for w, st in ((4, 2), (4, 4), (8, 3))]
-        return grid
-    shapes = ((64, 128), (128, 64), (128, 128), (128, 256), (64, 256))
-    grid = [LinearConfig("tiled", bm, bn, bk, w, st, s)
-            for (bm, bn), bk, w, st, s in itertools.product(shapes, (64, 128), (4, 8), (3,), (1,))]  # fmt: skip
-    grid += [LinearConfig("tiled", 128, 128, 64, 8, st, 1) for st in (2, 4)]
-    grid += [LinearConfig("tiled", 64, 128, 64, 4, 3, 2), LinearConfig("dequant")]
-    return grid
+        return [t(bm, 64, 128, 4, 3, 2), t(bm, 64, 128, 4, 3, 4), t(bm, 64, 128, 4, 3, 8), t(bm, 128, 128, 8, 3, 2),
+                t(bm, 128, 128, 8, 3, 4), t(bm, 64, 128, 4, 4, 4), t(bm, 32, 128, 4, 3, 4)]  # fmt: skip
+    if m <= 128:
+        return [t(64, 128, 128, 8, 3, 1), t(128, 64, 128, 4, 3, 1), t(128, 128, 128, 8, 3, 1), t(64, 64, 128, 4, 3, 1),
+                t(64, 128, 128, 4, 3, 1), t(128, 64, 128, 4, 4, 1), t(64, 128, 128, 8, 4, 1), t(64, 64, 128, 4, 3, 2),
+                LinearConfig("dequant")]  # fmt: skip
+    return [t(128, 64, 128, 4, 3, 1), t(128, 128, 128, 8, 3, 1), t(64, 128, 128, 8, 3, 1), t(128, 256, 64, 8, 3, 1),
+            LinearConfig("dequant")]  # fmt: skip
 
 
 def _row(x, weights, out, cfg, ref, bound, rep_ms: float) -> tuple[float, LinearConfig, str]:
@@ -96,7 +95,7 @@ def sweep_shape(n: int, k: int, ms: list[int], top: int, rep_ms: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ms", default="1,16,128,2048")
+    parser.add_argument("--ms", default="1,16,128,256,512,1024,2048")
     parser.add_argument("--shapes", default="8192x8192,28672x8192")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--rep-ms", type=float, default=40.0)

@@ -45,16 +45,14 @@ def forward(
 ) -> Tensor:
     """x (..., K) @ W^T + bias -> (..., N) in x's dtype, by the best backend."""
     n, k = qweight.shape[0], x.shape[-1]
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1 and k > 1:
+    flat = x.dim() == 2 and x.stride(1) == 1  # the common case: no reshape, no view (host time)
+    rows = x if flat else x.reshape(-1, k)
+    if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0] and n:
-        if k == 0:
-            out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
-        else:
-            dispatch.run("int4_linear", rows, qweight, scales, zeros, bias, out, group_size, kind)
-    return out.view(*x.shape[:-1], n)
+        dispatch.run("int4_linear", rows, qweight, scales, zeros, bias, out, group_size, kind)
+    return out if flat else out.view(*x.shape[:-1], n)
 
 
 def dequantize(

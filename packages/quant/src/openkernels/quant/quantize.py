@@ -68,7 +68,9 @@ def _fit(w: Tensor, kind: str, symmetric: bool, ratio: float, scale_dtype: torch
         zero = None
     else:
         hi, lo = w.amax(dim=-1) * ratio, w.amin(dim=-1) * ratio
-        scale = (hi - lo) / 15
+        # A constant group (hi == lo) spans 0..hi instead, so its value lands on code 0 or 15.
+        span = torch.where(hi > lo, hi - lo, hi.abs())
+        scale = span / 15
     scale = scale.to(scale_dtype).float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero group: any scale works
     if not torch.isfinite(scale).all():
@@ -101,6 +103,10 @@ def _quantize(
     grid: int,
     min_ratio: float,
 ) -> Int4Weight:
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(
+            f"weight must be a 2D tensor (out_features, in_features), got {getattr(weight, 'shape', weight)}"
+        )
     n, k = weight.shape
     group_size = resolve_group_size(group_size, k)
     _check_weight(weight, group_size, scale_dtype, search)

@@ -36,9 +36,7 @@ class LinearConfig:
 
 # M from which W is dequantized and the vendor GEMM runs (see the module docstring).
 DEQUANT_MIN_M = {"hopper": 1024, "ampere": 512, "cdna": 512, "other": 512}
-# Programs the split-K rule aims for, per SM: enough memory requests in flight to stream W at
-# full bandwidth when M is small.
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 4  # what split_k_for aims for (sweeps of other configs)
 
 
 def arch_family(backend: str, arch: str) -> str:
@@ -84,19 +82,19 @@ def linear_config(m: int, n: int, k: int, group: int, family: str, sms: int) -> 
     """The config for an (M, K) x (K, N) product with groups of `group` columns."""
     if m >= DEQUANT_MIN_M.get(family, 512):
         return LinearConfig("dequant")
-    if m == 1:
-        block_n, block_k, warps = 16, 512, 4
-        block_k = min(block_k, max(32, 1 << (k - 1).bit_length()))
-        tiles = -(-n // block_n)
-        return LinearConfig("gemv", 1, block_n, block_k, warps, 1, split_k_for(tiles, k, block_k, sms))
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 64 if block_m <= 64 else 128
-    block_k = _block_k(group, k, 128 if block_m <= 64 else 64)
-    warps = 4 if block_m <= 64 else 8
-    stages = 3 if family in ("hopper", "ampere") else 2
-    tiles = -(-n // block_n) * -(-m // block_m)
-    split = split_k_for(tiles, k, block_k, sms) if block_m <= 64 else 1
-    return LinearConfig("tiled", block_m, block_n, block_k, warps, stages, split)
+    if m <= 64:
+        # Hopper, bf16, group 128 (benchmarks/tune_quant.py, docs/perf.md): M=1 and M=16 both
+        # ran best as 16 x 64 x 128 tiles, 4 warps, 3 stages, K split 4 ways (8192x8192 M=1:
+        # 25.7 us in a CUDA graph vs 29.7 for the best CUDA-core GEMV; 28672x8192 M=16:
+        # 77 us vs 110 at split 2). The GEMV kernel stays selectable (config=) for sweeps.
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_k = _block_k(group, k, 128)
+        split = max(1, min(4, -(-k // block_k)))
+        return LinearConfig("tiled", block_m, 64, block_k, 4, 3 if family != "cdna" else 2, split)
+    # M = 128: 64 x 128 x 128 tiles at 8 warps (8192x8192: 86 us vs 133 for 128 x 128 x 64)
+    # and 128 x 64 x 128 at 4 warps (28672x8192: 210 us vs 258).
+    block_k = _block_k(group, k, 128)
+    return LinearConfig("tiled", 128, 64, block_k, 4, 3 if family != "cdna" else 2, 1)
 
 
 def all_configs(family: str) -> list[LinearConfig]:

@@ -1,12 +1,14 @@
 """Triton kernels of the quant family: y = x @ W^T with W in format.py's 4-bit layout.
 
 Codes are unpacked in registers: byte j of a row holds columns 2j (low nibble) and 2j + 1
-(high nibble), so tl.join(low, high).reshape(...) puts a row's codes back in column order.
-Scales and zeros are applied per group *after* the products, never to the weight:
-    sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k)       (int4)
-    sum_k v[q_k] * s * x_k    = s * sum_k v[q_k] x_k                       (nf4, v = NF4 levels)
-so the integer codes (exact in fp16/bf16) go to the products untouched, and the scale is one
-float32 multiply per group and output instead of one per weight.
+(high nibble). A code becomes a float without a conversion instruction (int-to-float runs
+at a quarter of the ALU rate and bounded the first version): OR-ing it into the mantissa of
+a constant gives the constant + code exactly (float32 2^23 + q; bfloat16 128 + q; float16
+1024 + q), and one subtraction of (constant + zero) leaves q - zero exactly. Scales are
+applied per group *after* the products:
+    sum_k (q_k - z) * s * x_k = s * sum_k (q_k - z) x_k        (int4; z = 8 when symmetric)
+    sum_k v[q_k] * s * x_k    = s * sum_k v[q_k] x_k           (nf4, v = NF4 levels)
+so a scale costs one float32 multiply per group and output, not one per weight.
 
 _int4_linear_gemv_fwd_kernel  M == 1 (decode): CUDA-core dot products, BLOCK_N rows x
     BLOCK_K columns of W per step; a block may span several groups (SUB = min(GROUP, BLOCK_K)).
@@ -14,9 +16,12 @@ _int4_linear_fwd_kernel       M >= 2: tensor-core tiles computed transposed,
     out^T (BLOCK_N, BLOCK_M) = W (BLOCK_N, BLOCK_K) @ x^T (BLOCK_K, BLOCK_M), so the weight
     (unpacked in registers) is the left operand and tiny M pads the small side of the MMA;
     one group per K step (BLOCK_K divides GROUP).
-Both split K over SPLIT_K programs when N alone gives too few programs; the partial sums
-(float32, (SPLIT_K, M, N)) are added by _int4_linear_reduce_kernel, which also adds the bias
-and rounds. _dequantize_int4_fwd_kernel writes W itself (large M runs dequantize + matmul).
+Both split K over SPLIT_K programs when N alone gives too few programs, in one launch: each
+split stores its float32 partial tile in a workspace (SPLIT_K, M, N) and bumps the tile's
+counter; the split that arrives last adds the partials in split order (deterministic), adds
+the bias, rounds once, stores the output and resets the counter to 0 for the next call
+(_finish_split). A second launch for the reduction cost ~10 us of host time per call, more
+than the M=1 kernel itself at 8192 x 8192 (H200). _dequantize_int4_fwd_kernel writes W itself (large M runs dequantize + matmul).
 """
 
 from __future__ import annotations
@@ -36,16 +41,54 @@ def _unpack_pairs(packed, NF4: tl.constexpr, lut_ptr):
 
 
 @triton.jit
+def _codes_minus_zero_16bit(packed, zero, DTYPE: tl.constexpr, BITCAST: tl.constexpr):
+    """(R, C) uint8 and zeros (R,) float32 -> (R, 2C) codes - zero in DTYPE (bf16 / fp16), in
+    column order, exact: mantissa OR trick (128 + q for bf16, 1024 + q for fp16), then one
+    16-bit subtraction. BITCAST=False converts instead (the interpreter has no bfloat16 bits)."""
+    rows: tl.constexpr = packed.shape[0]
+    cols: tl.constexpr = 2 * packed.shape[1]
+    if not BITCAST:
+        low, high = (packed & 0xF).to(tl.float32), (packed >> 4).to(tl.float32)
+        return (tl.reshape(tl.join(low, high), (rows, cols)) - zero[:, None]).to(DTYPE)
+    if DTYPE == tl.bfloat16:  # noqa: SIM300 - DTYPE is a constexpr argument
+        bias: tl.constexpr = 0x4300
+        base: tl.constexpr = 128.0
+    else:
+        bias: tl.constexpr = 0x6400
+        base: tl.constexpr = 1024.0
+    low = (packed & 0xF).to(tl.uint16) | bias
+    high = (packed >> 4).to(tl.uint16) | bias
+    w = tl.reshape(tl.join(low, high), (rows, cols)).to(DTYPE, bitcast=True)
+    return w - (zero + base).to(DTYPE)[:, None]
+
+
+@triton.jit
+def _finish_split(acc, bias, ws_ptr, split_stride, counter_ptr, tile, split, offs, mask, out_ptrs,
+                  SPLIT_K: tl.constexpr):  # fmt: skip
+    """Split-K epilogue: store this split's float32 partial `acc` at ws_ptr + split * split_stride
+    + offs; the last split of the tile to arrive adds all partials and `bias` into out_ptrs."""
+    tl.store(ws_ptr + split * split_stride + offs, acc, mask=mask)
+    # acq_rel: the partial above is visible before the count; the last split sees every partial.
+    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = bias
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(ws_ptr + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr + tile, 0)
+
+
+@triton.jit
 def _int4_linear_gemv_fwd_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
     N, K, k_per_split, stride_qn, stride_sg,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ZEROS: tl.constexpr, NF4: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    """One output row: out[n] = sum_k W[n, k] x[k]. x (K,), out (N,) or float32 partials
-    (SPLIT_K, N). Program (pid_n, split) covers rows pid_n*BLOCK_N.. and K range
-    [split * k_per_split, (split + 1) * k_per_split)."""
+    """One output row: out[n] = sum_k W[n, k] x[k] (+ bias[n]); x (K,), out (N,). Program
+    (pid_n, split) covers rows pid_n*BLOCK_N.. and K range [split * k_per_split, + k_per_split);
+    with SPLIT_K > 1, ws (SPLIT_K, N) float32 and counter (tiles,) int32 (zeros) finish it."""
     SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     GROUPS: tl.constexpr = BLOCK_K // SUB
     HALF: tl.constexpr = BLOCK_K // 2
@@ -70,38 +113,49 @@ def _int4_linear_gemv_fwd_kernel(
         # Contiguous (vectorized) load of x, split into the columns the low / high nibbles hold.
         x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), (HALF, 2)))
         packed = tl.load(qw_ptr + offs_n[:, None] * stride_qn + cols[None, :], mask=mask_w, other=0)
-        low, high = _unpack_pairs(packed, NF4, lut_ptr)
-        prod = low * x_even[None, :] + high * x_odd[None, :]  # (BLOCK_N, HALF)
-        part = tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, SUB // 2)), axis=2)  # per group
         g = (k + offs_g * SUB) // GROUP
-        s_off = g[None, :] * stride_sg + offs_n[:, None]
+        s_off = g[None, :] * stride_sg + offs_n[:, None]  # (BLOCK_N, GROUPS)
         scale = tl.load(s_ptr + s_off, mask=mask_n[:, None], other=0.0).to(tl.float32)
         if NF4:
-            acc += tl.sum(scale * part, axis=1)
+            low, high = _unpack_pairs(packed, NF4, lut_ptr)
+            low = tl.reshape(low, (BLOCK_N, GROUPS, SUB // 2))
+            high = tl.reshape(high, (BLOCK_N, GROUPS, SUB // 2))
         else:
-            x_sum = tl.sum(tl.reshape(x_even + x_odd, (GROUPS, SUB // 2)), axis=1)
             if HAS_ZEROS:
                 zero = tl.load(z_ptr + s_off, mask=mask_n[:, None], other=0.0).to(tl.float32)
             else:
-                zero = 8.0
-            acc += tl.sum(scale * (part - zero * x_sum[None, :]), axis=1)
+                zero = tl.full((BLOCK_N, GROUPS), 8.0, tl.float32)
+            # 2^23 + q from the mantissa, minus (2^23 + zero): q - zero, exact, no conversion.
+            offset = (zero + 8388608.0)[:, :, None]
+            low = ((packed & 0xF).to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
+            high = ((packed >> 4).to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
+            low = tl.reshape(low, (BLOCK_N, GROUPS, SUB // 2)) - offset
+            high = tl.reshape(high, (BLOCK_N, GROUPS, SUB // 2)) - offset
+        x_even = tl.reshape(x_even, (GROUPS, SUB // 2))[None, :, :]
+        x_odd = tl.reshape(x_odd, (GROUPS, SUB // 2))[None, :, :]
+        part = tl.sum(low * x_even + high * x_odd, axis=2)  # (BLOCK_N, GROUPS)
+        acc += tl.sum(scale * part, axis=1)
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+        tl.store(out_ptr + offs_n, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
-        tl.store(out_ptr + split * N + offs_n, acc, mask=mask_n)
+        _finish_split(
+            acc, bias, ws_ptr, N, counter_ptr, pid_n, split, offs_n, mask_n, out_ptr + offs_n, SPLIT_K
+        )
 
 
 @triton.jit
 def _int4_linear_fwd_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
     M, N, K, k_per_split, stride_xm, stride_qn, stride_sg, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr, HAS_ZEROS: tl.constexpr, NF4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BITCAST: tl.constexpr,
 ):  # fmt: skip
-    """out (M, N) (or float32 partials (SPLIT_K, M, N)) = x (M, K) @ W^T; BLOCK_K divides GROUP.
+    """out (M, N) = x (M, K) @ W^T (+ bias); BLOCK_K divides GROUP; with SPLIT_K > 1, ws
+    (SPLIT_K, M, N) float32 and counter (tiles,) int32 (zeros) finish it.
     Programs are ordered GROUP_N weight tiles at a time per band of M, so consecutive programs
     reuse x from L2 while W streams once per band."""
     pid = tl.program_id(0)
@@ -135,45 +189,29 @@ def _int4_linear_fwd_kernel(
                              mask=mask_n[:, None] & ((k + 2 * offs_j) < k_end)[None, :], other=0)  # fmt: skip
             x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None],
                           mask=mask_m[None, :] & in_k[:, None], other=0.0)  # fmt: skip
-        low, high = _unpack_pairs(packed, NF4, lut_ptr)
-        w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
-        part = tl.dot(w, x_t)  # (BLOCK_N, BLOCK_M), exact products, float32 sums
         g = k // GROUP
         scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if NF4:
-            acc += scale[:, None] * part
+            low, high = _unpack_pairs(packed, NF4, lut_ptr)
+            w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
         else:
-            x_sum = tl.sum(x_t.to(tl.float32), axis=0)
             if HAS_ZEROS:
                 zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             else:
                 zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-            acc += scale[:, None] * (part - zero[:, None] * x_sum[None, :])
+            w = _codes_minus_zero_16bit(packed, zero, x_ptr.dtype.element_ty, BITCAST)
+        # Integers |q - zero| <= 16 are exact in 16 bits: exact products, float32 sums.
+        acc += scale[:, None] * tl.dot(w, x_t)
     out_mask = mask_n[:, None] & mask_m[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)  # fmt: skip
-    else:
-        tl.store(out_ptr + split * M * N + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
-
-
-@triton.jit
-def _int4_linear_reduce_kernel(
-    part_ptr, bias_ptr, out_ptr, M, N, stride_om,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
-    """out[m, n] = sum over splits of partials (SPLIT_K, M, N) float32, + bias, rounded once."""
-    row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    bias = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        bias += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        offs = offs_m[None, :] * N + offs_n[:, None]
+        _finish_split(acc, bias, ws_ptr, M * N, counter_ptr, pid, split, offs, out_mask, out_ptrs, SPLIT_K)
 
 
 @triton.jit
