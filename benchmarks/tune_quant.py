@@ -9,6 +9,7 @@ cuBLAS bf16 for scale. Each config is checked against the reference before it is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 
@@ -23,21 +24,25 @@ from openkernels.quant.triton.configs import LinearConfig
 
 def candidates(m: int) -> list[LinearConfig]:
     t = functools.partial(LinearConfig, "tiled")
+
+    def both(*cfgs: LinearConfig) -> list[LinearConfig]:  # each tile as W @ x^T and as x @ W^T
+        return [c for cfg in cfgs for c in (cfg, dataclasses.replace(cfg, swap_ab=False))]
+
     if m == 1:
-        return [LinearConfig("gemv", 1, 16, 1024, 4, 1, s) for s in (1, 2, 4)] + [
-            t(16, 64, 128, 4, 3, 2), t(16, 64, 128, 4, 3, 4), t(16, 64, 128, 4, 3, 8), t(16, 32, 128, 4, 3, 4),
-            t(16, 32, 128, 4, 3, 8), t(16, 128, 128, 8, 3, 4), t(16, 64, 128, 4, 4, 4), t(16, 64, 128, 2, 3, 4),
-        ]  # fmt: skip
+        return [LinearConfig("gemv", 1, 16, 1024, 4, 1, s) for s in (1, 2)] + both(
+            t(16, 64, 128, 4, 3, 4), t(16, 64, 128, 4, 3, 8), t(16, 128, 128, 4, 3, 4), t(16, 32, 128, 4, 3, 8),
+            t(16, 128, 128, 8, 3, 4), t(16, 64, 128, 4, 4, 4),
+        )  # fmt: skip
     if m <= 64:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        return [t(bm, 64, 128, 4, 3, 2), t(bm, 64, 128, 4, 3, 4), t(bm, 64, 128, 4, 3, 8), t(bm, 128, 128, 8, 3, 2),
-                t(bm, 128, 128, 8, 3, 4), t(bm, 64, 128, 4, 4, 4), t(bm, 32, 128, 4, 3, 4)]  # fmt: skip
+        return both(t(bm, 64, 128, 4, 3, 4), t(bm, 64, 128, 4, 3, 8), t(bm, 128, 128, 8, 3, 4),
+                    t(bm, 128, 128, 4, 3, 4), t(bm, 64, 128, 4, 4, 4))  # fmt: skip
     if m <= 128:
-        return [t(64, 128, 128, 8, 3, 1), t(128, 64, 128, 4, 3, 1), t(128, 128, 128, 8, 3, 1), t(64, 64, 128, 4, 3, 1),
-                t(64, 128, 128, 4, 3, 1), t(128, 64, 128, 4, 4, 1), t(64, 128, 128, 8, 4, 1), t(64, 64, 128, 4, 3, 2),
-                LinearConfig("dequant")]  # fmt: skip
-    return [t(128, 64, 128, 4, 3, 1), t(128, 128, 128, 8, 3, 1), t(64, 128, 128, 8, 3, 1), t(128, 256, 64, 8, 3, 1),
-            LinearConfig("dequant")]  # fmt: skip
+        return [*both(t(64, 64, 128, 4, 3, 1), t(128, 64, 128, 4, 3, 1), t(128, 128, 128, 8, 3, 1),
+                      t(64, 128, 128, 8, 3, 1), t(128, 128, 64, 8, 3, 1), t(64, 128, 128, 4, 3, 1),
+                      t(128, 256, 64, 8, 3, 1)), LinearConfig("dequant")]  # fmt: skip
+    return [*both(t(128, 64, 128, 4, 3, 1), t(128, 128, 128, 8, 3, 1), t(128, 128, 64, 8, 3, 1),
+                  t(128, 256, 64, 8, 3, 1)), LinearConfig("dequant")]  # fmt: skip
 
 
 def _row(x, weights, out, cfg, ref, bound, rep_ms: float) -> tuple[float, LinearConfig, str]:

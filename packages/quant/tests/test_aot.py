@@ -41,10 +41,10 @@ def _linear_case(cfg: configs.LinearConfig, x: str = "bf16", scales: str = "fp16
     else:
         ints = ("M", "N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_sg", "stride_om")
         kernel = "_int4_linear_fwd_kernel"
-        flags.update(BLOCK_M=cfg.block_m, GROUP_N=cfg.group_n, BITCAST=True)
+        flags.update(BLOCK_M=cfg.block_m, GROUP_N=cfg.group_n, BITCAST=True, SWAP_AB=cfg.swap_ab)
     sig.update({i: "i32" for i in ints})
     attrs = {i: "D" for i in ints if i != "M"} if even_k else {}
-    label = (f"{cfg.path}-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}-{x}-{scales}"
+    label = (f"{cfg.path}{'' if cfg.swap_ab else '-xw'}-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}-{x}-{scales}"
              f"{'-zeros' if zeros else '-sym'}{'-nf4' if nf4 else ''}{'-bias' if bias else ''}-split{split}"
              f"-g{group}{'' if even_k else '-oddk'}")  # fmt: skip
     return AotCase(f"{_KERNELS}:{kernel}", sig, flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -62,7 +62,7 @@ def _helper_cases() -> list:
                    "stride_on": "i32"}  # fmt: skip
             for group in (32, 128, 200):
                 cases.append(AotCase(f"{_KERNELS}:_dequantize_int4_fwd_kernel", sig,
-                                     dict(GROUP=group, BLOCK_N=32, BLOCK_K=64, HAS_ZEROS=zeros, NF4=nf4),
+                                     dict(GROUP=group, BLOCK_N=64, BLOCK_K=256, HAS_ZEROS=zeros, NF4=nf4), num_warps=8,
                                      label=f"dequant-{out}-g{group}{'-nf4' if nf4 else ''}{'-zeros' if zeros else ''}"))  # fmt: skip
     return cases
 

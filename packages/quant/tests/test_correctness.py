@@ -123,13 +123,15 @@ def _forced_configs():
         LinearConfig("tiled", 16, 32, 32, 4, 1, 1),
         LinearConfig("tiled", 16, 16, 64, 4, 2, 2),  # split K
         LinearConfig("tiled", 32, 64, 32, 4, 2, 1, group_n=2),  # several bands of M
+        LinearConfig("tiled", 16, 32, 64, 4, 2, 2, swap_ab=False),  # x @ W^T, split K
+        LinearConfig("tiled", 32, 16, 32, 4, 2, 1, group_n=2, swap_ab=False),
         LinearConfig("dequant"),
     ]
 
 
 @pytest.mark.parametrize(("device", "impl"), _triton_targets())
-@pytest.mark.parametrize("config", range(6), ids=["gemv", "gemv-split", "tiled", "tiled-split", "tiled-bands",
-                                                  "dequant"])  # fmt: skip
+@pytest.mark.parametrize("config", range(8), ids=["gemv", "gemv-split", "tiled", "tiled-split", "tiled-bands",
+                                                  "tiled-xw-split", "tiled-xw-bands", "dequant"])  # fmt: skip
 @pytest.mark.parametrize(("kind", "symmetric"), FORMATS, ids=["int4", "int4-sym", "nf4"])
 def test_every_triton_path(device, impl, config, kind, symmetric) -> None:
     from openkernels.quant.triton import int4_linear_fwd
@@ -159,3 +161,27 @@ def test_config_table_paths() -> None:
             cfg = linear_config(m, 1000, 400 if group == 200 else 4096, group, "hopper", 132)
             if cfg.path == "tiled":
                 assert group % cfg.block_k == 0 or group in (200,), (m, group, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERP, reason="needs a CUDA device")
+def test_cuda_graph_replay_and_split_k_reuse() -> None:
+    """Decode runs layers in CUDA graphs: the split-K scratch and counters must survive capture
+    and repeated replays (each replay leaves the counters at 0 for the next)."""
+    gen = torch.Generator().manual_seed(7)
+    weight = Q.quantize_int4(make_weight(512, 1024, generator=gen), 128).to("cuda")
+    x = torch.randn(1, 1024, generator=gen).to("cuda", torch.bfloat16)
+    Q.int4_linear(x, weight)  # warm-up: compile, plan, scratch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        Q.int4_linear(x, weight)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = Q.int4_linear(x, weight)
+    for _ in range(3):
+        x.copy_(torch.randn(1, 1024, generator=gen).to("cuda", torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_linear_close(out, x, weight, None, w_rounded=False, msg="graph replay")

@@ -66,7 +66,7 @@ def dequantize_int4_fwd(
     qweight: Tensor, scales: Tensor, zeros: Tensor | None, out: Tensor, group_size: int, kind: str
 ) -> None:
     n, k = out.shape
-    block_n, block_k = dequant_block(group_size, k)
+    block_n, block_k, warps = dequant_block(group_size, k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     args = (qweight, scales, scales if zeros is None else zeros, _lut(kind, scales), out,
             n, k, qweight.stride(0), scales.stride(0), out.stride(0))  # fmt: skip
@@ -74,7 +74,7 @@ def dequantize_int4_fwd(
                  NF4=kind == "nf4")  # fmt: skip
     static = ("dequant", n, k, qweight.stride(0), scales.stride(0), out.stride(0), out.dtype, scales.dtype, kind,
               zeros is None, group_size)  # fmt: skip
-    launch(_dequantize_int4_fwd_kernel, grid, args, flags, 4, 1, static)
+    launch(_dequantize_int4_fwd_kernel, grid, args, flags, warps, 1, static)
 
 
 def _k_per_split(k: int, cfg: LinearConfig) -> tuple[int, int]:
@@ -108,6 +108,7 @@ class _Plan:
                 GROUP=self.flags["GROUP"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 GROUP_N=cfg.group_n, HAS_ZEROS=has_zeros, NF4=kind == "nf4", HAS_BIAS=has_bias, SPLIT_K=splits,
                 EVEN_K=self.flags["EVEN_K"], BITCAST=not (triton_interpreting() and key[5] == torch.bfloat16),
+                SWAP_AB=cfg.swap_ab,
             )  # fmt: skip
         self.key = key
 

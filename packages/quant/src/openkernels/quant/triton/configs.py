@@ -32,10 +32,13 @@ class LinearConfig:
     num_stages: int = 1
     split_k: int = 1
     group_n: int = 8
+    swap_ab: bool = True
 
 
-# M from which W is dequantized and the vendor GEMM runs (see the module docstring).
-DEQUANT_MIN_M = {"hopper": 1024, "ampere": 512, "cdna": 512, "other": 512}
+# M from which W is dequantized and the vendor GEMM runs (see the module docstring). H200,
+# bf16: at M=256 the tiled kernel led (8192x8192 0.108 vs 0.137 ms, 28672x8192 0.400 vs
+# 0.477), at M=512 dequantize + cuBLAS did (0.174 vs 0.198, 0.620 vs 0.688).
+DEQUANT_MIN_M = {"hopper": 512, "ampere": 512, "cdna": 512, "other": 512}
 PROGRAMS_PER_SM = 4  # what split_k_for aims for (sweeps of other configs)
 
 
@@ -72,10 +75,10 @@ def kernel_group(group: int, k: int) -> int:
     return group if group < k else 1 << (k - 1).bit_length()
 
 
-def dequant_block(group: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of the dequantize kernel: 64 columns inside one group or spanning
-    whole groups."""
-    return 32, 64
+def dequant_block(group: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the dequantize kernel (any group: each column finds its
+    own). 64 x 256 tiles at 8 warps: 16 codes per thread, 32 bytes of output stored per thread."""
+    return 64, 256, 8
 
 
 def linear_config(m: int, n: int, k: int, group: int, family: str, sms: int) -> LinearConfig:
@@ -91,10 +94,12 @@ def linear_config(m: int, n: int, k: int, group: int, family: str, sms: int) -> 
         block_k = _block_k(group, k, 128)
         split = max(1, min(4, -(-k // block_k)))
         return LinearConfig("tiled", block_m, 64, block_k, 4, 3 if family != "cdna" else 2, split)
-    # M = 128: 64 x 128 x 128 tiles at 8 warps (8192x8192: 86 us vs 133 for 128 x 128 x 64)
-    # and 128 x 64 x 128 at 4 warps (28672x8192: 210 us vs 258).
+    # M = 128: 128 x 64 x 128 tiles at 4 warps (28672x8192: 207 us vs 220 for 128 x 128), and
+    # 64-row bands where 128-row ones leave SMs idle (8192x8192: 128 tiles on 132 SMs; 64 x 64
+    # x 128: 77 us vs 103).
     block_k = _block_k(group, k, 128)
-    return LinearConfig("tiled", 128, 64, block_k, 4, 3 if family != "cdna" else 2, 1)
+    block_m = 64 if m <= 128 and -(-n // 64) * -(-m // 128) < 2 * sms else 128
+    return LinearConfig("tiled", block_m, 64, block_k, 4, 3 if family != "cdna" else 2, 1)
 
 
 def all_configs(family: str) -> list[LinearConfig]:

@@ -152,10 +152,13 @@ def _int4_linear_fwd_kernel(
     M, N, K, k_per_split, stride_xm, stride_qn, stride_sg, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr, HAS_ZEROS: tl.constexpr, NF4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BITCAST: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BITCAST: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ W^T (+ bias); BLOCK_K divides GROUP; with SPLIT_K > 1, ws
     (SPLIT_K, M, N) float32 and counter (tiles,) int32 (zeros) finish it.
+    SWAP_AB: the tile is computed as out^T = W @ x^T (the unpacked weight is the MMA's left,
+    register operand, and a small M pads the MMA's narrow side); else out = x @ W^T (the weight
+    goes through shared memory as the right operand).
     Programs are ordered GROUP_N weight tiles at a time per band of M, so consecutive programs
     reuse x from L2 while W streams once per band."""
     pid = tl.program_id(0)
@@ -174,21 +177,24 @@ def _int4_linear_fwd_kernel(
     mask_m = offs_m < M
     offs_j = tl.arange(0, BLOCK_K // 2)
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            packed = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k // 2 + offs_j)[None, :],
-                             mask=mask_n[:, None], other=0)  # fmt: skip
-            x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None],
-                          mask=mask_m[None, :], other=0.0)  # fmt: skip
+        in_k = (k + offs_k) < k_end
+        w_mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & ((k + 2 * offs_j) < k_end)[None, :]
+        packed = tl.load(
+            qw_ptr + offs_n[:, None] * stride_qn + (k // 2 + offs_j)[None, :], mask=w_mask, other=0
+        )
+        if SWAP_AB:
+            x_mask = mask_m[None, :] if EVEN_K else mask_m[None, :] & in_k[:, None]
+            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=x_mask, other=0.0)
         else:
-            in_k = (k + offs_k) < k_end
-            packed = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k // 2 + offs_j)[None, :],
-                             mask=mask_n[:, None] & ((k + 2 * offs_j) < k_end)[None, :], other=0)  # fmt: skip
-            x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None],
-                          mask=mask_m[None, :] & in_k[:, None], other=0.0)  # fmt: skip
+            x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & in_k[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :], mask=x_mask, other=0.0)
         g = k // GROUP
         scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if NF4:
@@ -201,16 +207,27 @@ def _int4_linear_fwd_kernel(
                 zero = tl.full((BLOCK_N,), 8.0, tl.float32)
             w = _codes_minus_zero_16bit(packed, zero, x_ptr.dtype.element_ty, BITCAST)
         # Integers |q - zero| <= 16 are exact in 16 bits: exact products, float32 sums.
-        acc += scale[:, None] * tl.dot(w, x_t)
-    out_mask = mask_n[:, None] & mask_m[None, :]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    bias = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if HAS_BIAS:
-        bias += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if SWAP_AB:
+            acc += scale[:, None] * tl.dot(w, x)
+        else:
+            acc += scale[None, :] * tl.dot(x, tl.trans(w))
+    if SWAP_AB:
+        out_mask = mask_n[:, None] & mask_m[None, :]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        offs = offs_m[None, :] * N + offs_n[:, None]
+        bias = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if HAS_BIAS:
+            bias += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    else:
+        out_mask = mask_m[:, None] & mask_n[None, :]
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        offs = offs_m[:, None] * N + offs_n[None, :]
+        bias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_BIAS:
+            bias += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        offs = offs_m[None, :] * N + offs_n[:, None]
         _finish_split(acc, bias, ws_ptr, M * N, counter_ptr, pid, split, offs, out_mask, out_ptrs, SPLIT_K)
 
 
@@ -228,19 +245,21 @@ def _dequantize_int4_fwd_kernel(
     mask_n = offs_n < N
     packed = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_j[None, :],
                      mask=mask_n[:, None] & (2 * offs_j < K)[None, :], other=0)  # fmt: skip
-    low, high = _unpack_pairs(packed, NF4, lut_ptr)
-    w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
     mask = mask_n[:, None] & (offs_k < K)[None, :]
     s_off = (offs_k // GROUP)[None, :] * stride_sg + offs_n[:, None]
     scale = tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
     if NF4:
-        w = w * scale
+        low, high = _unpack_pairs(packed, NF4, lut_ptr)
+        w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)) * scale
     else:
         if HAS_ZEROS:
             zero = tl.load(z_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
         else:
             zero = 8.0
-        w = (w - zero) * scale
+        # 2^23 + code from the mantissa (no int-to-float conversion), minus (2^23 + zero).
+        low = ((packed & 0xF).to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
+        high = ((packed >> 4).to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
+        w = (tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)) - (zero + 8388608.0)) * scale
     tl.store(
         out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask
     )
