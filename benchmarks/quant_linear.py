@@ -1,9 +1,9 @@
-"""4-bit weight-only linear (openkernels.quant.bench) next to cuBLAS bf16, torch's tinygemm,
+"""4-bit weight-only linear (openkernels.quant.bench) next to the 16-bit weight in torch (cuBLAS), torch's tinygemm,
 bitsandbytes NF4 and GemLite, with the issue's ratios: each contender's speed-up over bf16
 at the same (M, N, K), same process, weights rotated past L2.
 
     python benchmarks/quant_linear.py [--shapes 8192x8192,28672x8192] [--ms 1,16,128,2048]
-        [--kinds int4,nf4] [--peers bf16,tinygemm,bnb-nf4,gemlite] [--json out.json] [--kernel-time]
+        [--kinds int4,nf4] [--peers torch,tinygemm,bnb-nf4,gemlite] [--json out.json] [--kernel-time]
 """
 
 from __future__ import annotations
@@ -49,15 +49,15 @@ def main() -> None:
         if not m.error:
             by_case.setdefault((m.op, m.shape), {})[m.contender] = (m.ms, m.kernel_ms)
     print(
-        f"\nceilings: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s; speed-up over bf16 (wall / kernel):"
+        f"\nceilings: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s; speed-up over the 16-bit weight in torch (wall / kernel):"
     )
     for (op, shape), times in by_case.items():
-        base = times.get("bf16")
+        base = times.get("torch")
         if base is None:
             continue
         parts = [f"{op} M={shape[0]} {shape[1]}x{shape[2]}:"]
         for name, (ms, kms) in times.items():
-            if name in ("bf16", "copy"):
+            if name in ("torch", "copy"):
                 continue
             kernel = f" / {base[1] / kms:.2f}x" if kms and base[1] else ""
             parts.append(f"{name} {base[0] / ms:.2f}x{kernel}")

@@ -9,6 +9,7 @@ import torch
 
 import openkernels.quant as Q
 import openkernels.shared.dispatch as dispatch
+from openkernels.quant import reference as R
 from openkernels.shared.platform import triton_interpreting
 
 from .cases import FORMATS, assert_linear_close, make_weight, quantize, rounds_weight, targets
@@ -185,3 +186,21 @@ def test_cuda_graph_replay_and_split_k_reuse() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_linear_close(out, x, weight, None, w_rounded=False, msg="graph replay")
+
+
+@pytest.mark.parametrize(("device", "impl"), targets())
+@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
+def test_gptq_act_order_checkpoint_through_every_implementation(device, impl, checkpoint_format) -> None:
+    """A GPTQ act-order checkpoint (zeros up to 16 in v1) through int4_linear equals the
+    checkpoint's own x @ W^T: the import's perm and zeros reach every kernel."""
+    from .test_checkpoints import _gptq_case, gptq_weight
+
+    qweight, qzeros, scales, g_idx, _, _ = _gptq_case(256, 40, 64, True, seed=3)
+    weight = Q.from_gptq(qweight, qzeros, scales, g_idx, checkpoint_format=checkpoint_format).to(device)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
+    with dispatch.force(impl):
+        out = Q.int4_linear(x, weight)
+    w = gptq_weight(qweight, qzeros, scales, g_idx, checkpoint_format).double()
+    ref = x.double().cpu() @ w.t()
+    bound = R.linear_error_bound(x.double().cpu(), w, ref, torch.bfloat16)
+    assert ((out.double().cpu() - ref).abs() <= bound).all()

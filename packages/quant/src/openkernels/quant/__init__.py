@@ -6,7 +6,9 @@ Backends: Triton (CUDA and ROCm), CPU (C++), reference.
 
 from . import ops as _ops  # registers the torch.library ops and dispatch entries
 from .api import dequantize_int4, int4_linear
+from .checkpoints import from_awq, from_gptq, load_awq_state_dict, load_gptq_state_dict
 from .format import NF4_VALUES, Int4Weight
+from .linear import Int4Linear, QuantizeReport, load_quantized, quantize_model, save_quantized
 from .quantize import quantize_int4, quantize_nf4
 
 __version__ = "0.1.0"
@@ -18,6 +20,15 @@ __all__ = [
     "quantize_nf4",
     "dequantize_int4",
     "int4_linear",
+    "Int4Linear",
+    "QuantizeReport",
+    "quantize_model",
+    "save_quantized",
+    "load_quantized",
+    "from_gptq",
+    "from_awq",
+    "load_gptq_state_dict",
+    "load_awq_state_dict",
 ]
 
 del _ops

@@ -2,7 +2,7 @@
 
 y = x (M, K) @ W^T with W (N, K) in 4 bits, group 128, bf16 activations. Peers, each on the
 same x and a weight quantized from the same W in its own format:
-  "bf16"        torch.nn.functional.linear with the 16-bit W (cuBLAS): the speed to beat
+  "torch"       torch.nn.functional.linear with the 16-bit W (cuBLAS on GPUs): the speed to beat
   "tinygemm"    torch's int4 kernel (aten._weight_int4pack_mm), from our int4 codes
   "bnb-nf4"     bitsandbytes NF4, blocksize 64 (if installed)
   "gemlite"     GemLite's Triton int4 GEMM/GEMV, group 128 (if installed)
@@ -31,7 +31,7 @@ GPU_SHAPES = ((8192, 8192), (28672, 8192))  # (N, K): a square projection and an
 CPU_SHAPES = ((4096, 4096),)
 GPU_MS = (1, 16, 128, 2048)
 CPU_MS = (1, 16, 128)
-PEERS = ("bf16", "tinygemm", "bnb-nf4", "gemlite")
+PEERS = ("torch", "tinygemm", "bnb-nf4", "gemlite")
 COMPUTE_BOUND_M = 128
 
 
@@ -128,24 +128,27 @@ def cases(
     shapes: Sequence[tuple[int, int]] | None = None,
     ms: Sequence[int] | None = None,
     group: int = 128,
-    dtype: torch.dtype = torch.bfloat16,
+    dtypes: Sequence[torch.dtype] = (torch.bfloat16,),
     kinds: Sequence[str] = ("int4",),
+    ops: Sequence[str] | None = None,
     peers: Sequence[str] = PEERS,
 ) -> list[BenchCase]:
-    """One case per (kind, M, N, K): ours plus the installed peers, on the same inputs."""
+    """One case per (kind, dtype, M, N, K): ours plus the installed peers, on the same inputs.
+    `ops` (benchmarks/run.py's --ops) picks kinds: "int4", "nf4"."""
     device = torch.device(device)
+    kinds = tuple(ops) if ops else kinds
     gpu = device.type == "cuda"
     shapes = shapes or (GPU_SHAPES if gpu else CPU_SHAPES)
     ms = ms or (GPU_MS if gpu else CPU_MS)
     out = []
-    for kind in kinds:
+    for kind, dtype in ((kind, dtype) for kind in kinds for dtype in dtypes):
         for n, k in shapes:
             for m in ms:
                 g = 64 if kind == "nf4" and group == 128 else group
                 contenders: dict[str, Callable] = {"ours": lambda s: api.int4_linear(s["x"], s["q"])}
                 setup: dict[str, Callable] = {}
-                if "bf16" in peers:
-                    contenders["bf16"] = lambda s: F.linear(s["x"], s["w"])
+                if "torch" in peers:
+                    contenders["torch"] = lambda s: F.linear(s["x"], s["w"])
                 if gpu and kind == "int4" and "tinygemm" in peers and dtype == torch.bfloat16:
                     contenders["tinygemm"], setup["tinygemm"] = _tinygemm, _tinygemm_setup
                 if gpu and "bnb-nf4" in peers and _available("bnb-nf4"):

@@ -7,7 +7,8 @@ A linear layer's weight W (N, K) (nn.Linear layout: out_features x in_features) 
     scales   (K // group_size, N), float16 or bfloat16: one scale per group of
              `group_size` consecutive columns of a row (group-major, as GPTQ and AWQ
              store theirs, so a tile of N columns reads contiguous scales).
-    zeros    (K // group_size, N), the dtype of scales, integer values 0..15, or None.
+    zeros    (K // group_size, N), the dtype of scales, integer values 0..15 (16 occurs in
+             GPTQ v1 checkpoints), or None.
 
 and W is recovered per element as
 

@@ -140,8 +140,9 @@ class Int4Linear(nn.Module):
         if perm is not None and not torch.equal(perm.sort().values.cpu(), torch.arange(self.in_features)):
             raise ValueError(f"{prefix}perm: not a permutation of 0..{self.in_features - 1}")
         zeros = state_dict.get(prefix + "zeros")
-        if zeros is not None and ((zeros < 0) | (zeros > 15) | (zeros != zeros.round())).any():
-            raise ValueError(f"{prefix}zeros: values must be integers 0..15")
+        # 0..15 from quantize_int4; 16 occurs in GPTQ v1 checkpoints (stored zero - 1 = 15).
+        if zeros is not None and ((zeros < 0) | (zeros > 16) | (zeros != zeros.round())).any():
+            raise ValueError(f"{prefix}zeros: values must be integers 0..16")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)  # fmt: skip
 
