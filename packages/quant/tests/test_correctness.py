@@ -23,6 +23,7 @@ SHAPES_FULL = [
     (130, 100, 640, 64),
     (1, 1000, 1024, 128),
     (600, 96, 256, 32),
+    (4096, 48, 128, 64),  # the largest M
 ]
 SHAPES = SHAPES_SMALL if INTERP else SHAPES_FULL
 X_DTYPES = [torch.bfloat16, torch.float16] if INTERP else [torch.bfloat16, torch.float16, torch.float32]
