@@ -28,21 +28,25 @@ def candidates(m: int) -> list[LinearConfig]:
     def both(*cfgs: LinearConfig) -> list[LinearConfig]:  # each tile as W @ x^T and as x @ W^T
         return [c for cfg in cfgs for c in (cfg, dataclasses.replace(cfg, swap_ab=False))]
 
+    def unrolled(bm: int, bn: int, warps: int, splits: tuple[int, ...]) -> list[LinearConfig]:
+        return [
+            t(bm, bn, 128 * u, warps, st, s, unroll=u) for u in (1, 2, 4) for st in (3, 4) for s in splits
+        ]
+
     if m == 1:
-        return [LinearConfig("gemv", 1, 16, 1024, 4, 1, s) for s in (1, 2)] + both(
-            t(16, 64, 128, 4, 3, 4), t(16, 64, 128, 4, 3, 8), t(16, 128, 128, 4, 3, 4), t(16, 32, 128, 4, 3, 8),
-            t(16, 128, 128, 8, 3, 4), t(16, 64, 128, 4, 4, 4),
-        )  # fmt: skip
+        return [
+            LinearConfig("gemv", 1, 16, 1024, 4, 1, 1),
+            *unrolled(16, 64, 4, (2, 4)),
+            *both(t(16, 128, 128, 8, 3, 4)),
+        ]
     if m <= 64:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        return both(t(bm, 64, 128, 4, 3, 4), t(bm, 64, 128, 4, 3, 8), t(bm, 128, 128, 8, 3, 4),
-                    t(bm, 128, 128, 4, 3, 4), t(bm, 64, 128, 4, 4, 4))  # fmt: skip
+        return [*unrolled(bm, 64, 4, (2, 4)), *both(t(bm, 128, 128, 8, 3, 4))]
     if m <= 128:
-        return [*both(t(64, 64, 128, 4, 3, 1), t(128, 64, 128, 4, 3, 1), t(128, 128, 128, 8, 3, 1),
-                      t(64, 128, 128, 8, 3, 1), t(128, 128, 64, 8, 3, 1), t(64, 128, 128, 4, 3, 1),
-                      t(128, 256, 64, 8, 3, 1)), LinearConfig("dequant")]  # fmt: skip
-    return [*both(t(128, 64, 128, 4, 3, 1), t(128, 128, 128, 8, 3, 1), t(128, 128, 64, 8, 3, 1),
-                  t(128, 256, 64, 8, 3, 1)), LinearConfig("dequant")]  # fmt: skip
+        # 128-row tiles unrolled spill (sm_90: 244 B at 128 x 64 x 256): not swept.
+        return [*unrolled(64, 64, 4, (1,)), t(128, 64, 128, 4, 3, 1), t(64, 128, 128, 8, 3, 1),
+                LinearConfig("dequant")]  # fmt: skip
+    return [t(128, 64, 128, 4, 3, 1), t(128, 128, 128, 8, 3, 1), LinearConfig("dequant")]
 
 
 def _row(x, weights, out, cfg, ref, bound, rep_ms: float) -> tuple[float, LinearConfig, str]:

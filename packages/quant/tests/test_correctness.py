@@ -126,14 +126,15 @@ def _forced_configs():
         LinearConfig("tiled", 16, 16, 64, 4, 2, 2),  # split K
         LinearConfig("tiled", 32, 64, 32, 4, 2, 1, group_n=2),  # several bands of M
         LinearConfig("tiled", 16, 32, 64, 4, 2, 2, swap_ab=False),  # x @ W^T, split K
+        LinearConfig("tiled", 16, 32, 128, 4, 2, 2, unroll=4),  # 4 sub-steps of 32, uneven K
         LinearConfig("tiled", 32, 16, 32, 4, 2, 1, group_n=2, swap_ab=False),
         LinearConfig("dequant"),
     ]
 
 
 @pytest.mark.parametrize(("device", "impl"), _triton_targets())
-@pytest.mark.parametrize("config", range(8), ids=["gemv", "gemv-split", "tiled", "tiled-split", "tiled-bands",
-                                                  "tiled-xw-split", "tiled-xw-bands", "dequant"])  # fmt: skip
+@pytest.mark.parametrize("config", range(9), ids=["gemv", "gemv-split", "tiled", "tiled-split", "tiled-bands",
+                                                  "tiled-xw-split", "tiled-xw-bands", "tiled-unroll", "dequant"])  # fmt: skip
 @pytest.mark.parametrize(("kind", "symmetric"), FORMATS, ids=["int4", "int4-sym", "nf4"])
 def test_every_triton_path(device, impl, config, kind, symmetric) -> None:
     from openkernels.quant.triton import int4_linear_fwd
@@ -162,7 +163,7 @@ def test_config_table_paths() -> None:
         for group in (32, 64, 128, 200):
             cfg = linear_config(m, 1000, 400 if group == 200 else 4096, group, "hopper", 132)
             if cfg.path == "tiled":
-                assert group % cfg.block_k == 0 or group in (200,), (m, group, cfg)
+                assert group % (cfg.block_k // cfg.unroll) == 0 or group in (200,), (m, group, cfg)
 
 
 @pytest.mark.gpu

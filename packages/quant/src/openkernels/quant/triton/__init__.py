@@ -109,6 +109,7 @@ class _Plan:
                 GROUP_N=cfg.group_n, HAS_ZEROS=has_zeros, NF4=kind == "nf4", HAS_BIAS=has_bias, SPLIT_K=splits,
                 EVEN_K=self.flags["EVEN_K"], BITCAST=not (triton_interpreting() and key[5] == torch.bfloat16),
                 SWAP_AB=cfg.swap_ab,
+                UNROLL=cfg.unroll,
             )  # fmt: skip
         self.key = key
 

@@ -153,8 +153,9 @@ def _int4_linear_fwd_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr, HAS_ZEROS: tl.constexpr, NF4: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BITCAST: tl.constexpr, SWAP_AB: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """out (M, N) = x (M, K) @ W^T (+ bias); BLOCK_K divides GROUP; with SPLIT_K > 1, ws
+    """out (M, N) = x (M, K) @ W^T (+ bias); BLOCK_K // UNROLL divides GROUP; with SPLIT_K > 1, ws
     (SPLIT_K, M, N) float32 and counter (tiles,) int32 (zeros) finish it.
     SWAP_AB: the tile is computed as out^T = W @ x^T (the unpacked weight is the MMA's left,
     register operand, and a small M pads the MMA's narrow side); else out = x @ W^T (the weight
@@ -175,42 +176,53 @@ def _int4_linear_fwd_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    offs_j = tl.arange(0, BLOCK_K // 2)
-    offs_k = tl.arange(0, BLOCK_K)
+    KSTEP: tl.constexpr = BLOCK_K // UNROLL
+    offs_j = tl.arange(0, KSTEP // 2)
+    offs_k = tl.arange(0, KSTEP)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    for k in range(k_start, k_end, BLOCK_K):
-        in_k = (k + offs_k) < k_end
-        w_mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & ((k + 2 * offs_j) < k_end)[None, :]
-        packed = tl.load(
-            qw_ptr + offs_n[:, None] * stride_qn + (k // 2 + offs_j)[None, :], mask=w_mask, other=0
-        )
-        if SWAP_AB:
-            x_mask = mask_m[None, :] if EVEN_K else mask_m[None, :] & in_k[:, None]
-            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=x_mask, other=0.0)
-        else:
-            x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & in_k[None, :]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :], mask=x_mask, other=0.0)
-        g = k // GROUP
-        scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if NF4:
-            low, high = _unpack_pairs(packed, NF4, lut_ptr)
-            w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
-        else:
-            if HAS_ZEROS:
-                zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        # UNROLL sub-steps of KSTEP columns, each inside one group; more loads in flight per
+        # pipeline stage than one KSTEP step (+6% at 28672 x 8192, M=16, on H200).
+        for u in tl.static_range(UNROLL):
+            k = k0 + u * KSTEP
+            in_k = (k + offs_k) < k_end
+            w_mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & ((k + 2 * offs_j) < k_end)[None, :]
+            packed = tl.load(
+                qw_ptr + offs_n[:, None] * stride_qn + (k // 2 + offs_j)[None, :], mask=w_mask, other=0
+            )
+            if SWAP_AB:
+                x_mask = mask_m[None, :] if EVEN_K else mask_m[None, :] & in_k[:, None]
+                x = tl.load(
+                    x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=x_mask, other=0.0
+                )
             else:
-                zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-            w = _codes_minus_zero_16bit(packed, zero, x_ptr.dtype.element_ty, BITCAST)
-        # Integers |q - zero| <= 16 are exact in 16 bits: exact products, float32 sums.
-        if SWAP_AB:
-            acc += scale[:, None] * tl.dot(w, x)
-        else:
-            acc += scale[None, :] * tl.dot(x, tl.trans(w))
+                x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & in_k[None, :]
+                x = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :], mask=x_mask, other=0.0
+                )
+            g = k // GROUP
+            # A sub-step past K (uneven K) must not read the scale row after the last group.
+            s_mask = mask_n if EVEN_K else mask_n & (k < k_end)
+            scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=s_mask, other=0.0).to(tl.float32)
+            if NF4:
+                low, high = _unpack_pairs(packed, NF4, lut_ptr)
+                w = tl.reshape(tl.join(low, high), (BLOCK_N, KSTEP)).to(x_ptr.dtype.element_ty)
+            else:
+                if HAS_ZEROS:
+                    zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=s_mask, other=0.0).to(tl.float32)
+                else:
+                    zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+                w = _codes_minus_zero_16bit(packed, zero, x_ptr.dtype.element_ty, BITCAST)
+            # Integers |q - zero| <= 16 are exact in 16 bits: exact products, float32 sums.
+            if SWAP_AB:
+                acc += scale[:, None] * tl.dot(w, x)
+            else:
+                acc += scale[None, :] * tl.dot(x, tl.trans(w))
     if SWAP_AB:
         out_mask = mask_n[:, None] & mask_m[None, :]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
