@@ -19,6 +19,9 @@ import torch
 from openkernels.quant.checkpoints import from_awq, from_gptq, load_awq_state_dict, load_gptq_state_dict
 from openkernels.quant.format import Int4Weight
 from openkernels.quant.reference import dequantize_int4_ref, int4_linear_ref, unpack_codes
+from openkernels.shared.platform import triton_interpreting
+
+pytestmark = pytest.mark.skipif(triton_interpreting(), reason="conversions are tested in the main run")
 
 F16, BF16, F64 = torch.float16, torch.bfloat16, torch.float64
 
