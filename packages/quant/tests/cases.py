@@ -77,7 +77,3 @@ def assert_linear_close(out, x, weight: Q.Int4Weight, bias, *, w_rounded: bool, 
             f"{msg}: {int((excess > 0).sum())} outputs out of bound, worst at {worst}: got "
             f"{got.flatten()[worst]:.6g}, ref {ref.flatten()[worst]:.6g}, bound {bound.flatten()[worst]:.3g}"
         )
-
-
-def interpreter_shapes() -> bool:
-    return triton_interpreting()

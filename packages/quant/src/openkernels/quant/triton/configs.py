@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LinearConfig", "linear_config", "all_configs", "DEQUANT_MIN_M", "arch_family", "split_k_for",
+__all__ = ["LinearConfig", "linear_config", "all_configs", "DEQUANT_MIN_M", "arch_family",
            "dequant_block", "kernel_group"]  # fmt: skip
 
 
@@ -40,7 +40,6 @@ class LinearConfig:
 # bf16: at M=256 the tiled kernel led (8192x8192 0.108 vs 0.137 ms, 28672x8192 0.400 vs
 # 0.477), at M=512 dequantize + cuBLAS did (0.174 vs 0.198, 0.620 vs 0.688).
 DEQUANT_MIN_M = {"hopper": 512, "ampere": 512, "cdna": 512, "other": 512}
-PROGRAMS_PER_SM = 4  # what split_k_for aims for (sweeps of other configs)
 
 
 def arch_family(backend: str, arch: str) -> str:
@@ -59,14 +58,6 @@ def _block_k(group: int, k: int, wanted: int) -> int:
     while bk > 16 and group != k and group % bk:
         bk //= 2
     return bk
-
-
-def split_k_for(tiles: int, k: int, block_k: int, sms: int, max_split: int = 16) -> int:
-    """Splits of K so that tiles * splits reaches PROGRAMS_PER_SM * sms, each split a whole
-    number of BLOCK_K steps."""
-    steps = -(-k // block_k)
-    want = -(-PROGRAMS_PER_SM * sms // max(tiles, 1))
-    return max(1, min(want, max_split, steps))
 
 
 def kernel_group(group: int, k: int) -> int:
