@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +103,43 @@ class Int4Linear(nn.Module):
         else:
             raise ValueError(f"kind must be 'int4' or 'nf4', got {kind!r}")
         return cls.from_weight(q, linear.bias)
+
+    @classmethod
+    def concat_out(cls, layers: Sequence[Int4Linear]) -> Int4Linear:
+        """One layer whose output is the layers' outputs concatenated on the last dim (a new
+        copy of their buffers): the stacked gate / up projection of a gated MLP.
+
+        The layers must share in_features, group size, kind, symmetry and scale dtype, and
+        have no act-order permutation (each would reorder x its own way)."""
+        first = layers[0]
+        for layer in layers:
+            if not isinstance(layer, Int4Linear):
+                raise TypeError(f"concat_out: expected Int4Linear layers, got {type(layer).__name__}")
+            same = (layer.in_features, layer.group_size, layer.kind, layer.zeros is None, layer.scales.dtype)
+            if same != (
+                first.in_features,
+                first.group_size,
+                first.kind,
+                first.zeros is None,
+                first.scales.dtype,
+            ):
+                raise ValueError(
+                    "concat_out: layers differ in in_features, group size, kind, symmetry or scale dtype"
+                )
+            if layer.perm is not None:
+                raise ValueError("concat_out: act-order layers (perm) cannot be stacked")
+            if (layer.bias is None) != (first.bias is None):
+                raise ValueError("concat_out: only some layers have a bias")
+        zeros = None if first.zeros is None else torch.cat([layer.zeros for layer in layers], dim=1)
+        weight = Int4Weight(
+            torch.cat([layer.qweight for layer in layers]),
+            torch.cat([layer.scales for layer in layers], dim=1),
+            zeros,
+            first.group_size,
+            first.kind,
+        )
+        bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
+        return cls.from_weight(weight, bias)
 
     @property
     def weight(self) -> Int4Weight:

@@ -1,0 +1,89 @@
+"""What `openkernels.shared.kernelize` swaps for this family: torch's LayerNorm and RMSNorm
+and the RMSNorm classes of Hugging Face transformers models.
+
+Classes are matched by name, each one checked against its transformers source: the
+Llama-style norms normalize in float32, round to the input dtype, then multiply by the
+weight (output dtype: the promotion of input and weight); Gemma's multiply by (1 + weight)
+in float32 and return the input dtype. The fused kernels keep float32 through the weight
+multiply (one rounding fewer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openkernels.shared.kernelize import KernelizeContext, Swap
+
+from .api import layer_norm, rms_norm
+
+__all__ = ["replacements", "LLAMA_STYLE_RMS_NORMS", "GEMMA_STYLE_RMS_NORMS"]
+
+# weight * normalized(x).to(x.dtype), eps in `variance_epsilon`.
+LLAMA_STYLE_RMS_NORMS = (
+    "LlamaRMSNorm",
+    "MistralRMSNorm",
+    "MixtralRMSNorm",
+    "Qwen2RMSNorm",
+    "Qwen2MoeRMSNorm",
+    "Qwen3RMSNorm",
+    "Qwen3MoeRMSNorm",
+)
+# (normalized(x.float()) * (1 + weight.float())).to(x.dtype), eps in `eps`.
+GEMMA_STYLE_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+
+
+def _needs_1d_weight(module: nn.Module, ctx: KernelizeContext) -> str | None:
+    weight = getattr(module, "weight", None)
+    if weight is not None and weight.dim() != 1:
+        return f"weight of shape {tuple(weight.shape)}: only the last dim is normalized"
+    return None
+
+
+def _layer_norm_check(module: nn.Module, ctx: KernelizeContext) -> str | None:
+    if len(module.normalized_shape) != 1:
+        return f"normalized_shape {tuple(module.normalized_shape)}: only the last dim is normalized"
+    return None
+
+
+def _layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def _torch_rms_norm_forward(self: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+    return rms_norm(x, self.weight, eps)
+
+
+def _llama_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out_dtype = torch.promote_types(x.dtype, self.weight.dtype)
+    return rms_norm(x, self.weight, self.variance_epsilon, out_dtype=out_dtype)
+
+
+def _gemma_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, self.weight, self.eps, weight_offset=1.0)
+
+
+def replacements() -> list[Swap]:
+    """The entry point `openkernels.kernelize` calls."""
+    family = "layernorm"
+    return [
+        Swap(
+            family,
+            "layer_norm",
+            ("torch.nn.modules.normalization.LayerNorm",),
+            _layer_norm_forward,
+            check=_layer_norm_check,
+        ),
+        Swap(
+            family,
+            "rms_norm",
+            ("torch.nn.modules.normalization.RMSNorm",),
+            _torch_rms_norm_forward,
+            check=_layer_norm_check,
+        ),
+        Swap(family, "rms_norm", LLAMA_STYLE_RMS_NORMS, _llama_rms_norm_forward, check=_needs_1d_weight),
+        Swap(
+            family, "rms_norm(1 + w)", GEMMA_STYLE_RMS_NORMS, _gemma_rms_norm_forward, check=_needs_1d_weight
+        ),
+    ]

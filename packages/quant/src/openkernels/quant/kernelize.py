@@ -1,0 +1,52 @@
+"""What `openkernels.shared.kernelize` does for this family: with quantize="int4" / "nf4",
+the model's nn.Linear layers become Int4Linear (quantize_model), before the module swaps so
+a fused MLP stacks the 4-bit gate / up projections. unkernelize puts the 16-bit layers
+back (they are kept, so a kernelized model holds both until then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from openkernels.shared.kernelize import KernelizeContext, ModelPatch
+
+from .linear import quantize_model
+
+__all__ = ["replacements"]
+
+_OPTIONS = ("group_size", "symmetric", "search", "skip", "scale_dtype", "progress")
+
+
+def _quantize(model: nn.Module, ctx: KernelizeContext) -> Callable[[], None] | None:
+    if ctx.quantize is None:
+        return None
+    options = dict(ctx.quantize)
+    kind = options.pop("kind")
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"kernelize: unknown quantize options {unknown}; known: {', '.join(_OPTIONS)}")
+    options["skip"] = (*options.get("skip", ("lm_head",)), *ctx.skip)
+    options.setdefault("progress", False)
+    originals = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    report = quantize_model(model, kind=kind, **options)
+    for name in report.quantized:
+        ctx.report.add_swap(f"quant.{kind}_linear", name)
+    for name, reason in report.skipped:
+        ctx.report.add_left(f"Linear left in 16-bit: {reason}", name)
+    ctx.report.patched["quant.quantize_model"] = (
+        f"{len(report.quantized)} layers, {report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB"
+    )
+
+    def undo() -> None:
+        for name in report.quantized:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, originals[name])
+
+    return undo
+
+
+def replacements() -> list[ModelPatch]:
+    """The entry point `openkernels.kernelize` calls."""
+    return [ModelPatch("quant", "quantize_model", _quantize, stage="before", modes=("inference",))]
