@@ -32,6 +32,8 @@ __all__ = [
     "Swap",
     "available_swaps",
     "kernelize",
+    "kernelize_report",
+    "local_tensor",
     "unkernelize",
 ]
 
@@ -141,6 +143,14 @@ class KernelizeContext:
 class _State:
     report: KernelizeReport
     undo: list[Callable[[], None]]
+
+
+def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a DTensor (tensor parallelism: the shard a column-parallel layer
+    multiplies with); any other tensor unchanged. Differentiable."""
+    if t is not None and type(t).__name__ == "DTensor":
+        return t.to_local()
+    return t
 
 
 # ---------------------------------------------------------------------------- discovery

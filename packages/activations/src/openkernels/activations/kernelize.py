@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openkernels.shared.kernelize import KernelizeContext, Swap
+from openkernels.shared.kernelize import KernelizeContext, Swap, local_tensor
 
 from .api import gelu, gelu_and_mul, gelu_quick, relu_squared, silu, silu_and_mul
 
@@ -103,6 +103,10 @@ def _gated_check(module: nn.Module, ctx: KernelizeContext) -> str | None:
 def _stack_linear(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stack gate / up into one weight (and bias) and point the parameters at its halves."""
     gate, up = mlp.gate_proj, mlp.up_proj
+    if local_tensor(gate.weight) is not gate.weight:
+        # Tensor parallel: stack this rank's shards, leave the DTensor parameters alone.
+        bias = None if gate.bias is None else torch.cat([local_tensor(gate.bias), local_tensor(up.bias)])
+        return torch.cat([local_tensor(gate.weight), local_tensor(up.weight)]).detach(), bias
     n = gate.out_features
     with torch.no_grad():
         weight = torch.cat([gate.weight, up.weight])
@@ -161,8 +165,8 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, fused[0], fused[1])
     else:  # training, or the parameters moved since kernelize: stack per call
         gate, up = self.gate_proj, self.up_proj
-        bias = None if gate.bias is None else torch.cat([gate.bias, up.bias])
-        h = F.linear(x, torch.cat([gate.weight, up.weight]), bias)
+        bias = None if gate.bias is None else torch.cat([local_tensor(gate.bias), local_tensor(up.bias)])
+        h = F.linear(x, torch.cat([local_tensor(gate.weight), local_tensor(up.weight)]), bias)
     return self.down_proj(_GATED[_act_kind(self.act_fn)](h))
 
 

@@ -17,7 +17,7 @@ from openkernels.shared.kernelize import KernelizeContext, Swap
 
 from .api import layer_norm, rms_norm
 
-__all__ = ["replacements", "LLAMA_STYLE_RMS_NORMS", "GEMMA_STYLE_RMS_NORMS"]
+__all__ = ["replacements", "LLAMA_STYLE_RMS_NORMS", "GEMMA_STYLE_RMS_NORMS", "POST_NORM_OUTPUTS"]
 
 # weight * normalized(x).to(x.dtype), eps in `variance_epsilon`.
 LLAMA_STYLE_RMS_NORMS = (
@@ -31,6 +31,9 @@ LLAMA_STYLE_RMS_NORMS = (
 )
 # (normalized(x.float()) * (1 + weight.float())).to(x.dtype), eps in `eps`.
 GEMMA_STYLE_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+# Post-norm block outputs, forward(h, input_tensor) = LayerNorm(dropout(dense(h)) + input_tensor):
+# the residual add fuses into the norm (one pass over the hidden state instead of two).
+POST_NORM_OUTPUTS = ("BertSelfOutput", "BertOutput", "RobertaSelfOutput", "RobertaOutput")
 
 
 def _needs_1d_weight(module: nn.Module, ctx: KernelizeContext) -> str | None:
@@ -64,10 +67,33 @@ def _gemma_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, self.eps, weight_offset=1.0)
 
 
+def _post_norm_check(module: nn.Module, ctx: KernelizeContext) -> str | None:
+    norm = getattr(module, "LayerNorm", None)
+    if type(norm) is not nn.LayerNorm:
+        return "its LayerNorm is not a torch LayerNorm"
+    return _layer_norm_check(norm, ctx)
+
+
+def _post_norm_forward(
+    self: nn.Module, hidden_states: torch.Tensor, input_tensor: torch.Tensor
+) -> torch.Tensor:
+    h = self.dropout(self.dense(hidden_states))
+    norm = self.LayerNorm
+    return layer_norm(h, norm.weight, norm.bias, norm.eps, residual=input_tensor)
+
+
 def replacements() -> list[Swap]:
     """The entry point `openkernels.kernelize` calls."""
     family = "layernorm"
     return [
+        Swap(
+            family,
+            "add_layer_norm",
+            POST_NORM_OUTPUTS,
+            _post_norm_forward,
+            check=_post_norm_check,
+            covers_children=True,
+        ),
         Swap(
             family,
             "layer_norm",

@@ -1,0 +1,184 @@
+"""End-to-end speed of a kernelized model against the unmodified transformers model, in one
+process on the same inputs: a Llama-style 1B model (config-built, random bf16 weights).
+
+    python benchmarks/e2e_models.py [--only prefill,decode,train] [--json PATH]
+
+prefill: batch 8 x 2048 tokens, forward without cache, logits of the last position (what
+    generate() computes), against attn_implementation="sdpa".
+decode: batch 1, 32-token prompt, 128 greedy tokens with generate(); ours with int4 weights
+    (kernelize(quantize="int4")) and the int4 KV cache (OpenKernelsCache), against the bf16
+    sdpa model with its DynamicCache; also ours with bf16 weights, for attribution.
+train: batch 4 x 2048, forward with labels + backward, mode="training", against sdpa.
+Times are CUDA-event medians of several runs after warm-up; outputs are compared too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from openkernels.shared.kernelize import kernelize, unkernelize
+
+LLAMA_1B = dict(  # Llama 3.2 1B's shape
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+
+
+def build(device: str = "cuda") -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA_1B, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.eval()
+
+
+def timed(fn, reps: int, warmup: int = 2) -> float:
+    """Median milliseconds of fn() over reps runs, CUDA events around each."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def prefill(model, results: dict) -> None:
+    ids = torch.randint(0, LLAMA_1B["vocab_size"], (8, 2048), device="cuda")
+
+    def run():
+        with torch.no_grad():
+            return model(ids, use_cache=False, logits_to_keep=1).logits
+
+    base_logits = run().float()
+    base_ms = timed(run, 5)
+    report = kernelize(model)
+    ours_logits = run().float()
+    ours_ms = timed(run, 5)
+    unkernelize(model)
+    err = (ours_logits - base_logits).abs().max().item()
+    scale = base_logits.abs().max().item()
+    results["prefill"] = dict(
+        shape="8x2048", tokens=ids.numel(), sdpa_ms=base_ms, ours_ms=ours_ms,
+        sdpa_tok_s=ids.numel() / base_ms * 1e3, ours_tok_s=ids.numel() / ours_ms * 1e3,
+        speedup=base_ms / ours_ms, max_abs_logit_diff=err, max_abs_logit=scale,
+        same_argmax=float((ours_logits.argmax(-1) == base_logits.argmax(-1)).float().mean()),
+        swapped=report.num_swapped,
+    )  # fmt: skip
+
+
+def train(model, results: dict) -> None:
+    ids = torch.randint(0, LLAMA_1B["vocab_size"], (4, 2048), device="cuda")
+    model.train()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss
+
+    base_loss = step().item()
+    base_grad = model.model.layers[3].mlp.gate_proj.weight.grad.float().clone()
+    base_ms = timed(step, 5)
+    kernelize(model, mode="training")
+    ours_loss = step().item()
+    ours_grad = model.model.layers[3].mlp.gate_proj.weight.grad.float()
+    ours_ms = timed(step, 5)
+    unkernelize(model)
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    rel = ((ours_grad - base_grad).norm() / base_grad.norm()).item()
+    results["train"] = dict(
+        shape="4x2048", tokens=ids.numel(), sdpa_ms=base_ms, ours_ms=ours_ms,
+        sdpa_tok_s=ids.numel() / base_ms * 1e3, ours_tok_s=ids.numel() / ours_ms * 1e3,
+        speedup=base_ms / ours_ms, loss_sdpa=base_loss, loss_ours=ours_loss, grad_rel_diff_layer3_gate=rel,
+    )  # fmt: skip
+
+
+def _cache(model, kv_format):
+    try:
+        from openkernels.attention import OpenKernelsCache
+    except ImportError:
+        return None
+    return OpenKernelsCache(model.config, max_batch_size=1, max_cache_len=256, kv_format=kv_format,
+                            device="cuda", dtype=torch.bfloat16)  # fmt: skip
+
+
+def decode(model, results: dict, new_tokens: int = 128) -> None:
+    ids = torch.randint(0, LLAMA_1B["vocab_size"], (1, 32), device="cuda")
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    def generate(cache=None):
+        with torch.no_grad():
+            return (
+                model.generate(ids, past_key_values=cache, **kwargs)
+                if cache is not None
+                else model.generate(ids, **kwargs)
+            )
+
+    base_tokens = generate()
+    base_ms = timed(generate, 3, warmup=1)
+    entry = dict(prompt=32, new_tokens=new_tokens, sdpa_ms=base_ms, sdpa_tok_s=new_tokens / base_ms * 1e3)
+    kernelize(model)
+    bf16_tokens = generate()
+    entry["ours_bf16_ms"] = timed(generate, 3, warmup=1)
+    entry["ours_bf16_same_tokens"] = float((bf16_tokens == base_tokens).float().mean())
+    unkernelize(model)
+    kernelize(model, quantize="int4")
+    for kv in ("int4", None):
+        label = f"ours_int4w_{kv or 'bf16'}kv"
+        if _cache(model, kv) is None:
+            entry[label] = "OpenKernelsCache not available"
+            continue
+        tokens = generate(_cache(model, kv))
+        entry[f"{label}_ms"] = timed(lambda kv=kv: generate(_cache(model, kv)), 3, warmup=1)
+        entry[f"{label}_tok_s"] = new_tokens / entry[f"{label}_ms"] * 1e3
+        entry[f"{label}_speedup"] = base_ms / entry[f"{label}_ms"]
+        entry[f"{label}_same_tokens"] = float((tokens == base_tokens).float().mean())
+    int4_tokens = generate()
+    entry["ours_int4w_dynamiccache_ms"] = timed(generate, 3, warmup=1)
+    entry["ours_int4w_dynamiccache_same_tokens"] = float((int4_tokens == base_tokens).float().mean())
+    unkernelize(model)
+    results["decode"] = entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="prefill,decode,train")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("e2e_models: needs a GPU", file=sys.stderr)
+        return 2
+    model = build()
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for part in args.only.split(","):
+        {"prefill": prefill, "decode": decode, "train": train}[part](model, results)
+        print(json.dumps({part: results[part]}, indent=1), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
