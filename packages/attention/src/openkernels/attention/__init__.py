@@ -22,6 +22,17 @@ __all__ = [
     "dequantize_kv",
     "hf_attention_forward",
     "register_with_transformers",
+    "OpenKernelsCache",
 ]
 
 del _ops
+
+
+def __getattr__(name: str):
+    """`OpenKernelsCache` (a transformers Cache) is built on first use: the package imports
+    without transformers."""
+    if name == "OpenKernelsCache":
+        from . import hf_cache
+
+        return hf_cache.OpenKernelsCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

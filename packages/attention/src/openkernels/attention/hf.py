@@ -7,6 +7,12 @@ heads_kv, seqlen_k, head_dim) -> (out (batch, seqlen_q, heads_q, head_dim), None
 kernel when the mask is causal or absent; an explicit attention_mask (padding) or dropout
 goes to torch's SDPA, which takes arbitrary masks. `register_with_transformers()` makes
 `attn_implementation="openkernels"` available.
+
+With `OpenKernelsCache` (hf_cache.py) the key and value are `CachedKV` handles to a layer's
+openkernels KV cache (16-bit, int8 or int4), the new tokens already appended: the queries
+attend to it with `KVCache.attend` (attention_with_kvcache). That path is inference only and
+takes no mask beyond the causal / sliding-window one it applies itself: a padding mask (a
+left-padded batch) raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .api import attention
+from .hf_cache import CachedKV
 
 __all__ = ["hf_attention_forward", "register_with_transformers", "NAME"]
 
@@ -40,6 +47,10 @@ def hf_attention_forward(
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
     dropout = dropout if module is None or getattr(module, "training", False) else 0.0
+    if isinstance(key, CachedKV):
+        out = _attend_cached(query, key, value, attention_mask, dropout, scaling, bool(is_causal), sliding_window,
+                             softcap)  # fmt: skip
+        return out, None
     if attention_mask is not None or dropout > 0:
         # Arbitrary masks (padding) and dropout: SDPA, with K/V heads shared as GQA. Without a
         # mask, causality and the window become one (as the fused path applies them); SDPA
@@ -63,6 +74,48 @@ def hf_attention_forward(
         softmax_scale=scaling, window=window, softcap=float(softcap or 0.0),
     )  # fmt: skip
     return out, None
+
+
+def _attend_cached(
+    query, key: CachedKV, value, attention_mask, dropout, scaling, is_causal, sliding_window, softcap
+):
+    """query (B, Hq, Sq, D) against the KV cache behind `key` (an OpenKernelsCache layer's handle,
+    its Sq new tokens already appended) -> (B, Sq, Hq, D)."""
+    if value is not key:
+        raise TypeError(
+            "hf_attention_forward: with OpenKernelsCache, key and value must be the handle its update returned"
+        )
+    if dropout > 0:
+        raise NotImplementedError("hf_attention_forward: OpenKernelsCache is for inference; attention dropout (a module "
+                                  "in training mode) is not supported")  # fmt: skip
+    cache = key.cache
+    if query.shape[2] != key.new_tokens:
+        raise ValueError(f"hf_attention_forward: {query.shape[2]} queries but the cache's update appended "
+                         f"{key.new_tokens} tokens; the queries must be the tokens just appended")  # fmt: skip
+    if attention_mask is not None:
+        _check_cache_mask(attention_mask, query.shape[2], max(cache.lengths), is_causal, sliding_window)
+    # transformers' sliding window W lets a token see itself and the W - 1 before it; queries sit
+    # at the last Sq cached positions (bottom-right), each seeing the whole prefix.
+    window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
+    return cache.attend(query.transpose(1, 2), causal=is_causal, softmax_scale=scaling, window=window,
+                        softcap=float(softcap or 0.0))  # fmt: skip
+
+
+def _check_cache_mask(mask, sq: int, sk: int, is_causal: bool, sliding_window: int | None) -> None:
+    """The cache path applies causality and the window itself, and every sequence sees all its
+    cached tokens: a mask is accepted only when it says exactly that (transformers materializes
+    such a mask when several new tokens meet a non-empty cache). One device-to-host read."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and tuple(mask.shape[-2:]) == (sq, sk):
+        visible = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 = attend
+        if torch.equal(
+            visible, _causal_window_mask(sq, sk, is_causal, sliding_window, mask.device).expand_as(visible)
+        ):
+            return
+    raise NotImplementedError(
+        "hf_attention_forward: OpenKernelsCache does not support attention masks that hide tokens (padding, e.g. a "
+        "left-padded batch): every sequence in the batch must have the same length and no padding. Generate "
+        "equal-length prompts together (or one prompt at a time), or use transformers' DynamicCache for padded batches."
+    )
 
 
 def _causal_window_mask(sq: int, sk: int, is_causal: bool, sliding_window: int | None, device):

@@ -1,0 +1,273 @@
+"""A Hugging Face transformers `Cache` whose layers are openkernels `KVCache`s (16-bit, int8 or int4).
+
+    cache = OpenKernelsCache(model.config, batch_size, max_seqlen, kv_dtype="int4")
+    model.generate(input_ids, cache=cache, max_new_tokens=...)   # attn_implementation="openkernels"
+
+Each decoder layer gets one `OpenKernelsCacheLayer` (transformers' `CacheLayerMixin` API)
+holding a contiguous `KVCache` of `batch_size` sequences of up to `max_seqlen` tokens. Its
+`update` appends the new keys and values (quantized on append for int8/int4) and returns, in
+place of the key and value tensors, a `CachedKV` handle: the layer's `KVCache` and the number
+of tokens just appended. `hf_attention_forward` (hf.py) recognizes the handle and runs
+`KVCache.attend`, the fused attention against the cache; nothing is dequantized to a full
+tensor. So the cache needs `attn_implementation="openkernels"` (`register_with_transformers()`).
+
+transformers is imported only when `OpenKernelsCache` / `OpenKernelsCacheLayer` are first looked
+up (this module's `__getattr__`), so the package imports without it.
+
+Limits: every sequence of the batch holds the same number of tokens (no padding masks: a
+left-padded batch raises NotImplementedError in `hf_attention_forward`); the batch size is
+fixed at construction (beam search reorders it in place; `batch_repeat_interleave` /
+`batch_select_indices` raise); inference only; not `torch.compile`-able (`is_compileable` is
+False, so `generate` does not compile it); full- and sliding-window attention layers only
+(a sliding layer keeps every token and lets the kernel apply the window).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .kvcache import KVCache
+
+__all__ = ["CachedKV", "OpenKernelsCache", "OpenKernelsCacheLayer"]  # noqa: F822 (the last two: __getattr__)
+
+_LAZY = ("OpenKernelsCache", "OpenKernelsCacheLayer")
+_KV_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32, "int8", "int4")
+
+
+class CachedKV:
+    """What `OpenKernelsCacheLayer.update` returns in place of key/value tensors: the layer's
+    `KVCache`, the new tokens already appended, and how many tokens were appended. Only
+    `hf_attention_forward` reads it; anything that treats it as a tensor gets an error that says so."""
+
+    __slots__ = ("cache", "new_tokens")
+
+    def __init__(self, cache: KVCache, new_tokens: int) -> None:
+        self.cache = cache
+        self.new_tokens = new_tokens
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # protocols (copy, pickle, ...) probe for these
+            raise AttributeError(name)
+        raise AttributeError(
+            f"CachedKV has no attribute {name!r}: OpenKernelsCache returns handles to openkernels' KV cache instead of "
+            "key/value tensors, and only openkernels' attention reads them. Call "
+            "openkernels.attention.register_with_transformers() and use attn_implementation='openkernels'."
+        )
+
+    def __repr__(self) -> str:
+        return f"CachedKV(new_tokens={self.new_tokens}, cache={self.cache!r})"
+
+
+def __getattr__(name: str) -> Any:
+    """Build the transformers subclasses on first use (transformers imported then)."""
+    if name in _LAZY:
+        classes = _build_classes()
+        globals().update(classes)
+        return classes[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+def _build_classes() -> dict[str, type]:
+    try:
+        from transformers.cache_utils import Cache, CacheLayerMixin
+    except ImportError as e:  # the names still resolve (star imports); using them says what is missing
+        message = f"OpenKernelsCache needs Hugging Face transformers (pip install transformers): {e}"
+
+        class _Missing:
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                raise ImportError(message)
+
+        return {name: type(name, (_Missing,), {"__module__": __name__}) for name in _LAZY}
+
+    class OpenKernelsCacheLayer(CacheLayerMixin):
+        """One decoder layer's cache: a contiguous openkernels `KVCache`, allocated on the first
+        `update` (heads_kv, head_dim and the device come from the first keys)."""
+
+        is_compileable = False
+        is_croppable = True
+
+        def __init__(
+            self,
+            batch_size: int,
+            max_seqlen: int,
+            *,
+            kv_dtype: torch.dtype | str | None = None,
+            group_size: int | None = None,
+            device: torch.device | str | None = None,
+            sliding_window: int | None = None,
+        ) -> None:
+            super().__init__()
+            self.batch_size = batch_size
+            self.max_seqlen = max_seqlen
+            self.kv_dtype = kv_dtype
+            self.group_size = group_size
+            self.device = None if device is None else torch.device(device)
+            self.is_sliding = sliding_window is not None
+            self.sliding_window = sliding_window
+            self.kv: KVCache | None = None
+
+        def __repr__(self) -> str:
+            return f"{type(self).__name__}({self.kv!r})"
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            _, heads_kv, _, head_dim = key_states.shape
+            if value_states.shape[1] != heads_kv or value_states.shape[-1] != head_dim:
+                raise ValueError(f"OpenKernelsCache: keys {tuple(key_states.shape)} and values "
+                                 f"{tuple(value_states.shape)} must share heads and head_dim")  # fmt: skip
+            kv_dtype = key_states.dtype if self.kv_dtype is None else self.kv_dtype
+            if isinstance(kv_dtype, torch.dtype) and kv_dtype != key_states.dtype:
+                raise TypeError(f"OpenKernelsCache: a 16-bit cache holds the model's dtype ({key_states.dtype}), got "
+                                f"kv_dtype={kv_dtype}; pass kv_dtype=None, 'int8' or 'int4'")  # fmt: skip
+            device = key_states.device if self.device is None else self.device
+            self.kv = KVCache(self.batch_size, self.max_seqlen, heads_kv, head_dim, kv_dtype=kv_dtype,
+                              group_size=self.group_size, device=device)  # fmt: skip
+            self.device = device
+            self.is_initialized = True
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[CachedKV, CachedKV]:
+            """Append keys/values (batch, heads_kv, new, head_dim) and return the layer's handle
+            twice (where transformers expects the keys and the values)."""
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if key_states.shape[0] != self.batch_size:
+                raise ValueError(f"OpenKernelsCache: the cache was built for batch_size={self.batch_size}, got a batch "
+                                 f"of {key_states.shape[0]}")  # fmt: skip
+            if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+                raise RuntimeError("OpenKernelsCache is for inference: run under torch.no_grad()")
+            self.kv.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
+            handle = CachedKV(self.kv, key_states.shape[-2])
+            return handle, handle
+
+        def get_seq_length(self) -> int:
+            return 0 if self.kv is None else max(self.kv.lengths, default=0)
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            """(kv_length, kv_offset) of the mask transformers builds: every cached token plus the new ones."""
+            return self.get_seq_length() + query_length, 0
+
+        def get_max_length(self) -> int:
+            return self.max_seqlen
+
+        def get_max_cache_shape(self) -> int:  # the name of transformers before 5
+            return self.max_seqlen
+
+        def reset(self) -> None:
+            """Forget every token; the storage is kept."""
+            if self.kv is not None:
+                self.kv.reset()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            """Drop the last -tokens_to_remove tokens (a negative int, as transformers' layers take it)."""
+            if tokens_to_remove > 0:
+                raise ValueError(f"OpenKernelsCache: crop takes a negative number of tokens to remove, got "
+                                 f"{tokens_to_remove}")  # fmt: skip
+            if tokens_to_remove == 0 or self.kv is None:
+                return
+            length = max(self.get_seq_length() + tokens_to_remove, 0)
+            self.kv.seqlens.fill_(length)
+            self.kv._lengths = [length] * self.batch_size  # the KVCache's host copy of seqlens
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            """Beam search: sequence b takes sequence beam_idx[b]'s tokens (rows copied in place)."""
+            if self.kv is None or self.get_seq_length() == 0:
+                return
+            idx = beam_idx.to(self.kv.seqlens.device)
+            for side in (self.kv.k, self.kv.v):
+                parts = (side,) if isinstance(side, torch.Tensor) else (side.data, side.scale, side.zero)
+                for t in parts:
+                    t.copy_(t.index_select(0, idx))
+            lengths = self.kv.lengths
+            self.kv.seqlens.copy_(self.kv.seqlens.index_select(0, idx))
+            self.kv._lengths = [lengths[i] for i in idx.tolist()]
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise NotImplementedError("OpenKernelsCache: the batch size is fixed at construction; build the cache for "
+                                      "the expanded batch")  # fmt: skip
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            raise NotImplementedError("OpenKernelsCache: the batch size is fixed at construction")
+
+        def offload(self) -> None:
+            raise NotImplementedError("OpenKernelsCache: offloading is not supported")
+
+        prefetch = offload
+
+    class OpenKernelsCache(Cache):
+        """transformers `Cache` backed by openkernels' `KVCache`, one per decoder layer.
+
+        config: the model's config (its decoder's layer types: full or sliding-window attention).
+        batch_size: sequences decoded together (fixed; the batch generate() runs, beams included).
+        max_seqlen: tokens per sequence, prompt plus generated (storage is allocated for all of
+            them on the first forward).
+        kv_dtype: None (the model's dtype, stored as is), "int8" or "int4" (codes with a float16
+            scale and zero per token, head and group of `group_size` elements; see kvformat.py).
+        group_size: 32, 64, 128 or None (the whole head), for int8/int4.
+        device: where the storage lives (default: the keys' device).
+        Needs attn_implementation="openkernels" (`register_with_transformers()`); see hf_cache.py
+        for the limits.
+        """
+
+        def __init__(
+            self,
+            config: Any,
+            batch_size: int,
+            max_seqlen: int,
+            *,
+            kv_dtype: torch.dtype | str | None = None,
+            group_size: int | None = None,
+            device: torch.device | str | None = None,
+        ) -> None:
+            if kv_dtype not in _KV_DTYPES:
+                raise ValueError(f"OpenKernelsCache: kv_dtype must be None, a float dtype, 'int8' or 'int4', got "
+                                 f"{kv_dtype!r}")  # fmt: skip
+            for what, n in (("batch_size", batch_size), ("max_seqlen", max_seqlen)):
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise ValueError(f"OpenKernelsCache: {what} must be a positive int, got {n!r}")
+            text_config = (
+                config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            )
+            layers = []
+            for i, (layer_type, sliding_window) in enumerate(_layer_types(text_config)):
+                if layer_type not in ("full_attention", "sliding_attention"):
+                    raise NotImplementedError(f"OpenKernelsCache: layer {i} is {layer_type!r}; only full and sliding-"
+                                              "window attention layers are supported")  # fmt: skip
+                layers.append(OpenKernelsCacheLayer(batch_size, max_seqlen, kv_dtype=kv_dtype, group_size=group_size,
+                                                    device=device, sliding_window=sliding_window))  # fmt: skip
+            super().__init__(layers=layers)
+            self.max_seqlen = max_seqlen
+            self.kv_dtype = kv_dtype
+
+        @property
+        def nbytes(self) -> int:
+            """Bytes of K/V storage allocated so far."""
+            return sum(layer.kv.nbytes for layer in self.layers if layer.kv is not None)
+
+        def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # the name of transformers before 5
+            return self.max_seqlen
+
+    OpenKernelsCacheLayer.__module__ = OpenKernelsCache.__module__ = __name__
+    return {"OpenKernelsCache": OpenKernelsCache, "OpenKernelsCacheLayer": OpenKernelsCacheLayer}
+
+
+def _layer_types(config: Any) -> list[tuple[str, int | None]]:
+    """(layer type, sliding window or None) per decoder layer, as transformers' caches read them."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(config)
+        return [(t, kw.get("sliding_window")) for t, kw in zip(types, kwargs)]
+    except (ImportError, AttributeError):  # transformers without per-layer configs
+        n = config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        types = (
+            getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
+        )
+        return [(t, window if t == "sliding_attention" else None) for t in types]

@@ -1,0 +1,309 @@
+"""OpenKernelsCache: Hugging Face generate() and forward() decoding against openkernels' KV cache
+(16-bit, int8, int4) through attn_implementation="openkernels", against transformers' own
+DynamicCache + SDPA on a tiny random Llama.
+
+Tolerances (logits, relative to the largest |logit| of the float32 unquantized run):
+- float32, 16-bit cache: the CPU path is torch's attention on the cached tensors, so logits
+  match DynamicCache + SDPA to float32 rounding (bound 1e-5; measured 0) and greedy tokens are
+  identical.
+- float32, int8/int4: the reference is the same model with a DynamicCache that stores
+  dequantize_kv(quantize_kv(k)) (the cache format, simulated in float32): the kernel adds only
+  float32 rounding (bound 1e-5; measured 0). Against the unquantized DynamicCache the format
+  itself costs an error proportional to its rounding step, 1 / (2^bits - 1) of each token's
+  range (round to nearest: at most half a step per element, carried about linearly to the
+  logits). Measured here, in units of that step: max error 3.7 (int8: 1.4e-2) and 4.3 (int4:
+  0.28), relative L2 error 3.0 (1.2e-2) and 2.9 (0.19). The bounds are 8 steps for the max
+  per step (int8 3.1e-2, int4 0.53) and 5 for the relative L2 error (int8 2.0e-2, int4 0.33).
+- bfloat16: the model's own bf16 rounding dominates. Against the float32 run of the same
+  cache format, our error must stay within 2x transformers' bf16 SDPA + DynamicCache (the
+  same format simulated in bf16) plus 1e-3 (measured ratios 0.89-1.04: max errors 2.0e-2,
+  2.6e-2, 0.12 for 16-bit, int8, int4).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
+
+import openkernels.attention as A  # noqa: E402
+from openkernels.attention.kvcache import KVCache  # noqa: E402
+from openkernels.attention.kvformat import QuantizedKV, dequantize_kv, quantize_kv  # noqa: E402
+
+BATCH, PROMPT, NEW = 2, 11, 20
+LAYERS = 2
+_KV = {16: None, 8: "int8", 4: "int4"}
+# transformers 5 names the forward's cache argument `cache` (`past_key_values` before).
+CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+@pytest.fixture(scope="module")
+def models() -> dict:
+    """The same random weights twice: transformers' SDPA, and openkernels' attention. An
+    initializer range of 0.1 gives attention scores of order 1 (0.02 leaves them near uniform,
+    which would hide errors in the keys)."""
+    A.register_with_transformers()
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=256,
+                         pad_token_id=0, initializer_range=0.1)  # fmt: skip
+    ref = LlamaForCausalLM(copy.deepcopy(config)).eval()
+    ref.set_attn_implementation("sdpa")
+    ours = LlamaForCausalLM(copy.deepcopy(config)).eval()
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation("openkernels")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, 256, (BATCH, PROMPT), generator=g)
+    tokens = torch.randint(1, 256, (BATCH, NEW), generator=g)
+    return {"ref": ref, "ours": ours, "prompt": prompt, "tokens": tokens}
+
+
+def _as(model, dtype):
+    return copy.deepcopy(model).to(dtype) if dtype != torch.float32 else model
+
+
+class _FormatLayer(DynamicLayer):
+    """DynamicLayer that stores keys and values as the int8/int4 cache format reads them back
+    (quantize_kv then dequantize_kv into the model's dtype): the format, simulated."""
+
+    def __init__(self, bits: int) -> None:
+        super().__init__()
+        self.bits = bits
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.bits != 16:
+            key_states, value_states = (dequantize_kv(quantize_kv(t, self.bits), t.dtype)
+                                        for t in (key_states, value_states))  # fmt: skip
+        return super().update(key_states, value_states)
+
+
+def _format_cache(bits: int) -> Cache:
+    return Cache(layers=[_FormatLayer(bits) for _ in range(LAYERS)])
+
+
+def _logits(model, cache, prompt, tokens) -> torch.Tensor:
+    """Prefill the prompt, then decode `tokens` one by one (teacher forced, so both runs see the
+    same inputs): float32 logits (batch, prompt + new, vocab), one row per position."""
+    rows = []
+    with torch.no_grad():
+        out = model(prompt, use_cache=True, **{CACHE_KW: cache})
+        rows.append(out.logits.float())
+        for t in tokens.unbind(1):
+            out = model(t[:, None], use_cache=True, **{CACHE_KW: cache})
+            rows.append(out.logits.float())
+    return torch.cat(rows, 1)
+
+
+def _step_errors(x: torch.Tensor, ref: torch.Tensor, scale: float) -> torch.Tensor:
+    """Max |x - ref| per step (the prefill, then each decode step) relative to `scale`."""
+    err = (x - ref).abs().amax(dim=(0, 2)) / scale
+    return torch.cat([err[:PROMPT].amax()[None], err[PROMPT:]])
+
+
+def _generate(model, prompt, cache=None, **kwargs) -> torch.Tensor:
+    extra = {} if cache is None else {CACHE_KW: cache}
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
+                          **extra, **kwargs)  # fmt: skip
+
+
+# ---- greedy generate: 16-bit cache, float32 ----------------------------------------------
+
+
+def test_generate_float32_gives_the_dynamic_cache_tokens(models, monkeypatch) -> None:
+    calls = []
+    attend = KVCache.attend
+    monkeypatch.setattr(
+        KVCache, "attend", lambda self, *a, **k: calls.append(a[0].shape) or attend(self, *a, **k)
+    )
+    want = _generate(models["ref"], models["prompt"])
+    cache = A.OpenKernelsCache(models["ours"].config, BATCH, PROMPT + NEW)
+    got = _generate(models["ours"], models["prompt"], cache)
+    assert torch.equal(got, want)
+    # Every layer attended through the cache: the prefill, then one query per step.
+    assert calls[0] == (BATCH, PROMPT, 4, 32) and calls[-1] == (BATCH, 1, 4, 32)
+    assert len(calls) == LAYERS * NEW
+    assert cache.get_seq_length() == PROMPT + NEW - 1  # the last token is never fed back
+    assert isinstance(cache, Cache) and isinstance(cache, A.OpenKernelsCache)
+
+
+def test_float32_logits_match_the_dynamic_cache(models) -> None:
+    p, t = models["prompt"], models["tokens"]
+    want = _logits(models["ref"], DynamicCache(), p, t)
+    got = _logits(models["ours"], A.OpenKernelsCache(models["ours"].config, BATCH, 64), p, t)
+    assert (_step_errors(got, want, float(want.abs().max())) <= 1e-5).all()
+
+
+# ---- int8 / int4: per-step logits --------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_float32_logits(models, bits: int) -> None:
+    p, t = models["prompt"], models["tokens"]
+    exact = _logits(models["ref"], DynamicCache(), p, t)
+    scale = float(exact.abs().max())
+    fmt = _logits(models["ref"], _format_cache(bits), p, t)
+    cache = A.OpenKernelsCache(models["ours"].config, BATCH, 64, kv_dtype=_KV[bits])
+    got = _logits(models["ours"], cache, p, t)
+    # The storage really is the quantized format.
+    kv = cache.layers[0].kv
+    assert isinstance(kv.k, QuantizedKV) and kv.k.bits == bits and kv.k.data.dtype == torch.uint8
+    # What the kernel computes: the format's keys and values, to float32 rounding.
+    err = _step_errors(got, fmt, scale)
+    assert (err <= 1e-5).all(), f"int{bits} vs the simulated format: {err.max():.2e}"
+    # What the format costs against the unquantized cache (the module docstring's derivation).
+    step = 1 / ((1 << bits) - 1)
+    err = _step_errors(got, exact, scale)
+    rel_l2 = float((got - exact).norm() / exact.norm())
+    assert (err <= 8 * step).all(), f"int{bits}: per-step max error {err.tolist()} > {8 * step:.3g}"
+    assert rel_l2 <= 5 * step, f"int{bits}: relative L2 error {rel_l2:.3g} > {5 * step:.3g}"
+    assert err.max() > 0  # quantization did happen
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_bfloat16_logits_within_transformers_own_bf16_error(models, bits: int) -> None:
+    p, t = models["prompt"], models["tokens"]
+    ref32 = _logits(models["ref"], _format_cache(bits), p, t)
+    scale = float(ref32.abs().max())
+    hf16 = _logits(_as(models["ref"], torch.bfloat16), _format_cache(bits), p, t)
+    ours16 = _as(models["ours"], torch.bfloat16)
+    got = _logits(ours16, A.OpenKernelsCache(ours16.config, BATCH, 64, kv_dtype=_KV[bits]), p, t)
+    ours_err, hf_err = _step_errors(got, ref32, scale), _step_errors(hf16, ref32, scale)
+    assert (ours_err <= 2 * hf_err.max() + 1e-3).all(), (
+        f"bf16 int{bits}: ours {ours_err.max():.2e}, transformers {hf_err.max():.2e}"
+    )
+
+
+# ---- cache behaviour ---------------------------------------------------------------------
+
+
+def test_seq_length_reset_crop_and_reuse(models) -> None:
+    model, p, t = models["ours"], models["prompt"], models["tokens"]
+    cache = A.OpenKernelsCache(model.config, BATCH, 40, kv_dtype="int8")
+    assert cache.get_seq_length() == 0 and cache.get_max_length() == 40 and cache.nbytes == 0
+    first = _logits(model, cache, p, t[:, :3])
+    assert cache.get_seq_length() == PROMPT + 3 and len(cache.layers) == LAYERS
+    assert all(layer.get_seq_length() == PROMPT + 3 for layer in cache.layers)
+    assert cache.get_mask_sizes(1, 0) == (PROMPT + 4, 0)
+    assert cache.nbytes > 0
+    cache.crop(-2)
+    assert cache.get_seq_length() == PROMPT + 1
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.nbytes > 0  # storage kept
+    assert torch.equal(_logits(model, cache, p, t[:, :3]), first)  # reused from scratch
+    cache.crop(-1)  # a dropped token is written over by the next one
+    again = _logits(model, cache, t[:, 2:3], t[:, :0])
+    assert torch.equal(again[:, 0], first[:, -1])
+    with pytest.raises(ValueError, match="capacity"):
+        _logits(model, cache, torch.ones(BATCH, 40, dtype=torch.long), t[:, :0])
+
+
+def test_several_new_tokens_against_a_filled_cache(models) -> None:
+    # transformers materializes the causal mask here (5 queries, 16 keys); it hides no cached
+    # token, so the cache path takes it. Chunked prefill in generate() does the same.
+    p, t = models["prompt"], models["tokens"]
+    ids = torch.cat([p, t[:, :5]], 1)
+    want = _logits(models["ref"], DynamicCache(), ids, t[:, 5:8])
+    cache = A.OpenKernelsCache(models["ours"].config, BATCH, 64)
+    with torch.no_grad():
+        first = models["ours"](p, use_cache=True, **{CACHE_KW: cache}).logits
+    rest = _logits(models["ours"], cache, t[:, :5], t[:, 5:8])
+    got = torch.cat([first, rest], 1)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    chunked = _generate(
+        models["ours"], p, A.OpenKernelsCache(models["ours"].config, BATCH, 64), prefill_chunk_size=4
+    )
+    assert torch.equal(chunked, _generate(models["ref"], p))
+
+
+def test_sliding_window_model(models) -> None:
+    # Mistral-style window on every layer: the cache keeps every token and the kernel applies
+    # the window (transformers' W: a token sees itself and the W - 1 before it).
+    config = transformers.MistralConfig(**{**models["ours"].config.to_dict(), "sliding_window": 6})
+    ref = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
+    ref.set_attn_implementation("sdpa")
+    ours = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation("openkernels")
+    p, t = models["prompt"], models["tokens"][:, :6]
+    want = _logits(ref, DynamicCache(config=ref.config), p, t)
+    cache = A.OpenKernelsCache(ours.config, BATCH, 64)
+    assert cache.is_sliding == [True] * LAYERS
+    got = _logits(ours, cache, p, t)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    ref.config.sliding_window = None  # the window does change these logits
+    assert not torch.allclose(_logits(ref, DynamicCache(), p, t), want, rtol=0, atol=1e-2)
+
+
+def test_beam_search_reorders_the_cache(models) -> None:
+    kwargs = {"num_beams": 2, "max_new_tokens": 8}
+    p = models["prompt"]
+    want = models["ref"].generate(p, attention_mask=torch.ones_like(p), do_sample=False, **kwargs)
+    cache = A.OpenKernelsCache(models["ours"].config, 2 * BATCH, PROMPT + 8)
+    got = models["ours"].generate(
+        p, attention_mask=torch.ones_like(p), do_sample=False, **{CACHE_KW: cache}, **kwargs
+    )
+    assert torch.equal(got, want)
+
+
+def test_left_padding_is_refused(models) -> None:
+    p = models["prompt"]
+    mask = torch.ones_like(p)
+    mask[0, :3] = 0  # sequence 0 is left-padded
+    cache = A.OpenKernelsCache(models["ours"].config, BATCH, 64)
+    with pytest.raises(NotImplementedError, match="padding"):
+        models["ours"].generate(
+            p, attention_mask=mask, max_new_tokens=2, do_sample=False, **{CACHE_KW: cache}
+        )
+
+
+def test_torch_compile_is_not_required(models, monkeypatch) -> None:
+    # Not a compileable cache: generate() does not try to compile even where it would (asked to
+    # compile on every device here), and nothing reaches torch.compile.
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile was called")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    cache = A.OpenKernelsCache(models["ours"].config, BATCH, 64, kv_dtype="int4")
+    assert not cache.is_compileable
+    config = transformers.CompileConfig()
+    config._compile_all_devices = True
+    out = _generate(models["ours"], models["prompt"], cache, compile_config=config)
+    assert out.shape == (BATCH, PROMPT + NEW)
+
+
+def test_errors(models) -> None:
+    ours, ref, p = models["ours"], models["ref"], models["prompt"]
+    with pytest.raises(ValueError, match="batch_size=3"):
+        _logits(ours, A.OpenKernelsCache(ours.config, 3, 64), p, p[:, :0])
+    with pytest.raises(ValueError, match="kv_dtype"):
+        A.OpenKernelsCache(ours.config, BATCH, 64, kv_dtype="int2")
+    with pytest.raises(TypeError, match="model's dtype"):
+        _logits(ours, A.OpenKernelsCache(ours.config, BATCH, 64, kv_dtype=torch.bfloat16), p, p[:, :0])
+    # A model on another attention implementation meets the handle, not tensors: it says so.
+    with pytest.raises(AttributeError, match="attn_implementation='openkernels'"):
+        _logits(ref, A.OpenKernelsCache(ref.config, BATCH, 64), p, p[:, :0])
+    with pytest.raises(RuntimeError, match="no_grad"):
+        ours(p, use_cache=True, **{CACHE_KW: A.OpenKernelsCache(ours.config, BATCH, 64)})
+
+
+def test_package_imports_without_transformers() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import openkernels.attention as A\n"
+        "assert 'OpenKernelsCache' in A.__all__\n"
+        "try:\n    A.OpenKernelsCache(None, 1, 16)\nexcept ImportError as e:\n    print('ImportError', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "ImportError OpenKernelsCache needs Hugging Face transformers" in run.stdout
