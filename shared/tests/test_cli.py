@@ -1,0 +1,189 @@
+"""The `openkernels` command on CPU: env names what dispatch runs for every op, check turns
+failures into exit code 1, bench writes JSON (and a plot, or a clear error without
+matplotlib), demo hands over to model_demo. Benchmarks are shrunk to one tiny case."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+import subprocess
+import sys
+import types
+from dataclasses import fields
+
+import pytest
+import torch
+
+from openkernels.shared import cli, dispatch
+from openkernels.shared.bench import Check, Measurement
+
+FAMILIES = cli.families()
+pytestmark = pytest.mark.skipif(not FAMILIES, reason="no openkernels family installed")
+
+
+def _family(name: str) -> str:
+    if name not in FAMILIES:
+        pytest.skip(f"openkernels.{name} is not installed")
+    return name
+
+
+@pytest.fixture
+def tiny_layernorm(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """layernorm's cases cut to one 64 x 256 rms_norm forward; records the peers asked for."""
+    bench = importlib.import_module(f"openkernels.{_family('layernorm')}.bench")
+    real, asked = bench.cases, []
+
+    def cases(device, *, peers=("torch", "torch.compile", "liger")):
+        asked.append(tuple(peers))
+        return real(device, shapes=((64, 256),), ops=("rms_norm",), directions=("fwd",), peers=peers)
+
+    monkeypatch.setattr(bench, "cases", cases)
+    return asked
+
+
+def test_env_names_an_implementation_for_every_registered_op(capsys: pytest.CaptureFixture[str]) -> None:
+    key_fns = {op: entry.key_fn for op, entry in dispatch._OPS.items()}
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^torch +{re.escape(torch.__version__)} ", out, re.MULTILINE)
+    for family in FAMILIES:
+        assert f"  {family}" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("family") and "not picked: why" in line)
+    start = lines.index(header)
+    runs_at, op_at = header.index("runs"), header.index("op")
+    table = {}
+    for line in lines[start + 2 :]:
+        if not line.strip() or line.startswith("inputs:"):
+            break
+        table[line[op_at:].split()[0]] = line[runs_at:].split()[0]
+    assert set(table) == set(dispatch._OPS)  # every registered op has its row
+    for op, runs in table.items():
+        assert runs in {i.name for i in dispatch.implementations(op)}, (op, runs)
+    if "silu_and_mul" in table:  # the table agrees with what a bfloat16 CPU call selects
+        key = dispatch.key_for(torch.empty(0, dtype=torch.bfloat16))
+        assert table["silu_and_mul"] == dispatch.select("silu_and_mul", key)[0].name
+    assert {op: entry.key_fn for op, entry in dispatch._OPS.items()} == key_fns  # unwrapped again
+
+
+def test_check_passes_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    family = _family("quant")  # the quickest checks
+    assert cli.main(["check", family, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "FAIL" not in out
+    assert "int4_linear[int4] M=1" in out
+
+
+@pytest.mark.parametrize("how", ["fails", "raises"])
+def test_check_failure_exits_1(how: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    family = _family("quant")
+    bench = importlib.import_module(f"openkernels.{family}.bench")
+
+    def checks(device):
+        if how == "raises":
+            raise RuntimeError("kernel exploded")
+        return [
+            Check("good_op", "fwd", "cpu", "bfloat16", 0.5, True),
+            Check("bad_op", "fwd", "cpu", "bfloat16", 3.0, False),
+        ]
+
+    monkeypatch.setattr(bench, "checks", checks)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the fallback one-line counter
+    assert cli.main(["check", family, "--device", "cpu"]) == 1
+    captured = capsys.readouterr()
+    assert "check 1/1" in captured.err
+    if how == "fails":
+        assert "FAILED cpu quant bad_op fwd cpu: error/tol 3.000" in captured.out
+        assert "1 of 2 checks FAILED" in captured.out
+    else:
+        assert "RuntimeError: kernel exploded" in captured.out
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", "no_such_family"]) == 2
+    assert "unknown family no_such_family" in capsys.readouterr().err
+    assert cli.main(["bench", "--device", "tpu"]) == 2
+    assert cli.main([]) == 2
+    assert cli.main(["--help"]) == 0
+    assert "{env,check,bench,demo}" in capsys.readouterr().out
+
+
+def test_bench_quick_writes_json(tiny_layernorm: list, tmp_path, capsys) -> None:
+    path = tmp_path / "bench.json"
+    argv = ["bench", "layernorm", "--device", "cpu", "--quick", "--peers", "torch", "--json", str(path)]
+    assert cli.main(argv) == 0
+    assert tiny_layernorm == [("torch",)]
+    out = capsys.readouterr().out
+    assert "== layernorm on cpu" in out and "rms_norm fwd 64x256 bfloat16" in out and "copy ceiling" in out
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    assert meta["devices"]["cpu"]["ceiling_gbps"] > 0 and meta["peers"] == ["torch"]
+    assert meta["families"] == ["layernorm"] and meta["rep_ms"] == 50.0
+    results = data["results"]
+    assert {r["contender"] for r in results} == {"ours", "torch", "copy"}
+    for r in results:
+        assert set(r) == {f.name for f in fields(Measurement)}
+        assert r["family"] == "layernorm" and r["op"] == "rms_norm" and r["shape"] == [64, 256]
+        assert not r["error"] and r["ms"] > 0 and math.isfinite(r["ratio_to_ceiling"])
+
+
+def test_bench_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, capsys) -> None:
+    bench = importlib.import_module(f"openkernels.{_family('layernorm')}.bench")
+    monkeypatch.setattr(bench, "cases", lambda *a, **k: pytest.fail("timed before checking matplotlib"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    png = tmp_path / "bench.png"
+    assert cli.main(["bench", "layernorm", "--device", "cpu", "--plot", str(png)]) == 2
+    assert "openkernels bench: --plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+    assert not png.exists()
+
+
+def test_bench_plot_writes_png(tiny_layernorm: list, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert cli.main(["bench", "layernorm", "--device", "cpu", "--quick", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_reports_a_family_whose_cases_fail(monkeypatch, capsys) -> None:
+    bench = importlib.import_module(f"openkernels.{_family('layernorm')}.bench")
+
+    def cases(device, *, peers=()):
+        raise ValueError("bad peer")
+
+    monkeypatch.setattr(bench, "cases", cases)
+    assert cli.main(["bench", "layernorm", "--device", "cpu", "--peers", "nope"]) == 1
+    assert "layernorm on cpu: no cases: ValueError: bad peer" in capsys.readouterr().err
+
+
+def test_demo_hands_its_arguments_to_model_demo(monkeypatch, capsys) -> None:
+    got = []
+    fake = types.ModuleType("openkernels.shared.model_demo")
+    fake.main = lambda argv: got.append(argv) or 7
+    monkeypatch.setitem(sys.modules, "openkernels.shared.model_demo", fake)
+    assert cli.main(["demo", "--model", "tiny", "--help"]) == 7
+    assert got == [["--model", "tiny", "--help"]]
+    monkeypatch.setitem(sys.modules, "openkernels.shared.model_demo", None)  # not shipped
+    assert cli.main(["demo"]) == 2
+    assert "openkernels.shared.model_demo is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_builds_cases_for_peers_torch(family: str) -> None:
+    """`openkernels bench --peers torch` asks every family for the same peer: each builds
+    its own directions with ours and torch side by side."""
+    bench = importlib.import_module(f"openkernels.{family}.bench")
+    cases = bench.cases("cpu", peers=("torch",))
+    assert cases, f"{family}: no benchmark cases on CPU"
+    for case in cases:
+        assert case.bytes > 0 and "ours" in case.contenders and "torch" in case.contenders
+    assert callable(bench.checks)
+
+
+def test_python_dash_m_runs_the_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "openkernels.shared", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.startswith("openkernels-shared ")
