@@ -72,10 +72,14 @@ DECODERS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwe
 MODELS = {**DECODERS, "bert": _bert}
 # What each architecture must get swapped (report labels), beyond the attention patch.
 EXPECTED = {
-    "llama": {"layernorm.rms_norm": 5, "activations.gated_mlp": 2},
-    "mistral": {"layernorm.rms_norm": 5, "activations.gated_mlp": 2},
-    "qwen2": {"layernorm.rms_norm": 5, "activations.gated_mlp": 2},
-    "qwen3": {"layernorm.rms_norm": 9, "activations.gated_mlp": 2},  # + q_norm / k_norm per layer
+    "llama": {"layernorm.rms_norm": 5, "activations.gated_mlp": 2, "attention.qkv_rotary": 2},
+    "mistral": {"layernorm.rms_norm": 5, "activations.gated_mlp": 2, "attention.qkv_rotary": 2},
+    "qwen2": {"layernorm.rms_norm": 5, "activations.gated_mlp": 2, "attention.qkv_rotary": 2},
+    "qwen3": {
+        "layernorm.rms_norm": 9,
+        "activations.gated_mlp": 2,
+        "attention.qkv_rotary": 2,
+    },  # + q_norm / k_norm per layer
     "gemma2": {"layernorm.rms_norm(1 + w)": 9, "activations.gated_mlp": 2},
     "gemma3": {"layernorm.rms_norm(1 + w)": 13, "activations.gated_mlp": 2},
     "gpt2": {"layernorm.layer_norm": 5, "activations.activation": 2},

@@ -1,21 +1,37 @@
-"""What `openkernels.shared.kernelize` does for this family: a Hugging Face transformers
-model gets attn_implementation "openkernels" (hf.py: the fused kernel for causal and
-unmasked attention, SDPA for padding masks and dropout) through transformers' attention
-registry; unkernelize sets the previous implementation back. Other models are left as
-they are (the report says so).
+"""What `openkernels.shared.kernelize` does for this family.
+
+- A Hugging Face transformers model gets attn_implementation "openkernels" (hf.py) through
+  transformers' attention registry; unkernelize sets the previous one back. Other models
+  are left as they are (the report says so).
+- The attention blocks of Llama, Mistral, Qwen2 and Qwen3 get a forward that runs q / k / v
+  as one matmul over the stacked weights (inference) and the rotary embedding of q and k as
+  one fused kernel (`apply_rotary`) instead of transformers' seven elementwise passes; the
+  rest (cache update, the registered attention function, o_proj) is transformers' own
+  sequence. It is matched to transformers' forward signature of 5.24 (a `cache` argument):
+  other versions keep their forward and the report says why.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
-from openkernels.shared.kernelize import KernelizeContext, ModelPatch
+from openkernels.shared.kernelize import KernelizeContext, ModelPatch, Swap
+from openkernels.shared.stacked import stack, stackable, stacked_forward
 
 from .hf import NAME, register_with_transformers
 
-__all__ = ["replacements"]
+__all__ = ["replacements", "ROTARY_ATTENTIONS"]
+
+# Forward = transformers' LlamaAttention.forward (+ q_norm / k_norm for Qwen3, + a sliding
+# window for Mistral / Qwen2 / Qwen3), checked line by line against 5.24's sources.
+ROTARY_ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+_QKV = ("q_proj", "k_proj", "v_proj")
+_SIGNATURE = ("self", "hidden_states", "position_embeddings", "attention_mask", "cache", "kwargs")
 
 
 def _set_attention(model: nn.Module, ctx: KernelizeContext) -> Callable[[], None] | None:
@@ -37,6 +53,81 @@ def _set_attention(model: nn.Module, ctx: KernelizeContext) -> Callable[[], None
     return undo
 
 
-def replacements() -> list[ModelPatch]:
+def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(batch, seqlen, heads, head_dim) q and k rotated; the fused kernel when this family
+    has it, else transformers' formula."""
+    try:
+        from .api import apply_rotary
+    except ImportError:
+        apply_rotary = None
+    if apply_rotary is not None:
+        return apply_rotary(q, k, cos, sin)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    half = q.shape[-1] // 2
+
+    def rotate(x):
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def _rotary_attention_check(module: nn.Module, ctx: KernelizeContext) -> str | None:
+    params = tuple(inspect.signature(type(module).forward).parameters)
+    if params != _SIGNATURE:
+        return f"forward{params[1:]} is not transformers 5.24's attention forward"
+    return stackable([getattr(module, name) for name in _QKV])
+
+
+def _rotary_attention_prepare(module: nn.Module, ctx: KernelizeContext) -> Callable[[], None] | None:
+    return None if ctx.training else stack(module, _QKV)
+
+
+def _sliding_window(module: nn.Module) -> int | None:
+    if type(module).__name__.startswith("Mistral"):
+        return getattr(module.config, "sliding_window", None)
+    return getattr(module, "sliding_window", None)
+
+
+def _rotary_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    cache=None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    input_shape = hidden_states.shape[:-1]
+    q_size, k_size = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+    qkv = stacked_forward(self, _QKV, hidden_states)
+    q, k, v = qkv.split([q_size, k_size, qkv.shape[-1] - q_size - k_size], dim=-1)
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over head_dim before the rotation
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = position_embeddings
+    q, k = _rotary(q, k, cos, sin)
+    query_states, key_states, value_states = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+    eager = sys.modules[type(self).__module__].eager_attention_forward  # transformers' default
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    extra = {}
+    if type(self).__name__ != "LlamaAttention":
+        extra["sliding_window"] = _sliding_window(self)
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,
+    )  # fmt: skip
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
+def replacements() -> list[Swap | ModelPatch]:
     """The entry point `openkernels.kernelize` calls."""
-    return [ModelPatch("attention", "attn_implementation", _set_attention)]
+    return [
+        Swap("attention", "qkv_rotary", ROTARY_ATTENTIONS, _rotary_attention_forward,
+             check=_rotary_attention_check, prepare=_rotary_attention_prepare),
+        ModelPatch("attention", "attn_implementation", _set_attention),
+    ]  # fmt: skip
