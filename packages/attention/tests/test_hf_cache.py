@@ -1,6 +1,8 @@
 """OpenKernelsCache: Hugging Face generate() and forward() decoding against openkernels' KV cache
 (16-bit, int8, int4) through attn_implementation="openkernels", against transformers' own
-DynamicCache + SDPA on a tiny random Llama.
+DynamicCache + SDPA on a tiny random Llama. OpenKernelsStaticCache (the compileable variant):
+the same tokens and logits eagerly, and a decode step under torch.compile (aot_eager, and
+inductor where a C++ compiler is found) matching eager with one graph for every step.
 
 Tolerances (logits, relative to the largest |logit| of the float32 unquantized run):
 - float32, 16-bit cache: the CPU path is torch's attention on the cached tensors, so logits
@@ -25,8 +27,10 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -300,10 +304,216 @@ def test_package_imports_without_transformers() -> None:
     code = (
         "import sys; sys.modules['transformers'] = None\n"
         "import openkernels.attention as A\n"
-        "assert 'OpenKernelsCache' in A.__all__\n"
+        "assert 'OpenKernelsCache' in A.__all__ and 'OpenKernelsStaticCache' in A.__all__\n"
         "try:\n    A.OpenKernelsCache(None, 1, 16)\nexcept ImportError as e:\n    print('ImportError', e)\n"
+        "try:\n    A.OpenKernelsStaticCache(None, 1, 16)\nexcept ImportError as e:\n    print('Static', e)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "ImportError OpenKernelsCache needs Hugging Face transformers" in run.stdout
+    assert "Static OpenKernelsCache needs Hugging Face transformers" in run.stdout
+
+
+# ---- OpenKernelsStaticCache: compileable ------------------------------------------------
+
+
+def _static(model, bits: int = 16, max_seqlen: int = 64, batch: int = BATCH):
+    return A.OpenKernelsStaticCache(model.config, batch, max_seqlen, kv_dtype=_KV[bits])
+
+
+def _greedy(model, cache, prompt, steps: int) -> torch.Tensor:
+    """A manual prefill + decode loop: the greedy tokens (batch, steps)."""
+    out, tokens = None, []
+    with torch.no_grad():
+        out = model(prompt, use_cache=True, **{CACHE_KW: cache})
+        for _ in range(steps):
+            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+            out = model(tokens[-1], use_cache=True, **{CACHE_KW: cache})
+    return torch.cat(tokens, 1)
+
+
+def test_static_greedy_tokens_match_the_dynamic_cache(models) -> None:
+    ref, ours, p = models["ref"], models["ours"], models["prompt"]
+    cache = _static(ours)
+    assert cache.is_compileable and isinstance(cache, Cache) and isinstance(cache, A.OpenKernelsStaticCache)
+    assert torch.equal(_greedy(ours, cache, p, NEW), _greedy(ref, DynamicCache(), p, NEW))
+    assert int(cache.get_seq_length()) == PROMPT + NEW
+    want = _generate(ref, p)
+    with warnings.catch_warnings():  # past_key_values= is transformers 5's deprecated name of cache=
+        warnings.simplefilter("ignore", FutureWarning)
+        got = _generate(ours, p, past_key_values=_static(ours, max_seqlen=PROMPT + NEW))
+    assert torch.equal(got, want)  # on CPU generate() runs it eagerly (no auto-compile)
+    # Chunked prefill (several new tokens against a filled cache: transformers' mask is checked and
+    # accepted) and a cache initialized ahead of time (transformers' early_initialization).
+    cache = _static(ours)
+    cache.early_initialization(BATCH, 2, 32, torch.float32, torch.device("cpu"))
+    assert torch.equal(_generate(ours, p, cache, prefill_chunk_size=4), want)
+    # Beam search reorders the rows in place.
+    kwargs = {"num_beams": 2, "max_new_tokens": 6, "do_sample": False}
+    beams = ref.generate(p, attention_mask=torch.ones_like(p), **kwargs)
+    cache = _static(ours, batch=2 * BATCH, max_seqlen=PROMPT + 6)
+    assert torch.equal(
+        ours.generate(p, attention_mask=torch.ones_like(p), **{CACHE_KW: cache}, **kwargs), beams
+    )
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_static_logits_equal_the_dynamic_openkernels_cache(models, bits: int) -> None:
+    # Same storage format, same append and attention kernels: the same logits.
+    ours, p, t = models["ours"], models["prompt"], models["tokens"]
+    want = _logits(ours, A.OpenKernelsCache(ours.config, BATCH, 64, kv_dtype=_KV[bits]), p, t)
+    cache = _static(ours, bits)
+    got = _logits(ours, cache, p, t)
+    assert (_step_errors(got, want, float(want.abs().max())) <= 1e-5).all()
+    layer = cache.layers[0]
+    if bits == 16:
+        assert type(layer.k_cache) is torch.Tensor and layer.k_cache.shape == (BATCH, 64, 2, 32)
+    else:
+        assert isinstance(layer.k_cache, QuantizedKV) and layer.k_cache.bits == bits
+        assert layer.k_cache.data.shape == (BATCH, 64, 2, 32 * bits // 8)
+    # Every storage tensor and the length keep a static address (CUDA graphs mutate them in place).
+    parts = [layer.cumulative_length]
+    for side in (layer.k_cache, layer.v_cache):
+        parts += [side.data, side.scale, side.zero] if isinstance(side, QuantizedKV) else [side]
+    assert all(hasattr(x, "_dynamo_static_input_type") for x in parts)
+    assert layer.cumulative_length.dtype == torch.int32 and layer.cumulative_length.dim() == 0
+
+
+def test_static_sliding_window_model(models) -> None:
+    config = transformers.MistralConfig(**{**models["ours"].config.to_dict(), "sliding_window": 6})
+    ref = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
+    ref.set_attn_implementation("sdpa")
+    ours = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation("openkernels")
+    p, t = models["prompt"], models["tokens"][:, :6]
+    want = _logits(ref, DynamicCache(config=ref.config), p, t)
+    cache = _static(ours)
+    assert cache.is_sliding == [True] * LAYERS
+    got = _logits(ours, cache, p, t)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def _compiled_decode(model, backend: str, bits: int, steps: int = 8) -> None:
+    """Prefill eagerly (as generate() does), then `steps` decode steps through
+    torch.compile(model.forward): the logits of eager, the length advancing, one graph."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    p, t = model["prompt"], model["tokens"][:, :steps]
+    model = model["ours"]
+    want = _logits(model, _static(model, bits, max_seqlen=PROMPT + steps), p, t)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    step = torch.compile(model.forward, backend=counter, fullgraph=False)
+    cache = _static(model, bits, max_seqlen=PROMPT + steps)
+    try:
+        with torch.no_grad():
+            rows = [model(p, use_cache=True, **{CACHE_KW: cache}).logits]
+            for i, token in enumerate(t.unbind(1)):
+                rows.append(step(input_ids=token[:, None], use_cache=True, **{CACHE_KW: cache}).logits)
+                assert [int(layer.get_seq_length()) for layer in cache.layers] == [PROMPT + i + 1] * LAYERS
+    finally:
+        torch._dynamo.reset()
+    got = torch.cat(rows, 1)
+    err = _step_errors(got, want, float(want.abs().max()))
+    assert (err <= 1e-5).all(), f"{backend} int{bits}: {err.tolist()}"
+    # One graph for every step: no graph break, no recompile as the length grows.
+    assert counter.frame_count == 1, f"{backend}: {counter.frame_count} graphs"
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_static_decode_under_torch_compile_aot_eager(models, bits: int) -> None:
+    _compiled_decode(models, "aot_eager", bits)
+
+
+@pytest.mark.skipif(
+    not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")),
+    reason="inductor on CPU needs a C++ compiler",
+)
+def test_static_decode_under_torch_compile_inductor(models) -> None:
+    _compiled_decode(models, "inductor", 8)  # ~20 s of inductor compile on one CPU core
+
+
+def test_static_generate_auto_compiles(models) -> None:
+    # generate() compiles the decode step by itself for a compileable cache (on CUDA; asked to
+    # compile on every device here): the same tokens as eager, one graph.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = copy.deepcopy(models["ours"])  # generate() keeps the compiled call on the model
+    want = _generate(model, models["prompt"], _static(model, 8, PROMPT + NEW))
+    config = transformers.CompileConfig(backend="aot_eager", mode=None, fullgraph=True)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    cache = _static(model, 8, PROMPT + NEW)
+    try:
+        got = _generate(model, models["prompt"], cache, compile_config=config)
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert hasattr(model, "_compiled_call") and graphs == 1
+    assert torch.equal(got, want)
+    assert int(cache.get_seq_length()) == PROMPT + NEW - 1
+
+
+def test_static_seq_length_reset_crop(models) -> None:
+    model, p, t = models["ours"], models["prompt"], models["tokens"]
+    cache = _static(model, 4, max_seqlen=40)
+    assert cache.get_seq_length() == 0 and cache.get_max_length() == 40 and cache.nbytes == 0
+    assert cache.get_mask_sizes(1, 0) == (40, 0) and cache.get_max_cache_shape() == 40
+    first = _logits(model, cache, p, t[:, :3])
+    length = cache.get_seq_length()
+    assert isinstance(length, torch.Tensor) and int(length) == PROMPT + 3  # on the device: no host read
+    assert all(int(layer.get_seq_length()) == PROMPT + 3 for layer in cache.layers)
+    assert cache.get_mask_sizes(5, 1) == (40, 0) and cache.nbytes > 0
+    storage = [layer.k_cache.data.data_ptr() for layer in cache.layers] + [length.data_ptr()]
+    cache.crop(-2)
+    assert int(cache.get_seq_length()) == PROMPT + 1
+    cache.crop(0)
+    assert int(cache.get_seq_length()) == PROMPT + 1
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(2)
+    cache.crop(-100)  # stops at 0
+    assert int(cache.get_seq_length()) == 0
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0 and cache.nbytes > 0  # storage kept ...
+    assert [layer.k_cache.data.data_ptr() for layer in cache.layers] + [
+        cache.get_seq_length().data_ptr()
+    ] == storage  # ... at the same addresses
+    assert torch.equal(_logits(model, cache, p, t[:, :3]), first)  # reused from scratch
+    cache.crop(-1)  # a dropped token is written over by the next one
+    again = _logits(model, cache, t[:, 2:3], t[:, :0])
+    assert torch.equal(again[:, 0], first[:, -1])
+    # Eager calls check the capacity before anything changes.
+    with pytest.raises(ValueError, match="capacity"):
+        _logits(model, cache, torch.ones(BATCH, 30, dtype=torch.long), t[:, :0])
+    assert int(cache.get_seq_length()) == PROMPT + 3
+
+
+def test_static_left_padding_is_refused(models) -> None:
+    p = models["prompt"]
+    mask = torch.ones_like(p)
+    mask[0, :3] = 0
+    with pytest.raises(NotImplementedError, match=r"OpenKernelsStaticCache does not support .* padding"):
+        models["ours"].generate(
+            p, attention_mask=mask, max_new_tokens=2, do_sample=False, **{CACHE_KW: _static(models["ours"])}
+        )
+
+
+def test_static_errors(models) -> None:
+    ours, ref, p = models["ours"], models["ref"], models["prompt"]
+    with pytest.raises(ValueError, match="batch_size=3"):
+        _logits(ours, _static(ours, batch=3), p, p[:, :0])
+    with pytest.raises(ValueError, match="kv_dtype"):
+        A.OpenKernelsStaticCache(ours.config, BATCH, 64, kv_dtype="int2")
+    with pytest.raises(ValueError, match="max_seqlen"):
+        A.OpenKernelsStaticCache(ours.config, BATCH, 0)
+    with pytest.raises(AttributeError, match="attn_implementation='openkernels'"):
+        _logits(ref, _static(ref), p, p[:, :0])
+    with pytest.raises(RuntimeError, match="no_grad"):
+        ours(p, use_cache=True, **{CACHE_KW: _static(ours)})
+    with pytest.raises(NotImplementedError, match="batch size is fixed"):
+        _static(ours).batch_repeat_interleave(2)

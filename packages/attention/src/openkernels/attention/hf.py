@@ -13,6 +13,14 @@ openkernels KV cache (16-bit, int8 or int4), the new tokens already appended: th
 attend to it with `KVCache.attend` (attention_with_kvcache). That path is inference only and
 takes no mask beyond the causal / sliding-window one it applies itself: a padding mask (a
 left-padded batch) raises NotImplementedError.
+
+With `OpenKernelsStaticCache` (compileable) the key and value are `StaticCachedKV` handles: the
+layer's preallocated storage, the new keys and values (not yet written) and the lengths
+before them. One `attention_with_kvcache` call appends them and attends, so a compiled decode
+step has no host read. transformers passes a materialized (batch, 1, new, max_seqlen) causal
+mask with a static cache: eager calls check that it hides nothing the kernel would not (a
+padding mask raises NotImplementedError); compiled calls skip that check (it would read the
+mask on the host), so padding is not supported with the static cache.
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .api import attention
-from .hf_cache import CachedKV
+from .api import attention, attention_with_kvcache
+from .hf_cache import CachedKV, StaticCachedKV
 
 __all__ = ["hf_attention_forward", "register_with_transformers", "NAME"]
 
@@ -47,6 +55,10 @@ def hf_attention_forward(
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
     dropout = dropout if module is None or getattr(module, "training", False) else 0.0
+    if isinstance(key, StaticCachedKV):
+        out = _attend_static(query, key, value, attention_mask, dropout, scaling, bool(is_causal), sliding_window,
+                             softcap)  # fmt: skip
+        return out, None
     if isinstance(key, CachedKV):
         out = _attend_cached(query, key, value, attention_mask, dropout, scaling, bool(is_causal), sliding_window,
                              softcap)  # fmt: skip
@@ -101,28 +113,70 @@ def _attend_cached(
                         softcap=float(softcap or 0.0))  # fmt: skip
 
 
-def _check_cache_mask(mask, sq: int, sk: int, is_causal: bool, sliding_window: int | None) -> None:
+def _attend_static(
+    query, key: StaticCachedKV, value, attention_mask, dropout, scaling, is_causal, sliding_window, softcap
+):
+    """query (B, Hq, Sq, D) against an OpenKernelsStaticCache layer: its new keys and values
+    (B, Hkv, Sq, D) appended at the lengths before them and attended in one
+    attention_with_kvcache call -> (B, Sq, Hq, D). No host read while compiling."""
+    if value is not key:
+        raise TypeError(
+            "hf_attention_forward: with OpenKernelsStaticCache, key and value must be the handle its update returned"
+        )
+    if dropout > 0:
+        raise NotImplementedError("hf_attention_forward: OpenKernelsStaticCache is for inference; attention dropout (a "
+                                  "module in training mode) is not supported")  # fmt: skip
+    layer = key.layer
+    if query.shape[2] != key.k_new.shape[2]:
+        raise ValueError(f"hf_attention_forward: {query.shape[2]} queries but the cache's update got "
+                         f"{key.k_new.shape[2]} new tokens; the queries must be those tokens")  # fmt: skip
+    # A compiled step cannot read the mask without a host sync: it is trusted to be the causal
+    # (and window) mask transformers builds for an unpadded batch (padding: unsupported).
+    if attention_mask is not None and not torch.compiler.is_compiling():
+        _check_cache_mask(attention_mask, query.shape[2], layer.max_seqlen, is_causal, sliding_window,
+                          past=key.cache_seqlens[:1], name="OpenKernelsStaticCache")  # fmt: skip
+    window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
+    return attention_with_kvcache(
+        query.transpose(1, 2), layer.k_cache, layer.v_cache, key.cache_seqlens,
+        k_new=key.k_new.transpose(1, 2), v_new=key.v_new.transpose(1, 2),
+        causal=is_causal, softmax_scale=scaling, window=window, softcap=float(softcap or 0.0),
+    )  # fmt: skip
+
+
+def _check_cache_mask(
+    mask,
+    sq: int,
+    sk: int,
+    is_causal: bool,
+    sliding_window: int | None,
+    past=None,
+    name: str = "OpenKernelsCache",
+) -> None:
     """The cache path applies causality and the window itself, and every sequence sees all its
     cached tokens: a mask is accepted only when it says exactly that (transformers materializes
-    such a mask when several new tokens meet a non-empty cache). One device-to-host read."""
+    such a mask when several new tokens meet a non-empty cache, and for every step with a static
+    cache, whose mask spans its whole capacity sk with the queries at `past`). One
+    device-to-host read."""
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and tuple(mask.shape[-2:]) == (sq, sk):
         visible = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 = attend
-        if torch.equal(
-            visible, _causal_window_mask(sq, sk, is_causal, sliding_window, mask.device).expand_as(visible)
-        ):
+        want = _causal_window_mask(sq, sk, is_causal, sliding_window, mask.device, past)
+        if torch.equal(visible, want.expand_as(visible)):
             return
     raise NotImplementedError(
-        "hf_attention_forward: OpenKernelsCache does not support attention masks that hide tokens (padding, e.g. a "
+        f"hf_attention_forward: {name} does not support attention masks that hide tokens (padding, e.g. a "
         "left-padded batch): every sequence in the batch must have the same length and no padding. Generate "
         "equal-length prompts together (or one prompt at a time), or use transformers' DynamicCache for padded batches."
     )
 
 
-def _causal_window_mask(sq: int, sk: int, is_causal: bool, sliding_window: int | None, device):
-    """(sq, sk) bool, True = attend: causal aligned bottom-right, transformers' sliding window."""
-    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+def _causal_window_mask(sq: int, sk: int, is_causal: bool, sliding_window: int | None, device, past=None):
+    """(sq, sk) bool, True = attend: the queries are positions past .. past + sq - 1 (default
+    sk - sq: aligned bottom-right) and see keys up to the last of them (causal: up to their
+    own), within transformers' sliding window. past: an int or a (1,) tensor on `device`."""
+    past = sk - sq if past is None else past
+    i = torch.arange(sq, device=device)[:, None] + past
     j = torch.arange(sk, device=device)[None, :]
-    mask = j <= i if is_causal else torch.ones(sq, sk, dtype=torch.bool, device=device)
+    mask = j <= i if is_causal else (j < past + sq).expand(sq, sk)
     if sliding_window:
         mask = mask & (j > i - sliding_window)
     return mask

@@ -11,15 +11,29 @@ of tokens just appended. `hf_attention_forward` (hf.py) recognizes the handle an
 `KVCache.attend`, the fused attention against the cache; nothing is dequantized to a full
 tensor. So the cache needs `attn_implementation="openkernels"` (`register_with_transformers()`).
 
-transformers is imported only when `OpenKernelsCache` / `OpenKernelsCacheLayer` are first looked
-up (this module's `__getattr__`), so the package imports without it.
+transformers is imported only when one of the Cache classes (`OpenKernelsCache`,
+`OpenKernelsStaticCache` and their layers) is first looked up (this module's `__getattr__`), so
+the package imports without it.
 
 Limits: every sequence of the batch holds the same number of tokens (no padding masks: a
 left-padded batch raises NotImplementedError in `hf_attention_forward`); the batch size is
 fixed at construction (beam search reorders it in place; `batch_repeat_interleave` /
 `batch_select_indices` raise); inference only; not `torch.compile`-able (`is_compileable` is
-False, so `generate` does not compile it); full- and sliding-window attention layers only
+False, so `generate` does not compile it; see `OpenKernelsStaticCache`); full- and sliding-window attention layers only
 (a sliding layer keeps every token and lets the kernel apply the window).
+
+`OpenKernelsStaticCache` is the compileable variant (for `torch.compile`, CUDA graphs and
+`generate`'s automatic compile of the decode step): one `OpenKernelsStaticLayer` per decoder
+layer preallocates its storage (attention_with_kvcache's (batch, max_seqlen, heads_kv,
+head_dim) layout: tensors, or `QuantizedKV` for int8/int4) and keeps its length in a device
+int32 tensor, so nothing in a step reads a value on the host. Its `update` writes nothing:
+it returns a `StaticCachedKV` handle (the layer, the new keys and values, and the length
+before them) and advances the length tensor in place; `hf_attention_forward` then appends
+and attends in one `attention_with_kvcache` call. transformers builds a (batch, 1, new,
+max_seqlen) causal mask for a static cache; eager calls check that it hides nothing beyond
+causality and the window (a padded batch raises), compiled ones cannot read it and ignore it:
+padding is not supported with the static cache. While compiling, the capacity is not checked
+either (`max_seqlen` must hold the prompt plus every generated token, as generate() sizes it).
 """
 
 from __future__ import annotations
@@ -29,10 +43,18 @@ from typing import Any
 import torch
 
 from .kvcache import KVCache
+from .kvformat import QuantizedKV
 
-__all__ = ["CachedKV", "OpenKernelsCache", "OpenKernelsCacheLayer"]  # noqa: F822 (the last two: __getattr__)
+__all__ = [  # noqa: F822 (the Cache classes: __getattr__)
+    "CachedKV",
+    "StaticCachedKV",
+    "OpenKernelsCache",
+    "OpenKernelsCacheLayer",
+    "OpenKernelsStaticCache",
+    "OpenKernelsStaticLayer",
+]
 
-_LAZY = ("OpenKernelsCache", "OpenKernelsCacheLayer")
+_LAZY = ("OpenKernelsCache", "OpenKernelsCacheLayer", "OpenKernelsStaticCache", "OpenKernelsStaticLayer")
 _KV_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32, "int8", "int4")
 
 
@@ -58,6 +80,36 @@ class CachedKV:
 
     def __repr__(self) -> str:
         return f"CachedKV(new_tokens={self.new_tokens}, cache={self.cache!r})"
+
+
+class StaticCachedKV:
+    """What `OpenKernelsStaticLayer.update` returns in place of key/value tensors: the layer (its
+    preallocated `k_cache` / `v_cache`), the new keys and values (batch, heads_kv, new, head_dim),
+    not yet written, and `cache_seqlens`, the layer's length before them as a fresh (batch,) int32
+    tensor. `hf_attention_forward` appends and attends with them in one attention_with_kvcache
+    call; anything that treats the handle as a tensor gets an error that says so."""
+
+    __slots__ = ("cache_seqlens", "k_new", "layer", "v_new")
+
+    def __init__(
+        self, layer: Any, k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor
+    ) -> None:
+        self.layer = layer
+        self.k_new = k_new
+        self.v_new = v_new
+        self.cache_seqlens = cache_seqlens
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"StaticCachedKV has no attribute {name!r}: OpenKernelsStaticCache returns handles to openkernels' KV cache "
+            "instead of key/value tensors, and only openkernels' attention reads them. Call "
+            "openkernels.attention.register_with_transformers() and use attn_implementation='openkernels'."
+        )
+
+    def __repr__(self) -> str:
+        return f"StaticCachedKV(new_tokens={self.k_new.shape[-2]}, layer={self.layer!r})"
 
 
 def __getattr__(name: str) -> Any:
@@ -225,22 +277,8 @@ def _build_classes() -> dict[str, type]:
             group_size: int | None = None,
             device: torch.device | str | None = None,
         ) -> None:
-            if kv_dtype not in _KV_DTYPES:
-                raise ValueError(f"OpenKernelsCache: kv_dtype must be None, a float dtype, 'int8' or 'int4', got "
-                                 f"{kv_dtype!r}")  # fmt: skip
-            for what, n in (("batch_size", batch_size), ("max_seqlen", max_seqlen)):
-                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                    raise ValueError(f"OpenKernelsCache: {what} must be a positive int, got {n!r}")
-            text_config = (
-                config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-            )
-            layers = []
-            for i, (layer_type, sliding_window) in enumerate(_layer_types(text_config)):
-                if layer_type not in ("full_attention", "sliding_attention"):
-                    raise NotImplementedError(f"OpenKernelsCache: layer {i} is {layer_type!r}; only full and sliding-"
-                                              "window attention layers are supported")  # fmt: skip
-                layers.append(OpenKernelsCacheLayer(batch_size, max_seqlen, kv_dtype=kv_dtype, group_size=group_size,
-                                                    device=device, sliding_window=sliding_window))  # fmt: skip
+            layers = _make_layers("OpenKernelsCache", OpenKernelsCacheLayer, config, batch_size, max_seqlen,
+                                  kv_dtype, group_size, device)  # fmt: skip
             super().__init__(layers=layers)
             self.max_seqlen = max_seqlen
             self.kv_dtype = kv_dtype
@@ -253,8 +291,212 @@ def _build_classes() -> dict[str, type]:
         def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # the name of transformers before 5
             return self.max_seqlen
 
-    OpenKernelsCacheLayer.__module__ = OpenKernelsCache.__module__ = __name__
-    return {"OpenKernelsCache": OpenKernelsCache, "OpenKernelsCacheLayer": OpenKernelsCacheLayer}
+    class OpenKernelsStaticLayer(CacheLayerMixin):
+        """One decoder layer's compileable cache: `k_cache` / `v_cache` preallocated in
+        attention_with_kvcache's (batch, max_seqlen, heads_kv, head_dim) layout (tensors, or
+        `QuantizedKV` for int8/int4, allocated as `KVCache` allocates them) on the first `update`,
+        and `cumulative_length`, a device int32 0-d tensor: the tokens every sequence holds. The
+        storage and the length keep their addresses (torch._dynamo.mark_static_address), and every
+        change to them is in place, so CUDA graphs can replay a compiled decode step."""
+
+        is_compileable = True
+        is_croppable = True
+
+        def __init__(
+            self,
+            batch_size: int,
+            max_seqlen: int,
+            *,
+            kv_dtype: torch.dtype | str | None = None,
+            group_size: int | None = None,
+            device: torch.device | str | None = None,
+            sliding_window: int | None = None,
+        ) -> None:
+            super().__init__()
+            self.batch_size = batch_size
+            self.max_seqlen = max_seqlen
+            self.kv_dtype = kv_dtype
+            self.group_size = group_size
+            self.device = None if device is None else torch.device(device)
+            self.is_sliding = sliding_window is not None
+            self.sliding_window = sliding_window
+            self.k_cache: torch.Tensor | QuantizedKV | None = None
+            self.v_cache: torch.Tensor | QuantizedKV | None = None
+            # A tensor, so that its value changing is no recompile (transformers' static layers do the same).
+            self.cumulative_length = torch.zeros((), dtype=torch.int32, device=self.device)
+
+        def __repr__(self) -> str:
+            fmt = self.kv_dtype if self.kv_dtype is not None else "model dtype"
+            return (f"{type(self).__name__}(batch_size={self.batch_size}, max_seqlen={self.max_seqlen}, "
+                    f"kv_dtype={fmt}, initialized={self.is_initialized})")  # fmt: skip
+
+        def _storage(self) -> list[torch.Tensor]:
+            parts = []
+            for side in (self.k_cache, self.v_cache):
+                parts += [side.data, side.scale, side.zero] if isinstance(side, QuantizedKV) else [side]
+            return parts
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            _, heads_kv, _, head_dim = key_states.shape
+            if value_states.shape[1] != heads_kv or value_states.shape[-1] != head_dim:
+                raise ValueError(f"OpenKernelsStaticCache: keys {tuple(key_states.shape)} and values "
+                                 f"{tuple(value_states.shape)} must share heads and head_dim")  # fmt: skip
+            kv_dtype = key_states.dtype if self.kv_dtype is None else self.kv_dtype
+            if isinstance(kv_dtype, torch.dtype) and kv_dtype != key_states.dtype:
+                raise TypeError(f"OpenKernelsStaticCache: a 16-bit cache holds the model's dtype ({key_states.dtype}), "
+                                f"got kv_dtype={kv_dtype}; pass kv_dtype=None, 'int8' or 'int4'")  # fmt: skip
+            device = key_states.device if self.device is None else self.device
+            # KVCache checks head_dim and group_size and allocates the storage; its tensors are kept.
+            kv = KVCache(self.batch_size, self.max_seqlen, heads_kv, head_dim, kv_dtype=kv_dtype,
+                         group_size=self.group_size, device=device)  # fmt: skip
+            self.k_cache, self.v_cache = kv.k, kv.v
+            self.heads_kv, self.head_dim = heads_kv, head_dim
+            self.cumulative_length = self.cumulative_length.to(device)
+            self.device = device
+            # Fixed addresses: no recompiles, and CUDA graphs may mutate them in place. Not possible
+            # while tracing (a compiled prefill; generate() runs the prefill eagerly).
+            if not torch.compiler.is_compiling():
+                for t in (*self._storage(), self.cumulative_length):
+                    torch._dynamo.mark_static_address(t)
+            self.is_initialized = True
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[StaticCachedKV, StaticCachedKV]:
+            """Return the handle (twice, where transformers expects the keys and the values) of keys
+            and values (batch, heads_kv, new, head_dim) to append, and advance the length by `new`.
+            Nothing is written here: the attention appends them in the same kernel call."""
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if key_states.shape[0] != self.batch_size:
+                raise ValueError(f"OpenKernelsStaticCache: the cache was built for batch_size={self.batch_size}, got a "
+                                 f"batch of {key_states.shape[0]}")  # fmt: skip
+            if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+                raise RuntimeError("OpenKernelsStaticCache is for inference: run under torch.no_grad()")
+            new = key_states.shape[-2]
+            if not torch.compiler.is_compiling():  # eager: one small device-to-host read, before any change
+                held = int(self.cumulative_length)
+                if held + new > self.max_seqlen:
+                    raise ValueError(f"OpenKernelsStaticCache: {held} cached tokens plus {new} new ones are outside "
+                                     f"the cache's capacity of {self.max_seqlen} tokens")  # fmt: skip
+            # A copy (not a view): the length advances below, before the attention reads these.
+            cache_seqlens = self.cumulative_length.expand(self.batch_size).clone()
+            self.cumulative_length.add_(new)
+            handle = StaticCachedKV(self, key_states, value_states, cache_seqlens)
+            return handle, handle
+
+        def get_seq_length(self) -> torch.Tensor | int:
+            """The tokens held, as the device 0-d tensor (as transformers' static layers: reading it
+            on the host is the caller's choice), or 0 before the first update."""
+            return self.cumulative_length if self.is_initialized else 0
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            """(kv_length, kv_offset) of the mask transformers builds: the whole static capacity."""
+            return self.max_seqlen, 0
+
+        def get_max_length(self) -> int:
+            return self.max_seqlen
+
+        def get_max_cache_shape(self) -> int:  # the name of transformers before 5
+            return self.max_seqlen
+
+        def reset(self) -> None:
+            """Forget every token (the length set to 0 in place); the storage is kept."""
+            self.cumulative_length.zero_()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            """Drop the last -tokens_to_remove tokens (a negative int, as transformers' layers take
+            it; the length stops at 0). In place: the next update writes over them."""
+            if tokens_to_remove > 0:
+                raise ValueError(f"OpenKernelsStaticCache: crop takes a negative number of tokens to remove, got "
+                                 f"{tokens_to_remove}")  # fmt: skip
+            if tokens_to_remove == 0 or not self.is_initialized:
+                return
+            self.cumulative_length.sub_(-tokens_to_remove).clamp_(min=0)
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            """Beam search: sequence b takes sequence beam_idx[b]'s tokens (rows copied in place)."""
+            if not self.is_initialized:
+                return
+            idx = beam_idx.to(self.cumulative_length.device)
+            for t in self._storage():
+                t.copy_(t.index_select(0, idx))
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise NotImplementedError("OpenKernelsStaticCache: the batch size is fixed at construction; build the "
+                                      "cache for the expanded batch")  # fmt: skip
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            raise NotImplementedError("OpenKernelsStaticCache: the batch size is fixed at construction")
+
+        def offload(self) -> None:
+            raise NotImplementedError("OpenKernelsStaticCache: offloading is not supported")
+
+        prefetch = offload
+
+    class OpenKernelsStaticCache(Cache):
+        """Compileable transformers `Cache` backed by openkernels' KV cache formats, for
+        torch.compile / CUDA graphs (generate() compiles the decode step by itself on CUDA for a
+        compileable cache): one `OpenKernelsStaticLayer` per decoder layer.
+
+        Arguments as `OpenKernelsCache`'s: config, batch_size, max_seqlen (the prompt plus every
+        generated token; not checked while compiling), kv_dtype (None, "int8", "int4"),
+        group_size, device. Needs attn_implementation="openkernels"; no padding (see hf_cache.py).
+        """
+
+        def __init__(
+            self,
+            config: Any,
+            batch_size: int,
+            max_seqlen: int,
+            *,
+            kv_dtype: torch.dtype | str | None = None,
+            group_size: int | None = None,
+            device: torch.device | str | None = None,
+        ) -> None:
+            layers = _make_layers("OpenKernelsStaticCache", OpenKernelsStaticLayer, config, batch_size, max_seqlen,
+                                  kv_dtype, group_size, device)  # fmt: skip
+            super().__init__(layers=layers)
+            self.max_seqlen = max_seqlen
+            self.kv_dtype = kv_dtype
+
+        @property
+        def nbytes(self) -> int:
+            """Bytes of K/V storage allocated so far."""
+            return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                       for t in layer._storage())  # fmt: skip
+
+        def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # the name of transformers before 5
+            return self.max_seqlen
+
+    classes = {
+        "OpenKernelsCache": OpenKernelsCache,
+        "OpenKernelsCacheLayer": OpenKernelsCacheLayer,
+        "OpenKernelsStaticCache": OpenKernelsStaticCache,
+        "OpenKernelsStaticLayer": OpenKernelsStaticLayer,
+    }
+    for cls in classes.values():
+        cls.__module__ = __name__
+    return classes
+
+
+def _make_layers(name: str, layer_cls: type, config: Any, batch_size: Any, max_seqlen: Any, kv_dtype: Any,
+                 group_size: Any, device: Any) -> list:  # fmt: skip
+    """One `layer_cls` per decoder layer of `config`, the arguments checked."""
+    if kv_dtype not in _KV_DTYPES:
+        raise ValueError(f"{name}: kv_dtype must be None, a float dtype, 'int8' or 'int4', got {kv_dtype!r}")
+    for what, n in (("batch_size", batch_size), ("max_seqlen", max_seqlen)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name}: {what} must be a positive int, got {n!r}")
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers = []
+    for i, (layer_type, sliding_window) in enumerate(_layer_types(text_config)):
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise NotImplementedError(f"{name}: layer {i} is {layer_type!r}; only full and sliding-window attention "
+                                      "layers are supported")  # fmt: skip
+        layers.append(layer_cls(batch_size, max_seqlen, kv_dtype=kv_dtype, group_size=group_size, device=device,
+                                sliding_window=sliding_window))  # fmt: skip
+    return layers
 
 
 def _layer_types(config: Any) -> list[tuple[str, int | None]]:
