@@ -517,3 +517,32 @@ def test_static_errors(models) -> None:
         ours(p, use_cache=True, **{CACHE_KW: _static(ours)})
     with pytest.raises(NotImplementedError, match="batch size is fixed"):
         _static(ours).batch_repeat_interleave(2)
+
+
+def test_sdpa_route_only_where_it_measured_faster(monkeypatch):
+    """hf.py hands plain equal-length attention on sm_90 to SDPA (cuDNN measured faster) and
+    keeps everything else, and stands back when dispatch is steered."""
+    from types import SimpleNamespace
+
+    from openkernels.attention import hf
+    from openkernels.shared import dispatch
+
+    monkeypatch.setattr(hf, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(hf.torch.version, "hip", None)
+
+    def tensor(s, d=64, dtype=torch.bfloat16, cuda=True):
+        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(2, 8, s, d), device=SimpleNamespace(index=0))
+
+    q, k = tensor(128), tensor(128)
+    assert hf._sdpa_is_faster(q, k, True, None, None)
+    assert not hf._sdpa_is_faster(tensor(1), k, True, None, None)  # decode: bottom-right causal
+    assert hf._sdpa_is_faster(tensor(1), k, False, None, None)
+    assert not hf._sdpa_is_faster(q, k, True, 64, None)  # sliding window
+    assert not hf._sdpa_is_faster(q, k, True, None, 50.0)  # softcap
+    assert not hf._sdpa_is_faster(tensor(128, d=96), tensor(128, d=96), True, None, None)
+    assert not hf._sdpa_is_faster(tensor(128, dtype=torch.float32), k, True, None, None)
+    assert not hf._sdpa_is_faster(tensor(128, cuda=False), k, True, None, None)
+    with dispatch.force("triton"):
+        assert not hf._sdpa_is_faster(q, k, True, None, None)
+    monkeypatch.setattr(hf, "_capability", lambda index: (8, 0))
+    assert not hf._sdpa_is_faster(q, k, True, None, None)

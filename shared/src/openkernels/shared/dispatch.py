@@ -36,6 +36,7 @@ __all__ = [
     "forbid",
     "force",
     "implementations",
+    "is_steered",
     "key_for",
     "lazy",
     "register",
@@ -229,6 +230,13 @@ def _steering() -> tuple[tuple[str, ...], tuple[str, ...]]:
     forced = _FORCED.get() + _parse(os.environ.get(FORCE_ENV, ""))
     forbidden = _FORBIDDEN.get() + _parse(os.environ.get(FORBID_ENV, ""))
     return forced, forbidden
+
+
+def is_steered() -> bool:
+    """True while any force / forbid is in effect (environment or context managers): callers
+    that would pick a non-openkernels path on their own (hf.py's SDPA route) stand back."""
+    forced, forbidden = _steering()
+    return bool(forced or forbidden)
 
 
 # os.environ.get costs ~1-2 us (it encodes the name and decodes the value); selection reads

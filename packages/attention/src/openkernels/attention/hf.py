@@ -5,7 +5,10 @@
 heads_kv, seqlen_k, head_dim) -> (out (batch, seqlen_q, heads_q, head_dim), None). The
 (B, H, S, D) inputs are read through transposed views (no copies). It runs the fused
 kernel when the mask is causal or absent; an explicit attention_mask (padding) or dropout
-goes to torch's SDPA, which takes arbitrary masks. `register_with_transformers()` makes
+goes to torch's SDPA, which takes arbitrary masks. On H100/H200 plain causal or full
+attention (no softcap, no window, equal query and key lengths, head_dim 64 or 128) also goes
+to SDPA: cuDNN's kernel measured faster there (`_sdpa_is_faster`); a dispatch force / forbid
+turns that off. `register_with_transformers()` makes
 `attn_implementation="openkernels"` available.
 
 With `OpenKernelsCache` (hf_cache.py) the key and value are `CachedKV` handles to a layer's
@@ -25,10 +28,13 @@ mask on the host), so padding is not supported with the static cache.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from openkernels.shared import dispatch
 
 from .api import attention, attention_with_kvcache
 from .hf_cache import CachedKV, StaticCachedKV
@@ -78,6 +84,11 @@ def hf_attention_forward(
                 enable_gqa=query.shape[1] != key.shape[1],
             )  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
+    if _sdpa_is_faster(query, key, is_causal, sliding_window, softcap):
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+        return out.transpose(1, 2), None
     # transformers' sliding window W lets a token see itself and the W - 1 before it.
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
     out = attention(
@@ -86,6 +97,35 @@ def hf_attention_forward(
         softmax_scale=scaling, window=window, softcap=float(softcap or 0.0),
     )  # fmt: skip
     return out, None
+
+
+# Where torch's SDPA (cuDNN's fused attention) measured faster than our Triton kernel on plain
+# causal / full attention of equal query and key length: H100/H200 (sm_90), bf16/fp16, head
+# dims 64 and 128 -- forward 0.79-0.91x of cuDNN, forward+backward about 0.75-0.86x
+# (docs/perf.md, "Attention on H200"), and in a Llama-style 1B prefill 7.05 ms vs 5.62 ms.
+# Softcaps, windows, decode against a longer cache and everything else stay ours.
+_SDPA_FASTER_ON = {(9, 0)}
+_SDPA_FASTER_HEAD_DIMS = (64, 128)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _sdpa_is_faster(query, key, is_causal, sliding_window, softcap) -> bool:
+    """(B, H, S, D) query and key: would SDPA beat the fused kernel here (see above)?"""
+    return (
+        query.is_cuda
+        and torch.version.hip is None
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] in _SDPA_FASTER_HEAD_DIMS
+        and not softcap
+        and not sliding_window
+        and (not is_causal or query.shape[2] == key.shape[2])  # SDPA's causal mask is top-left aligned
+        and _capability(query.device.index or 0) in _SDPA_FASTER_ON
+        and not dispatch.is_steered()  # a forced / forbidden implementation means: use dispatch
+    )
 
 
 def _attend_cached(
