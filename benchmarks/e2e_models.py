@@ -115,50 +115,58 @@ def train(model, results: dict) -> None:
     )  # fmt: skip
 
 
-def _cache(model, kv_format):
-    try:
-        from openkernels.attention import OpenKernelsCache
-    except ImportError:
-        return None
-    return OpenKernelsCache(model.config, batch_size=1, max_seqlen=256, kv_dtype=kv_format, device="cuda")
+def _cache(model, kv_format, static=False):
+    from openkernels.attention import OpenKernelsCache, OpenKernelsStaticCache
+
+    kind = OpenKernelsStaticCache if static else OpenKernelsCache
+    return kind(model.config, batch_size=1, max_seqlen=256, kv_dtype=kv_format, device="cuda")
 
 
-def decode(model, results: dict, new_tokens: int = 128) -> None:
+def decode(model, results: dict, new_tokens: int = 128, compiled: bool = True) -> None:
+    """Eager generate() for every variant; then, with compiled=True, generate()'s own
+    torch.compile + CUDA graphs for static caches (transformers compiles the decode step
+    when the cache is compileable): the bf16 sdpa model with StaticCache and ours with
+    OpenKernelsStaticCache."""
     ids = torch.randint(0, LLAMA_1B["vocab_size"], (1, 32), device="cuda")
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
-    def generate(cache=None):
+    def generate(make_cache=None, **extra):
         with torch.no_grad():
-            return (
-                model.generate(ids, past_key_values=cache, **kwargs)
-                if cache is not None
-                else model.generate(ids, **kwargs)
-            )
+            cache = None if make_cache is None else make_cache()
+            return model.generate(ids, past_key_values=cache, **kwargs, **extra)
 
-    base_tokens = generate()
-    base_ms = timed(generate, 3, warmup=1)
-    entry = dict(prompt=32, new_tokens=new_tokens, sdpa_ms=base_ms, sdpa_tok_s=new_tokens / base_ms * 1e3)
+    entry: dict = dict(prompt=32, new_tokens=new_tokens)
+    results["decode"] = entry
+
+    def run(label, make_cache=None, reference=None, **extra):
+        tokens = generate(make_cache, **extra)
+        ms = timed(lambda: generate(make_cache, **extra), 3, warmup=1)
+        entry[f"{label}_ms_per_token"] = ms / new_tokens
+        entry[f"{label}_tok_s"] = new_tokens / ms * 1e3
+        if reference is not None:
+            entry[f"{label}_same_tokens"] = float((tokens == reference).float().mean())
+        print(f"  decode {label}: {new_tokens / ms * 1e3:.1f} tok/s", flush=True)
+        return tokens
+
+    base = run("sdpa_eager")
     kernelize(model)
-    bf16_tokens = generate()
-    entry["ours_bf16_ms"] = timed(generate, 3, warmup=1)
-    entry["ours_bf16_same_tokens"] = float((bf16_tokens == base_tokens).float().mean())
+    run("ours_bf16_eager", reference=base)
     unkernelize(model)
     kernelize(model, quantize="int4")
-    for kv in ("int4", None):
-        label = f"ours_int4w_{kv or 'bf16'}kv"
-        if _cache(model, kv) is None:
-            entry[label] = "OpenKernelsCache not available"
-            continue
-        tokens = generate(_cache(model, kv))
-        entry[f"{label}_ms"] = timed(lambda kv=kv: generate(_cache(model, kv)), 3, warmup=1)
-        entry[f"{label}_tok_s"] = new_tokens / entry[f"{label}_ms"] * 1e3
-        entry[f"{label}_speedup"] = base_ms / entry[f"{label}_ms"]
-        entry[f"{label}_same_tokens"] = float((tokens == base_tokens).float().mean())
-    int4_tokens = generate()
-    entry["ours_int4w_dynamiccache_ms"] = timed(generate, 3, warmup=1)
-    entry["ours_int4w_dynamiccache_same_tokens"] = float((int4_tokens == base_tokens).float().mean())
+    run("ours_int4w_int4kv_eager", lambda: _cache(model, "int4"), reference=base)
+    run("ours_int4w_bf16kv_eager", lambda: _cache(model, None), reference=base)
     unkernelize(model)
-    results["decode"] = entry
+    if compiled:
+        run("sdpa_static_compiled", reference=base, cache_implementation="static")
+        kernelize(model, quantize="int4")
+        run("ours_int4w_int4kv_static_compiled", lambda: _cache(model, "int4", static=True), reference=base)
+        unkernelize(model)
+        kernelize(model)
+        run("ours_bf16w_bf16kv_static_compiled", lambda: _cache(model, None, static=True), reference=base)
+        unkernelize(model)
+    sdpa = entry["sdpa_eager_tok_s"]
+    for key in [k for k in entry if k.endswith("_tok_s")]:
+        entry[key.replace("_tok_s", "_x_sdpa_eager")] = entry[key] / sdpa
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ act-order perm is applied by api.py before these ops. The backend contract
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 from torch import Tensor
 
@@ -122,9 +124,21 @@ def _register_backends() -> None:
 # ---- library op impls, fakes, autograd ------------------------------------------------------
 
 
+# True while the library op runs: calls from torch.compile graphs, whose CUDA-graph trees warm
+# up and capture into a private memory pool that a cached split-K scratch must not live in
+# (triton/__init__.py allocates temporaries then). Eager calls keep the cached scratch.
+LIBRARY_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "openkernels_quant_library_call", default=False
+)
+
+
 @torch.library.impl(_LIB, "int4_linear", "CompositeExplicitAutograd")
 def _int4_linear_impl(x, qweight, scales, zeros, bias, group_size, kind):
-    return forward(x, qweight, scales, zeros, bias, group_size, kind)
+    token = LIBRARY_CALL.set(True)
+    try:
+        return forward(x, qweight, scales, zeros, bias, group_size, kind)
+    finally:
+        LIBRARY_CALL.reset(token)
 
 
 @torch.library.register_fake("openkernels::int4_linear", lib=_LIB)

@@ -11,6 +11,7 @@ from torch import Tensor
 from openkernels.shared.platform import device_info, triton_interpreting
 
 from ..format import nf4_values
+from ..ops import LIBRARY_CALL
 from .configs import LinearConfig, arch_family, dequant_block, kernel_group, linear_config
 from .fastlaunch import launch
 from .kernels import _dequantize_int4_fwd_kernel, _int4_linear_fwd_kernel, _int4_linear_gemv_fwd_kernel
@@ -52,6 +53,13 @@ def _current_stream(device_index: int) -> int:
 
 def _split_scratch(device: torch.device, partials: int, tiles: int) -> tuple[Tensor, Tensor]:
     index = device.index if device.type == "cuda" else -1
+    if index >= 0 and (LIBRARY_CALL.get() or torch.cuda.is_current_stream_capturing()):
+        # Inside torch.compile graphs or a CUDA-graph capture: temporaries (the zeroing is
+        # captured and replays). A cached buffer made there would live on in the graph's
+        # private pool, which CUDA-graph trees reject ("tensors in the cudagraph pool not
+        # tracked as outputs").
+        return (torch.empty(partials, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))  # fmt: skip
     key = (index, _current_stream(index))
     ws, counters = _scratch.get(key, (None, None))
     if ws is None or ws.numel() < partials:
