@@ -1,21 +1,22 @@
 """openkernels.attention: fused attention for PyTorch (training, prefill, and decode against a
-(paged, int8/int4 quantized) KV cache).
+(paged, int8/int4 quantized) KV cache), and the rotary position embedding of q and k.
 
 Backends: Triton (CUDA and ROCm), CPU, reference.
 """
 
 from . import ops as _ops  # registers the torch.library ops and dispatch entries
-from .api import attention, attention_varlen, attention_with_kvcache
+from .api import apply_rotary, attention, attention_varlen, attention_with_kvcache
 from .hf import hf_attention_forward, register_with_transformers
 from .kvcache import KVCache
 from .kvformat import QuantizedKV, dequantize_kv, quantize_kv
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
+    "apply_rotary",
     "KVCache",
     "QuantizedKV",
     "quantize_kv",
@@ -23,16 +24,17 @@ __all__ = [
     "hf_attention_forward",
     "register_with_transformers",
     "OpenKernelsCache",
+    "OpenKernelsStaticCache",
 ]
 
 del _ops
 
 
 def __getattr__(name: str):
-    """`OpenKernelsCache` (a transformers Cache) is built on first use: the package imports
-    without transformers."""
-    if name == "OpenKernelsCache":
+    """`OpenKernelsCache` and `OpenKernelsStaticCache` (transformers Caches) are built on first
+    use: the package imports without transformers."""
+    if name in ("OpenKernelsCache", "OpenKernelsStaticCache"):
         from . import hf_cache
 
-        return hf_cache.OpenKernelsCache
+        return getattr(hf_cache, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

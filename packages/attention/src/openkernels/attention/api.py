@@ -3,9 +3,11 @@
 attention(q, k, v):        q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> (B, Sq, Hq, D)
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
                            q (Tq, Hq, D), k, v (Tk, Hkv, D) packed -> (Tq, Hq, D)
+apply_rotary(q, k, cos, sin): q (B, S, Hq, D), k (B, S, Hk, D), cos, sin (B or 1, S, R) or
+                           (S, R) -> (q_out, k_out), GPT-NeoX rotary embedding
 Dtypes: float16 and bfloat16 run the fused kernels; float32 (and float64) run the CPU
 path or the reference (`dispatch.explain("attention", q)` says which). Semantics (masks
-aligned bottom-right, softcap, ALiBi, empty rows) are in reference.py.
+aligned bottom-right, softcap, ALiBi, empty rows, rotary) are in reference.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from . import ops
 from .kvformat import BITS, QuantizedKV, code_width
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "apply_rotary"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -479,3 +481,80 @@ def attention_with_kvcache(
     out, lse = _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
                              window, alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, None)  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+# ---- rotary position embedding -----------------------------------------------------------
+
+
+def _check_rotary(name: str, q: object, k: object, cos: object, sin: object) -> None:
+    for what, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    for what, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name}: {what} must be 4D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
+            )
+    for what, t in (("q", q), ("cos", cos), ("sin", sin)):
+        if t.dtype not in _DTYPES:
+            raise TypeError(
+                f"{name}: {what} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64"
+            )
+    if k.dtype != q.dtype:
+        raise TypeError(f"{name}: q and k must share a dtype, got q {q.dtype} and k {k.dtype}")
+    for what, t in (("k", k), ("cos", cos), ("sin", sin)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: {what} is on {t.device} but q is on {q.device}")
+    batch, seqlen, _, head_dim = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (batch, seqlen, head_dim):
+        raise ValueError(f"{name}: q and k must share batch, seqlen and head_dim, got q {tuple(q.shape)} and k "
+                         f"{tuple(k.shape)}")  # fmt: skip
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"{name}: cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if (
+        cos.dim() not in (2, 3)
+        or cos.shape[-2] != seqlen
+        or (cos.dim() == 3 and cos.shape[0] not in (1, batch))
+    ):
+        raise ValueError(f"{name}: cos and sin must be ({batch} or 1, {seqlen}, rotary_dim) or ({seqlen}, rotary_dim) "
+                         f"for q of shape {tuple(q.shape)}, got {tuple(cos.shape)}")  # fmt: skip
+    rot_dim = cos.shape[-1]
+    if rot_dim % 2 or not 2 <= rot_dim <= head_dim:
+        raise ValueError(f"{name}: rotary_dim (cos.shape[-1] = {rot_dim}) must be even and in 2..head_dim "
+                         f"({head_dim})")  # fmt: skip
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise ValueError(f"{name}: cos and sin get no gradient; pass them detached (cos.requires_grad is "
+                         f"{cos.requires_grad}, sin.requires_grad is {sin.requires_grad})")  # fmt: skip
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q and k, GPT-NeoX "rotate half" convention (what
+    transformers' `apply_rotary_pos_emb` computes for Llama-style models), q and k in one
+    kernel launch.
+
+    q: (batch, seqlen, heads_q, head_dim), k: (batch, seqlen, heads_k, head_dim), any strides
+    with a unit head_dim stride (views of a fused qkv projection run without copies);
+    float16, bfloat16, float32 (float64 on the reference). cos, sin: (batch, seqlen, R),
+    (1, seqlen, R) or (seqlen, R) (broadcast over the batch and the heads), any float dtype,
+    R even and <= head_dim. With h = R / 2, c1 = cos[..., :h], c2 = cos[..., h:], s1, s2
+    likewise, x1 = x[..., :h], x2 = x[..., h:R]:
+        out[..., :h] = x1 c1 - x2 s1;  out[..., h:R] = x2 c2 + x1 s2;  out[..., R:] = x[..., R:]
+    computed in float32 and rounded once to q's dtype.
+    Returns (q_out, k_out): new contiguous tensors of q's and k's shapes. Differentiable in q
+    and k; cos and sin get no gradient (passing ones that require grad is an error).
+    """
+    name = "apply_rotary"
+    _check_rotary(name, q, k, cos, sin)
+    if (
+        torch.compiler.is_compiling()
+        or any(type(t) is not torch.Tensor for t in (q, k, cos, sin))
+        or q.device.type not in ("cpu", "cuda")
+    ):
+        return torch.ops.openkernels.apply_rotary(q, k, cos, sin)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return ops.EagerApplyRotary.apply(q, k, cos, sin)
+    return ops.apply_rotary_forward(q, k, cos, sin)

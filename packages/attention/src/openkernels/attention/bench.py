@@ -268,7 +268,8 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     written in plain torch ops in `dtype` (the criterion of FlashAttention's own tests: a
     fused kernel rounds P and dS to the dtype before its matmuls, and its outputs are sums
     of up to S rounded terms, so the table's elementwise atol does not apply). An
-    implementation that raises fails its checks, with a warning naming the error."""
+    implementation that raises fails its checks, with a warning naming the error. The
+    rotary embedding's checks (bench_rotary.checks) follow."""
     from openkernels.shared import dispatch
     from openkernels.shared.testing import testable_implementations, tolerance
 
@@ -314,4 +315,6 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
             ]
             worst = float("nan") if any(e != e for e in errors) else max(errors)
             results.append(Check(name, "bwd", impl, dt, worst, worst <= 1.0))
-    return results
+    from .bench_rotary import checks as rotary_checks
+
+    return results + rotary_checks(device, dtype)

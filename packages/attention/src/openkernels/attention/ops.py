@@ -11,6 +11,11 @@ cu_seqlens given, int32): q (Tq, Hq, D), k, v (Tk, Hkv, D), lse (Hq, Tq). out an
 gradients are contiguous, in the input dtype; lse is float32 (float64 for float64 inputs).
 Causal is window_right = 0; -1 is an unbounded side. ALiBi slopes are not differentiated.
 The backend contract (attn_fwd / attn_bwd on 4D views) is in reference.py.
+
+  openkernels::apply_rotary(q, k, cos, sin) -> (q_out, k_out)
+  openkernels::apply_rotary_backward(grad_q_out, grad_k_out, cos, sin) -> (grad_q, grad_k)
+q (B, S, Hq, D), k (B, S, Hk, D); cos, sin (B or 1, S, R) or (S, R). Outputs contiguous, each
+in its input's dtype; cos and sin get no gradient. Contract: reference.py (rotary section).
 """
 
 from __future__ import annotations
@@ -27,13 +32,22 @@ __all__ = [
     "EagerAttention",
     "kvcache_append",
     "kvcache_forward",
+    "apply_rotary_forward",
+    "apply_rotary_backward",
+    "EagerApplyRotary",
     "KERNEL_DTYPES",
     "HEAD_DIMS",
+    "ROTARY_KERNEL_DTYPES",
+    "ROTARY_MAX_HEAD_DIM",
 ]
 
 _PKG = "openkernels.attention"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels take
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+ROTARY_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the rotary kernel's (elementwise)
+# Widest head the rotary kernel's tiles are compile-checked for (triton/configs.py
+# ROTARY_AOT_DIMS); wider heads run on the reference.
+ROTARY_MAX_HEAD_DIM = 512
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
 _OPTIONS = (
@@ -59,6 +73,11 @@ _LIB.define(
     f"Tensor? block_table, {_ROTARY}, int seqlen_new, int max_seqlen_k, float softmax_scale, int window_left, "
     "int window_right, Tensor? alibi_slopes, float softcap, bool rotary_interleaved, int bits, int group_size) "
     "-> (Tensor, Tensor)"
+)
+# Rotary position embedding (GPT-NeoX halves) of q and k; the backward is the transposed rotation.
+_LIB.define("apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
+_LIB.define(
+    "apply_rotary_backward(Tensor grad_q_out, Tensor grad_k_out, Tensor cos, Tensor sin) -> (Tensor, Tensor)"
 )
 
 
@@ -245,6 +264,35 @@ def kvcache_forward(
     return out, lse
 
 
+def _rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin as (Bc, S, R) with a unit last stride: the backends' layout."""
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    return _unit_last(cos), _unit_last(sin)
+
+
+def _rotary(op: str, x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    out_q = torch.empty(x_q.shape, dtype=x_q.dtype, device=x_q.device)
+    out_k = torch.empty(x_k.shape, dtype=x_k.dtype, device=x_k.device)
+    if out_q.numel() or out_k.numel():
+        dispatch.run(op, _unit_last(x_q), _unit_last(x_k), *_rotary_tables(cos, sin), out_q, out_k)
+    return out_q, out_k
+
+
+def apply_rotary_forward(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_out, k_out), new contiguous tensors, with the best backend."""
+    return _rotary("apply_rotary", q, k, cos, sin)
+
+
+def apply_rotary_backward(
+    grad_q_out: torch.Tensor, grad_k_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_q, grad_k): the transposed rotation of the output gradients."""
+    return _rotary("apply_rotary_backward", grad_q_out, grad_k_out, cos, sin)
+
+
 # Selection depends on the query tensor alone: `dispatch.explain("attention", q)` works.
 def _fwd_key(q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.DispatchKey:
     return dispatch.key_for(q)
@@ -257,6 +305,21 @@ def _bwd_key(dout: torch.Tensor, q: torch.Tensor, *args: object, **kwargs: objec
 def _append_key(k_cache: torch.Tensor, v_cache, k_scale, k_zero, v_scale, v_zero, k_new: torch.Tensor, *args: object,
                 **kwargs: object) -> dispatch.DispatchKey:  # fmt: skip
     return dispatch.key_for(k_new)
+
+
+def _rotary_key(x_q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.DispatchKey:
+    """q (or its gradient) decides; `dispatch.explain("apply_rotary", q)` works."""
+    if x_q.shape[-1] > ROTARY_MAX_HEAD_DIM:
+        return dispatch.key_for(x_q, "wide-head")
+    return dispatch.key_for(x_q)
+
+
+def _rotary_triton_supports(key: dispatch.DispatchKey) -> str | None:
+    if key.dtype not in ROTARY_KERNEL_DTYPES:
+        return f"dtype {key.dtype}: the rotary kernel takes float16, bfloat16 and float32"
+    if "wide-head" in key.features:
+        return f"head_dim above {ROTARY_MAX_HEAD_DIM}: the kernel's tiles are checked up to that"
+    return dispatch.triton_supports(key)
 
 
 def _triton_supports(key: dispatch.DispatchKey) -> str | None:
@@ -308,6 +371,15 @@ def _register_backends() -> None:
         if cpu is not None:
             dispatch.register(op, "cpu", dispatch.lazy(f"{_PKG}.{cpu}:{entry}"), backends=("cpu",), priority=10,
                               supports=_cpu_supports)  # fmt: skip
+        dispatch.register(
+            op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"), backends=("cuda", "rocm", "cpu")
+        )
+    for op, entry in (("apply_rotary", "apply_rotary_fwd"), ("apply_rotary_backward", "apply_rotary_bwd")):
+        dispatch.define(op, _rotary_key)
+        dispatch.register(op, "triton", dispatch.lazy(f"{_PKG}.triton:{entry}"), backends=("cuda", "rocm"),
+                          priority=20, supports=_rotary_triton_supports, interpretable=True)  # fmt: skip
+        dispatch.register(op, "cpu", dispatch.lazy(f"{_PKG}.cpu.rotary:{entry}"), backends=("cpu",), priority=10,
+                          supports=_cpu_supports)  # fmt: skip
         dispatch.register(
             op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"), backends=("cuda", "rocm", "cpu")
         )
@@ -423,6 +495,80 @@ def _attention_kvcache_fake(q, *args):
     )
 
 
+# ---- openkernels::apply_rotary / apply_rotary_backward -------------------------------------
+
+
+@torch.library.impl(_LIB, "apply_rotary", "CompositeExplicitAutograd")
+def _apply_rotary_impl(q, k, cos, sin):
+    return apply_rotary_forward(q, k, cos, sin)
+
+
+@torch.library.register_fake("openkernels::apply_rotary", lib=_LIB)
+def _apply_rotary_fake(q, k, cos, sin):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
+
+
+@torch.library.impl(_LIB, "apply_rotary_backward", "CompositeExplicitAutograd")
+def _apply_rotary_backward_impl(grad_q_out, grad_k_out, cos, sin):
+    return apply_rotary_backward(grad_q_out, grad_k_out, cos, sin)
+
+
+@torch.library.register_fake("openkernels::apply_rotary_backward", lib=_LIB)
+def _apply_rotary_backward_fake(grad_q_out, grad_k_out, cos, sin):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (grad_q_out, grad_k_out))
+
+
+def _no_table_grad(name: str, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError(f"{name}: cos and sin get no gradient; pass them detached (cos.requires_grad is "
+                         f"{cos.requires_grad}, sin.requires_grad is {sin.requires_grad})")  # fmt: skip
+
+
+def _rotary_setup(ctx, inputs, output) -> None:
+    _q, _k, cos, sin = inputs
+    _no_table_grad("openkernels::apply_rotary", cos, sin)
+    ctx.save_for_backward(cos, sin)
+    ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
+
+
+def _rotary_backward(ctx, grad_q_out, grad_k_out):
+    cos, sin = ctx.saved_tensors
+    grad_q, grad_k = ctx.dispatch_context.run(
+        torch.ops.openkernels.apply_rotary_backward, grad_q_out, grad_k_out, cos, sin
+    )
+    return grad_q, grad_k, None, None
+
+
+def _rotary_no_double_backward(ctx, *grads):
+    raise NotImplementedError("openkernels::apply_rotary_backward: double backward is not supported")
+
+
+class EagerApplyRotary(torch.autograd.Function):
+    """apply_rotary's forward and backward as a plain autograd.Function, for eager calls that
+    need gradients (skips the torch.library dispatch layers, as EagerAttention does).
+
+    apply(q, k, cos, sin) -> (q_out, k_out)
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        _no_table_grad("apply_rotary", cos, sin)
+        ctx.save_for_backward(cos, sin)
+        ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
+        return apply_rotary_forward(q, k, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # double backward: a clear error
+    def backward(ctx, grad_q_out, grad_k_out):
+        cos, sin = ctx.saved_tensors
+        grad_q, grad_k = ctx.dispatch_context.run(apply_rotary_backward, grad_q_out, grad_k_out, cos, sin)
+        return grad_q, grad_k, None, None
+
+
 torch.library.register_autograd("openkernels::attention", _backward, setup_context=_setup, lib=_LIB)
 torch.library.register_autograd("openkernels::attention_backward", _no_double_backward, lib=_LIB)
+torch.library.register_autograd(
+    "openkernels::apply_rotary", _rotary_backward, setup_context=_rotary_setup, lib=_LIB
+)
+torch.library.register_autograd("openkernels::apply_rotary_backward", _rotary_no_double_backward, lib=_LIB)
 _register_backends()

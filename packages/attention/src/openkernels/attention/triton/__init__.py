@@ -12,8 +12,16 @@ from openkernels.shared.platform import device_info
 
 from .configs import AttnConfig, block_d, launch_config, preprocess_block_m
 from .kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel, _attn_fwd_kernel
+from .rotary import apply_rotary_bwd, apply_rotary_fwd
 
-__all__ = ["attn_fwd", "attn_bwd", "kvcache_append_fwd", "attention_kvcache_fwd"]
+__all__ = [
+    "attn_fwd",
+    "attn_bwd",
+    "kvcache_append_fwd",
+    "attention_kvcache_fwd",
+    "apply_rotary_fwd",
+    "apply_rotary_bwd",
+]
 
 LOG2E = 1.0 / math.log(2.0)
 
