@@ -531,7 +531,8 @@ def test_sdpa_route_only_where_it_measured_faster(monkeypatch):
     monkeypatch.setattr(hf.torch.version, "hip", None)
 
     def tensor(s, d=64, dtype=torch.bfloat16, cuda=True):
-        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(2, 8, s, d), device=SimpleNamespace(index=0))
+        device = SimpleNamespace(index=0, type="cuda" if cuda else "cpu")
+        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(2, 8, s, d), device=device)
 
     q, k = tensor(128), tensor(128)
     assert hf._sdpa_is_faster(q, k, True, None, None)
@@ -541,7 +542,9 @@ def test_sdpa_route_only_where_it_measured_faster(monkeypatch):
     assert not hf._sdpa_is_faster(q, k, True, None, 50.0)  # softcap
     assert not hf._sdpa_is_faster(tensor(128, d=96), tensor(128, d=96), True, None, None)
     assert not hf._sdpa_is_faster(tensor(128, dtype=torch.float32), k, True, None, None)
-    assert not hf._sdpa_is_faster(tensor(128, cuda=False), k, True, None, None)
+    assert not hf._sdpa_is_faster(tensor(128, cuda=False), k, True, None, None)  # bf16 on the CPU
+    assert hf._sdpa_is_faster(tensor(128, dtype=torch.float32, cuda=False), k, True, None, None)
+    assert not hf._sdpa_is_faster(tensor(128, dtype=torch.float32, cuda=False), k, True, None, 30.0)
     with dispatch.force("triton"):
         assert not hf._sdpa_is_faster(q, k, True, None, None)
     monkeypatch.setattr(hf, "_capability", lambda index: (8, 0))

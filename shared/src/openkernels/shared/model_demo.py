@@ -35,19 +35,23 @@ SENTENCES = [
 ]
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median wall milliseconds of fn() (synchronized on a GPU) after one warm-up call."""
-    fn()
-    times = []
+def _paired_ms(
+    before: Callable[[], object], after: Callable[[], object], device: torch.device, reps: int
+) -> tuple[float, float]:
+    """Median wall milliseconds of before() and after(), timed alternately (each synchronized
+    on a GPU) after one warm-up call each, so drift on a shared machine hits both alike."""
+    before(), after()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for fn, out in ((before, times[0]), (after, times[1])):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            out.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _row(name: str, before_ms: float, after_ms: float, units: float, unit: str, agree: str) -> str:
@@ -86,8 +90,7 @@ def minilm(device: torch.device, reps: int, batch: int = 32, tokens: int = 128) 
     after = embed(model)
     cosine = (before * after).sum(-1).min().item()
     ok = bool(torch.isfinite(after).all()) and cosine > 0.9999
-    before_ms = _time_ms(lambda: embed(reference), device, reps)
-    after_ms = _time_ms(lambda: embed(model), device, reps)
+    before_ms, after_ms = _paired_ms(lambda: embed(reference), lambda: embed(model), device, reps)
     agree = f"min cosine {cosine:.6f} {'ok' if ok else 'FAIL'}"
     lines = [
         str(report),
@@ -134,13 +137,13 @@ def decoder(device: torch.device, reps: int, quick: bool) -> tuple[str, bool]:
     tokens_ref, tokens = generate(reference), generate(model)
     same = float((tokens_ref == tokens).float().mean())
     ok_decode = same == 1.0 or gpu  # bf16 may flip a near-tie; fp32 must not
+    prefill_ms = _paired_ms(lambda: logits(reference), lambda: logits(model), device, reps)
+    decode_ms = _paired_ms(lambda: generate(reference), lambda: generate(model), device, 1 if quick else 3)
     rows = [
         str(report),
-        _row(f"Llama-style {batch}x{seq} prefill", _time_ms(lambda: logits(reference), device, reps),
-             _time_ms(lambda: logits(model), device, reps), batch * seq, "tok",
+        _row(f"Llama-style {batch}x{seq} prefill", *prefill_ms, batch * seq, "tok",
              f"max |dlogit| {diff:.2e} (tol {tol:.1e}) {'ok' if ok_prefill else 'FAIL'}"),
-        _row(f"Llama-style greedy decode {new} tok", _time_ms(lambda: generate(reference), device, 1),
-             _time_ms(lambda: generate(model), device, 1), new, "tok",
+        _row(f"Llama-style greedy decode {new} tok", *decode_ms, new, "tok",
              f"same tokens {same:.3f} {'ok' if ok_decode else 'FAIL'}"),
     ]  # fmt: skip
     return "\n".join(rows), ok_prefill and ok_decode

@@ -7,8 +7,9 @@ heads_kv, seqlen_k, head_dim) -> (out (batch, seqlen_q, heads_q, head_dim), None
 kernel when the mask is causal or absent; an explicit attention_mask (padding) or dropout
 goes to torch's SDPA, which takes arbitrary masks. On H100/H200 plain causal or full
 attention (no softcap, no window, equal query and key lengths, head_dim 64 or 128) also goes
-to SDPA: cuDNN's kernel measured faster there (`_sdpa_is_faster`); a dispatch force / forbid
-turns that off. `register_with_transformers()` makes
+to SDPA: cuDNN's kernel measured faster there (`_sdpa_is_faster`); so does plain float32
+attention on the CPU, where the CPU backend runs the same aten kernel plus a layout copy. A
+dispatch force / forbid turns both off. `register_with_transformers()` makes
 `attn_implementation="openkernels"` available.
 
 With `OpenKernelsCache` (hf_cache.py) the key and value are `CachedKV` handles to a layer's
@@ -115,16 +116,23 @@ def _capability(index: int) -> tuple[int, int]:
 
 def _sdpa_is_faster(query, key, is_causal, sliding_window, softcap) -> bool:
     """(B, H, S, D) query and key: would SDPA beat the fused kernel here (see above)?"""
-    return (
-        query.is_cuda
-        and torch.version.hip is None
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and query.shape[-1] in _SDPA_FASTER_HEAD_DIMS
-        and not softcap
+    plain = (
+        not softcap
         and not sliding_window
         and (not is_causal or query.shape[2] == key.shape[2])  # SDPA's causal mask is top-left aligned
-        and _capability(query.device.index or 0) in _SDPA_FASTER_ON
         and not dispatch.is_steered()  # a forced / forbidden implementation means: use dispatch
+    )
+    if not plain:
+        return False
+    if not query.is_cuda:
+        # The CPU backend runs this same aten flash kernel for plain float32 attention, plus a
+        # copy into the (B, S, H, D) layout; SDPA on the views skips the copy.
+        return query.device.type == "cpu" and query.dtype == torch.float32
+    return (
+        torch.version.hip is None
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] in _SDPA_FASTER_HEAD_DIMS
+        and _capability(query.device.index or 0) in _SDPA_FASTER_ON
     )
 
 

@@ -107,7 +107,10 @@ OK_INLINE void act_both(float x, float& f, float& df) {
   } else if constexpr (A == kGelu) {  // x Phi(x)
     float tail, gauss;  // Phi(-|x|), exp(-x^2/2)
     normal_tail(abs_min(x, 15.0f), tail, gauss);
-    float cdf = x < 0.0f ? tail : 1.0f - tail;
+    // Phi(x) = tail for x < 0, else 1 - tail, selected on the sign bit with integer masks: GCC 12
+    // treats the float select `x < 0 ? a : b` here as control flow and left every GELU loop scalar.
+    uint32_t neg = uint32_t(int32_t(bits(x)) >> 31);  // all ones when the sign bit is set
+    float cdf = from_bits((bits(tail) & neg) | (bits(1.0f - tail) & ~neg));
     f = x * cdf;
     df = cdf + x * (0.398942280f * gauss);  // Phi(x) + x phi(x)
   } else if constexpr (A == kGeluTanh) {
