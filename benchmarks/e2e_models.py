@@ -76,6 +76,13 @@ def prefill(model, results: dict) -> None:
     ours_logits = run().float()
     ours_ms = timed(run, 5)
     unkernelize(model)
+    model.float()  # the float32 model: how far each bf16 run is from it
+    exact = run().float()
+    model.to(torch.bfloat16)
+    results_fp32 = dict(
+        sdpa_bf16_vs_fp32=(base_logits - exact).abs().max().item(),
+        ours_bf16_vs_fp32=(ours_logits - exact).abs().max().item(),
+    )
     err = (ours_logits - base_logits).abs().max().item()
     scale = base_logits.abs().max().item()
     results["prefill"] = dict(
@@ -83,7 +90,7 @@ def prefill(model, results: dict) -> None:
         sdpa_tok_s=ids.numel() / base_ms * 1e3, ours_tok_s=ids.numel() / ours_ms * 1e3,
         speedup=base_ms / ours_ms, max_abs_logit_diff=err, max_abs_logit=scale,
         same_argmax=float((ours_logits.argmax(-1) == base_logits.argmax(-1)).float().mean()),
-        swapped=report.num_swapped,
+        swapped=report.num_swapped, **results_fp32,
     )  # fmt: skip
 
 

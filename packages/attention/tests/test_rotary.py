@@ -462,10 +462,15 @@ def test_torch_compile_fullgraph(device: str, impl: str, backend: str) -> None:
             grads = torch.autograd.grad(eager, leaves)
             q_c, k_c, got = compiled(*leaves, inputs.cos, inputs.sin)
             grads_c = torch.autograd.grad(got, leaves)
-        # The same kernels run in both: equal outputs and gradients, and both are right.
+        # The same kernels run in both: equal outputs and gradients, and both are right. The
+        # reference backward on a GPU runs cuBLAS-free torch ops whose CUDA kernels were seen to
+        # round differently between the two runs (H200: dk, aot_eager); it gets a few ulps.
         assert torch.equal(q_c, q_out) and torch.equal(k_c, k_out), f"{backend}: compiled output differs"
         for name, a, b in zip(("dq", "dk"), grads_c, grads):
-            assert torch.equal(a, b), f"{backend}: compiled {name} differs from eager"
+            if impl == "reference" and device != "cpu":
+                torch.testing.assert_close(a, b, rtol=4e-3, atol=1e-5, msg=f"{backend}: compiled {name}")
+            else:
+                assert torch.equal(a, b), f"{backend}: compiled {name} differs from eager"
         _check(inputs, (q_c, k_c), f"{backend} compiled")
 
 

@@ -123,9 +123,16 @@ def decoder(device: torch.device, reps: int, quick: bool) -> tuple[str, bool]:
             return m(ids, use_cache=False, logits_to_keep=1).logits.float()
 
     a, b = logits(reference), logits(model)
-    scale = a.abs().max().item()
     diff = (a - b).abs().max().item()
-    tol = 0.03 * scale if gpu else 1e-4 * scale  # bf16 rounding on the GPU, float32 on the CPU
+    if dtype == torch.float32:
+        tol = 1e-4 * a.abs().max().item()
+    else:
+        # Both runs carry bf16 rounding: the kernelized one may sit no farther from the float32
+        # model than transformers' own bf16 run does (x1.5), the contract of the kernelize tests.
+        exact = logits(copy.deepcopy(reference).float())
+        hf_err = (a - exact).abs().max().item()
+        diff = (b - exact).abs().max().item()
+        tol = 1.5 * hf_err + 1e-3
     ok_prefill = diff <= tol
     new = 32 if quick else 64
     prompt = ids[:1, :16]
@@ -142,7 +149,8 @@ def decoder(device: torch.device, reps: int, quick: bool) -> tuple[str, bool]:
     rows = [
         str(report),
         _row(f"Llama-style {batch}x{seq} prefill", *prefill_ms, batch * seq, "tok",
-             f"max |dlogit| {diff:.2e} (tol {tol:.1e}) {'ok' if ok_prefill else 'FAIL'}"),
+             f"{'max |dlogit|' if dtype == torch.float32 else 'max |dlogit| vs fp32'} {diff:.2e} "
+             f"(tol {tol:.1e}) {'ok' if ok_prefill else 'FAIL'}"),
         _row(f"Llama-style greedy decode {new} tok", *decode_ms, new, "tok",
              f"same tokens {same:.3f} {'ok' if ok_decode else 'FAIL'}"),
     ]  # fmt: skip
