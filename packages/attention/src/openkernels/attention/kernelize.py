@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from openkernels.shared.kernelize import KernelizeContext, ModelPatch, Swap
+from openkernels.shared.kernelize import KernelizeContext, ModelPatch, Swap, local_tensor
 from openkernels.shared.stacked import stack, stackable, stacked_forward
 
 from .hf import NAME, register_with_transformers
@@ -99,7 +99,8 @@ def _rotary_attention_forward(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     input_shape = hidden_states.shape[:-1]
-    q_size, k_size = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+    # This rank's rows: under tensor parallelism the parameters are DTensors of the full shape.
+    q_size, k_size = local_tensor(self.q_proj.weight).shape[0], local_tensor(self.k_proj.weight).shape[0]
     qkv = stacked_forward(self, _QKV, hidden_states)
     q, k, v = qkv.split([q_size, k_size, qkv.shape[-1] - q_size - k_size], dim=-1)
     hidden_shape = (*input_shape, -1, self.head_dim)
