@@ -229,7 +229,8 @@ def test_several_new_tokens_against_a_filled_cache(models) -> None:
     assert torch.equal(chunked, _generate(models["ref"], p))
 
 
-def test_sliding_window_model(models) -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_sliding_window_model(models, static) -> None:
     # Mistral-style window on every layer: the cache keeps every token and the kernel applies
     # the window (transformers' W: a token sees itself and the W - 1 before it).
     config = transformers.MistralConfig(**{**models["ours"].config.to_dict(), "sliding_window": 6})
@@ -240,7 +241,7 @@ def test_sliding_window_model(models) -> None:
     ours.set_attn_implementation("openkernels")
     p, t = models["prompt"], models["tokens"][:, :6]
     want = _logits(ref, DynamicCache(config=ref.config), p, t)
-    cache = A.OpenKernelsCache(ours.config, BATCH, 64)
+    cache = _static(ours) if static else A.OpenKernelsCache(ours.config, BATCH, 64)
     assert cache.is_sliding == [True] * LAYERS
     got = _logits(ours, cache, p, t)
     assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
@@ -378,21 +379,6 @@ def test_static_logits_equal_the_dynamic_openkernels_cache(models, bits: int) ->
         parts += [side.data, side.scale, side.zero] if isinstance(side, QuantizedKV) else [side]
     assert all(hasattr(x, "_dynamo_static_input_type") for x in parts)
     assert layer.cumulative_length.dtype == torch.int32 and layer.cumulative_length.dim() == 0
-
-
-def test_static_sliding_window_model(models) -> None:
-    config = transformers.MistralConfig(**{**models["ours"].config.to_dict(), "sliding_window": 6})
-    ref = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
-    ref.set_attn_implementation("sdpa")
-    ours = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
-    ours.load_state_dict(ref.state_dict())
-    ours.set_attn_implementation("openkernels")
-    p, t = models["prompt"], models["tokens"][:, :6]
-    want = _logits(ref, DynamicCache(config=ref.config), p, t)
-    cache = _static(ours)
-    assert cache.is_sliding == [True] * LAYERS
-    got = _logits(ours, cache, p, t)
-    assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
 def _compiled_decode(model, backend: str, bits: int, steps: int = 8) -> None:

@@ -137,11 +137,10 @@ def _build_classes() -> dict[str, type]:
 
         return {name: type(name, (_Missing,), {"__module__": __name__}) for name in _LAZY}
 
-    class OpenKernelsCacheLayer(CacheLayerMixin):
-        """One decoder layer's cache: a contiguous openkernels `KVCache`, allocated on the first
-        `update` (heads_kv, head_dim and the device come from the first keys)."""
+    class _Layer(CacheLayerMixin):
+        """What both layer kinds share: their arguments, the fixed batch, no offloading."""
 
-        is_compileable = False
+        cache_name = ""  # for messages
         is_croppable = True
 
         def __init__(
@@ -162,6 +161,63 @@ def _build_classes() -> dict[str, type]:
             self.device = None if device is None else torch.device(device)
             self.is_sliding = sliding_window is not None
             self.sliding_window = sliding_window
+
+        def get_max_length(self) -> int:
+            return self.max_seqlen
+
+        def get_max_cache_shape(self) -> int:  # the name of transformers before 5
+            return self.max_seqlen
+
+        def _check_crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove > 0:
+                raise ValueError(f"{self.cache_name}: crop takes a negative number of tokens to remove, got "
+                                 f"{tokens_to_remove}")  # fmt: skip
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise NotImplementedError(f"{self.cache_name}: the batch size is fixed at construction; build the "
+                                      "cache for the expanded batch")  # fmt: skip
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            raise NotImplementedError(f"{self.cache_name}: the batch size is fixed at construction")
+
+        def offload(self) -> None:
+            raise NotImplementedError(f"{self.cache_name}: offloading is not supported")
+
+        prefetch = offload
+
+    class _Cache(Cache):
+        """What both cache kinds share: one layer of `layer_class` per decoder layer."""
+
+        layer_class: type = _Layer
+
+        def __init__(
+            self,
+            config: Any,
+            batch_size: int,
+            max_seqlen: int,
+            *,
+            kv_dtype: torch.dtype | str | None = None,
+            group_size: int | None = None,
+            device: torch.device | str | None = None,
+        ) -> None:
+            layers = _make_layers(type(self).__name__, self.layer_class, config, batch_size, max_seqlen, kv_dtype,
+                                  group_size, device)  # fmt: skip
+            super().__init__(layers=layers)
+            self.max_seqlen = max_seqlen
+            self.kv_dtype = kv_dtype
+
+        def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # the name of transformers before 5
+            return self.max_seqlen
+
+    class OpenKernelsCacheLayer(_Layer):
+        """One decoder layer's cache: a contiguous openkernels `KVCache`, allocated on the first
+        `update` (heads_kv, head_dim and the device come from the first keys)."""
+
+        cache_name = "OpenKernelsCache"
+        is_compileable = False
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
             self.kv: KVCache | None = None
 
         def __repr__(self) -> str:
@@ -205,12 +261,6 @@ def _build_classes() -> dict[str, type]:
             """(kv_length, kv_offset) of the mask transformers builds: every cached token plus the new ones."""
             return self.get_seq_length() + query_length, 0
 
-        def get_max_length(self) -> int:
-            return self.max_seqlen
-
-        def get_max_cache_shape(self) -> int:  # the name of transformers before 5
-            return self.max_seqlen
-
         def reset(self) -> None:
             """Forget every token; the storage is kept."""
             if self.kv is not None:
@@ -218,9 +268,7 @@ def _build_classes() -> dict[str, type]:
 
         def crop(self, tokens_to_remove: int) -> None:
             """Drop the last -tokens_to_remove tokens (a negative int, as transformers' layers take it)."""
-            if tokens_to_remove > 0:
-                raise ValueError(f"OpenKernelsCache: crop takes a negative number of tokens to remove, got "
-                                 f"{tokens_to_remove}")  # fmt: skip
+            self._check_crop(tokens_to_remove)
             if tokens_to_remove == 0 or self.kv is None:
                 return
             length = max(self.get_seq_length() + tokens_to_remove, 0)
@@ -240,19 +288,7 @@ def _build_classes() -> dict[str, type]:
             self.kv.seqlens.copy_(self.kv.seqlens.index_select(0, idx))
             self.kv._lengths = [lengths[i] for i in idx.tolist()]
 
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            raise NotImplementedError("OpenKernelsCache: the batch size is fixed at construction; build the cache for "
-                                      "the expanded batch")  # fmt: skip
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            raise NotImplementedError("OpenKernelsCache: the batch size is fixed at construction")
-
-        def offload(self) -> None:
-            raise NotImplementedError("OpenKernelsCache: offloading is not supported")
-
-        prefetch = offload
-
-    class OpenKernelsCache(Cache):
+    class OpenKernelsCache(_Cache):
         """transformers `Cache` backed by openkernels' `KVCache`, one per decoder layer.
 
         config: the model's config (its decoder's layer types: full or sliding-window attention).
@@ -267,31 +303,14 @@ def _build_classes() -> dict[str, type]:
         for the limits.
         """
 
-        def __init__(
-            self,
-            config: Any,
-            batch_size: int,
-            max_seqlen: int,
-            *,
-            kv_dtype: torch.dtype | str | None = None,
-            group_size: int | None = None,
-            device: torch.device | str | None = None,
-        ) -> None:
-            layers = _make_layers("OpenKernelsCache", OpenKernelsCacheLayer, config, batch_size, max_seqlen,
-                                  kv_dtype, group_size, device)  # fmt: skip
-            super().__init__(layers=layers)
-            self.max_seqlen = max_seqlen
-            self.kv_dtype = kv_dtype
+        layer_class = OpenKernelsCacheLayer
 
         @property
         def nbytes(self) -> int:
             """Bytes of K/V storage allocated so far."""
             return sum(layer.kv.nbytes for layer in self.layers if layer.kv is not None)
 
-        def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # the name of transformers before 5
-            return self.max_seqlen
-
-    class OpenKernelsStaticLayer(CacheLayerMixin):
+    class OpenKernelsStaticLayer(_Layer):
         """One decoder layer's compileable cache: `k_cache` / `v_cache` preallocated in
         attention_with_kvcache's (batch, max_seqlen, heads_kv, head_dim) layout (tensors, or
         `QuantizedKV` for int8/int4, allocated as `KVCache` allocates them) on the first `update`,
@@ -299,27 +318,11 @@ def _build_classes() -> dict[str, type]:
         storage and the length keep their addresses (torch._dynamo.mark_static_address), and every
         change to them is in place, so CUDA graphs can replay a compiled decode step."""
 
+        cache_name = "OpenKernelsStaticCache"
         is_compileable = True
-        is_croppable = True
 
-        def __init__(
-            self,
-            batch_size: int,
-            max_seqlen: int,
-            *,
-            kv_dtype: torch.dtype | str | None = None,
-            group_size: int | None = None,
-            device: torch.device | str | None = None,
-            sliding_window: int | None = None,
-        ) -> None:
-            super().__init__()
-            self.batch_size = batch_size
-            self.max_seqlen = max_seqlen
-            self.kv_dtype = kv_dtype
-            self.group_size = group_size
-            self.device = None if device is None else torch.device(device)
-            self.is_sliding = sliding_window is not None
-            self.sliding_window = sliding_window
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
             self.k_cache: torch.Tensor | QuantizedKV | None = None
             self.v_cache: torch.Tensor | QuantizedKV | None = None
             # A tensor, so that its value changing is no recompile (transformers' static layers do the same).
@@ -394,12 +397,6 @@ def _build_classes() -> dict[str, type]:
             """(kv_length, kv_offset) of the mask transformers builds: the whole static capacity."""
             return self.max_seqlen, 0
 
-        def get_max_length(self) -> int:
-            return self.max_seqlen
-
-        def get_max_cache_shape(self) -> int:  # the name of transformers before 5
-            return self.max_seqlen
-
         def reset(self) -> None:
             """Forget every token (the length set to 0 in place); the storage is kept."""
             self.cumulative_length.zero_()
@@ -407,9 +404,7 @@ def _build_classes() -> dict[str, type]:
         def crop(self, tokens_to_remove: int) -> None:
             """Drop the last -tokens_to_remove tokens (a negative int, as transformers' layers take
             it; the length stops at 0). In place: the next update writes over them."""
-            if tokens_to_remove > 0:
-                raise ValueError(f"OpenKernelsStaticCache: crop takes a negative number of tokens to remove, got "
-                                 f"{tokens_to_remove}")  # fmt: skip
+            self._check_crop(tokens_to_remove)
             if tokens_to_remove == 0 or not self.is_initialized:
                 return
             self.cumulative_length.sub_(-tokens_to_remove).clamp_(min=0)
@@ -422,19 +417,7 @@ def _build_classes() -> dict[str, type]:
             for t in self._storage():
                 t.copy_(t.index_select(0, idx))
 
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            raise NotImplementedError("OpenKernelsStaticCache: the batch size is fixed at construction; build the "
-                                      "cache for the expanded batch")  # fmt: skip
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            raise NotImplementedError("OpenKernelsStaticCache: the batch size is fixed at construction")
-
-        def offload(self) -> None:
-            raise NotImplementedError("OpenKernelsStaticCache: offloading is not supported")
-
-        prefetch = offload
-
-    class OpenKernelsStaticCache(Cache):
+    class OpenKernelsStaticCache(_Cache):
         """Compileable transformers `Cache` backed by openkernels' KV cache formats, for
         torch.compile / CUDA graphs (generate() compiles the decode step by itself on CUDA for a
         compileable cache): one `OpenKernelsStaticLayer` per decoder layer.
@@ -444,30 +427,13 @@ def _build_classes() -> dict[str, type]:
         group_size, device. Needs attn_implementation="openkernels"; no padding (see hf_cache.py).
         """
 
-        def __init__(
-            self,
-            config: Any,
-            batch_size: int,
-            max_seqlen: int,
-            *,
-            kv_dtype: torch.dtype | str | None = None,
-            group_size: int | None = None,
-            device: torch.device | str | None = None,
-        ) -> None:
-            layers = _make_layers("OpenKernelsStaticCache", OpenKernelsStaticLayer, config, batch_size, max_seqlen,
-                                  kv_dtype, group_size, device)  # fmt: skip
-            super().__init__(layers=layers)
-            self.max_seqlen = max_seqlen
-            self.kv_dtype = kv_dtype
+        layer_class = OpenKernelsStaticLayer
 
         @property
         def nbytes(self) -> int:
             """Bytes of K/V storage allocated so far."""
             return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
                        for t in layer._storage())  # fmt: skip
-
-        def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # the name of transformers before 5
-            return self.max_seqlen
 
     classes = {
         "OpenKernelsCache": OpenKernelsCache,
