@@ -64,8 +64,20 @@ _GATED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+_KIND = "_openkernels_activation"  # the fused function, found once at swap time (not per call)
+
+
+def _remember(module: nn.Module, table: dict[str, Callable], source: nn.Module) -> Callable[[], None]:
+    object.__setattr__(module, _KIND, table[_act_kind(source)])
+    return lambda: module.__dict__.pop(_KIND, None)
+
+
+def _activation_prepare(module: nn.Module, ctx: KernelizeContext) -> Callable[[], None]:
+    return _remember(module, _PLAIN, module)
+
+
 def _activation_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _PLAIN[_act_kind(self)](x)
+    return self.__dict__[_KIND](x)
 
 
 def _activation_check(module: nn.Module, ctx: KernelizeContext) -> str | None:
@@ -82,13 +94,22 @@ def _gated_check(module: nn.Module, ctx: KernelizeContext) -> str | None:
     return stackable([module.gate_proj, module.up_proj])
 
 
-def _gated_prepare(mlp: nn.Module, ctx: KernelizeContext) -> Callable[[], None] | None:
-    return None if ctx.training else stack(mlp, _GATE_UP)  # training stacks per call, with gradients
+def _gated_prepare(mlp: nn.Module, ctx: KernelizeContext) -> Callable[[], None]:
+    forget = _remember(mlp, _GATED, mlp.act_fn)
+    if ctx.training:
+        return forget  # training stacks per call, with gradients
+    unstack = stack(mlp, _GATE_UP)
+
+    def undo() -> None:
+        unstack()
+        forget()
+
+    return undo
 
 
 def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     h = stacked_forward(self, _GATE_UP, x)
-    return self.down_proj(_GATED[_act_kind(self.act_fn)](h))
+    return self.down_proj(self.__dict__[_KIND](h))
 
 
 def replacements() -> list[Swap]:
@@ -108,5 +129,6 @@ def replacements() -> list[Swap]:
     return [
         Swap(family, "gated_mlp", GATED_MLPS, _gated_forward, check=_gated_check, prepare=_gated_prepare,
              covers_children=True),
-        Swap(family, "activation", activations, _activation_forward, check=_activation_check),
+        Swap(family, "activation", activations, _activation_forward, check=_activation_check,
+             prepare=_activation_prepare),
     ]  # fmt: skip
