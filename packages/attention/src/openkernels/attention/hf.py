@@ -136,22 +136,27 @@ def _sdpa_is_faster(query, key, is_causal, sliding_window, softcap) -> bool:
     )
 
 
+def _check_handle(cache_name: str, query, key, value, dropout: float, new_tokens: int) -> None:
+    """What both caches' handles require: key and value are the handle, no dropout, and the
+    queries are the tokens the update just brought."""
+    if value is not key:
+        raise TypeError(f"hf_attention_forward: with {cache_name}, key and value must be the handle its update "
+                        "returned")  # fmt: skip
+    if dropout > 0:
+        raise NotImplementedError(f"hf_attention_forward: {cache_name} is for inference; attention dropout (a module "
+                                  "in training mode) is not supported")  # fmt: skip
+    if query.shape[2] != new_tokens:
+        raise ValueError(f"hf_attention_forward: {query.shape[2]} queries but the cache's update brought "
+                         f"{new_tokens} new tokens; the queries must be those tokens")  # fmt: skip
+
+
 def _attend_cached(
     query, key: CachedKV, value, attention_mask, dropout, scaling, is_causal, sliding_window, softcap
 ):
     """query (B, Hq, Sq, D) against the KV cache behind `key` (an OpenKernelsCache layer's handle,
     its Sq new tokens already appended) -> (B, Sq, Hq, D)."""
-    if value is not key:
-        raise TypeError(
-            "hf_attention_forward: with OpenKernelsCache, key and value must be the handle its update returned"
-        )
-    if dropout > 0:
-        raise NotImplementedError("hf_attention_forward: OpenKernelsCache is for inference; attention dropout (a module "
-                                  "in training mode) is not supported")  # fmt: skip
+    _check_handle("OpenKernelsCache", query, key, value, dropout, key.new_tokens)
     cache = key.cache
-    if query.shape[2] != key.new_tokens:
-        raise ValueError(f"hf_attention_forward: {query.shape[2]} queries but the cache's update appended "
-                         f"{key.new_tokens} tokens; the queries must be the tokens just appended")  # fmt: skip
     if attention_mask is not None:
         _check_cache_mask(attention_mask, query.shape[2], max(cache.lengths), is_causal, sliding_window)
     # transformers' sliding window W lets a token see itself and the W - 1 before it; queries sit
@@ -167,17 +172,8 @@ def _attend_static(
     """query (B, Hq, Sq, D) against an OpenKernelsStaticCache layer: its new keys and values
     (B, Hkv, Sq, D) appended at the lengths before them and attended in one
     attention_with_kvcache call -> (B, Sq, Hq, D). No host read while compiling."""
-    if value is not key:
-        raise TypeError(
-            "hf_attention_forward: with OpenKernelsStaticCache, key and value must be the handle its update returned"
-        )
-    if dropout > 0:
-        raise NotImplementedError("hf_attention_forward: OpenKernelsStaticCache is for inference; attention dropout (a "
-                                  "module in training mode) is not supported")  # fmt: skip
+    _check_handle("OpenKernelsStaticCache", query, key, value, dropout, key.k_new.shape[2])
     layer = key.layer
-    if query.shape[2] != key.k_new.shape[2]:
-        raise ValueError(f"hf_attention_forward: {query.shape[2]} queries but the cache's update got "
-                         f"{key.k_new.shape[2]} new tokens; the queries must be those tokens")  # fmt: skip
     # A compiled step cannot read the mask without a host sync: it is trusted to be the causal
     # (and window) mask transformers builds for an unpadded batch (padding: unsupported).
     if attention_mask is not None and not torch.compiler.is_compiling():

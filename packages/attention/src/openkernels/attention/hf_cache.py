@@ -162,6 +162,18 @@ def _build_classes() -> dict[str, type]:
             self.is_sliding = sliding_window is not None
             self.sliding_window = sliding_window
 
+        def _storage_format(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+            """(heads_kv, head_dim, kv_dtype, device) of the storage, from the first keys and values."""
+            _, heads_kv, _, head_dim = key_states.shape
+            if value_states.shape[1] != heads_kv or value_states.shape[-1] != head_dim:
+                raise ValueError(f"{self.cache_name}: keys {tuple(key_states.shape)} and values "
+                                 f"{tuple(value_states.shape)} must share heads and head_dim")  # fmt: skip
+            kv_dtype = key_states.dtype if self.kv_dtype is None else self.kv_dtype
+            if isinstance(kv_dtype, torch.dtype) and kv_dtype != key_states.dtype:
+                raise TypeError(f"{self.cache_name}: a 16-bit cache holds the model's dtype ({key_states.dtype}), "
+                                f"got kv_dtype={kv_dtype}; pass kv_dtype=None, 'int8' or 'int4'")  # fmt: skip
+            return heads_kv, head_dim, kv_dtype, key_states.device if self.device is None else self.device
+
         def get_max_length(self) -> int:
             return self.max_seqlen
 
@@ -224,15 +236,7 @@ def _build_classes() -> dict[str, type]:
             return f"{type(self).__name__}({self.kv!r})"
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            _, heads_kv, _, head_dim = key_states.shape
-            if value_states.shape[1] != heads_kv or value_states.shape[-1] != head_dim:
-                raise ValueError(f"OpenKernelsCache: keys {tuple(key_states.shape)} and values "
-                                 f"{tuple(value_states.shape)} must share heads and head_dim")  # fmt: skip
-            kv_dtype = key_states.dtype if self.kv_dtype is None else self.kv_dtype
-            if isinstance(kv_dtype, torch.dtype) and kv_dtype != key_states.dtype:
-                raise TypeError(f"OpenKernelsCache: a 16-bit cache holds the model's dtype ({key_states.dtype}), got "
-                                f"kv_dtype={kv_dtype}; pass kv_dtype=None, 'int8' or 'int4'")  # fmt: skip
-            device = key_states.device if self.device is None else self.device
+            heads_kv, head_dim, kv_dtype, device = self._storage_format(key_states, value_states)
             self.kv = KVCache(self.batch_size, self.max_seqlen, heads_kv, head_dim, kv_dtype=kv_dtype,
                               group_size=self.group_size, device=device)  # fmt: skip
             self.device = device
@@ -340,15 +344,7 @@ def _build_classes() -> dict[str, type]:
             return parts
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            _, heads_kv, _, head_dim = key_states.shape
-            if value_states.shape[1] != heads_kv or value_states.shape[-1] != head_dim:
-                raise ValueError(f"OpenKernelsStaticCache: keys {tuple(key_states.shape)} and values "
-                                 f"{tuple(value_states.shape)} must share heads and head_dim")  # fmt: skip
-            kv_dtype = key_states.dtype if self.kv_dtype is None else self.kv_dtype
-            if isinstance(kv_dtype, torch.dtype) and kv_dtype != key_states.dtype:
-                raise TypeError(f"OpenKernelsStaticCache: a 16-bit cache holds the model's dtype ({key_states.dtype}), "
-                                f"got kv_dtype={kv_dtype}; pass kv_dtype=None, 'int8' or 'int4'")  # fmt: skip
-            device = key_states.device if self.device is None else self.device
+            heads_kv, head_dim, kv_dtype, device = self._storage_format(key_states, value_states)
             # KVCache checks head_dim and group_size and allocates the storage; its tensors are kept.
             kv = KVCache(self.batch_size, self.max_seqlen, heads_kv, head_dim, kv_dtype=kv_dtype,
                          group_size=self.group_size, device=device)  # fmt: skip
