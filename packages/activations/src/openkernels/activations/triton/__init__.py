@@ -5,11 +5,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from openkernels.shared.platform import device_info
 
-from .configs import MAX_GRID, launch_config
+from .configs import plan
 from .kernels import (
     _activation_bwd_kernel,
     _activation_fwd_kernel,
@@ -21,19 +20,12 @@ __all__ = ["unary_fwd", "unary_bwd", "gated_fwd", "gated_bwd"]
 
 
 def _grid(x: torch.Tensor, n_rows: int, n_cols: int):
-    return _plan(n_rows, n_cols, x.dtype, x.device)
+    return plan(n_rows, n_cols, x.dtype, _backend(x.device))
 
 
 @functools.cache
-def _plan(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device):
-    """Config and grid, cached: the host work per launch stays a dict lookup."""
-    cfg = launch_config(n_rows, n_cols, dtype, device_info(device).backend)
-    tiles = triton.cdiv(n_rows, cfg.block_rows) * triton.cdiv(n_cols, cfg.block_cols)
-    if tiles > MAX_GRID:
-        raise ValueError(f"{n_rows}x{n_cols} needs {tiles} programs, more than one launch takes ({MAX_GRID})")
-    grid = (tiles,)
-    even = n_rows % cfg.block_rows == 0 and n_cols % cfg.block_cols == 0
-    return cfg, grid, even
+def _backend(device: torch.device) -> str:
+    return device_info(device).backend
 
 
 def unary_fwd(x: torch.Tensor, out: torch.Tensor, act: int) -> None:
