@@ -99,7 +99,7 @@ def test_empty_and_scalar_inputs(backend: str, variant: Variant) -> None:
 def test_bad_inputs_raise_before_any_kernel(backend: str, variant: Variant) -> None:
     fn = getattr(AJ, variant.op)
     with okjax.use_backend(backend):
-        with pytest.raises(TypeError, match="must be a jax.Array"):
+        with pytest.raises(TypeError, match=r"must be a jax\.Array"):
             fn(torch.ones(4, 8))
         with pytest.raises(TypeError, match="dtype int32; supported"):
             fn(jnp.ones((4, 8), jnp.int32))

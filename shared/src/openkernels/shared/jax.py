@@ -133,7 +133,7 @@ def backend() -> str:
 
 @functools.cache
 def gpu_vendor() -> str:
-    """"cuda" or "rocm" for JAX's default GPU backend, "cpu" otherwise (picks launch configs)."""
+    """ "cuda" or "rocm" for JAX's default GPU backend, "cpu" otherwise (picks launch configs)."""
     if not _on_gpu():
         return "cpu"
     version = jax.devices()[0].client.platform_version.lower()
@@ -176,7 +176,9 @@ def row_view(x: jax.Array) -> tuple[jax.Array, int, int]:
     return x.reshape(n_rows, n_cols), n_rows, n_cols
 
 
-def _check_order(kernel: Any, inputs: Sequence[str], outputs: Sequence[str], constants: Mapping[str, Any]) -> None:
+def _check_order(
+    kernel: Any, inputs: Sequence[str], outputs: Sequence[str], constants: Mapping[str, Any]
+) -> None:
     names = list(kernel.arg_names)
     unknown = sorted((set(inputs) | set(outputs) | set(constants)) - set(names))
     if unknown:
@@ -237,7 +239,9 @@ def launch(
         )
     elif where == "interpret":
         arrays = [inputs[n] for n in in_names]
-        results = _interpret(kernel, grid, arrays, in_names, out_names, shapes, dict(constants), num_warps, num_stages)
+        results = _interpret(
+            kernel, grid, arrays, in_names, out_names, shapes, dict(constants), num_warps, num_stages
+        )
     else:
         raise RuntimeError(f"launch() runs Triton kernels; the current JAX backend is {where!r}")
     results = list(results)

@@ -20,7 +20,7 @@ from openkernels.shared.bench import score as _score
 from . import api
 from .spec import SPECS
 
-__all__ = ["GPU_SHAPES", "CPU_SHAPES", "VARIANTS", "cases", "checks", "torch_composition"]
+__all__ = ["GPU_SHAPES", "CPU_SHAPES", "VARIANTS", "cases", "jax_cases", "checks", "torch_composition"]
 
 # (rows, d): gated ops read (rows, 2d) and write (rows, d); unary ops map (rows, d).
 GPU_SHAPES = ((16384, 8192), (4096, 4096))
@@ -216,3 +216,52 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
                 Check(label, "bwd", impl, str(dtype).removeprefix("torch."), *_score(grad, ref_grad, dtype))
             )
     return results
+
+
+def jax_cases(
+    *,
+    shapes: Sequence[tuple[int, int]] = GPU_SHAPES,
+    dtype: torch.dtype = torch.bfloat16,
+    variants: Sequence[tuple[str, str | None]] = VARIANTS,
+) -> list:
+    """`JaxCase`s (openkernels.shared.bench_jax): each op forward, and its gradient through
+    jax.vjp against torch.autograd, on the GPU shapes."""
+    import jax
+
+    from openkernels.shared.bench_jax import JaxCase
+
+    from . import jax as ajax
+
+    out = []
+    for op, approximate in variants:
+        gated = SPECS[op].gated
+        name = f"{op}[{approximate}]" if approximate else op
+        extra = (approximate,) if approximate else ()
+        ours, jax_op = _ours(op, approximate), getattr(ajax, op)
+        backward = getattr(torch.ops.openkernels, f"{op}_backward")
+        for rows, d in shapes:
+            width = 2 * d if gated else d
+
+            def make(dev: torch.device, rows: int = rows, width: int = width, d: int = d) -> dict:
+                x = torch.randn(rows, width, device=dev, dtype=torch.float32).to(dtype)
+                return {"x": x, "dy": torch.randn(rows, d, device=dev, dtype=torch.float32).to(dtype)}
+
+            def jax_grad(s: dict, f=jax_op, e=extra) -> Any:
+                _, vjp = jax.vjp(lambda x: f(x, *e), s["x"])
+                return vjp(s["dy"])[0]
+
+            for direction in ("fwd", "bwd"):
+                if direction == "fwd":
+                    torch_fn, jax_fn = (
+                        (lambda s, f=ours: f(s["x"])),
+                        (lambda s, f=jax_op, e=extra: f(s["x"], *e)),
+                    )
+                else:
+                    torch_fn, jax_fn = (lambda s, f=backward, e=extra: f(s["dy"], s["x"], *e)), jax_grad
+                nbytes = _bytes(gated, rows, d, dtype, direction)
+                out.append(
+                    JaxCase(
+                        "activations", name, direction, (rows, width), dtype, nbytes, make, torch_fn, jax_fn
+                    )
+                )
+    return out

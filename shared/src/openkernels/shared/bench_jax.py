@@ -1,0 +1,173 @@
+"""The JAX front ends against the PyTorch API on the same GPU, in the same process.
+
+A family's ``jax_cases(device)`` (in its bench module) returns `JaxCase`s: input sets made
+with torch and handed to JAX through DLPack (zero copy, so both sides read the same
+memory), the PyTorch call, and the JAX call. `run_jax_cases` times, on rotating input sets
+(3x the 60 MB L2), three contenders:
+
+* ``torch``: the family's PyTorch function (its Triton kernel);
+* ``jax``: the JAX function under ``jax.jit`` on the "triton" backend (the same kernel
+  through jax-triton);
+* ``jnp``: the JAX function under ``jax.jit`` on the "jnp" backend (XLA's own fusion of the
+  jax.numpy composition).
+
+All three are timed the same way: wall clock over a batch of calls, ended by one device
+sync, so the host's dispatch cost counts the same on both sides (JAX launches on its own
+stream, which CUDA events recorded by torch would not see). It also reports how far the
+JAX output is from the PyTorch output (0.0 when the same kernel gives the same bits).
+"""
+
+from __future__ import annotations
+
+import os
+
+# JAX takes 75% of the GPU at start by default; torch allocates in the same process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import torch
+
+from . import jax as okjax
+from .bench import L2_BYTES
+
+__all__ = ["JaxCase", "JaxMeasurement", "run_jax_cases", "format_jax_table", "to_jax"]
+
+
+@dataclass
+class JaxCase:
+    """One point: `make_inputs(device)` gives a dict of torch tensors; `torch_fn` and
+    `jax_fn` take that dict (jax_fn with each tensor as a jax.Array) and return the result
+    (an array or a tuple of arrays). `bytes` is the least traffic of the work (GB/s),
+    `flops` its FLOPs for compute-bound work (TFLOP/s)."""
+
+    family: str
+    op: str
+    direction: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+    make_inputs: Callable[[torch.device], dict[str, torch.Tensor]]
+    torch_fn: Callable[[dict[str, Any]], Any]
+    jax_fn: Callable[[dict[str, Any]], Any]
+    flops: int = 0
+
+    @property
+    def label(self) -> str:
+        shape = "x".join(map(str, self.shape))
+        return f"{self.family}.{self.op} {self.direction} {shape} {str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass
+class JaxMeasurement:
+    label: str
+    torch_ms: float
+    jax_ms: float
+    jnp_ms: float
+    bytes: int
+    flops: int
+    max_diff: float  # largest |jax - torch| over the outputs (0.0: identical)
+
+    @property
+    def jax_over_torch(self) -> float:
+        """JAX time / PyTorch time: <= 1.05 meets the 5% bar."""
+        return self.jax_ms / self.torch_ms
+
+    @property
+    def jnp_over_jax(self) -> float:
+        """XLA's jnp composition time / ours: > 1 means the kernel wins."""
+        return self.jnp_ms / self.jax_ms
+
+
+def to_jax(t: torch.Tensor) -> jax.Array:
+    """The same device memory as a jax.Array (DLPack, no copy)."""
+    return jax.dlpack.from_dlpack(t.contiguous())
+
+
+def _leaves(result: Any) -> list:
+    return [r for r in jax.tree_util.tree_leaves(result) if r is not None]
+
+
+def _sync_torch(_: Any) -> None:
+    torch.cuda.synchronize()
+
+
+def _sync_jax(result: Any) -> None:
+    jax.block_until_ready(result)
+
+
+def _time_ms(
+    call: Callable[[Any], Any], sets: Sequence[Any], sync: Callable[[Any], None], batch: int
+) -> float:
+    for s in sets:  # compile, allocate, warm the caches of both sides
+        sync(call(s))
+    samples = []
+    for _ in range(7):
+        start = time.perf_counter()
+        out = None
+        for i in range(batch):
+            out = call(sets[i % len(sets)])
+        sync(out)
+        samples.append((time.perf_counter() - start) * 1e3 / batch)
+    return statistics.median(samples)
+
+
+def _max_diff(a: Any, b: Any) -> float:
+    worst = 0.0
+    for x, y in zip(_leaves(a), _leaves(b)):
+        xt = torch.from_dlpack(x) if not isinstance(x, torch.Tensor) else x
+        yt = torch.from_dlpack(y) if not isinstance(y, torch.Tensor) else y
+        diff = (xt.double() - yt.double()).abs().nan_to_num(0.0, 0.0, 0.0)
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+    return worst
+
+
+def run_jax_cases(
+    cases: Sequence[JaxCase], *, batch: int = 50, log: Callable[[str], None] = print
+) -> list[JaxMeasurement]:
+    """Time every case's three contenders; needs a GPU build of JAX with jax-triton."""
+    device = torch.device("cuda")
+    results = []
+    for case in cases:
+        count = min(8, max(2, math.ceil(3 * L2_BYTES / max(case.bytes, 1))))
+        torch_sets = [case.make_inputs(device) for _ in range(count)]
+        torch.cuda.synchronize()
+        jax_sets = [{k: to_jax(v) for k, v in s.items()} for s in torch_sets]
+        with okjax.use_backend("triton"):
+            ours = jax.jit(case.jax_fn)  # traced inside the block: the backend is fixed at trace time
+            jax_ms = _time_ms(ours, jax_sets, _sync_jax, batch)
+            jax_out = ours(jax_sets[0])
+        with okjax.use_backend("jnp"):
+            composed = jax.jit(case.jax_fn)
+            jnp_ms = _time_ms(composed, jax_sets, _sync_jax, batch)
+        torch_ms = _time_ms(case.torch_fn, torch_sets, _sync_torch, batch)
+        diff = _max_diff(jax_out, case.torch_fn(torch_sets[0]))
+        m = JaxMeasurement(case.label, torch_ms, jax_ms, jnp_ms, case.bytes, case.flops, diff)
+        results.append(m)
+        log(format_jax_table([m], header=not results[:-1]))
+        del torch_sets, jax_sets, jax_out
+    return results
+
+
+def format_jax_table(results: Sequence[JaxMeasurement], *, header: bool = True) -> str:
+    lines = []
+    if header:
+        lines.append(
+            f"{'case':<58} {'torch ms':>9} {'jax ms':>9} {'jnp ms':>9} {'jax/torch':>9} "
+            f"{'jnp/jax':>8} {'jax rate':>12} {'max|jax-torch|':>14}"
+        )
+    for m in results:
+        rate = (
+            f"{m.flops / m.jax_ms / 1e9:.1f} TFLOP/s" if m.flops else f"{m.bytes / m.jax_ms / 1e6:.0f} GB/s"
+        )
+        lines.append(
+            f"{m.label:<58} {m.torch_ms:>9.4f} {m.jax_ms:>9.4f} {m.jnp_ms:>9.4f} {m.jax_over_torch:>9.3f} "
+            f"{m.jnp_over_jax:>8.2f} {rate:>12} {m.max_diff:>14.3g}"
+        )
+    return "\n".join(lines)
