@@ -33,18 +33,14 @@ def _signature(direction: str, act: str) -> dict[str, str]:
     sizes = {"seqlen_q": "i32", "seqlen_k": "i32", "heads_q": "i32", "group": "i32"}
     window = {"window_left": "i32", "window_right": "i32"}
     if direction == "fwd":
-        ptrs = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "o_ptr": act, "lse_ptr": "*fp32",
-                "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "slopes_ptr": "*fp32"}  # fmt: skip
+        ptrs = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
+                "slopes_ptr": "*fp32", "o_ptr": act, "lse_ptr": "*fp32"}  # fmt: skip
         return {**ptrs, **_strides("q", "k", "v", "o"), **lse, **sizes,
                 "qk_scale": "fp32", "cap_scale": "fp32", "cap_out": "fp32", **window}  # fmt: skip
-    ptrs = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "do_ptr": act, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
-    if direction == "dkdv":
-        ptrs |= {"dk_ptr": act, "dv_ptr": act}
-        grads = ("dk", "dv")
-    else:
-        ptrs |= {"dq_ptr": act}
-        grads = ("dq",)
-    ptrs |= {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "slopes_ptr": "*fp32"}
+    ptrs = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "do_ptr": act, "lse_ptr": "*fp32", "delta_ptr": "*fp32",
+            "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "slopes_ptr": "*fp32"}  # fmt: skip
+    grads = ("dk", "dv") if direction == "dkdv" else ("dq",)
+    ptrs |= {f"{g}_ptr": act for g in grads}
     scales = {"qk_scale": "fp32", "sm_scale": "fp32", "cap_scale": "fp32", "cap_out": "fp32"}
     return {**ptrs, **_strides("q", "k", "v", "do", *grads), **lse, **sizes, **scales, **window}
 
@@ -76,7 +72,7 @@ def _case(direction: str, head_dim: int, cfg: configs.AttnConfig, dtype: str, fl
 def _preprocess_case(head_dim: int):
     from openkernels.shared.testing.aot import AotCase
 
-    signature = {"o_ptr": "*bf16", "do_ptr": "*bf16", "delta_ptr": "*fp32", "cu_q_ptr": "*i32",
+    signature = {"o_ptr": "*bf16", "do_ptr": "*bf16", "cu_q_ptr": "*i32", "delta_ptr": "*fp32",
                  **_strides("o", "do"), "stride_lb": "i32", "stride_lh": "i32", "seqlen_q": "i32",
                  "heads_q": "i32"}  # fmt: skip
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim),

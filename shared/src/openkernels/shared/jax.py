@@ -87,10 +87,20 @@ def _on_gpu() -> bool:
 @functools.cache
 def _jax_triton():
     """The jax_triton module, or the import error's text."""
+    # jax-triton 0.3 sets TRITON_CACHE_DIR="" at import, after which every Triton JIT
+    # compile of the process fails ("Could not create or locate cache dir"): the PyTorch
+    # path's kernels and torch.compile's included. jax-triton compiles without that cache,
+    # so the variable is put back as it was.
+    saved = os.environ.get("TRITON_CACHE_DIR")
     try:
         import jax_triton
     except Exception as exc:  # ImportError, or its own check of JAX's GPU support
         return f"jax-triton does not import ({exc})"
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = saved
     return jax_triton
 
 
@@ -234,7 +244,7 @@ def launch(
             name=_kernel_name(kernel),
             num_warps=num_warps,
             num_stages=num_stages,
-            zeroed_outputs=[out_names.index(n) for n in zeroed],
+            zeroed_outputs=tuple(out_names.index(n) for n in zeroed),  # hashable: a jaxpr parameter
             **constants,
         )
     elif where == "interpret":

@@ -2,7 +2,9 @@
 
 Layout: q, o, do, dq (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D) as strided views with a
 unit head_dim stride; varlen calls pass batch strides of 0 and per-sequence starts from
-cu_seqlens. lse, delta: (B, Hq, Sq) float32, natural-log lse.
+cu_seqlens. lse, delta: (B, Hq, Sq) float32, natural-log lse. Every kernel lists its input
+pointers before its output pointers (JAX passes them in that order, openkernels.shared.jax);
+the launchers pass everything by name (triton/plan.py).
 
 Scores are carried in log2 units (s * log2(e)) so every exponential is one exp2. Each
 program visits only key (or query) blocks that some of its rows can see, in up to three
@@ -185,7 +187,7 @@ def _fwd_blocks(
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr,
+    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, heads_q, group, qk_scale, cap_scale, cap_out, window_left, window_right,
@@ -264,7 +266,7 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    o_ptr, do_ptr, delta_ptr, cu_q_ptr,
+    o_ptr, do_ptr, cu_q_ptr, delta_ptr,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
     seqlen_q, heads_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -331,7 +333,7 @@ def _dkdv_blocks(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr, dk_ptr, dv_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
@@ -429,7 +431,7 @@ def _dq_blocks(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr, dq_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, heads_q, group, qk_scale, sm_scale, cap_scale, cap_out, window_left, window_right,

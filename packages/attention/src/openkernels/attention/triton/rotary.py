@@ -3,22 +3,15 @@ and apply_rotary_bwd)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import triton
 
 from openkernels.shared.platform import device_info
 
-from .configs import RotaryConfig, rotary_blocks, rotary_config
+from . import plan
+from .configs import RotaryConfig
 from .rotary_kernels import _apply_rotary_kernel
 
 __all__ = ["apply_rotary_fwd", "apply_rotary_bwd"]
-
-
-@functools.cache
-def _config(head_dim: int, rot_dim: int, heads_q: int, heads_k: int, device: torch.device) -> RotaryConfig:
-    return rotary_config(head_dim, rot_dim, heads_q, heads_k, device_info(device).arch)
 
 
 def _table_strides(t: torch.Tensor) -> tuple[int, int]:
@@ -27,17 +20,12 @@ def _table_strides(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _launch(x_q, x_k, cos, sin, out_q, out_k, backward: bool, config: RotaryConfig | None) -> None:
-    batch, seqlen, heads_q, head_dim = x_q.shape
-    heads_k, rot_dim = x_k.shape[2], cos.shape[-1]
-    cfg = config or _config(head_dim, rot_dim, heads_q, heads_k, x_q.device)
-    block_half, block_pass = rotary_blocks(head_dim, rot_dim)
-    tokens = batch * seqlen
-    _apply_rotary_kernel[(triton.cdiv(tokens, cfg.block_t),)](
-        x_q, x_k, cos, sin, out_q, out_k, *x_q.stride()[:3], *x_k.stride()[:3], *_table_strides(cos),
-        *_table_strides(sin), tokens, seqlen, heads_q, heads_k,
-        HEAD_DIM=head_dim, ROT_HALF=rot_dim // 2, BLOCK_T=cfg.block_t, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk,
-        BLOCK_HALF=block_half, BLOCK_PASS=block_pass, BACKWARD=backward, num_warps=cfg.num_warps,
+    launch = plan.rotary(
+        tuple(x_q.shape), x_k.shape[2], cos.shape[-1], (x_q.stride()[:3], x_k.stride()[:3]),
+        (_table_strides(cos), _table_strides(sin)), backward, device_info(x_q.device).arch, config,
     )  # fmt: skip
+    _apply_rotary_kernel[launch.grid](q_ptr=x_q, k_ptr=x_k, cos_ptr=cos, sin_ptr=sin, qo_ptr=out_q, ko_ptr=out_k,
+                                      num_warps=launch.num_warps, **launch.args)  # fmt: skip
 
 
 def apply_rotary_fwd(q, k, cos, sin, q_out, k_out, *, config: RotaryConfig | None = None) -> None:

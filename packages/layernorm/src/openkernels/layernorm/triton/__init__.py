@@ -5,21 +5,13 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from openkernels.shared.platform import device_info
 
-from .configs import MAX_SPLITS, NormConfig, launch_config
-from .kernels import _norm_bwd_kernel, _norm_fwd_kernel, _norm_fwd_looped_kernel, _norm_fwd_split_kernel
+from . import kernels
+from .configs import NormConfig, bwd_plan, fwd_plan
 
 __all__ = ["norm_fwd", "norm_bwd"]
-
-
-@functools.cache
-def _config(
-    n_cols: int, dtype: torch.dtype, device: torch.device, direction: str, aligned: bool, rms: bool
-) -> NormConfig:
-    return launch_config(n_cols, dtype, device_info(device).backend, direction, aligned, rms)
 
 
 def _aligned(n_cols: int, *tensors: torch.Tensor | None) -> bool:
@@ -32,12 +24,6 @@ def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter runs programs one after another: a few are enough
-
-
-def _programs(blocks: int, cfg: NormConfig, device: torch.device) -> int:
-    return (
-        blocks if cfg.programs_per_sm == 0 else max(1, min(blocks, _sm_count(device) * cfg.programs_per_sm))
-    )
 
 
 @functools.cache
@@ -64,44 +50,29 @@ def norm_fwd(
     config: NormConfig | None = None,
 ) -> None:
     n_rows, n_cols = x.shape
-    cfg = config or _config(n_cols, x.dtype, x.device, "fwd", _aligned(n_cols, x, residual), rms)
-    res_out = residual_out if residual_out is not None else _dtype_token(h_dtype, x.device)
-    tensors = (
-        x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
-        out, res_out, rstd if mean is None else mean, rstd,
-    )  # fmt: skip
-    sizes_strides = (
-        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-        0 if residual_out is None else residual_out.stride(0),
-    )  # fmt: skip
-    flags = dict(
+    backend = device_info(x.device).backend
+    plan = fwd_plan(n_rows, n_cols, x.dtype, backend, _aligned(n_cols, x, residual), rms, _sm_count(x.device),
+                    config)  # fmt: skip
+    cfg = plan.config
+    # Absent tensors are stand-ins the kernel's flags keep it from touching.
+    args = dict(
+        x_ptr=x, res_ptr=x if residual is None else residual, w_ptr=x if weight is None else weight,
+        b_ptr=x if bias is None else bias, out_ptr=out,
+        res_out_ptr=residual_out if residual_out is not None else _dtype_token(h_dtype, x.device),
+        mean_ptr=rstd if mean is None else mean, rstd_ptr=rstd,
+        n_rows=n_rows, n_cols=n_cols, stride_x=x.stride(0), stride_res=0 if residual is None else residual.stride(0),
+        stride_out=out.stride(0), stride_res_out=0 if residual_out is None else residual_out.stride(0),
+        eps=eps, weight_offset=weight_offset,
         IS_RMS=rms, HAS_RESIDUAL=residual is not None, STORE_RESIDUAL=residual_out is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if cfg.mode == "tile":
-        grid = (_programs(triton.cdiv(n_rows, cfg.block_rows), cfg, x.device),)
-        _norm_fwd_kernel[grid](
-            *tensors, n_rows, n_cols, *sizes_strides, eps, weight_offset,
-            EVEN_C=n_cols == cfg.block_cols, PERSISTENT=cfg.programs_per_sm > 0, PREFETCH=cfg.prefetch,
-            BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, **flags,
-        )  # fmt: skip
-    elif cfg.mode == "split":
-        splits = triton.cdiv(n_cols, cfg.block_cols)
-        if splits > MAX_SPLITS or (splits > 1 and x.device.type != "cuda"):
-            # Its programs wait for each other: more than fit at once (or the interpreter,
-            # which runs them one by one) would never finish.
-            raise ValueError(f"the split kernel cannot run {splits} splits per row on {x.device}")
-        partials = torch.empty(n_rows * splits * 2, dtype=torch.float32, device=x.device)
-        arrived = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
-        _norm_fwd_split_kernel[(n_rows * splits,)](
-            *tensors, partials, arrived, n_rows, n_cols, splits, *sizes_strides, eps, weight_offset,
-            BLOCK_C=cfg.block_cols, MAX_SPLITS=triton.next_power_of_2(splits), **flags,
-        )  # fmt: skip
-    else:
-        _norm_fwd_looped_kernel[(n_rows,)](
-            *tensors, n_rows, n_cols, *sizes_strides, eps, weight_offset, BLOCK_C=cfg.block_cols, **flags,
-        )  # fmt: skip
+    if cfg.mode == "split":
+        args["part_ptr"] = torch.empty(n_rows * plan.splits * 2, dtype=torch.float32, device=x.device)
+        args["arrived_ptr"] = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
+        args["n_splits"] = plan.splits
+    getattr(kernels, plan.kernel)[plan.grid](
+        **args, **plan.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+    )
 
 
 def norm_bwd(
@@ -120,26 +91,24 @@ def norm_bwd(
     config: NormConfig | None = None,
 ) -> None:
     n_rows, n_cols = h.shape
-    cfg = config or _config(n_cols, h.dtype, h.device, "bwd", _aligned(n_cols, dy, h, dh_out), rms)
-    # Every program gets at least one row, so every partial row is written.
-    rows_per_program = triton.cdiv(n_rows, _programs(n_rows, cfg, h.device))
-    if not cfg.looped:
-        rows_per_program = triton.cdiv(rows_per_program, cfg.block_rows) * cfg.block_rows
-    programs = triton.cdiv(n_rows, rows_per_program)
+    backend = device_info(h.device).backend
+    plan = bwd_plan(n_rows, n_cols, h.dtype, backend, _aligned(n_cols, dy, h, dh_out), rms, _sm_count(h.device),
+                    config)  # fmt: skip
     dw_part = db_part = rstd
     if dweight is not None:
-        dw_part = torch.empty((programs, n_cols), dtype=torch.float32, device=h.device)
+        dw_part = torch.empty((plan.programs, n_cols), dtype=torch.float32, device=h.device)
     if dbias is not None:
-        db_part = torch.empty((programs, n_cols), dtype=torch.float32, device=h.device)
-    _norm_bwd_kernel[(programs,)](
-        dy, h, h if weight is None else weight, rstd if mean is None else mean, rstd,
-        dh if dh_out is None else dh_out, dh, dw_part, db_part,
-        n_rows, n_cols, dy.stride(0), h.stride(0), 0 if dh_out is None else dh_out.stride(0), dh.stride(0),
-        rows_per_program, weight_offset,
+        db_part = torch.empty((plan.programs, n_cols), dtype=torch.float32, device=h.device)
+    kernels._norm_bwd_kernel[plan.grid](
+        dy_ptr=dy, h_ptr=h, w_ptr=h if weight is None else weight, mean_ptr=rstd if mean is None else mean,
+        rstd_ptr=rstd, dh_out_ptr=dh if dh_out is None else dh_out, dh_ptr=dh, dw_part_ptr=dw_part,
+        db_part_ptr=db_part,
+        n_rows=n_rows, n_cols=n_cols, stride_dy=dy.stride(0), stride_h=h.stride(0),
+        stride_dh_out=0 if dh_out is None else dh_out.stride(0), stride_dh=dh.stride(0),
+        rows_per_program=plan.rows_per_program, weight_offset=weight_offset,
         IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_DH_OUT=dh_out is not None,
-        WEIGHT_GRAD=dweight is not None, BIAS_GRAD=dbias is not None, LOOPED=cfg.looped,
-        EVEN_C=n_cols == cfg.block_cols, PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WEIGHT_GRAD=dweight is not None, BIAS_GRAD=dbias is not None, **plan.constexprs,
+        num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
     )  # fmt: skip
     # A fixed-order sum over the program axis: deterministic, unlike atomics.
     if dweight is not None:

@@ -5,16 +5,16 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from torch import Tensor
 
 from openkernels.shared.platform import device_info, triton_interpreting
 
 from ..format import nf4_values
 from ..ops import LIBRARY_CALL
-from .configs import LinearConfig, arch_family, dequant_block, kernel_group, linear_config
+from .configs import LinearConfig, arch_family, linear_config
 from .fastlaunch import launch
 from .kernels import _dequantize_int4_fwd_kernel, _int4_linear_fwd_kernel, _int4_linear_gemv_fwd_kernel
+from .plan import dequant_plan, linear_plan
 
 __all__ = ["int4_linear_fwd", "dequantize_int4_fwd", "config_for"]
 
@@ -74,78 +74,41 @@ def dequantize_int4_fwd(
     qweight: Tensor, scales: Tensor, zeros: Tensor | None, out: Tensor, group_size: int, kind: str
 ) -> None:
     n, k = out.shape
-    block_n, block_k, warps = dequant_block(group_size, k)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
-    args = (qweight, scales, scales if zeros is None else zeros, _lut(kind, scales), out,
-            n, k, qweight.stride(0), scales.stride(0), out.stride(0))  # fmt: skip
-    flags = dict(GROUP=kernel_group(group_size, k), BLOCK_N=block_n, BLOCK_K=block_k, HAS_ZEROS=zeros is not None,
-                 NF4=kind == "nf4")  # fmt: skip
+    plan = dequant_plan(n, k, group_size, kind, has_zeros=zeros is not None)
+    ints = plan.int_args(qweight.stride(0), scales.stride(0), out.stride(0))
+    args = (qweight, scales, scales if zeros is None else zeros, _lut(kind, scales), out, *ints.values())
     static = ("dequant", n, k, qweight.stride(0), scales.stride(0), out.stride(0), out.dtype, scales.dtype, kind,
               zeros is None, group_size)  # fmt: skip
-    launch(_dequantize_int4_fwd_kernel, grid, args, flags, warps, 1, static)
-
-
-def _k_per_split(k: int, cfg: LinearConfig) -> tuple[int, int]:
-    """(K columns per split, a whole number of BLOCK_K steps; splits actually used)."""
-    steps = triton.cdiv(k, cfg.block_k)
-    per = triton.cdiv(steps, cfg.split_k) * cfg.block_k
-    return per, triton.cdiv(k, per)
+    launch(_dequantize_int4_fwd_kernel, plan.grid, args, plan.flags, plan.num_warps, plan.num_stages, static)
 
 
 class _Plan:
-    """Everything about one int4_linear launch that depends only on shapes, dtypes, strides
-    and flags, computed once (host time is what M=1 decode pays per layer)."""
+    """An int4_linear launch (plan.py) bound to its kernel and integer arguments, computed once
+    per shape, dtype, stride and flag set (host time is what M=1 decode pays per layer)."""
 
     def __init__(self, cfg: LinearConfig, m: int, n: int, k: int, group_size: int, kind: str, device: torch.device,
-                 has_zeros: bool, has_bias: bool, key: tuple) -> None:  # fmt: skip
-        per_split, splits = _k_per_split(k, cfg)
-        self.cfg, self.m, self.n, self.k, self.device = cfg, m, n, k, device
-        self.gemv = cfg.path == "gemv"
-        self.per_split, self.splits = per_split, splits
-        rows = 1 if self.gemv else m
-        self.tiles = triton.cdiv(n, cfg.block_n) * (1 if self.gemv else triton.cdiv(m, cfg.block_m))
-        self.partials = splits * rows * n
-        self.grid = (triton.cdiv(n, cfg.block_n) if self.gemv else self.tiles, splits)
-        self.flags = dict(
-            GROUP=kernel_group(group_size, k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_ZEROS=has_zeros,
-            NF4=kind == "nf4", HAS_BIAS=has_bias, SPLIT_K=splits, EVEN_K=k % cfg.block_k == 0,
-        )  # fmt: skip
-        if not self.gemv:
-            # Constexprs in parameter order (the direct launch passes them positionally).
-            self.flags = dict(
-                GROUP=self.flags["GROUP"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                GROUP_N=cfg.group_n, HAS_ZEROS=has_zeros, NF4=kind == "nf4", HAS_BIAS=has_bias, SPLIT_K=splits,
-                EVEN_K=self.flags["EVEN_K"], BITCAST=not (triton_interpreting() and key[5] == torch.bfloat16),
-                SWAP_AB=cfg.swap_ab,
-                UNROLL=cfg.unroll,
-            )  # fmt: skip
-        self.key = key
+                 has_zeros: bool, has_bias: bool, strides: tuple[int, int, int, int], key: tuple) -> None:  # fmt: skip
+        bitcast = not (triton_interpreting() and key[5] == torch.bfloat16)
+        launch_plan = linear_plan(cfg, m, n, k, group_size, kind, has_zeros=has_zeros, has_bias=has_bias,
+                                  bitcast=bitcast)  # fmt: skip
+        self.m, self.device, self.key = m, device, key
+        self.gemv, self.grid, self.flags = launch_plan.gemv, launch_plan.grid, launch_plan.flags
+        self.splits, self.partials, self.tiles = launch_plan.splits, launch_plan.partials, launch_plan.tiles
+        self.num_warps, self.num_stages = launch_plan.num_warps, launch_plan.num_stages
+        self.kernel = _int4_linear_gemv_fwd_kernel if self.gemv else _int4_linear_fwd_kernel
+        self.ints = tuple(launch_plan.int_args(*strides).values())
 
-    def __call__(self, x: Tensor, weight: tuple, out: Tensor, qw_stride: int, s_stride: int) -> None:
-        cfg = self.cfg
+    def __call__(self, x: Tensor, weight: tuple, out: Tensor) -> None:
         ws, counters = (
             _split_scratch(self.device, self.partials, self.tiles) if self.splits > 1 else (out, out)
         )
         if self.gemv:
-            for row in range(self.m):  # the table sends M == 1 here; a forced config may send more
-                args = (
-                    x[row],
-                    *weight,
-                    out[row],
-                    ws,
-                    counters,
-                    self.n,
-                    self.k,
-                    self.per_split,
-                    qw_stride,
-                    s_stride,
-                )
-                launch(_int4_linear_gemv_fwd_kernel, self.grid, args, self.flags, cfg.num_warps, cfg.num_stages,
-                       self.key)  # fmt: skip
+            for row in range(self.m):  # the table never sends M > 1 here; a forced config may
+                args = (x[row], *weight, out[row], ws, counters, *self.ints)
+                launch(self.kernel, self.grid, args, self.flags, self.num_warps, self.num_stages, self.key)
             return
-        args = (x, *weight, out, ws, counters, self.m, self.n, self.k, self.per_split, x.stride(0), qw_stride, s_stride,
-                out.stride(0))  # fmt: skip
-        launch(_int4_linear_fwd_kernel, self.grid, args, self.flags, cfg.num_warps, cfg.num_stages, self.key)
+        args = (x, *weight, out, ws, counters, *self.ints)
+        launch(self.kernel, self.grid, args, self.flags, self.num_warps, self.num_stages, self.key)
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -178,8 +141,9 @@ def int4_linear_fwd(
         if cfg.path == "dequant":
             _dequantize_then_matmul(x, qweight, scales, zeros, bias, out, group_size, kind)
             return
+        strides = (x.stride(0), qw_stride, s_stride, out.stride(0))
         plan = _plans[key] = _Plan(cfg, m, n, k, group_size, kind, x.device, zeros is not None, bias is not None,
-                                   key)  # fmt: skip
+                                   strides, key)  # fmt: skip
     weight = (
         qweight,
         scales,
@@ -187,7 +151,7 @@ def int4_linear_fwd(
         _lut(kind, scales),
         scales if bias is None else bias,
     )
-    plan(x, weight, out, qw_stride, s_stride)
+    plan(x, weight, out)
 
 
 def _dequantize_then_matmul(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None,

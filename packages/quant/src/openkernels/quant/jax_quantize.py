@@ -1,0 +1,171 @@
+"""Round-to-nearest 4-bit quantization on JAX arrays: quantize.py's math, step for step.
+
+The packed codes, scales and zeros equal quantize.py's bit for bit when search is None:
+every step is an elementwise float32 operation (IEEE division and rounding, round half to
+even, nearest NF4 level by the same float32 midpoints) in the same order. With
+search="clip" each ratio's squared error is a float32 sum whose order XLA picks, so a
+group whose two best ratios tie to the last bit may keep the other one (same error up to
+rounding). Quantizing is an offline step: it runs eagerly, not under ``jax.jit`` (it
+checks values and raises on NaN, infinity and scale overflow).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .format import NF4_VALUES
+from .jax_format import SCALE_DTYPES, Int4Weight
+
+__all__ = ["quantize_int4", "quantize_nf4"]
+
+_CHUNK_ELEMENTS = 1 << 24  # rows per pass keep float32 temporaries near 64 MB each, as in quantize.py
+
+
+def _fit(w: jax.Array, kind: str, symmetric: bool, ratio: float, scale_dtype: jnp.dtype):
+    """Scales (R, G), zeros (R, G) or None, codes (R, G, gs) and squared errors (R, G) of
+    groups w (R, G, gs) at clip ratio `ratio` (quantize.py's _fit)."""
+    zero = None
+    if kind == "nf4" or symmetric:
+        top = jnp.abs(w).max(axis=-1) * ratio
+        scale = top if kind == "nf4" else top / 7
+    else:
+        hi, lo = w.max(axis=-1) * ratio, w.min(axis=-1) * ratio
+        # A constant group (hi == lo) spans 0..hi instead, so its value lands on code 0 or 15.
+        scale = jnp.where(hi > lo, hi - lo, jnp.abs(hi)) / 15
+    scale = scale.astype(scale_dtype).astype(jnp.float32)
+    scale = jnp.where(scale > 0, scale, 1.0)  # all-zero group: any scale works
+    s = scale[..., None]
+    if kind == "nf4":
+        levels = jnp.asarray(NF4_VALUES, jnp.float32)
+        edges = (levels[1:] + levels[:-1]) / 2
+        codes = jnp.searchsorted(edges, w / s, side="left")  # torch.bucketize(right=False)
+        deq = levels[codes] * s
+    else:
+        zero_f = jnp.full_like(scale, 8.0) if symmetric else jnp.clip(jnp.round(-lo / scale), 0, 15)
+        zero = None if symmetric else zero_f
+        codes = jnp.clip(jnp.round(w / s) + zero_f[..., None], 0, 15)
+        deq = (codes - zero_f[..., None]) * s
+    err = jnp.square(deq - w).sum(axis=-1)
+    return scale, zero, codes.astype(jnp.uint8), err
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _quantize_rows(w: jax.Array, group_size: int, kind: str, symmetric: bool, ratios: tuple, scale_dtype):
+    """Rows w (R, K) -> packed codes (R, K // 2), scales (G, R), zeros (G, R) or None, and
+    whether any tried scale overflowed scale_dtype."""
+    rows, k = w.shape
+    w = w.astype(jnp.float32).reshape(rows, k // group_size, group_size)
+    best = None
+    overflow = jnp.zeros((), bool)
+    for r in ratios:  # strict improvement keeps the earlier ratio on ties, as quantize.py
+        scale, zero, codes, err = _fit(w, kind, symmetric, r, scale_dtype)
+        overflow = overflow | ~jnp.isfinite(scale).all()
+        if best is None:
+            best = [scale, zero, codes, err]
+            continue
+        better = err < best[3]
+        best[0] = jnp.where(better, scale, best[0])
+        if zero is not None:
+            best[1] = jnp.where(better, zero, best[1])
+        best[2] = jnp.where(better[..., None], codes, best[2])
+        best[3] = jnp.where(better, err, best[3])
+    scale, zero, codes, _ = best
+    codes = codes.reshape(rows, k)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    zeros = None if zero is None else zero.T.astype(scale_dtype)
+    return packed, scale.T.astype(scale_dtype), zeros, overflow
+
+
+def _check(weight, group_size, scale_dtype, search: str | None, grid: int, min_ratio: float) -> int:
+    """quantize.py's argument checks; returns the resolved group size."""
+    if isinstance(weight, jax.core.Tracer):
+        raise TypeError("quantize: runs eagerly (it checks the weight's values), not under jax.jit")
+    if not isinstance(weight, jax.Array) or weight.ndim != 2:
+        raise ValueError(
+            f"weight must be a 2D jax.Array (out_features, in_features), got {getattr(weight, 'shape', weight)}"
+        )
+    if not jnp.issubdtype(weight.dtype, jnp.floating):
+        raise TypeError(f"weight must be a float array, got {weight.dtype}")
+    k = weight.shape[1]
+    if k % 2:
+        raise ValueError(f"in_features {k} must be even: two 4-bit codes are packed per byte")
+    group_size = k if group_size in (None, -1) else group_size
+    if group_size not in (32, 64, 128, k) or k % group_size:
+        raise ValueError(
+            f"group_size {group_size} must be 32, 64, 128 or None (whole row) and divide in_features {k}"
+        )
+    if jnp.dtype(scale_dtype) not in SCALE_DTYPES:
+        raise TypeError(f"scale_dtype must be jnp.float16 or jnp.bfloat16, got {scale_dtype}")
+    if search not in (None, "clip"):
+        raise ValueError(f"search must be None or 'clip', got {search!r}")
+    if not 0 < min_ratio <= 1 or grid < 1:
+        raise ValueError(f"min_ratio must be in (0, 1] and grid >= 1, got {min_ratio}, {grid}")
+    if weight.size and not bool(jnp.isfinite(weight).all()):
+        raise ValueError("weight contains NaN or infinity")
+    return group_size
+
+
+def _quantize(weight, group_size, kind, symmetric, search, scale_dtype, grid, min_ratio) -> Int4Weight:
+    group_size = _check(weight, group_size, scale_dtype, search, grid, min_ratio)
+    scale_dtype = jnp.dtype(scale_dtype)
+    ratios = (1.0,) if search is None else tuple(1.0 - (1.0 - min_ratio) * i / grid for i in range(grid + 1))
+    n, k = weight.shape
+    rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    parts = [
+        _quantize_rows(weight[start : start + rows], group_size, kind, symmetric, ratios, scale_dtype)
+        for start in range(0, n, rows)
+    ]
+    if not parts:  # no rows: empty parts of the right shapes
+        parts = [
+            _quantize_rows(jnp.zeros((0, k), jnp.float32), group_size, kind, symmetric, ratios, scale_dtype)
+        ]
+    if any(bool(p[3]) for p in parts):
+        raise ValueError(f"a group's scale overflows {scale_dtype}; pass scale_dtype=jnp.bfloat16")
+    packed = jnp.concatenate([p[0] for p in parts])
+    scales = jnp.concatenate([p[1] for p in parts], axis=1)
+    zeros = None if parts[0][2] is None else jnp.concatenate([p[2] for p in parts], axis=1)
+    return Int4Weight(packed, scales, zeros, group_size, kind)
+
+
+def quantize_int4(
+    weight: jax.Array,
+    group_size: int | None = 128,
+    symmetric: bool = False,
+    *,
+    search: str | None = None,
+    scale_dtype=jnp.float16,
+    grid: int = 20,
+    min_ratio: float = 0.5,
+) -> Int4Weight:
+    """Quantize a weight (out_features, in_features) to 4-bit integers (quantize.quantize_int4).
+
+    Args:
+        weight: (N, K) float array, K even.
+        group_size: 32, 64, 128, or None for one group per row; must divide K.
+        symmetric: no zeros, codes centered on 8 (scale = max|w| / 7); else per-group
+            zeros from the group's min and max.
+        search: None (round to nearest) or "clip" (per-group clipping ratio search, `grid`
+            steps from 1 down to `min_ratio`, keeping the smallest squared error).
+        scale_dtype: jnp.float16 (default) or jnp.bfloat16 for scales and zeros.
+
+    Returns:
+        jax Int4Weight with kind "int4"; qweight (N, K // 2) uint8, scales / zeros (K // group, N).
+    """
+    return _quantize(weight, group_size, "int4", symmetric, search, scale_dtype, grid, min_ratio)
+
+
+def quantize_nf4(
+    weight: jax.Array,
+    group_size: int | None = 64,
+    *,
+    search: str | None = None,
+    scale_dtype=jnp.float16,
+    grid: int = 20,
+    min_ratio: float = 0.5,
+) -> Int4Weight:
+    """Quantize a weight (N, K) to NF4 (blocks of 64 by default, scale = the block's max|w|);
+    same arguments as `quantize_int4`; a jax Int4Weight with kind "nf4" and no zeros."""
+    return _quantize(weight, group_size, "nf4", True, search, scale_dtype, grid, min_ratio)

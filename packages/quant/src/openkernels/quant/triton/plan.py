@@ -1,0 +1,176 @@
+"""Launch plans of the quant kernels: the grid, constexprs and integer arguments of one launch,
+from a LinearConfig (configs.py) and the problem's sizes.
+
+Pure Python (no torch, no JAX, no Triton): the PyTorch launcher (triton/__init__.py), the
+JAX launcher (openkernels.quant.jax) and the compile-only checks (tests/test_aot.py) all
+build their launches here, so the three cannot drift apart.
+
+Pointers a launch does not need (zeros of a symmetric weight, the NF4 table of an int4 one,
+an absent bias, the split-K scratch without a split) are listed by `pointers()` as absent:
+the PyTorch launcher passes another tensor there (never read), the JAX launcher a constant
+None (the kernels guard every use behind a constexpr flag).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .configs import LinearConfig, dequant_block, kernel_group
+
+__all__ = [
+    "GEMV_KERNEL",
+    "TILED_KERNEL",
+    "DEQUANT_KERNEL",
+    "LinearPlan",
+    "DequantPlan",
+    "linear_plan",
+    "dequant_plan",
+    "k_per_split",
+]
+
+GEMV_KERNEL = "_int4_linear_gemv_fwd_kernel"
+TILED_KERNEL = "_int4_linear_fwd_kernel"
+DEQUANT_KERNEL = "_dequantize_int4_fwd_kernel"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def k_per_split(k: int, cfg: LinearConfig) -> tuple[int, int]:
+    """(K columns per split, a whole number of BLOCK_K steps; splits actually used)."""
+    steps = _cdiv(k, cfg.block_k)
+    per = _cdiv(steps, cfg.split_k) * cfg.block_k
+    return per, _cdiv(k, per)
+
+
+def _weight_pointers(flags: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(present, absent) among the optional weight inputs z_ptr, lut_ptr, bias_ptr."""
+    wanted = {"z_ptr": flags["HAS_ZEROS"], "lut_ptr": flags["NF4"], "bias_ptr": flags.get("HAS_BIAS", False)}
+    if "HAS_BIAS" not in flags:
+        del wanted["bias_ptr"]
+    return [p for p, on in wanted.items() if on], [p for p, on in wanted.items() if not on]
+
+
+@dataclass(frozen=True, eq=False)
+class LinearPlan:
+    """One int4_linear launch. gemv: the kernel takes one row of x (PyTorch and JAX launch it
+    once per row); grid and scratch sizes are per launch. flags: every constexpr, in the
+    kernel's parameter order. partials / tiles: float32 elements and int32 counters of the
+    split-K scratch (used when splits > 1)."""
+
+    kernel: str
+    m: int
+    n: int
+    k: int
+    grid: tuple[int, int]
+    per_split: int
+    splits: int
+    tiles: int
+    partials: int
+    flags: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+    @property
+    def gemv(self) -> bool:
+        return self.kernel == GEMV_KERNEL
+
+    def int_args(self, stride_xm: int, stride_qn: int, stride_sg: int, stride_om: int) -> dict[str, int]:
+        """The kernel's integer arguments by name, in parameter order (row strides in elements;
+        the gemv kernel takes one row and no row strides of x and out)."""
+        if self.gemv:
+            return {"N": self.n, "K": self.k, "k_per_split": self.per_split, "stride_qn": stride_qn,
+                    "stride_sg": stride_sg}  # fmt: skip
+        return {"M": self.m, "N": self.n, "K": self.k, "k_per_split": self.per_split, "stride_xm": stride_xm,
+                "stride_qn": stride_qn, "stride_sg": stride_sg, "stride_om": stride_om}  # fmt: skip
+
+    def pointers(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """(inputs, outputs, absent) pointer names, inputs and outputs in parameter order."""
+        present, absent = _weight_pointers(self.flags)
+        inputs = ("x_ptr", "qw_ptr", "s_ptr", *[p for p in ("z_ptr", "lut_ptr", "bias_ptr") if p in present])
+        scratch = ("ws_ptr", "counter_ptr")
+        outputs = ("out_ptr", *scratch) if self.splits > 1 else ("out_ptr",)
+        return inputs, outputs, (*absent, *(() if self.splits > 1 else scratch))
+
+
+def linear_plan(
+    cfg: LinearConfig,
+    m: int,
+    n: int,
+    k: int,
+    group_size: int,
+    kind: str,
+    *,
+    has_zeros: bool,
+    has_bias: bool,
+    bitcast: bool,
+) -> LinearPlan:
+    """The launch of config `cfg` ("gemv" or "tiled" path) for x (M, K) @ W^T, W (N, K).
+    bitcast: the tiled kernel's mantissa trick for 16-bit codes (False only where the Triton
+    interpreter runs bfloat16, which it cannot bitcast)."""
+    if cfg.path not in ("gemv", "tiled"):
+        raise ValueError(f"linear_plan: the {cfg.path!r} path launches no int4_linear kernel")
+    per_split, splits = k_per_split(k, cfg)
+    gemv = cfg.path == "gemv"
+    tiles_n = _cdiv(n, cfg.block_n)
+    tiles = tiles_n if gemv else tiles_n * _cdiv(m, cfg.block_m)
+    nf4, group, even_k = kind == "nf4", kernel_group(group_size, k), k % cfg.block_k == 0
+    if gemv:
+        flags = dict(GROUP=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_ZEROS=has_zeros, NF4=nf4,
+                     HAS_BIAS=has_bias, SPLIT_K=splits, EVEN_K=even_k)  # fmt: skip
+    else:
+        flags = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
+                     HAS_ZEROS=has_zeros, NF4=nf4, HAS_BIAS=has_bias, SPLIT_K=splits, EVEN_K=even_k, BITCAST=bitcast,
+                     SWAP_AB=cfg.swap_ab, UNROLL=cfg.unroll)  # fmt: skip
+    return LinearPlan(
+        kernel=GEMV_KERNEL if gemv else TILED_KERNEL,
+        m=m,
+        n=n,
+        k=k,
+        grid=(tiles_n if gemv else tiles, splits),
+        per_split=per_split,
+        splits=splits,
+        tiles=tiles,
+        partials=splits * (1 if gemv else m) * n,
+        flags=flags,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class DequantPlan:
+    """One dequantize_int4 launch writing W (N, K)."""
+
+    n: int
+    k: int
+    grid: tuple[int, int]
+    flags: dict[str, Any]
+    num_warps: int
+    num_stages: int = 1
+    kernel: str = DEQUANT_KERNEL
+
+    def int_args(self, stride_qn: int, stride_sg: int, stride_on: int) -> dict[str, int]:
+        """The kernel's integer arguments by name, in parameter order."""
+        return {
+            "N": self.n,
+            "K": self.k,
+            "stride_qn": stride_qn,
+            "stride_sg": stride_sg,
+            "stride_on": stride_on,
+        }
+
+    def pointers(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """(inputs, outputs, absent) pointer names, inputs and outputs in parameter order."""
+        present, absent = _weight_pointers(self.flags)
+        return ("qw_ptr", "s_ptr", *present), ("out_ptr",), tuple(absent)
+
+
+def dequant_plan(n: int, k: int, group_size: int, kind: str, *, has_zeros: bool) -> DequantPlan:
+    """The launch writing the (N, K) weight of a `kind` weight with groups of `group_size`."""
+    block_n, block_k, warps = dequant_block(group_size, k)
+    flags = dict(GROUP=kernel_group(group_size, k), BLOCK_N=block_n, BLOCK_K=block_k, HAS_ZEROS=has_zeros,
+                 NF4=kind == "nf4")  # fmt: skip
+    return DequantPlan(n, k, (_cdiv(n, block_n), _cdiv(k, block_k)), flags, warps)
