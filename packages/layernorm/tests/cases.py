@@ -175,7 +175,7 @@ def check_against_reference(
     grads = torch.autograd.grad(loss, [inputs[k] for k in wanted])
     grads_ref = torch.autograd.grad(loss_ref, [leaves[k] for k in wanted])
     rows = y.numel() // max(n, 1)
-    scale = conditioning * _gradient_term_scale(options, inputs, y_ref, dy)
+    scale = conditioning * gradient_term_scale(options, inputs, y_ref, dy)
     for name, g, g_ref in zip(wanted, grads, grads_ref):
         assert g.dtype == inputs[name].dtype, f"{msg}: d{name} dtype {g.dtype}"
         # dx = rstd * (g - xhat * mean(g * xhat) [- mean(g)]) sums n products per row and
@@ -184,7 +184,7 @@ def check_against_reference(
         assert_close(g, g_ref, dtype=g.dtype, terms=terms, term_scale=scale, msg=f"{msg} d{name}")
 
 
-def _gradient_term_scale(options: Options, inputs: dict, y_ref: torch.Tensor, dy: torch.Tensor) -> float:
+def gradient_term_scale(options: Options, inputs: dict, y_ref: torch.Tensor, dy: torch.Tensor) -> float:
     """A bound on the products the backward sums: max rstd * max|dy * (w + offset)|, times
     max|h - mean| for the weight gradient's dy * xhat terms."""
     if y_ref.numel() == 0:
