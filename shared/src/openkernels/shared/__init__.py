@@ -1,3 +1,3 @@
 """openkernels.shared: dispatch, platform detection, testing and benchmark helpers."""
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
