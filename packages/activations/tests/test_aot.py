@@ -5,6 +5,7 @@ no register spills, no scratch, shared memory within the chip's limit."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from openkernels.activations.spec import Act
 from openkernels.activations.triton import configs
@@ -96,6 +97,53 @@ def cases_for(backend: str) -> list:
             extra.append(_case(kind, widest, "bf16", Act.SILU, even=True, act_first=False))
         out.update({c.label: c for c in extra})
     return list(out.values())
+
+
+def jax_cases_for(backend: str) -> list:
+    """The kernels as the JAX front end compiles them: every integer a constant (JAX shapes
+    are static), here for the (rows, cols) of the benchmark and odd shapes, through the
+    same launch plan."""
+    from openkernels.shared.testing.aot import AotCase
+
+    out = []
+    for kind in _NAMES:
+        gated = kind.startswith("gated")
+        for rows, cols, dtype in (
+            (16384, 8192, "bf16"),
+            (4096, 4096, "fp16"),
+            (127, 1000, "fp32"),
+            (7, 13, "bf16"),
+        ):
+            cfg, _, even = configs.plan(rows, cols, torch.bfloat16, backend)
+            width = 2 * cols if gated and kind.endswith("bwd") else cols
+            in_width = 2 * cols if gated else cols
+            strides = {"stride_x": in_width, "stride_out": width, "stride_dy": cols, "stride_dx": width}
+            constexprs = {"ACT": int(Act.GELU), "BLOCK_R": cfg.block_rows, "BLOCK_C": cfg.block_cols, "EVEN": even,
+                          "n_rows": rows, "n_cols": cols}  # fmt: skip
+            constexprs.update({k: v for k, v in strides.items() if k in _INTS[kind]})
+            if gated:
+                constexprs["ACT_FIRST"] = True
+            label = f"jax-{kind}-{dtype}-{rows}x{cols}-w{cfg.num_warps}"
+            signature = {p: _TRITON_DTYPE[dtype] for p in _PTRS[kind]}
+            out.append(AotCase(f"{_KERNELS}:{_NAMES[kind]}", signature, constexprs, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages, label=label))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+def test_jax_specializations_compile_clean(vendor: str) -> None:
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+
+    prefix = "sm_" if vendor == "cuda" else "gfx"
+    targets = [t for t in targets_from_env() if t.startswith(prefix)]
+    if not targets:
+        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
+    reports = check_cases(jax_cases_for(vendor), targets)
+    print(format_reports(reports))
+    assert_clean(reports)
+    assert len(reports) == len(jax_cases_for(vendor)) * len(targets)
 
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
