@@ -29,6 +29,12 @@ def _inputs_then_outputs(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _constant_between_pointers(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
 def _output_first(out_ptr, x_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
@@ -84,7 +90,7 @@ def test_launch_checks_the_argument_order() -> None:
     with pytest.raises(TypeError, match=r"has no arguments \['z_ptr'\]"):
         okjax.launch(_inputs_then_outputs, grid=(1,), inputs={"x_ptr": x, "z_ptr": x}, outputs=out,
                      constants={"n": 8, "BLOCK": 8}, num_warps=1, num_stages=1)  # fmt: skip
-    with pytest.raises(TypeError, match="must be the inputs"):  # n left as a runtime argument
+    with pytest.raises(TypeError, match="must start with"):  # n left as a runtime argument
         okjax.launch(_inputs_then_outputs, grid=(1,), inputs={"x_ptr": x, "y_ptr": x}, outputs=out,
                      constants={"BLOCK": 8}, num_warps=1, num_stages=1)  # fmt: skip
 
@@ -109,6 +115,14 @@ def test_launch_runs_a_kernel_under_the_interpreter_inside_jit() -> None:
     with okjax.use_backend("interpret"):
         out = jax.jit(add)(x, y)
     assert jnp.array_equal(out, x + y)
+
+
+def test_launch_refuses_a_constant_between_pointers() -> None:
+    # jax-triton binds arrays by position: out would land on n's slot on a GPU.
+    with pytest.raises(TypeError, match="must start with the inputs"):
+        okjax.launch(_constant_between_pointers, grid=(1,), inputs={"x_ptr": jnp.ones(4)},
+                     outputs={"out_ptr": jax.ShapeDtypeStruct((4,), jnp.float32)},
+                     constants={"n": 4, "BLOCK": 4}, num_warps=1, num_stages=1)  # fmt: skip
 
 
 def test_launch_refuses_the_jnp_backend() -> None:

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.parametrize("backend", jax_backends())
 
 def _scale(backend: str, dtype: torch.dtype) -> float:
     # XLA's float32 erf and tanh are polynomial approximations a few ulps looser than the
-    # kernels' (measured: 2.6e-6 absolute where the table allows 1e-6).
-    return 4.0 if backend == "jnp" and dtype == torch.float32 else 1.0
+    # kernels'; the gated ops multiply that error by |b|. Measured over 8M inputs of scale
+    # 2: gelu_and_mul tanh reaches 3.9x the float32 table, erf 2.9x, the unary GELUs 0.75x.
+    return 8.0 if backend == "jnp" and dtype == torch.float32 else 1.0
 
 
 def _jax_fn(variant: Variant):
@@ -117,3 +118,24 @@ def test_float64_with_x64(backend: str) -> None:
         out = jax.jit(AJ.gelu_and_mul)(to_jax(x))
         assert out.dtype == jnp.float64
     assert_close(to_torch(out), Variant("gelu_and_mul", "none").ref(x), dtype=torch.float64)
+
+
+def test_backward_runs_on_the_forward_backend(backend: str) -> None:
+    # The vjp function is called (and its backward traced) after the use_backend block.
+    x = random_tensor((4, 16), torch.float32, "cpu", scale=2.0)
+    with okjax.use_backend(backend):
+        _, vjp = jax.vjp(AJ.silu_and_mul, to_jax(x))
+    (grad,) = vjp(jnp.ones((4, 8), jnp.float32))
+    x64 = x.to(torch.float64).requires_grad_()
+    (expected,) = torch.autograd.grad(Variant("silu_and_mul").ref(x64).sum(), x64)
+    assert_close(to_torch(grad), expected, dtype=torch.float32, scale=_scale(backend, torch.float32))
+
+
+def test_vmap_on_jnp_and_interpreter(backend: str) -> None:
+    if backend == "triton":
+        pytest.skip("jax-triton launches have no batching rule")
+    x = random_tensor((3, 4, 10), torch.float32, "cpu")
+    with okjax.use_backend(backend):
+        out = jax.vmap(AJ.gelu_and_mul)(to_jax(x))
+    expected = Variant("gelu_and_mul", "none").ref(x.to(torch.float64))
+    assert_close(to_torch(out), expected, dtype=torch.float32, scale=_scale(backend, torch.float32))

@@ -193,13 +193,15 @@ def _check_order(
     unknown = sorted((set(inputs) | set(outputs) | set(constants)) - set(names))
     if unknown:
         raise TypeError(f"{_kernel_name(kernel)} has no arguments {unknown}")
-    runtime = [n for n in names if n not in constants]
+    # jax-triton binds the arrays to the kernel's first parameters by position, so the
+    # pointers must lead the signature: inputs, then outputs, then only constants.
     expected = [n for n in names if n in inputs] + [n for n in names if n in outputs]
-    if runtime != expected:
+    rest = names[len(expected) :]
+    if names[: len(expected)] != expected or any(n not in constants for n in rest):
         raise TypeError(
-            f"{_kernel_name(kernel)} cannot be launched from JAX: its runtime arguments {runtime} "
-            f"must be the inputs {list(inputs)} then the outputs {list(outputs)}, in that order, "
-            "and every other argument a constant"
+            f"{_kernel_name(kernel)} cannot be launched from JAX: its parameters {names} must start with "
+            f"the inputs {list(inputs)} then the outputs {list(outputs)}, and every later parameter "
+            "must be given as a constant"
         )
 
 
@@ -291,4 +293,5 @@ def _interpret(
         kernel[tuple(grid)](**args, **constants, num_warps=num_warps, num_stages=num_stages)
         return [_to_numpy(t) for t in outs]
 
-    return jax.pure_callback(host, shapes, *arrays)
+    # vmap of an op on this backend calls the kernel once per batch element.
+    return jax.pure_callback(host, shapes, *arrays, vmap_method="sequential")

@@ -168,17 +168,22 @@ def _backward(dy: jax.Array, x: jax.Array, act: Act, gated: bool, act_first: boo
     return dx.reshape(x.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _apply(x: jax.Array, act: Act, gated: bool, act_first: bool) -> jax.Array:
-    return _forward(x, act, gated, act_first)
+# The backend is a static argument, read when the public function is called: a backward
+# traced later (a vjp function called outside the caller's `use_backend` block) still
+# runs where the forward ran.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _apply(x: jax.Array, act: Act, gated: bool, act_first: bool, backend: str) -> jax.Array:
+    with okjax.use_backend(backend):
+        return _forward(x, act, gated, act_first)
 
 
-def _apply_fwd(x, act, gated, act_first):
-    return _forward(x, act, gated, act_first), x
+def _apply_fwd(x, act, gated, act_first, backend):
+    return _apply(x, act, gated, act_first, backend), x
 
 
-def _apply_bwd(act, gated, act_first, x, dy):
-    return (_backward(dy, x, act, gated, act_first),)
+def _apply_bwd(act, gated, act_first, backend, x, dy):
+    with okjax.use_backend(backend):
+        return (_backward(dy, x, act, gated, act_first),)
 
 
 _apply.defvjp(_apply_fwd, _apply_bwd)
@@ -193,7 +198,7 @@ def _call(name: str, x: jax.Array, approximate: str = "none") -> jax.Array:
         raise ValueError(
             f"{name}: x must have an even last dim (..., 2*d) holding the two halves, got shape {tuple(x.shape)}"
         )
-    return _apply(x, act_for(spec, approximate), spec.gated, spec.act_first)
+    return _apply(x, act_for(spec, approximate), spec.gated, spec.act_first, okjax.backend())
 
 
 def silu(x: jax.Array) -> jax.Array:
