@@ -160,3 +160,80 @@ def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
     print(format_reports(reports))
     assert_clean(reports)
     assert len(reports) == len(cases) * len(targets)
+
+
+# ---- the JAX specialization: every integer and float argument a constexpr -------------------
+
+_PTR = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "int32": "*i32"}
+# SMs / CUs of the chips the persistent grids are sized for (H100/H200, MI300X).
+_SM_COUNT = {"cuda": 132, "rocm": 304}
+# (rows, cols): the benchmark grid, split and looped rows, and odd (unaligned) widths.
+_JAX_FWD_SHAPES = ((32768, 2048), (8192, 8192), (4096, 16384), (1024, 65536), (256, 262144),
+                   (8, 2**20 + 16), (4097, 1000), (77, 12001))  # fmt: skip
+_JAX_BWD_SHAPES = ((32768, 2048), (8192, 8192), (4096, 16384), (4097, 1000), (77, 12001))
+
+
+def _jax_case(launch, dtypes: dict, label: str):
+    """An AotCase of a `jax_launch.Launch`: pointers typed by the arrays' roles."""
+    from openkernels.shared.testing.aot import AotCase
+
+    signature = {p: _PTR[dtypes[role]] for p, role in launch.inputs}
+    signature.update({p: _PTR[dt] for p, _, dt in launch.outputs})
+    shown = ("BLOCK_R", "BLOCK_C", "PERSISTENT", "PREFETCH", "LOOPED", "n_splits")
+    mode = "-".join(f"{k}{v}" for k, v in launch.constants if k in shown)
+    return AotCase(
+        f"{_KERNELS}:{launch.kernel}",
+        signature,
+        dict(launch.constants),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        label=f"{label}-{launch.kernel}-{mode}-w{launch.num_warps}",
+    )
+
+
+def jax_cases_for(vendor: str) -> list:
+    """The launches openkernels.layernorm.jax makes on the benchmark shapes, long and odd
+    rows: LayerNorm with every flag and RMSNorm with a residual stream and weight_offset,
+    in bf16; fp32 and a float32 residual stream on one shape."""
+    from openkernels.layernorm.triton.jax_launch import bwd_launch, fwd_launch
+
+    sm = _SM_COUNT[vendor]
+    out = {}
+    variants = [("bfloat16", "bfloat16", shape) for shape in _JAX_FWD_SHAPES]
+    variants += [("float32", "float32", (16384, 4096)), ("bfloat16", "float32", (16384, 4096))]
+    for dtype, h_dtype, (rows, cols) in variants:
+        for rms in (True, False):
+            launch = fwd_launch(rows, cols, dtype=dtype, out_dtype=dtype, h_dtype=h_dtype, rms=rms,
+                                has_residual=True, store_residual=True, has_weight=True, has_bias=not rms,
+                                eps=1e-6, weight_offset=1.0 if rms else 0.0, vendor=vendor,
+                                sm_count=sm)  # fmt: skip
+            roles = dict.fromkeys(("x", "residual", "weight", "bias"), dtype)
+            label = f"jax-fwd-{'rms' if rms else 'ln'}-{dtype}-h{h_dtype}-{rows}x{cols}"
+            out[label] = _jax_case(launch, roles, label)
+            if (rows, cols) not in _JAX_BWD_SHAPES:
+                continue
+            launch = bwd_launch(rows, cols, h_dtype=h_dtype, rms=rms, has_weight=True, has_dh_out=True,
+                                weight_grad=True, bias_grad=not rms, weight_offset=1.0 if rms else 0.0,
+                                vendor=vendor, sm_count=sm)  # fmt: skip
+            roles = {"dy": dtype, "h": h_dtype, "weight": dtype, "mean": "float32", "rstd": "float32",
+                     "dh_out": h_dtype}  # fmt: skip
+            label = f"jax-bwd-{'rms' if rms else 'ln'}-{dtype}-h{h_dtype}-{rows}x{cols}"
+            out[label] = _jax_case(launch, roles, label)
+    return list(out.values())
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+def test_jax_specializations_compile_clean(vendor: str) -> None:
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+
+    prefix = "sm_" if vendor == "cuda" else "gfx"
+    targets = [t for t in targets_from_env() if t.startswith(prefix)]
+    if not targets:
+        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
+    cases = jax_cases_for(vendor)
+    reports = check_cases(cases, targets)
+    print(format_reports(reports))
+    assert_clean(reports)
+    assert len(reports) == len(cases) * len(targets)

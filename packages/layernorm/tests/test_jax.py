@@ -82,7 +82,7 @@ def _check(backend: str, options: Options, dtype: torch.dtype, shape: tuple[int,
     y_ref, h_ref, leaves = options.reference(inputs, dtype)
     n, rows = shape[-1], y_ref.numel() // shape[-1]
     assert y.dtype == out_dtype, f"{msg}: y dtype {y.dtype}"
-    y_scale = float(y_ref.abs().max())
+    y_scale = float(y_ref.detach().abs().max())
     assert_close(y, y_ref, dtype=out_dtype, terms=n, term_scale=y_scale, msg=f"{msg} y")
     loss_ref = (y_ref * dy.double()).sum()
     if options.prenorm:
@@ -98,7 +98,9 @@ def _check(backend: str, options: Options, dtype: torch.dtype, shape: tuple[int,
         # dx sums n products per row, cancelling from terms of size rstd * |g|; dweight and
         # dbias sum over the rows.
         terms = n if k in ("x", "residual") else rows
-        assert_close(grads[k], grads_ref[k], dtype=grads[k].dtype, terms=terms, term_scale=scale, msg=f"{msg} d{k}")
+        assert_close(
+            grads[k], grads_ref[k], dtype=grads[k].dtype, terms=terms, term_scale=scale, msg=f"{msg} d{k}"
+        )
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
@@ -133,7 +135,7 @@ def test_jax_grad_of_a_loss(backend: str, rms: bool) -> None:
     y_ref, _, leaves = options.reference(inputs, torch.float32)
     wanted = [k for k in _ROLES if inputs[k] is not None]
     expected = torch.autograd.grad((y_ref**2).sum(), [leaves[k] for k in wanted])
-    scale = gradient_term_scale(options, inputs, y_ref, 2 * y_ref)
+    scale = gradient_term_scale(options, inputs, y_ref, 2 * y_ref.detach())
     for k, g_ref in zip(wanted, expected):
         terms = 48 if k in ("x", "residual") else 9
         assert_close(to_torch(grads[k]), g_ref, dtype=torch.float32, terms=terms, term_scale=scale, msg=k)
@@ -155,6 +157,38 @@ def test_backward_runs_where_the_forward_ran(backend: str, monkeypatch: pytest.M
     (dx,) = vjp(jnp.ones_like(x))
     assert dx.shape == x.shape
     assert launched == ([] if backend == "jnp" else ["_norm_fwd_kernel", "_norm_bwd_kernel"])
+
+
+def test_only_wanted_gradients_are_computed(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Differentiating x alone skips the weight/bias partial sums; a loss of h alone makes
+    # y's cotangent zero and h's the only one (no dh_out read when h is unused).
+    launches: list[dict] = []
+    real = okjax.launch
+
+    def recording(kernel, **kw):
+        launches.append(dict(kw["constants"], kernel=getattr(kernel, "fn", kernel).__name__))
+        return real(kernel, **kw)
+
+    monkeypatch.setattr(okjax, "launch", recording)
+    x, r = (to_jax(random_tensor((6, 40), torch.float32)) for _ in range(2))
+    w, b = to_jax(1 + 0.5 * random_tensor((40,))), to_jax(random_tensor((40,)))
+
+    def ln(x, w, b, r):
+        return LJ.layer_norm(x, w, b, residual=r, prenorm=True)
+
+    with okjax.use_backend(backend):
+        dx = jax.jit(jax.grad(lambda x: jnp.sum(ln(x, w, b, r)[0] ** 2)))(x)
+        g_h = jax.jit(jax.grad(lambda *a: jnp.sum(ln(*a)[1]), argnums=(0, 1, 2, 3)))(x, w, b, r)
+    assert dx.shape == x.shape
+    # h = x + r: d sum(h) / dx = d / dr = 1; y is unused, so weight and bias get 0.
+    for g, want in zip(g_h, (1.0, 0.0, 0.0, 1.0)):
+        assert bool((g == want).all()), g
+    if backend != "jnp":
+        bwd = [c for c in launches if c["kernel"] == "_norm_bwd_kernel"]
+        assert [(c["WEIGHT_GRAD"], c["BIAS_GRAD"], c["HAS_DH_OUT"]) for c in bwd] == [
+            (False, False, False),
+            (True, True, True),
+        ]
 
 
 @pytest.mark.skipif(not triton_interpreting(), reason="compares with the PyTorch Triton path")
@@ -225,12 +259,12 @@ def _bad_calls() -> list:
         (TypeError, r"bias must be a jax\.Array", lambda: LJ.layer_norm(x, w, [1.0] * 8)),
         (ValueError, "residual must have x's shape", lambda: LJ.rms_norm(x, w, residual=jnp.ones((4, 9)))),
         (ValueError, "eps must be a non-negative float", lambda: LJ.rms_norm(x, w, -1.0)),
-        (ValueError, "eps must be a non-negative float", lambda: jax.jit(lambda e: LJ.rms_norm(x, w, e))(1e-6)),
+        (ValueError, "eps must be a non-negative", lambda: jax.jit(lambda e: LJ.rms_norm(x, w, e))(1e-6)),
         (TypeError, "weight_offset must be a float", lambda: LJ.rms_norm(x, w, weight_offset=True)),
         (ValueError, "weight is None", lambda: LJ.rms_norm(x, weight_offset=1.0)),
-        (TypeError, "out_dtype must be a floating JAX dtype", lambda: LJ.rms_norm(x, out_dtype=jnp.int32)),
-        (TypeError, "out_dtype must be a floating JAX dtype", lambda: LJ.rms_norm(x, out_dtype=torch.float32)),
-        (TypeError, "residual_dtype=float64 is not supported", lambda: LJ.layer_norm(x, residual_dtype="float64")),
+        (TypeError, "out_dtype must be a floating JAX", lambda: LJ.rms_norm(x, out_dtype=jnp.int32)),
+        (TypeError, "out_dtype must be a floating JAX", lambda: LJ.rms_norm(x, out_dtype=torch.float32)),
+        (TypeError, "residual_dtype=float64 is not", lambda: LJ.layer_norm(x, residual_dtype="float64")),
     ]  # fmt: skip
 
 
@@ -243,6 +277,25 @@ def test_bad_inputs_raise_before_any_kernel(backend: str, monkeypatch: pytest.Mo
         for error, pattern, call in _bad_calls():
             with pytest.raises(error, match=pattern):
                 call()
+
+
+def test_benchmark_cases_run(backend: str) -> None:
+    from openkernels.layernorm.bench import jax_cases
+
+    cases = jax_cases(shapes=((5, 64),), dtype=torch.float32)
+    assert {(c.op, c.direction) for c in cases} == {
+        (op, d) for op in ("rms_norm", "layer_norm", "add_rms_norm") for d in ("fwd", "fwd+bwd")
+    }
+    for case in cases:
+        s = case.make_inputs(torch.device("cpu"))
+        with okjax.use_backend(backend):
+            got = jax.jit(case.jax_fn)({k: to_jax(v) for k, v in s.items()})
+        want = case.torch_fn(s)
+        got, want = jax.tree_util.tree_leaves(got), [want] if isinstance(want, torch.Tensor) else list(want)
+        assert len(got) == len(want), case.label
+        for g, w in zip(got, want):
+            # Two float32 implementations of 64-term row sums (and 5-row weight sums).
+            assert_close(to_torch(g), w.detach().double(), dtype=torch.float32, terms=64, msg=case.label)
 
 
 def test_pytorch_api_names_match(backend: str) -> None:

@@ -25,7 +25,16 @@ from openkernels.shared.bench import score as _score
 
 from . import api
 
-__all__ = ["GPU_SHAPES", "LONG_ROW_SHAPES", "CPU_SHAPES", "OPS", "cases", "checks", "torch_composition"]
+__all__ = [
+    "GPU_SHAPES",
+    "LONG_ROW_SHAPES",
+    "CPU_SHAPES",
+    "OPS",
+    "cases",
+    "jax_cases",
+    "checks",
+    "torch_composition",
+]
 
 # (rows, N) with rows * N = 64M elements: the bar's grid; then rows of 64K and 256K.
 GPU_SHAPES = ((32768, 2048), (16384, 4096), (8192, 8192), (4096, 16384))
@@ -160,6 +169,92 @@ def cases(
                             setup=setup,
                         )
                     )
+    return out
+
+
+_PARAMS = ("x", "w", "b", "r")
+
+
+def _jax_ours(op: str) -> Callable[..., Any]:
+    """`_ours` on JAX arrays (openkernels.layernorm.jax)."""
+    from . import jax as ljax
+
+    if op == "rms_norm":
+        return lambda x, w, b, r: ljax.rms_norm(x, w, EPS)
+    if op == "layer_norm":
+        return lambda x, w, b, r: ljax.layer_norm(x, w, b, EPS)
+    return lambda x, w, b, r: ljax.rms_norm(x, w, EPS, residual=r, prenorm=True)
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _present(fn: Callable[..., Any]) -> Callable[[dict], Any]:
+    return lambda s: fn(s["x"], s["w"], s.get("b"), s.get("r"))
+
+
+def _torch_fwd_bwd(fn: Callable[..., Any]) -> Callable[[dict], Any]:
+    """Forward, then the gradients of x and the parameters from dy (y's gradient only)."""
+
+    def step(s: dict) -> Any:
+        leaves = {k: s[k].detach().requires_grad_() for k in _PARAMS if k in s}
+        y = _first(fn(leaves["x"], leaves["w"], leaves.get("b"), leaves.get("r")))
+        return torch.autograd.grad(y, list(leaves.values()), s["dy"])
+
+    return step
+
+
+def _jax_fwd_bwd(fn: Callable[..., Any]) -> Callable[[dict], Any]:
+    """The same through jax.vjp; gradients in the torch step's order (for the diff)."""
+    import jax
+
+    def step(s: dict) -> Any:
+        params = {k: s[k] for k in _PARAMS if k in s}
+        _, vjp = jax.vjp(lambda p: _first(fn(p["x"], p["w"], p.get("b"), p.get("r"))), params)
+        (grads,) = vjp(s["dy"])
+        return tuple(grads[k] for k in params)
+
+    return step
+
+
+def jax_cases(
+    *,
+    shapes: Sequence[tuple[int, int]] = GPU_SHAPES,
+    dtype: torch.dtype = torch.bfloat16,
+    ops: Sequence[str] = OPS,
+) -> list:
+    """`JaxCase`s (openkernels.shared.bench_jax): each op forward, and forward+backward
+    (jax.vjp against torch.autograd; the backward needs the forward's statistics, so the
+    pair is what both sides can time) on the GPU shapes. Inputs hold only the present
+    tensors: x, w, dy, plus b (layer_norm) or r (add_rms_norm)."""
+    from openkernels.shared.bench_jax import JaxCase
+
+    out = []
+    for op in ops:
+        ours, jax_op = _ours(op), _jax_ours(op)
+        for rows, n in shapes:
+
+            def make(dev: torch.device, rows: int = rows, n: int = n, op: str = op) -> dict:
+                def rand(*shape: int) -> torch.Tensor:
+                    return torch.randn(*shape, device=dev, dtype=torch.float32).to(dtype)
+
+                s = {"x": rand(rows, n), "w": 1 + 0.1 * rand(n), "dy": rand(rows, n)}
+                if op == "layer_norm":
+                    s["b"] = rand(n)
+                if op == "add_rms_norm":
+                    s["r"] = rand(rows, n)
+                return s
+
+            pairs = {
+                "fwd": (_present(ours), _present(jax_op)),
+                "fwd+bwd": (_torch_fwd_bwd(ours), _jax_fwd_bwd(jax_op)),
+            }
+            for direction, (torch_fn, jax_fn) in pairs.items():
+                nbytes = _bytes(op, rows, n, dtype, direction)
+                out.append(
+                    JaxCase("layernorm", op, direction, (rows, n), dtype, nbytes, make, torch_fn, jax_fn)
+                )
     return out
 
 

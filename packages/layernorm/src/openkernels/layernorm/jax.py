@@ -14,8 +14,10 @@ Against the PyTorch API (openkernels.layernorm.api):
   as compile-time constants (JAX passes every non-array argument that way).
 * No nn.Module classes, no device checks (JAX places arrays) and no strided views (JAX
   arrays are contiguous).
-* When weight or bias is given, the backward always computes its gradient: JAX does not
-  say which cotangents are wanted (on the jnp backend XLA drops the unused ones).
+* Gradients follow JAX's differentiation: weight and bias gradients are computed only
+  for the arguments being differentiated, and a zero cotangent of h (prenorm) is not read.
+* ``jax.vmap`` works on the jnp backend only (the kernel launches have no batching rule);
+  a norm over the last dim needs none: call it on the batched array.
 
 Backends (`openkernels.shared.jax`): the family's Triton kernels with the PyTorch path's
 launch plans, through jax-triton on GPUs or the Triton interpreter in tests; a jax.numpy
@@ -31,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from openkernels.shared import jax as okjax
 
@@ -246,6 +249,16 @@ def _forward(spec: _Spec, x, weight, bias, residual, store: bool):
 # ---- differentiation ----------------------------------------------------------------------
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Wanted:
+    """Which parameter gradients the backward computes (those being differentiated): a
+    static pytree node, so it rides along with the saved arrays."""
+
+    weight: bool
+    bias: bool
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _norm(spec: _Spec, x, weight, bias, residual):
     y, h, _, _ = _forward(spec, x, weight, bias, residual, spec.prenorm)
@@ -253,28 +266,37 @@ def _norm(spec: _Spec, x, weight, bias, residual):
 
 
 def _norm_fwd(spec: _Spec, x, weight, bias, residual):
+    # symbolic_zeros: the arguments come wrapped, saying whether they are differentiated.
+    wanted = _Wanted(weight is not None and weight.perturbed, bias is not None and bias.perturbed)
+    x, weight, bias, residual = (None if a is None else a.value for a in (x, weight, bias, residual))
     # The backward reads h: stored unless it is x itself (as the PyTorch autograd saves it).
     store = spec.prenorm or residual is not None or spec.h_dtype != x.dtype
     y, h, mean, rstd = _forward(spec, x, weight, bias, residual, store)
-    return ((y, h) if spec.prenorm else y), (x if h is None else h, weight, mean, rstd)
+    return ((y, h) if spec.prenorm else y), (x if h is None else h, weight, mean, rstd, wanted)
 
 
 def _norm_bwd(spec: _Spec, saved, cotangents):
-    h, weight, mean, rstd = saved
+    h, weight, mean, rstd, wanted = saved
     dy, dh_out = cotangents if spec.prenorm else (cotangents, None)
-    bias_grad = spec.bias_dtype is not None
+    # A zero cotangent of h adds nothing (no dh_out read); one of y, where only h was used
+    # downstream, still needs the backward's form: zeros, as in the PyTorch autograd.
+    if isinstance(dh_out, SymbolicZero):
+        dh_out = None
+    if isinstance(dy, SymbolicZero):
+        dy = jnp.zeros(h.shape, spec.out_dtype)
     with okjax.use_backend(spec.backend):
         impl = _triton_backward if _kernels_apply(spec, h) else _jnp_backward
-        dh, dw, db = impl(spec, dy, dh_out, h, weight, mean, rstd, weight is not None, bias_grad)
+        dh, dw, db = impl(spec, dy, dh_out, h, weight, mean, rstd, wanted.weight, wanted.bias)
+    # None: a zero cotangent (an argument that is not differentiated, or absent).
     return (
         dh.astype(spec.x_dtype),
-        None if weight is None else dw.astype(weight.dtype),
-        db.astype(spec.bias_dtype) if bias_grad else None,
+        dw.astype(weight.dtype) if wanted.weight else None,
+        db.astype(spec.bias_dtype) if wanted.bias else None,
         None if spec.residual_dtype is None else dh.astype(spec.residual_dtype),
     )
 
 
-_norm.defvjp(_norm_fwd, _norm_bwd)
+_norm.defvjp(_norm_fwd, _norm_bwd, symbolic_zeros=True)
 
 
 def _call(rms: bool, x, weight, bias, residual, eps, weight_offset, prenorm, out_dtype, h_dtype):
@@ -308,7 +330,9 @@ def rms_norm(
     eps, weight_offset: Python numbers (compile-time constants). Differentiable in x,
     weight and residual.
     """
-    out_dt, h_dt = _check("rms_norm", x, weight, None, residual, eps, weight_offset, out_dtype, residual_dtype)
+    out_dt, h_dt = _check(
+        "rms_norm", x, weight, None, residual, eps, weight_offset, out_dtype, residual_dtype
+    )
     return _call(True, x, weight, None, residual, eps, weight_offset, prenorm, out_dt, h_dt)
 
 

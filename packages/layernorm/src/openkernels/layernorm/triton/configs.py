@@ -6,6 +6,10 @@ split over up to MAX_SPLITS programs that exchange partial statistics (the split
 and rows longer still take the looped kernel. Backward: the tile kernel on a persistent
 grid of programs_per_sm programs per SM, each reducing its rows' dweight/dbias into one
 partial row; the looped kernel past MAX_TILE_COLS.
+
+`fwd_plan` / `bwd_plan` turn a config into one launch (kernel, grid, split count, rows per
+program, shape-derived constexprs); the PyTorch launchers (triton/__init__.py) and the JAX
+ones (triton/jax_launch.py) both launch through them.
 """
 
 from __future__ import annotations
@@ -186,8 +190,8 @@ def fwd_plan(
     cfg = config or launch_config(n_cols, dtype, backend, "fwd", aligned, rms)
     if cfg.mode == "tile":
         blocks = _cdiv(n_rows, cfg.block_rows)
-        meta = dict(EVEN_C=n_cols == cfg.block_cols, PERSISTENT=cfg.programs_per_sm > 0, PREFETCH=cfg.prefetch,
-                    BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols)  # fmt: skip
+        meta = dict(EVEN_C=n_cols == cfg.block_cols, PERSISTENT=cfg.programs_per_sm > 0,
+                    PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols)  # fmt: skip
         return FwdPlan(cfg, "_norm_fwd_kernel", (_programs(blocks, cfg, sm_count),), 1, tuple(meta.items()))
     if cfg.mode == "split":
         splits = _cdiv(n_cols, cfg.block_cols)
