@@ -1,7 +1,7 @@
 """Each family's JAX ops against the same kernels called from PyTorch, and against XLA's
 fusion of the jax.numpy composition, on a GPU (see openkernels.shared.bench_jax).
 
-    python benchmarks/jax_vs_torch.py [family ...] [--quick] [--json PATH]
+    python benchmarks/jax_vs_torch.py [family ...] [--quick] [--kernel-time] [--json PATH]
 
 The issue's bar: JAX under jax.jit within 5% of the PyTorch call (jax/torch <= 1.05) and
 faster than the jnp composition (jnp/jax > 1). Needs a GPU build of JAX and jax-triton.
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the first shape of each family only")
     parser.add_argument("--json", help="write the measurements here")
     parser.add_argument("--batch", type=int, default=50, help="calls per timed batch")
+    parser.add_argument("--kernel-time", action="store_true", help="device time in kernels (torch.profiler)")
     args = parser.parse_args(argv)
 
     from openkernels.shared.bench_jax import run_jax_cases
@@ -35,13 +36,17 @@ def main(argv: list[str] | None = None) -> int:
             first = cases[0].shape
             cases = [c for c in cases if c.shape == first]
         print(f"# {family}: {len(cases)} cases", flush=True)
-        results += run_jax_cases(cases, batch=args.batch, log=lambda s: print(s, flush=True))
+        results += run_jax_cases(
+            cases, batch=args.batch, kernel_time=args.kernel_time, log=lambda s: print(s, flush=True)
+        )
     worst = max(results, key=lambda m: m.jax_over_torch)
     print(f"# worst jax/torch: {worst.jax_over_torch:.3f} ({worst.label})")
     slower = [m.label for m in results if m.jnp_over_jax <= 1.0]
     print(f"# cases where the jnp composition is as fast or faster: {slower or 'none'}")
     if args.json:
-        rows = [{**vars(m), "jax_over_torch": m.jax_over_torch, "jnp_over_jax": m.jnp_over_jax} for m in results]
+        rows = [
+            {**vars(m), "jax_over_torch": m.jax_over_torch, "jnp_over_jax": m.jnp_over_jax} for m in results
+        ]
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0

@@ -11,10 +11,19 @@ memory), the PyTorch call, and the JAX call. `run_jax_cases` times, on rotating 
 * ``jnp``: the JAX function under ``jax.jit`` on the "jnp" backend (XLA's own fusion of the
   jax.numpy composition).
 
-All three are timed the same way: wall clock over a batch of calls, ended by one device
-sync, so the host's dispatch cost counts the same on both sides (JAX launches on its own
-stream, which CUDA events recorded by torch would not see). It also reports how far the
-JAX output is from the PyTorch output (0.0 when the same kernel gives the same bits).
+Two clocks, as in the PyTorch benchmarks (docs/benchmarking.md):
+
+* wall: a batch of calls ended by one device sync, the same for all three, so the host's
+  dispatch cost counts on both sides (JAX launches on its own stream, which CUDA events
+  recorded by torch would not see). A Python-launched fwd+bwd step is host-bound on the
+  lent H200 host, where one jitted JAX call is not: wall time favours JAX there.
+* kernel (`kernel_time=True`): device time in kernels per call, from torch.profiler, whose
+  CUPTI session records every kernel of the process, XLA's and jax-triton's included. It
+  compares what the GPU does. A profiler session slows later Python launches in the
+  process, so the two clocks come from separate runs.
+
+It also reports how far the JAX output is from the PyTorch output (0.0 when the same
+kernel gives the same bits).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import os
 # JAX takes 75% of the GPU at start by default; torch allocates in the same process.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import functools
 import math
 import statistics
 import time
@@ -73,6 +83,7 @@ class JaxMeasurement:
     bytes: int
     flops: int
     max_diff: float  # largest |jax - torch| over the outputs (0.0: identical)
+    clock: str = "wall"  # or "kernel": device time in kernels per call
 
     @property
     def jax_over_torch(self) -> float:
@@ -105,6 +116,7 @@ def _sync_jax(result: Any) -> None:
 def _time_ms(
     call: Callable[[Any], Any], sets: Sequence[Any], sync: Callable[[Any], None], batch: int
 ) -> float:
+    """Wall milliseconds per call: the median of 7 batches, each ended by one sync."""
     for s in sets:  # compile, allocate, warm the caches of both sides
         sync(call(s))
     samples = []
@@ -118,6 +130,21 @@ def _time_ms(
     return statistics.median(samples)
 
 
+def _kernel_ms(
+    call: Callable[[Any], Any], sets: Sequence[Any], sync: Callable[[Any], None], iters: int = 20
+) -> float:
+    """Device milliseconds per call spent in kernels (and copies/memsets), torch.profiler."""
+    for s in sets:
+        sync(call(s))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = None
+        for i in range(iters):
+            out = call(sets[i % len(sets)])
+        sync(out)
+    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
+    return total_us / iters / 1e3
+
+
 def _max_diff(a: Any, b: Any) -> float:
     worst = 0.0
     for x, y in zip(_leaves(a), _leaves(b)):
@@ -129,28 +156,37 @@ def _max_diff(a: Any, b: Any) -> float:
 
 
 def run_jax_cases(
-    cases: Sequence[JaxCase], *, batch: int = 50, log: Callable[[str], None] = print
+    cases: Sequence[JaxCase],
+    *,
+    batch: int = 50,
+    kernel_time: bool = False,
+    log: Callable[[str], None] = print,
 ) -> list[JaxMeasurement]:
-    """Time every case's three contenders; needs a GPU build of JAX with jax-triton."""
+    """Time every case's three contenders (wall clock, or kernel time with `kernel_time`);
+    needs a GPU build of JAX with jax-triton."""
     device = torch.device("cuda")
     results = []
+    clock = _kernel_ms if kernel_time else functools.partial(_time_ms, batch=batch)
     for case in cases:
         count = min(8, max(2, math.ceil(3 * L2_BYTES / max(case.bytes, 1))))
         torch_sets = [case.make_inputs(device) for _ in range(count)]
         torch.cuda.synchronize()
         jax_sets = [{k: to_jax(v) for k, v in s.items()} for s in torch_sets]
-        with okjax.use_backend("triton"):
-            ours = jax.jit(case.jax_fn)  # traced inside the block: the backend is fixed at trace time
-            jax_ms = _time_ms(ours, jax_sets, _sync_jax, batch)
-            jax_out = ours(jax_sets[0])
-        with okjax.use_backend("jnp"):
-            composed = jax.jit(case.jax_fn)
-            jnp_ms = _time_ms(composed, jax_sets, _sync_jax, batch)
-        torch_ms = _time_ms(case.torch_fn, torch_sets, _sync_torch, batch)
+        times = {}
+        for backend in ("triton", "jnp"):
+            # A fresh function per backend: jax.jit caches traces by function, and the
+            # backend is fixed when a function is traced (inside this block).
+            fn = jax.jit(lambda s, f=case.jax_fn: f(s))
+            with okjax.use_backend(backend):
+                times[backend] = clock(fn, jax_sets, _sync_jax)
+                if backend == "triton":
+                    jax_out = fn(jax_sets[0])
+        torch_ms = clock(case.torch_fn, torch_sets, _sync_torch)
         diff = _max_diff(jax_out, case.torch_fn(torch_sets[0]))
-        m = JaxMeasurement(case.label, torch_ms, jax_ms, jnp_ms, case.bytes, case.flops, diff)
+        m = JaxMeasurement(case.label, torch_ms, times["triton"], times["jnp"], case.bytes, case.flops, diff,
+                           "kernel" if kernel_time else "wall")  # fmt: skip
         results.append(m)
-        log(format_jax_table([m], header=not results[:-1]))
+        log(format_jax_table([m], header=len(results) == 1))
         del torch_sets, jax_sets, jax_out
     return results
 
@@ -159,7 +195,7 @@ def format_jax_table(results: Sequence[JaxMeasurement], *, header: bool = True) 
     lines = []
     if header:
         lines.append(
-            f"{'case':<58} {'torch ms':>9} {'jax ms':>9} {'jnp ms':>9} {'jax/torch':>9} "
+            f"{'case (' + results[0].clock + ' time)':<58} {'torch ms':>9} {'jax ms':>9} {'jnp ms':>9} {'jax/torch':>9} "
             f"{'jnp/jax':>8} {'jax rate':>12} {'max|jax-torch|':>14}"
         )
     for m in results:
