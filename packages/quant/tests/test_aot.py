@@ -2,13 +2,17 @@
 sm_80, sm_90 (CUDA configs) and gfx90a, gfx942, gfx950 (ROCm configs): compiles, no register
 spills, no scratch, shared memory within the chip's limit. Signatures mirror the launcher
 (triton/__init__.py): absent zeros / bias / NF4 table are the scales pointer, split-K
-partials are float32, and sizes/strides that are multiples of 16 get the "D" attribute."""
+partials are float32, and sizes/strides that are multiples of 16 get the "D" attribute.
+
+The JAX launcher (openkernels.quant.jax) specializes further: every integer argument is a
+constexpr (jax-triton's convention) and the split-K scratch of an unsplit launch is None;
+its cases come from the same launch plans (triton/plan.py) that launcher uses."""
 
 from __future__ import annotations
 
 import pytest
 
-from openkernels.quant.triton import configs
+from openkernels.quant.triton import configs, plan
 from openkernels.shared.platform import triton_interpreting
 
 pytestmark = pytest.mark.aot
@@ -98,6 +102,56 @@ def cases_for(family: str) -> list:
     return list(out.values())
 
 
+_SIZES = (4096, 4096)  # (N, K) of the JAX cases, the table's reference shape
+
+
+def _jax_linear_case(family: str, m: int, x: str, scales: str, kind: str, zeros: bool, bias: str | None,
+                     k: int = 4096, group: int = 128):  # fmt: skip
+    """The JAX launch of int4_linear for (M, 4096, k): every integer a constexpr, unread
+    inputs the scales, an unsplit launch's scratch None, as openkernels.quant.jax does."""
+    from openkernels.shared.testing.aot import AotCase
+
+    n = _SIZES[0]
+    cfg = configs.linear_config(m, n, k, group, family, 132)
+    p = plan.linear_plan(cfg, m, n, k, group, kind, has_zeros=zeros, has_bias=bias is not None, bitcast=True)
+    inputs, outputs, absent = p.pointers()
+    types = {"x_ptr": _T[x], "qw_ptr": "*u8", "s_ptr": _T[scales], "z_ptr": _T[scales], "lut_ptr": "*fp32",
+             "bias_ptr": _T[bias or "fp32"], "out_ptr": _T[x], "ws_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
+    types.update(dict.fromkeys(p.stand_ins(), _T[scales]))
+    sig = {name: types[name] for name in (*inputs, *outputs)}
+    constexprs = {**p.int_args(k, k // 2, n, n), **dict.fromkeys(absent), **p.flags}
+    label = (f"jax-{cfg.path}-m{m}-k{k}-g{group}-bm{cfg.block_m}k{cfg.block_k}-split{p.splits}-{x}-{scales}-{kind}"
+             f"{'-zeros' if zeros else ''}{f'-bias{bias}' if bias else ''}")  # fmt: skip
+    return AotCase(f"{_KERNELS}:{p.kernel}", sig, constexprs, num_warps=p.num_warps, num_stages=p.num_stages,
+                   label=label)  # fmt: skip
+
+
+def _jax_dequant_case(out: str, kind: str, zeros: bool):
+    from openkernels.shared.testing.aot import AotCase
+
+    n, k = _SIZES
+    p = plan.dequant_plan(n, k, 128, kind, has_zeros=zeros)
+    inputs, outputs, absent = p.pointers()
+    types = {"qw_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "lut_ptr": "*fp32", "out_ptr": _T[out]}
+    types.update(dict.fromkeys(p.stand_ins(), "*bf16"))
+    constexprs = {**p.int_args(k // 2, n, k), **dict.fromkeys(absent), **p.flags}
+    return AotCase(f"{_KERNELS}:{p.kernel}", {name: types[name] for name in (*inputs, *outputs)}, constexprs,
+                   num_warps=p.num_warps, label=f"jax-dequant-{out}-{kind}{'-zeros' if zeros else ''}")  # fmt: skip
+
+
+def jax_cases_for(family: str) -> list:
+    """A few JAX specializations per arch family: M = 1 and 16 (split K), 128 (no split,
+    Hopper's unrolled tiles), a whole-row group with odd K (masked tail), and the dequantize
+    kernel of the large-M path."""
+    return [
+        _jax_linear_case(family, 1, "bf16", "fp16", "int4", True, None),
+        _jax_linear_case(family, 16, "fp16", "bf16", "nf4", False, "bf16"),
+        _jax_linear_case(family, 128, "bf16", "bf16", "int4", False, "fp32"),
+        _jax_linear_case(family, 16, "bf16", "fp16", "int4", True, "fp32", k=200, group=200),
+        _jax_dequant_case("bf16", "int4", True),
+    ]
+
+
 # The configs of an arch family run only on its archs: Hopper's tiles on sm_90 (they would
 # spill with sm_80's register-operand MMA), Ampere's on sm_80, CDNA's on every gfx target.
 FAMILY_TARGETS = {"hopper": ("sm_90",), "ampere": ("sm_80",), "cdna": ("gfx90a", "gfx942", "gfx950")}
@@ -123,3 +177,25 @@ def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
     print(format_reports(reports))
     assert_clean(reports)
     assert reports and len(reports) == expected
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+def test_jax_specializations_compile_clean(vendor: str) -> None:
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+
+    prefix = "sm_" if vendor == "cuda" else "gfx"
+    targets = [t for t in targets_from_env() if t.startswith(prefix)]
+    reports, expected = [], 0
+    for family in FAMILIES[vendor]:
+        family_targets = [t for t in targets if t in FAMILY_TARGETS[family]]
+        if family_targets:
+            cases = jax_cases_for(family)
+            reports += check_cases(cases, family_targets)
+            expected += len(cases) * len(family_targets)
+    if not reports:
+        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
+    print(format_reports(reports))
+    assert_clean(reports)
+    assert len(reports) == expected

@@ -25,7 +25,7 @@ from . import api, reference
 from .format import Int4Weight
 from .quantize import quantize_int4, quantize_nf4
 
-__all__ = ["GPU_SHAPES", "CPU_SHAPES", "GPU_MS", "CPU_MS", "cases", "checks", "PEERS"]
+__all__ = ["GPU_SHAPES", "CPU_SHAPES", "GPU_MS", "CPU_MS", "cases", "checks", "jax_cases", "PEERS"]
 
 GPU_SHAPES = ((8192, 8192), (28672, 8192))  # (N, K): a square projection and an MLP up-projection
 CPU_SHAPES = ((4096, 4096),)
@@ -199,3 +199,50 @@ def _bound_score(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> t
         return float("nan"), False
     error = float(((got - ref).abs() / bound).max())
     return error, error <= 1.0
+
+
+def jax_cases(
+    *,
+    shapes: Sequence[tuple[int, int]] = GPU_SHAPES,
+    ms: Sequence[int] = GPU_MS,
+    group: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    kinds: Sequence[str] = ("int4",),
+) -> list:
+    """`JaxCase`s (openkernels.shared.bench_jax): int4_linear forward from JAX against the
+    PyTorch call, on the GPU shapes: decode (M = 1, 16: the split-K tiled kernel), M = 128
+    and prefill (M = 2048: dequantize + GEMM). Both sides get the same packed parts; the
+    JAX weight is built inside the jitted function (no cost at run time)."""
+    from openkernels.shared.bench_jax import JaxCase
+
+    from . import jax as qjax
+
+    out = []
+    for kind in kinds:
+        g = 64 if kind == "nf4" and group == 128 else group
+        for n, k in shapes:
+            for m in ms:
+
+                def make(
+                    device: torch.device, m: int = m, n: int = n, k: int = k, g: int = g, kind: str = kind
+                ) -> dict:
+                    w = (torch.randn(n, k, device=device) * 0.02).to(dtype)
+                    q = quantize_nf4(w, g) if kind == "nf4" else quantize_int4(w, g)
+                    parts = {"qweight": q.qweight, "scales": q.scales}
+                    if q.zeros is not None:
+                        parts["zeros"] = q.zeros
+                    return {"x": torch.randn(m, k, device=device, dtype=dtype), **parts}
+
+                def torch_fn(s: dict, g: int = g, kind: str = kind) -> torch.Tensor:
+                    # What Int4Linear.forward calls: no Int4Weight to build per call.
+                    return api.linear_parts(s["x"], s["qweight"], s["scales"], s.get("zeros"), None, g, kind)
+
+                def jax_fn(s: dict, g: int = g, kind: str = kind) -> Any:
+                    weight = qjax.Int4Weight(s["qweight"], s["scales"], s.get("zeros"), g, kind)
+                    return qjax.int4_linear(s["x"], weight)
+
+                nbytes = weight_bytes(n, k, g) + 2 * m * (k + n)
+                flops = 2 * m * n * k if m >= COMPUTE_BOUND_M else 0
+                out.append(JaxCase("quant", f"int4_linear[{kind}]", "fwd", (m, n, k), dtype, nbytes, make, torch_fn,
+                                   jax_fn, flops=flops))  # fmt: skip
+    return out

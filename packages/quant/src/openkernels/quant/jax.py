@@ -110,10 +110,12 @@ def _config(m: int, n: int, k: int, group_size: int) -> LinearConfig:
 
 
 def _launch(plan: Any, arrays: dict, outputs: dict, ints: dict, zeroed: tuple = ()) -> tuple:
-    """One launch of a plan.py plan: its inputs from `arrays`, absent pointers as None."""
+    """One launch of a plan.py plan: its inputs from `arrays` (the scales where the kernel
+    reads nothing: jax-triton binds arrays by position), absent scratch pointers as None."""
     from .triton import kernels
 
     inputs, _, absent = plan.pointers()
+    arrays = {**arrays, **dict.fromkeys(plan.stand_ins(), arrays["s_ptr"])}
     return okjax.launch(
         getattr(kernels, plan.kernel),
         grid=plan.grid,
@@ -127,6 +129,7 @@ def _launch(plan: Any, arrays: dict, outputs: dict, ints: dict, zeroed: tuple = 
 
 
 def _weight_arrays(qweight, scales, zeros, bias, kind: str) -> dict:
+    """The weight-side pointers by kernel parameter name (None where absent)."""
     lut = jnp.asarray(NF4_VALUES, jnp.float32) if kind == "nf4" else None
     return {"qw_ptr": qweight, "s_ptr": scales, "z_ptr": zeros, "lut_ptr": lut, "bias_ptr": bias}
 

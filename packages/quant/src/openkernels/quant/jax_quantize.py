@@ -52,31 +52,32 @@ def _fit(w: jax.Array, kind: str, symmetric: bool, ratio: float, scale_dtype: jn
     return scale, zero, codes.astype(jnp.uint8), err
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _quantize_rows(w: jax.Array, group_size: int, kind: str, symmetric: bool, ratios: tuple, scale_dtype):
-    """Rows w (R, K) -> packed codes (R, K // 2), scales (G, R), zeros (G, R) or None, and
-    whether any tried scale overflowed scale_dtype."""
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _quantize_rows(w: jax.Array, ratios: jax.Array, group_size: int, kind: str, symmetric: bool, scale_dtype):
+    """Rows w (R, K) at clip ratios (float32, 1.0 first) -> packed codes (R, K // 2), scales
+    (G, R), zeros (G, R) or None, and whether any tried scale overflowed scale_dtype."""
     rows, k = w.shape
     w = w.astype(jnp.float32).reshape(rows, k // group_size, group_size)
-    best = None
-    overflow = jnp.zeros((), bool)
-    for r in ratios:  # strict improvement keeps the earlier ratio on ties, as quantize.py
+
+    def fit(r):
         scale, zero, codes, err = _fit(w, kind, symmetric, r, scale_dtype)
-        overflow = overflow | ~jnp.isfinite(scale).all()
-        if best is None:
-            best = [scale, zero, codes, err]
-            continue
-        better = err < best[3]
-        best[0] = jnp.where(better, scale, best[0])
-        if zero is not None:
-            best[1] = jnp.where(better, zero, best[1])
-        best[2] = jnp.where(better[..., None], codes, best[2])
-        best[3] = jnp.where(better, err, best[3])
-    scale, zero, codes, _ = best
+        return (scale, zero, codes, err), ~jnp.isfinite(scale).all()
+
+    def step(best, r):  # strict improvement keeps the earlier ratio on ties, as quantize.py
+        new, overflow = fit(r)
+        better = new[3] < best[3]  # (R, G); codes are (R, G, gs)
+
+        def pick(a, b):
+            return None if a is None else jnp.where(better.reshape(better.shape + (1,) * (a.ndim - 2)), a, b)
+
+        return tuple(pick(a, b) for a, b in zip(new, best)), overflow
+
+    first, overflow = fit(ratios[0])
+    (scale, zero, codes, _), overflows = jax.lax.scan(step, first, ratios[1:])  # one compiled step
     codes = codes.reshape(rows, k)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     zeros = None if zero is None else zero.T.astype(scale_dtype)
-    return packed, scale.T.astype(scale_dtype), zeros, overflow
+    return packed, scale.T.astype(scale_dtype), zeros, overflow | overflows.any()
 
 
 def _check(weight, group_size, scale_dtype, search: str | None, grid: int, min_ratio: float) -> int:
@@ -111,16 +112,18 @@ def _check(weight, group_size, scale_dtype, search: str | None, grid: int, min_r
 def _quantize(weight, group_size, kind, symmetric, search, scale_dtype, grid, min_ratio) -> Int4Weight:
     group_size = _check(weight, group_size, scale_dtype, search, grid, min_ratio)
     scale_dtype = jnp.dtype(scale_dtype)
-    ratios = (1.0,) if search is None else tuple(1.0 - (1.0 - min_ratio) * i / grid for i in range(grid + 1))
+    steps = 1 if search is None else grid + 1
+    # Ratios in float32, as torch rounds a Python scalar multiplying a float32 tensor.
+    ratios = jnp.asarray([1.0 - (1.0 - min_ratio) * i / grid for i in range(steps)], jnp.float32)
     n, k = weight.shape
     rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
     parts = [
-        _quantize_rows(weight[start : start + rows], group_size, kind, symmetric, ratios, scale_dtype)
+        _quantize_rows(weight[start : start + rows], ratios, group_size, kind, symmetric, scale_dtype)
         for start in range(0, n, rows)
     ]
     if not parts:  # no rows: empty parts of the right shapes
         parts = [
-            _quantize_rows(jnp.zeros((0, k), jnp.float32), group_size, kind, symmetric, ratios, scale_dtype)
+            _quantize_rows(jnp.zeros((0, k), jnp.float32), ratios, group_size, kind, symmetric, scale_dtype)
         ]
     if any(bool(p[3]) for p in parts):
         raise ValueError(f"a group's scale overflows {scale_dtype}; pass scale_dtype=jnp.bfloat16")

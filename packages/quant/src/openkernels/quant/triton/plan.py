@@ -5,10 +5,13 @@ Pure Python (no torch, no JAX, no Triton): the PyTorch launcher (triton/__init__
 JAX launcher (openkernels.quant.jax) and the compile-only checks (tests/test_aot.py) all
 build their launches here, so the three cannot drift apart.
 
-Pointers a launch does not need (zeros of a symmetric weight, the NF4 table of an int4 one,
-an absent bias, the split-K scratch without a split) are listed by `pointers()` as absent:
-the PyTorch launcher passes another tensor there (never read), the JAX launcher a constant
-None (the kernels guard every use behind a constexpr flag).
+Pointers a launch does not read (the kernels guard every use behind a constexpr flag):
+* zeros of a symmetric weight, the NF4 table of an int4 weight, an absent bias: inputs in
+  the middle of the pointer list, `stand_ins()`; both launchers pass the scales there.
+  (jax-triton binds array arguments by position, so no constant may sit between two of
+  them; the same stand-in keeps both sides' specializations alike.)
+* the split-K scratch of a launch without a split, the last pointers: `pointers()` lists
+  them as absent; the PyTorch launcher passes the output there, the JAX launcher None.
 """
 
 from __future__ import annotations
@@ -45,12 +48,12 @@ def k_per_split(k: int, cfg: LinearConfig) -> tuple[int, int]:
     return per, _cdiv(k, per)
 
 
-def _weight_pointers(flags: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(present, absent) among the optional weight inputs z_ptr, lut_ptr, bias_ptr."""
-    wanted = {"z_ptr": flags["HAS_ZEROS"], "lut_ptr": flags["NF4"], "bias_ptr": flags.get("HAS_BIAS", False)}
-    if "HAS_BIAS" not in flags:
-        del wanted["bias_ptr"]
-    return [p for p, on in wanted.items() if on], [p for p, on in wanted.items() if not on]
+def _stand_ins(flags: dict[str, Any]) -> tuple[str, ...]:
+    """The optional weight inputs (z_ptr, lut_ptr, bias_ptr) this launch does not read."""
+    unread = {"z_ptr": not flags["HAS_ZEROS"], "lut_ptr": not flags["NF4"]}
+    if "HAS_BIAS" in flags:  # the linear kernels; the dequantize kernel has no bias
+        unread["bias_ptr"] = not flags["HAS_BIAS"]
+    return tuple(p for p, off in unread.items() if off)
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,12 +90,17 @@ class LinearPlan:
                 "stride_qn": stride_qn, "stride_sg": stride_sg, "stride_om": stride_om}  # fmt: skip
 
     def pointers(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-        """(inputs, outputs, absent) pointer names, inputs and outputs in parameter order."""
-        present, absent = _weight_pointers(self.flags)
-        inputs = ("x_ptr", "qw_ptr", "s_ptr", *[p for p in ("z_ptr", "lut_ptr", "bias_ptr") if p in present])
+        """(inputs, outputs, absent) pointer names, inputs and outputs in parameter order;
+        absent: the split-K scratch when K is not split (the last pointer parameters)."""
+        inputs = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "lut_ptr", "bias_ptr")
         scratch = ("ws_ptr", "counter_ptr")
-        outputs = ("out_ptr", *scratch) if self.splits > 1 else ("out_ptr",)
-        return inputs, outputs, (*absent, *(() if self.splits > 1 else scratch))
+        if self.splits > 1:
+            return inputs, ("out_ptr", *scratch), ()
+        return inputs, ("out_ptr",), scratch
+
+    def stand_ins(self) -> tuple[str, ...]:
+        """Inputs the kernel does not read here; the launchers pass the scales there."""
+        return _stand_ins(self.flags)
 
 
 def linear_plan(
@@ -164,8 +172,11 @@ class DequantPlan:
 
     def pointers(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
         """(inputs, outputs, absent) pointer names, inputs and outputs in parameter order."""
-        present, absent = _weight_pointers(self.flags)
-        return ("qw_ptr", "s_ptr", *present), ("out_ptr",), tuple(absent)
+        return ("qw_ptr", "s_ptr", "z_ptr", "lut_ptr"), ("out_ptr",), ()
+
+    def stand_ins(self) -> tuple[str, ...]:
+        """Inputs the kernel does not read here; the launchers pass the scales there."""
+        return _stand_ins(self.flags)
 
 
 def dequant_plan(n: int, k: int, group_size: int, kind: str, *, has_zeros: bool) -> DequantPlan:
