@@ -24,6 +24,19 @@ __all__ = ["quantize_int4", "quantize_nf4"]
 _CHUNK_ELEMENTS = 1 << 24  # rows per pass keep float32 temporaries near 64 MB each, as in quantize.py
 
 
+def _round_to(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """float32 x rounded to `dtype` (to nearest even, overflow to inf), kept in float32.
+
+    A plain convert pair is not enough: XLA may drop it on GPUs (excess precision allowed
+    by default), and the scales then differ from quantize.py's (seen on the H200).
+    reduce_precision is kept; it flushes values below the smallest normal, so those go
+    through the convert pair instead (float16 scales under 6.1e-5).
+    """
+    info = jnp.finfo(dtype)
+    rounded = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return jnp.where(jnp.abs(x) < info.smallest_normal, x.astype(dtype).astype(jnp.float32), rounded)
+
+
 def _fit(w: jax.Array, kind: str, symmetric: bool, ratio: float, scale_dtype: jnp.dtype):
     """Scales (R, G), zeros (R, G) or None, codes (R, G, gs) and squared errors (R, G) of
     groups w (R, G, gs) at clip ratio `ratio` (quantize.py's _fit)."""
@@ -35,7 +48,7 @@ def _fit(w: jax.Array, kind: str, symmetric: bool, ratio: float, scale_dtype: jn
         hi, lo = w.max(axis=-1) * ratio, w.min(axis=-1) * ratio
         # A constant group (hi == lo) spans 0..hi instead, so its value lands on code 0 or 15.
         scale = jnp.where(hi > lo, hi - lo, jnp.abs(hi)) / 15
-    scale = scale.astype(scale_dtype).astype(jnp.float32)
+    scale = _round_to(scale, scale_dtype)
     scale = jnp.where(scale > 0, scale, 1.0)  # all-zero group: any scale works
     s = scale[..., None]
     if kind == "nf4":
