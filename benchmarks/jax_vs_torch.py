@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", default=list(FAMILIES))
     parser.add_argument("--quick", action="store_true", help="the first shape of each family only")
+    parser.add_argument("--only", default="", help="cases whose label contains this text")
     parser.add_argument("--json", help="write the measurements here")
     parser.add_argument("--batch", type=int, default=50, help="calls per timed batch")
     parser.add_argument("--kernel-time", action="store_true", help="device time in kernels (torch.profiler)")
@@ -32,13 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.families:
         bench = importlib.import_module(f"openkernels.{family}.bench")
         cases = bench.jax_cases()
-        if args.quick:
+        cases = [c for c in cases if args.only in c.label]
+        if args.quick and cases:
             first = cases[0].shape
             cases = [c for c in cases if c.shape == first]
         print(f"# {family}: {len(cases)} cases", flush=True)
         results += run_jax_cases(
             cases, batch=args.batch, kernel_time=args.kernel_time, log=lambda s: print(s, flush=True)
         )
+    if not results:
+        print("# no case selected")
+        return 1
     worst = max(results, key=lambda m: m.jax_over_torch)
     print(f"# worst jax/torch: {worst.jax_over_torch:.3f} ({worst.label})")
     slower = [m.label for m in results if m.jnp_over_jax <= 1.0]
