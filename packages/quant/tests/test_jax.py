@@ -408,3 +408,17 @@ def test_bench_jax_cases_run_on_cpu() -> None:
         with dispatch.force("reference"):
             want = case.torch_fn(s)
         assert_close(to_torch(got), want.double(), dtype=torch.bfloat16, scale=2.0, msg=case.label)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_scale_rounding_matches_a_torch_cast(dtype) -> None:
+    """The quantizer's scale rounding (kept by XLA on GPUs, where a convert pair may be
+    dropped) equals torch's float32 -> dtype -> float32 cast: normals, subnormals, ties,
+    overflow to inf."""
+    from openkernels.quant.jax_quantize import _round_to
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.exp(torch.empty(200_000).uniform_(-25.0, 14.0, generator=gen))
+    x = torch.cat([x, torch.tensor([65504.0, 65520.0, 70000.0, 2.0**-24, 1.5 * 2.0**-24, 0.0])])
+    got = to_torch(_round_to(to_jax(x), to_jax(torch.zeros(0, dtype=dtype)).dtype))
+    assert torch.equal(got, x.to(dtype).to(torch.float32))

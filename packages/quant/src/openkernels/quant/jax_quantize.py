@@ -29,12 +29,17 @@ def _round_to(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
     A plain convert pair is not enough: XLA may drop it on GPUs (excess precision allowed
     by default), and the scales then differ from quantize.py's (seen on the H200).
-    reduce_precision is kept; it flushes values below the smallest normal, so those go
-    through the convert pair instead (float16 scales under 6.1e-5).
+    reduce_precision is kept but flushes values below the smallest normal; those round on
+    the dtype's subnormal grid instead (exact float32 steps: a power-of-two scaling, a
+    round half to even, the scaling back).
     """
     info = jnp.finfo(dtype)
     rounded = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-    return jnp.where(jnp.abs(x) < info.smallest_normal, x.astype(dtype).astype(jnp.float32), rounded)
+    if info.nexp >= 8:  # bfloat16: its subnormals are float32 subnormals, flushed on GPUs anyway
+        return rounded
+    step = float(info.smallest_subnormal)
+    subnormal = jnp.round(x / step) * step
+    return jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal, rounded)
 
 
 def _fit(w: jax.Array, kind: str, symmetric: bool, ratio: float, scale_dtype: jnp.dtype):
