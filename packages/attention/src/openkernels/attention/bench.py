@@ -45,6 +45,8 @@ __all__ = [
     "cases",
     "checks",
     "flops",
+    "jax_cases",
+    "JAX_SHAPES",
 ]
 
 # (B, H, S, D): head_dim 128 at 16K tokens per batch from S 2048 to 16384, then head_dim 64
@@ -57,6 +59,8 @@ GPU_SHAPES = (
     (8, 32, 2048, 64),
 )
 CPU_SHAPES = ((2, 8, 1024, 64),)
+# The JAX front end against the PyTorch one: the first head_dim 128 shape and the head_dim 64 one.
+JAX_SHAPES = (GPU_SHAPES[0], GPU_SHAPES[-1])
 OPS = ("causal", "full")
 DIRECTIONS = ("fwd", "fwd+bwd")
 SDPA_BACKENDS = {
@@ -318,3 +322,75 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     from .bench_rotary import checks as rotary_checks
 
     return results + rotary_checks(device, dtype)
+
+
+def _attention_inputs(shape: tuple[int, int, int, int], dtype: torch.dtype) -> Callable[[torch.device], dict]:
+    b, h, s, d = shape
+
+    def make(dev: torch.device) -> dict:
+        def rand() -> torch.Tensor:
+            return torch.randn(b, s, h, d, device=dev, dtype=torch.float32).to(dtype)
+
+        return {"q": rand(), "k": rand(), "v": rand(), "dout": rand()}
+
+    return make
+
+
+def _torch_fwd_bwd(causal: bool) -> Callable[[dict], Any]:
+    def step(s: dict) -> Any:
+        leaves = tuple(s[n].detach().requires_grad_() for n in ("q", "k", "v"))
+        return torch.autograd.grad(api.attention(*leaves, causal=causal), leaves, s["dout"])
+
+    return step
+
+
+def _jax_fwd_bwd(causal: bool) -> Callable[[dict], Any]:
+    import jax
+
+    from . import jax as attention_jax
+
+    def step(s: dict) -> Any:
+        _, vjp = jax.vjp(
+            lambda q, k, v: attention_jax.attention(q, k, v, causal=causal), s["q"], s["k"], s["v"]
+        )
+        return vjp(s["dout"])
+
+    return step
+
+
+def jax_cases(
+    *,
+    shapes: Sequence[tuple[int, int, int, int]] = JAX_SHAPES,
+    dtype: torch.dtype = torch.bfloat16,
+    ops: Sequence[str] = OPS,
+    rotary_shapes: Sequence[tuple[int, ...]] | None = None,
+) -> list:
+    """`JaxCase`s (openkernels.shared.bench_jax): attention causal and full, forward and
+    forward+backward (jax.vjp against torch.autograd: the backward needs the forward's out and
+    lse, so the pair is what both sides can time), shapes (batch, heads, seqlen, head_dim)
+    with FLOPs as in `flops`; then apply_rotary's on rotary_shapes (bench_rotary.jax_cases,
+    default its GPU_SHAPES)."""
+    from openkernels.shared.bench_jax import JaxCase
+
+    from . import bench_rotary
+    from . import jax as attention_jax
+
+    out = []
+    for shape in shapes:
+        b, h, s, d = shape
+        size = torch.finfo(dtype).bits // 8
+        for op in ops:
+            causal = op == "causal"
+            pairs = {
+                "fwd": (
+                    _ours(causal),
+                    lambda t, c=causal: attention_jax.attention(t["q"], t["k"], t["v"], causal=c),
+                ),
+                "fwd+bwd": (_torch_fwd_bwd(causal), _jax_fwd_bwd(causal)),
+            }
+            for direction, (torch_fn, jax_fn) in pairs.items():
+                tensors = 8 if direction == "fwd+bwd" else 4
+                out.append(JaxCase("attention", op, direction, tuple(shape), dtype, tensors * b * h * s * d * size,
+                                   _attention_inputs(shape, dtype), torch_fn, jax_fn,
+                                   flops=flops(shape, op, direction)))  # fmt: skip
+    return out + bench_rotary.jax_cases(shapes=rotary_shapes or bench_rotary.GPU_SHAPES, dtype=dtype)

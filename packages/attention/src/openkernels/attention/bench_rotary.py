@@ -28,7 +28,16 @@ from openkernels.shared.bench import score as _score
 
 from . import api
 
-__all__ = ["GPU_SHAPES", "CPU_SHAPES", "PEERS", "cases", "checks", "rotary_bytes", "torch_rotary"]
+__all__ = [
+    "GPU_SHAPES",
+    "CPU_SHAPES",
+    "PEERS",
+    "cases",
+    "checks",
+    "jax_cases",
+    "rotary_bytes",
+    "torch_rotary",
+]
 
 # Llama 3 8B (GQA 32/8, D128) prefill as one long sequence and as a batch, a decode step of 64
 # sequences, Phi-2 (32 heads of 80, 32 rotated).
@@ -181,3 +190,45 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
                 worst = max(e for e, _ in scores)
                 results.append(Check(name, direction, impl, dt, worst, all(ok for _, ok in scores)))
     return results
+
+
+def jax_cases(*, shapes: Sequence[tuple[int, ...]] = GPU_SHAPES, dtype: torch.dtype = torch.bfloat16) -> list:
+    """`JaxCase`s (openkernels.shared.bench_jax) of apply_rotary: forward, and backward (the
+    library's backward op against jax.vjp of the JAX function; the backward needs only the
+    tables, so XLA drops the forward), on (batch, seqlen, heads_q, heads_k, head_dim, rot_dim)."""
+    import jax
+
+    from openkernels.shared.bench_jax import JaxCase
+
+    from . import jax as attention_jax
+
+    def make_for(shape: tuple[int, ...]) -> Callable[[torch.device], dict]:
+        b, s, hq, hk, d, r = shape
+
+        def make(dev: torch.device) -> dict:
+            def rand(*size: int) -> torch.Tensor:
+                return torch.randn(*size, device=dev, dtype=torch.float32).to(dtype)
+
+            angles = torch.rand(1, s, r, device=dev) * 6.3
+            return {"q": rand(b, s, hq, d), "k": rand(b, s, hk, d), "cos": angles.cos().to(dtype),
+                    "sin": angles.sin().to(dtype), "gq": rand(b, s, hq, d), "gk": rand(b, s, hk, d)}  # fmt: skip
+
+        return make
+
+    def jax_bwd(t: dict) -> Any:
+        _, vjp = jax.vjp(lambda q, k: attention_jax.apply_rotary(q, k, t["cos"], t["sin"]), t["q"], t["k"])
+        return vjp((t["gq"], t["gk"]))
+
+    backward = torch.ops.openkernels.apply_rotary_backward
+    pairs = {
+        "fwd": (lambda t: api.apply_rotary(t["q"], t["k"], t["cos"], t["sin"]),
+                lambda t: attention_jax.apply_rotary(t["q"], t["k"], t["cos"], t["sin"])),
+        "bwd": (lambda t: backward(t["gq"], t["gk"], t["cos"], t["sin"]), jax_bwd),
+    }  # fmt: skip
+    out = []
+    for shape in shapes:
+        nbytes = rotary_bytes(shape, torch.finfo(dtype).bits // 8)
+        for direction, (torch_fn, jax_fn) in pairs.items():
+            out.append(JaxCase("attention", "apply_rotary", direction, tuple(shape), dtype, nbytes, make_for(shape),
+                               torch_fn, jax_fn))  # fmt: skip
+    return out

@@ -12,6 +12,7 @@ from openkernels.shared.platform import device_info
 from . import plan
 from .configs import AttnConfig
 from .kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel, _attn_fwd_kernel
+from .kvcache import attention_kvcache_fwd, kvcache_append_fwd
 from .rotary import apply_rotary_bwd, apply_rotary_fwd
 
 __all__ = [
@@ -81,11 +82,6 @@ def _problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, window_left,
         heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], varlen=varlen, scale=scale,
         window_left=window_left, window_right=window_right, alibi=alibi_slopes is not None, softcap=softcap,
     )  # fmt: skip
-
-
-def _scales(scale: float, softcap: float) -> tuple[float, float, float]:
-    """plan.scales, under the name kvcache.py imports."""
-    return plan.scales(scale, softcap)
 
 
 def attn_fwd(
@@ -169,6 +165,3 @@ def attn_bwd(
     qd = plan.dq(p, arch, q.dtype, (*base, _bshd(dq, varlen)), lse_strides, strides_aligned, dq_cfg)
     _attn_bwd_dq_kernel[qd.grid](**common, dq_ptr=dq, num_warps=qd.num_warps, num_stages=qd.num_stages,
                                  **qd.args)  # fmt: skip
-
-
-from .kvcache import attention_kvcache_fwd, kvcache_append_fwd  # noqa: E402 - uses _scales above

@@ -10,8 +10,8 @@ import triton
 
 from openkernels.shared.platform import device_info
 
-from . import _scales
-from .configs import AttnConfig, block_d, kv_append_block_t, kv_config, kv_splits
+from . import plan
+from .configs import AttnConfig, block_d, kv_append_block_t
 from .kvcache_kernels import (
     _attention_kvcache_combine_kernel,
     _attention_kvcache_fwd_kernel,
@@ -75,11 +75,6 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
     )  # fmt: skip
 
 
-@functools.cache
-def _config(head_dim: int, bits: int, rows: int, device: torch.device) -> AttnConfig:
-    return kv_config(head_dim, bits, rows, device_info(device).arch)
-
-
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
             rotary_interleaved, bits, group_size, config: AttnConfig | None = None,
@@ -88,50 +83,34 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     grouped scales with one gathered load per element instead of a (keys, groups) load and a
     reshape (never ahead in the H200 sweeps of tune_kvcache.py; kept for them)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
-    heads_kv = k_data.shape[2]
-    group = heads_q // heads_kv
-    cfg = config or _config(head_dim, bits, min(seqlen_q * group, 17), q.device)
-    m_blocks = triton.cdiv(seqlen_q * group, cfg.block_m)
-    key_blocks = triton.cdiv(max_seqlen_k, cfg.block_n)
-    splits = (
-        num_splits or FORCE_SPLITS or kv_splits(m_blocks * batch * heads_kv, key_blocks, _sm_count(q.device))
-    )
-    split_blocks = max(1, triton.cdiv(key_blocks, splits))
-    splits = max(1, triton.cdiv(key_blocks, split_blocks))
-    if splits == 1:
-        dst_o, dst_lse = out, lse
-        o_strides = (*out.stride()[:3], 0)
-        l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), 0)
-    else:  # float32 partials, merged below
-        dst_o = torch.empty(
-            (batch, seqlen_q, heads_q, splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        dst_lse = torch.empty((batch, heads_q, seqlen_q, splits), dtype=torch.float32, device=q.device)
-        o_strides = (dst_o.stride(0), dst_o.stride(1), dst_o.stride(2), dst_o.stride(3))
-        l_strides = dst_lse.stride()
-    if bits == 16:
-        q_scale = 1.0
-        qk_scale, cap_scale, cap_out = _scales(scale, softcap)
-    else:  # the kernel multiplies q by softmax_scale before its float16 cast
-        q_scale = scale
-        qk_scale, cap_scale, cap_out = _scales(1.0, softcap)
     stride_ro, rot_half = _rotary(rotary_cos)
-    _attention_kvcache_fwd_kernel[(m_blocks, batch * heads_kv, splits)](
-        q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, dst_o, dst_lse, cache_seqlens, block_table,
-        rotary_cos, rotary_sin, alibi_slopes, q.stride(0), q.stride(1), q.stride(2), *_side(k_data, block_table),
-        *_side(v_data, block_table), *_scale_strides(k_scale), *o_strides, *l_strides,
-        0 if block_table is None else block_table.stride(0), stride_ro, seqlen_q, seqlen_new, heads_kv, group,
-        split_blocks * cfg.block_n, rot_half, q_scale, qk_scale, cap_scale, cap_out, window_left, window_right,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BITS=bits,
-        GROUP=group_size, PAGE_SIZE=_page_size(k_data, block_table), HAS_ROTARY=rotary_cos is not None,
-        INTERLEAVED=rotary_interleaved, HAS_WINDOW_LEFT=window_left >= 0, HAS_WINDOW_RIGHT=window_right >= 0,
-        HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap > 0, FAST_DEQUANT=_fast_dequant(q.device),
-        SCALE_GATHER=scale_gather, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    problem = plan.KVProblem(
+        batch, seqlen_q, heads_q, k_data.shape[2], head_dim, bits, group_size, seqlen_new, max_seqlen_k, scale,
+        window_left, window_right, alibi_slopes is not None, softcap, _page_size(k_data, block_table), rot_half,
+        rotary_interleaved,
     )  # fmt: skip
-    if splits > 1:
-        _attention_kvcache_combine_kernel[(batch * seqlen_q * heads_q,)](
-            dst_o, dst_lse, out, lse, dst_o.stride(0), dst_o.stride(1), dst_o.stride(2), dst_o.stride(3),
-            dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2), *out.stride()[:3], lse.stride(0),
-            lse.stride(1), seqlen_q, heads_q, splits, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-            BLOCK_SPLITS=triton.next_power_of_2(splits), num_warps=4,
-        )  # fmt: skip
+    strides = (
+        q.stride()[:3],
+        _side(k_data, block_table),
+        _side(v_data, block_table),
+        _scale_strides(k_scale),
+    )
+    kv = plan.kvcache(
+        problem, device_info(q.device).arch, _sm_count(q.device), strides, out.stride()[:3], lse.stride(),
+        (0 if block_table is None else block_table.stride(0), stride_ro), _fast_dequant(q.device), scale_gather,
+        config, num_splits or FORCE_SPLITS,
+    )  # fmt: skip
+    dst_o, dst_lse = out, lse
+    if kv.splits > 1:  # float32 partials, merged below
+        dst_o = torch.empty(kv.partial_out, dtype=torch.float32, device=q.device)
+        dst_lse = torch.empty(kv.partial_lse, dtype=torch.float32, device=q.device)
+    _attention_kvcache_fwd_kernel[kv.main.grid](
+        q_ptr=q, k_ptr=k_data, v_ptr=v_data, k_scale_ptr=k_scale, k_zero_ptr=k_zero, v_scale_ptr=v_scale,
+        v_zero_ptr=v_zero, seqlens_ptr=cache_seqlens, block_table_ptr=block_table, cos_ptr=rotary_cos,
+        sin_ptr=rotary_sin, slopes_ptr=alibi_slopes, o_ptr=dst_o, lse_ptr=dst_lse, num_warps=kv.main.num_warps,
+        num_stages=kv.main.num_stages, **kv.main.args,
+    )  # fmt: skip
+    if kv.combine is not None:
+        _attention_kvcache_combine_kernel[kv.combine.grid](part_o_ptr=dst_o, part_lse_ptr=dst_lse, o_ptr=out,
+                                                           lse_ptr=lse, num_warps=kv.combine.num_warps,
+                                                           **kv.combine.args)  # fmt: skip

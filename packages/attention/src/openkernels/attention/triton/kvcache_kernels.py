@@ -400,8 +400,8 @@ def _kv_blocks(
 
 @triton.jit
 def _attention_kvcache_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, o_ptr, lse_ptr,
-    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, slopes_ptr,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, slopes_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh, stride_ob, stride_os, stride_oh, stride_osplit,
     stride_lb, stride_lh, stride_ls, stride_lsplit, stride_bt, stride_ro,

@@ -1,8 +1,9 @@
 """Launch plans of the attention and rotary kernels: grid, config and every argument of one
 launch but its pointers, as a pure function of the call's sizes, strides and options.
 
-The PyTorch launchers (__init__.py, rotary.py) and the JAX front end (../jax.py) both launch
-through these, so the two sides run the same kernels with the same configs and values. JAX
+The PyTorch launchers (__init__.py, rotary.py, kvcache.py), the JAX launches
+(../jax_kernels.py) and the JAX compile checks (tests/aot_jax_cases.py) all go
+through these, so both front ends run the same kernels with the same configs and values. JAX
 passes every entry of `Launch.args` as a compile-time constant, PyTorch as ordinary
 arguments (Triton specializes the integers on divisibility by 16 and on the value 1).
 Plans are cached: every argument is hashable (strides are tuples, in the kernel's order).
@@ -14,22 +15,26 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from ..problem import KVProblem, Problem
 from .configs import (
     AttnConfig,
     RotaryConfig,
     block_d,
+    kv_config,
+    kv_splits,
     launch_config,
     preprocess_block_m,
     rotary_blocks,
     rotary_config,
 )
 
-__all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "fwd", "preprocess", "dkdv", "dq", "rotary"]
+__all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "fwd", "preprocess", "dkdv", "dq", "rotary", "contiguous",
+           "lse_layout", "Contiguous", "contiguous_launches", "contiguous_rotary", "KVProblem", "KVLaunches",
+           "kvcache"]  # fmt: skip
 
 LOG2E = 1.0 / math.log(2.0)
 # Threads of the backward's delta pass (memory-bound, fixed).
@@ -45,65 +50,29 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True)
-class Problem:
-    """One attention call as the kernels see it. seqlen_q / seqlen_k: the dense lengths, or
-    the longest sequence of a varlen call (n_seqs sequences); window_right 0 is causal, -1
-    an unbounded side; alibi: slopes are given ((n_seqs, heads_q) float32); softcap 0: off."""
-
-    n_seqs: int
-    seqlen_q: int
-    seqlen_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    varlen: bool
-    scale: float
-    window_left: int
-    window_right: int
-    alibi: bool
-    softcap: float
-
-    @property
-    def group(self) -> int:
-        return self.heads_q // self.heads_kv
-
-    def flags(self) -> dict[str, Any]:
-        return {
-            "HEAD_DIM": self.head_dim,
-            "BLOCK_D": block_d(self.head_dim),
-            "IS_VARLEN": self.varlen,
-            "HAS_WINDOW_LEFT": self.window_left >= 0,
-            "HAS_WINDOW_RIGHT": self.window_right >= 0,
-            "HAS_ALIBI": self.alibi,
-            "HAS_SOFTCAP": self.softcap > 0,
-        }
-
-    def general(self, strides_aligned: bool) -> bool:
-        """Whether the call is off the fast path (configs._TABLE): a window other than
-        causal, varlen, ALiBi, softcap, or lengths or strides that are not multiples of 16."""
-        return (
-            self.varlen
-            or self.window_left >= 0
-            or self.window_right > 0
-            or self.alibi
-            or self.softcap > 0
-            or self.seqlen_q % 16 != 0
-            or self.seqlen_k % 16 != 0
-            or not strides_aligned
-        )
-
-
-@dataclass(frozen=True)
 class Launch:
-    """grid, launch options and `args`: every kernel argument but the pointers, by name
-    (read-only; shared by the callers of a cached plan). num_stages None: the Triton
-    backend's default (kernels without a pipelined loop, launched so from PyTorch)."""
+    """grid, launch options and `args`: every kernel argument but the pointers, by name (a
+    plain dict, cheap to ** at every launch; read-only: the callers of a cached plan share
+    it). num_stages None: the Triton backend's default (kernels without a pipelined loop,
+    launched so from PyTorch)."""
 
     grid: tuple[int, ...]
     num_warps: int
     num_stages: int | None
     args: Mapping[str, Any]
     config: AttnConfig | RotaryConfig | None = None
+
+
+def _flags(p: Problem) -> dict[str, Any]:
+    return {
+        "HEAD_DIM": p.head_dim,
+        "BLOCK_D": block_d(p.head_dim),
+        "IS_VARLEN": p.varlen,
+        "HAS_WINDOW_LEFT": p.window_left >= 0,
+        "HAS_WINDOW_RIGHT": p.window_right >= 0,
+        "HAS_ALIBI": p.alibi,
+        "HAS_SOFTCAP": p.softcap > 0,
+    }
 
 
 def aligned(*strides: tuple[int, ...]) -> bool:
@@ -131,10 +100,6 @@ def _sizes(p: Problem, lse_strides: tuple[int, int]) -> dict[str, Any]:
             "seqlen_k": p.seqlen_k, "heads_q": p.heads_q, "group": p.group}  # fmt: skip
 
 
-def _frozen(args: dict[str, Any]) -> Mapping[str, Any]:
-    return MappingProxyType(args)
-
-
 @functools.lru_cache(maxsize=4096)
 def fwd(
     p: Problem,
@@ -151,10 +116,10 @@ def fwd(
     args = {
         **_strides(("q", "k", "v", "o"), strides), **_sizes(p, lse_strides), "qk_scale": qk_scale,
         "cap_scale": cap_scale, "cap_out": cap_out, "window_left": p.window_left, "window_right": p.window_right,
-        **p.flags(), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        **_flags(p), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
     }  # fmt: skip
     grid = (_cdiv(p.seqlen_q, cfg.block_m), p.n_seqs * p.heads_q)
-    return Launch(grid, cfg.num_warps, cfg.num_stages, _frozen(args), cfg)
+    return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -167,7 +132,7 @@ def preprocess(p: Problem, strides: tuple[Strides, Strides], lse_strides: tuple[
         "seqlen_q": p.seqlen_q, "heads_q": p.heads_q, "HEAD_DIM": p.head_dim, "BLOCK_D": block_d(p.head_dim),
         "BLOCK_M": block_m, "IS_VARLEN": p.varlen,
     }  # fmt: skip
-    return Launch((_cdiv(p.seqlen_q, block_m), p.n_seqs * p.heads_q), _PREPROCESS_WARPS, None, _frozen(args))
+    return Launch((_cdiv(p.seqlen_q, block_m), p.n_seqs * p.heads_q), _PREPROCESS_WARPS, None, args)
 
 
 def _bwd_args(p: Problem, names: tuple[str, ...], strides: tuple[Strides, ...], lse_strides, cfg) -> dict:
@@ -175,7 +140,7 @@ def _bwd_args(p: Problem, names: tuple[str, ...], strides: tuple[Strides, ...], 
     return {
         **_strides(names, strides), **_sizes(p, lse_strides), "qk_scale": qk_scale, "sm_scale": p.scale,
         "cap_scale": cap_scale, "cap_out": cap_out, "window_left": p.window_left, "window_right": p.window_right,
-        **p.flags(), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        **_flags(p), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
     }  # fmt: skip
 
 
@@ -196,7 +161,7 @@ def dkdv(
     cfg = config or launch_config(p.head_dim, dtype, arch, "dkdv", p.general(strides_aligned))
     args = _bwd_args(p, ("q", "k", "v", "do", "dk", "dv"), strides, lse_strides, cfg)
     grid = (_cdiv(p.seqlen_k, cfg.block_n), p.n_seqs * p.heads_q)
-    return Launch(grid, cfg.num_warps, cfg.num_stages, _frozen(args), cfg)
+    return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -213,7 +178,7 @@ def dq(
     cfg = config or launch_config(p.head_dim, dtype, arch, "dq", p.general(strides_aligned))
     args = _bwd_args(p, ("q", "k", "v", "do", "dq"), strides, lse_strides, cfg)
     grid = (_cdiv(p.seqlen_q, cfg.block_m), p.n_seqs * p.heads_q)
-    return Launch(grid, cfg.num_warps, cfg.num_stages, _frozen(args), cfg)
+    return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -240,4 +205,165 @@ def rotary(
         "ROT_HALF": rot_dim // 2, "BLOCK_T": cfg.block_t, "BLOCK_HQ": cfg.block_hq, "BLOCK_HK": cfg.block_hk,
         "BLOCK_HALF": block_half, "BLOCK_PASS": block_pass, "BACKWARD": backward,
     }  # fmt: skip
-    return Launch((_cdiv(tokens, cfg.block_t),), cfg.num_warps, None, _frozen(args), cfg)
+    return Launch((_cdiv(tokens, cfg.block_t),), cfg.num_warps, None, args, cfg)
+
+
+# ---- contiguous operands (JAX arrays) -----------------------------------------------------
+
+
+def contiguous(shape: tuple[int, ...], varlen: bool) -> Strides:
+    """Strides of a contiguous (B, S, H, D), or of packed (T, H, D) as a batch of one."""
+    if varlen:
+        _, heads, dim = shape
+        return 0, heads * dim, dim
+    _, seq, heads, dim = shape
+    return seq * heads * dim, heads * dim, dim
+
+
+def lse_layout(p: Problem, tokens_q: int) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """lse's shape and (batch, head) strides: (B, Hq, Sq), or (Hq, Tq) as (1, Hq, Tq)."""
+    if p.varlen:
+        return (p.heads_q, tokens_q), (0, tokens_q)
+    return (p.n_seqs, p.heads_q, p.seqlen_q), (p.heads_q * p.seqlen_q, p.seqlen_q)
+
+
+@dataclass(frozen=True)
+class Contiguous:
+    """The launches of one call on contiguous operands; dk_shape: the dkdv kernel's outputs
+    (float32 with one head per query head under GQA, else k's shape and dtype)."""
+
+    fwd: Launch
+    preprocess: Launch
+    dkdv: Launch
+    dq: Launch
+    lse_shape: tuple[int, ...]
+    dk_shape: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def contiguous_launches(
+    p: Problem, arch: str, dtype: torch.dtype, tokens_q: int, tokens_k: int
+) -> Contiguous:
+    """Every launch of a call whose operands are contiguous (what JAX passes): q (B, Sq, Hq,
+    D) or packed (tokens_q, Hq, D), k and v likewise with tokens_k."""
+    if p.varlen:
+        q_shape, k_shape = (tokens_q, p.heads_q, p.head_dim), (tokens_k, p.heads_kv, p.head_dim)
+    else:
+        q_shape = (p.n_seqs, p.seqlen_q, p.heads_q, p.head_dim)
+        k_shape = (p.n_seqs, p.seqlen_k, p.heads_kv, p.head_dim)
+    dk_shape = (*k_shape[:-2], p.heads_q, p.head_dim) if p.group > 1 else k_shape
+    sq, sk, sdk = contiguous(q_shape, p.varlen), contiguous(k_shape, p.varlen), contiguous(dk_shape, p.varlen)
+    lse_shape, lse_strides = lse_layout(p, tokens_q)
+    strides_aligned = aligned(sq, sk)  # dout, dq like q; dk, dv like k
+    return Contiguous(
+        fwd=fwd(p, arch, dtype, (sq, sk, sk, sq), lse_strides),
+        preprocess=preprocess(p, (sq, sq), lse_strides),
+        dkdv=dkdv(p, arch, dtype, (sq, sk, sk, sq, sdk, sdk), lse_strides, strides_aligned),
+        dq=dq(p, arch, dtype, (sq, sk, sk, sq, sq), lse_strides, strides_aligned),
+        lse_shape=lse_shape,
+        dk_shape=dk_shape,
+    )
+
+
+def contiguous_rotary(
+    shape_q: tuple[int, int, int, int],
+    heads_k: int,
+    table_shape: tuple[int, int, int],
+    backward: bool,
+    arch: str,
+) -> Launch:
+    """`rotary` for contiguous q, k and (Bc, S, R) tables."""
+    bc, seqlen, rot_dim = table_shape
+    k_shape = (*shape_q[:2], heads_k, shape_q[3])
+    table = (0 if bc == 1 else seqlen * rot_dim, rot_dim)
+    strides = (contiguous(shape_q, False), contiguous(k_shape, False))
+    return rotary(tuple(shape_q), heads_k, rot_dim, strides, (table, table), backward, arch)
+
+
+# ---- attention against a KV cache (kvcache_kernels.py) -----------------------------------
+
+
+@dataclass(frozen=True)
+class KVLaunches:
+    """The main launch, and with splits > 1 the combine launch and the float32 partials'
+    shapes (out (B, Sq, Hq, splits, D), lse (B, Hq, Sq, splits))."""
+
+    main: Launch
+    combine: Launch | None
+    splits: int
+    partial_out: tuple[int, ...] | None
+    partial_lse: tuple[int, ...] | None
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return tuple(reversed(out))
+
+
+@functools.lru_cache(maxsize=4096)
+def kvcache(
+    p: KVProblem,
+    arch: str,
+    sm_count: int,
+    strides: tuple[Strides, Strides, Strides, Strides],
+    out_strides: Strides,
+    lse_strides: Strides,
+    table_strides: tuple[int, int],
+    fast_dequant: bool,
+    scale_gather: bool = False,
+    config: AttnConfig | None = None,
+    num_splits: int | None = None,
+) -> KVLaunches:
+    """`_attention_kvcache_fwd_kernel` (and the combine): strides of (q, k data, v data, the
+    scales: (0, 0, 0) for a 16-bit cache), of out (B, Sq, Hq) and lse (B, Hq, Sq), of the
+    block table's rows and the rotary tables' rows (0 when absent). config, num_splits:
+    overrides (tuning, tests); else kv_config and kv_splits for sm_count SMs."""
+    group = p.heads_q // p.heads_kv
+    cfg = config or kv_config(p.head_dim, p.bits, min(p.seqlen_q * group, 17), arch)
+    m_blocks = _cdiv(p.seqlen_q * group, cfg.block_m)
+    key_blocks = _cdiv(p.max_seqlen_k, cfg.block_n)
+    splits = num_splits or kv_splits(m_blocks * p.batch * p.heads_kv, key_blocks, sm_count)
+    split_blocks = max(1, _cdiv(key_blocks, splits))
+    splits = max(1, _cdiv(key_blocks, split_blocks))
+    partial_out = partial_lse = None
+    if splits == 1:
+        o_strides, l_strides = (*out_strides, 0), (*lse_strides, 0)
+    else:  # float32 partials, merged by the combine kernel
+        partial_out = (p.batch, p.seqlen_q, p.heads_q, splits, p.head_dim)
+        partial_lse = (p.batch, p.heads_q, p.seqlen_q, splits)
+        o_strides, l_strides = _contiguous_strides(partial_out)[:4], _contiguous_strides(partial_lse)
+    if p.bits == 16:
+        q_scale, (qk_scale, cap_scale, cap_out) = 1.0, scales(p.scale, p.softcap)
+    else:  # the kernel multiplies q by softmax_scale before its float16 cast
+        q_scale, (qk_scale, cap_scale, cap_out) = p.scale, scales(1.0, p.softcap)
+    names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+             "stride_vh", "stride_sb", "stride_ss", "stride_sh")  # fmt: skip
+    args = {
+        **dict(zip(names, (st for group_strides in strides for st in group_strides), strict=True)),
+        **dict(zip(("stride_ob", "stride_os", "stride_oh", "stride_osplit"), o_strides, strict=True)),
+        **dict(zip(("stride_lb", "stride_lh", "stride_ls", "stride_lsplit"), l_strides, strict=True)),
+        "stride_bt": table_strides[0], "stride_ro": table_strides[1], "seqlen_q": p.seqlen_q,
+        "seqlen_new": p.seqlen_new, "heads_kv": p.heads_kv, "group": group, "split_len": split_blocks * cfg.block_n,
+        "rot_half": p.rot_half, "q_scale": q_scale, "qk_scale": qk_scale, "cap_scale": cap_scale,
+        "cap_out": cap_out, "window_left": p.window_left, "window_right": p.window_right, "HEAD_DIM": p.head_dim,
+        "BLOCK_D": block_d(p.head_dim), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BITS": p.bits,
+        "GROUP": p.group_size, "PAGE_SIZE": p.page_size, "HAS_ROTARY": p.rot_half > 0, "INTERLEAVED": p.interleaved,
+        "HAS_WINDOW_LEFT": p.window_left >= 0, "HAS_WINDOW_RIGHT": p.window_right >= 0, "HAS_ALIBI": p.alibi,
+        "HAS_SOFTCAP": p.softcap > 0, "FAST_DEQUANT": fast_dequant, "SCALE_GATHER": scale_gather,
+    }  # fmt: skip
+    main = Launch((m_blocks, p.batch * p.heads_kv, splits), cfg.num_warps, cfg.num_stages, args, cfg)
+    combine = None
+    if splits > 1:
+        po, pl = _contiguous_strides(partial_out), _contiguous_strides(partial_lse)
+        combine_args = {
+            "stride_pb": po[0], "stride_ps": po[1], "stride_ph": po[2], "stride_psplit": po[3], "stride_plb": pl[0],
+            "stride_plh": pl[1], "stride_pls": pl[2], "stride_ob": out_strides[0], "stride_os": out_strides[1],
+            "stride_oh": out_strides[2], "stride_lb": lse_strides[0], "stride_lh": lse_strides[1],
+            "seqlen_q": p.seqlen_q, "heads_q": p.heads_q, "num_splits": splits, "HEAD_DIM": p.head_dim,
+            "BLOCK_D": block_d(p.head_dim), "BLOCK_SPLITS": 1 << (splits - 1).bit_length(),
+        }  # fmt: skip
+        combine = Launch((p.batch * p.seqlen_q * p.heads_q,), 4, None, combine_args)
+    return KVLaunches(main, combine, splits, partial_out, partial_lse)

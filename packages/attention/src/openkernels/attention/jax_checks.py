@@ -1,0 +1,221 @@
+"""Argument checks of openkernels.attention.jax: api.py's checks and messages, for jax.Array
+(values are checked only where they are known: not while jax.jit traces)."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .ops import HEAD_DIMS
+
+__all__ = ["check_qkv", "check_alibi", "check_cu_seqlens", "check_rotary", "concrete", "DTYPES"]
+
+DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def check_qkv(name: str, q: object, k: object, v: object, dims: int) -> None:
+    layout = "(batch, seqlen, heads, head_dim)" if dims == 4 else "(tokens, heads, head_dim)"
+    for what, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, jax.Array):
+            raise TypeError(f"{name}: {what} must be a jax.Array, got {type(t).__name__}")
+        if t.ndim != dims:
+            raise ValueError(f"{name}: {what} must be {dims}D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: q, k, v must share a dtype, got q {q.dtype} and {what} {t.dtype}")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"{name}: dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"{name}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if dims == 4 and q.shape[0] != k.shape[0]:
+        raise ValueError(f"{name}: q has batch {q.shape[0]} but k has batch {k.shape[0]}")
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"{name}: q has head_dim {head_dim} but k and v have {k.shape[-1]}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"{name}: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for MQA/GQA"
+        )
+
+
+def check_alibi(name: str, alibi_slopes: object, heads: int, n_seqs: int) -> None:
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, jax.Array):
+        raise TypeError(
+            f"{name}: alibi_slopes must be a jax.Array or None, got {type(alibi_slopes).__name__}"
+        )
+    if alibi_slopes.dtype != jnp.float32:
+        raise TypeError(f"{name}: alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (n_seqs, heads)):
+        raise ValueError(f"{name}: alibi_slopes must have shape ({heads},) or ({n_seqs}, {heads}), got "
+                         f"{tuple(alibi_slopes.shape)}")  # fmt: skip
+
+
+def concrete(x: jax.Array) -> np.ndarray | None:
+    """x's values when they are known now (not while tracing): one device-to-host copy."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def check_cu_seqlens(name: str, what: str, cu: object, tokens: int, max_seqlen: object) -> None:
+    if not isinstance(cu, jax.Array):
+        raise TypeError(f"{name}: {what} must be a jax.Array, got {type(cu).__name__}")
+    if cu.dtype != jnp.int32:
+        raise TypeError(f"{name}: {what} must be int32, got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name}: {what} must be 1D (n_seqs + 1,), got shape {tuple(cu.shape)}")
+    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+        raise ValueError(f"{name}: max_seqlen for {what} must be a Python int >= 0, got {max_seqlen!r}")
+    values = concrete(cu)
+    if values is None:
+        return  # under jax.jit: the caller vouches for the values (as for any index array)
+    if values[0] != 0 or values[-1] != tokens:
+        raise ValueError(f"{name}: {what} must start at 0 and end at the token count {tokens}, got "
+                         f"{values[0]} ... {values[-1]}")  # fmt: skip
+    lengths = np.diff(values)
+    if (lengths < 0).any():
+        raise ValueError(f"{name}: {what} must be non-decreasing, got {values.tolist()}")
+    if lengths.size and lengths.max() > max_seqlen:
+        raise ValueError(
+            f"{name}: max_seqlen {max_seqlen} is below the longest sequence ({lengths.max()}) in {what}"
+        )
+
+
+def check_rotary(name: str, q: object, k: object, cos: object, sin: object) -> None:
+    for what, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, jax.Array):
+            raise TypeError(f"{name}: {what} must be a jax.Array, got {type(t).__name__}")
+    for what, t in (("q", q), ("k", k)):
+        if t.ndim != 4:
+            raise ValueError(
+                f"{name}: {what} must be 4D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
+            )
+    for what, t in (("q", q), ("cos", cos), ("sin", sin)):
+        if t.dtype not in DTYPES:
+            raise TypeError(
+                f"{name}: {what} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64"
+            )
+    if k.dtype != q.dtype:
+        raise TypeError(f"{name}: q and k must share a dtype, got q {q.dtype} and k {k.dtype}")
+    batch, seqlen, _, head_dim = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (batch, seqlen, head_dim):
+        raise ValueError(f"{name}: q and k must share batch, seqlen and head_dim, got q {tuple(q.shape)} and k "
+                         f"{tuple(k.shape)}")  # fmt: skip
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"{name}: cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if (
+        cos.ndim not in (2, 3)
+        or cos.shape[-2] != seqlen
+        or (cos.ndim == 3 and cos.shape[0] not in (1, batch))
+    ):
+        raise ValueError(f"{name}: cos and sin must be ({batch} or 1, {seqlen}, rotary_dim) or ({seqlen}, rotary_dim) "
+                         f"for q of shape {tuple(q.shape)}, got {tuple(cos.shape)}")  # fmt: skip
+    rot_dim = cos.shape[-1]
+    if rot_dim % 2 or not 2 <= rot_dim <= head_dim:
+        raise ValueError(f"{name}: rotary_dim (cos.shape[-1] = {rot_dim}) must be even and in 2..head_dim "
+                         f"({head_dim})")  # fmt: skip
+
+
+_CACHE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+def check_kvcache(
+    name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin
+) -> None:
+    """api._check_kvcache for 16-bit (and float32) caches as jax.Arrays."""
+    if not isinstance(q, jax.Array) or q.ndim != 4:
+        raise ValueError(f"{name}: q must be a 4D (batch, seqlen_q, heads_q, head_dim) jax.Array")
+    if q.dtype not in _CACHE_DTYPES:
+        raise TypeError(f"{name}: q's dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, jax.Array):
+            raise TypeError(f"{name}: {what} must be a jax.Array in q's dtype (quantized caches are not supported "
+                            f"on JAX), got {type(t).__name__}")  # fmt: skip
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: {what} must have q's dtype {q.dtype}, got {t.dtype}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"{name}: k_cache and v_cache must be 4D of one shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")  # fmt: skip
+    heads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"{name}: q has head_dim {head_dim} but the cache has {k_cache.shape[3]}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})"
+        )
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"{name}: the cache has batch {k_cache.shape[0]} but q has {batch}")
+    else:
+        if not isinstance(block_table, jax.Array) or block_table.dtype != jnp.int32 or block_table.ndim != 2:
+            raise TypeError(f"{name}: block_table must be an int32 (batch, max_pages) jax.Array")
+        if block_table.shape[0] != batch:
+            raise ValueError(f"{name}: block_table must have {batch} rows, got {tuple(block_table.shape)}")
+        if k_cache.shape[1] % 16:
+            raise ValueError(
+                f"{name}: the page size (k_cache.shape[1] = {k_cache.shape[1]}) must be a multiple of 16"
+            )
+    if not isinstance(cache_seqlens, jax.Array) or cache_seqlens.dtype != jnp.int32:
+        raise TypeError(f"{name}: cache_seqlens must be an int32 jax.Array of shape ({batch},)")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(
+            f"{name}: cache_seqlens must have shape ({batch},), got {tuple(cache_seqlens.shape)}"
+        )
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"{name}: k_new and v_new must be given together")
+    if k_new is not None:
+        want = (batch, seqlen_q, heads_kv, head_dim)
+        for what, t in (("k_new", k_new), ("v_new", v_new)):
+            if not isinstance(t, jax.Array) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, jax.Array) else type(t).__name__
+                raise ValueError(
+                    f"{name}: {what} must have shape {want} (one new token per query), got {got}"
+                )
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name}: {what} must have q's dtype, got {t.dtype}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{name}: rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        for what, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, jax.Array) or t.ndim != 2 or not jnp.issubdtype(t.dtype, jnp.floating):
+                raise TypeError(f"{name}: {what} must be a float (seqlen_ro, rotary_dim / 2) jax.Array")
+            if t.shape != rotary_cos.shape:
+                raise ValueError(f"{name}: rotary_cos and rotary_sin must share a shape")
+        if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
+            raise ValueError(f"{name}: rotary_dim (2 x rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must be "
+                             f"in 2..head_dim ({head_dim})")  # fmt: skip
+
+
+def check_kvcache_values(name: str, cache_seqlens, block_table, capacity: int, page: int, num_pages: int,
+                         seqlen_new: int, seqlen_q: int, rotary_rows: int | None) -> list[int] | None:  # fmt: skip
+    """api.check_lengths and api.check_block_table when the values are known (one small
+    device-to-host copy each); returns the lengths after the append, or None under jit."""
+    from .api import check_lengths
+
+    lengths = concrete(cache_seqlens)
+    if lengths is None:
+        return None
+    after = check_lengths(name, lengths.tolist(), capacity, seqlen_new, seqlen_q, rotary_rows)
+    table = None if block_table is None else concrete(block_table)
+    if table is not None:
+        used = np.arange(table.shape[1])[None, :] * page < np.asarray(after)[:, None]
+        bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
+        if len(bad):
+            b, i = bad[0].tolist()
+            raise ValueError(f"{name}: block_table[{b}, {i}] = {table[b, i]} is not a page of the cache "
+                             f"(0..{num_pages - 1})")  # fmt: skip
+    return after

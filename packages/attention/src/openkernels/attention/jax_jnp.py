@@ -1,0 +1,237 @@
+"""jax.numpy compositions of the attention family, mirroring reference.py: the "jnp" backend
+of `openkernels.attention.jax` and its path for what no kernel takes (float32, float64).
+
+Math in float32 (float64 for float64 inputs), rounded once to the input dtype; lse stays in
+the compute dtype. Scores are materialized per call ((batch, heads, seqlen_q, seqlen_k)), as
+the reference does per chunk. Gradients are explicit (not autodiff of the forward): the
+forward's log(0) of rows without a visible key would give NaN cotangents.
+Varlen calls are padded to (n_seqs, max_seqlen, ...) with the padding zeroed and masked, run
+as a dense batch with per-sequence lengths, and packed back with gathers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .problem import Problem
+
+__all__ = ["compute_dtype", "attention_fwd", "attention_bwd", "rotate_half"]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+# ---- a dense batch with per-sequence lengths -------------------------------------------
+
+
+def _scores(qg, k, slopes, p: Problem, len_q, len_k):
+    """qg (N, Sq, Hkv, G, D), k (N, Sk, Hkv, D); len_q, len_k (N,) int. Returns the masked
+    scores s (N, Hkv, G, Sq, Sk) in the compute dtype, tanh(raw / softcap) (None without a
+    cap) and the visibility mask (rows past len_q see nothing: padding)."""
+    acc = compute_dtype(qg.dtype)
+    n, sq, hkv, g, _ = qg.shape
+    sk = k.shape[1]
+    # Half-precision products are exact in float32: only the accumulation rounds.
+    s = jnp.einsum("nqhgd,nkhd->nhgqk", qg, k, preferred_element_type=acc, precision=_HIGHEST) * p.scale
+    t = None
+    if p.softcap > 0:
+        t = jnp.tanh(s / p.softcap)
+        s = p.softcap * t
+    i = jnp.arange(sq)[:, None]
+    j = jnp.arange(sk)[None, :]
+    lq = len_q.reshape(n, 1, 1, 1, 1)
+    lk = len_k.reshape(n, 1, 1, 1, 1)
+    rel = i + (lk - lq) - j  # query i sits at key position i + len_k - len_q (bottom-right)
+    if slopes is not None:
+        s = s - slopes.astype(acc).reshape(n, hkv, g, 1, 1) * jnp.abs(rel).astype(acc)
+    visible = (j < lk) & (i < lq)
+    if p.window_left >= 0:
+        visible &= rel <= p.window_left
+    if p.window_right >= 0:
+        visible &= rel >= -p.window_right
+    return jnp.where(visible, s, -jnp.inf), t, visible
+
+
+def _probabilities(s):
+    """Row softmax of masked scores and the row lse; rows with no visible key give 0 and -inf."""
+    row_max = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
+    row_max = jnp.where(jnp.isinf(row_max), 0.0, row_max)
+    e = jnp.exp(s - row_max)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    probs = e / jnp.where(total == 0, 1.0, total)
+    return probs, (row_max + jnp.log(total))[..., 0]
+
+
+def _dense_fwd(q, k, v, slopes, p: Problem, len_q, len_k):
+    """q (N, Sq, Hq, D), k, v (N, Sk, Hkv, D) -> out (N, Sq, Hq, D) in q's dtype, lse
+    (N, Hq, Sq) in the compute dtype."""
+    acc = compute_dtype(q.dtype)
+    n, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    s, _, _ = _scores(q.reshape(n, sq, hkv, hq // hkv, d), k, slopes, p, len_q, len_k)
+    probs, lse = _probabilities(s)
+    out = jnp.einsum("nhgqk,nkhd->nqhgd", probs, v.astype(acc), precision=_HIGHEST)
+    return out.reshape(q.shape).astype(q.dtype), lse.reshape(n, hq, sq)
+
+
+def _dense_bwd(dout, dlse, q, k, v, slopes, p: Problem, len_q, len_k):
+    """Gradients of `_dense_fwd` (reference.py's _attend_grads), dlse (N, Hq, Sq) or None
+    included: d lse_i / d s_ij = P_ij. Returns dq, dk, dv in the inputs' dtype."""
+    acc = compute_dtype(q.dtype)
+    n, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(n, sq, hkv, g, d)
+    s, t, visible = _scores(qg, k, slopes, p, len_q, len_k)
+    probs, _ = _probabilities(s)
+    dog = dout.astype(acc).reshape(n, sq, hkv, g, d)
+    kf, vf = k.astype(acc), v.astype(acc)
+    dp = jnp.einsum("nqhgd,nkhd->nhgqk", dog, vf, precision=_HIGHEST)
+    inner = dp - jnp.sum(probs * dp, axis=-1, keepdims=True)  # sum_j P_ij dP_ij = dout_i . out_i
+    if dlse is not None:
+        inner = inner + dlse.astype(acc).reshape(n, hkv, g, sq, 1)
+    ds = probs * inner
+    if t is not None:
+        ds = ds * jnp.where(visible, 1 - t * t, 0.0)  # d(softcap tanh(x / softcap)) / dx
+    dq = jnp.einsum("nhgqk,nkhd->nqhgd", ds, kf, precision=_HIGHEST) * p.scale
+    dk = jnp.einsum("nhgqk,nqhgd->nkhd", ds, qg.astype(acc), precision=_HIGHEST) * p.scale
+    dv = jnp.einsum("nhgqk,nqhgd->nkhd", probs, dog, precision=_HIGHEST)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ---- varlen: padded to a dense batch ---------------------------------------------------
+
+
+def _padding(cu, max_len: int):
+    """Gather index (n, max_len) into the packed tokens, its validity and the lengths."""
+    lens = cu[1:] - cu[:-1]
+    pos = jnp.arange(max_len)
+    valid = pos[None, :] < lens[:, None]
+    return jnp.where(valid, cu[:-1, None] + pos[None, :], 0), valid, lens
+
+
+def _pad(x, index, valid):
+    """Packed (T, ...) -> (n, max_len, ...), zeros in the padding (NaN never leaks in)."""
+    if x.shape[0] == 0:
+        return jnp.zeros((*index.shape, *x.shape[1:]), x.dtype)
+    mask = valid.reshape(*valid.shape, *([1] * (x.ndim - 1)))
+    return jnp.where(mask, x[index], jnp.zeros((), x.dtype))
+
+
+def _unpad_index(cu, tokens: int):
+    """(sequence, position) of each packed token; empty sequences are skipped."""
+    t = jnp.arange(tokens)
+    seq = jnp.searchsorted(cu[1:], t, side="right")
+    return seq, t - cu[seq]
+
+
+def _varlen_layout(cu_q, cu_k, p: Problem, tokens_q: int, tokens_k: int):
+    """The padding of q's and k's sides (padded to max_seqlen_q / max_seqlen_k) and their unpadding."""
+    q_side, k_side = _padding(cu_q, p.seqlen_q), _padding(cu_k, p.seqlen_k)
+    return q_side, k_side, _unpad_index(cu_q, tokens_q), _unpad_index(cu_k, tokens_k)
+
+
+def _full(n: int, value: int):
+    return jnp.full((n,), value, jnp.int32)
+
+
+def attention_fwd(q, k, v, cu_q, cu_k, slopes, p: Problem):
+    """Dense q (B, Sq, Hq, D) -> (out, lse (B, Hq, Sq)); varlen q (Tq, Hq, D) -> (out, lse
+    (Hq, Tq)). slopes: (n_seqs, Hq) float32 or None."""
+    if not p.varlen:
+        n = q.shape[0]
+        return _dense_fwd(q, k, v, slopes, p, _full(n, q.shape[1]), _full(n, k.shape[1]))
+    (iq, vq, lq), (ik, vk, lk), (seq, pos), _ = _varlen_layout(cu_q, cu_k, p, q.shape[0], k.shape[0])
+    out, lse = _dense_fwd(_pad(q, iq, vq), _pad(k, ik, vk), _pad(v, ik, vk), slopes, p, lq, lk)
+    return out[seq, pos], lse[seq, :, pos].T
+
+
+def attention_bwd(dout, dlse, q, k, v, cu_q, cu_k, slopes, p: Problem):
+    """(dq, dk, dv) of `attention_fwd` for cotangents dout (like out) and dlse (like lse, or
+    None)."""
+    if not p.varlen:
+        n = q.shape[0]
+        return _dense_bwd(dout, dlse, q, k, v, slopes, p, _full(n, q.shape[1]), _full(n, k.shape[1]))
+    (iq, vq, lq), (ik, vk, lk), (seq_q, pos_q), (seq_k, pos_k) = _varlen_layout(
+        cu_q, cu_k, p, q.shape[0], k.shape[0]
+    )
+    dlse_pad = None
+    if dlse is not None:  # (Hq, Tq) -> (n, Hq, max_q)
+        dlse_pad = jnp.moveaxis(_pad(dlse.T, iq, vq), 1, 2)
+    dq, dk, dv = _dense_bwd(_pad(dout, iq, vq), dlse_pad, _pad(q, iq, vq), _pad(k, ik, vk), _pad(v, ik, vk),
+                            slopes, p, lq, lk)  # fmt: skip
+    return dq[seq_q, pos_q], dk[seq_k, pos_k], dv[seq_k, pos_k]
+
+
+# ---- rotary ------------------------------------------------------------------------------
+
+
+def rotate_half(x, cos, sin, transpose: bool):
+    """reference.py's _rotate_half: x (B, S, H, D) by cos, sin (Bc, S, R) or (S, R), or its
+    transpose (the backward), in the compute dtype, rounded to x's dtype."""
+    acc = compute_dtype(x.dtype)
+    half = cos.shape[-1] // 2
+    c, s = cos.astype(acc)[..., None, :], sin.astype(acc)[..., None, :]  # broadcast over heads
+    c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
+    if transpose:
+        s1, s2 = -s2, -s1
+    xf = x.astype(acc)
+    x1, x2 = xf[..., :half], xf[..., half : 2 * half]
+    out = jnp.concatenate((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, xf[..., 2 * half :]), axis=-1)
+    return out.astype(x.dtype)
+
+
+# ---- attention against a KV cache ------------------------------------------------------
+
+
+def rotate_at(x, positions, cos, sin, interleaved: bool):
+    """reference.rotate: x (B, S, H, D) at positions (B, S) by cos, sin (rows, R / 2), in
+    float32 (the first R elements of each head; halves or interleaved pairs)."""
+    half = cos.shape[-1]
+    c = cos.astype(jnp.float32)[positions][..., None, :]  # (B, S, 1, R / 2)
+    s = sin.astype(jnp.float32)[positions][..., None, :]
+    x = x.astype(jnp.float32)
+    if interleaved:
+        x1, x2 = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+        rot = jnp.stack((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1).reshape(*x.shape[:-1], 2 * half)
+    else:
+        x1, x2 = x[..., :half], x[..., half : 2 * half]
+        rot = jnp.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
+    return jnp.concatenate((rot, x[..., 2 * half :]), axis=-1)
+
+
+def _slots(positions, block_table, page: int):
+    """Storage index (lead 0, lead 1) of each sequence's token positions (B, S)."""
+    if block_table is None:
+        return jnp.arange(positions.shape[0])[:, None], positions
+    return jnp.take_along_axis(block_table, positions // page, axis=1), positions % page
+
+
+def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cos, sin, interleaved: bool):
+    """The caches with k_new (rotated first when cos is given) and v_new written at
+    cache_seqlens[b] + t: a functional scatter (in place under jit with donated caches)."""
+    positions = cache_seqlens[:, None] + jnp.arange(k_new.shape[1])[None, :]
+    k = k_new if cos is None else rotate_at(k_new, positions, cos, sin, interleaved)
+    lead = _slots(positions, block_table, k_cache.shape[1])
+    return k_cache.at[lead].set(k.astype(k_cache.dtype)), v_cache.at[lead].set(v_new.astype(v_cache.dtype))
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, p: Problem, seqlen_new: int,
+                      interleaved: bool):  # fmt: skip
+    """out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) of q against each sequence's first
+    cache_seqlens[b] + seqlen_new cache positions (query i at position L - Sq + i, also its
+    rotary position); slopes (B, Hq) float32 or None."""
+    batch, seqlen_q = q.shape[:2]
+    lengths = cache_seqlens + seqlen_new
+    if block_table is not None:  # the pages of each sequence, in order: (B, pages * page, Hkv, D)
+        k_cache, v_cache = (c[block_table].reshape(batch, -1, *c.shape[2:]) for c in (k_cache, v_cache))
+    keep = (jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None])[..., None, None]
+    k, v = (jnp.where(keep, c, jnp.zeros((), c.dtype)) for c in (k_cache, v_cache))  # no stray NaN
+    if cos is not None:
+        positions = jnp.maximum(lengths[:, None] - seqlen_q + jnp.arange(seqlen_q)[None, :], 0)
+        q = rotate_at(q, positions, cos, sin, interleaved).astype(q.dtype)
+    return _dense_fwd(q, k, v, slopes, p, jnp.full((batch,), seqlen_q, jnp.int32), lengths)
