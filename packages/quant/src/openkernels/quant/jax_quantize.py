@@ -1,6 +1,8 @@
 """Round-to-nearest 4-bit quantization on JAX arrays: quantize.py's math, step for step.
 
-The packed codes, scales and zeros equal quantize.py's bit for bit when search is None:
+On the CPU, the packed codes, scales and zeros equal quantize.py's bit for bit when search
+is None (on GPUs XLA's code may round a tie the other way: seen in 1 of 16 configurations
+on the H200):
 every step is an elementwise float32 operation (IEEE division and rounding, round half to
 even, nearest NF4 level by the same float32 midpoints) in the same order. With
 search="clip" each ratio's squared error is a float32 sum whose order XLA picks, so a
