@@ -9,7 +9,6 @@ import torch
 
 from openkernels.activations.spec import Act
 from openkernels.activations.triton import configs
-from openkernels.shared.platform import triton_interpreting
 
 pytestmark = pytest.mark.aot
 
@@ -132,31 +131,13 @@ def jax_cases_for(backend: str) -> list:
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_jax_specializations_compile_clean(vendor: str) -> None:
-    if triton_interpreting():
-        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+    from openkernels.shared.testing.aot import check_vendor
 
-    prefix = "sm_" if vendor == "cuda" else "gfx"
-    targets = [t for t in targets_from_env() if t.startswith(prefix)]
-    if not targets:
-        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
-    reports = check_cases(jax_cases_for(vendor), targets)
-    print(format_reports(reports))
-    assert_clean(reports)
-    assert len(reports) == len(jax_cases_for(vendor)) * len(targets)
+    check_vendor(jax_cases_for, vendor)
 
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
-    if triton_interpreting():
-        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+    from openkernels.shared.testing.aot import check_vendor
 
-    prefix = "sm_" if vendor == "cuda" else "gfx"
-    targets = [t for t in targets_from_env() if t.startswith(prefix)]
-    if not targets:
-        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
-    reports = check_cases(cases_for(vendor), targets)
-    print(format_reports(reports))
-    assert_clean(reports)
-    assert len(reports) == len(cases_for(vendor)) * len(targets)
+    check_vendor(cases_for, vendor)

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from openkernels.layernorm.triton import configs
-from openkernels.shared.platform import triton_interpreting
 
 pytestmark = pytest.mark.aot
 
@@ -147,19 +146,9 @@ def cases_for(backend: str) -> list:
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
-    if triton_interpreting():
-        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+    from openkernels.shared.testing.aot import check_vendor
 
-    prefix = "sm_" if vendor == "cuda" else "gfx"
-    targets = [t for t in targets_from_env() if t.startswith(prefix)]
-    if not targets:
-        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
-    cases = cases_for(vendor)
-    reports = check_cases(cases, targets)
-    print(format_reports(reports))
-    assert_clean(reports)
-    assert len(reports) == len(cases) * len(targets)
+    check_vendor(cases_for, vendor)
 
 
 # ---- the JAX specialization: every integer and float argument a constexpr -------------------
@@ -224,16 +213,6 @@ def jax_cases_for(vendor: str) -> list:
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_jax_specializations_compile_clean(vendor: str) -> None:
-    if triton_interpreting():
-        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+    from openkernels.shared.testing.aot import check_vendor
 
-    prefix = "sm_" if vendor == "cuda" else "gfx"
-    targets = [t for t in targets_from_env() if t.startswith(prefix)]
-    if not targets:
-        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
-    cases = jax_cases_for(vendor)
-    reports = check_cases(cases, targets)
-    print(format_reports(reports))
-    assert_clean(reports)
-    assert len(reports) == len(cases) * len(targets)
+    check_vendor(jax_cases_for, vendor)

@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -72,6 +72,7 @@ from triton.runtime.jit import JITFunction
 from ..platform import triton_interpreting
 
 __all__ = [
+    "check_vendor",
     "SHARED_LIMITS",
     "TARGETS",
     "TARGETS_ENV",
@@ -806,3 +807,25 @@ def assert_clean(reports: Sequence[AotReport]) -> None:
     if failed:
         lines = [f"  {r.label} on {r.target}: {'; '.join(r.problems)}" for r in failed]
         raise AssertionError(f"{len(failed)} of {len(reports)} AOT checks failed:\n" + "\n".join(lines))
+
+
+def check_vendor(cases_for: Callable[[str], Sequence[AotCase]], vendor: str) -> None:
+    """A family's AOT test for one vendor ("cuda" or "rocm"): compile `cases_for(vendor)`
+    for that vendor's targets in OPENKERNELS_AOT_TARGETS, print the reports, and fail on a
+    spill, scratch, shared memory over the chip's limit or a missing compile. Skips under
+    TRITON_INTERPRET and when no target of the vendor is asked for."""
+    import pytest
+
+    from ..platform import triton_interpreting
+
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    prefix = "sm_" if vendor == "cuda" else "gfx"
+    targets = [t for t in targets_from_env() if t.startswith(prefix)]
+    if not targets:
+        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
+    cases = list(cases_for(vendor))
+    reports = check_cases(cases, targets)
+    print(format_reports(reports))
+    assert_clean(reports)
+    assert len(reports) == len(cases) * len(targets)
