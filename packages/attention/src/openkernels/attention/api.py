@@ -19,6 +19,7 @@ import torch
 
 from . import ops
 from .kvformat import BITS, QuantizedKV, code_width
+from .problem import check_qkv_shapes
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "apply_rotary"]
 
@@ -72,22 +73,7 @@ def _check_qkv(name: str, q: object, k: object, v: object, dims: int) -> None:
             )
     if q.dtype not in _DTYPES:
         raise TypeError(f"{name}: dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"{name}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    if dims == 4 and q.shape[0] != k.shape[0]:
-        raise ValueError(f"{name}: q has batch {q.shape[0]} but k has batch {k.shape[0]}")
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"{name}: q has head_dim {head_dim} but k and v have {k.shape[-1]}")
-    if head_dim not in ops.HEAD_DIMS:
-        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {ops.HEAD_DIMS}")
-    heads_q, heads_kv = q.shape[-2], k.shape[-2]
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(
-            f"{name}: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for MQA/GQA"
-        )
+    check_qkv_shapes(name, tuple(q.shape), tuple(k.shape), tuple(v.shape), dims, ops.HEAD_DIMS)
 
 
 def _check_alibi(name: str, alibi_slopes: object, q: torch.Tensor, n_seqs: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Problem", "KVProblem"]
+__all__ = ["Problem", "KVProblem", "check_qkv_shapes"]
 
 
 class Problem(NamedTuple):
@@ -70,3 +70,23 @@ class KVProblem(NamedTuple):
     page_size: int
     rot_half: int
     interleaved: bool
+
+
+def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_dims: tuple[int, ...]) -> None:
+    """The shape rules of q, k, v (both front ends): k and v alike, one batch, one head_dim
+    out of `head_dims`, heads_q a multiple of heads_kv. Shapes as tuples; ranks already
+    checked by the caller."""
+    if k != v:
+        raise ValueError(f"{name}: k and v must have the same shape, got {k} and {v}")
+    if dims == 4 and q[0] != k[0]:
+        raise ValueError(f"{name}: q has batch {q[0]} but k has batch {k[0]}")
+    head_dim = q[-1]
+    if k[-1] != head_dim:
+        raise ValueError(f"{name}: q has head_dim {head_dim} but k and v have {k[-1]}")
+    if head_dim not in head_dims:
+        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {head_dims}")
+    heads_q, heads_kv = q[-2], k[-2]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"{name}: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for MQA/GQA"
+        )
