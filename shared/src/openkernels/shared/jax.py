@@ -22,8 +22,9 @@ otherwise ``"jnp"`` (with one warning when a GPU is present but jax-triton is no
 Launch convention: jax-triton passes a kernel its array inputs, then its outputs, then
 everything else by keyword as compile-time constants. Shapes are static under JAX, so
 every integer argument (sizes, strides) is a constant here: kernels see the same values
-as from PyTorch, specialized further. Kernels launched from JAX therefore list their
-output pointers after all input pointers; `launch` checks that.
+as from PyTorch, specialized further. jax-triton binds the arrays to the kernel's first
+parameters by position, so a kernel launched from JAX starts its signature with its input
+pointers, then its output pointers; `launch` checks that.
 """
 
 from __future__ import annotations
