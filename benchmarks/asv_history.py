@@ -1,0 +1,425 @@
+"""Drives asv for the nox sessions asv-run, asv-compare, asv-publish, asv-smoke and asv-backfill.
+
+Every run benchmarks a *commit*, never the working tree: the commit's packages are exported
+(`git archive`) and put on the path of the benchmark processes (asv's ASV_PYTHONPATH), while
+the suites in benchmarks/asv_suite come from the checkout. asv runs in this interpreter's
+environment (`-E existing`, which must hold torch and triton), records the results under the
+commit's hash (`--set-commit-hash`), and writes them to the committed results folder.
+
+    python benchmarks/asv_history.py run [COMMIT]          this machine, one commit (HEAD)
+    python benchmarks/asv_history.py compare BASE HEAD     both, a table, exit 1 on regressions
+    python benchmarks/asv_history.py publish               HTML report with the regressions view
+    python benchmarks/asv_history.py smoke                 every suite once on tiny shapes, untimed
+    python benchmarks/asv_history.py kernel-commits        the commits that changed a kernel
+    python benchmarks/asv_history.py backfill              run those missing for this machine
+
+Machines are named after the device: "nvidia-h200-sm_90", "amd-instinct-mi300x-gfx942",
+"cpu-amd-epyc-2c".
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = json.loads((ROOT / "asv.conf.json").read_text())
+RESULTS = ROOT / CONF["results_dir"]
+SUITES = ROOT / CONF["benchmark_dir"]
+HTML = ROOT / CONF["html_dir"]
+
+# A benchmark regresses when its time grows past its family's factor. The factors sit above
+# the run-to-run spread measured on the H200 for each family (docs/benchmarking.md).
+FACTORS = {"activations": 1.10, "layernorm": 1.10, "attention": 1.10, "quant": 1.15}
+DEFAULT_FACTOR = 1.10
+
+# Where kernels live, per device kind: a commit changed a kernel when the code (not only
+# docstrings or comments) of a file under these paths changed. A GPU machine's history
+# follows the Triton kernels, a CPU machine's the C++ ones: a change to the other kind
+# cannot move its numbers.
+KERNEL_PATHS = {
+    "cuda": (":(glob)packages/*/src/openkernels/*/triton/**",),
+    "cpu": (":(glob)packages/*/src/openkernels/*/cpu/**", ":(glob)shared/src/openkernels/shared/cpu/**"),
+}
+# Families whose suites a change under a path exercises ("shared" changes reach them all).
+FAMILIES = ("activations", "layernorm", "attention", "quant")
+SUITE_MODULES = {"activations": ["activations"], "layernorm": ["layernorm"], "attention": ["attention"],
+                 "quant": ["quant"]}  # fmt: skip
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+
+
+# ---------------------------------------------------------------------------- the machine
+
+
+def _slug(text: str) -> str:
+    text = re.sub(r"\(r\)|\(tm\)|\bprocessor\b|\bcpu\b|@.*$", "", text.lower())
+    return re.sub(r"[^a-z0-9]+", "-", text).strip("-")
+
+
+def device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def machine_name() -> str:
+    """GPU model and arch on a GPU machine, CPU model and core count otherwise."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        arch = (
+            getattr(props, "gcnArchName", "").split(":")[0]
+            if torch.version.hip
+            else f"sm_{props.major}{props.minor}"
+        )
+        return f"{_slug(props.name)}-{arch}"
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1]
+                break
+    except OSError:
+        pass
+    return f"cpu-{_slug(model)}-{os.cpu_count()}c"
+
+
+def ensure_machine(name: str) -> None:
+    """asv's machine record (~/.asv-machine.json), filled from this host, under `name`."""
+    asv("machine", "--machine", name, "--yes", capture=True)
+
+
+# ---------------------------------------------------------------------------- selection
+
+
+def load_suites() -> list[object]:
+    """An instance of every suite class (importing the suites needs no torch)."""
+    sys.path.insert(0, str(SUITES.parent))
+    import importlib
+
+    suites = []
+    for path in sorted(SUITES.glob("[!_]*.py")):
+        module = importlib.import_module(f"{SUITES.name}.{path.stem}")
+        for value in vars(module).values():
+            if (
+                isinstance(value, type)
+                and value.__module__ == module.__name__
+                and hasattr(value, "measure_all")
+            ):
+                suites.append(value())
+    return suites
+
+
+def selection(dev: str, *, families: list[str] | None = None, lean: bool = False) -> str:
+    """A regex naming exactly the benchmarks measured on this kind of device.
+
+    asv starts a process for every benchmark and parameter combination it is asked for, so
+    naming only those that apply here keeps it from starting thousands that would only say
+    n/a. lean: the history subset, bfloat16 on the device's own kernels (Triton or C++).
+    """
+    own = "triton" if dev == "cuda" else "cpu"
+    names = []
+    for suite in load_suites():
+        module = type(suite).__module__.split(".", 1)[-1]
+        if families and module not in {m for f in families for m in SUITE_MODULES[f]}:
+            continue
+        tracks = sorted(n for n in dir(suite) if n.startswith("track_"))
+        for combo in suite.combos(dev):
+            params = dict(zip(suite.param_names, combo, strict=True))
+            if lean and (params["backend"] != own or params["dtype"] != "bfloat16"):
+                continue
+            label = re.escape(f"({', '.join(repr(v) for v in combo)})")
+            names.append(f"{re.escape(module)}\\.{type(suite).__name__}\\.(?:{'|'.join(tracks)}){label}")
+    if not names:
+        raise SystemExit("no benchmark applies here")
+    return "^(?:" + "|".join(names) + ")$"
+
+
+# ---------------------------------------------------------------------------- running asv
+
+
+def asv(*args: str, env: dict[str, str] | None = None, capture: bool = False, check: bool = True) -> int:
+    cmd = [sys.executable, "-m", "asv", *args]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=capture, text=True)
+    if check and done.returncode not in (0, 2):  # 2: some benchmark failed, reported by asv
+        raise SystemExit(f"{' '.join(cmd[:4])} ... exited with {done.returncode}\n{done.stderr or ''}")
+    return done.returncode
+
+
+def export_commit(sha: str, into: Path) -> str:
+    """The commit's shared and family sources under `into`; returns their src folders as a path."""
+    archive = into / "src.tar"
+    with archive.open("wb") as out:
+        subprocess.run(["git", "archive", sha, "shared", "packages"], cwd=ROOT, check=True, stdout=out)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    srcs = [into / "shared" / "src", *sorted((into / "packages").glob("*/src"))]
+    return os.pathsep.join(str(p) for p in srcs if p.is_dir())
+
+
+def run_commit(
+    commit: str,
+    *,
+    machine: str,
+    regex: str,
+    launch: str = "spawn",
+    smoke: bool = False,
+    working_tree: bool = False,
+) -> int:
+    """Benchmark one commit on this machine with the suites of the checkout; asv's exit code.
+
+    working_tree: the checkout's sources instead of the commit's (the smoke run checks the
+    suites against the code beside them; nothing is saved then)."""
+    sha = git("rev-parse", "--verify", f"{commit}^{{commit}}")
+    with tempfile.TemporaryDirectory(prefix="openkernels-asv-") as tmp:
+        if working_tree:
+            srcs = [ROOT / "shared" / "src", *sorted((ROOT / "packages").glob("*/src"))]
+            path = os.pathsep.join(str(p) for p in srcs)
+        else:
+            path = export_commit(sha, Path(tmp))
+        extra = os.environ.get("ASV_PYTHONPATH")  # e.g. where asv_runner lives, if not beside torch
+        env = {
+            "ASV_PYTHONPATH": os.pathsep.join([path, *([extra] if extra else [])]),
+            "OPENKERNELS_ASV_SELECT": regex,
+            "OPENKERNELS_STRICT": "1",
+            **({"OPENKERNELS_ASV_SMOKE": "1"} if smoke else {}),
+        }
+        args = ["run", "-E", f"existing:{sys.executable}", "--set-commit-hash", sha, "--machine", machine,
+                "--bench", regex, "--launch-method", launch, "--show-stderr"]  # fmt: skip
+        if smoke:
+            args += ["--quick", "--dry-run"]
+        print(f"asv: {sha[:10]} on {machine} ({launch} launch)", flush=True)
+        return asv(*args, env=env)
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def load_results(machine: str, sha: str) -> dict[tuple[str, str], float]:
+    """{(benchmark, params): value} of one commit on one machine, from the results folder."""
+    from asv.results import iter_results_for_machine_and_hash
+
+    values: dict[tuple[str, str], float] = {}
+    for result in iter_results_for_machine_and_hash(str(RESULTS), machine, sha):
+        for name in result.get_all_result_keys():
+            params = result.get_result_params(name)
+            value = result.get_result_value(name, params)
+            combos = _combos(params) if params else [""]
+            for label, v in zip(combos, value if params else [value], strict=False):
+                if v is not None and v == v:
+                    values[(name, label)] = float(v)
+    return values
+
+
+def _combos(params: list[list[str]]) -> list[str]:
+    import itertools
+
+    return [", ".join(p) for p in itertools.product(*params)]
+
+
+def family_of(benchmark: str) -> str:
+    return benchmark.split(".", 1)[0]
+
+
+def compare(machine: str, base: str, head: str, factors: dict[str, float]) -> list[str]:
+    """Print the table of every time both commits have; return the regressions."""
+    before, after = load_results(machine, base), load_results(machine, head)
+    rows, regressions = [], []
+    for key in sorted(set(before) | set(after)):
+        name, label = key
+        if not name.endswith(".track_ms"):
+            continue  # throughput is the same measurement; time is what is judged
+        b, a = before.get(key), after.get(key)
+        factor = factors.get(family_of(name), DEFAULT_FACTOR)
+        if b is None or a is None:
+            status = "only base" if a is None else "new"
+            if a is None:
+                regressions.append(f"{name}({label}): measured at the base, failed or missing at head")
+            rows.append((status, name, label, b, a, float("nan")))
+            continue
+        ratio = a / b
+        status = "slower" if ratio > factor else "faster" if ratio < 1 / factor else ""
+        if status == "slower":
+            regressions.append(f"{name}({label}): {b:.4g} -> {a:.4g} ms ({ratio:.2f}x, limit {factor:.2f}x)")
+        rows.append((status, name, label, b, a, ratio))
+    print(f"{'':7} {'base ms':>10} {'head ms':>10} {'ratio':>6}  benchmark (params)")
+    for status, name, label, b, a, ratio in sorted(rows, key=lambda r: -(r[5] if r[5] == r[5] else 9)):
+        fmt = lambda v: f"{v:10.4g}" if v is not None else f"{'-':>10}"  # noqa: E731
+        print(f"{status:7} {fmt(b)} {fmt(a)} {ratio:6.2f}  {name.removesuffix('.track_ms')}({label})")
+    return regressions
+
+
+def publish() -> Path:
+    """asv publish, then the regressions view keeps times only: asv reads every larger value
+    as worse, so a throughput gain (GB/s, TFLOP/s up) would be listed as a regression."""
+    asv("publish")
+    path = HTML / "regressions.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        data["regressions"] = [r for r in data.get("regressions", []) if ".track_ms" in r[0]]
+        path.write_text(json.dumps(data))
+    return HTML / "index.html"
+
+
+# ---------------------------------------------------------------------------- history
+
+
+def _code(text: str, path: str) -> str:
+    """A file's code without docstrings and comments (the raw text for non-Python files)."""
+    if not path.endswith(".py"):
+        return text
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return text
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _show(sha: str, path: str) -> str:
+    done = subprocess.run(["git", "show", f"{sha}:{path}"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else ""
+
+
+def kernel_commits(dev: str) -> list[tuple[str, list[str]]]:
+    """(sha, families) of every commit, oldest first, whose kernels for `dev` changed; only
+    families with benchmark cases at that commit (their bench module) are listed."""
+    paths = KERNEL_PATHS[dev]
+    shas = git("log", "--reverse", "--format=%H", "--", *paths).split()
+    out = []
+    for sha in shas:
+        files = git("diff-tree", "--no-commit-id", "--name-only", "-r", "--root", sha, "--", *paths).split()
+        parent = git("rev-list", "--parents", "-n", "1", sha).split()[1:2]
+        changed = [f for f in files if not parent or _code(_show(sha, f), f) != _code(_show(parent[0], f), f)]
+        if not changed:
+            continue  # docstrings and comments only
+        families = sorted({f.split("/")[1] for f in changed if f.startswith("packages/")})
+        if any(f.startswith("shared/") for f in changed):
+            families = list(FAMILIES)
+        benched = [
+            f for f in families if f in FAMILIES and _show(sha, f"packages/{f}/src/openkernels/{f}/bench.py")
+        ]
+        out.append((sha, benched))
+    return out
+
+
+def has_results(machine: str, sha: str) -> bool:
+    return any((RESULTS / machine).glob(f"{sha[:8]}-*.json"))
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="benchmark one commit (default HEAD) on this machine")
+    p_run.add_argument("commit", nargs="?", default="HEAD")
+    p_cmp = sub.add_parser("compare", help="benchmark BASE and HEAD, print the table, exit 1 on regressions")
+    p_cmp.add_argument("base")
+    p_cmp.add_argument("head")
+    p_cmp.add_argument("--no-run", action="store_true", help="compare results already in the folder")
+    p_cmp.add_argument("--factor", action="append", default=[], metavar="FAMILY=X", help="override a factor")
+    sub.add_parser("publish", help="the HTML report (asv publish) into " + CONF["html_dir"])
+    p_smoke = sub.add_parser("smoke", help="every suite once on tiny shapes, untimed, results not saved")
+    p_smoke.add_argument("--families", default="", help="comma-separated families (default: all)")
+    p_list = sub.add_parser("kernel-commits", help="list the commits that changed a kernel")
+    p_list.add_argument("--device", action="append", choices=["cuda", "cpu"], help="default: both")
+    p_back = sub.add_parser("backfill", help="benchmark the kernel commits that have no results here yet")
+    p_back.add_argument("--budget-s", type=float, default=0, help="start no commit after this many seconds")
+    p_back.add_argument("--newest-first", action="store_true")
+    for p in (p_run, p_cmp, p_back):
+        p.add_argument("--lean", action="store_true", help="bfloat16 on the device's own kernels only")
+        p.add_argument("--families", default="", help="comma-separated families (default: all)")
+        p.add_argument(
+            "--launch", default=CONF.get("launch_method", "spawn"), choices=["spawn", "forkserver"]
+        )
+    args = parser.parse_args(argv)
+
+    if args.command == "kernel-commits":
+        for dev in args.device or ("cuda", "cpu"):
+            print(f"# {dev}")
+            for sha, families in kernel_commits(dev):
+                print(sha[:10], ",".join(families) or "-", git("log", "-1", "--format=%s", sha)[:80])
+        return 0
+    if args.command == "publish":
+        print(f"report: {publish()}")
+        return 0
+
+    dev = device_type()
+    machine = machine_name()
+    ensure_machine(machine)
+    if args.command == "smoke":
+        # forkserver: hundreds of lookups at ~10 ms each instead of a fresh interpreter each;
+        # safe because no process here touches a GPU before it forks.
+        families = [f for f in args.families.split(",") if f] or None
+        regex = selection(dev, families=families)
+        code = run_commit(
+            "HEAD", machine=machine, regex=regex, launch="forkserver", smoke=True, working_tree=True
+        )
+        return 1 if code else 0
+
+    families = [f for f in args.families.split(",") if f] or None
+    if args.command == "run":
+        return 1 if run_commit(args.commit, machine=machine, regex=selection(dev, families=families,
+                               lean=args.lean), launch=args.launch) else 0  # fmt: skip
+    if args.command == "compare":
+        factors = dict(FACTORS)
+        for item in args.factor:
+            family, _, value = item.partition("=")
+            factors[family] = float(value)
+        base, head = (git("rev-parse", "--verify", f"{c}^{{commit}}") for c in (args.base, args.head))
+        regex = selection(dev, families=families, lean=args.lean)
+        if not args.no_run:
+            for sha in (base, head):
+                run_commit(sha, machine=machine, regex=regex, launch=args.launch)
+        regressions = compare(machine, base, head, factors)
+        if regressions:
+            print(f"\n{len(regressions)} regression(s) on {machine}:", *regressions, sep="\n  ")
+            return 1
+        print(f"\nno regression on {machine} (factors: {factors})")
+        return 0
+    if args.command == "backfill":
+        start = time.monotonic()
+        commits = kernel_commits(dev)
+        for sha, touched in reversed(commits) if args.newest_first else commits:
+            chosen = [f for f in touched if not families or f in families]
+            if not chosen or has_results(machine, sha):
+                continue
+            if args.budget_s and time.monotonic() - start > args.budget_s:
+                print("budget spent; run backfill again for the rest")
+                break
+            try:
+                regex = selection(dev, families=chosen, lean=args.lean)
+            except SystemExit:
+                continue
+            run_commit(sha, machine=machine, regex=regex, launch=args.launch)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""asv suite of the activations family: every op at the family's benchmark shapes.
+
+Cases (bytes moved, inputs) come from openkernels.activations.bench, the module behind
+`benchmarks/run.py activations`: 16384x8192 and 4096x4096 on GPUs, 4096x4096 on CPUs;
+fwd reads x and writes y, bwd reads dy and x and writes dx (gated ops: x is (rows, 2d)).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _harness as _h
+
+VARIANTS = [
+    "silu",
+    "gelu[none]",
+    "gelu[tanh]",
+    "gelu_quick",
+    "relu_squared",
+    "silu_and_mul",
+    "gelu_and_mul[none]",
+    "gelu_and_mul[tanh]",
+    "mul_and_silu",
+]
+SMOKE_SHAPE = (64, 256)
+
+
+class Activations(_h.Suite, _h.GBps):
+    gpu_shapes = ["16384x8192", "4096x4096"]
+    cpu_shapes = ["4096x4096"]
+    params = [VARIANTS, ["fwd", "bwd"], gpu_shapes, _h.DTYPES, _h.BACKENDS]
+    param_names = ["op", "direction", "shape", "dtype", "backend"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, backend: str) -> Any:
+        from openkernels.activations import bench
+
+        name, _, approximate = op.partition("[")
+        cases = bench.cases(
+            dev,
+            shapes=[SMOKE_SHAPE if _h.smoke() else _h.parse_shape(shape)],
+            dtypes=[_h.torch_dtype(dtype)],
+            variants=[(name, approximate.rstrip("]") or None)],
+            directions=[direction],
+            peers=[],
+        )
+        return _h.only_case(cases)

@@ -1,0 +1,93 @@
+"""asv suite of the attention family: prefill attention, decode against a KV cache, rotary.
+
+- `Attention`: causal and full attention, forward and forward+backward, in TFLOP/s with the
+  family's FLOP count (4·B·H·S²·D forward, halved when causal; fwd+bwd 3.5x). Shapes
+  (batch x heads x seqlen x head_dim) from openkernels.attention.bench: head_dim 128 at the
+  grid's shortest and longest sequences and head_dim 64 on GPUs, 2x8x1024x64 on CPUs.
+- `Decode`: one query per sequence against a KV cache (openkernels.attention.bench_kvcache,
+  GQA 32/8, head_dim 128), per cache format; GB/s count the 16-bit cache's bytes for every
+  format, so a quantized cache can pass the copy ceiling.
+- `Rotary`: apply_rotary to q and k, forward and backward (openkernels.attention.bench_rotary).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _harness as _h
+
+
+class Attention(_h.Suite, _h.TFLOPs):
+    gpu_shapes = ["8x16x2048x128", "1x16x16384x128", "8x32x2048x64"]
+    cpu_shapes = ["2x8x1024x64"]
+    params = [["causal", "full"], ["fwd", "fwd+bwd"], gpu_shapes + cpu_shapes, _h.DTYPES, _h.BACKENDS]
+    param_names = ["op", "direction", "shape", "dtype", "backend"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, backend: str) -> Any:
+        from openkernels.attention import bench
+
+        cases = bench.cases(
+            dev,
+            shapes=[(1, 2, 128, 64) if _h.smoke() else _h.parse_shape(shape)],
+            dtypes=[_h.torch_dtype(dtype)],
+            ops=[op],
+            directions=[direction],
+            peers=[],
+        )
+        return _h.only_case(cases)
+
+
+# Our contenders in bench_kvcache, by cache format.
+FORMATS = {"bf16": "ours", "paged16": "ours-paged16", "paged256": "ours-paged256", "int8": "ours-int8",
+           "int4": "ours-int4"}  # fmt: skip
+
+
+class Decode(_h.Suite, _h.GBps):
+    gpu_shapes = ["32x32x8x4096x128", "1x32x8x131072x128"]
+    cpu_shapes = ["4x32x8x1024x128"]
+    params = [list(FORMATS), gpu_shapes + cpu_shapes, _h.DTYPES, _h.BACKENDS]
+    param_names = ["cache", "shape", "dtype", "backend"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def contender(self, **params: str) -> str:
+        return FORMATS[params["cache"]]
+
+    def build(self, dev: Any, cache: str, shape: str, dtype: str, backend: str) -> Any:
+        from openkernels.attention import bench_kvcache
+
+        cases = bench_kvcache.cases(
+            dev,
+            shapes=[(2, 4, 2, 256, 64) if _h.smoke() else _h.parse_shape(shape)],
+            formats=[FORMATS[cache]],
+            peers=[],
+            dtype=_h.torch_dtype(dtype),
+        )
+        return _h.only_case(cases)
+
+
+class Rotary(_h.Suite, _h.GBps):
+    # batch x seqlen x q heads x kv heads x head_dim x rotary dims
+    gpu_shapes = ["1x8192x32x8x128x128", "4x2048x32x32x80x32"]
+    cpu_shapes = ["1x1024x32x8x128x128"]
+    params = [["fwd", "bwd"], gpu_shapes + cpu_shapes, _h.DTYPES, _h.BACKENDS]
+    param_names = ["direction", "shape", "dtype", "backend"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def build(self, dev: Any, direction: str, shape: str, dtype: str, backend: str) -> Any:
+        from openkernels.attention import bench_rotary
+
+        cases = bench_rotary.cases(
+            dev,
+            shapes=[(1, 16, 4, 2, 64, 64) if _h.smoke() else _h.parse_shape(shape)],
+            dtypes=[_h.torch_dtype(dtype)],
+            directions=[direction],
+            peers=[],
+        )
+        return _h.only_case(cases)

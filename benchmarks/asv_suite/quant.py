@@ -1,0 +1,39 @@
+"""asv suite of the quant family: int4_linear (x @ W^T with a 4-bit weight), int4 and nf4.
+
+Cases come from openkernels.quant.bench (`benchmarks/quant_linear.py`): M = 1, 16, 128 and
+2048 tokens against (N, K) = 8192x8192 and 28672x8192 weights on GPUs, M = 1, 16, 128 at
+4096x4096 on CPUs. GB/s count the 4-bit weight, its scales and zeros, x and y once (at
+M = 2048 the work is compute-bound: benchmarks/quant_linear.py reports its TFLOP/s).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _harness as _h
+
+
+class Int4Linear(_h.Suite, _h.GBps):
+    gpu_shapes = ["8192x8192", "28672x8192"]
+    cpu_shapes = ["4096x4096"]
+    params = [["int4", "nf4"], ["1", "16", "128", "2048"], gpu_shapes + cpu_shapes, _h.DTYPES, _h.BACKENDS]
+    param_names = ["kind", "m", "shape", "dtype", "backend"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def applies(self, device_type: str, **params: str) -> bool:
+        # M = 2048 (dequantize, then the vendor GEMM) is a GPU path; CPUs stop at M = 128.
+        return super().applies(device_type, **params) and (device_type == "cuda" or params["m"] != "2048")
+
+    def build(self, dev: Any, kind: str, m: str, shape: str, dtype: str, backend: str) -> Any:
+        from openkernels.quant import bench
+
+        size = dict(
+            shapes=[(128, 256) if _h.smoke() else _h.parse_shape(shape)], ms=[int(m)], kinds=[kind], peers=[]
+        )
+        try:
+            cases = bench.cases(dev, dtypes=[_h.torch_dtype(dtype)], **size)
+        except TypeError:  # the family's first commits took one dtype
+            cases = bench.cases(dev, dtype=_h.torch_dtype(dtype), **size)
+        return _h.only_case(cases)
