@@ -49,17 +49,17 @@ _CANDIDATE_WORDS = ("Norm", "Activation", "GELU", "SiLU", "MLP", "Attention")
 class Swap:
     """One module replacement a family offers.
 
-    classes: the classes it replaces, by bare `__name__` ("LlamaRMSNorm") or qualified
-        `module.qualname` ("torch.nn.modules.normalization.LayerNorm"), matched exactly;
-        subclasses are not matched, since their forward may differ.
-    forward: the fused forward, called as forward(module, *args, **kwargs).
-    check: optional check(module, ctx) -> None when the instance can be swapped, else the
-        reason it cannot (recorded in the report as "left").
-    prepare: optional prepare(module, ctx) -> undo callable or None, run once at swap time
-        (fused weights, cached constants).
-    modes: the kernelize modes it applies in.
-    covers_children: the swapped forward no longer calls the module's children (a fused
-        MLP computes its activation itself), so they are not swapped on their own.
+    - `classes`: the classes it replaces, by bare `__name__` ("LlamaRMSNorm") or qualified
+      `module.qualname` ("torch.nn.modules.normalization.LayerNorm"), matched exactly;
+      subclasses are not matched, since their forward may differ.
+    - `forward`: the fused forward, called as `forward(module, *args, **kwargs)`.
+    - `check`: optional `check(module, ctx)` -> None when the instance can be swapped, else
+      the reason it cannot (recorded in the report as "left").
+    - `prepare`: optional `prepare(module, ctx)` -> undo callable or None, run once at swap
+      time (fused weights, cached constants).
+    - `modes`: the kernelize modes it applies in.
+    - `covers_children`: the swapped forward no longer calls the module's children (a fused
+      MLP computes its activation itself), so they are not swapped on their own.
     """
 
     family: str

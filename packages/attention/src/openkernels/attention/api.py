@@ -202,8 +202,8 @@ def attention_varlen(
 
     q: (total_q, heads_q, head_dim), k, v: (total_k, heads_kv, head_dim); sequence i is
     rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of
-    k and v. cu_seqlens_*: int32 (n_seqs + 1,), starting at 0, non-decreasing (empty
-    sequences allowed); max_seqlen_*: at least the longest sequence (checked: one small
+    k and v. `cu_seqlens_*`: int32 (n_seqs + 1,), starting at 0, non-decreasing (empty
+    sequences allowed); `max_seqlen_*`: at least the longest sequence (checked: one small
     device-to-host copy per call). Options as in `attention`, applied per sequence (causal
     aligned bottom-right within each); alibi_slopes (heads_q,) or (n_seqs, heads_q).
     Returns out (total_q, heads_q, head_dim) [, lse (heads_q, total_q)].

@@ -1,12 +1,12 @@
 """The attention ops on JAX arrays: same names, shapes, options and math as the PyTorch API
 (api.py; semantics in reference.py).
 
-attention(q, k, v):        q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> (B, Sq, Hq, D) [, lse (B, Hq, Sq)]
-attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-                           q (Tq, Hq, D), k, v (Tk, Hkv, D) packed -> (Tq, Hq, D) [, lse (Hq, Tq)]
-apply_rotary(q, k, cos, sin): q (B, S, Hq, D), k (B, S, Hk, D), cos, sin (B or 1, S, R) or
-                           (S, R) -> (q_out, k_out), GPT-NeoX rotary embedding
-attention_with_kvcache:    see its docstring (functional: returns the updated caches).
+    attention(q, k, v):        q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> (B, Sq, Hq, D) [, lse (B, Hq, Sq)]
+    attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+                               q (Tq, Hq, D), k, v (Tk, Hkv, D) packed -> (Tq, Hq, D) [, lse (Hq, Tq)]
+    apply_rotary(q, k, cos, sin): q (B, S, Hq, D), k (B, S, Hk, D), cos, sin (B or 1, S, R) or
+                               (S, R) -> (q_out, k_out), GPT-NeoX rotary embedding
+    attention_with_kvcache:    see its docstring (functional: returns the updated caches).
 
 Every op works under ``jax.jit`` and differentiates through ``jax.custom_vjp`` with the
 family's backward kernels (attention: in q, k, v and through lse as well; rotary: in q, k).
@@ -176,8 +176,8 @@ def attention_varlen(
 
     q: (total_q, heads_q, head_dim), k, v: (total_k, heads_kv, head_dim); sequence i is rows
     cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k, v.
-    cu_seqlens_*: int32 (n_seqs + 1,), starting at 0, non-decreasing (empty sequences
-    allowed). max_seqlen_*: Python ints, at least the longest sequence (they size the grids).
+    `cu_seqlens_*`: int32 (n_seqs + 1,), starting at 0, non-decreasing (empty sequences
+    allowed). `max_seqlen_*`: Python ints, at least the longest sequence (they size the grids).
     Values are checked when known (concrete arrays: one device-to-host copy); under jax.jit
     they are not, and wrong ones give wrong results. Options as in `attention`, per
     sequence; alibi_slopes (heads_q,) or (n_seqs, heads_q).

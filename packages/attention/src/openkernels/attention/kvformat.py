@@ -2,18 +2,22 @@
 
 A cache side (K or V) is `data` plus, when quantized, a per-(token, head, group) `scale` and
 `zero`:
-  16-bit   data (..., heads_kv, head_dim) float16/bfloat16; scale = zero = None.
-  int8     data (..., heads_kv, head_dim) uint8 codes 0..255.
-  int4     data (..., heads_kv, head_dim // 2) uint8, two codes per byte: element 2j in the
-           low nibble, 2j + 1 in the high nibble; codes 0..15.
-  scale, zero: float16 (..., heads_kv, head_dim // group_size); group g covers elements
-           g * group_size .. (g + 1) * group_size - 1 of head_dim.
+
+    16-bit   data (..., heads_kv, head_dim) float16/bfloat16; scale = zero = None.
+    int8     data (..., heads_kv, head_dim) uint8 codes 0..255.
+    int4     data (..., heads_kv, head_dim // 2) uint8, two codes per byte: element 2j in the
+             low nibble, 2j + 1 in the high nibble; codes 0..15.
+    scale, zero: float16 (..., heads_kv, head_dim // group_size); group g covers elements
+             g * group_size .. (g + 1) * group_size - 1 of head_dim.
+
 "..." is (batch, capacity) for a contiguous cache, (num_pages, page_size) for a paged one.
 
 Quantization is asymmetric, round to nearest, per token and head over each group:
-  zero  = fp16(min x)             scale = fp16((max x - min x) / (2^bits - 1))
-  code  = clamp(floor((x - zero) * (1 / scale) + 0.5), 0, 2^bits - 1)   (0 when scale == 0)
-  x'    = code * scale + zero     (float32)
+
+    zero  = fp16(min x)             scale = fp16((max x - min x) / (2^bits - 1))
+    code  = clamp(floor((x - zero) * (1 / scale) + 0.5), 0, 2^bits - 1)   (0 when scale == 0)
+    x'    = code * scale + zero     (float32)
+
 The Triton append kernel computes the same float32 expressions, so its codes match these
 except where a product lands within an ulp of .5 (one code apart, rare).
 Values must lie within float16's range (|x| < 65504): scale and zero are float16.

@@ -24,7 +24,7 @@ The packing is AutoGPTQ's `QuantLinear.pack` (auto_gptq/nn_modules/qlinear/
 qlinear_cuda_old.py: `qweight[row] |= intweight[j] << (bits * (j - i))` over eight input
 rows j, and the same loop over output columns for qzeros); the unpacking with shifts
 0, 4, .., 28 is the one of its `forward`, of GPTQModel's `PackableQuantLinear.
-dequantize_weight` (gptqmodel/nn_modules/qlinear/__init__.py) and of vLLM's exllama kernel
+dequantize_weight` (`gptqmodel/nn_modules/qlinear/__init__.py`) and of vLLM's exllama kernel
 (csrc/quantization/gptq/q_gemm.cu), all of which compute
 `scales[g_idx] * (weight - zeros[g_idx])` on the (K, N) unpacked weight.
 
@@ -32,13 +32,13 @@ What z is depends on the checkpoint format (`checkpoint_format` in the quantizat
 transformers' `GPTQConfig` documents "gptq" (v1, AutoGPTQ and GPTQModel) and "gptq_v2"
 (GPTQModel only)):
 
-  "gptq" (v1):   the stored nibble is zero - 1, so z = nibble + 1. AutoGPTQ's pack does
-                 `zeros -= 1` before packing and its forward does `zeros = zeros + 1` after
-                 unpacking; vLLM's q_gemm.cu adds `zero_offset = use_v2_format ? 0 : 1` to
-                 every unpacked zero; GPTQModel's `convert_gptq_v1_to_v2_format_module`
-                 (gptqmodel/utils/model.py) adds 1 to every 4-bit field when loading v1.
-  "gptq_v2":     the stored nibble is the zero point, z = nibble (GPTQModel's
-                 `dequantize_weight` uses the unpacked zeros as they are).
+    "gptq" (v1):   the stored nibble is zero - 1, so z = nibble + 1. AutoGPTQ's pack does
+                   `zeros -= 1` before packing and its forward does `zeros = zeros + 1` after
+                   unpacking; vLLM's q_gemm.cu adds `zero_offset = use_v2_format ? 0 : 1` to
+                   every unpacked zero; GPTQModel's `convert_gptq_v1_to_v2_format_module`
+                   (gptqmodel/utils/model.py) adds 1 to every 4-bit field when loading v1.
+    "gptq_v2":     the stored nibble is the zero point, z = nibble (GPTQModel's
+                   `dequantize_weight` uses the unpacked zeros as they are).
 
 The +1 is applied per nibble, as AutoGPTQ and vLLM do: a v1 nibble of 15 (written only when
 a real zero of 0 underflowed to -1 at packing) gives z = 16, which is what those runtimes

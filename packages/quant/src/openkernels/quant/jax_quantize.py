@@ -172,7 +172,8 @@ def quantize_int4(
             zeros from the group's min and max.
         search: None (round to nearest) or "clip" (per-group clipping ratio search, `grid`
             steps from 1 down to `min_ratio`, keeping the smallest squared error).
-        scale_dtype: jnp.float16 (default) or jnp.bfloat16 for scales and zeros.
+        scale_dtype (jax.typing.DTypeLike): jnp.float16 (default) or jnp.bfloat16 for scales
+            and zeros.
 
     Returns:
         jax Int4Weight with kind "int4"; qweight (N, K // 2) uint8, scales / zeros (K // group, N).
