@@ -170,6 +170,19 @@ def export_commit(sha: str, into: Path) -> str:
     return os.pathsep.join(str(p) for p in srcs if p.is_dir())
 
 
+STABLE_PYTHON = Path(tempfile.gettempdir()) / "openkernels-asv" / "python"
+
+
+def stable_python() -> str:
+    """A wrapper at one fixed path that runs this interpreter. asv names an existing
+    environment after its interpreter's path and draws one graph line per name: through the
+    wrapper, runs from any venv or checkout (nox, a GPU runner, the lent H200) stay one line."""
+    STABLE_PYTHON.parent.mkdir(parents=True, exist_ok=True)
+    STABLE_PYTHON.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    STABLE_PYTHON.chmod(0o755)
+    return str(STABLE_PYTHON)
+
+
 def run_commit(
     commit: str,
     *,
@@ -197,7 +210,7 @@ def run_commit(
             "OPENKERNELS_STRICT": "1",
             **({"OPENKERNELS_ASV_SMOKE": "1"} if smoke else {}),
         }
-        args = ["run", "-E", f"existing:{sys.executable}", "--set-commit-hash", sha, "--machine", machine,
+        args = ["run", "-E", f"existing:{stable_python()}", "--set-commit-hash", sha, "--machine", machine,
                 "--bench", regex, "--launch-method", launch, "--show-stderr"]  # fmt: skip
         if smoke:
             args += ["--quick", "--dry-run"]
