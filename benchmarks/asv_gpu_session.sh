@@ -14,10 +14,15 @@ OUT=${OUT:-/tmp/asv-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/asv/*.whl || exit 1
 export PYTHONPATH=/tmp/site ASV_PYTHONPATH=/tmp/site
-rm -rf /tmp/repo && git clone -q .whl/repo.bundle /tmp/repo && cd /tmp/repo || exit 1
+# A warm machine keeps /tmp: reuse the clone and the results an earlier call left there.
+if [ ! -d /tmp/repo/.git ]; then git clone -q -b main .whl/repo.bundle /tmp/repo || exit 1; fi
+cp benchmarks/asv_history.py benchmarks/asv_gpu_session.sh /tmp/repo/benchmarks/ 2>/dev/null
+cp -r benchmarks/asv_suite/. /tmp/repo/benchmarks/asv_suite/
+cd /tmp/repo || exit 1
 git config user.email asv@localhost && git config user.name asv
 results=$(python3 -c "import json; print(json.load(open('asv.conf.json'))['results_dir'])")
-keep() { mkdir -p "$OUT/results" && cp -r "$results"/. "$OUT/results/" 2>/dev/null; }
+# One archive: the device returns a limited number of files.
+keep() { tar czf "$OUT/results.tgz.part" -C "$results" . 2>/dev/null && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
 (while sleep 15; do keep; done) &
 copier=$!
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
@@ -26,7 +31,7 @@ for step in "$@"; do
     start=$(date +%s)
     case $kind in
     backfill) python3 benchmarks/asv_history.py backfill --lean --launch forkserver --budget-s "$a" 2>&1 | tee -a "$OUT/backfill.log" | grep -E "^asv:|budget|failed|Error" ;;
-    run) python3 benchmarks/asv_history.py run "$a" 2>&1 | tee -a "$OUT/run.log" | grep -E "^asv:|failed|Error" ;;
+    run) python3 benchmarks/asv_history.py run "$a" ${b:+--families "$b"} 2>&1 | tee -a "$OUT/run.log" | grep -E "^asv:|failed|Error" ;;
     compare) python3 benchmarks/asv_history.py compare "$a" "$b" --lean --launch forkserver 2>&1 | tee -a "$OUT/compare.log" | tail -40 ;;
     esac
     echo "step $step: $(($(date +%s) - start)) s"
