@@ -397,6 +397,70 @@ def test_quantization_error_is_measured_and_bounded() -> None:
         assert by[kind, 8, None] < by[kind, 4, 32], "int8 must beat int4"
 
 
+# ---- long contexts: the kernels add no error to the format's own -------------------------
+# Tokens per sequence by device: 32K and 128K on a GPU (where the per-token-scale form of
+# the Triton kernel once lost 13-15x the format's error at 128K: the float32 accumulators
+# carried 1024 x the codes' sum and cancelled the output away), short under the interpreter
+# and on the CPU backend, so the check itself runs in CI.
+_LONG_TOKENS = {"cuda": ((32768, 2), (131072, 1))}  # device -> ((tokens, batch), ...)
+_SHORT_TOKENS = ((1024, 1),) if INTERPRETING else ((4096, 1),)
+_BF16_ULP = 2.0**-8  # one bf16 ulp, relative: the output's rounding is half of it
+
+
+def _outlier_keys(shape: tuple[int, ...], device: str) -> torch.Tensor:
+    """N(0, 1) keys with 4 of 128 channels (one per group of 32) 20x larger plus a per-channel
+    offset: what model keys look like (test_quantization_error_is_measured_and_bounded)."""
+    k = random_tensor(shape, device=device) + 0.5 * random_tensor((1, 1, *shape[2:]), device=device)
+    k[..., [5, 40, 77, 110]] *= 20
+    return k
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "NaN or inf in the output"
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize(("kv_dtype", "group"), [("int8", None), ("int4", None), ("int4", 32), ("int8", 32)])
+@pytest.mark.parametrize("keys", ["random", "outliers"])
+def test_quantized_cache_long_context(device: str, impl: str, kv_dtype: str, group, keys: str) -> None:
+    """GQA 32/8, head_dim 128, one decode query per sequence against a cache filled by one
+    append (bf16 keys and values), through KVCache.attend as a user calls it, against the
+    reference backend on the same cache. The bound comes from the format: the error the
+    format itself costs (the reference on the cache against float64 attention on the
+    unquantized keys and values), of which the implementation may add a quarter (errors add
+    about in quadrature: the total moves by 3%), or one bf16 ulp (relative L2) where that is
+    larger: the output is rounded to bf16, and q, K, V and P meet in 16-bit operands."""
+    if impl == "reference":
+        pytest.skip("the reference is what the others are compared with")
+    heads_q, heads_kv, head_dim = 32, 8, 128
+    for tokens, batch in _LONG_TOKENS.get(device, _SHORT_TOKENS):
+        where = f"{kv_dtype} group {group}, {keys} keys, {tokens} tokens"
+        shape = (batch, tokens, heads_kv, head_dim)
+        k = (_outlier_keys(shape, device) if keys == "outliers" else random_tensor(shape, device=device)).to(
+            BF16
+        )
+        v = random_tensor(shape, BF16, device=device)
+        q = random_tensor((batch, 1, heads_q, head_dim), BF16, device=device)
+        cache = A.KVCache(
+            batch, tokens, heads_kv, head_dim, kv_dtype=kv_dtype, group_size=group, device=device
+        )
+        cache.append(k, v)
+        with dispatch.force(impl):
+            out = cache.attend(q)
+        with dispatch.force("reference"):
+            ref = cache.attend(q)
+        exact = R.attention_ref(q.double(), k.double(), v.double(), causal=True)
+        format_error = _rel(ref, exact)
+        error = _rel(out, ref)
+        print(f"{where}: {impl} vs reference {error:.5f}, format {format_error:.5f}")
+        assert error <= max(_BF16_ULP, 0.25 * format_error), (
+            f"{where}: {error:.4f} from the reference on the same cache, whose own error is {format_error:.4f}"
+        )
+        del cache, k, v
+
+
 # ---- torch.compile and opcheck -----------------------------------------------------------
 
 
