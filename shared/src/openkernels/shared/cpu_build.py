@@ -5,15 +5,24 @@ helpers the kernel families share). Libraries are cached under
 ``${OPENKERNELS_CACHE:-~/.cache/openkernels}/cpu/<name>-<hash>/``; the hash covers the source, the
 headers in INCLUDE_DIR, the flags, the compiler version and the CPU (the code is built for
 -march=native), so editing a shared header rebuilds every library that may include it.
-Several processes may build the same library at once: each compiles to a temporary file and renames it
-into place atomically.
+
+An entry holds ``lib<name>.so`` and its manifest ``lib<name>.json`` (size and SHA-256). A library that
+does not match its manifest (truncated, empty, overwritten, or from a version without manifests) is
+rebuilt, never loaded: mapping a truncated library kills the process with SIGBUS. One process builds
+an entry while the others wait on ``lib<name>.lock`` (flock), then load what it built. A build writes
+temporary files, fsyncs them and renames them into place; it first removes the temporary files of
+builds that were killed. Where the cache cannot be written, libraries are built in a temporary
+directory for this process only. A build that fails is not retried in the process, and a compiler
+that also fails on an empty source turns the CPU kernels off (no_compiler_reason) after that one error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import pathlib
 import platform
@@ -22,8 +31,14 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no build lock; the renames keep every entry whole
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "BASE_FLAGS",
@@ -37,15 +52,26 @@ __all__ = [
 ]
 
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++17")
-_OPTIONAL_FLAGS = ("-march=native", "-fopenmp")  # dropped, in turn, when the compiler rejects them
+# Flags dropped, in turn, when the compiler's error shows it rejects them: the flag named, OpenMP's
+# header or runtime missing, or an assembler older than the compiler failing on -march=native's
+# instructions. Any other error is final: a broken compiler costs one run, not one per combination.
+_OPTIONAL_FLAGS: dict[str, tuple[str, ...]] = {
+    "-march=native": ("march", "Assembler messages", "no such instruction"),
+    "-fopenmp": ("openmp", "omp.h", "gomp", "libomp"),
+}
 # Shared headers, on every compile's include path. Kept out of the flags that are hashed: the key
 # covers the headers' content, not where this package is installed.
 INCLUDE_DIR = pathlib.Path(__file__).with_name("cpu")
 _TIMEOUT_S = 300
+_TMP_PREFIX = ".tmp-"  # then "<pid>-<random>-<file name>": the pid tells a killed build's leftovers
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str, tuple[str, ...]], ctypes.CDLL] = {}
+_failed: dict[tuple[str, str, tuple[str, ...]], str] = {}  # builds that failed, not retried
+_probed: dict[tuple[str, ...], str] = {}  # compiler -> "" (builds an empty source) or why not
 _warned = False
+_warned_cache = False
+_cxx_skipped: str | None = None
 
 
 class CpuBuildError(RuntimeError):
@@ -54,13 +80,28 @@ class CpuBuildError(RuntimeError):
 
 @functools.cache
 def compiler() -> tuple[str, ...] | None:
-    """The C++ compiler command ($CXX, else c++, g++ or clang++ on PATH), or None."""
-    env = shlex.split(os.environ.get("CXX", ""))
-    candidates = [env] if env else [["c++"], ["g++"], ["clang++"]]
-    for cmd in candidates:
-        path = shutil.which(cmd[0])
+    """The C++ compiler command ($CXX, else c++, g++ or clang++ on PATH), or None.
+
+    A $CXX that names no executable is skipped with a warning; the next candidate is used.
+    """
+    global _cxx_skipped
+    try:
+        env = shlex.split(os.environ.get("CXX", ""))
+    except ValueError:  # unbalanced quotes
+        env = [os.environ["CXX"]]
+    if env:
+        path = shutil.which(env[0])
         if path is not None:
-            return (path, *cmd[1:])
+            return (path, *env[1:])
+        _cxx_skipped = f"$CXX={os.environ['CXX']!r} is not an executable"
+    for name in ("c++", "g++", "clang++"):
+        path = shutil.which(name)
+        if path is not None:
+            if _cxx_skipped:
+                warnings.warn(
+                    f"openkernels: {_cxx_skipped}; compiling with {path}", RuntimeWarning, stacklevel=2
+                )
+            return (path,)
     return None
 
 
@@ -70,11 +111,18 @@ def compiler_available() -> bool:
 
 
 def no_compiler_reason() -> str | None:
-    """None when a compiler exists; else a reason, warning once that the reference path runs."""
+    """None when a usable compiler exists; else a reason, warning once that the reference path runs.
+
+    Not usable either: a compiler that failed on an empty source after failing a build in this
+    process. That build's CpuBuildError already reported it, so it is not warned again.
+    """
     global _warned
-    if compiler_available():
-        return None
+    cmd = compiler()
+    if cmd is not None:
+        return _probed.get(cmd) or None
     reason = "no C++ compiler found ($CXX, c++, g++ or clang++)"
+    if _cxx_skipped:
+        reason = f"{_cxx_skipped} and no c++, g++ or clang++ on PATH"
     if not _warned:
         _warned = True
         warnings.warn(
@@ -146,31 +194,217 @@ def _command(cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str]) -
     return [*cmd, *flags, "-I", str(INCLUDE_DIR), str(source)]
 
 
-def _compile(cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str], target: pathlib.Path) -> str:
-    """Compile to `target` atomically; return "" on success, else the compiler's output."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
-    os.close(fd)
+def _compile(cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str], out: str) -> str:
+    """Compile to `out`; return "" on success, else the compiler's output."""
     try:
         run = subprocess.run(
-            [*_command(cmd, source, flags), "-o", tmp],
+            [*_command(cmd, source, flags), "-o", out],
             check=False,
             capture_output=True,
             text=True,
             timeout=_TIMEOUT_S,
         )
-        if run.returncode != 0:
-            return run.stderr or run.stdout or f"exit status {run.returncode}"
-        os.replace(tmp, target)
-        return ""
     except (OSError, subprocess.SubprocessError) as error:
-        return str(error)
+        return str(error) or type(error).__name__
+    if run.returncode != 0:
+        return run.stderr or run.stdout or f"exit status {run.returncode}"
+    return ""
+
+
+def _probe(cmd: tuple[str, ...]) -> None:
+    """After a failed build: does `cmd` build an empty library at all? If not, no_compiler_reason()
+    says so from now on, and every CPU backend runs the reference without trying (and warning) again."""
+    if cmd in _probed:
+        return
+    try:
+        with tempfile.TemporaryDirectory(prefix="openkernels-probe-") as tmp:
+            source = pathlib.Path(tmp, "probe.cpp")
+            source.write_text('extern "C" int ok_probe(void) { return 0; }\n')
+            flags = [f for f in BASE_FLAGS if f not in _OPTIONAL_FLAGS]
+            error = _compile(cmd, source, flags, str(source.with_suffix(".so")))
+    except OSError:
+        return
+    first = error.strip().splitlines()[0] if error.strip() else ""
+    _probed[cmd] = error and f"the C++ compiler {shlex.join(cmd)} fails on an empty source ({first})"
+
+
+def _compile_with_fallbacks(
+    cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str], out: str
+) -> None:
+    """Compile to `out`, dropping the optional flags the compiler rejects; CpuBuildError if it fails."""
+    attempt, first = tuple(flags), ""
+    while True:
+        error = _compile(cmd, source, attempt, out)
+        if not error:
+            return
+        first = first or f"$ {shlex.join(_command(cmd, source, attempt))}\n{error}"
+        rejected = [
+            f for f, signs in _OPTIONAL_FLAGS.items() if f in attempt and any(s in error for s in signs)
+        ]
+        if not rejected:
+            _probe(cmd)
+            raise CpuBuildError(f"compiling {source.name} failed:\n{first}")
+        attempt = tuple(f for f in attempt if f not in rejected)
+
+
+def _fingerprint(data: bytes) -> dict[str, int | str]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _verified(target: pathlib.Path) -> bool:
+    """True when `target` matches its manifest (size and SHA-256)."""
+    try:
+        manifest = json.loads(target.with_suffix(".json").read_text())
+        return manifest == _fingerprint(target.read_bytes())
+    except (OSError, ValueError):
+        return False
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (True where that cannot be told)."""
+    if pid <= 0:
+        return False
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def _clean_stale(entry: pathlib.Path) -> None:
+    """Remove the temporary files of builds that died: their process is gone, or they are older than
+    a compile may take (a pid from another host or container may look alive)."""
+    for path in entry.glob(f"{_TMP_PREFIX}*"):
+        try:
+            pid = int(path.name[len(_TMP_PREFIX) :].split("-", 1)[0])
+            if not _alive(pid) or time.time() - path.stat().st_mtime > _TIMEOUT_S:
+                path.unlink()
+        except (OSError, ValueError):
+            continue
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (one process builds an entry; the others wait, then load it).
+
+    No lock where the file cannot be opened or locked, or after waiting as long as a compile may
+    take (a stopped holder must not hang every process): the renames keep the entry whole anyway.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + _TIMEOUT_S
+        while fcntl is not None and time.monotonic() < deadline:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0.05)
+            except OSError:
+                break
+        yield
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.close(fd)  # releases the lock
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    """Make the renames into `path` durable (not every file system can sync a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _build(cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str], target: pathlib.Path) -> None:
+    """Build `target` and its manifest: temporary files, fsynced, renamed into place.
+
+    OSError where the entry cannot be written; CpuBuildError where the compiler fails.
+    """
+    manifest = target.with_suffix(".json")
+    tmps: list[str] = []
+    try:
+        for final in (target, manifest):
+            fd, tmp = tempfile.mkstemp(
+                prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=f"-{final.name}", dir=target.parent
+            )
+            os.close(fd)
+            tmps.append(tmp)
+        _compile_with_fallbacks(cmd, source, flags, tmps[0])
+        with open(tmps[0], "rb+") as f:
+            data = f.read()
+            os.fsync(f.fileno())
+        # mkstemp's files are private: let the manifest be as readable as the library is.
+        os.chmod(tmps[1], os.stat(tmps[0]).st_mode & 0o666)
+        with open(tmps[1], "w") as f:
+            json.dump(_fingerprint(data), f)
+            f.flush()
+            os.fsync(f.fileno())
+        # The library first: a crash between the renames leaves a manifest that does not match it.
+        os.replace(tmps[0], target)
+        os.replace(tmps[1], manifest)
+        _fsync_dir(target.parent)
+    finally:
+        for tmp in tmps:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _dlopen(path: pathlib.Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as error:
+        raise CpuBuildError(f"loading {path} failed: {error}") from error
+
+
+def _build_private(
+    cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str], name: str, why: OSError
+) -> ctypes.CDLL:
+    """Build in a temporary directory, load, delete it: for a cache that cannot be written."""
+    global _warned_cache
+    if not _warned_cache:
+        _warned_cache = True
+        warnings.warn(
+            f"openkernels: the CPU kernel cache {cache_root()} cannot be written ({why}); the kernels are "
+            "built for this process only (set OPENKERNELS_CACHE to a writable directory)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    with tempfile.TemporaryDirectory(prefix="openkernels-") as tmp:
+        path = pathlib.Path(tmp, name)
+        _compile_with_fallbacks(cmd, source, flags, str(path))
+        return _dlopen(path)  # the mapping outlives the file
+
+
+def _load(
+    cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str], target: pathlib.Path
+) -> ctypes.CDLL:
+    """Load `target` if it matches its manifest; else build it (one process at a time) and load it."""
+    if not _verified(target):
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with _file_lock(target.with_suffix(".lock")):
+                if not _verified(target):  # else another process built it while this one waited
+                    _clean_stale(target.parent)
+                    _build(cmd, source, flags, target)
+        except OSError as error:
+            return _build_private(cmd, source, flags, target.name, error)
+    return _dlopen(target)
 
 
 def load_library(source: pathlib.Path, *, name: str, extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
-    """Compile `source` (once per content, shared headers, flags, compiler and CPU) and load it."""
+    """Compile `source` (once per content, shared headers, flags, compiler and CPU) and load it.
+
+    CpuBuildError where it cannot be built or loaded; that failure is final for this process.
+    """
     source = pathlib.Path(source).resolve()
     flags = (*BASE_FLAGS, *extra_flags)
     key = (str(source), name, flags)
@@ -178,23 +412,15 @@ def load_library(source: pathlib.Path, *, name: str, extra_flags: Sequence[str] 
         lib = _loaded.get(key)
         if lib is not None:
             return lib
+        if key in _failed:
+            raise CpuBuildError(_failed[key])
         cmd = compiler()
         if cmd is None:
             raise CpuBuildError(no_compiler_reason() or "no C++ compiler")
         target = cache_root() / f"{name}-{_cache_key(cmd, source, flags)[:16]}" / f"lib{name}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # Retry without the optional flags a compiler may reject (-march=native, -fopenmp).
-            attempts = [flags]
-            for drop in _OPTIONAL_FLAGS:
-                attempts += [tuple(f for f in a if f != drop) for a in attempts if drop in a]
-            errors = []
-            for attempt in attempts:
-                error = _compile(cmd, source, attempt, target)
-                if not error:
-                    break
-                errors.append(f"$ {shlex.join(_command(cmd, source, attempt))}\n{error}")
-            else:
-                raise CpuBuildError(f"compiling {source.name} failed:\n" + "\n".join(errors[:1]))
-        lib = _loaded[key] = ctypes.CDLL(str(target))
+        try:
+            lib = _loaded[key] = _load(cmd, source, flags, target)
+        except (CpuBuildError, OSError) as error:
+            _failed[key] = str(error) if isinstance(error, CpuBuildError) else f"building {name}: {error}"
+            raise CpuBuildError(_failed[key]) from error
         return lib
