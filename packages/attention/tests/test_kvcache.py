@@ -19,7 +19,13 @@ import openkernels.attention as A
 from openkernels.attention import reference as R
 from openkernels.attention.kvformat import QuantizedKV, dequantize_kv, quantize_kv, unpack_codes
 from openkernels.shared import dispatch
-from openkernels.shared.testing import failing_implementation, poisoned_empty, random_tensor, run_opcheck
+from openkernels.shared.testing import (
+    assert_close,
+    failing_implementation,
+    poisoned_empty,
+    random_tensor,
+    run_opcheck,
+)
 
 from .cases import INTERPRETING, targets
 from .kvcache_cases import (
@@ -579,6 +585,13 @@ def _swap(c: KVCall, **changes) -> KVCall:
     return dataclasses.replace(c, **changes)
 
 
+def _table_with(c: KVCall, dst: tuple[int, int], src: tuple[int, int]) -> torch.Tensor:
+    """c's block table with entry dst pointing at entry src's page."""
+    table = c.block_table.clone()
+    table[dst] = table[src]
+    return table
+
+
 def _requant(side: QuantizedKV, bits: int, group: int) -> QuantizedKV:
     return quantize_kv(dequantize_kv(side).nan_to_num(0.0), bits, group)
 
@@ -622,6 +635,11 @@ _ERRORS = [
     ("v_new-heads", _BAD_BASE, lambda c: c.call(v_new=c.v_new[:, :, :1]), ValueError, "v_new must have shape"),
     ("cache_seqlens-shape", _BAD_BASE, lambda c: _swap(c, cache_seqlens=_i32([14, 3, 0])).call(),
      ValueError, r"cache_seqlens must have shape \(2,\)"),
+    # sequence 0 appends at 20..21 (its second page); a page that receives tokens is used once
+    ("block_table-written-page-shared", _BAD_BASE, lambda c: c.call(block_table=_table_with(c, (1, 0), (0, 1))),
+     ValueError, r"block_table\[0, 1\] = \d+ receives new tokens but is also block_table\[1, 0\]"),
+    ("block_table-written-page-twice", _BAD_BASE, lambda c: c.call(block_table=_table_with(c, (0, 0), (0, 1))),
+     ValueError, r"block_table\[0, 1\] = \d+ receives new tokens but is also block_table\[0, 0\]"),
     ("block_table-rows", _BAD_BASE, lambda c: c.call(block_table=c.block_table[:1]), ValueError,
      "block_table must have 2 rows"),
     ("block_table-1d", _BAD_BASE, lambda c: c.call(block_table=c.block_table[0]), TypeError,
@@ -730,6 +748,130 @@ def test_kvcache_bad_input() -> None:
     ):
         with pytest.raises(ValueError, match=match):
             A.KVCache(2, 20, 1, 64, **kwargs)
+
+
+def test_pages_may_be_shared_for_reading() -> None:
+    """Without an append, two sequences may read one page (a shared prefix)."""
+    call = build(_S("shared-prefix", (20, 10), append=False, page=16, heads=(4, 2), capacity=32), "cpu")
+    call.block_table = _table_with(call, (1, 0), (0, 0))
+    for impl in ("cpu", "reference"):
+        check_call(call, impl, "cpu")
+
+
+def test_kvcache_block_table_pages_appear_once() -> None:
+    cache = A.KVCache(2, 32, 1, 64, kv_dtype="int8", page_size=16, num_pages=5)
+    with pytest.raises(ValueError, match=r"KVCache: block_table\[0, 0\] = 0 receives new tokens but is also "
+                                         r"block_table\[1, 1\]"):  # fmt: skip
+        cache.block_table = _i32([[0, 1], [2, 0]])
+    cache.block_table = _i32([[0, 1], [2, 4]])  # fewer pages than the default table: fine when distinct
+
+
+def _cache_state(cache: A.KVCache) -> list[torch.Tensor]:
+    sides = [cache.k, cache.v]
+    parts = [t for s in sides for t in ((s.data, s.scale, s.zero) if isinstance(s, QuantizedKV) else (s,))]
+    return [t.clone() for t in (*parts, cache.seqlens)]
+
+
+def _assert_same_cache(cache: A.KVCache, before: list[torch.Tensor], lengths: list[int], what: str) -> None:
+    after = _cache_state(cache)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before)), (
+        f"{what}: the cache changed"
+    )
+    assert cache.lengths == lengths, f"{what}: the lengths moved"
+
+
+def test_kvcache_append_checks_rotary_tables() -> None:
+    if INTERPRETING:
+        pytest.skip("argument checks run before any kernel: once, outside the interpreter")
+    cache = A.KVCache(2, 20, 1, 64, kv_dtype="int4", group_size=32, page_size=16)
+    k = random_tensor((2, 3, 1, 64), BF16)
+    cos, sin = rotary_tables(20, 64, "cpu")
+    before = _cache_state(cache)
+    for kwargs, error, match in (
+        (dict(rotary_cos=cos), ValueError, "rotary_cos and rotary_sin must be given together"),
+        (dict(rotary_cos=cos[:, 0], rotary_sin=sin[:, 0]), TypeError, r"rotary_cos must be a float \(seqlen_ro"),
+        (dict(rotary_cos=cos.long(), rotary_sin=sin.long()), TypeError, "torch.int64"),
+        (dict(rotary_cos=cos, rotary_sin=sin[:, :8]), ValueError, "must share a shape"),
+        (dict(rotary_cos=torch.ones(20, 33), rotary_sin=torch.ones(20, 33)), ValueError,
+         r"rotary_dim \(2 x rotary_cos.shape\[1\] = 66\) must be in 2\.\.head_dim \(64\)"),
+        (dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=1), TypeError, "rotary_interleaved must be a bool"),
+    ):  # fmt: skip
+        with pytest.raises(error, match=match):
+            cache.append(k, k, **kwargs)
+    _assert_same_cache(cache, before, [0, 0], "a rejected append")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_failed_attend_leaves_the_cache_bitwise_unchanged(fmt: str) -> None:
+    """attend(q, k_new, v_new) and attention_with_kvcache with k_new append before the
+    attention runs: when the attention cannot run (a forced backend that does not apply) or
+    fails (a kernel error under strict), the call raises and the cache is as it was."""
+    if INTERPRETING:
+        pytest.skip("the steering and failure paths run once, outside the interpreter")
+    kv_dtype = BF16 if fmt == "bf16" else "int4"
+    cache = A.KVCache(2, 40, 2, 64, kv_dtype=kv_dtype, page_size=16)
+    cache.append(random_tensor((2, 7, 2, 64), BF16), random_tensor((2, 7, 2, 64), BF16))
+    q, kn, vn = (
+        random_tensor((2, 3, 4, 64), BF16),
+        random_tensor((2, 3, 2, 64), BF16),
+        random_tensor((2, 3, 2, 64), BF16),
+    )
+    before = _cache_state(cache)
+    # The append can run, the attention cannot: refused before the append writes.
+    with (
+        dispatch.forbid("attention_kvcache:cpu", "attention_kvcache:reference"),
+        pytest.raises(dispatch.UnsupportedError, match="attention_kvcache: no implementation"),
+    ):
+        cache.attend(q, kn, vn)
+    _assert_same_cache(cache, before, [7, 7], "an attention that no implementation can run")
+    for impl in ("cpu", "reference"):
+        with (
+            dispatch.strict(),
+            failing_implementation("attention_kvcache", impl, RuntimeError("kernel failed")),
+        ):
+            with dispatch.force(impl), pytest.raises(RuntimeError, match="kernel failed"):
+                cache.attend(q, kn, vn)
+            _assert_same_cache(cache, before, [7, 7], f"{impl} attention failing after the append")
+            with dispatch.force(impl), pytest.raises(RuntimeError, match="kernel failed"):
+                A.attention_with_kvcache(q, cache.k, cache.v, cache.seqlens, k_new=kn, v_new=vn,
+                                         block_table=cache.block_table)  # fmt: skip
+            _assert_same_cache(
+                cache, before, [7, 7], f"{impl} attention_with_kvcache failing after the append"
+            )
+    out = cache.attend(q, kn, vn)  # and the cache still works
+    assert torch.isfinite(out).all() and cache.lengths == [10, 10]
+
+
+def test_float32_cache() -> None:
+    """kv_dtype=torch.float32: float32 queries on the CPU path and the reference."""
+    cache = A.KVCache(1, 16, 1, 64, kv_dtype=torch.float32)
+    k, v, q = (random_tensor(shape) for shape in ((1, 9, 1, 64), (1, 9, 1, 64), (1, 1, 2, 64)))
+    cache.append(k, v)
+    want = R.attention_ref(q.double(), k.double(), v.double(), causal=True)
+    for impl in ("cpu", "reference"):
+        with dispatch.force(impl):
+            assert_close(cache.attend(q), want, dtype=F32, terms=9 + 64, msg=impl)
+    with pytest.raises(
+        ValueError, match=r"torch\.float16, torch\.bfloat16, torch\.float32, 'int8' or 'int4'"
+    ):
+        A.KVCache(1, 16, 1, 64, kv_dtype=torch.float64)
+
+
+def test_unchecked_call_reads_no_lengths(monkeypatch) -> None:
+    """check=False: no bounds check, so no device-to-host copy of the lengths; same result."""
+    call = build(_S("unchecked", (20, 3), seqlen_q=2, page=16, heads=(4, 2), capacity=32), "cpu")
+    checked = copy_call(call)
+    want = checked.call()
+
+    def no_host_copy(*args, **kwargs):
+        raise AssertionError("the lengths were read on the host")
+
+    monkeypatch.setattr(A.api, "check_lengths", no_host_copy)
+    monkeypatch.setattr(A.api, "check_block_table", no_host_copy)
+    got = call.call(check=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(TypeError, match="check must be a bool"):
+        call.call(check=1)
 
 
 # ---- append quantization against kvformat ------------------------------------------------

@@ -17,6 +17,8 @@ import numbers
 
 import torch
 
+from openkernels.shared import dispatch
+
 from . import ops
 from .kvformat import BITS, QuantizedKV, code_width
 from .problem import check_qkv_shapes
@@ -342,19 +344,28 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
                 )
             if t.dtype != q.dtype or t.device != q.device:
                 raise TypeError(f"{name}: {what} must have q's dtype and device, got {t.dtype} on {t.device}")
+    check_rotary_tables(name, rotary_cos, rotary_sin, head_dim, q.device)
+    return bits, group
+
+
+def check_rotary_tables(name: str, rotary_cos: object, rotary_sin: object, head_dim: int,
+                        device: torch.device) -> None:  # fmt: skip
+    """rotary_cos / rotary_sin: both or neither, float (seqlen_ro, rotary_dim / 2) tensors of one
+    shape on `device` with a unit last stride, rotary_dim in 2..head_dim."""
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError(f"{name}: rotary_cos and rotary_sin must be given together")
-    if rotary_cos is not None:
-        for what, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
-                raise TypeError(f"{name}: {what} must be a float (seqlen_ro, rotary_dim / 2) tensor")
-            if t.shape != rotary_cos.shape or t.device != q.device or t.stride(-1) != 1:
-                raise ValueError(f"{name}: rotary_cos and rotary_sin must share a shape, be on {q.device} and "
-                                 "have a unit last stride")  # fmt: skip
-        if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
-            raise ValueError(f"{name}: rotary_dim (2 x rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must be "
-                             f"in 2..head_dim ({head_dim})")  # fmt: skip
-    return bits, group
+    if rotary_cos is None:
+        return
+    for what, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name}: {what} must be a float (seqlen_ro, rotary_dim / 2) tensor, got {got}")
+        if t.shape != rotary_cos.shape or t.device != device or t.stride(-1) != 1:
+            raise ValueError(f"{name}: rotary_cos and rotary_sin must share a shape, be on {device} and have a unit "
+                             f"last stride, got {tuple(t.shape)} on {t.device}")  # fmt: skip
+    if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
+        raise ValueError(f"{name}: rotary_dim (2 x rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must be "
+                         f"in 2..head_dim ({head_dim})")  # fmt: skip
 
 
 def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int, seqlen_q: int,
@@ -374,24 +385,65 @@ def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int,
 
 
 def check_block_table(name: str, block_table: torch.Tensor, lengths: torch.Tensor | list[int], page: int,
-                      num_pages: int) -> None:  # fmt: skip
-    """Every page that holds one of `lengths` tokens of a sequence must exist (one small
-    device-to-host copy)."""
+                      num_pages: int, seqlen_new: int = 0) -> None:  # fmt: skip
+    """Every page that holds one of `lengths` tokens of a sequence must exist, and a page that
+    receives one of the last `seqlen_new` tokens of a sequence (the append) must appear once
+    among the pages in use: two sequences, or two slots of one, writing the same page would
+    overwrite each other's keys. Pages only read may be shared. One device-to-host copy."""
     need = torch.as_tensor(lengths, device=block_table.device).to(torch.int64)
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page < need[:, None]
+    starts = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page
+    used = starts < need[:, None]
     bad = (used & ((block_table < 0) | (block_table >= num_pages))).nonzero()
     if bad.shape[0]:
         b, i = bad[0].tolist()
         raise ValueError(f"{name}: block_table[{b}, {i}] = {block_table[b, i].item()} is not a page of the cache "
                          f"(0..{num_pages - 1})")  # fmt: skip
+    if seqlen_new <= 0:
+        return
+    pages = torch.where(used, block_table.to(torch.int64), num_pages)  # unused slots count in a spare bin
+    uses = torch.bincount(pages.flatten(), minlength=num_pages + 1)
+    written = used & (starts + page > need[:, None] - seqlen_new)
+    shared = (written & (uses[pages] > 1)).nonzero()
+    if shared.shape[0]:
+        b, i = shared[0].tolist()
+        p = int(block_table[b, i])
+        others = [tuple(x) for x in ((pages == p) & used).nonzero().tolist() if tuple(x) != (b, i)]
+        raise ValueError(f"{name}: block_table[{b}, {i}] = {p} receives new tokens but is also block_table"
+                         f"[{others[0][0]}, {others[0][1]}]: a page written by an append must belong to one "
+                         "sequence once (pages only read may be shared)")  # fmt: skip
+
+
+def _written_slots(k_new: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                   page: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(page or sequence, slot) index tensors (batch, seqlen_new) of the slots an append writes."""
+    pos = cache_seqlens.to(torch.int64)[:, None] + torch.arange(k_new.shape[1], device=k_new.device)[None, :]
+    if block_table is None:
+        return torch.arange(k_new.shape[0], device=k_new.device)[:, None].expand_as(pos), pos
+    return block_table.to(torch.int64).gather(1, pos // page), pos % page
+
+
+def _append_then_attend(append, forward, storage: list[torch.Tensor], append_args: tuple, forward_args: tuple,
+                        slots: tuple[torch.Tensor, torch.Tensor] | None):  # fmt: skip
+    """The append, then the forward; when `slots` is given (a failure of the forward would
+    reach the caller), the slots the append writes are saved first and put back if the
+    forward raises, so a failed call leaves the cache bitwise as it was."""
+    saved = None if slots is None else [t[slots].clone() for t in storage]
+    append(*append_args)
+    try:
+        return forward(*forward_args)
+    except BaseException:
+        if saved is not None:
+            for t, old in zip(storage, saved):
+                t[slots] = old
+        raise
 
 
 def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale, window,
                   alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, host_lengths,
-                  cache_format=None):  # fmt: skip
+                  cache_format=None, check=True):  # fmt: skip
     """attention_with_kvcache's body; host_lengths: the lengths after the append when the
-    caller knows them (KVCache), else they are checked here with one device-to-host copy;
-    cache_format: see _check_kvcache."""
+    caller knows them (KVCache), else they are checked here with one device-to-host copy
+    (unless check=False); cache_format: see _check_kvcache."""
     name = "attention_with_kvcache"
     bits, group = _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos,
                                  rotary_sin, cache_format)  # fmt: skip
@@ -403,22 +455,35 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     seqlen_new = 0 if k_new is None else k_new.shape[1]
     tracing = torch.compiler.is_compiling() or q.device.type == "meta"
     capacity = kd.shape[1] if block_table is None else block_table.shape[1] * kd.shape[1]
-    if host_lengths is None and not tracing:  # one small device-to-host copy (two when paged)
+    if host_lengths is None and check and not tracing:  # one small device-to-host copy (two when paged)
         rows = None if rotary_cos is None else rotary_cos.shape[0]
         host_lengths = check_lengths(name, cache_seqlens.tolist(), capacity, seqlen_new, q.shape[1], rows)
         if block_table is not None:
-            check_block_table(name, block_table, host_lengths, kd.shape[1], kd.shape[0])
+            check_block_table(name, block_table, host_lengths, kd.shape[1], kd.shape[0], seqlen_new)
     max_seqlen_k = max(host_lengths, default=0) if host_lengths is not None else capacity
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     quant = (k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero) if bits != 16 else (None,) * 4
     library = tracing or any(type(t) is not torch.Tensor for t in (q, kd, vd))
     append = torch.ops.openkernels.kvcache_append if library else ops.kvcache_append
     forward = torch.ops.openkernels.attention_kvcache if library else ops.kvcache_forward
-    if k_new is not None:
-        append(kd, vd, *quant, k_new, v_new, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
-               bits, group)  # fmt: skip
-    return forward(q, kd, vd, *quant, cache_seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
-                   scale, left, right, alibi_slopes, float(softcap), rotary_interleaved, bits, group)  # fmt: skip
+    forward_args = (q, kd, vd, *quant, cache_seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
+                    scale, left, right, alibi_slopes, float(softcap), rotary_interleaved, bits, group)  # fmt: skip
+    if k_new is None or k_new.numel() == 0:
+        return forward(*forward_args)
+    slots = None
+    if not library:
+        # Neither op may fail after the append has written: pick both implementations first
+        # (a forced or forbidden backend that cannot run raises here). A failure inside the
+        # forward falls back to the next implementation unless it would reach the caller
+        # (strict, steered, or one candidate): only then are the written slots saved.
+        dispatch.select("kvcache_append", dispatch.key_for(k_new))
+        chosen = dispatch.select("attention_kvcache", dispatch.key_for(q))
+        if dispatch.is_strict() or dispatch.is_steered() or len(chosen) == 1:
+            slots = _written_slots(k_new, cache_seqlens, block_table, kd.shape[1])
+    storage = [kd, vd, *(t for t in quant if t is not None)]
+    append_args = (kd, vd, *quant, k_new, v_new, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                   rotary_interleaved, bits, group)  # fmt: skip
+    return _append_then_attend(append, forward, storage, append_args, forward_args, slots)
 
 
 def attention_with_kvcache(
@@ -439,6 +504,7 @@ def attention_with_kvcache(
     rotary_sin: torch.Tensor | None = None,
     rotary_interleaved: bool = False,
     return_lse: bool = False,
+    check: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of new queries against a KV cache: decode (seqlen_q 1) and chunked prefill.
 
@@ -461,11 +527,19 @@ def attention_with_kvcache(
     Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype [, lse (batch, heads_q,
     seqlen_q) float32]. Bounds (lengths against the capacity, block_table entries, rotary
     rows) are checked with a small device-to-host copy before anything is written (`KVCache`
-    knows its lengths and skips it); a bad call raises and leaves the cache unchanged.
+    knows its lengths and skips it); a bad call raises and leaves the cache bitwise unchanged,
+    and so does a call whose attention fails after the append. Pages of a block table may be
+    shared between sequences for reading; a page that receives new tokens must appear once.
+    check=False skips the bounds checks and their device-to-host copy (a decode step that
+    never waits for the GPU): the caller guarantees them, and out-of-bounds lengths or pages
+    are then undefined behaviour. Shapes, dtypes and devices are checked either way.
     Inference only (no autograd).
     """
+    if not isinstance(check, bool):
+        raise TypeError(f"attention_with_kvcache: check must be a bool, got {check!r}")
     out, lse = _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
-                             window, alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, None)  # fmt: skip
+                             window, alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, None,
+                             check=check)  # fmt: skip
     return (out, lse) if return_lse else out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .api import _cache_format, _kvcache_call, check_block_table, check_lengths
+from .api import _cache_format, _kvcache_call, check_block_table, check_lengths, check_rotary_tables
 from .kvformat import QuantizedKV, code_width, gather_sequence
 
 __all__ = ["KVCache"]
@@ -16,15 +16,17 @@ _KV_DTYPES = ("int8", "int4")
 class KVCache:
     """A KV cache for `batch_size` sequences of up to `max_seqlen` tokens each.
 
-    kv_dtype: torch.float16 / torch.bfloat16 (stored as is), "int8" or "int4" (codes with a
-        float16 scale and zero per token, head and group of `group_size` elements along
-        head_dim: 32, 64, 128 or None for the whole head).
+    kv_dtype: torch.float16 / torch.bfloat16 (stored as is), torch.float32 (stored as is, for
+        float32 queries on the CPU path and the reference; the Triton kernels take 16-bit
+        queries), "int8" or "int4" (codes with a float16 scale and zero per token, head and
+        group of `group_size` elements along head_dim: 32, 64, 128 or None for the whole head).
     page_size: None for one block per sequence (batch_size, max_seqlen, heads_kv, head_dim), or
         a multiple of 16 for paged storage (num_pages, page_size, heads_kv, head_dim) with a
         block table (batch_size, pages_per_seq) int32; num_pages defaults to what every
         sequence needs at max_seqlen, and the default block table gives sequence b the pages
         b * pages_per_seq onward. Pass (or later assign) `block_table` to share fewer pages;
-        it is checked once then, so calls need no device-to-host copy.
+        it is checked once then, so calls need no device-to-host copy. Every page in it must be
+        a page of the cache and appear once (appends write into them).
     The lengths live on the device (`seqlens`, int32) and on the host, so `attend` and
     `append` check bounds without a device-to-host copy.
     """
@@ -50,7 +52,8 @@ class KVCache:
             raise ValueError(f"KVCache: head_dim {head_dim} is not supported; supported: {ops.HEAD_DIMS}")
         if kv_dtype not in (torch.float16, torch.bfloat16, torch.float32, *_KV_DTYPES):
             raise ValueError(
-                f"KVCache: kv_dtype must be torch.float16, torch.bfloat16, 'int8' or 'int4', got {kv_dtype!r}"
+                "KVCache: kv_dtype must be torch.float16, torch.bfloat16, torch.float32, 'int8' or 'int4', got "
+                f"{kv_dtype!r}"
             )
         self.bits = 16 if isinstance(kv_dtype, torch.dtype) else int(kv_dtype[3:])
         self.group_size = head_dim if group_size is None else group_size
@@ -142,8 +145,9 @@ class KVCache:
                 raise ValueError(
                     f"KVCache: block_table must be int32 of shape {want} on {self.seqlens.device}"
                 )
+            # Every slot may receive an append: the whole table counts as written.
             check_block_table("KVCache", table, [self.max_seqlen] * self.batch_size, self.page_size,
-                              self._data(self.k).shape[0])  # fmt: skip
+                              self._data(self.k).shape[0], seqlen_new=self.max_seqlen)  # fmt: skip
         self._block_table = table
 
     def _advance(self, n: int, name: str, rotary_cos: torch.Tensor | None, seqlen_q: int) -> list[int]:
@@ -210,6 +214,9 @@ class KVCache:
                 raise TypeError(f"KVCache.append: {what} must be a float tensor on {self.seqlens.device}")
             if self.bits == 16 and t.dtype != self.kv_dtype:
                 raise TypeError(f"KVCache.append: {what} must be {self.kv_dtype}, got {t.dtype}")
+        if not isinstance(rotary_interleaved, bool):
+            raise TypeError(f"KVCache.append: rotary_interleaved must be a bool, got {rotary_interleaved!r}")
+        check_rotary_tables("KVCache.append", rotary_cos, rotary_sin, self.head_dim, self.seqlens.device)
         n = k_new.shape[1]
         self._advance(n, "KVCache.append", rotary_cos, n)
         quant = (self.k.scale, self.k.zero, self.v.scale, self.v.zero) if self.bits != 16 else (None,) * 4
