@@ -98,7 +98,11 @@ def _gated_prepare(mlp: nn.Module, ctx: KernelizeContext) -> Callable[[], None]:
     forget = _remember(mlp, _GATED, mlp.act_fn)
     if ctx.training:
         return forget  # training stacks per call, with gradients
-    unstack = stack(mlp, _GATE_UP)
+    try:
+        unstack = stack(mlp, _GATE_UP)
+    except BaseException:  # a prepare that raises gets no undo step: clean up here
+        forget()
+        raise
 
     def undo() -> None:
         unstack()

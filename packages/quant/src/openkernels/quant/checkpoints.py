@@ -88,7 +88,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from .format import SCALE_DTYPES, Int4Weight
+from .format import SCALE_DTYPES, Int4Weight, check_scale_values
 from .quantize import pack_codes
 
 __all__ = [
@@ -129,6 +129,7 @@ def _check_scales(scales: object, where: str) -> Tensor:
         raise TypeError(f"{where}: scales must be float16 or bfloat16 (G, N), got {scales.dtype}")
     if scales.dim() != 2:
         raise ValueError(f"{where}: scales must be 2D (G, N), got shape {tuple(scales.shape)}")
+    check_scale_values(scales, f"{where}: scales")
     return scales
 
 

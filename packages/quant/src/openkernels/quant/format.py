@@ -28,7 +28,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Int4Weight", "NF4_VALUES", "KINDS", "SCALE_DTYPES", "nf4_values", "check_parts"]
+__all__ = [
+    "Int4Weight",
+    "NF4_VALUES",
+    "KINDS",
+    "SCALE_DTYPES",
+    "nf4_values",
+    "check_parts",
+    "check_scale_values",
+]
 
 KINDS = ("int4", "nf4")
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
@@ -119,6 +127,19 @@ def check_parts(
             f"{where}: qweight, scales, zeros and perm must be on one device, got {sorted(map(str, devices))}"
         )
     return k
+
+
+def check_scale_values(scales: Tensor, name: str) -> None:
+    """Raise ValueError naming `name` (the tensor, "from_gptq: scales") when scales hold NaN, infinity or negative values (any
+    of them turns the layer's output into garbage or NaN). A pass over the tensor: for
+    loading and import, not per call."""
+    bad = ~torch.isfinite(scales) | (scales < 0)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"{name} must be finite and non-negative; {int(bad.sum())} of {scales.numel()} values are not "
+            f"(e.g. {scales[first].item()} at {first})"
+        )
 
 
 @dataclass(frozen=True, eq=False)

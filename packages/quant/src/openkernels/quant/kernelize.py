@@ -30,7 +30,11 @@ def _quantize(model: nn.Module, ctx: KernelizeContext) -> Callable[[], None] | N
     options["skip"] = (*options.get("skip", ("lm_head",)), *ctx.skip)
     options.setdefault("progress", False)
     originals = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
-    report = quantize_model(model, kind=kind, **options)
+    try:
+        report = quantize_model(model, kind=kind, **options)
+    except BaseException:  # no undo step yet: put back the layers quantized before the error
+        _restore(model, originals)
+        raise
     for name in report.quantized:
         ctx.report.add_swap(f"quant.{kind}_linear", name)
     for name, reason in report.skipped:
@@ -39,12 +43,16 @@ def _quantize(model: nn.Module, ctx: KernelizeContext) -> Callable[[], None] | N
         f"{len(report.quantized)} layers, {report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB"
     )
 
-    def undo() -> None:
-        for name in report.quantized:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, originals[name])
+    return lambda: _restore(model, {name: originals[name] for name in report.quantized})
 
-    return undo
+
+def _restore(model: nn.Module, originals: dict[str, nn.Module]) -> None:
+    """Put each original layer back where another (an Int4Linear) took its place."""
+    for name, module in originals.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if getattr(parent, child) is not module:
+            setattr(parent, child, module)
 
 
 def replacements() -> list[ModelPatch]:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .api import linear_parts
-from .format import Int4Weight, check_parts
+from .format import KINDS, Int4Weight, check_parts, check_scale_values
 from .quantize import quantize_int4, quantize_nf4, resolve_group_size
 
 __all__ = ["Int4Linear", "QuantizeReport", "quantize_model", "save_quantized", "load_quantized"]
@@ -105,16 +105,13 @@ class Int4Linear(nn.Module):
         return cls.from_weight(q, linear.bias)
 
     @classmethod
-    def concat_out(cls, layers: Sequence[Int4Linear]) -> Int4Linear:
-        """One layer whose output is the layers' outputs concatenated on the last dim (a new
-        copy of their buffers): the stacked gate / up projection of a gated MLP.
-
-        The layers must share in_features, group size, kind, symmetry and scale dtype, and
-        have no act-order permutation (each would reorder x its own way)."""
+    def stack_refusal(cls, layers: Sequence[Int4Linear]) -> str | None:
+        """None when `concat_out(layers)` can stack the layers, else why not (kernelize then
+        runs each projection on its own)."""
         first = layers[0]
         for layer in layers:
             if not isinstance(layer, Int4Linear):
-                raise TypeError(f"concat_out: expected Int4Linear layers, got {type(layer).__name__}")
+                return f"expected Int4Linear layers, got {type(layer).__name__}"
             same = (layer.in_features, layer.group_size, layer.kind, layer.zeros is None, layer.scales.dtype)
             if same != (
                 first.in_features,
@@ -123,13 +120,24 @@ class Int4Linear(nn.Module):
                 first.zeros is None,
                 first.scales.dtype,
             ):
-                raise ValueError(
-                    "concat_out: layers differ in in_features, group size, kind, symmetry or scale dtype"
-                )
+                return "layers differ in in_features, group size, kind, symmetry or scale dtype"
             if layer.perm is not None:
-                raise ValueError("concat_out: act-order layers (perm) cannot be stacked")
+                return "act-order layers (perm) cannot be stacked"
             if (layer.bias is None) != (first.bias is None):
-                raise ValueError("concat_out: only some layers have a bias")
+                return "only some layers have a bias"
+        return None
+
+    @classmethod
+    def concat_out(cls, layers: Sequence[Int4Linear]) -> Int4Linear:
+        """One layer whose output is the layers' outputs concatenated on the last dim (a new
+        copy of their buffers): the stacked gate / up projection of a gated MLP.
+
+        The layers must share in_features, group size, kind, symmetry and scale dtype, and
+        have no act-order permutation (each would reorder x its own way): `stack_refusal`."""
+        why = cls.stack_refusal(layers)
+        if why is not None:
+            raise (TypeError if why.startswith("expected") else ValueError)(f"concat_out: {why}")
+        first = layers[0]
         zeros = None if first.zeros is None else torch.cat([layer.zeros for layer in layers], dim=1)
         weight = Int4Weight(
             torch.cat([layer.qweight for layer in layers]),
@@ -176,6 +184,9 @@ class Int4Linear(nn.Module):
         perm = state_dict.get(prefix + "perm")
         if perm is not None and not torch.equal(perm.sort().values.cpu(), torch.arange(self.in_features)):
             raise ValueError(f"{prefix}perm: not a permutation of 0..{self.in_features - 1}")
+        scales = state_dict.get(prefix + "scales")
+        if scales is not None:
+            check_scale_values(scales, f"{prefix}scales")
         zeros = state_dict.get(prefix + "zeros")
         # 0..15 from quantize_int4; 16 occurs in GPTQ v1 checkpoints (stored zero - 1 = 15).
         if zeros is not None and ((zeros < 0) | (zeros > 16) | (zeros != zeros.round())).any():
@@ -250,7 +261,10 @@ def quantize_model(
 
     `skip`: module names or glob patterns over qualified names ("lm_head", "*.gate") left in
     16-bit; layers whose in_features the group size does not divide are skipped too. Each
-    weight is quantized on its current device. Returns a QuantizeReport.
+    weight is quantized on its current device. Returns a QuantizeReport. A weight that cannot
+    be quantized (NaN, infinity) raises naming its layer; the layers before it stay quantized
+    (their 16-bit weights are freed as it goes; kernelize(quantize=...) keeps them and puts
+    them back).
     """
     skip = tuple(skip)
     report = QuantizeReport()
@@ -266,8 +280,11 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
-        quantized = Int4Linear.from_linear(linear, group_size=group_size, kind=kind, symmetric=symmetric,
-                                           search=search, scale_dtype=scale_dtype)  # fmt: skip
+        try:
+            quantized = Int4Linear.from_linear(linear, group_size=group_size, kind=kind, symmetric=symmetric,
+                                               search=search, scale_dtype=scale_dtype)  # fmt: skip
+        except (ValueError, TypeError) as error:  # bad weights (NaN, ...): say which layer
+            raise type(error)(f"quantize_model: layer {name!r}: {error}") from error
         report.bytes_before += linear.weight.numel() * linear.weight.element_size()
         report.bytes_after += quantized.weight.nbytes()
         setattr(parent, child, quantized)
@@ -294,23 +311,108 @@ def save_quantized(model: nn.Module, path: str | Path) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_quantized(model: nn.Module, path: str | Path, *, device: torch.device | str | None = None,
-                   strict: bool = True) -> nn.Module:  # fmt: skip
-    """Load a file written by save_quantized into `model` (built unquantized, e.g. from its
-    config): the layers recorded as Int4Linear are replaced first, then the state dict is
-    loaded, with every tensor's shape and dtype checked. Returns the model."""
+# save_quantized's format of one layer: key -> (check, what is expected).
+_LAYER_FIELDS = {
+    "in_features": (lambda v: type(v) is int and v > 0, "a positive integer"),
+    "out_features": (lambda v: type(v) is int and v > 0, "a positive integer"),
+    "group_size": (lambda v: type(v) is int and v > 0, "a positive integer"),
+    "kind": (lambda v: v in KINDS, f"one of {list(KINDS)}"),
+    "symmetric": (lambda v: type(v) is bool, "true or false"),
+    "act_order": (lambda v: type(v) is bool, "true or false"),
+    "bias": (lambda v: type(v) is bool, "true or false"),
+    "scale_dtype": (lambda v: v in ("float16", "bfloat16"), "'float16' or 'bfloat16'"),
+}
+
+
+def _read_layers(path: str | Path) -> dict[str, dict]:
+    """The layer formats in a save_quantized file's metadata; ValueError naming the file, the
+    key and what was expected when they are not what save_quantized writes."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
         meta = (f.metadata() or {}).get(_FORMAT_KEY)
     if meta is None:
         raise ValueError(f"{path}: no {_FORMAT_KEY} metadata; was it written by save_quantized?")
-    info = json.loads(meta)
+    where = f"{path}: metadata {_FORMAT_KEY!r}"
+    expected = "an object {layer name: {in_features, out_features, group_size, ...}}"
+    try:
+        info = json.loads(meta)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where} is not JSON ({error}); expected what save_quantized writes") from error
+    if not isinstance(info, dict):
+        raise ValueError(f"{where} must be an object with 'version' and 'layers', got {type(info).__name__}")
     if info.get("version") != _FORMAT_VERSION:
         raise ValueError(f"{path}: format version {info.get('version')} is not supported ({_FORMAT_VERSION})")
-    for name, layer in info["layers"].items():
-        parent_name, _, child = name.rpartition(".")
+    if "layers" not in info:
+        raise ValueError(f"{where} has no 'layers'; expected {expected}")
+    layers = info["layers"]
+    if not isinstance(layers, dict):
+        raise ValueError(f"{where}: 'layers' must be {expected}, got {type(layers).__name__}")
+    for name, layer in layers.items():
+        if not isinstance(layer, dict):
+            raise ValueError(f"{where}: layers[{name!r}] must be an object, got {type(layer).__name__}")
+        for key, (ok, what) in _LAYER_FIELDS.items():
+            if key not in layer:
+                raise ValueError(f"{where}: layers[{name!r}] has no {key!r}; expected {what}")
+            if not ok(layer[key]):
+                raise ValueError(f"{where}: layers[{name!r}][{key!r}] is {layer[key]!r}; expected {what}")
+    return layers
+
+
+def _within(path: str, names: dict[str, Int4Linear]) -> bool:
+    """Whether module `path` is one of `names` or inside one."""
+    parts = path.split(".")
+    return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
+
+
+def _check_state(model: nn.Module, new: dict[str, Int4Linear], state: dict[str, Tensor], strict: bool,
+                 path: str | Path) -> None:  # fmt: skip
+    """Raise what model.load_state_dict(state, strict) would once `new` replaced its layers,
+    before anything changes: the new layers load their tensors (checked by Int4Linear), the
+    others' keys and shapes are compared."""
+    missing: list[str] = []
+    unexpected: list[str] = []
+    errors: list[str] = []
+    for name, module in new.items():
+        try:
+            module._load_from_state_dict(state, f"{name}.", {}, strict, missing, unexpected, errors)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from error
+    theirs = {k for k in state if not _within(k.rpartition(".")[0], new)}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if _within(prefix, new):
+            continue
+        buffers = {k: b for k, b in module._buffers.items() if k not in module._non_persistent_buffers_set}
+        for local, mine in {**module._parameters, **buffers}.items():
+            key = f"{prefix}.{local}" if prefix else local
+            if mine is None:
+                continue
+            if key not in state:
+                missing.append(key)
+            elif state[key].shape != mine.shape:
+                errors.append(f"{key} has shape {tuple(state[key].shape)}, the model's {tuple(mine.shape)}")
+            theirs.discard(key)
+    problems = errors
+    if strict and missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if strict and (unexpected or theirs):
+        problems.append(f"unexpected {', '.join(unexpected + sorted(theirs))}")
+    if problems:
+        raise ValueError(f"{path}: the state dict does not fit the model: {'; '.join(problems)}")
+
+
+def load_quantized(model: nn.Module, path: str | Path, *, device: torch.device | str | None = None,
+                   strict: bool = True) -> nn.Module:  # fmt: skip
+    """Load a file written by save_quantized into `model` (built unquantized, e.g. from its
+    config): the layers recorded as Int4Linear replace the model's linear layers and the state
+    dict is loaded, with every tensor's shape and dtype checked (and scales finite and
+    non-negative). All of it (the metadata, every tensor's key, shape and dtype, the scales) is
+    checked before the model changes: on an error the model is left as it was. Returns the
+    model."""
+    from safetensors.torch import load_file
+
+    new: dict[str, Int4Linear] = {}
+    for name, layer in _read_layers(path).items():
         try:
             old = model.get_submodule(name)
         except AttributeError as error:
@@ -320,13 +422,28 @@ def load_quantized(model: nn.Module, path: str | Path, *, device: torch.device |
             raise ValueError(f"{path}: layer {name!r} is {old}, expected a linear layer "
                              f"{layer['in_features']} -> {layer['out_features']}")  # fmt: skip
         bias_dtype = old.bias.dtype if isinstance(old, nn.Linear) and old.bias is not None else torch.float32
-        new = Int4Linear(layer["in_features"], layer["out_features"], layer["bias"], group_size=layer["group_size"],
-                         kind=layer["kind"], symmetric=layer["symmetric"], act_order=layer["act_order"],
-                         scale_dtype=getattr(torch, layer["scale_dtype"]), bias_dtype=bias_dtype,
-                         device=device)  # fmt: skip
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        try:
+            new[name] = Int4Linear(layer["in_features"], layer["out_features"], layer["bias"],
+                                   group_size=layer["group_size"], kind=layer["kind"], symmetric=layer["symmetric"],
+                                   act_order=layer["act_order"], scale_dtype=getattr(torch, layer["scale_dtype"]),
+                                   bias_dtype=bias_dtype, device=device)  # fmt: skip
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{path}: metadata {_FORMAT_KEY!r}: layers[{name!r}]: {error}") from error
     state = load_file(str(path), device=str(device) if device is not None else "cpu")
-    model.load_state_dict(state, strict=strict)
+    _check_state(model, new, state, strict, path)
+    replaced = {}
+    for name, module in new.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        replaced[name] = getattr(parent, child)
+        setattr(parent, child, module)
+    try:
+        model.load_state_dict(state, strict=strict)
+    except BaseException:  # what _check_state did not foresee: at least the layers go back
+        for name, module in replaced.items():
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, module)
+        raise
     if device is not None:
         model.to(device)
     return model
