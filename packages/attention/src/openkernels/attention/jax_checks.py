@@ -204,4 +204,20 @@ def check_kvcache_values(name: str, cache_seqlens, block_table, capacity: int, p
             b, i = bad[0].tolist()
             raise ValueError(f"{name}: block_table[{b}, {i}] = {table[b, i]} is not a page of the cache "
                              f"(0..{num_pages - 1})")  # fmt: skip
+        if seqlen_new > 0:  # a page that receives new tokens must appear once (api.check_block_table)
+            starts = np.arange(table.shape[1])[None, :] * page
+            pages = np.where(used, table, num_pages)
+            uses = np.bincount(pages.ravel(), minlength=num_pages + 1)
+            written = used & (starts + page > np.asarray(after)[:, None] - seqlen_new)
+            shared = np.argwhere(written & (uses[pages] > 1))
+            if len(shared):
+                b, i = shared[0].tolist()
+                o = next(
+                    tuple(x)
+                    for x in np.argwhere(used & (pages == table[b, i])).tolist()
+                    if tuple(x) != (b, i)
+                )
+                raise ValueError(f"{name}: block_table[{b}, {i}] = {table[b, i]} receives new tokens but is also "
+                                 f"block_table[{o[0]}, {o[1]}]: a page written by an append must belong to one "
+                                 "sequence once (pages only read may be shared)")  # fmt: skip
     return after

@@ -58,6 +58,7 @@ def attention_with_kvcache(
     rotary_sin: jax.Array | None = None,
     rotary_interleaved: bool = False,
     return_lse: bool = False,
+    check: bool = True,
 ) -> tuple[jax.Array, ...]:
     """Attention of new queries against a KV cache (decode, chunked prefill), functional.
 
@@ -74,7 +75,8 @@ def attention_with_kvcache(
     as in `attention`. rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2); halves or
     (rotary_interleaved) GPT-J pairs.
     Bounds (lengths against the capacity, block_table entries, rotary rows) are checked when
-    cache_seqlens and block_table are concrete (not under jax.jit). The key splits are
+    cache_seqlens and block_table are concrete (not under jax.jit) unless check=False (the
+    caller guarantees them, as in the PyTorch function). The key splits are
     planned for the capacity (PyTorch: the longest sequence): every integer is a kernel
     constant under jax-triton, and a plan that followed the lengths would recompile as they
     grow.
@@ -92,8 +94,11 @@ def attention_with_kvcache(
     capacity = page if block_table is None else block_table.shape[1] * page
     seqlen_new = 0 if k_new is None else k_new.shape[1]
     rows = None if rotary_cos is None else rotary_cos.shape[0]
-    check_kvcache_values(name, cache_seqlens, block_table, capacity, page, k_cache.shape[0], seqlen_new, seqlen_q,
-                         rows)  # fmt: skip
+    if not isinstance(check, bool):
+        raise TypeError(f"{name}: check must be a bool, got {check!r}")
+    if check:
+        check_kvcache_values(name, cache_seqlens, block_table, capacity, page, k_cache.shape[0], seqlen_new,
+                             seqlen_q, rows)  # fmt: skip
     if k_new is not None and seqlen_new:
         k_cache, v_cache = jax_jnp.kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
                                                   rotary_cos, rotary_sin, rotary_interleaved)  # fmt: skip
