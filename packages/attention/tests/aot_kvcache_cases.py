@@ -15,6 +15,10 @@ _FLOATS = ("qk_scale", "cap_scale", "cap_out")
 _FORMATS = ((16, None), (8, None), (8, 32), (4, None), (4, 32))
 _ALL_FLAGS = dict(PAGE_SIZE=16, HAS_ROTARY=True, INTERLEAVED=False, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True,
                   HAS_ALIBI=True, HAS_SOFTCAP=True)  # fmt: skip
+# cache_leftpad comes with contiguous caches only (rows maybe picked by cache_batch_idx: a
+# one-column table read with one scalar load): lighter on registers than the per-key page
+# lookups above, checked on the formats that need the most.
+_LEFTPAD_FLAGS = _ALL_FLAGS | dict(PAGE_SIZE=0, HAS_LEFTPAD=True, ROW_TABLE=True)
 
 
 def _signature(kernel_name: str, pointers: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -42,7 +46,7 @@ def _signature(kernel_name: str, pointers: dict[str, str]) -> tuple[dict[str, st
 
 
 def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str, split: bool,
-               plain: bool = False):  # fmt: skip
+               plain: bool = False, leftpad: bool = False):  # fmt: skip
     """plain: what a decode step on a contiguous cache launches (causal only): no block
     table, rotary tables or slopes (None pointers are constants to Triton), no scales for a
     16-bit cache."""
@@ -52,40 +56,49 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
     data = "*bf16" if bits == 16 else "*u8"
     pointers = {"q_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": "*fp16", "k_zero_ptr": "*fp16",
                 "v_scale_ptr": "*fp16", "v_zero_ptr": "*fp16", "o_ptr": "*fp32" if split else "*bf16",
-                "seqlens_ptr": "*i32", "block_table_ptr": "*i32"}  # fmt: skip
+                "seqlens_ptr": "*i32", "block_table_ptr": "*i32", "leftpad_ptr": "*i32"}  # fmt: skip
     signature, attrs = _signature("_attention_kvcache_fwd_kernel", pointers)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
-                  "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim, **_ALL_FLAGS,
-                  "FAST_DEQUANT": arch.startswith("sm_")}  # fmt: skip
+                  "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim,
+                  **(_LEFTPAD_FLAGS if leftpad else _ALL_FLAGS), "FAST_DEQUANT": arch.startswith("sm_")}  # fmt: skip
     if plain:
-        nones = ["block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr"]
+        nones = ["block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr", "leftpad_ptr"]
         if bits == 16:
             nones += ["k_scale_ptr", "k_zero_ptr", "v_scale_ptr", "v_zero_ptr"]
         for name in nones:
             del signature[name]
             constexprs[name] = None
         constexprs |= dict(
-            PAGE_SIZE=0, HAS_ROTARY=False, HAS_WINDOW_LEFT=False, HAS_ALIBI=False, HAS_SOFTCAP=False
+            PAGE_SIZE=0,
+            HAS_ROTARY=False,
+            HAS_WINDOW_LEFT=False,
+            HAS_ALIBI=False,
+            HAS_SOFTCAP=False,
+            HAS_LEFTPAD=False,
         )
     label = (f"attn-d{head_dim}-{bits}b-g{group or 'head'}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}"
-             f"s{cfg.num_stages}{'-split' if split else ''}{'-plain' if plain else ''}")  # fmt: skip
+             f"s{cfg.num_stages}{'-split' if split else ''}{'-plain' if plain else ''}"
+             f"{'-leftpad' if leftpad else ''}")  # fmt: skip
     return AotCase(f"{_KERNELS}:_attention_kvcache_fwd_kernel", signature, constexprs, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, label=label, attrs=attrs)  # fmt: skip
 
 
-def _append_case(head_dim: int, bits: int, group: int | None):
+def _append_case(head_dim: int, bits: int, group: int | None, leftpad: bool = False):
     from openkernels.shared.testing.aot import AotCase
 
     data = "*bf16" if bits == 16 else "*u8"
     pointers = {"k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": "*fp16",
                 "k_zero_ptr": "*fp16", "v_scale_ptr": "*fp16", "v_zero_ptr": "*fp16", "seqlens_ptr": "*i32",
-                "block_table_ptr": "*i32"}  # fmt: skip
+                "block_table_ptr": "*i32", "leftpad_ptr": "*i32"}  # fmt: skip
     signature, attrs = _signature("_kvcache_append_fwd_kernel", pointers)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim),
                   "BLOCK_T": configs.kv_append_block_t(head_dim), "BITS": bits, "GROUP": group or head_dim,
                   "PAGE_SIZE": 16, "HAS_ROTARY": True, "INTERLEAVED": False}  # fmt: skip
-    return AotCase(f"{_KERNELS}:_kvcache_append_fwd_kernel", signature, constexprs, num_warps=4,
-                   label=f"append-d{head_dim}-{bits}b-g{group or 'head'}", attrs=attrs)  # fmt: skip
+    if leftpad:
+        constexprs |= dict(PAGE_SIZE=0, HAS_LEFTPAD=True, ROW_TABLE=True)
+    label = f"append-d{head_dim}-{bits}b-g{group or 'head'}{'-leftpad' if leftpad else ''}"
+    return AotCase(f"{_KERNELS}:_kvcache_append_fwd_kernel", signature, constexprs, num_warps=4, label=label,
+                   attrs=attrs)  # fmt: skip
 
 
 def _combine_case(head_dim: int):
@@ -109,7 +122,10 @@ def cases_for(arch: str) -> list:
                 out.append(_attn_case(head_dim, rows, bits, group, arch, split=False))
             out.append(_attn_case(head_dim, rows, 4, 32, arch, split=True))
             out += [_attn_case(head_dim, rows, bits, None, arch, split=False, plain=True) for bits in (16, 4)]
+            out += [_attn_case(head_dim, rows, bits, group, arch, split=False, leftpad=True)
+                    for bits, group in ((8, None), (4, 32))]  # fmt: skip
         for bits, group in _FORMATS:
             out.append(_append_case(head_dim, bits, group))
+        out.append(_append_case(head_dim, 4, 32, leftpad=True))
         out.append(_combine_case(head_dim))
     return list({c.label: c for c in out}.values())

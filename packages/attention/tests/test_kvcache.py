@@ -38,9 +38,12 @@ from .kvcache_cases import (
     Scenario,
     assert_unchanged,
     build,
+    check_append,
     check_call,
     compare,
     copy_call,
+    data_of,
+    raw_bits,
     rotary_tables,
     snapshot,
 )
@@ -403,6 +406,110 @@ def test_quantization_error_is_measured_and_bounded() -> None:
         assert by[kind, 8, None] < by[kind, 4, 32], "int8 must beat int4"
 
 
+# ---- left padding and cache_batch_idx ----------------------------------------------------
+# A left-padded, row-indexed call equals the same call on the compact cache: the test builds a
+# scenario, moves sequence b's storage to row cache_batch_idx[b] of a larger cache, shifted
+# right by cache_leftpad[b] (NaN in the padding and in the rows no sequence uses), runs the
+# call there, then reads the compact cache back out of it and checks the append and the
+# attention against the float64 reference as check_call does. The poison proves the padding
+# is never read and the bitwise check that it is never written.
+
+_PAD_SCENARIOS = [
+    _S("pad-decode-rotary", (14, 0, 7), heads=(4, 2), rotary="halves", capacity=24),
+    _S("pad-prefill5-int4-g32-no-append", (9, 12, 3), seqlen_q=5, append=False, fmt="int4-g32", capacity=16),
+    _S("pad-decode-int8-window-alibi", (20, 1, 11), fmt="int8", window=(6, -1), alibi="batch", capacity=24),
+    _S("pad-prefill3-fp16-not-causal", (5, 9, 0), seqlen_q=3, fmt="fp16", causal=False, capacity=16),
+]  # fmt: skip
+_LEFTPAD = (3, 0, 9)
+
+
+def _moved(side, rows: list[int], pads: list[int], n_rows: int, capacity: int):
+    """A side whose row rows[b] holds side's row b from slot pads[b] on; NaN elsewhere."""
+
+    def move(t: torch.Tensor, poison) -> torch.Tensor:
+        out = torch.full((n_rows, capacity, *t.shape[2:]), poison, dtype=t.dtype, device=t.device)
+        for b, (row, pad) in enumerate(zip(rows, pads)):
+            out[row, pad : pad + t.shape[1]] = t[b]
+        return out
+
+    if isinstance(side, QuantizedKV):
+        return QuantizedKV(move(side.data, 0), move(side.scale, float("nan")), move(side.zero, 0.0), side.bits,
+                           side.group_size)  # fmt: skip
+    return move(side, float("nan"))
+
+
+def _compact(side, rows: list[int], pads: list[int], capacity: int):
+    """The inverse of _moved: row b of the result is row rows[b] from slot pads[b] on."""
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t[row, pad : pad + capacity] for row, pad in zip(rows, pads)])
+
+    if isinstance(side, QuantizedKV):
+        return QuantizedKV(take(side.data), take(side.scale), take(side.zero), side.bits, side.group_size)
+    return take(side)
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize("scenario", _params(_PAD_SCENARIOS))
+@pytest.mark.parametrize("indexed", [False, True], ids=["leftpad", "leftpad-batch_idx"])
+def test_left_padding_and_batch_idx(device: str, impl: str, scenario: Scenario, indexed: bool) -> None:
+    _skip_unless_runs(impl, scenario)
+    call = build(scenario, device)
+    capacity = data_of(call.k_cache).shape[1]
+    batch = call.q.shape[0]
+    rows = [3, 0, 2][:batch] if indexed else list(range(batch))
+    n_rows = 4 if indexed else batch
+    pads = list(_LEFTPAD[:batch])
+    wide = capacity + max(pads)
+    k_store = _moved(call.k_cache, rows, pads, n_rows, wide)
+    v_store = _moved(call.v_cache, rows, pads, n_rows, wide)
+    before = snapshot(call)
+    kwargs = call.kwargs() | dict(cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=device))
+    if indexed:
+        kwargs["cache_batch_idx"] = torch.tensor(rows, dtype=torch.int32, device=device)
+    padded_lengths = call.cache_seqlens + kwargs["cache_leftpad"]
+    store_before = [t.clone() for t in (k_store, v_store) for t in (data_of(t),)]
+    with dispatch.force(impl), poisoned_empty():
+        out, lse = A.attention_with_kvcache(
+            call.q, k_store, v_store, padded_lengths, return_lse=True, **kwargs
+        )
+    seen = dataclasses.replace(call, k_cache=_compact(k_store, rows, pads, capacity),
+                               v_cache=_compact(v_store, rows, pads, capacity))  # fmt: skip
+    check_append(seen, before, fma=device != "cpu", msg=f"{impl} padded")
+    compare(seen, out, lse, device=device, msg=f"{impl} padded")
+    # The padding and the rows no sequence uses are untouched.
+    for t, old in zip((data_of(k_store), data_of(v_store)), store_before):
+        outside = torch.ones(t.shape[:2], dtype=torch.bool, device=t.device)
+        for row, pad in zip(rows, pads):
+            outside[row, pad : pad + capacity] = False
+        assert torch.equal(raw_bits(t[outside]), raw_bits(old[outside])), "the padding was written"
+
+
+def test_left_padding_and_batch_idx_errors() -> None:
+    if INTERPRETING:
+        pytest.skip("argument checks run before any kernel: once, outside the interpreter")
+    call = build(_S("pad-errors", (4, 6), seqlen_q=2, capacity=12), "cpu")
+    pad = _i32([1, 7])
+    with pytest.raises(ValueError, match=r"cache_leftpad\[1\] = 7 must lie in 0\.\.cache_seqlens\[1\] = 6"):
+        call.call(cache_leftpad=pad)
+    with pytest.raises(TypeError, match=r"cache_leftpad must be an int32 tensor of shape \(2,\)"):
+        call.call(cache_leftpad=pad.long())
+    with pytest.raises(ValueError, match=r"cache_batch_idx must have shape \(2,\)"):
+        call.call(cache_batch_idx=_i32([0, 1, 1]))
+    with pytest.raises(ValueError, match=r"cache_batch_idx\[1\] = 2 is not a page of the cache \(0\.\.1\)"):
+        call.call(cache_batch_idx=_i32([0, 2]))
+    with pytest.raises(ValueError, match=r"cache_batch_idx\[0\] = 1 receives new tokens but is also "
+                                         r"cache_batch_idx\[1\]"):  # fmt: skip
+        call.call(cache_batch_idx=_i32([1, 1]))
+    with pytest.raises(ValueError, match="cache_batch_idx picks rows of a contiguous cache"):
+        call.call(cache_batch_idx=_i32([0, 1]), block_table=_i32([[0], [1]]))
+    with pytest.raises(ValueError, match="cache_leftpad applies to contiguous caches"):
+        call.call(cache_leftpad=_i32([0, 0]), block_table=_i32([[0], [1]]))
+    before = snapshot(call)
+    call.call(cache_batch_idx=_i32([1, 1]), k_new=None, v_new=None)  # reading one row twice is fine
+    assert_unchanged(call, before, "a call without k_new")
+
+
 # ---- long contexts: the kernels add no error to the format's own -------------------------
 # Tokens per sequence by device: 32K and 128K on a GPU (where the per-token-scale form of
 # the Triton kernel once lost 13-15x the format's error at 128K: the float32 accumulators
@@ -568,6 +675,14 @@ def test_opcheck(device: str, impl: str) -> None:
             ops.kvcache_append(*append)
             run_opcheck(ops.attention_kvcache.default, forward)
             out, lse = ops.attention_kvcache(*forward)
+            if call.block_table is None:  # the optional cache_leftpad (no padding: same result)
+                pads = torch.zeros(call.q.shape[0], dtype=torch.int32, device=device)
+                run_opcheck(ops.kvcache_append.default, (*append, pads))
+                out_p, lse_p = ops.attention_kvcache(*forward, pads)
+                run_opcheck(ops.attention_kvcache.default, (*forward, pads))
+                assert torch.equal(out_p, out) and torch.equal(lse_p, lse), (
+                    f"{call.name}: cache_leftpad of zeros"
+                )
         compare(call, out, lse, device=device, msg=f"{call.name} library op")
 
 

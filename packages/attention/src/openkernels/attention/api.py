@@ -280,10 +280,11 @@ def _cache_data(t: torch.Tensor | QuantizedKV) -> torch.Tensor:
 
 
 def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-                   cache_format=None):  # fmt: skip
+                   cache_format=None, rows_indexed=False):  # fmt: skip
     """Shapes, dtypes and devices of attention_with_kvcache's tensors; returns (bits, group).
     cache_format: the (bits, group) of a cache already checked for q's dtype, head_dim and
-    device (KVCache remembers it), which skips the per-side format checks."""
+    device (KVCache remembers it), which skips the per-side format checks. rows_indexed: a
+    contiguous cache whose rows cache_batch_idx picks (any number of rows)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"{name}: q must be a 4D (batch, seqlen_q, heads_q, head_dim) tensor")
     if q.dtype not in _CACHE_DTYPES:
@@ -311,7 +312,7 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
             f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})"
         )
     if block_table is None:
-        if kd.shape[0] != batch:
+        if kd.shape[0] != batch and not rows_indexed:
             raise ValueError(f"{name}: the cache has batch {kd.shape[0]} but q has {batch}")
     else:
         if (
@@ -368,6 +369,16 @@ def check_rotary_tables(name: str, rotary_cos: object, rotary_sin: object, head_
                          f"in 2..head_dim ({head_dim})")  # fmt: skip
 
 
+def _check_per_sequence(name: str, what: str, t: object, batch: int, device: torch.device) -> None:
+    """cache_batch_idx / cache_leftpad: an int32 (batch,) tensor on q's device."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name}: {what} must be an int32 tensor of shape ({batch},), got {got}")
+    if tuple(t.shape) != (batch,) or t.device != device:
+        raise ValueError(f"{name}: {what} must have shape ({batch},) and be on {device}, got {tuple(t.shape)} on "
+                         f"{t.device}")  # fmt: skip
+
+
 def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int, seqlen_q: int,
                   rotary_rows: int | None) -> list[int]:  # fmt: skip
     """Host lengths before the append against the capacity (and the rotary table); returns
@@ -385,18 +396,20 @@ def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int,
 
 
 def check_block_table(name: str, block_table: torch.Tensor, lengths: torch.Tensor | list[int], page: int,
-                      num_pages: int, seqlen_new: int = 0) -> None:  # fmt: skip
+                      num_pages: int, seqlen_new: int = 0, label=None) -> None:  # fmt: skip
     """Every page that holds one of `lengths` tokens of a sequence must exist, and a page that
     receives one of the last `seqlen_new` tokens of a sequence (the append) must appear once
     among the pages in use: two sequences, or two slots of one, writing the same page would
-    overwrite each other's keys. Pages only read may be shared. One device-to-host copy."""
+    overwrite each other's keys. Pages only read may be shared. One device-to-host copy.
+    label(b, i): how an entry is named in errors (default block_table[b, i])."""
+    label = label or (lambda b, i: f"block_table[{b}, {i}]")
     need = torch.as_tensor(lengths, device=block_table.device).to(torch.int64)
     starts = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page
     used = starts < need[:, None]
     bad = (used & ((block_table < 0) | (block_table >= num_pages))).nonzero()
     if bad.shape[0]:
         b, i = bad[0].tolist()
-        raise ValueError(f"{name}: block_table[{b}, {i}] = {block_table[b, i].item()} is not a page of the cache "
+        raise ValueError(f"{name}: {label(b, i)} = {block_table[b, i].item()} is not a page of the cache "
                          f"(0..{num_pages - 1})")  # fmt: skip
     if seqlen_new <= 0:
         return
@@ -408,9 +421,9 @@ def check_block_table(name: str, block_table: torch.Tensor, lengths: torch.Tenso
         b, i = shared[0].tolist()
         p = int(block_table[b, i])
         others = [tuple(x) for x in ((pages == p) & used).nonzero().tolist() if tuple(x) != (b, i)]
-        raise ValueError(f"{name}: block_table[{b}, {i}] = {p} receives new tokens but is also block_table"
-                         f"[{others[0][0]}, {others[0][1]}]: a page written by an append must belong to one "
-                         "sequence once (pages only read may be shared)")  # fmt: skip
+        raise ValueError(f"{name}: {label(b, i)} = {p} receives new tokens but is also {label(*others[0])}: a "
+                         "page written by an append must belong to one sequence once (pages only read may be "
+                         "shared)")  # fmt: skip
 
 
 def _written_slots(k_new: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
@@ -440,13 +453,28 @@ def _append_then_attend(append, forward, storage: list[torch.Tensor], append_arg
 
 def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale, window,
                   alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, host_lengths,
-                  cache_format=None, check=True):  # fmt: skip
+                  cache_format=None, check=True, cache_batch_idx=None, cache_leftpad=None):  # fmt: skip
     """attention_with_kvcache's body; host_lengths: the lengths after the append when the
     caller knows them (KVCache), else they are checked here with one device-to-host copy
-    (unless check=False); cache_format: see _check_kvcache."""
+    (unless check=False); cache_format: see _check_kvcache.
+
+    cache_batch_idx views the contiguous cache as a paged one with one page per row and the
+    table cache_batch_idx[:, None]; cache_leftpad becomes the backends' per-sequence slot
+    offset, with the lengths counted from there (cache_seqlens - cache_leftpad)."""
     name = "attention_with_kvcache"
+    batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    if cache_batch_idx is not None:
+        if block_table is not None:
+            raise ValueError(f"{name}: cache_batch_idx picks rows of a contiguous cache; a paged cache's "
+                             "block_table already maps sequences to pages")  # fmt: skip
+        _check_per_sequence(name, "cache_batch_idx", cache_batch_idx, batch, q.device)
+    if cache_leftpad is not None:
+        if block_table is not None:
+            raise ValueError(f"{name}: cache_leftpad applies to contiguous caches (rows picked by cache_batch_idx "
+                             "or not); a paged cache leaves the padding out of its block table")  # fmt: skip
+        _check_per_sequence(name, "cache_leftpad", cache_leftpad, batch, q.device)
     bits, group = _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos,
-                                 rotary_sin, cache_format)  # fmt: skip
+                                 rotary_sin, cache_format, rows_indexed=cache_batch_idx is not None)  # fmt: skip
     left, right = _check_options(name, causal, softmax_scale, window, softcap)
     _check_alibi(name, alibi_slopes, q, q.shape[0])
     if not isinstance(rotary_interleaved, bool):
@@ -454,20 +482,37 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     kd, vd = _cache_data(k_cache), _cache_data(v_cache)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
     tracing = torch.compiler.is_compiling() or q.device.type == "meta"
+    label = None
+    if cache_batch_idx is not None:
+        block_table, label = cache_batch_idx[:, None], (lambda b, i: f"cache_batch_idx[{b}]")
     capacity = kd.shape[1] if block_table is None else block_table.shape[1] * kd.shape[1]
+    seqlens = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
     if host_lengths is None and check and not tracing:  # one small device-to-host copy (two when paged)
         rows = None if rotary_cos is None else rotary_cos.shape[0]
-        host_lengths = check_lengths(name, cache_seqlens.tolist(), capacity, seqlen_new, q.shape[1], rows)
+        if cache_leftpad is None:
+            host_lengths = check_lengths(name, cache_seqlens.tolist(), capacity, seqlen_new, q.shape[1], rows)
+            stored = host_lengths
+        else:
+            ends, pads = torch.stack((cache_seqlens, cache_leftpad)).tolist()
+            stored = check_lengths(name, ends, capacity, seqlen_new, q.shape[1], None)
+            for b, (end, pad) in enumerate(zip(ends, pads)):
+                if not 0 <= pad <= end:
+                    raise ValueError(
+                        f"{name}: cache_leftpad[{b}] = {pad} must lie in 0..cache_seqlens[{b}] = {end}"
+                    )
+            host_lengths = check_lengths(name, [e - p for e, p in zip(ends, pads)], capacity, seqlen_new, q.shape[1],
+                                         rows)  # fmt: skip
         if block_table is not None:
-            check_block_table(name, block_table, host_lengths, kd.shape[1], kd.shape[0], seqlen_new)
+            check_block_table(name, block_table, stored, kd.shape[1], kd.shape[0], seqlen_new, label)
     max_seqlen_k = max(host_lengths, default=0) if host_lengths is not None else capacity
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     quant = (k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero) if bits != 16 else (None,) * 4
     library = tracing or any(type(t) is not torch.Tensor for t in (q, kd, vd))
     append = torch.ops.openkernels.kvcache_append if library else ops.kvcache_append
     forward = torch.ops.openkernels.attention_kvcache if library else ops.kvcache_forward
-    forward_args = (q, kd, vd, *quant, cache_seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
-                    scale, left, right, alibi_slopes, float(softcap), rotary_interleaved, bits, group)  # fmt: skip
+    forward_args = (q, kd, vd, *quant, seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
+                    scale, left, right, alibi_slopes, float(softcap), rotary_interleaved, bits, group,
+                    cache_leftpad)  # fmt: skip
     if k_new is None or k_new.numel() == 0:
         return forward(*forward_args)
     slots = None
@@ -481,8 +526,8 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
         if dispatch.is_strict() or dispatch.is_steered() or len(chosen) == 1:
             slots = _written_slots(k_new, cache_seqlens, block_table, kd.shape[1])
     storage = [kd, vd, *(t for t in quant if t is not None)]
-    append_args = (kd, vd, *quant, k_new, v_new, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                   rotary_interleaved, bits, group)  # fmt: skip
+    append_args = (kd, vd, *quant, k_new, v_new, seqlens, block_table, rotary_cos, rotary_sin,
+                   rotary_interleaved, bits, group, cache_leftpad)  # fmt: skip
     return _append_then_attend(append, forward, storage, append_args, forward_args, slots)
 
 
@@ -495,6 +540,8 @@ def attention_with_kvcache(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
@@ -518,6 +565,13 @@ def attention_with_kvcache(
     k_new, v_new: (batch, seqlen_q, heads_kv, head_dim): written into the cache in place at
         cache_seqlens (rotated first when rotary_cos is given; quantized for a quantized
         cache) before the attention. cache_seqlens itself is not advanced.
+    cache_batch_idx: int32 (batch,), contiguous caches only: sequence b uses row
+        cache_batch_idx[b] of a cache of any number of rows (distinct rows when k_new is given).
+    cache_leftpad: int32 (batch,), contiguous caches only: sequence b's tokens start at slot
+        cache_leftpad[b] of its row (a left-padded batch); the slots before it are never read. cache_seqlens still
+        counts from slot 0 (FlashAttention's convention), so sequence b holds cache_seqlens[b]
+        - cache_leftpad[b] tokens, and positions (rotary, causal, window) count from its first
+        token. 0 <= cache_leftpad[b] <= cache_seqlens[b].
     Sequence b attends its first cache_seqlens[b] (+ seqlen_q when k_new) positions; query i
     sits at the last seqlen_q of them (bottom-right, as in `attention`), which is also its
     rotary position. causal (default True), softmax_scale, window, alibi_slopes (float32
@@ -539,7 +593,7 @@ def attention_with_kvcache(
         raise TypeError(f"attention_with_kvcache: check must be a bool, got {check!r}")
     out, lse = _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
                              window, alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, None,
-                             check=check)  # fmt: skip
+                             check=check, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)  # fmt: skip
     return (out, lse) if return_lse else out
 
 

@@ -49,6 +49,8 @@ def attention_with_kvcache(
     k_new: jax.Array | None = None,
     v_new: jax.Array | None = None,
     block_table: jax.Array | None = None,
+    cache_batch_idx: jax.Array | None = None,
+    cache_leftpad: jax.Array | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
@@ -82,8 +84,14 @@ def attention_with_kvcache(
     grow.
     Returns (out, k_cache, v_cache), or (out, lse, k_cache, v_cache) with return_lse: out in
     q's dtype, lse (batch, heads_q, seqlen_q) float32. Inference only (no gradients).
+    cache_batch_idx and cache_leftpad (the PyTorch function's) are not supported here yet:
+    passing one raises NotImplementedError.
     """
     name = "attention_with_kvcache"
+    for what, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if value is not None:
+            raise NotImplementedError(f"{name}: {what} is not supported by the JAX front end yet (the PyTorch "
+                                      "function takes it)")  # fmt: skip
     check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin)
     left, right = _check_options(name, causal, softmax_scale, window, softcap)
     batch, seqlen_q, heads_q, head_dim = q.shape

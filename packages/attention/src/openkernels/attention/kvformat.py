@@ -141,17 +141,17 @@ def dequantize_kv(qkv: QuantizedKV, dtype: torch.dtype = torch.float32) -> torch
 
 
 def _rows(
-    t: torch.Tensor | None, b: int, length: int, block_table: torch.Tensor | None
+    t: torch.Tensor | None, b: int, length: int, block_table: torch.Tensor | None, start: int = 0
 ) -> torch.Tensor | None:
-    """Tokens 0..length-1 of sequence b as (length, ...) from a contiguous (B, S, ...) or
-    paged (P, page, ...) tensor."""
+    """Tokens start..start+length-1 of sequence b's storage as (length, ...) from a contiguous
+    (B, S, ...) or paged (P, page, ...) tensor."""
     if t is None:
         return None
     if block_table is None:
-        return t[b, :length]
+        return t[b, start : start + length]
     page = t.shape[1]
-    pages = block_table[b, : -(-length // page)].long()
-    return t[pages].flatten(0, 1)[:length]
+    pages = block_table[b, : -(-(start + length) // page)].long()
+    return t[pages].flatten(0, 1)[start : start + length]
 
 
 def gather_sequence(
@@ -165,12 +165,13 @@ def gather_sequence(
     bits: int,
     group_size: int,
     dtype: torch.dtype,
+    start: int = 0,
 ) -> torch.Tensor:
     """Sequence b's first `length` tokens of one cache side, dequantized: (length, heads_kv,
-    head_dim) in `dtype`."""
-    rows = _rows(data, b, length, block_table)
+    head_dim) in `dtype`; they sit from slot `start` of its storage (a left padding)."""
+    rows = _rows(data, b, length, block_table, start)
     if bits == 16:
         return rows.to(dtype)
-    qkv = QuantizedKV(rows, _rows(scale, b, length, block_table), _rows(zero, b, length, block_table), bits,
-                      group_size)  # fmt: skip
+    qkv = QuantizedKV(rows, _rows(scale, b, length, block_table, start), _rows(zero, b, length, block_table, start),
+                      bits, group_size)  # fmt: skip
     return dequantize_kv(qkv, dtype)

@@ -66,13 +66,14 @@ _ROTARY = "Tensor? rotary_cos, Tensor? rotary_sin"
 _LIB.define(
     "kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? k_zero, "
     "Tensor(e!)? v_scale, Tensor(f!)? v_zero, Tensor k_new, Tensor v_new, Tensor cache_seqlens, "
-    f"Tensor? block_table, {_ROTARY}, bool rotary_interleaved, int bits, int group_size) -> ()"
+    f"Tensor? block_table, {_ROTARY}, bool rotary_interleaved, int bits, int group_size, "
+    "Tensor? cache_leftpad=None) -> ()"
 )
 _LIB.define(
     f"attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, {_CACHE}, Tensor cache_seqlens, "
     f"Tensor? block_table, {_ROTARY}, int seqlen_new, int max_seqlen_k, float softmax_scale, int window_left, "
-    "int window_right, Tensor? alibi_slopes, float softcap, bool rotary_interleaved, int bits, int group_size) "
-    "-> (Tensor, Tensor)"
+    "int window_right, Tensor? alibi_slopes, float softcap, bool rotary_interleaved, int bits, int group_size, "
+    "Tensor? cache_leftpad=None) -> (Tensor, Tensor)"
 )
 # Rotary position embedding (GPT-NeoX halves) of q and k; the backward is the transposed rotation.
 _LIB.define("apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
@@ -213,14 +214,16 @@ def kvcache_append(
     rotary_interleaved: bool,
     bits: int,
     group_size: int,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> None:
-    """Write k_new/v_new (B, Sn, Hkv, D) into the cache at cache_seqlens (in place)."""
+    """Write k_new/v_new (B, Sn, Hkv, D) into the cache at cache_seqlens (in place), from slot
+    cache_leftpad[b] of sequence b's storage on (reference.py)."""
     if k_new.numel() == 0:
         return
     dispatch.run(
         "kvcache_append", k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, _unit_last(k_new), _unit_last(v_new),
         cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved=rotary_interleaved, bits=bits,
-        group_size=group_size,
+        group_size=group_size, leftpad=cache_leftpad,
     )  # fmt: skip
 
 
@@ -246,6 +249,7 @@ def kvcache_forward(
     rotary_interleaved: bool,
     bits: int,
     group_size: int,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, Hq, D) against the cache (the append already done); returns
     out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) float32."""
@@ -259,7 +263,7 @@ def kvcache_forward(
         block_table, rotary_cos, rotary_sin, seqlen_new=seqlen_new, max_seqlen_k=max_seqlen_k,
         scale=softmax_scale, window_left=window_left, window_right=window_right,
         alibi_slopes=_slopes(alibi_slopes, q.shape[0], q.shape[2]), softcap=softcap,
-        rotary_interleaved=rotary_interleaved, bits=bits, group_size=group_size,
+        rotary_interleaved=rotary_interleaved, bits=bits, group_size=group_size, leftpad=cache_leftpad,
     )  # fmt: skip
     return out, lse
 

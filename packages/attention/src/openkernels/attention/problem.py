@@ -51,7 +51,9 @@ class KVProblem(NamedTuple):
     """One attention_kvcache call: q (batch, seqlen_q, heads_q, head_dim) against a cache of
     `bits` (16, 8, 4) with `group_size`; seqlen_new tokens just appended; max_seqlen_k bounds
     every sequence's keys (plans the splits); page_size 0: contiguous cache; rot_half 0: no
-    rotary (else the rotated half width, interleaved pairs or halves)."""
+    rotary (else the rotated half width, interleaved pairs or halves); leftpad: each sequence's
+    tokens start at a per-sequence slot offset (cache_leftpad); row_table: page_size 0 with a
+    one-column block table naming each sequence's row (cache_batch_idx)."""
 
     batch: int
     seqlen_q: int
@@ -70,6 +72,8 @@ class KVProblem(NamedTuple):
     page_size: int
     rot_half: int
     interleaved: bool
+    leftpad: bool = False
+    row_table: bool = False
 
 
 def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_dims: tuple[int, ...]) -> None:

@@ -299,15 +299,17 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
 #
 # Backend entry points:
 #   kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, v_new, cache_seqlens,
-#             block_table, rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size)
+#             block_table, rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size, leftpad)
 #   attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens,
 #           block_table, rotary_cos, rotary_sin, *, seqlen_new, scale, window_left,
-#           window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size)
+#           window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size, leftpad)
 # q, out (B, Sq, Hq, D); lse (B, Hq, Sq) float32; cache sides as in kvformat.py, (B, S_cap,
 # Hkv, ·) or paged (P, page, Hkv, ·) with block_table (B, max_pages) int32; cache_seqlens
 # int32 (B,) (before the append: attention_kvcache_fwd adds seqlen_new); max_seqlen_k: a bound on every
 # cache_seqlens[b] + seqlen_new (for planning splits); scale/zero None for bits == 16;
-# alibi_slopes float32 (B, Hq) contiguous or None. The callers check every bound first.
+# alibi_slopes float32 (B, Hq) contiguous or None; leftpad int32 (B,) or None: sequence b's
+# token t sits at position leftpad[b] + t of its storage (the API's cache_leftpad, with
+# cache_seqlens then counting tokens from there). The callers check every bound first.
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
@@ -328,20 +330,21 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 def _cache_index(b: int, positions: torch.Tensor, block_table: torch.Tensor | None, page: int):
-    """Index of sequence b's `positions` into a (B, S, ...) or (P, page, ...) tensor."""
+    """Index of sequence b's storage `positions` into a (B, S, ...) or (P, page, ...) tensor."""
     if block_table is None:
         return torch.full_like(positions, b), positions
     return block_table[b, positions // page].long(), positions % page
 
 
 def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, v_new, cache_seqlens, block_table,
-              rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size) -> None:  # fmt: skip
+              rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
     from .kvformat import quantize_unchecked
 
     lengths = cache_seqlens.tolist()
+    offsets = [0] * len(lengths) if leftpad is None else leftpad.tolist()
     for b, start in enumerate(lengths):
         pos = torch.arange(start, start + k_new.shape[1], device=k_new.device)
-        idx = _cache_index(b, pos, block_table, k_data.shape[1])
+        idx = _cache_index(b, pos + offsets[b], block_table, k_data.shape[1])
         k = k_new[b].to(torch.float32)
         if rotary_cos is not None:
             k = rotate(k, pos, rotary_cos, rotary_sin, rotary_interleaved)
@@ -355,17 +358,27 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
 
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
-            rotary_interleaved, bits, group_size) -> None:  # fmt: skip
+            rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
     from .kvformat import gather_sequence
 
     sq = q.shape[1]
     acc = compute_dtype(q.dtype)
+    offsets = [0] * q.shape[0] if leftpad is None else leftpad.tolist()
     with torch.no_grad():
         for b, cached in enumerate(cache_seqlens.tolist()):
             length = cached + seqlen_new
             k, v = (
                 gather_sequence(
-                    d, sc, zr, b, length, block_table, bits=bits, group_size=group_size, dtype=acc
+                    d,
+                    sc,
+                    zr,
+                    b,
+                    length,
+                    block_table,
+                    bits=bits,
+                    group_size=group_size,
+                    dtype=acc,
+                    start=offsets[b],
                 )
                 for d, sc, zr in ((k_data, k_scale, k_zero), (v_data, v_scale, v_zero))
             )

@@ -15,8 +15,9 @@ __all__ = ["attention_kvcache_fwd"]
 
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
-            rotary_interleaved, bits, group_size) -> None:  # fmt: skip
+            rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
     sq = q.shape[1]
+    offsets = [0] * q.shape[0] if leftpad is None else leftpad.tolist()
     with torch.no_grad():
         for b, cached in enumerate(cache_seqlens.tolist()):
             length = cached + seqlen_new
@@ -26,7 +27,16 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
                 continue
             k, v = (
                 gather_sequence(
-                    d, sc, zr, b, length, block_table, bits=bits, group_size=group_size, dtype=q.dtype
+                    d,
+                    sc,
+                    zr,
+                    b,
+                    length,
+                    block_table,
+                    bits=bits,
+                    group_size=group_size,
+                    dtype=q.dtype,
+                    start=offsets[b],
                 )
                 for d, sc, zr in ((k_data, k_scale, k_zero), (v_data, v_scale, v_zero))
             )

@@ -41,9 +41,16 @@ def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int, int]:
 
 
 def _page_size(data: torch.Tensor, block_table: torch.Tensor | None) -> int:
-    """A compile-time page size (0: contiguous): page arithmetic becomes shifts or
-    multiply-shifts, and a key block within one page reads one table entry."""
-    return 0 if block_table is None else data.shape[1]
+    """A compile-time page size (0: contiguous, or one page per sequence: _row_table): page
+    arithmetic becomes shifts or multiply-shifts, and a key block within one page reads one
+    table entry."""
+    return 0 if block_table is None or _row_table(block_table) else data.shape[1]
+
+
+def _row_table(block_table: torch.Tensor | None) -> bool:
+    """A one-column table (cache_batch_idx): each sequence's storage is one row, read with
+    one scalar load per program instead of per-key page arithmetic."""
+    return block_table is not None and block_table.shape[1] == 1
 
 
 @functools.cache
@@ -58,7 +65,7 @@ def _rotary(rotary_cos: torch.Tensor | None) -> tuple[int, int]:
 
 
 def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, v_new, cache_seqlens, block_table,
-              rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size) -> None:  # fmt: skip
+              rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
     batch, seqlen_new, heads_kv, head_dim = k_new.shape
     if seqlen_new == 0:
         return
@@ -66,18 +73,18 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
     stride_ro, rot_half = _rotary(rotary_cos)
     _kvcache_append_fwd_kernel[(triton.cdiv(seqlen_new, block_t), batch * heads_kv)](
         k_new, v_new, k_data, v_data, k_scale, k_zero, v_scale, v_zero, cache_seqlens, block_table, rotary_cos,
-        rotary_sin, k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1),
+        rotary_sin, leftpad, k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1),
         v_new.stride(2), *_side(k_data, block_table), *_side(v_data, block_table), *_scale_strides(k_scale),
         0 if block_table is None else block_table.stride(0), stride_ro, seqlen_new, heads_kv, rot_half,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=block_t, BITS=bits, GROUP=group_size,
         PAGE_SIZE=_page_size(k_data, block_table), HAS_ROTARY=rotary_cos is not None, INTERLEAVED=rotary_interleaved,
-        num_warps=4,
+        HAS_LEFTPAD=leftpad is not None, ROW_TABLE=_row_table(block_table), num_warps=4,
     )  # fmt: skip
 
 
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
-            rotary_interleaved, bits, group_size, config: AttnConfig | None = None,
+            rotary_interleaved, bits, group_size, leftpad=None, config: AttnConfig | None = None,
             num_splits: int | None = None, scale_gather: bool = False) -> None:  # fmt: skip
     """config, num_splits: override kv_config / kv_splits (tuning, tests). scale_gather: read
     grouped scales with one gathered load per element instead of a (keys, groups) load and a
@@ -87,7 +94,7 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     problem = plan.KVProblem(
         batch, seqlen_q, heads_q, k_data.shape[2], head_dim, bits, group_size, seqlen_new, max_seqlen_k, scale,
         window_left, window_right, alibi_slopes is not None, softcap, _page_size(k_data, block_table), rot_half,
-        rotary_interleaved,
+        rotary_interleaved, leftpad is not None, _row_table(block_table),
     )  # fmt: skip
     strides = (
         q.stride()[:3],
@@ -107,7 +114,7 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     _attention_kvcache_fwd_kernel[kv.main.grid](
         q_ptr=q, k_ptr=k_data, v_ptr=v_data, k_scale_ptr=k_scale, k_zero_ptr=k_zero, v_scale_ptr=v_scale,
         v_zero_ptr=v_zero, seqlens_ptr=cache_seqlens, block_table_ptr=block_table, cos_ptr=rotary_cos,
-        sin_ptr=rotary_sin, slopes_ptr=alibi_slopes, o_ptr=dst_o, lse_ptr=dst_lse, num_warps=kv.main.num_warps,
+        sin_ptr=rotary_sin, slopes_ptr=alibi_slopes, leftpad_ptr=leftpad, o_ptr=dst_o, lse_ptr=dst_lse, num_warps=kv.main.num_warps,
         num_stages=kv.main.num_stages, **kv.main.args,
     )  # fmt: skip
     if kv.combine is not None:

@@ -58,26 +58,36 @@ def _load_rotated(row_ptrs, row_mask, offs, pos, cos_ptr, sin_ptr, stride_ro, ro
 @triton.jit
 def _kvcache_append_fwd_kernel(
     k_new_ptr, v_new_ptr, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr,
+    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, leftpad_ptr,
     stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
     stride_bt, stride_ro, seqlen_new, heads_kv, rot_half,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr = False, ROW_TABLE: tl.constexpr = False,
 ):  # fmt: skip
-    """One program: BLOCK_T new tokens of one (sequence, KV head), K and V."""
+    """One program: BLOCK_T new tokens of one (sequence, KV head), K and V. Positions count
+    from the sequence's first token (rotary); with HAS_LEFTPAD that token sits at slot
+    leftpad[b] of the sequence's storage. ROW_TABLE (PAGE_SIZE 0): sequence b's storage is
+    row block_table[b, 0] of the contiguous cache."""
     bh = tl.program_id(1)
     b = bh // heads_kv
     h = bh % heads_kv
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = t < seqlen_new
     pos = tl.load(seqlens_ptr + b) + t
+    at = pos
+    if HAS_LEFTPAD:
+        at += tl.load(leftpad_ptr + b)
     if PAGE_SIZE > 0:
-        page = tl.load(block_table_ptr + b * stride_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % PAGE_SIZE
+        page = tl.load(block_table_ptr + b * stride_bt + at // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = at % PAGE_SIZE
+    elif ROW_TABLE:
+        page = tl.load(block_table_ptr + b * stride_bt).to(tl.int64)
+        slot = at
     else:
         page = b.to(tl.int64)
-        slot = pos
+        slot = at
     offs = tl.arange(0, BLOCK_D)
     k = _load_rotated(k_new_ptr + b.to(tl.int64) * stride_knb + t.to(tl.int64) * stride_kns + h * stride_knh,
                       valid, offs, pos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM, HAS_ROTARY,
@@ -312,15 +322,20 @@ def _dequant_tile(codes, sc, zr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GRO
 
 
 @triton.jit
-def _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, limit, PAGE_SIZE: tl.constexpr,
-                BLOCK_N: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
-    """(page, slot, mask) of keys start_n + offs_n: the page (int64; the sequence index for a
-    contiguous cache), the row within it, and which keys are below `limit`."""
+def _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, limit, slot0, PAGE_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+                ROW_TABLE: tl.constexpr):  # fmt: skip
+    """(page, slot, mask) of keys start_n + offs_n: the page (int64; the sequence's row for a
+    contiguous cache: b, or block_table[b, 0] with ROW_TABLE), the row within it, and which
+    keys are below `limit`. With HAS_LEFTPAD key j sits at position slot0 + j of the
+    sequence's storage (its left padding skipped)."""
+    mask_n = start_n + offs_n < limit
+    if HAS_LEFTPAD:
+        start_n += slot0
     cols = start_n + offs_n
-    mask_n = cols < limit
     if PAGE_SIZE > 0:  # a constant page size: the division is a multiply-shift
         row = block_table_ptr + b.to(tl.int64) * stride_bt
-        if PAGE_SIZE % BLOCK_N == 0:  # the block sits in one page: one table entry
+        if PAGE_SIZE % BLOCK_N == 0 and not HAS_LEFTPAD:  # the block sits in one page: one table entry
             if MASK:
                 page = tl.load(row + start_n // PAGE_SIZE, mask=start_n < limit, other=0)
             else:
@@ -333,6 +348,9 @@ def _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, limit, PAGE_SIZE
                 page = tl.load(row + cols // PAGE_SIZE)
             slot = cols % PAGE_SIZE
         page = page.to(tl.int64)
+    elif ROW_TABLE:  # one scalar load: the rows cache_batch_idx picks
+        page = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt).to(tl.int64)
+        slot = cols
     else:
         page = b.to(tl.int64)
         slot = cols
@@ -342,13 +360,13 @@ def _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, limit, PAGE_SIZE
 @triton.jit
 def _kv_blocks(
     acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr,
-    v_zero_ptr, block_table_ptr, stride_bt, b, hk, start, stop, qrow, sk, diag, window_left, window_right,
+    v_zero_ptr, block_table_ptr, stride_bt, b, hk, slot0, start, stop, qrow, sk, diag, window_left, window_right,
     slope_log2, qk_scale, cap_scale, cap_out, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh, offs_n, offs_d, offs_h,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
     HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr, HAS_LEFTPAD: tl.constexpr, ROW_TABLE: tl.constexpr,
 ):  # fmt: skip
     """Key blocks start..stop of one program.
 
@@ -370,7 +388,18 @@ def _kv_blocks(
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         page, slot, mask_n = _block_rows(
-            block_table_ptr, stride_bt, b, start_n, offs_n, sk, PAGE_SIZE, BLOCK_N, MASK
+            block_table_ptr,
+            stride_bt,
+            b,
+            start_n,
+            offs_n,
+            sk,
+            slot0,
+            PAGE_SIZE,
+            BLOCK_N,
+            MASK,
+            HAS_LEFTPAD,
+            ROW_TABLE,
         )
         kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
                                page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
@@ -413,7 +442,7 @@ def _kv_blocks(
 @triton.jit
 def _attention_kvcache_fwd_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, slopes_ptr, o_ptr, lse_ptr,
+    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, slopes_ptr, leftpad_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh, stride_ob, stride_os, stride_oh, stride_osplit,
     stride_lb, stride_lh, stride_ls, stride_lsplit, stride_bt, stride_ro,
@@ -423,7 +452,7 @@ def _attention_kvcache_fwd_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_ROTARY: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_DEQUANT: tl.constexpr = False,
-    SCALE_GATHER: tl.constexpr = False,
+    SCALE_GATHER: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False, ROW_TABLE: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_M packed (query, head) rows of one (sequence, KV head), keys of one
     split. Writes out/lse at split index program_id(2) (a float32 partial when split)."""
@@ -432,8 +461,11 @@ def _attention_kvcache_fwd_kernel(
     split = tl.program_id(2)
     b = bh // heads_kv
     hk = bh % heads_kv
-    sk = tl.load(seqlens_ptr + b) + seqlen_new
+    sk = tl.load(seqlens_ptr + b) + seqlen_new  # keys counted from the sequence's first token
     diag = sk - seqlen_q
+    slot0 = 0  # HAS_LEFTPAD: where that token sits in the sequence's storage
+    if HAS_LEFTPAD:
+        slot0 = tl.load(leftpad_ptr + b)
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     qrow = r // group
     head = hk * group + r % group
@@ -480,7 +512,19 @@ def _attention_kvcache_fwd_kernel(
                                        HAS_WINDOW_RIGHT)  # fmt: skip
     lo = split * split_len
     hi = lo + split_len
-    args = (k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, block_table_ptr, stride_bt, b, hk)
+    args = (
+        k_ptr,
+        v_ptr,
+        k_scale_ptr,
+        k_zero_ptr,
+        v_scale_ptr,
+        v_zero_ptr,
+        block_table_ptr,
+        stride_bt,
+        b,
+        hk,
+        slot0,
+    )
     opts = (qrow, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
             offs_n, offs_d, offs_h)  # fmt: skip
@@ -488,18 +532,18 @@ def _attention_kvcache_fwd_kernel(
         acc0, acc1, l_i, m_i, zsum_i = _kv_blocks(
             acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, *args, tl.maximum(a, lo), tl.minimum(end, hi), *opts, BLOCK_N, HEAD_DIM,
             BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
-            FAST_DEQUANT, SCALE_GATHER,
+            FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE,
         )  # fmt: skip
     else:
         acc0, acc1, l_i, m_i, zsum_i = _kv_blocks(
             acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, *args, tl.maximum(b_full, lo), tl.minimum(c_full, hi), *opts, BLOCK_N,
             HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
-            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER,
+            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE,
         )  # fmt: skip
         acc0, acc1, l_i, m_i, zsum_i = _kv_blocks(
             acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, *args, tl.maximum(c_full, lo), tl.minimum(end, hi), *opts, BLOCK_N,
             HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
-            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER,
+            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE,
         )  # fmt: skip
     if BITS != 16 and GROUP == HEAD_DIM:  # the values' middle terms (see _kv_blocks)
         acc0 += zsum_i[:, None]

@@ -353,6 +353,7 @@ def kvcache(
         "GROUP": p.group_size, "PAGE_SIZE": p.page_size, "HAS_ROTARY": p.rot_half > 0, "INTERLEAVED": p.interleaved,
         "HAS_WINDOW_LEFT": p.window_left >= 0, "HAS_WINDOW_RIGHT": p.window_right >= 0, "HAS_ALIBI": p.alibi,
         "HAS_SOFTCAP": p.softcap > 0, "FAST_DEQUANT": fast_dequant, "SCALE_GATHER": scale_gather,
+        "HAS_LEFTPAD": p.leftpad, "ROW_TABLE": p.row_table,
     }  # fmt: skip
     main = Launch((m_blocks, p.batch * p.heads_kv, splits), cfg.num_warps, cfg.num_stages, args, cfg)
     combine = None
