@@ -260,12 +260,45 @@ def test_beam_search_reorders_the_cache(models) -> None:
     assert torch.equal(got, want)
 
 
-def test_left_padding_is_refused(models) -> None:
+def test_left_padded_batch_gives_transformers_tokens(models) -> None:
+    """A left-padded batch: generate() hides each sequence's padding with its mask; the cache
+    path turns that mask into attention_with_kvcache's cache_leftpad. The tokens are the sdpa
+    model's with the same padded batch and mask, and each sequence's are what it gets alone."""
+    p = models["prompt"].clone()
+    mask = torch.ones_like(p)
+    p[0, :3], mask[0, :3] = 0, 0  # sequence 0 is left-padded by 3 tokens (pad_token_id 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    want = models["ref"].generate(p, **kwargs)
+    cache = A.OpenKernelsCache(models["ours"].config, BATCH, PROMPT + NEW)
+    got = models["ours"].generate(p, **kwargs, **{CACHE_KW: cache})
+    assert torch.equal(got, want)
+    alone = _generate(models["ref"], p[:1, 3:])
+    assert torch.equal(got[0, 3:], alone[0])
+
+
+def test_left_padded_batch_with_a_sliding_window(models) -> None:
+    """Padding and a window together: the mask's first visible key may be the window's start,
+    not the padding's end; both hide the same keys."""
+    config = transformers.MistralConfig(**{**models["ours"].config.to_dict(), "sliding_window": 6})
+    ref = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
+    ref.set_attn_implementation("sdpa")
+    ours = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation("openkernels")
+    p = models["prompt"].clone()
+    mask = torch.ones_like(p)
+    p[1, :4], mask[1, :4] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    cache = A.OpenKernelsCache(ours.config, BATCH, PROMPT + 8)
+    assert torch.equal(ours.generate(p, **kwargs, **{CACHE_KW: cache}), ref.generate(p, **kwargs))
+
+
+def test_masks_other_than_left_padding_are_refused(models) -> None:
     p = models["prompt"]
     mask = torch.ones_like(p)
-    mask[0, :3] = 0  # sequence 0 is left-padded
+    mask[0, 4] = 0  # a hole in the middle of sequence 0
     cache = A.OpenKernelsCache(models["ours"].config, BATCH, 64)
-    with pytest.raises(NotImplementedError, match="padding"):
+    with pytest.raises(NotImplementedError, match="other than a left padding"):
         models["ours"].generate(
             p, attention_mask=mask, max_new_tokens=2, do_sample=False, **{CACHE_KW: cache}
         )

@@ -15,8 +15,9 @@ dispatch force / forbid turns both off. `register_with_transformers()` makes
 With `OpenKernelsCache` (hf_cache.py) the key and value are `CachedKV` handles to a layer's
 openkernels KV cache (16-bit, int8 or int4), the new tokens already appended: the queries
 attend to it with `KVCache.attend` (attention_with_kvcache). That path is inference only and
-takes no mask beyond the causal / sliding-window one it applies itself: a padding mask (a
-left-padded batch) raises NotImplementedError.
+takes no mask beyond the causal / sliding-window one it applies itself and a left padding
+(a left-padded batch in generate(), passed on as cache_leftpad); a mask that hides any other
+token raises NotImplementedError.
 
 With `OpenKernelsStaticCache` (compileable) the key and value are `StaticCachedKV` handles: the
 layer's preallocated storage, the new keys and values (not yet written) and the lengths
@@ -157,13 +158,15 @@ def _attend_cached(
     its Sq new tokens already appended) -> (B, Sq, Hq, D)."""
     _check_handle("OpenKernelsCache", query, key, value, dropout, key.new_tokens)
     cache = key.cache
+    leftpad = None
     if attention_mask is not None:
-        _check_cache_mask(attention_mask, query.shape[2], max(cache.lengths), is_causal, sliding_window)
+        leftpad = _check_cache_mask(attention_mask, query.shape[2], max(cache.lengths), is_causal, sliding_window,
+                                    left_padding=True)  # fmt: skip
     # transformers' sliding window W lets a token see itself and the W - 1 before it; queries sit
     # at the last Sq cached positions (bottom-right), each seeing the whole prefix.
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
     return cache.attend(query.transpose(1, 2), causal=is_causal, softmax_scale=scaling, window=window,
-                        softcap=float(softcap or 0.0))  # fmt: skip
+                        softcap=float(softcap or 0.0), cache_leftpad=leftpad)  # fmt: skip
 
 
 def _attend_static(
@@ -195,21 +198,32 @@ def _check_cache_mask(
     sliding_window: int | None,
     past=None,
     name: str = "OpenKernelsCache",
-) -> None:
+    left_padding: bool = False,
+) -> torch.Tensor | None:
     """The cache path applies causality and the window itself, and every sequence sees all its
     cached tokens: a mask is accepted only when it says exactly that (transformers materializes
     such a mask when several new tokens meet a non-empty cache, and for every step with a static
-    cache, whose mask spans its whole capacity sk with the queries at `past`). One
-    device-to-host read."""
+    cache, whose mask spans its whole capacity sk with the queries at `past`), or, with
+    left_padding, that and each sequence's first pad[b] tokens hidden (a left-padded batch in
+    generate()): then it returns pad, int32 (batch,) on the mask's device (None when nothing is
+    padded), for attention_with_kvcache's cache_leftpad. One device-to-host read."""
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and tuple(mask.shape[-2:]) == (sq, sk):
         visible = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 = attend
         want = _causal_window_mask(sq, sk, is_causal, sliding_window, mask.device, past)
+        pad = None
+        if left_padding and mask.shape[1] == 1:
+            # pad[b]: the first key any query of sequence b sees. Past a sliding window that
+            # may be later than the padding's end; hiding the keys before it then hides
+            # nothing the window did not: the same key set, the same result.
+            seen = visible[:, 0].any(-2).to(torch.int32)  # (B, sk)
+            pad = torch.where(seen.any(-1), seen.argmax(-1).to(torch.int32), sk).to(torch.int32)
+            want = want & (torch.arange(sk, device=mask.device) >= pad[:, None])[:, None, None, :]
         if torch.equal(visible, want.expand_as(visible)):
-            return
+            return pad if pad is not None and bool(pad.any()) else None
     raise NotImplementedError(
-        f"hf_attention_forward: {name} does not support attention masks that hide tokens (padding, e.g. a "
-        "left-padded batch): every sequence in the batch must have the same length and no padding. Generate "
-        "equal-length prompts together (or one prompt at a time), or use transformers' DynamicCache for padded batches."
+        f"hf_attention_forward: {name} does not support attention masks that hide tokens "
+        f"({'other than a left padding' if left_padding else 'any padding, e.g. a left-padded batch'}): every sequence "
+        "must see all its tokens. Generate such prompts one at a time, or use transformers' DynamicCache."
     )
 
 

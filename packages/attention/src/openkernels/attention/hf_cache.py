@@ -15,8 +15,9 @@ transformers is imported only when one of the Cache classes (`OpenKernelsCache`,
 `OpenKernelsStaticCache` and their layers) is first looked up (this module's `__getattr__`), so
 the package imports without it.
 
-Limits: every sequence of the batch holds the same number of tokens (no padding masks: a
-left-padded batch raises NotImplementedError in `hf_attention_forward`); the batch size is
+Limits: masks may hide a left padding and nothing else (a left-padded batch in generate():
+`hf_attention_forward` turns the mask into attention_with_kvcache's cache_leftpad, with one
+device-to-host read per call; any other hidden token raises NotImplementedError); the batch size is
 fixed at construction (beam search reorders it in place; `batch_repeat_interleave` /
 `batch_select_indices` raise); inference only; not `torch.compile`-able (`is_compileable` is
 False, so `generate` does not compile it; see `OpenKernelsStaticCache`); full- and sliding-window attention layers only
@@ -420,7 +421,7 @@ def _build_classes() -> dict[str, type]:
 
         Arguments as `OpenKernelsCache`'s: config, batch_size, max_seqlen (the prompt plus every
         generated token; not checked while compiling), kv_dtype (None, "int8", "int4"),
-        group_size, device. Needs attn_implementation="openkernels"; no padding (see hf_cache.py).
+        group_size, device. Needs attn_implementation="openkernels"; left padding only (see hf_cache.py).
         """
 
         layer_class = OpenKernelsStaticLayer

@@ -164,10 +164,13 @@ class KVCache:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """attention_with_kvcache(q, ..., k_new=k_new, v_new=v_new, **options) on this cache,
         then the lengths advance by k_new's tokens. options: causal, softmax_scale, window,
-        alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, return_lse."""
+        alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, return_lse,
+        cache_leftpad (contiguous caches: int32 (batch_size,), the padding slots each sequence
+        starts with, counted in its length, as attention_with_kvcache takes it; checked here
+        with one device-to-host copy)."""
         return_lse = options.pop("return_lse", False)
         unknown = set(options) - {"causal", "softmax_scale", "window", "alibi_slopes", "softcap", "rotary_cos",
-                                  "rotary_sin", "rotary_interleaved"}  # fmt: skip
+                                  "rotary_sin", "rotary_interleaved", "cache_leftpad"}  # fmt: skip
         if unknown:
             raise TypeError(f"KVCache.attend: unknown options {sorted(unknown)}")
         n = 0 if k_new is None else k_new.shape[1]
@@ -180,20 +183,40 @@ class KVCache:
             if fmt is not None:
                 self._formats[key] = fmt
         lengths = None
+        leftpad = options.get("cache_leftpad")
         if not torch.compiler.is_compiling():
             lengths = self._advance(
                 n, "KVCache.attend", options.get("rotary_cos"), q.shape[1] if q.dim() == 4 else 0
             )
+            if leftpad is not None:
+                self._check_leftpad(leftpad, n)
         out, lse = _kvcache_call(
             q, self.k, self.v, self.seqlens, k_new, v_new, self.block_table, options.get("causal", True),
             options.get("softmax_scale"), options.get("window", (-1, -1)), options.get("alibi_slopes"),
             options.get("softcap", 0.0), options.get("rotary_cos"), options.get("rotary_sin"),
-            options.get("rotary_interleaved", False), lengths, fmt,
+            options.get("rotary_interleaved", False), lengths, fmt, cache_leftpad=leftpad,
         )  # fmt: skip
         if n:
             self.seqlens += n
             self._lengths = [x + n for x in self._lengths]
         return (out, lse) if return_lse else out
+
+    def _check_leftpad(self, leftpad: object, n: int) -> None:
+        """cache_leftpad against the host lengths (before the append of n tokens)."""
+        name = "KVCache.attend"
+        if (
+            not isinstance(leftpad, torch.Tensor)
+            or leftpad.dtype != torch.int32
+            or leftpad.shape != (self.batch_size,)
+        ):
+            raise TypeError(f"{name}: cache_leftpad must be an int32 tensor of shape ({self.batch_size},)")
+        if self.page_size is not None:
+            raise ValueError(f"{name}: cache_leftpad applies to contiguous caches (page_size None)")
+        for b, (pad, length) in enumerate(zip(leftpad.tolist(), self._lengths)):
+            if not 0 <= pad <= length:
+                raise ValueError(
+                    f"{name}: cache_leftpad[{b}] = {pad} must lie in 0..cache_seqlens[{b}] = {length}"
+                )
 
     def append(
         self,
