@@ -4,7 +4,12 @@ Each op (a name such as "silu_and_mul") has implementations registered per backe
 a priority and a predicate. A call builds a DispatchKey from its inputs (backend, arch,
 dtype, features); the ordered list of usable implementations is cached per key. The user
 steers selection with OPENKERNELS_FORCE / OPENKERNELS_FORBID or the `force` / `forbid`
-context managers; `explain(op, *args)` says what runs and why the others do not.
+context managers; `explain(op, *args)` says what runs and why the others do not. A name
+that matches nothing registered is an error (UnsupportedError, a ValueError), never a
+silent no-op: a bare name when `force` / `forbid` is called, an "op:name" entry and the
+environment variables when selection first reads them (the op's family may be imported
+after the block is entered); an unknown name first imports the installed families, so a
+name of a family not imported yet is accepted.
 
 A kernel that raises while compiling or launching is skipped for that key with one
 warning and the next implementation runs, unless OPENKERNELS_STRICT=1 (the test suites
@@ -17,6 +22,8 @@ import contextlib
 import contextvars
 import importlib
 import os
+import pkgutil
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,6 +57,9 @@ __all__ = [
 FORCE_ENV = "OPENKERNELS_FORCE"
 FORBID_ENV = "OPENKERNELS_FORBID"
 STRICT_ENV = "OPENKERNELS_STRICT"
+# The implementation names every family uses (docs/adding-a-kernel.md), valid before any
+# family is imported: force("reference") in a process that imported only openkernels.shared.
+STANDARD_NAMES = ("triton", "cpu", "reference")
 
 
 class UnsupportedError(ValueError):
@@ -205,18 +215,68 @@ def _parse(spec: str) -> tuple[str, ...]:
 
 
 def _names_for(op: str, specs: tuple[str, ...], impls: list[Implementation]) -> list[str]:
-    """Entries are "name" (every op that has such an implementation) or "op:name"."""
+    """Entries are "name" (every op that has such an implementation) or "op:name"; every
+    entry has passed _check_specs, so one that names nothing here is for other ops."""
     known = {i.name for i in impls}
     names = []
     for spec in specs:
         scope, sep, name = spec.rpartition(":")
-        if sep and scope != op:
-            continue
-        if sep and name not in known:
-            raise UnsupportedError(f"{op}: no implementation named {name!r}; known: {sorted(known)}")
-        if name in known:
+        if (not sep or scope == op) and name in known:
             names.append(name)
     return names
+
+
+_CHECKED: set[tuple[str, ...]] = set()  # entry tuples that named only registered things
+_FAMILIES_LOCK = threading.RLock()
+_families_imported = False
+
+
+def _import_families() -> None:
+    """Import every installed openkernels.<family> once: each registers its ops on import."""
+    global _families_imported
+    with _FAMILIES_LOCK:
+        if _families_imported:
+            return
+        _families_imported = True
+        import openkernels
+
+        for module in pkgutil.iter_modules(openkernels.__path__):
+            if module.name != "shared":
+                # A family that fails to import says so when imported itself; here its
+                # names just stay unknown.
+                with contextlib.suppress(Exception):
+                    importlib.import_module(f"openkernels.{module.name}")
+
+
+def _unknown(spec: str) -> str | None:
+    """What in entry `spec` ("name" or "op:name") is registered nowhere, or None."""
+    scope, sep, name = spec.rpartition(":")
+    if not sep:
+        known = {*STANDARD_NAMES, *(i.name for entry in _OPS.values() for i in entry.impls)}
+        if name in known:
+            return None
+        return f"unknown implementation {name!r} (known: {', '.join(sorted(known))})"
+    entry = _OPS.get(scope)
+    if entry is None:
+        return f"unknown op {scope!r} in {spec!r} (known ops: {', '.join(sorted(_OPS))})"
+    known = {i.name for i in entry.impls}
+    if name in known:
+        return None
+    return f"{spec!r}, but {scope} has no implementation named {name!r} (known: {', '.join(sorted(known))})"
+
+
+def _check_specs(specs: tuple[str, ...], source: str) -> None:
+    """Raise UnsupportedError naming every entry of `source` that matches nothing registered
+    (after importing the installed families). Each distinct tuple is checked once."""
+    if specs in _CHECKED:
+        return
+    problems = [p for p in map(_unknown, specs) if p]
+    if problems:
+        _import_families()
+        problems = [p for p in map(_unknown, specs) if p]
+    if problems:
+        raise UnsupportedError(f"openkernels: {source} names {'; '.join(problems)}")
+    _CHECKED.add(specs)
 
 
 def _op(op: str) -> _Op:
@@ -227,9 +287,15 @@ def _op(op: str) -> _Op:
 
 
 def _steering() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    forced = _FORCED.get() + _parse(os.environ.get(FORCE_ENV, ""))
-    forbidden = _FORBIDDEN.get() + _parse(os.environ.get(FORBID_ENV, ""))
-    return forced, forbidden
+    """(forced, forbidden) entries of the context managers then the environment, checked."""
+    steering = []
+    for var, env, manager in ((_FORCED, FORCE_ENV, "force"), (_FORBIDDEN, FORBID_ENV, "forbid")):
+        value = os.environ.get(env, "")
+        from_env = _parse(value)
+        _check_specs(var.get(), f"dispatch.{manager}()")
+        _check_specs(from_env, f"{env}={value!r}")
+        steering.append(var.get() + from_env)
+    return steering[0], steering[1]
 
 
 def is_steered() -> bool:
@@ -357,14 +423,26 @@ def _set(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
         var.reset(token)
 
 
+def _checked_now(specs: tuple[str, ...], manager: str) -> tuple[str, ...]:
+    """Type-check the entries and check bare names now; "op:name" entries are checked when
+    selection first reads them, since the op's family may be imported inside the block."""
+    for spec in specs:
+        if not isinstance(spec, str):
+            raise TypeError(f"dispatch.{manager}: entries are strings ('name' or 'op:name'), got {spec!r}")
+    _check_specs(tuple(s for s in specs if ":" not in s), f"dispatch.{manager}()")
+    return specs
+
+
 def force(*specs: str) -> contextlib.AbstractContextManager[None]:
-    """Use only these implementations ("name" or "op:name") inside the block."""
-    return _set(_FORCED, _FORCED.get() + specs)
+    """Use only these implementations ("name" or "op:name") inside the block. The blocks
+    are per thread (and per asyncio task): another thread does not see them."""
+    return _set(_FORCED, _FORCED.get() + _checked_now(specs, "force"))
 
 
 def forbid(*specs: str) -> contextlib.AbstractContextManager[None]:
-    """Never use these implementations ("name" or "op:name") inside the block."""
-    return _set(_FORBIDDEN, _FORBIDDEN.get() + specs)
+    """Never use these implementations ("name" or "op:name") inside the block (per thread,
+    as `force`)."""
+    return _set(_FORBIDDEN, _FORBIDDEN.get() + _checked_now(specs, "forbid"))
 
 
 def strict(enabled: bool = True) -> contextlib.AbstractContextManager[None]:

@@ -371,3 +371,9 @@ def kernelize_report(model: nn.Module) -> KernelizeReport | None:
     """The report of the kernelize call in effect on model, or None."""
     state = getattr(model, _STATE, None)
     return None if state is None else state.report
+
+
+# `from openkernels.shared import kernelize` gives this module: calling it runs kernelize().
+from . import _make_callable  # noqa: E402  (the end of the module: everything above is defined)
+
+_make_callable(__name__)

@@ -7,6 +7,7 @@ float32 on every backend, float64 on the CPU and reference backends; statistics 
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -74,10 +75,13 @@ def _check(
             raise ValueError(
                 f"{name}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
             )
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"{name}: eps must be a non-negative float, got {eps!r}")
+    # A NaN or inf eps or weight_offset makes every output NaN (or zero, or the bias).
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not 0 <= eps < math.inf:
+        raise ValueError(f"{name}: eps must be a non-negative float, not NaN or inf, got {eps!r}")
     if not isinstance(weight_offset, numbers.Real) or isinstance(weight_offset, bool):
         raise TypeError(f"{name}: weight_offset must be a float, got {weight_offset!r}")
+    if not math.isfinite(weight_offset):
+        raise ValueError(f"{name}: weight_offset must be finite, got {weight_offset!r}")
     if weight_offset != 0 and weight is None:
         raise ValueError(f"{name}: weight_offset={weight_offset} scales a weight, but weight is None")
     _check_dtype_arg(name, "out_dtype", out_dtype, allowed)
@@ -215,6 +219,8 @@ class RMSNorm(nn.RMSNorm):
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
         self.weight_offset = float(weight_offset)
+        if not math.isfinite(self.weight_offset):
+            raise ValueError(f"{type(self).__name__}: weight_offset must be finite, got {weight_offset!r}")
 
     def _eps(self, x: torch.Tensor) -> float:
         return torch.finfo(x.dtype).eps if self.eps is None else self.eps

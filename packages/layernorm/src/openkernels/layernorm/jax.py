@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 from typing import Any
 
@@ -104,10 +105,13 @@ def _check(
             raise ValueError(
                 f"{name}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
             )
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"{name}: eps must be a non-negative float, got {eps!r}")
+    # A NaN or inf eps or weight_offset makes every output NaN (or zero, or the bias).
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not 0 <= eps < math.inf:
+        raise ValueError(f"{name}: eps must be a non-negative float, not NaN or inf, got {eps!r}")
     if not isinstance(weight_offset, numbers.Real) or isinstance(weight_offset, bool):
         raise TypeError(f"{name}: weight_offset must be a float, got {weight_offset!r}")
+    if not math.isfinite(weight_offset):
+        raise ValueError(f"{name}: weight_offset must be finite, got {weight_offset!r}")
     if weight_offset != 0 and weight is None:
         raise ValueError(f"{name}: weight_offset={weight_offset} scales a weight, but weight is None")
     out = _dtype_arg(name, "out_dtype", out_dtype, allowed) or x.dtype
