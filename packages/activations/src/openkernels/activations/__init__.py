@@ -21,7 +21,7 @@ from .api import (
     silu_and_mul,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"
 
 __all__ = [
     "Gelu",
