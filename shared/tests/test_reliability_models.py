@@ -181,7 +181,7 @@ def test_failed_prepare_rolls_back_storage_and_attributes(monkeypatch) -> None:
 
 def test_act_order_projections_are_not_stacked() -> None:
     """Act-order int4 gate / up cannot share one matmul (each permutes x its own way):
-    stackable() says so, and kernelize runs them one by one instead of failing."""
+    stackable() says so, and kernelize leaves such an MLP as it is instead of failing."""
     from openkernels.shared.stacked import stackable
 
     layers = [Int4Linear(HIDDEN, INTER, False, group_size=32, act_order=True) for _ in range(2)]
