@@ -5,7 +5,8 @@
     nox -s test-cuda / test-rocm            full suite on a device of that vendor; elsewhere the
                                             Triton interpreter and compile-only checks for its archs
     nox -s lint                             ruff check, ruff format --check, actionlint
-    nox -s build                            wheels + sdists, installed into a fresh venv and imported
+    nox -s build [-- DIR]                   wheels + sdists into dist/ (or DIR), installed into a fresh
+                                            venv and imported from there
     nox -s docs                             the documentation site, strict, into site/
     nox -s test-jax                         the JAX front ends only (jnp backend, then the Triton
                                             kernels launched from JAX under the interpreter)
@@ -397,9 +398,8 @@ def _check_wheel(session: nox.Session, project: Path, wheel: Path) -> None:
 @nox.session(default=False)
 def build(session: nox.Session) -> None:
     """Build shared and every family (sdist, then the wheel from it), install the wheels into a
-    fresh venv beside CPU torch, and import each package from there.
-
-    `nox -s build -- DIR` also copies the wheels and sdists to DIR.
+    fresh venv beside CPU torch, and import each package from there. The wheels and sdists
+    then go to dist/ (`nox -s build -- DIR`: to DIR); other files there are left as they are.
     """
     session.install("build>=1.2")
     projects = [ROOT / "shared", *(ROOT / "packages" / f for f in _families())]
@@ -427,12 +427,12 @@ def build(session: nox.Session) -> None:
         with session.chdir(work):
             session.run(python, "-c", _IMPORT_CHECK, *modules, external=True)
 
-        if session.posargs:
-            dest = Path(session.posargs[0]).resolve()
-            dest.mkdir(parents=True, exist_ok=True)
-            for artifact in (work / "dist").glob("*/*"):
-                shutil.copy2(artifact, dest)
-            session.log(f"wheels and sdists copied to {dest}")
+        dest = Path(session.posargs[0]).resolve() if session.posargs else ROOT / "dist"
+        dest.mkdir(parents=True, exist_ok=True)
+        artifacts = sorted((work / "dist").glob("*/*"))
+        for artifact in artifacts:
+            shutil.copy2(artifact, dest)
+        session.log(f"{len(artifacts)} wheels and sdists in {dest}: {', '.join(a.name for a in artifacts)}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
