@@ -516,7 +516,7 @@ def test_left_padding_and_batch_idx_errors() -> None:
 # carried 1024 x the codes' sum and cancelled the output away), short under the interpreter
 # and on the CPU backend, so the check itself runs in CI.
 _LONG_TOKENS = {"cuda": ((32768, 2), (131072, 1))}  # device -> ((tokens, batch), ...)
-_SHORT_TOKENS = ((1024, 1),) if INTERPRETING else ((4096, 1),)
+_SHORT_TOKENS = ((512, 1),) if INTERPRETING else ((4096, 1),)
 _BF16_ULP = 2.0**-8  # one bf16 ulp, relative: the output's rounding is half of it
 
 
@@ -547,6 +547,8 @@ def test_quantized_cache_long_context(device: str, impl: str, kv_dtype: str, gro
     larger: the output is rounded to bf16, and q, K, V and P meet in 16-bit operands."""
     if impl == "reference":
         pytest.skip("the reference is what the others are compared with")
+    if INTERPRETING and keys == "outliers":
+        pytest.skip("the interpreter checks the kernel's arithmetic once per format, on random keys")
     heads_q, heads_kv, head_dim = 32, 8, 128
     for tokens, batch in _LONG_TOKENS.get(device, _SHORT_TOKENS):
         where = f"{kv_dtype} group {group}, {keys} keys, {tokens} tokens"
