@@ -110,6 +110,38 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "{env,check,bench,demo}" in capsys.readouterr().out
 
 
+def test_a_known_family_not_installed_says_how_to_install_it(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "families", lambda: ["layernorm"])
+    assert cli.main(["check", "attention", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "attention is a family of openkernels but not installed here (installed: layernorm)" in err
+    assert "pip install openkernels-attention" in err and "pip install ./packages/attention" in err
+    assert cli.main(["check", "atention"]) == 2
+    assert "unknown family atention (did you mean attention?)" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "families", lambda: [])
+    assert cli.main(["bench", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "no openkernels family is installed: pip install openkernels-activations openkernels-" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "error"),
+    [
+        (["bench", "--quik"], "openkernels bench", "unrecognized arguments: --quik (did you mean --quick?)"),
+        (["check", "--devise", "cpu"], "openkernels check", "unrecognized arguments: --devise (did you mean --device?)"),
+        (["env", "layernorm"], "openkernels env", "unrecognized arguments: layernorm"),
+        (["bench", "--peer=torch", "--plott=x.png", "--quik"], "openkernels bench",
+         "unrecognized arguments: --plott=x.png --quik (--plott=x.png: did you mean --plot?; "
+         "--quik: did you mean --quick?)"),
+    ],
+    ids=["bench", "check", "env-positional", "two-typos"],
+)  # fmt: skip
+def test_an_unknown_option_is_reported_by_its_subcommand(argv, usage, error, capsys) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {usage} ") and f"{usage}: error: {error}" in err
+
+
 def test_bench_quick_writes_json(tiny_layernorm: list, tmp_path, capsys) -> None:
     path = tmp_path / "bench.json"
     argv = ["bench", "layernorm", "--device", "cpu", "--quick", "--peers", "torch", "--json", str(path)]
@@ -127,6 +159,30 @@ def test_bench_quick_writes_json(tiny_layernorm: list, tmp_path, capsys) -> None
         assert set(r) == {f.name for f in fields(Measurement)}
         assert r["family"] == "layernorm" and r["op"] == "rms_norm" and r["shape"] == [64, 256]
         assert not r["error"] and r["ms"] > 0 and math.isfinite(r["ratio_to_ceiling"])
+
+
+def test_bench_names_the_peers_it_skips(tiny_layernorm: list, monkeypatch, capsys) -> None:
+    # layernorm has Liger's kernels only on GPUs: whether liger_kernel is installed decides the reason.
+    monkeypatch.setitem(cli._PEER_PACKAGES, "liger", ("torch", "pip install liger-kernel"))  # installed
+    argv = ["bench", "layernorm", "--device", "cpu", "--quick", "--peers", "torch,liger,ligr"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "peer liger skipped on cpu: no case of layernorm has it there" in captured.err
+    assert "peer ligr skipped on cpu: no case of layernorm has it there" in captured.err
+    assert "torch skipped" not in captured.err and " torch " in captured.out
+    monkeypatch.setitem(cli._PEER_PACKAGES, "liger", ("no_such.liger_kernel", "pip install liger-kernel"))
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "peer liger skipped on cpu: no_such.liger_kernel is not installed (pip install liger-ker" in err
+
+
+def test_bench_stops_when_no_requested_peer_can_run(tiny_layernorm: list, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(cli._PEER_PACKAGES, "liger", ("no_such_module", "pip install liger-kernel"))
+    assert cli.main(["bench", "layernorm", "--device", "cpu", "--quick", "--peers", "liger"]) == 2
+    captured = capsys.readouterr()
+    assert "peer liger skipped on cpu: no_such_module is not installed (pip install liger-k" in captured.err
+    assert "openkernels bench: none of the requested peers (liger) can run here" in captured.err
+    assert "==" not in captured.out  # nothing was timed
 
 
 def test_bench_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, capsys) -> None:
