@@ -149,16 +149,20 @@ def test_bench_quick_writes_json(tiny_layernorm: list, tmp_path, capsys) -> None
     assert tiny_layernorm == [("torch",)]
     out = capsys.readouterr().out
     assert "== layernorm on cpu" in out and "rms_norm fwd 64x256 bfloat16" in out and "copy ceiling" in out
+    assert re.search(r"^cpu .*: copy ceiling: [\d.]+ GB/s, the best of \d+ copies of 2 x \d+ MiB", out, re.M)
+    assert "timing noise" in out
     data = json.loads(path.read_text())
     meta = data["meta"]
-    assert meta["devices"]["cpu"]["ceiling_gbps"] > 0 and meta["peers"] == ["torch"]
+    cpu = meta["devices"]["cpu"]
+    assert cpu["ceiling_gbps"] == max(cpu["ceiling_gbps_repeats"]) > 0 and meta["peers"] == ["torch"]
+    assert meta["peers_skipped"] == {}
     assert meta["families"] == ["layernorm"] and meta["rep_ms"] == 50.0
     results = data["results"]
     assert {r["contender"] for r in results} == {"ours", "torch", "copy"}
     for r in results:
         assert set(r) == {f.name for f in fields(Measurement)}
         assert r["family"] == "layernorm" and r["op"] == "rms_norm" and r["shape"] == [64, 256]
-        assert not r["error"] and r["ms"] > 0 and math.isfinite(r["ratio_to_ceiling"])
+        assert not r["error"] and r["ms"] > 0 and math.isfinite(r["ratio_to_ceiling"]) and r["spread"] >= 0
 
 
 def test_bench_names_the_peers_it_skips(tiny_layernorm: list, monkeypatch, capsys) -> None:

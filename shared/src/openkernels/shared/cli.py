@@ -41,7 +41,7 @@ from .bench import (
     BenchCase,
     Check,
     Measurement,
-    copy_ceiling_gbps,
+    copy_ceiling,
     format_table,
     matmul_ceiling_tflops,
     run_cases,
@@ -592,9 +592,16 @@ def _bench_cmd(args: argparse.Namespace) -> int:
             mine = [(f, c) for d, f, c in work if d == device]
             every = [case for _, cases in mine for case in cases]
             ceilings: dict[str, float] = {}
+            copy: dict[str, Any] = {}
             progress.start(f"ceilings on {device}")
             if any(not c.flops for c in every):
-                ceilings["ceiling_gbps"] = copy_ceiling_gbps(device)
+                measured = copy_ceiling(device)
+                ceilings["ceiling_gbps"] = measured.gbps
+                copy = {
+                    "ceiling_gbps_repeats": list(measured.repeats),
+                    "ceiling_gbps_buffer": measured.buffer_bytes,
+                }
+                progress.write(f"\n{_where(device)}: {measured.describe()}")
             if any(c.flops for c in every):
                 ceilings["ceiling_tflops"] = matmul_ceiling_tflops(device)
             info = device_info(device)
@@ -603,6 +610,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                 "arch": info.arch,
                 "name": info.name,
                 **ceilings,
+                **copy,
             }
             for family, cases in mine:
                 family_results = []
