@@ -201,10 +201,35 @@ def test_bench_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, c
 
 
 def test_bench_plot_writes_png(tiny_layernorm: list, tmp_path) -> None:
-    pytest.importorskip("matplotlib")
+    # matplotlib is a test dependency (noxfile TEST_DEPS): without it this fails, not skips.
     png = tmp_path / "bench.png"
     assert cli.main(["bench", "layernorm", "--device", "cpu", "--quick", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_every_device_and_contender(tmp_path, monkeypatch) -> None:
+    """One panel per device, one bar per contender that ran, the ceiling's line at 1.0."""
+    from matplotlib.figure import Figure
+
+    figures, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or savefig(fig, *a, **k))
+    case = ("layernorm", "rms_norm", "fwd", (64, 256), "bfloat16")
+    ran = (("ours", 0.5, ""), ("torch", 0.25, ""), ("copy", 0.75, ""), ("liger", 0, "RuntimeError"))
+    results = [
+        Measurement(*case, name, 1.0, 1.0, 0.0, ratio, device, error)
+        for device in ("cpu x2", "NVIDIA H200")
+        for name, ratio, error in ran
+    ]
+    cli._plot(results, str(tmp_path / "plot.png"))
+    (figure,) = figures
+    axes = figure.axes
+    assert [ax.get_title() for ax in axes] == ["cpu x2", "NVIDIA H200"]
+    for ax in axes:
+        widths = sorted(round(bar.get_width(), 3) for bar in ax.patches)
+        assert widths == [0.25, 0.5, 0.75]  # the failed liger row draws nothing
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["ours", "torch", "copy (same bytes)"]
+        assert any(list(line.get_xdata()) == [1.0, 1.0] for line in ax.get_lines())
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 def test_bench_reports_a_family_whose_cases_fail(monkeypatch, capsys) -> None:
