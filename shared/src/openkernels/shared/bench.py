@@ -6,8 +6,9 @@ as functions of one input set. `run_cases` times every contender on the same inp
 the same process, rotating input sets so the L2 cache (60 MB on H200) is not what gets
 measured, and reports GB/s and the ratio to the device copy, or for compute-bound cases
 (`flops` set) TFLOP/s and the ratio to a dense bf16 matmul, both ceilings measured in the
-same run. Timing uses triton.testing.do_bench (CUDA events, median) on GPUs and a
-perf_counter median on CPUs. Nothing here runs at import.
+same run (on CPUs the copy STREAM-style, the best of many copies: `copy_ceiling`). Timing
+uses triton.testing.do_bench (CUDA events, median) on GPUs and a perf_counter median on
+CPUs, with the samples' spread. Nothing here runs at import.
 """
 
 from __future__ import annotations
