@@ -237,7 +237,7 @@ class CopyCeiling:
         low, median = min(self.repeats), statistics.median(self.repeats)
         return (
             f"copy ceiling: {self.gbps:.1f} GB/s, the best of {len(self.repeats)} copies of 2 x {mib:.0f} MiB "
-            f"({self.buffer_bytes / self.cache_bytes:.0f}x the {self.cache_bytes / 2**20:.0f} MiB last-level "
+            f"({self.buffer_bytes / self.cache_bytes:.3g}x the {self.cache_bytes / 2**20:.0f} MiB last-level "
             f"cache) on {self.threads} threads; they ran at {low:.1f}-{self.gbps:.1f} GB/s (median "
             f"{median:.1f}), so one timing here now can be {1 - low / self.gbps:.0%} off"
         )
@@ -266,10 +266,8 @@ def last_level_cache_bytes() -> int:
         digits = text.rstrip("KMG")
         if digits.isdigit():
             sizes[level, shared] = int(digits) * unit
-    if not sizes:
-        return 32 * 2**20
-    top = max(level for level, _ in sizes)
-    return sum(size for (level, _), size in sizes.items() if level == top)
+    top = max((level for level, _ in sizes), default=0)
+    return sum(size for (level, _), size in sizes.items() if level == top) or 32 * 2**20
 
 
 def stream_buffer_bytes(cache_bytes: int, free_bytes: int | None = None) -> int:
