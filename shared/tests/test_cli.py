@@ -110,6 +110,38 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "{env,check,bench,demo}" in capsys.readouterr().out
 
 
+def test_a_known_family_not_installed_says_how_to_install_it(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "families", lambda: ["layernorm"])
+    assert cli.main(["check", "attention", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "attention is a family of openkernels but not installed here (installed: layernorm)" in err
+    assert "pip install openkernels-attention" in err and "pip install ./packages/attention" in err
+    assert cli.main(["check", "atention"]) == 2
+    assert "unknown family atention (did you mean attention?)" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "families", lambda: [])
+    assert cli.main(["bench", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "no openkernels family is installed: pip install openkernels-activations openkernels-" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "error"),
+    [
+        (["bench", "--quik"], "openkernels bench", "unrecognized arguments: --quik (did you mean --quick?)"),
+        (["check", "--devise", "cpu"], "openkernels check", "unrecognized arguments: --devise (did you mean --device?)"),
+        (["env", "layernorm"], "openkernels env", "unrecognized arguments: layernorm"),
+        (["bench", "--peer=torch", "--plott=x.png", "--quik"], "openkernels bench",
+         "unrecognized arguments: --plott=x.png --quik (--plott=x.png: did you mean --plot?; "
+         "--quik: did you mean --quick?)"),
+    ],
+    ids=["bench", "check", "env-positional", "two-typos"],
+)  # fmt: skip
+def test_an_unknown_option_is_reported_by_its_subcommand(argv, usage, error, capsys) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {usage} ") and f"{usage}: error: {error}" in err
+
+
 def test_bench_quick_writes_json(tiny_layernorm: list, tmp_path, capsys) -> None:
     path = tmp_path / "bench.json"
     argv = ["bench", "layernorm", "--device", "cpu", "--quick", "--peers", "torch", "--json", str(path)]
@@ -117,16 +149,44 @@ def test_bench_quick_writes_json(tiny_layernorm: list, tmp_path, capsys) -> None
     assert tiny_layernorm == [("torch",)]
     out = capsys.readouterr().out
     assert "== layernorm on cpu" in out and "rms_norm fwd 64x256 bfloat16" in out and "copy ceiling" in out
+    assert re.search(r"^cpu .*: copy ceiling: [\d.]+ GB/s, the best of \d+ copies of 2 x \d+ MiB", out, re.M)
+    assert "timing noise" in out
     data = json.loads(path.read_text())
     meta = data["meta"]
-    assert meta["devices"]["cpu"]["ceiling_gbps"] > 0 and meta["peers"] == ["torch"]
+    cpu = meta["devices"]["cpu"]
+    assert cpu["ceiling_gbps"] == max(cpu["ceiling_gbps_repeats"]) > 0 and meta["peers"] == ["torch"]
+    assert meta["peers_skipped"] == {}
     assert meta["families"] == ["layernorm"] and meta["rep_ms"] == 50.0
     results = data["results"]
     assert {r["contender"] for r in results} == {"ours", "torch", "copy"}
     for r in results:
         assert set(r) == {f.name for f in fields(Measurement)}
         assert r["family"] == "layernorm" and r["op"] == "rms_norm" and r["shape"] == [64, 256]
-        assert not r["error"] and r["ms"] > 0 and math.isfinite(r["ratio_to_ceiling"])
+        assert not r["error"] and r["ms"] > 0 and math.isfinite(r["ratio_to_ceiling"]) and r["spread"] >= 0
+
+
+def test_bench_names_the_peers_it_skips(tiny_layernorm: list, monkeypatch, capsys) -> None:
+    # layernorm has Liger's kernels only on GPUs: whether liger_kernel is installed decides the reason.
+    monkeypatch.setitem(cli._PEER_PACKAGES, "liger", ("torch", "pip install liger-kernel"))  # installed
+    argv = ["bench", "layernorm", "--device", "cpu", "--quick", "--peers", "torch,liger,ligr"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "peer liger skipped on cpu: no case of layernorm has it there" in captured.err
+    assert "peer ligr skipped on cpu: no case of layernorm has it there" in captured.err
+    assert "torch skipped" not in captured.err and " torch " in captured.out
+    monkeypatch.setitem(cli._PEER_PACKAGES, "liger", ("no_such.liger_kernel", "pip install liger-kernel"))
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "peer liger skipped on cpu: no_such.liger_kernel is not installed (pip install liger-ker" in err
+
+
+def test_bench_stops_when_no_requested_peer_can_run(tiny_layernorm: list, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(cli._PEER_PACKAGES, "liger", ("no_such_module", "pip install liger-kernel"))
+    assert cli.main(["bench", "layernorm", "--device", "cpu", "--quick", "--peers", "liger"]) == 2
+    captured = capsys.readouterr()
+    assert "peer liger skipped on cpu: no_such_module is not installed (pip install liger-k" in captured.err
+    assert "openkernels bench: none of the requested peers (liger) can run here" in captured.err
+    assert "==" not in captured.out  # nothing was timed
 
 
 def test_bench_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, capsys) -> None:
@@ -141,10 +201,35 @@ def test_bench_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, c
 
 
 def test_bench_plot_writes_png(tiny_layernorm: list, tmp_path) -> None:
-    pytest.importorskip("matplotlib")
+    # matplotlib is a test dependency (noxfile TEST_DEPS): without it this fails, not skips.
     png = tmp_path / "bench.png"
     assert cli.main(["bench", "layernorm", "--device", "cpu", "--quick", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_every_device_and_contender(tmp_path, monkeypatch) -> None:
+    """One panel per device, one bar per contender that ran, the ceiling's line at 1.0."""
+    from matplotlib.figure import Figure
+
+    figures, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or savefig(fig, *a, **k))
+    case = ("layernorm", "rms_norm", "fwd", (64, 256), "bfloat16")
+    ran = (("ours", 0.5, ""), ("torch", 0.25, ""), ("copy", 0.75, ""), ("liger", 0, "RuntimeError"))
+    results = [
+        Measurement(*case, name, 1.0, 1.0, 0.0, ratio, device, error)
+        for device in ("cpu x2", "NVIDIA H200")
+        for name, ratio, error in ran
+    ]
+    cli._plot(results, str(tmp_path / "plot.png"))
+    (figure,) = figures
+    axes = figure.axes
+    assert [ax.get_title() for ax in axes] == ["cpu x2", "NVIDIA H200"]
+    for ax in axes:
+        widths = sorted(round(bar.get_width(), 3) for bar in ax.patches)
+        assert widths == [0.25, 0.5, 0.75]  # the failed liger row draws nothing
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["ours", "torch", "copy (same bytes)"]
+        assert any(list(line.get_xdata()) == [1.0, 1.0] for line in ax.get_lines())
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 def test_bench_reports_a_family_whose_cases_fail(monkeypatch, capsys) -> None:

@@ -6,14 +6,16 @@ as functions of one input set. `run_cases` times every contender on the same inp
 the same process, rotating input sets so the L2 cache (60 MB on H200) is not what gets
 measured, and reports GB/s and the ratio to the device copy, or for compute-bound cases
 (`flops` set) TFLOP/s and the ratio to a dense bf16 matmul, both ceilings measured in the
-same run. Timing uses triton.testing.do_bench (CUDA events, median) on GPUs and a
-perf_counter median on CPUs. Nothing here runs at import.
+same run (on CPUs the copy STREAM-style, the best of many copies: `copy_ceiling`). Timing
+uses triton.testing.do_bench (CUDA events, median) on GPUs and a perf_counter median on
+CPUs, with the samples' spread. Nothing here runs at import.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +29,11 @@ __all__ = [
     "Check",
     "score",
     "Measurement",
+    "CopyCeiling",
+    "copy_ceiling",
     "copy_ceiling_gbps",
+    "last_level_cache_bytes",
+    "stream_buffer_bytes",
     "matmul_ceiling_tflops",
     "time_ms",
     "kernel_ms",
@@ -121,6 +127,9 @@ class Measurement:
     # The case's FLOPs (0: a memory-bound case, reported in GB/s against the copy ceiling;
     # else compute-bound, reported in TFLOP/s against the matmul ceiling).
     flops: int = 0
+    # How noisy `ms` is: the interquartile range of the timed calls over their median (CPUs;
+    # 0: not measured, as on GPUs, where do_bench gives the median alone).
+    spread: float = 0.0
 
 
 def _sync(device: torch.device) -> None:
@@ -137,6 +146,19 @@ def time_ms(
     rep_ms: float = 100.0,
 ) -> float:
     """Median milliseconds of fn over rotating input sets."""
+    return _timed(fn, input_sets, device, warmup_ms=warmup_ms, rep_ms=rep_ms)[0]
+
+
+def _timed(
+    fn: Callable[[dict[str, Any]], Any],
+    input_sets: Sequence[dict[str, Any]],
+    device: torch.device,
+    *,
+    warmup_ms: float = 25.0,
+    rep_ms: float = 100.0,
+) -> tuple[float, float]:
+    """(median milliseconds, spread) of fn over rotating input sets. spread: the
+    interquartile range of the CPU samples over their median; 0 on GPUs (not measured)."""
     index = [0]
 
     def step() -> None:
@@ -146,7 +168,7 @@ def time_ms(
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        return float(do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")), 0.0
     step()  # warm-up: first-call compilation and allocator growth stay out of the numbers
     samples = []
     deadline = time.perf_counter() + max(rep_ms, 1.0) / 1e3
@@ -154,7 +176,9 @@ def time_ms(
         start = time.perf_counter()
         step()
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    median = statistics.median(samples)
+    quartiles = statistics.quantiles(samples, n=4)
+    return median, (quartiles[2] - quartiles[0]) / median if median > 0 else 0.0
 
 
 def compiled_peer(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -189,13 +213,112 @@ def kernel_ms(
     return total_us / iters / 1e3
 
 
-def copy_ceiling_gbps(device: torch.device, nbytes: int = 2**31) -> float:
-    """Device copy bandwidth (bytes read + written per second, in GB/s), measured now."""
-    n = nbytes // 4 if device.type == "cuda" else nbytes // 32
-    src = torch.randn(n, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda _: dst.copy_(src), [{}], device, rep_ms=200)
-    return 2 * src.numel() * src.element_size() / ms / 1e6
+@dataclass(frozen=True)
+class CopyCeiling:
+    """A measured copy bandwidth (bytes read + written per second, in GB/s).
+
+    gbps: the ceiling. CPUs: the best of `repeats` (STREAM's rule: the least disturbed
+    copy); GPUs: the do_bench median. repeats: GB/s of every timed copy (one on GPUs).
+    buffer_bytes: the size of each of the two buffers; threads: torch's intra-op threads
+    (CPUs; 0 on GPUs); cache_bytes: the last-level cache the buffers were sized against
+    (CPUs; 0 on GPUs)."""
+
+    gbps: float
+    repeats: tuple[float, ...]
+    buffer_bytes: int
+    threads: int = 0
+    cache_bytes: int = 0
+
+    def describe(self) -> str:
+        """One line: the ceiling, how it was measured, and how far its repeats spread."""
+        mib = self.buffer_bytes / 2**20
+        if not self.threads:
+            return f"copy ceiling: {self.gbps:.0f} GB/s (median copy of 2 x {mib:.0f} MiB)"
+        low, median = min(self.repeats), statistics.median(self.repeats)
+        return (
+            f"copy ceiling: {self.gbps:.1f} GB/s, the best of {len(self.repeats)} copies of 2 x {mib:.0f} MiB "
+            f"({self.buffer_bytes / self.cache_bytes:.3g}x the {self.cache_bytes / 2**20:.0f} MiB last-level "
+            f"cache) on {self.threads} threads; they ran at {low:.1f}-{self.gbps:.1f} GB/s (median "
+            f"{median:.1f}), so one timing here now can be {1 - low / self.gbps:.0%} off"
+        )
+
+
+def last_level_cache_bytes() -> int:
+    """The last-level caches of all CPUs together (Linux sysfs: one entry per cache instance,
+    told apart by the CPUs sharing it), or 32 MiB where that cannot be read."""
+    import glob
+
+    sizes: dict[tuple[int, str], int] = {}
+    for index in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            with open(f"{index}/type") as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(f"{index}/level") as f:
+                level = int(f.read())
+            with open(f"{index}/shared_cpu_list") as f:
+                shared = f.read().strip()
+            with open(f"{index}/size") as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes[level, shared] = int(digits) * unit
+    top = max((level for level, _ in sizes), default=0)
+    return sum(size for (level, _), size in sizes.items() if level == top) or 32 * 2**20
+
+
+def stream_buffer_bytes(cache_bytes: int, free_bytes: int | None = None) -> int:
+    """Bytes of each of the CPU copy ceiling's two buffers: STREAM's 4x the last-level caches
+    together, so the copy streams from DRAM; at least 64 MiB, at most 2 GiB, and at most a
+    quarter of the free memory (`free_bytes`) but never below 16 MiB."""
+    nbytes = min(max(4 * cache_bytes, 64 * 2**20), 2**31)
+    return nbytes if free_bytes is None else max(min(nbytes, free_bytes // 4), 16 * 2**20)
+
+
+def copy_ceiling(device: torch.device | str, nbytes: int | None = None) -> CopyCeiling:
+    """Device copy bandwidth, measured now.
+
+    GPUs: a copy between two buffers of `nbytes` (default 2 GiB), the do_bench median.
+    CPUs, by STREAM's rules: buffers of `stream_buffer_bytes` unless `nbytes` is given (4x
+    the last-level caches, so the copy streams from DRAM); torch's copy_ on all its intra-op threads; pages touched before timing; the best
+    of at least 10 copies (up to 100 within about 0.3 s). The median of a 200 ms loop that
+    it replaces varied 14-42 GB/s between runs on the 2-core development machine while other
+    work ran: a median of a loaded machine measures the load, the best copy the memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        n = (nbytes or 2**31) // 4
+        src = torch.randn(n, device=device)
+        dst = torch.empty_like(src)
+        ms = time_ms(lambda _: dst.copy_(src), [{}], device, rep_ms=200)
+        gbps = 2 * n * 4 / ms / 1e6
+        return CopyCeiling(gbps, (gbps,), n * 4)
+    cache = last_level_cache_bytes()
+    if nbytes is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+            free = None
+        nbytes = stream_buffer_bytes(cache, free)
+    n = nbytes // 4
+    src = torch.empty(n, dtype=torch.float32).fill_(1.0)  # fill_: every page touched, in parallel
+    dst = torch.empty_like(src).fill_(0.0)
+    dst.copy_(src)  # warm-up
+    repeats = []
+    deadline = time.perf_counter() + 0.3
+    while len(repeats) < 10 or (time.perf_counter() < deadline and len(repeats) < 100):
+        start = time.perf_counter()
+        dst.copy_(src)
+        repeats.append(2 * n * 4 / (time.perf_counter() - start) / 1e9)
+    return CopyCeiling(max(repeats), tuple(repeats), n * 4, torch.get_num_threads(), cache)
+
+
+def copy_ceiling_gbps(device: torch.device | str, nbytes: int | None = None) -> float:
+    """Device copy bandwidth (bytes read + written per second, in GB/s), measured now: the
+    ceiling of memory-bound work (`copy_ceiling(device).gbps`)."""
+    return copy_ceiling(device, nbytes).gbps
 
 
 def matmul_ceiling_tflops(
@@ -276,10 +399,10 @@ def run_cases(
             try:
                 if name in case.setup:
                     prepared = [case.setup[name](s) for s in sets]
-                ms = time_ms(fn, prepared, device, rep_ms=rep_ms)
+                ms, spread = _timed(fn, prepared, device, rep_ms=rep_ms)
                 error = ""
             except Exception as exc:  # a peer that cannot run this case is reported, not fatal
-                ms, error = float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
+                ms, spread, error = float("nan"), 0.0, f"{type(exc).__name__}: {str(exc)[:120]}"
             gbps = case.bytes / ms / 1e6 if ms == ms else float("nan")
             tflops = case.flops / ms / 1e9 if case.flops and ms == ms else 0.0
             ratio = tflops / ceiling_tflops if case.flops else gbps / ceiling_gbps
@@ -298,6 +421,7 @@ def run_cases(
                     _device_name(device),
                     error,
                     flops=case.flops,
+                    spread=spread,
                 )
             )
             _sync(device)
@@ -359,7 +483,8 @@ def format_table(
 
     Compute-bound cases (Measurement.flops set) go in a second table of the same columns in
     TFLOP/s, against the matmul ceiling (`ceiling_tflops`; when not given, read back from
-    the measurements' ratios). A list of only memory-bound cases prints as it always has."""
+    the measurements' ratios). Where the timings' spread was measured (CPUs), a last line
+    says how noisy they are."""
     byte_rows = [m for m in results if not m.flops]
     flop_rows = [m for m in results if m.flops]
     lines = []
@@ -376,7 +501,19 @@ def format_table(
         if ceiling_tflops:
             lines.append(f"matmul ceiling: {_tflops(ceiling_tflops, 0)} TFLOP/s")
         lines += _table(flop_rows, "TFLOP/s", lambda m: _tflops(m.tflops, 8), _kernel_tflops)
+    noisy = [m for m in results if m.spread and not m.error]
+    if noisy:
+        worst = max(noisy, key=lambda m: m.spread)
+        lines.append(
+            f"timing noise (interquartile range of each row's timed calls / their median): median "
+            f"{statistics.median(m.spread for m in noisy):.0%}, largest {worst.spread:.0%} "
+            f"({_label(worst)}, {worst.contender})"
+        )
     return "\n".join(lines)
+
+
+def _label(m: Measurement) -> str:
+    return f"{m.op} {m.direction} {'x'.join(map(str, m.shape))} {m.dtype}"
 
 
 def _kernel_gbps(m: Measurement) -> str:
@@ -406,7 +543,7 @@ def _table(
         (m.op, m.direction, m.shape, m.dtype): m.kernel_ms for m in results if m.contender == "ours"
     }
     for m in results:
-        label = f"{m.op} {m.direction} {'x'.join(map(str, m.shape))} {m.dtype}"
+        label = _label(m)
         if m.error:
             lines.append(f"{label:<46} {m.contender:<14} {'error':>9}  {m.error}")
             continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import functools
 import importlib
 import importlib.metadata
@@ -29,7 +30,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -40,7 +41,7 @@ from .bench import (
     BenchCase,
     Check,
     Measurement,
-    copy_ceiling_gbps,
+    copy_ceiling,
     format_table,
     matmul_ceiling_tflops,
     run_cases,
@@ -51,6 +52,10 @@ from .platform import DeviceInfo, cpu_isa, device_info, triton_interpreting
 __all__ = ["main", "families"]
 
 PLOT_NEEDS = "--plot needs matplotlib: pip install matplotlib"
+# The families of this repository (packages/<name>, distribution openkernels-<name>): named
+# in the message when one is asked for and not installed. Others that install an
+# openkernels.<name> package with a bench module are found all the same (`families`).
+KNOWN_FAMILIES = ("activations", "layernorm", "attention", "quant")
 
 
 def families() -> list[str]:
@@ -70,13 +75,31 @@ class _UsageError(Exception):
     """A bad command line: reported in one line, exit code 2."""
 
 
+def _install_hint(names: Sequence[str]) -> str:
+    dists = " ".join(f"openkernels-{name}" for name in names)
+    paths = " ".join(f"./packages/{name}" for name in names)
+    return f"pip install {dists} (from a clone of the repository: pip install {paths})"
+
+
 def _chosen_families(wanted: Sequence[str]) -> list[str]:
     installed = families()
-    if not installed:
-        raise _UsageError("no openkernels family is installed (pip install openkernels-activations, ...)")
-    unknown = [f for f in wanted if f not in installed]
+    missing = [f for f in dict.fromkeys(wanted) if f not in installed]
+    absent = [f for f in missing if f in KNOWN_FAMILIES]
+    unknown = [f for f in missing if f not in KNOWN_FAMILIES]
+    have = f"installed: {', '.join(installed) or 'none'}"
     if unknown:
-        raise _UsageError(f"unknown family {', '.join(unknown)}; installed: {', '.join(installed)}")
+        close = [difflib.get_close_matches(f, [*KNOWN_FAMILIES, *installed], n=1) for f in unknown]
+        hint = "".join(f" (did you mean {c[0]}?)" for c in close if c and len(unknown) == 1)
+        raise _UsageError(
+            f"unknown family {', '.join(unknown)}{hint}; the families are {', '.join(KNOWN_FAMILIES)} ({have})"
+        )
+    if absent:
+        raise _UsageError(
+            f"{', '.join(absent)} {'is a family' if len(absent) == 1 else 'are families'} of openkernels "
+            f"but not installed here ({have}): {_install_hint(absent)}"
+        )
+    if not installed:
+        raise _UsageError(f"no openkernels family is installed: {_install_hint(KNOWN_FAMILIES)}")
     return list(dict.fromkeys(wanted)) or installed
 
 
@@ -486,6 +509,55 @@ def _case_label(m: Measurement) -> str:
     return f"{m.family}: {m.op} {m.direction} {'x'.join(map(str, m.shape))} {m.dtype}"
 
 
+# Peers whose absence has a cause to name: the module that has them, what to install.
+_PEER_PACKAGES = {
+    "liger": ("liger_kernel", "pip install liger-kernel"),
+    "bnb-nf4": ("bitsandbytes", "pip install bitsandbytes"),
+    "gemlite": ("gemlite", "pip install gemlite"),
+    "flex": ("torch.nn.attention.flex_attention", "FlexAttention needs torch 2.5 or later"),
+}
+
+
+def _not_installed(peer: str) -> str | None:
+    """Why `peer` cannot run in this process at all, when its package is missing."""
+    module, install = _PEER_PACKAGES.get(peer, (None, ""))
+    if module is None:
+        return None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        found = False
+    return None if found else f"{module} is not installed ({install})"
+
+
+def _missing_peers(
+    peers: Sequence[str], work: Sequence[tuple[torch.device, str, list[BenchCase]]]
+) -> tuple[dict[str, str], list[str]]:
+    """Requested peers that no benchmark case has: (peer -> where and why, the peers missing
+    on every device). The families leave out a peer that is not installed, that has no
+    counterpart of their ops, or that does not run on the device (Liger's Triton kernels on
+    a CPU), and say nothing."""
+    devices = list(dict.fromkeys(d for d, _, _ in work))
+    missing: dict[str, str] = {}
+    nowhere = []
+    for peer in dict.fromkeys(peers):
+        without = []
+        for device in devices:
+            built = [(f, cases) for d, f, cases in work if d == device]
+            if not any(peer in case.contenders for _, cases in built for case in cases):
+                without.append((device, [f for f, _ in built]))
+        if not without:
+            continue
+        why = _not_installed(peer)
+        if why is None:
+            missing[peer] = "; ".join(f"on {d}: no case of {' or '.join(f)} has it there" for d, f in without)
+        else:
+            missing[peer] = f"on {', '.join(str(d) for d, _ in without)}: {why}"
+        if len(without) == len(devices):
+            nowhere.append(peer)
+    return missing, nowhere
+
+
 def _bench_cmd(args: argparse.Namespace) -> int:
     if args.plot:
         _require_matplotlib()  # before minutes of timing, not after
@@ -504,6 +576,14 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                 print(f"openkernels bench: {broken[-1]}", file=sys.stderr)
                 continue
             work.append((device, family, cases))
+    missing, nowhere = _missing_peers(peers or (), work)
+    for peer, why in missing.items():
+        print(f"openkernels bench: peer {peer} skipped {why}", file=sys.stderr)
+    if peers and work and len(nowhere) == len(set(peers)):
+        raise _UsageError(
+            f"none of the requested peers ({', '.join(nowhere)}) can run here (see above): nothing to "
+            "compare ours with; leave --peers out for each family's own list"
+        )
     results: list[Measurement] = []
     meta_devices: dict[str, dict[str, Any]] = {}
     progress = _Progress(sum(len(c) for _, _, c in work), "bench")
@@ -512,9 +592,16 @@ def _bench_cmd(args: argparse.Namespace) -> int:
             mine = [(f, c) for d, f, c in work if d == device]
             every = [case for _, cases in mine for case in cases]
             ceilings: dict[str, float] = {}
+            copy: dict[str, Any] = {}
             progress.start(f"ceilings on {device}")
             if any(not c.flops for c in every):
-                ceilings["ceiling_gbps"] = copy_ceiling_gbps(device)
+                measured = copy_ceiling(device)
+                ceilings["ceiling_gbps"] = measured.gbps
+                copy = {
+                    "ceiling_gbps_repeats": list(measured.repeats),
+                    "ceiling_gbps_buffer": measured.buffer_bytes,
+                }
+                progress.write(f"\n{_where(device)}: {measured.describe()}")
             if any(c.flops for c in every):
                 ceilings["ceiling_tflops"] = matmul_ceiling_tflops(device)
             info = device_info(device)
@@ -523,6 +610,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                 "arch": info.arch,
                 "name": info.name,
                 **ceilings,
+                **copy,
             }
             for family, cases in mine:
                 family_results = []
@@ -543,6 +631,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
             devices=meta_devices,
             families=chosen,
             peers=list(peers) if peers is not None else "each family's default",
+            peers_skipped=missing,
             rep_ms=rep_ms,
             torch=torch.__version__,
             triton=_distribution_version("triton"),
@@ -577,8 +666,35 @@ def _demo(argv: list[str]) -> int:
 # ---- command line ------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, keeping its option strings and its subcommands' parsers, so that
+    an unknown option is reported by the subcommand it was given to, with its usage and the
+    closest option. (A subcommand's parser hands the arguments it does not know back to the
+    top-level one, which would report them with the top-level usage.)"""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.option_names: list[str] = []  # before argparse's __init__ adds -h, --help
+        self.commands: dict[str, _Parser] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.option_names += action.option_strings
+        return action
+
+    def unrecognized(self, extra: Sequence[str]) -> NoReturn:
+        """Exit 2 with this parser's usage, naming the arguments and the closest options."""
+        hints = []
+        for arg in extra:
+            name = arg.partition("=")[0]
+            close = difflib.get_close_matches(name, self.option_names, n=1) if name.startswith("-") else []
+            if close:
+                hints.append(("" if len(extra) == 1 else f"{arg}: ") + f"did you mean {close[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
         prog="openkernels", description="openkernels: fused kernels for PyTorch, from the command line."
     )
     parser.add_argument("--version", action="version", version=f"openkernels-shared {__version__}")
@@ -601,8 +717,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--peers",
         default=None,
-        help="comma-separated peers, e.g. torch,torch.compile,liger (default: each family's own list; "
-        "peers that are not installed are skipped)",
+        help="comma-separated peers, e.g. torch,torch.compile,liger (default: each family's own list); "
+        "a peer no case has here (not installed, not on this device) is named with the reason, and "
+        "when none of them can run the command stops with exit code 2",
     )
     bench.add_argument("--json", metavar="PATH", help="write the measurements as JSON")
     bench.add_argument(
@@ -612,6 +729,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "demo", help="the model demo (openkernels.shared.model_demo); arguments go to it", add_help=False
     )
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -622,7 +740,9 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(argv[1:])
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            parser.commands.get(args.command, parser).unrecognized(extra)
     except SystemExit as exit_:  # --help, --version, or a usage error argparse reported
         return exit_.code if isinstance(exit_.code, int) else 2
     if args.command is None:
