@@ -229,16 +229,25 @@ def test_several_new_tokens_against_a_filled_cache(models) -> None:
     assert torch.equal(chunked, _generate(models["ref"], p))
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_sliding_window_model(models, static) -> None:
-    # Mistral-style window on every layer: the cache keeps every token and the kernel applies
-    # the window (transformers' W: a token sees itself and the W - 1 before it).
-    config = transformers.MistralConfig(**{**models["ours"].config.to_dict(), "sliding_window": 6})
+def _mistral_pair(models, sliding_window: int):
+    """A Mistral-style model (every layer windowed) with the test models' sizes, twice with
+    the same random weights: transformers' SDPA, and openkernels' attention."""
+    config = transformers.MistralConfig(
+        **{**models["ours"].config.to_dict(), "sliding_window": sliding_window}
+    )
     ref = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
     ref.set_attn_implementation("sdpa")
     ours = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
     ours.load_state_dict(ref.state_dict())
     ours.set_attn_implementation("openkernels")
+    return ref, ours
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_sliding_window_model(models, static) -> None:
+    # Mistral-style window on every layer: the cache keeps every token and the kernel applies
+    # the window (transformers' W: a token sees itself and the W - 1 before it).
+    ref, ours = _mistral_pair(models, sliding_window=6)
     p, t = models["prompt"], models["tokens"][:, :6]
     want = _logits(ref, DynamicCache(config=ref.config), p, t)
     cache = _static(ours) if static else A.OpenKernelsCache(ours.config, BATCH, 64)
@@ -279,12 +288,7 @@ def test_left_padded_batch_gives_transformers_tokens(models) -> None:
 def test_left_padded_batch_with_a_sliding_window(models) -> None:
     """Padding and a window together: the mask's first visible key may be the window's start,
     not the padding's end; both hide the same keys."""
-    config = transformers.MistralConfig(**{**models["ours"].config.to_dict(), "sliding_window": 6})
-    ref = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
-    ref.set_attn_implementation("sdpa")
-    ours = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
-    ours.load_state_dict(ref.state_dict())
-    ours.set_attn_implementation("openkernels")
+    ref, ours = _mistral_pair(models, sliding_window=6)
     p = models["prompt"].clone()
     mask = torch.ones_like(p)
     p[1, :4], mask[1, :4] = 0, 0
