@@ -38,6 +38,7 @@ __all__ = [
     "quantize_unchecked",
     "unpack_codes",
     "gather_sequence",
+    "gather_kv",
 ]
 
 BITS = (4, 8)  # the quantized formats; 16 stands for an unquantized cache
@@ -175,3 +176,21 @@ def gather_sequence(
     qkv = QuantizedKV(rows, _rows(scale, b, length, block_table, start), _rows(zero, b, length, block_table, start),
                       bits, group_size)  # fmt: skip
     return dequantize_kv(qkv, dtype)
+
+
+def gather_kv(
+    k_parts: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    v_parts: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    b: int,
+    length: int,
+    block_table: torch.Tensor | None,
+    *,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_sequence of both sides, each given as (data, scale, zero): (keys, values)."""
+    k, v = (gather_sequence(*parts, b, length, block_table, bits=bits, group_size=group_size, dtype=dtype,
+                            start=start) for parts in (k_parts, v_parts))  # fmt: skip
+    return k, v

@@ -359,7 +359,7 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
             rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
-    from .kvformat import gather_sequence
+    from .kvformat import gather_kv
 
     sq = q.shape[1]
     acc = compute_dtype(q.dtype)
@@ -367,21 +367,8 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     with torch.no_grad():
         for b, cached in enumerate(cache_seqlens.tolist()):
             length = cached + seqlen_new
-            k, v = (
-                gather_sequence(
-                    d,
-                    sc,
-                    zr,
-                    b,
-                    length,
-                    block_table,
-                    bits=bits,
-                    group_size=group_size,
-                    dtype=acc,
-                    start=offsets[b],
-                )
-                for d, sc, zr in ((k_data, k_scale, k_zero), (v_data, v_scale, v_zero))
-            )
+            k, v = gather_kv((k_data, k_scale, k_zero), (v_data, v_scale, v_zero), b, length, block_table, bits=bits,
+                             group_size=group_size, dtype=acc, start=offsets[b])  # fmt: skip
             qb = q[b]
             if rotary_cos is not None:
                 pos = torch.arange(length - sq, length, device=q.device)

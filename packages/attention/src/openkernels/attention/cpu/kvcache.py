@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvformat import gather_sequence
+from ..kvformat import gather_kv
 from ..reference import rotate
 from . import attn_fwd
 
@@ -25,21 +25,8 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
                 out[b].zero_()
                 lse[b].fill_(float("-inf"))
                 continue
-            k, v = (
-                gather_sequence(
-                    d,
-                    sc,
-                    zr,
-                    b,
-                    length,
-                    block_table,
-                    bits=bits,
-                    group_size=group_size,
-                    dtype=q.dtype,
-                    start=offsets[b],
-                )
-                for d, sc, zr in ((k_data, k_scale, k_zero), (v_data, v_scale, v_zero))
-            )
+            k, v = gather_kv((k_data, k_scale, k_zero), (v_data, v_scale, v_zero), b, length, block_table, bits=bits,
+                             group_size=group_size, dtype=q.dtype, start=offsets[b])  # fmt: skip
             qb = q[b]
             if rotary_cos is not None:
                 pos = torch.arange(length - sq, length, device=q.device)
