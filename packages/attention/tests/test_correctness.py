@@ -382,7 +382,10 @@ def test_torch_compile_fullgraph(device: str, impl: str, backend: str) -> None:
 
         compiled = torch.compile(loss, fullgraph=True, backend=backend)
         leaves = (case.q, case.k, case.v)
-        with dispatch.force(impl), poisoned_empty():
+        # The compiled backward calls the backward op from autograd's CUDA thread, where the
+        # force block is not visible (docs/dispatch.md): run it in this thread, or the
+        # compiled gradients of a forced reference come from the Triton backward.
+        with dispatch.force(impl), poisoned_empty(), torch.autograd.set_multithreading_enabled(False):
             out, lse, eager = loss(*leaves)
             grads = torch.autograd.grad(eager, leaves)
             out_c, lse_c, got = compiled(*leaves)
@@ -401,7 +404,9 @@ def test_opcheck(device: str, impl: str) -> None:
     ops = torch.ops.openkernels
     for case in _compile_cases(device):
         args = (case.q, case.k, case.v, *case.library_args())
-        with dispatch.force(impl):
+        # opcheck's AOT-dispatch checks run compiled backwards: in this thread, so that the
+        # force block reaches them (see test_torch_compile_fullgraph).
+        with dispatch.force(impl), torch.autograd.set_multithreading_enabled(False):
             run_opcheck(ops.attention.default, args)
             out, lse = ops.attention(*args)
             dout = random_tensor(tuple(out.shape), out.dtype, device)
