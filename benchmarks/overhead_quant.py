@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import openkernels.quant as Q
-from openkernels.quant.triton import fastlaunch, int4_linear_fwd
+from openkernels.quant.triton import int4_linear_fwd
+from openkernels.shared import launch as fastlaunch
 
 
 def per_call_us(fn, calls: int = 2000) -> float:

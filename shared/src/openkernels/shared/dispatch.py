@@ -435,7 +435,9 @@ def _checked_now(specs: tuple[str, ...], manager: str) -> tuple[str, ...]:
 
 def force(*specs: str) -> contextlib.AbstractContextManager[None]:
     """Use only these implementations ("name" or "op:name") inside the block. The blocks
-    are per thread (and per asyncio task): another thread does not see them."""
+    are per thread (and per asyncio task): another thread does not see them, nor does the
+    backward of a torch.compile'd graph on CUDA, which autograd runs on its own thread
+    (docs/dispatch.md: run it with torch.autograd.set_multithreading_enabled(False))."""
     return _set(_FORCED, _FORCED.get() + _checked_now(specs, "force"))
 
 

@@ -12,6 +12,7 @@ aligned bottom-right, softcap, ALiBi, empty rows, rotary) are in reference.py.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 
@@ -35,6 +36,28 @@ def _finite(x) -> bool:
 
 
 def _check_options(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
+    """(window_left, window_right) after checking the scalar options; plain Python values
+    (the usual call) are checked once per combination."""
+    if (
+        type(causal) is bool
+        and type(window) is tuple
+        and len(window) == 2
+        and type(window[0]) is int
+        and type(window[1]) is int
+        and type(softcap) in (float, int)
+        and (softmax_scale is None or type(softmax_scale) in (float, int))
+        and not torch.compiler.is_compiling()
+    ):  # exact types: True == 1 must not hit an entry cached for 1
+        return _checked_options(name, causal, softmax_scale, window, softcap)
+    return _check_options_now(name, causal, softmax_scale, window, softcap)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_options(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
+    return _check_options_now(name, causal, softmax_scale, window, softcap)
+
+
+def _check_options_now(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
     if not isinstance(causal, bool):
         raise TypeError(f"{name}: causal must be a bool, got {causal!r}")
     if softmax_scale is not None and (

@@ -8,6 +8,7 @@ import functools
 import torch
 import triton
 
+from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info
 
 from . import plan
@@ -71,7 +72,8 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
         return
     block_t = kv_append_block_t(head_dim)
     stride_ro, rot_half = _rotary(rotary_cos)
-    _kvcache_append_fwd_kernel[(triton.cdiv(seqlen_new, block_t), batch * heads_kv)](
+    launch(
+        _kvcache_append_fwd_kernel, (triton.cdiv(seqlen_new, block_t), batch * heads_kv),
         k_new, v_new, k_data, v_data, k_scale, k_zero, v_scale, v_zero, cache_seqlens, block_table, rotary_cos,
         rotary_sin, leftpad, k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1),
         v_new.stride(2), *_side(k_data, block_table), *_side(v_data, block_table), *_scale_strides(k_scale),
@@ -82,13 +84,13 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
     )  # fmt: skip
 
 
-def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
-            rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
-            rotary_interleaved, bits, group_size, leftpad=None, config: AttnConfig | None = None,
-            num_splits: int | None = None, scale_gather: bool = False) -> None:  # fmt: skip
-    """config, num_splits: override kv_config / kv_splits (tuning, tests). scale_gather: read
-    grouped scales with one gathered load per element instead of a (keys, groups) load and a
-    reshape (never ahead in the H200 sweeps of tune_kvcache.py; kept for them)."""
+_plans: dict[tuple, plan.KVLaunches] = {}
+_MAX_PLANS = 4096
+
+
+def _plan(q, k_data, v_data, k_scale, out, lse, block_table, rotary_cos, seqlen_new, max_seqlen_k, scale, window_left,
+          window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size, leftpad, config, num_splits,
+          scale_gather) -> plan.KVLaunches:  # fmt: skip
     batch, seqlen_q, heads_q, head_dim = q.shape
     stride_ro, rot_half = _rotary(rotary_cos)
     problem = plan.KVProblem(
@@ -102,22 +104,48 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
         _side(v_data, block_table),
         _scale_strides(k_scale),
     )
-    kv = plan.kvcache(
+    return plan.kvcache(
         problem, device_info(q.device).arch, _sm_count(q.device), strides, out.stride()[:3], lse.stride(),
         (0 if block_table is None else block_table.stride(0), stride_ro), _fast_dequant(q.device), scale_gather,
-        config, num_splits or FORCE_SPLITS,
+        config, num_splits,
     )  # fmt: skip
+
+
+def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
+            rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
+            rotary_interleaved, bits, group_size, leftpad=None, config: AttnConfig | None = None,
+            num_splits: int | None = None, scale_gather: bool = False) -> None:  # fmt: skip
+    """config, num_splits: override kv_config / kv_splits (tuning, tests). scale_gather: read
+    grouped scales with one gathered load per element instead of a (keys, groups) load and a
+    reshape (never ahead in the H200 sweeps of tune_kvcache.py; kept for them)."""
+    # The plan depends on max_seqlen_k only through its number of key blocks (block_n is a
+    # multiple of 16): rounded up, one cached plan serves 16 decode steps in a row. The key
+    # is a plain tuple of what the plan reads (building the problem object costs more).
+    max_k16 = -(-max_seqlen_k // 16) * 16
+    key = (q.shape, q.stride(), k_data.shape, k_data.stride(), v_data.stride(),
+           None if k_scale is None else k_scale.stride(), out.stride(), lse.stride(),
+           None if block_table is None else (block_table.shape[1], block_table.stride(0)),
+           None if rotary_cos is None else (rotary_cos.stride(0), rotary_cos.shape[1]), q.device, bits, group_size,
+           seqlen_new, max_k16, scale, window_left, window_right, alibi_slopes is not None, softcap,
+           rotary_interleaved, leftpad is not None, config, num_splits or FORCE_SPLITS, scale_gather)  # fmt: skip
+    kv = _plans.get(key)
+    if kv is None:
+        kv = _plan(q, k_data, v_data, k_scale, out, lse, block_table, rotary_cos, seqlen_new, max_k16, scale,
+                   window_left, window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size, leftpad,
+                   config, num_splits or FORCE_SPLITS, scale_gather)  # fmt: skip
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = kv
     dst_o, dst_lse = out, lse
     if kv.splits > 1:  # float32 partials, merged below
         dst_o = torch.empty(kv.partial_out, dtype=torch.float32, device=q.device)
         dst_lse = torch.empty(kv.partial_lse, dtype=torch.float32, device=q.device)
-    _attention_kvcache_fwd_kernel[kv.main.grid](
-        q_ptr=q, k_ptr=k_data, v_ptr=v_data, k_scale_ptr=k_scale, k_zero_ptr=k_zero, v_scale_ptr=v_scale,
+    launch(
+        _attention_kvcache_fwd_kernel, kv.main.grid, q_ptr=q, k_ptr=k_data, v_ptr=v_data, k_scale_ptr=k_scale, k_zero_ptr=k_zero, v_scale_ptr=v_scale,
         v_zero_ptr=v_zero, seqlens_ptr=cache_seqlens, block_table_ptr=block_table, cos_ptr=rotary_cos,
         sin_ptr=rotary_sin, slopes_ptr=alibi_slopes, leftpad_ptr=leftpad, o_ptr=dst_o, lse_ptr=dst_lse, num_warps=kv.main.num_warps,
         num_stages=kv.main.num_stages, **kv.main.args,
     )  # fmt: skip
     if kv.combine is not None:
-        _attention_kvcache_combine_kernel[kv.combine.grid](part_o_ptr=dst_o, part_lse_ptr=dst_lse, o_ptr=out,
-                                                           lse_ptr=lse, num_warps=kv.combine.num_warps,
-                                                           **kv.combine.args)  # fmt: skip
+        launch(_attention_kvcache_combine_kernel, kv.combine.grid, part_o_ptr=dst_o, part_lse_ptr=dst_lse, o_ptr=out,
+               lse_ptr=lse, num_warps=kv.combine.num_warps, **kv.combine.args)  # fmt: skip

@@ -323,6 +323,8 @@ def kvcache(
     overrides (tuning, tests); else kv_config and kv_splits for sm_count SMs."""
     group = p.heads_q // p.heads_kv
     cfg = config or kv_config(p.head_dim, p.bits, min(p.seqlen_q * group, 17), arch)
+    if cfg.block_n % 16:  # the launcher rounds max_seqlen_k up to a multiple of 16
+        raise ValueError(f"kvcache plan: block_n must be a multiple of 16, got {cfg.block_n}")
     m_blocks = _cdiv(p.seqlen_q * group, cfg.block_m)
     key_blocks = _cdiv(p.max_seqlen_k, cfg.block_n)
     splits = num_splits or kv_splits(m_blocks * p.batch * p.heads_kv, key_blocks, sm_count)

@@ -7,12 +7,12 @@ import functools
 import torch
 from torch import Tensor
 
+from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info, triton_interpreting
 
 from ..format import nf4_values
 from ..ops import LIBRARY_CALL
 from .configs import LinearConfig, arch_family, linear_config
-from .fastlaunch import launch
 from .kernels import _dequantize_int4_fwd_kernel, _int4_linear_fwd_kernel, _int4_linear_gemv_fwd_kernel
 from .plan import dequant_plan, linear_plan
 
@@ -77,9 +77,8 @@ def dequantize_int4_fwd(
     plan = dequant_plan(n, k, group_size, kind, has_zeros=zeros is not None)
     ints = plan.int_args(qweight.stride(0), scales.stride(0), out.stride(0))
     args = (qweight, scales, scales if zeros is None else zeros, _lut(kind, scales), out, *ints.values())
-    static = ("dequant", n, k, qweight.stride(0), scales.stride(0), out.stride(0), out.dtype, scales.dtype, kind,
-              zeros is None, group_size)  # fmt: skip
-    launch(_dequantize_int4_fwd_kernel, plan.grid, args, plan.flags, plan.num_warps, plan.num_stages, static)
+    launch(_dequantize_int4_fwd_kernel, plan.grid, *args, num_warps=plan.num_warps, num_stages=plan.num_stages,
+           **plan.flags)  # fmt: skip
 
 
 class _Plan:
@@ -105,10 +104,19 @@ class _Plan:
         if self.gemv:
             for row in range(self.m):  # the table never sends M > 1 here; a forced config may
                 args = (x[row], *weight, out[row], ws, counters, *self.ints)
-                launch(self.kernel, self.grid, args, self.flags, self.num_warps, self.num_stages, self.key)
+                launch(
+                    self.kernel,
+                    self.grid,
+                    *args,
+                    num_warps=self.num_warps,
+                    num_stages=self.num_stages,
+                    **self.flags,
+                )
             return
         args = (x, *weight, out, ws, counters, *self.ints)
-        launch(self.kernel, self.grid, args, self.flags, self.num_warps, self.num_stages, self.key)
+        launch(
+            self.kernel, self.grid, *args, num_warps=self.num_warps, num_stages=self.num_stages, **self.flags
+        )
 
 
 _plans: dict[tuple, _Plan] = {}

@@ -1,0 +1,95 @@
+"""shared.launch: the specialization key of a direct launch, the fallback to kernel[grid],
+and on a GPU, direct launches that give what kernel[grid] gives when alignments and
+specialized integers change between calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from openkernels.shared import launch as L
+from openkernels.shared.platform import triton_interpreting
+
+
+@triton.jit
+def _affine_kernel(x_ptr, out_ptr, n, offset, scale, BLOCK: tl.constexpr, ADD: tl.constexpr = True):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    y = x * scale
+    if ADD:
+        y += offset
+    tl.store(out_ptr + i, y, mask=i < n)
+
+
+def _key(*values, warps=4, stages=None):
+    return L.specialization_key(_affine_kernel, values, warps, stages, 0)
+
+
+jit_only = pytest.mark.skipif(triton_interpreting(), reason="keys are read from a JITFunction's parameters")
+
+
+@jit_only
+def test_key_follows_what_triton_specializes() -> None:
+    x = torch.zeros(64, dtype=torch.float32)
+    out = torch.zeros(64, dtype=torch.float32)
+    base = _key(x, out, 64, 3, 0.5, 16, True)
+    # Tensor address alignment (16 bytes) and dtype.
+    assert _key(x[1:], out, 64, 3, 0.5, 16, True) != base
+    assert _key(x[4:], out, 64, 3, 0.5, 16, True) == base  # 16 bytes on: aligned again
+    assert _key(x.half(), out, 64, 3, 0.5, 16, True) != base
+    # Integers: == 1, divisible by 16, 32-bit range.
+    assert _key(x, out, 48, 3, 0.5, 16, True) == base
+    assert _key(x, out, 63, 3, 0.5, 16, True) != base
+    assert _key(x, out, 64, 1, 0.5, 16, True) != base
+    assert _key(x, out, 64, 2**31 + 3, 0.5, 16, True) != base
+    # Floats by type alone; constexprs by value; launch options.
+    assert _key(x, out, 64, 3, 2.0, 16, True) == base
+    assert _key(x, out, 64, 3, 0.5, 32, True) != base
+    assert _key(x, out, 64, 3, 0.5, 16, False) != base
+    assert _key(x, out, 64, 3, 0.5, 16, True, warps=8) != base
+    assert _key(x, out, 64, 3, 0.5, 16, True, stages=2) != base
+
+
+@jit_only
+def test_bind_fills_defaults_and_names_bad_arguments() -> None:
+    x = torch.zeros(8)
+    values = L._bind(_affine_kernel, (x, x, 8, 0, 1.0), {"BLOCK": 8})
+    assert values[-1] is True  # ADD's default
+    with pytest.raises(TypeError, match="missing argument 'BLOCK'"):
+        L._bind(_affine_kernel, (x, x, 8, 0, 1.0), {})
+    with pytest.raises(TypeError, match="unexpected arguments \\['BLOK'\\]"):
+        L._bind(_affine_kernel, (x, x, 8, 0, 1.0), {"BLOCK": 8, "BLOK": 8})
+
+
+@pytest.mark.interpreter
+def test_cpu_tensors_take_kernel_grid() -> None:
+    if not triton_interpreting():
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    x = torch.arange(10, dtype=torch.float32)
+    out = torch.empty_like(x)
+    L.launch(_affine_kernel, (2,), x, out, 10, 3, 2.0, BLOCK=8, num_warps=4)
+    torch.testing.assert_close(out, x * 2 + 3)
+
+
+@pytest.mark.gpu
+def test_direct_launches_match_kernel_grid_on_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    L.clear()
+    buf = torch.randn(1000, device="cuda")
+    for start, n, offset, scale, add in [(0, 1000, 3, 0.5, True), (0, 1000, 1, 0.5, True), (1, 999, 16, 2.0, True),
+                                         (0, 1000, 3, 0.5, True), (1, 997, 1, -1.0, False), (4, 996, 2, 1.5, True)]:  # fmt: skip
+        x = buf[start : start + n]
+        got = torch.full_like(x, float("nan"))
+        want = torch.full_like(x, float("nan"))
+        L.launch(
+            _affine_kernel, (triton.cdiv(n, 128),), x, got, n, offset, scale, BLOCK=128, ADD=add, num_warps=4
+        )
+        L.launch(
+            _affine_kernel, (triton.cdiv(n, 128),), x, got, n, offset, scale, BLOCK=128, ADD=add, num_warps=4
+        )
+        _affine_kernel[(triton.cdiv(n, 128),)](x, want, n, offset, scale, BLOCK=128, ADD=add, num_warps=4)
+        assert torch.equal(got, want), (start, n, offset, scale, add)
+    assert len(L._compiled) >= 4  # aligned/misaligned, offset 1 vs not, ADD on/off: separate entries
