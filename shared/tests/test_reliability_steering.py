@@ -236,3 +236,83 @@ def test_importing_the_package_stays_light() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# ---- a snapshot serves any number of threads at once ---------------------------------
+
+
+def test_one_snapshot_runs_in_two_threads_at_once() -> None:
+    """Autograd may run one graph's backward in two threads (retain_graph=True); each runs
+    the saved snapshot. A contextvars.Context refused the second ("cannot enter context")."""
+    op = _op("fast", "cpu", "reference")
+    x = torch.ones(2)
+    with dispatch.force("reference"):
+        steering = dispatch.snapshot()
+    both_inside = threading.Barrier(2, timeout=30)
+    seen: list[str] = []
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        both_inside.wait()  # the other thread is inside its run too
+        seen.append(dispatch.run(op, x))
+
+    def worker() -> None:
+        try:
+            steering.run(body)
+        except BaseException as error:
+            errors.append(error)
+            both_inside.abort()
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert seen == ["reference", "reference"]
+    assert dispatch.run(op, x) == "fast"  # run() put the thread's own state back
+
+
+def _family_graphs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, leaf, loss) of one eager call per family with a backward."""
+    from openkernels import activations, attention, layernorm, quant
+
+    torch.manual_seed(0)
+    graphs = []
+    x = torch.randn(64, 256, requires_grad=True)
+    graphs.append(("rms_norm", x, layernorm.rms_norm(x, torch.ones(256)).square().sum()))
+    x = torch.randn(64, 512, requires_grad=True)
+    graphs.append(("silu_and_mul", x, activations.silu_and_mul(x).square().sum()))
+    q = torch.randn(1, 64, 2, 32, requires_grad=True)
+    kv = torch.randn(1, 64, 2, 32)
+    graphs.append(("attention", q, attention.attention(q, kv, kv, causal=True).square().sum()))
+    w = quant.quantize_int4(torch.randn(128, 256) * 0.02, 128)
+    x = torch.randn(4, 256, requires_grad=True)
+    graphs.append(("int4_linear", x, quant.int4_linear(x, w).square().sum()))
+    return graphs
+
+
+def test_backward_of_one_graph_in_many_threads_every_family() -> None:
+    """torch.autograd.grad(..., retain_graph=True) on one graph from 8 threads at once, as
+    torch's own ops allow: the same gradients, no "cannot enter context" error."""
+    for name, leaf, loss in _family_graphs():
+        (want,) = torch.autograd.grad(loss, leaf, retain_graph=True)
+        start = threading.Barrier(8, timeout=60)
+        errors: list[BaseException] = []
+        grads: list[torch.Tensor] = []
+
+        def worker(loss=loss, leaf=leaf, start=start, errors=errors, grads=grads) -> None:
+            try:
+                start.wait()
+                for _ in range(5):
+                    grads.append(torch.autograd.grad(loss, leaf, retain_graph=True)[0])
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, f"{name}: {errors[0]!r}"
+        assert len(grads) == 40 and all(torch.equal(g, want) for g in grads), name

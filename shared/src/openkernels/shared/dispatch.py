@@ -50,6 +50,7 @@ __all__ = [
     "run",
     "select",
     "snapshot",
+    "Steering",
     "strict",
     "triton_supports",
 ]
@@ -452,12 +453,33 @@ def strict(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     return _set(_STRICT, enabled)
 
 
-def snapshot() -> contextvars.Context:
+class Steering(NamedTuple):
+    """The steering state (force / forbid / strict blocks) of one moment; see snapshot."""
+
+    forced: tuple[str, ...]
+    forbidden: tuple[str, ...]
+    strict: bool
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) under this state, in the calling thread's own context: any
+        number of threads may run under one snapshot at once (a contextvars.Context can be
+        entered by one thread at a time, and two threads running one graph's backward with
+        retain_graph=True crashed on it)."""
+        tokens = (_FORCED.set(self.forced), _FORBIDDEN.set(self.forbidden), _STRICT.set(self.strict))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _STRICT.reset(tokens[2])
+            _FORBIDDEN.reset(tokens[1])
+            _FORCED.reset(tokens[0])
+
+
+def snapshot() -> Steering:
     """The steering state (force / forbid / strict blocks) of the current call, to run
     later work under: `snapshot().run(fn, *args)`. Autograd runs CUDA backwards on its own
     threads, where context variables set around the forward are not visible; families save
     a snapshot in the forward's autograd context and run the backward in it."""
-    return contextvars.copy_context()
+    return Steering(_FORCED.get(), _FORBIDDEN.get(), _STRICT.get())
 
 
 def reset_failures() -> None:
