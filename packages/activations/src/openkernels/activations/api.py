@@ -80,17 +80,14 @@ def _eager_fast_path(x: torch.Tensor) -> bool:
 
 def _call(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
     _check(name, x, out, approximate)
-    has_approx = SPECS[name].approximate
-    extra = (approximate,) if has_approx else ()
+    extra = (approximate,) if SPECS[name].approximate else ()
     if out is not None:
         if _eager_fast_path(x):
             ops.forward_into(name, x, out, approximate)
         else:
             getattr(torch.ops.openkernels, f"{name}_out")(x, *extra, out=out)
         return out
-    if _eager_fast_path(x):
-        return ops.forward(name, x, approximate)
-    return getattr(torch.ops.openkernels, name)(x, *extra)
+    return ops.OPS[name](x, *extra)  # the op picks its path: eager, eager autograd or library
 
 
 def silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,8 +4,9 @@ Every public op `<op>` is three library ops in the `openkernels` namespace:
   openkernels::<op>(Tensor x[, str approximate]) -> Tensor
   openkernels::<op>_out(Tensor x[, str approximate], *, Tensor(a!) out) -> ()
   openkernels::<op>_backward(Tensor grad_out, Tensor x[, str approximate]) -> Tensor
-each with a fake impl, and autograd registered on the functional op. Their device impl
-asks `openkernels.shared.dispatch` for the best backend; backends implement
+each with a fake impl, and autograd registered on the functional op, all made from one
+declaration by `openkernels.shared.opdef` (which also gives the eager fast paths, `OPS`).
+Their device impl asks `openkernels.shared.dispatch` for the best backend; backends implement
   unary_fwd(x, out, act) / unary_bwd(grad_out, x, grad_in, act)
   gated_fwd(x, out, act, *, act_first) / gated_bwd(grad_out, x, grad_in, act, *, act_first)
 on 2D tensors: x and grad_out with unit column stride and any row stride, out and grad_in
@@ -16,56 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from openkernels.shared import dispatch
+from openkernels.shared import dispatch, opdef
 from openkernels.shared.layout import as_rows
 
 from .spec import SPECS, OpSpec, act_for
 
-__all__ = ["forward", "forward_into", "backward", "KERNEL_DTYPES"]
+__all__ = ["forward", "forward_into", "backward", "KERNEL_DTYPES", "OPS"]
 
 _PKG = "openkernels.activations"
 # Dtypes the Triton and C++ kernels take; float64 runs on the reference implementation.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-# One explicit schema per library op; `approximate` only for the GELU family.
-_SCHEMAS: dict[str, tuple[str, str, str]] = {
-    "silu": (
-        "(Tensor x) -> Tensor",
-        "(Tensor x, *, Tensor(a!) out) -> ()",
-        "(Tensor grad_out, Tensor x) -> Tensor",
-    ),
-    "gelu": (
-        "(Tensor x, str approximate='none') -> Tensor",
-        "(Tensor x, str approximate='none', *, Tensor(a!) out) -> ()",
-        "(Tensor grad_out, Tensor x, str approximate='none') -> Tensor",
-    ),
-    "gelu_quick": (
-        "(Tensor x) -> Tensor",
-        "(Tensor x, *, Tensor(a!) out) -> ()",
-        "(Tensor grad_out, Tensor x) -> Tensor",
-    ),
-    "relu_squared": (
-        "(Tensor x) -> Tensor",
-        "(Tensor x, *, Tensor(a!) out) -> ()",
-        "(Tensor grad_out, Tensor x) -> Tensor",
-    ),
-    "silu_and_mul": (
-        "(Tensor x) -> Tensor",
-        "(Tensor x, *, Tensor(a!) out) -> ()",
-        "(Tensor grad_out, Tensor x) -> Tensor",
-    ),
-    "gelu_and_mul": (
-        "(Tensor x, str approximate='none') -> Tensor",
-        "(Tensor x, str approximate='none', *, Tensor(a!) out) -> ()",
-        "(Tensor grad_out, Tensor x, str approximate='none') -> Tensor",
-    ),
-    "mul_and_silu": (
-        "(Tensor x) -> Tensor",
-        "(Tensor x, *, Tensor(a!) out) -> ()",
-        "(Tensor grad_out, Tensor x) -> Tensor",
-    ),
-}
-assert _SCHEMAS.keys() == SPECS.keys()
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
 # (op, approximate) -> Act code as an int, looked up once per call.
@@ -112,36 +73,16 @@ def backward(name: str, grad_out: torch.Tensor, x: torch.Tensor, approximate: st
     return grad_in
 
 
-def _register_backends(spec: OpSpec) -> None:
-    kind = "gated" if spec.gated else "unary"
+def _impls(spec: OpSpec, direction: str) -> tuple[opdef.Impl, ...]:
+    """triton (CUDA, ROCm, the interpreter), cpu (C++), reference: one entry point per
+    kind of op and direction (unary_fwd, gated_bwd, ...)."""
+    entry = f"{'gated' if spec.gated else 'unary'}_{direction}"
     bound = {"act_first": spec.act_first} if spec.gated else {}
-    for op, direction, key_fn in ((spec.name, "fwd", _fwd_key), (f"{spec.name}_backward", "bwd", _bwd_key)):
-        dispatch.define(op, key_fn)
-        entry = f"{kind}_{direction}"
-        dispatch.register(
-            op,
-            "triton",
-            dispatch.lazy(f"{_PKG}.triton:{entry}", **bound),
-            backends=("cuda", "rocm"),
-            priority=20,
-            supports=_triton_supports,
-            interpretable=True,
-        )
-        dispatch.register(
-            op,
-            "cpu",
-            dispatch.lazy(f"{_PKG}.cpu:{entry}", **bound),
-            backends=("cpu",),
-            priority=10,
-            supports=_cpu_supports,
-        )
-        dispatch.register(
-            op,
-            "reference",
-            dispatch.lazy(f"{_PKG}.reference:{entry}", **bound),
-            backends=("cuda", "rocm", "cpu"),
-            priority=0,
-        )
+    return (
+        opdef.Impl("triton", f"{_PKG}.triton:{entry}", ("cuda", "rocm"), 20, _triton_supports, True, bound),
+        opdef.Impl("cpu", f"{_PKG}.cpu:{entry}", ("cpu",), 10, _cpu_supports, False, bound),
+        opdef.Impl("reference", f"{_PKG}.reference:{entry}", ("cuda", "rocm", "cpu"), 0, None, False, bound),
+    )
 
 
 def _triton_supports(key: dispatch.DispatchKey) -> str | None:
@@ -156,62 +97,56 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
     return supports(key)
 
 
-def _define_library_ops(spec: OpSpec) -> None:
+def _define(spec: OpSpec) -> opdef.DefinedOp:
+    """openkernels::<op> (with autograd and <op>_backward) and openkernels::<op>_out."""
     name = spec.name
-    fwd_schema, out_schema, bwd_schema = _SCHEMAS[name]
-    _LIB.define(name + fwd_schema)
-    _LIB.define(f"{name}_out{out_schema}", tags=())
-    _LIB.define(f"{name}_backward{bwd_schema}")
-    qualified = f"openkernels::{name}"
+    approx = ", str approximate='none'" if spec.approximate else ""
 
-    # Device impls: every device type goes through dispatch, which picks per backend.
-    def fwd_impl(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    def fwd(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         return forward(name, x, approximate)
+
+    def bwd(grad_out: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        return backward(name, grad_out, x, approximate)
+
+    def save(inputs: tuple, output: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple]:
+        return (inputs[0],), tuple(inputs[1:])  # x; approximate when the op has it
+
+    def grads(run, tensors: tuple, values: tuple, grad_outputs: tuple) -> tuple:
+        return (run(grad_outputs[0], tensors[0], *values), *(None for _ in values))
+
+    defined = opdef.define(
+        _LIB,
+        opdef.OpDef(
+            name=name,
+            schema=f"(Tensor x{approx}) -> Tensor",
+            forward=fwd,
+            fake=lambda x, approximate="none": x.new_empty(_out_shape(spec, x)),
+            key=_fwd_key,
+            impls=_impls(spec, "fwd"),
+            backward=opdef.BackwardDef(
+                schema=f"(Tensor grad_out, Tensor x{approx}) -> Tensor",
+                compute=bwd,
+                fake=lambda grad_out, x, approximate="none": torch.empty_like(
+                    x, memory_format=torch.contiguous_format
+                ),
+                save=save,
+                grads=grads,
+                key=_bwd_key,
+                impls=_impls(spec, "bwd"),
+            ),
+        ),
+    )
 
     def out_impl(x: torch.Tensor, approximate: str = "none", *, out: torch.Tensor) -> None:
         forward_into(name, x, out, approximate)
 
-    def bwd_impl(grad_out: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-        return backward(name, grad_out, x, approximate)
-
-    for op_name, impl in ((name, fwd_impl), (f"{name}_out", out_impl), (f"{name}_backward", bwd_impl)):
-        _LIB.impl(op_name, impl, "CompositeExplicitAutograd")
-
-    # Fakes: shapes and dtypes only, for torch.compile and meta tensors.
-    def fwd_fake(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-        return x.new_empty(_out_shape(spec, x))
-
-    def out_fake(x: torch.Tensor, approximate: str = "none", *, out: torch.Tensor) -> None:
-        return None
-
-    def bwd_fake(grad_out: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    torch.library.register_fake(qualified, fwd_fake, lib=_LIB)
-    torch.library.register_fake(f"{qualified}_out", out_fake, lib=_LIB)
-    torch.library.register_fake(f"{qualified}_backward", bwd_fake, lib=_LIB)
-
-    backward_op = getattr(torch.ops.openkernels, f"{name}_backward").default
-
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.save_for_backward(inputs[0])
-        ctx.approximate = inputs[1] if len(inputs) > 1 else None
-        ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
-
-    def autograd_bwd(ctx, grad_out: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        if ctx.approximate is None:
-            return ctx.dispatch_context.run(backward_op, grad_out, x)
-        return ctx.dispatch_context.run(backward_op, grad_out, x, ctx.approximate), None
-
-    torch.library.register_autograd(qualified, autograd_bwd, setup_context=setup_context, lib=_LIB)
-
-    def no_double_backward(ctx, grad):
-        raise NotImplementedError(f"openkernels::{name}: double backward is not supported")
-
-    torch.library.register_autograd(f"{qualified}_backward", no_double_backward, lib=_LIB)
+    opdef.define(
+        _LIB,
+        opdef.OpDef(name=f"{name}_out", schema=f"(Tensor x{approx}, *, Tensor(a!) out) -> ()", forward=out_impl,
+                    fake=lambda x, approximate="none", *, out: None),
+    )  # fmt: skip
+    return defined
 
 
-for _spec in SPECS.values():
-    _define_library_ops(_spec)
-    _register_backends(_spec)
+# op name -> its callable (eager fast paths, library op otherwise)
+OPS: dict[str, opdef.DefinedOp] = {spec.name: _define(spec) for spec in SPECS.values()}

@@ -1,0 +1,154 @@
+"""shared.opdef (a toy op: factor * x^2): one declaration gives the library op (fake, autograd, backward op), the
+dispatch registrations and the eager paths; each call takes the path its arguments allow."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from openkernels.shared import dispatch, opdef
+from openkernels.shared.testing.ops import run_opcheck
+
+_LIB = torch.library.Library("openkernels_opdef_test", "DEF")
+CALLS: list[str] = []  # which implementation ran, forward and backward
+
+
+def _scale_fwd(x: torch.Tensor, out: torch.Tensor, factor: float, *, tag: str) -> None:
+    CALLS.append(f"{tag} fwd")
+    out.copy_(x * x * factor)
+
+
+def _scale_bwd(
+    grad_out: torch.Tensor, x: torch.Tensor, grad_in: torch.Tensor, factor: float, *, tag: str
+) -> None:
+    CALLS.append(f"{tag} bwd")
+    grad_in.copy_(grad_out * 2 * x * factor)
+
+
+def _impls(direction: str) -> tuple[opdef.Impl, ...]:
+    target = f"{__name__}:_scale_{direction}"
+    return (
+        opdef.Impl("fast", target, ("cpu",), 10, bound={"tag": "fast"}),
+        opdef.Impl("reference", target, ("cpu", "cuda", "rocm"), 0, bound={"tag": "reference"}),
+    )
+
+
+def _forward(x: torch.Tensor, factor: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    dispatch.run("opdef_test_scale", x, out, factor)
+    return out
+
+
+def _backward(grad_out: torch.Tensor, x: torch.Tensor, factor: float) -> torch.Tensor:
+    grad_in = torch.empty_like(grad_out)
+    dispatch.run("opdef_test_scale_backward", grad_out, x, grad_in, factor)
+    return grad_in
+
+
+def _key(x: torch.Tensor, *args: object) -> dispatch.DispatchKey:
+    return dispatch.key_for(x)
+
+
+SCALE = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="opdef_test_scale",
+        schema="(Tensor x, float factor) -> Tensor",
+        forward=_forward,
+        fake=lambda x, factor: torch.empty_like(x),
+        key=_key,
+        impls=_impls("fwd"),
+        backward=opdef.BackwardDef(
+            schema="(Tensor grad_out, Tensor x, float factor) -> Tensor",
+            compute=_backward,
+            fake=lambda grad_out, x, factor: torch.empty_like(grad_out),
+            save=lambda inputs, output: ((inputs[0],), (inputs[1],)),
+            grads=lambda run, tensors, values, grads: (run(grads[0], tensors[0], values[0]), None),
+            key=_key,
+            impls=_impls("bwd"),
+        ),
+    ),
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_calls():
+    CALLS.clear()
+
+
+def test_no_grad_eager_call_runs_the_forward_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def library_must_not_run(*args):
+        raise AssertionError("the library op ran")
+
+    monkeypatch.setattr(SCALE, "library", library_must_not_run)
+    x = torch.arange(4.0)
+    torch.testing.assert_close(SCALE(x, 3.0), x * x * 3)
+    assert CALLS == ["fast fwd"]
+
+
+def test_grad_eager_call_uses_one_autograd_function() -> None:
+    x = torch.arange(4.0, requires_grad=True)
+    y = SCALE(x, 3.0)
+    assert type(y.grad_fn).__name__.startswith("Eager_opdef_test_scale")
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 6 * x.detach())
+    assert CALLS == ["fast fwd", "fast bwd"]
+
+
+def test_meta_and_subclass_calls_take_the_library_op() -> None:
+    out = SCALE(torch.empty(5, device="meta"), 2.0)
+    assert out.device.type == "meta" and out.shape == (5,)
+    assert CALLS == []
+
+
+def test_force_in_the_forward_steers_the_backward_on_both_autograd_paths() -> None:
+    for call in (SCALE, torch.ops.openkernels_opdef_test.opdef_test_scale):
+        CALLS.clear()
+        x = torch.arange(3.0, requires_grad=True)
+        with dispatch.force("reference"):
+            y = call(x, 2.0)
+        y.sum().backward()  # outside the block: the saved steering applies
+        assert CALLS == ["reference fwd", "reference bwd"], call
+
+
+def test_backward_from_many_threads_at_once() -> None:
+    x = torch.arange(8.0, requires_grad=True)
+    loss = SCALE(x, 5.0).sum()
+    errors: list[BaseException] = []
+    start = threading.Barrier(6, timeout=30)
+
+    def worker() -> None:
+        try:
+            start.wait()
+            for _ in range(20):
+                (g,) = torch.autograd.grad(loss, x, retain_graph=True)
+                assert torch.equal(g, 10 * x.detach())
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+
+
+def test_double_backward_says_unsupported() -> None:
+    x = torch.arange(3.0, requires_grad=True)
+    (g,) = torch.autograd.grad(SCALE(x, 2.0).sum(), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward is not supported"):
+        g.sum().backward()
+
+
+def test_library_op_passes_opcheck_and_compiles() -> None:
+    x = torch.randn(6, requires_grad=True)
+    run_opcheck(torch.ops.openkernels_opdef_test.opdef_test_scale.default, (x, 1.5))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: SCALE(t, 1.5) * 2, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, x.detach() ** 2 * 3)
+    torch.testing.assert_close(x.grad, 6 * x.detach())
