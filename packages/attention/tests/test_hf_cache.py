@@ -516,14 +516,58 @@ def test_static_seq_length_reset_crop(models) -> None:
     assert int(cache.get_seq_length()) == PROMPT + 3
 
 
-def test_static_left_padding_is_refused(models) -> None:
-    p = models["prompt"]
+def test_static_left_padded_batch_gives_transformers_tokens(models) -> None:
+    """A left-padded batch through generate() with the static cache (eager): the prefill
+    appends the padding and hides it with cache_leftpad; decode steps hide it too. Tokens
+    equal to the sdpa model's on the same padded batch, and sequence 0's to its own alone."""
+    p = models["prompt"].clone()
     mask = torch.ones_like(p)
-    mask[0, :3] = 0
-    with pytest.raises(NotImplementedError, match=r"OpenKernelsStaticCache does not support .* padding"):
-        models["ours"].generate(
-            p, attention_mask=mask, max_new_tokens=2, do_sample=False, **{CACHE_KW: _static(models["ours"])}
-        )
+    p[0, :3], mask[0, :3] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    want = models["ref"].generate(p, **kwargs)
+    want_logits = models["ref"].generate(p, **kwargs, output_logits=True, return_dict_in_generate=True).logits
+    for bits in (16, 4):
+        got = models["ours"].generate(p, **kwargs, **{CACHE_KW: _static(models["ours"], bits)})
+        if bits == 16:
+            assert torch.equal(got, want)
+            assert torch.equal(got[0, 3:], _generate(models["ref"], p[:1, 3:])[0])
+            logits = models["ours"].generate(p, **kwargs, **{CACHE_KW: _static(models["ours"])}, output_logits=True,
+                                             return_dict_in_generate=True).logits  # fmt: skip
+            torch.testing.assert_close(torch.stack(logits), torch.stack(want_logits), rtol=1e-4, atol=1e-4)
+        else:  # int4 keys and values: the tokens may differ after a while, not the prompt
+            assert torch.equal(got[:, :PROMPT], want[:, :PROMPT]) and got.shape == want.shape
+
+
+def test_static_left_padding_under_torch_compile(models) -> None:
+    """Compiled, the mask is not read on the host: the padding's end comes from it on the
+    device. A manual padded prefill then compiled decode steps (aot_eager) give the eager
+    steps' logits (which see the padding hidden: with it visible they differ)."""
+    ours, p = models["ours"], models["prompt"].clone()
+    mask = torch.ones_like(p)
+    p[1, :5], mask[1, :5] = 0, 0
+    steps = 4
+
+    def run(step_fn) -> torch.Tensor:
+        cache = _static(ours)
+        m = mask.clone()
+        with torch.no_grad():
+            out = ours(p, attention_mask=m, use_cache=True, **{CACHE_KW: cache})
+            tokens, logits = [], []
+            for i in range(steps):
+                tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+                m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+                position = torch.full((p.shape[0], 1), p.shape[1] + i) - (1 - mask).sum(1, keepdim=True)
+                out = step_fn(tokens[-1], m, position, cache)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits, 1)
+
+    def eager_step(t, m, pos, cache):
+        return ours(t, attention_mask=m, position_ids=pos, use_cache=True, **{CACHE_KW: cache})
+
+    torch._dynamo.reset()
+    compiled = torch.compile(eager_step, backend="aot_eager")
+    want = run(eager_step)
+    torch.testing.assert_close(run(compiled), want, rtol=1e-5, atol=1e-5)
 
 
 def test_static_errors(models) -> None:

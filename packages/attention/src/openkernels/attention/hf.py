@@ -23,9 +23,10 @@ With `OpenKernelsStaticCache` (compileable) the key and value are `StaticCachedK
 layer's preallocated storage, the new keys and values (not yet written) and the lengths
 before them. One `attention_with_kvcache` call appends them and attends, so a compiled decode
 step has no host read. transformers passes a materialized (batch, 1, new, max_seqlen) causal
-mask with a static cache: eager calls check that it hides nothing the kernel would not (a
-padding mask raises NotImplementedError); compiled calls skip that check (it would read the
-mask on the host), so padding is not supported with the static cache.
+mask with a static cache: eager calls check that it hides nothing beyond causality, the
+window and a left padding (any other mask raises NotImplementedError); compiled calls cannot
+read it on the host and trust it to be such a mask, taking each sequence's padding (its first
+visible key) from it on the device. The padding goes on as cache_leftpad.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from openkernels.shared import dispatch
 
 from .api import attention, attention_with_kvcache
 from .hf_cache import CachedKV, StaticCachedKV
+from .kvformat import QuantizedKV
 
 __all__ = ["hf_attention_forward", "register_with_transformers", "NAME"]
 
@@ -174,20 +176,58 @@ def _attend_static(
 ):
     """query (B, Hq, Sq, D) against an OpenKernelsStaticCache layer: its new keys and values
     (B, Hkv, Sq, D) appended at the lengths before them and attended in one
-    attention_with_kvcache call -> (B, Sq, Hq, D). No host read while compiling."""
+    attention_with_kvcache call -> (B, Sq, Hq, D). No host read while compiling.
+
+    A left-padded batch: the mask's first visible key of each sequence is its padding's end,
+    passed on as cache_leftpad (computed on the device while compiling, where the mask is
+    trusted to be transformers' causal one with a left padding; checked with one host read
+    in eager calls). A prefill brings the padding itself, so its keys are appended first and
+    attended after (cache_leftpad counts cached tokens); a decode step does both in one call."""
     _check_handle("OpenKernelsStaticCache", query, key, value, dropout, key.k_new.shape[2])
     layer = key.layer
-    # A compiled step cannot read the mask without a host sync: it is trusted to be the causal
-    # (and window) mask transformers builds for an unpadded batch (padding: unsupported).
-    if attention_mask is not None and not torch.compiler.is_compiling():
-        _check_cache_mask(attention_mask, query.shape[2], layer.max_seqlen, is_causal, sliding_window,
-                          past=key.cache_seqlens[:1], name="OpenKernelsStaticCache")  # fmt: skip
+    pad = None
+    if attention_mask is not None:
+        if torch.compiler.is_compiling():
+            pad = _leftpad_of(attention_mask)
+        else:
+            pad = _check_cache_mask(attention_mask, query.shape[2], layer.max_seqlen, is_causal, sliding_window,
+                                    past=key.cache_seqlens[:1], name="OpenKernelsStaticCache",
+                                    left_padding=True)  # fmt: skip
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
-    return attention_with_kvcache(
-        query.transpose(1, 2), layer.k_cache, layer.v_cache, key.cache_seqlens,
-        k_new=key.k_new.transpose(1, 2), v_new=key.v_new.transpose(1, 2),
-        causal=is_causal, softmax_scale=scaling, window=window, softcap=float(softcap or 0.0),
-    )  # fmt: skip
+    options = dict(causal=is_causal, softmax_scale=scaling, window=window, softcap=float(softcap or 0.0))
+    k_new, v_new = key.k_new.transpose(1, 2), key.v_new.transpose(1, 2)
+    if pad is None:
+        return attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, key.cache_seqlens,
+                                      k_new=k_new, v_new=v_new, **options)  # fmt: skip
+    seqlens = key.cache_seqlens
+    if query.shape[2] > 1:  # the padding may be among the new tokens: append, then attend
+        _append(layer, k_new, v_new, seqlens)
+        seqlens, k_new, v_new = seqlens + k_new.shape[1], None, None
+    # cache_leftpad counts cached tokens (a mask that hides every key gives the capacity).
+    pad = torch.minimum(pad, seqlens)
+    return attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, seqlens, k_new=k_new,
+                                  v_new=v_new, cache_leftpad=pad, check=not torch.compiler.is_compiling(),
+                                  **options)  # fmt: skip
+
+
+def _leftpad_of(mask: torch.Tensor) -> torch.Tensor:
+    """int32 (B,): each sequence's first key that any of its queries sees (the mask's width
+    when none), from a (B, 1, Sq, Sk) boolean or additive mask, on the device."""
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    seen = visible[:, 0].any(-2)
+    return torch.where(seen.any(-1), seen.to(torch.int32).argmax(-1), mask.shape[-1]).to(torch.int32)
+
+
+def _append(layer, k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+    """Write k_new, v_new (B, S, Hkv, D) into a static layer's storage at cache_seqlens."""
+    k, v = layer.k_cache, layer.v_cache
+    if isinstance(k, QuantizedKV):
+        parts, bits, group = (k.data, v.data, k.scale, k.zero, v.scale, v.zero), k.bits, k.group_size
+    else:
+        parts, bits, group = (k, v, None, None, None, None), 16, k.shape[-1]
+    torch.ops.openkernels.kvcache_append(
+        *parts, k_new, v_new, cache_seqlens, None, None, None, False, bits, group
+    )
 
 
 def _check_cache_mask(

@@ -32,8 +32,8 @@ it returns a `StaticCachedKV` handle (the layer, the new keys and values, and th
 before them) and advances the length tensor in place; `hf_attention_forward` then appends
 and attends in one `attention_with_kvcache` call. transformers builds a (batch, 1, new,
 max_seqlen) causal mask for a static cache; eager calls check that it hides nothing beyond
-causality and the window (a padded batch raises), compiled ones cannot read it and ignore it:
-padding is not supported with the static cache. While compiling, the capacity is not checked
+causality, the window and a left padding (any other mask raises), compiled ones cannot check it
+and take the left padding from it on the device (see hf.py). While compiling, the capacity is not checked
 either (`max_seqlen` must hold the prompt plus every generated token, as generate() sizes it).
 """
 
