@@ -596,6 +596,72 @@ def test_kvcache_gives_the_pytorch_kernels_bits(backend: str, monkeypatch) -> No
         assert torch.equal(out, out_t) and torch.equal(lse, lse_t), f"splits {splits}: differs from PyTorch"
 
 
+@pytest.mark.parametrize("rows_indexed", [False, True], ids=["contiguous", "cache_batch_idx"])
+def test_kvcache_leftpad_and_batch_idx_match_pytorch(backend: str, rows_indexed: bool) -> None:
+    """cache_leftpad (and cache_batch_idx picking rows of a larger cache): the same output,
+    lse and written caches as PyTorch's reference on the same inputs; NaN in the padding and
+    in the rows no sequence uses stays out."""
+    torch.manual_seed(0)
+    batch, rows, cap, hq, hkv, d, sq = 3, 5, 24, 4, 2, 64, 2
+    k_cache = torch.randn(rows if rows_indexed else batch, cap, hkv, d, dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    pads = torch.tensor([0, 2, 5], dtype=torch.int32)
+    seqlens = torch.tensor([6, 9, 12], dtype=torch.int32)  # counting the padding
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32) if rows_indexed else None
+    for b in range(batch):
+        row = b if idx is None else int(idx[b])
+        k_cache[row, : pads[b]] = float("nan")
+        v_cache[row, : pads[b]] = float("nan")
+    if rows_indexed:
+        k_cache[[1, 3]] = float("nan")
+        v_cache[[1, 3]] = float("nan")
+    q = torch.randn(batch, sq, hq, d, dtype=BF16)
+    k_new, v_new = torch.randn(batch, sq, hkv, d, dtype=BF16), torch.randn(batch, sq, hkv, d, dtype=BF16)
+    cos, sin = torch.randn(64, 16), torch.randn(64, 16)
+    kw = dict(k_new=k_new, v_new=v_new, cache_leftpad=pads, cache_batch_idx=idx, rotary_cos=cos, rotary_sin=sin,
+              return_lse=True)  # fmt: skip
+    kt, vt = k_cache.clone(), v_cache.clone()
+    with dispatch.force("reference"):
+        want_out, want_lse = A.attention_with_kvcache(q, kt, vt, seqlens, **kw)
+    jkw = {k: (to_jax(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+    def fn(q, k_cache, v_cache, seqlens):
+        return AJ.attention_with_kvcache(q, k_cache, v_cache, seqlens, **jkw)
+
+    args = [to_jax(t) for t in (q, k_cache, v_cache, seqlens)]
+    with okjax.use_backend(backend):
+        for jit in (False, True):
+            out, lse, kj, vj = (jax.jit(fn) if jit else fn)(*args)
+            torch.testing.assert_close(to_torch(out).float(), want_out.float(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(to_torch(lse), want_lse, atol=2e-3, rtol=2e-3)
+            for got, want in ((to_torch(kj), kt), (to_torch(vj), vt)):  # NaN where NaN was: equal_nan
+                torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2, equal_nan=True)
+            assert not torch.isnan(to_torch(out)).any(), f"jit={jit}: NaN reached the output"
+
+
+def test_kvcache_leftpad_and_batch_idx_errors(backend: str, monkeypatch) -> None:
+    monkeypatch.setattr(okjax, "launch", _no_kernel)
+    q = jnp.ones((2, 1, 2, 64), jnp.bfloat16)
+    cache = jnp.ones((3, 16, 1, 64), jnp.bfloat16)
+    lens = jnp.array([3, 7], jnp.int32)
+    bad = [
+        (TypeError, r"cache_leftpad must be an int32 jax.Array of shape \(2,\)", {"cache_leftpad": jnp.zeros((3,), jnp.int32)}),
+        (ValueError, r"cache_leftpad\[1\] = 8 must lie in 0..cache_seqlens\[1\] = 7",
+         {"cache_leftpad": jnp.array([0, 8], jnp.int32), "cache_batch_idx": jnp.array([0, 1], jnp.int32)}),
+        (ValueError, r"cache_batch_idx\[0\] = 3 is not a row of the cache \(0..2\)",
+         {"cache_batch_idx": jnp.array([3, 1], jnp.int32)}),
+        (ValueError, "the cache has batch 3 but q has 2", {}),
+        (ValueError, r"cache_batch_idx\[1\] = 0 names a row another sequence also appends to",
+         {"cache_batch_idx": jnp.array([0, 0], jnp.int32), "k_new": q[:, :, :1], "v_new": q[:, :, :1]}),
+        (ValueError, "applies to contiguous caches", {"cache_leftpad": jnp.zeros((2,), jnp.int32),
+                                                      "block_table": jnp.zeros((2, 1), jnp.int32)}),
+    ]  # fmt: skip
+    with okjax.use_backend(backend):
+        for error, match, kwargs in bad:
+            with pytest.raises(error, match=match):
+                AJ.attention_with_kvcache(q, cache, cache, lens, **kwargs)
+
+
 def test_bad_kvcache_inputs(backend: str, monkeypatch) -> None:
     monkeypatch.setattr(okjax, "launch", _no_kernel)
     q = jnp.ones((2, 1, 2, 64), jnp.bfloat16)

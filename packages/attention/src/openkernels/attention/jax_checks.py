@@ -117,9 +117,20 @@ _CACHE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
 
 def check_kvcache(
-    name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin
+    name,
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    k_new,
+    v_new,
+    block_table,
+    rotary_cos,
+    rotary_sin,
+    rows_indexed: bool = False,
 ) -> None:
-    """api._check_kvcache for 16-bit (and float32) caches as jax.Arrays."""
+    """api._check_kvcache for 16-bit (and float32) caches as jax.Arrays; rows_indexed: a
+    contiguous cache whose rows cache_batch_idx picks (any number of rows)."""
     if not isinstance(q, jax.Array) or q.ndim != 4:
         raise ValueError(f"{name}: q must be a 4D (batch, seqlen_q, heads_q, head_dim) jax.Array")
     if q.dtype not in _CACHE_DTYPES:
@@ -144,7 +155,7 @@ def check_kvcache(
             f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})"
         )
     if block_table is None:
-        if k_cache.shape[0] != batch:
+        if k_cache.shape[0] != batch and not rows_indexed:
             raise ValueError(f"{name}: the cache has batch {k_cache.shape[0]} but q has {batch}")
     else:
         if not isinstance(block_table, jax.Array) or block_table.dtype != jnp.int32 or block_table.ndim != 2:
@@ -221,3 +232,37 @@ def check_kvcache_values(name: str, cache_seqlens, block_table, capacity: int, p
                                  f"block_table[{o[0]}, {o[1]}]: a page written by an append must belong to one "
                                  "sequence once (pages only read may be shared)")  # fmt: skip
     return after
+
+
+def check_per_sequence(name: str, what: str, t, batch: int) -> None:
+    """cache_batch_idx / cache_leftpad: an int32 (batch,) jax.Array."""
+    if not isinstance(t, jax.Array) or t.dtype != jnp.int32 or tuple(t.shape) != (batch,):
+        raise TypeError(f"{name}: {what} must be an int32 jax.Array of shape ({batch},)")
+
+
+def check_rows_and_padding(name: str, cache_batch_idx, cache_leftpad, cache_seqlens, rows: int,
+                           appends: bool) -> None:  # fmt: skip
+    """Values of cache_batch_idx (rows of the cache, distinct when the call appends) and
+    cache_leftpad (0..cache_seqlens[b]) when they are concrete (one small device-to-host copy
+    each)."""
+    idx = None if cache_batch_idx is None else concrete(cache_batch_idx)
+    if idx is not None:
+        bad = np.argwhere((idx < 0) | (idx >= rows))
+        if len(bad):
+            b = int(bad[0][0])
+            raise ValueError(
+                f"{name}: cache_batch_idx[{b}] = {idx[b]} is not a row of the cache (0..{rows - 1})"
+            )
+        picked = idx.tolist()
+        if appends and len(set(picked)) < len(picked):
+            b = next(i for i, r in enumerate(picked) if picked.index(r) != i)
+            raise ValueError(f"{name}: cache_batch_idx[{b}] = {picked[b]} names a row another sequence also "
+                             "appends to: the rows that receive k_new must be distinct")  # fmt: skip
+    pads = None if cache_leftpad is None else concrete(cache_leftpad)
+    lengths = concrete(cache_seqlens)
+    if pads is not None and lengths is not None:
+        for b, (pad, end) in enumerate(zip(pads.tolist(), lengths.tolist())):
+            if not 0 <= pad <= end:
+                raise ValueError(
+                    f"{name}: cache_leftpad[{b}] = {pad} must lie in 0..cache_seqlens[{b}] = {end}"
+                )

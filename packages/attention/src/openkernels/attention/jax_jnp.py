@@ -211,24 +211,34 @@ def _slots(positions, block_table, page: int):
     return jnp.take_along_axis(block_table, positions // page, axis=1), positions % page
 
 
-def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cos, sin, interleaved: bool):
+def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cos, sin, interleaved: bool,
+                   leftpad=None):  # fmt: skip
     """The caches with k_new (rotated first when cos is given) and v_new written at
-    cache_seqlens[b] + t: a functional scatter (in place under jit with donated caches)."""
+    cache_seqlens[b] + t: a functional scatter (in place under jit with donated caches).
+    leftpad (B,) or None: sequence b's tokens start at slot leftpad[b] of its storage, and
+    cache_seqlens counts from there (the rotary position of token t)."""
     positions = cache_seqlens[:, None] + jnp.arange(k_new.shape[1])[None, :]
     k = k_new if cos is None else rotate_at(k_new, positions, cos, sin, interleaved)
-    lead = _slots(positions, block_table, k_cache.shape[1])
+    at = positions if leftpad is None else positions + leftpad[:, None]
+    lead = _slots(at, block_table, k_cache.shape[1])
     return k_cache.at[lead].set(k.astype(k_cache.dtype)), v_cache.at[lead].set(v_new.astype(v_cache.dtype))
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, p: Problem, seqlen_new: int,
-                      interleaved: bool):  # fmt: skip
+                      interleaved: bool, leftpad=None):  # fmt: skip
     """out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) of q against each sequence's first
     cache_seqlens[b] + seqlen_new cache positions (query i at position L - Sq + i, also its
-    rotary position); slopes (B, Hq) float32 or None."""
+    rotary position); slopes (B, Hq) float32 or None; leftpad as in kvcache_append (the
+    positions start at that slot)."""
     batch, seqlen_q = q.shape[:2]
     lengths = cache_seqlens + seqlen_new
     if block_table is not None:  # the pages of each sequence, in order: (B, pages * page, Hkv, D)
         k_cache, v_cache = (c[block_table].reshape(batch, -1, *c.shape[2:]) for c in (k_cache, v_cache))
+    if leftpad is not None:  # each sequence's tokens from its first slot on (wrapped tail: masked below)
+        index = (leftpad[:, None] + jnp.arange(k_cache.shape[1])[None, :]) % k_cache.shape[1]
+        k_cache, v_cache = (
+            jnp.take_along_axis(c, index[:, :, None, None], axis=1) for c in (k_cache, v_cache)
+        )
     keep = (jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None])[..., None, None]
     k, v = (jnp.where(keep, c, jnp.zeros((), c.dtype)) for c in (k_cache, v_cache))  # no stray NaN
     if cos is not None:

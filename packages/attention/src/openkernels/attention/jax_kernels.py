@@ -135,7 +135,8 @@ def _sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, p: plan.KVProblem):
+def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, p: plan.KVProblem,
+                      leftpad=None):  # fmt: skip
     """out (like q), lse (B, Hq, Sq) float32 from `_attention_kvcache_fwd_kernel` (and the
     combine kernel when the keys are split) on a 16-bit cache, contiguous or paged; cos, sin
     (rows, R / 2) or None; slopes (B, Hq) float32 or None."""
@@ -153,7 +154,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin,
     inputs = {"q_ptr": q, "k_ptr": k_cache, "v_ptr": v_cache, "k_scale_ptr": dummy16, "k_zero_ptr": dummy16,
               "v_scale_ptr": dummy16, "v_zero_ptr": dummy16, "seqlens_ptr": cache_seqlens}  # fmt: skip
     _optional(
-        inputs, block_table_ptr=block_table, cos_ptr=cos, sin_ptr=sin, slopes_ptr=slopes, leftpad_ptr=None
+        inputs, block_table_ptr=block_table, cos_ptr=cos, sin_ptr=sin, slopes_ptr=slopes, leftpad_ptr=leftpad
     )
     if kv.combine is None:
         outputs = {

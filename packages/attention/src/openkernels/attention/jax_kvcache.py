@@ -17,7 +17,13 @@ from openkernels.shared import jax as okjax
 
 from . import jax_jnp
 from .api import _check_options
-from .jax_checks import check_alibi, check_kvcache, check_kvcache_values
+from .jax_checks import (
+    check_alibi,
+    check_kvcache,
+    check_kvcache_values,
+    check_per_sequence,
+    check_rows_and_padding,
+)
 from .problem import KVProblem, Problem
 
 __all__ = ["attention_with_kvcache"]
@@ -25,19 +31,21 @@ __all__ = ["attention_with_kvcache"]
 _KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
-def _attend(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, problem: KVProblem):
+def _attend(
+    q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, problem: KVProblem, leftpad=None
+):
     if q.size == 0:
         return jnp.zeros(q.shape, q.dtype), jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
     if okjax.backend() != "jnp" and q.dtype in _KERNEL_DTYPES:
         from . import jax_kernels
 
         return jax_kernels.attention_kvcache(
-            q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, problem
+            q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, problem, leftpad
         )
     p = Problem(q.shape[0], q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], False,
                      problem.scale, problem.window_left, problem.window_right, slopes is not None, problem.softcap)  # fmt: skip
     return jax_jnp.kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, p,
-                                     problem.seqlen_new, problem.interleaved)  # fmt: skip
+                                     problem.seqlen_new, problem.interleaved, leftpad)  # fmt: skip
 
 
 def attention_with_kvcache(
@@ -84,15 +92,22 @@ def attention_with_kvcache(
     grow.
     Returns (out, k_cache, v_cache), or (out, lse, k_cache, v_cache) with return_lse: out in
     q's dtype, lse (batch, heads_q, seqlen_q) float32. Inference only (no gradients).
-    cache_batch_idx and cache_leftpad (the PyTorch function's) are not supported here yet:
-    passing one raises NotImplementedError.
+    cache_batch_idx: int32 (batch,), contiguous caches only: sequence b is row
+    cache_batch_idx[b] of the cache (which may have any number of rows; the others are
+    returned as they were). cache_leftpad: int32 (batch,), contiguous caches only: sequence
+    b's tokens start at slot cache_leftpad[b] of its row (a left-padded batch); cache_seqlens
+    still counts the padding, positions count from the first token. As the PyTorch function.
     """
     name = "attention_with_kvcache"
+    batch = q.shape[0] if isinstance(q, jax.Array) and q.ndim == 4 else 0
     for what, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if value is not None:
-            raise NotImplementedError(f"{name}: {what} is not supported by the JAX front end yet (the PyTorch "
-                                      "function takes it)")  # fmt: skip
-    check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin)
+            if block_table is not None:
+                raise ValueError(f"{name}: {what} applies to contiguous caches; a paged cache's block_table "
+                                 "already maps sequences to pages")  # fmt: skip
+            check_per_sequence(name, what, value, batch)
+    check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
+                  rows_indexed=cache_batch_idx is not None)  # fmt: skip
     left, right = _check_options(name, causal, softmax_scale, window, softcap)
     batch, seqlen_q, heads_q, head_dim = q.shape
     check_alibi(name, alibi_slopes, heads_q, batch)
@@ -104,21 +119,33 @@ def attention_with_kvcache(
     rows = None if rotary_cos is None else rotary_cos.shape[0]
     if not isinstance(check, bool):
         raise TypeError(f"{name}: check must be a bool, got {check!r}")
+    seqlens = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
     if check:
+        check_rows_and_padding(
+            name, cache_batch_idx, cache_leftpad, cache_seqlens, k_cache.shape[0], seqlen_new > 0
+        )
         check_kvcache_values(name, cache_seqlens, block_table, capacity, page, k_cache.shape[0], seqlen_new,
-                             seqlen_q, rows)  # fmt: skip
+                             seqlen_q, None)  # fmt: skip
+        if rows is not None:  # rotary positions count from each sequence's first token
+            check_kvcache_values(
+                name, seqlens, None, capacity, page, k_cache.shape[0], seqlen_new, seqlen_q, rows
+            )
+    if cache_batch_idx is not None:  # the cache as pages of one row each
+        block_table = cache_batch_idx[:, None]
     if k_new is not None and seqlen_new:
-        k_cache, v_cache = jax_jnp.kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
-                                                  rotary_cos, rotary_sin, rotary_interleaved)  # fmt: skip
+        k_cache, v_cache = jax_jnp.kvcache_append(k_cache, v_cache, k_new, v_new, seqlens, block_table,
+                                                  rotary_cos, rotary_sin, rotary_interleaved,
+                                                  cache_leftpad)  # fmt: skip
     scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
     problem = KVProblem(
         batch, seqlen_q, heads_q, k_cache.shape[2], head_dim, 16, head_dim, seqlen_new,
         capacity, scale, left, right, alibi_slopes is not None,
-        float(softcap), 0 if block_table is None else page, 0 if rotary_cos is None else rotary_cos.shape[1],
-        rotary_interleaved,
+        float(softcap), 0 if block_table is None or cache_batch_idx is not None else page,
+        0 if rotary_cos is None else rotary_cos.shape[1], rotary_interleaved, cache_leftpad is not None,
+        cache_batch_idx is not None,
     )  # fmt: skip
     slopes = None if alibi_slopes is None else jnp.broadcast_to(alibi_slopes, (batch, heads_q))
     out, lse = _attend(
-        q, k_cache, v_cache, cache_seqlens, block_table, rotary_cos, rotary_sin, slopes, problem
+        q, k_cache, v_cache, seqlens, block_table, rotary_cos, rotary_sin, slopes, problem, cache_leftpad
     )
     return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
