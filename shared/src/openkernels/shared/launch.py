@@ -16,11 +16,13 @@ means the same compiled kernel Triton would pick.
 
 Falls back to `kernel[grid](...)` (same results, Triton's host time) under the Triton
 interpreter, for CPU tensors, for kernels that need global scratch memory, and when
-`FAST` is False.
+`FAST` is False (OPENKERNELS_DIRECT_LAUNCH=0 in the environment sets it so at import: a
+way out should a driver or Triton version disagree with the direct call).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +30,8 @@ import torch
 
 __all__ = ["launch", "FAST", "specialization_key", "clear"]
 
-FAST = True  # False: always kernel[grid](...) (overhead measurements, debugging)
+# False: always kernel[grid](...) (overhead measurements, debugging, OPENKERNELS_DIRECT_LAUNCH=0)
+FAST = os.environ.get("OPENKERNELS_DIRECT_LAUNCH", "1") not in ("0", "")
 _MAX_ENTRIES = 4096  # compiled specializations kept (a bound, as Triton's own caches have none)
 
 _compiled: dict[tuple, Any] = {}
