@@ -100,7 +100,8 @@ def _param(t: Tensor | None, name: str, n: int, acc: torch.dtype, offset: float 
     if not t.is_floating_point() or tuple(t.shape) != (n,):
         got = f"{t.dtype} {tuple(t.shape)}"
         raise ValueError(f"{name}: expected a floating-point tensor of shape ({n},), got {got}")
-    t = t.detach().to(acc).contiguous()  # N elements; weight.to(acc) + offset, as the reference
+    if t.dtype != acc or not t.is_contiguous():  # N elements; weight.to(acc) + offset, as the reference
+        t = t.detach().to(acc).contiguous()
     return t + offset if offset != 0.0 else t
 
 
