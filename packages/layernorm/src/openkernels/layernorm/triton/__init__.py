@@ -6,7 +6,6 @@ import functools
 
 import torch
 
-from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info
 
 from . import kernels
@@ -72,8 +71,9 @@ def norm_fwd(
         args["part_ptr"] = torch.empty(n_rows * plan.splits * 2, dtype=torch.float32, device=x.device)
         args["arrived_ptr"] = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
         args["n_splits"] = plan.splits
-    launch(getattr(kernels, plan.kernel), plan.grid, **args, **plan.constexprs, num_warps=cfg.num_warps,
-           num_stages=cfg.num_stages)  # fmt: skip
+    getattr(kernels, plan.kernel)[plan.grid](
+        **args, **plan.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+    )
 
 
 def norm_bwd(
@@ -100,8 +100,8 @@ def norm_bwd(
         dw_part = torch.empty((plan.programs, n_cols), dtype=torch.float32, device=h.device)
     if dbias is not None:
         db_part = torch.empty((plan.programs, n_cols), dtype=torch.float32, device=h.device)
-    launch(
-        kernels._norm_bwd_kernel, plan.grid, dy_ptr=dy, h_ptr=h, w_ptr=h if weight is None else weight, mean_ptr=rstd if mean is None else mean,
+    kernels._norm_bwd_kernel[plan.grid](
+        dy_ptr=dy, h_ptr=h, w_ptr=h if weight is None else weight, mean_ptr=rstd if mean is None else mean,
         rstd_ptr=rstd, dh_out_ptr=dh if dh_out is None else dh_out, dh_ptr=dh, dw_part_ptr=dw_part,
         db_part_ptr=db_part,
         n_rows=n_rows, n_cols=n_cols, stride_dy=dy.stride(0), stride_h=h.stride(0),
