@@ -51,26 +51,46 @@ def _key(x: torch.Tensor, *args: object) -> dispatch.DispatchKey:
     return dispatch.key_for(x)
 
 
-SCALE = opdef.define(
-    _LIB,
-    opdef.OpDef(
-        name="opdef_test_scale",
-        schema="(Tensor x, float factor) -> Tensor",
-        forward=_forward,
-        fake=lambda x, factor: torch.empty_like(x),
-        key=_key,
-        impls=_impls("fwd"),
-        backward=opdef.BackwardDef(
-            schema="(Tensor grad_out, Tensor x, float factor) -> Tensor",
-            compute=_backward,
-            fake=lambda grad_out, x, factor: torch.empty_like(grad_out),
-            save=lambda inputs, output: ((inputs[0],), (inputs[1],)),
-            grads=lambda run, tensors, values, grads: (run(grads[0], tensors[0], values[0]), None),
+def _define() -> opdef.DefinedOp:
+    return opdef.define(
+        _LIB,
+        opdef.OpDef(
+            name="opdef_test_scale",
+            schema="(Tensor x, float factor) -> Tensor",
+            forward=_forward,
+            fake=lambda x, factor: torch.empty_like(x),
             key=_key,
-            impls=_impls("bwd"),
+            impls=_impls("fwd"),
+            backward=opdef.BackwardDef(
+                schema="(Tensor grad_out, Tensor x, float factor) -> Tensor",
+                compute=_backward,
+                fake=lambda grad_out, x, factor: torch.empty_like(grad_out),
+                save=lambda inputs, output: ((inputs[0],), (inputs[1],)),
+                grads=lambda run, tensors, values, grads: (run(grads[0], tensors[0], values[0]), None),
+                key=_key,
+                impls=_impls("bwd"),
+            ),
         ),
-    ),
-)
+    )
+
+
+_DEFINED: list[opdef.DefinedOp] = []
+
+
+@pytest.fixture(scope="module")
+def scale():
+    """The toy op, defined when this module's tests run (not at collection) and taken out of
+    dispatch afterwards: tests that walk every registered op (the CLI's env) must not meet
+    it. The torch.library op lives as long as the process: defined once."""
+    if not _DEFINED:
+        _DEFINED.append(_define())
+    else:
+        opdef._register("opdef_test_scale", _key, _impls("fwd"))
+        opdef._register("opdef_test_scale_backward", _key, _impls("bwd"))
+    yield _DEFINED[0]
+    for op in ("opdef_test_scale", "opdef_test_scale_backward"):
+        dispatch._OPS.pop(op, None)
+    dispatch._SELECTION_CACHE.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -78,33 +98,33 @@ def _fresh_calls():
     CALLS.clear()
 
 
-def test_no_grad_eager_call_runs_the_forward_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_grad_eager_call_runs_the_forward_directly(scale, monkeypatch: pytest.MonkeyPatch) -> None:
     def library_must_not_run(*args):
         raise AssertionError("the library op ran")
 
-    monkeypatch.setattr(SCALE, "library", library_must_not_run)
+    monkeypatch.setattr(scale, "library", library_must_not_run)
     x = torch.arange(4.0)
-    torch.testing.assert_close(SCALE(x, 3.0), x * x * 3)
+    torch.testing.assert_close(scale(x, 3.0), x * x * 3)
     assert CALLS == ["fast fwd"]
 
 
-def test_grad_eager_call_uses_one_autograd_function() -> None:
+def test_grad_eager_call_uses_one_autograd_function(scale) -> None:
     x = torch.arange(4.0, requires_grad=True)
-    y = SCALE(x, 3.0)
+    y = scale(x, 3.0)
     assert type(y.grad_fn).__name__.startswith("Eager_opdef_test_scale")
     y.sum().backward()
     torch.testing.assert_close(x.grad, 6 * x.detach())
     assert CALLS == ["fast fwd", "fast bwd"]
 
 
-def test_meta_and_subclass_calls_take_the_library_op() -> None:
-    out = SCALE(torch.empty(5, device="meta"), 2.0)
+def test_meta_and_subclass_calls_take_the_library_op(scale) -> None:
+    out = scale(torch.empty(5, device="meta"), 2.0)
     assert out.device.type == "meta" and out.shape == (5,)
     assert CALLS == []
 
 
-def test_force_in_the_forward_steers_the_backward_on_both_autograd_paths() -> None:
-    for call in (SCALE, torch.ops.openkernels_opdef_test.opdef_test_scale):
+def test_force_in_the_forward_steers_the_backward_on_both_autograd_paths(scale) -> None:
+    for call in (scale, torch.ops.openkernels_opdef_test.opdef_test_scale):
         CALLS.clear()
         x = torch.arange(3.0, requires_grad=True)
         with dispatch.force("reference"):
@@ -113,9 +133,9 @@ def test_force_in_the_forward_steers_the_backward_on_both_autograd_paths() -> No
         assert CALLS == ["reference fwd", "reference bwd"], call
 
 
-def test_backward_from_many_threads_at_once() -> None:
+def test_backward_from_many_threads_at_once(scale) -> None:
     x = torch.arange(8.0, requires_grad=True)
-    loss = SCALE(x, 5.0).sum()
+    loss = scale(x, 5.0).sum()
     errors: list[BaseException] = []
     start = threading.Barrier(6, timeout=30)
 
@@ -136,18 +156,18 @@ def test_backward_from_many_threads_at_once() -> None:
     assert not errors, errors
 
 
-def test_double_backward_says_unsupported() -> None:
+def test_double_backward_says_unsupported(scale) -> None:
     x = torch.arange(3.0, requires_grad=True)
-    (g,) = torch.autograd.grad(SCALE(x, 2.0).sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(scale(x, 2.0).sum(), x, create_graph=True)
     with pytest.raises(NotImplementedError, match="double backward is not supported"):
         g.sum().backward()
 
 
-def test_library_op_passes_opcheck_and_compiles() -> None:
+def test_library_op_passes_opcheck_and_compiles(scale) -> None:
     x = torch.randn(6, requires_grad=True)
     run_opcheck(torch.ops.openkernels_opdef_test.opdef_test_scale.default, (x, 1.5))
     torch._dynamo.reset()
-    compiled = torch.compile(lambda t: SCALE(t, 1.5) * 2, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(lambda t: scale(t, 1.5) * 2, fullgraph=True, backend="aot_eager")
     y = compiled(x)
     y.sum().backward()
     torch.testing.assert_close(y, x.detach() ** 2 * 3)
