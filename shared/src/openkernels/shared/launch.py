@@ -35,7 +35,9 @@ FAST = os.environ.get("OPENKERNELS_DIRECT_LAUNCH", "1") not in ("0", "")
 _MAX_ENTRIES = 4096  # compiled specializations kept (a bound, as Triton's own caches have none)
 
 _compiled: dict[tuple, Any] = {}
-_params: dict[int, tuple[tuple[str, ...], tuple[bool, ...], dict[str, Any]]] = {}
+# id(kernel) -> its signature, and the kernel itself: held, so that no other object can
+# take the id that the keys of _compiled use while they exist.
+_params: dict[int, tuple[tuple[str, ...], tuple[bool, ...], dict[str, Any], Any]] = {}
 
 
 def _signature(kernel: Any) -> tuple[tuple[str, ...], tuple[bool, ...], dict[str, Any]]:
@@ -44,9 +46,9 @@ def _signature(kernel: Any) -> tuple[tuple[str, ...], tuple[bool, ...], dict[str
     if entry is None:
         params = kernel.params
         defaults = {p.name: p.default for p in params if p.has_default}
-        entry = (tuple(p.name for p in params), tuple(bool(p.is_constexpr) for p in params), defaults)
+        entry = (tuple(p.name for p in params), tuple(bool(p.is_constexpr) for p in params), defaults, kernel)
         _params[id(kernel)] = entry
-    return entry
+    return entry[:3]
 
 
 def _spec(value: Any) -> Any:
