@@ -3,13 +3,12 @@ dispatch registrations and the eager paths; each call takes the path its argumen
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from openkernels.shared import dispatch, opdef
 from openkernels.shared.testing.ops import run_opcheck
+from openkernels.shared.testing.threads import run_in_threads
 
 _LIB = torch.library.Library("openkernels_opdef_test", "DEF")
 CALLS: list[str] = []  # which implementation ran, forward and backward
@@ -136,23 +135,13 @@ def test_force_in_the_forward_steers_the_backward_on_both_autograd_paths(scale) 
 def test_backward_from_many_threads_at_once(scale) -> None:
     x = torch.arange(8.0, requires_grad=True)
     loss = scale(x, 5.0).sum()
-    errors: list[BaseException] = []
-    start = threading.Barrier(6, timeout=30)
 
     def worker() -> None:
-        try:
-            start.wait()
-            for _ in range(20):
-                (g,) = torch.autograd.grad(loss, x, retain_graph=True)
-                assert torch.equal(g, 10 * x.detach())
-        except BaseException as error:
-            errors.append(error)
+        for _ in range(20):
+            (g,) = torch.autograd.grad(loss, x, retain_graph=True)
+            assert torch.equal(g, 10 * x.detach())
 
-    threads = [threading.Thread(target=worker) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = run_in_threads(worker, 6)
     assert not errors, errors
 
 

@@ -15,15 +15,35 @@ import pytest
 import torch
 
 from openkernels.shared import dispatch
+from openkernels.shared.testing.threads import run_in_threads
 
 _counter = itertools.count()
 ALL = ("cuda", "rocm", "cpu")
 
 
+_MADE: list[str] = []  # throwaway ops, taken out of dispatch after each test
+
+
+@pytest.fixture(autouse=True)
+def _forget_throwaway_ops():
+    """Tests that walk every registered op (the CLI's env) must not meet these."""
+    yield
+    while _MADE:
+        dispatch._OPS.pop(_MADE.pop(), None)
+    dispatch._SELECTION_CACHE.clear()
+
+
+def _name() -> str:
+    """A fresh throwaway op name, forgotten by dispatch after the test."""
+    op = f"steer_op_{next(_counter)}"
+    _MADE.append(op)
+    return op
+
+
 def _op(*names: str) -> str:
     """A throwaway op on every backend whose implementations return their own name, the
     first name with the highest priority."""
-    op = f"steer_op_{next(_counter)}"
+    op = _name()
     dispatch.define(op, lambda x: dispatch.key_for(x))
     for priority, name in enumerate(reversed(names)):
         dispatch.register(op, name, lambda x, _name=name: _name, backends=ALL, priority=priority)
@@ -104,7 +124,7 @@ def test_valid_names_keep_working(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_op_defined_inside_the_block_is_accepted() -> None:
-    later = f"steer_op_{next(_counter)}"
+    later = _name()
     with dispatch.force(f"{later}:reference"):  # as a family imported inside the block
         op = _op("fast", "reference")
         dispatch.define(later, lambda x: dispatch.key_for(x))
@@ -116,7 +136,7 @@ def test_op_defined_inside_the_block_is_accepted() -> None:
 def test_unknown_name_first_imports_the_installed_families(monkeypatch: pytest.MonkeyPatch) -> None:
     """A name registered by a family the process has not imported yet is valid: the check
     imports the families (here a stand-in registering one op) and looks again."""
-    late = f"steer_op_{next(_counter)}"
+    late = _name()
     imported = []
 
     def import_families() -> None:
@@ -297,22 +317,12 @@ def test_backward_of_one_graph_in_many_threads_every_family() -> None:
     torch's own ops allow: the same gradients, no "cannot enter context" error."""
     for name, leaf, loss in _family_graphs():
         (want,) = torch.autograd.grad(loss, leaf, retain_graph=True)
-        start = threading.Barrier(8, timeout=60)
-        errors: list[BaseException] = []
         grads: list[torch.Tensor] = []
 
-        def worker(loss=loss, leaf=leaf, start=start, errors=errors, grads=grads) -> None:
-            try:
-                start.wait()
-                for _ in range(5):
-                    grads.append(torch.autograd.grad(loss, leaf, retain_graph=True)[0])
-            except BaseException as error:
-                errors.append(error)
+        def worker(loss=loss, leaf=leaf, grads=grads) -> None:
+            for _ in range(5):
+                grads.append(torch.autograd.grad(loss, leaf, retain_graph=True)[0])
 
-        threads = [threading.Thread(target=worker) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        errors = run_in_threads(worker, 8)
         assert not errors, f"{name}: {errors[0]!r}"
         assert len(grads) == 40 and all(torch.equal(g, want) for g in grads), name
