@@ -52,8 +52,9 @@ KERNEL_PATHS = {
 }
 # Families whose suites a change under a path exercises ("shared" changes reach them all).
 FAMILIES = ("activations", "layernorm", "attention", "quant")
-SUITE_MODULES = {"activations": ["activations"], "layernorm": ["layernorm"], "attention": ["attention"],
-                 "quant": ["quant"]}  # fmt: skip
+# host_time times every family's public calls (each family's cases come with it).
+SUITE_MODULES = {"activations": ["activations", "host_time"], "layernorm": ["layernorm", "host_time"],
+                 "attention": ["attention", "host_time"], "quant": ["quant", "host_time"]}  # fmt: skip
 
 
 def git(*args: str) -> str:
@@ -139,7 +140,7 @@ def selection(dev: str, *, families: list[str] | None = None, lean: bool = False
         tracks = sorted(n for n in dir(suite) if n.startswith("track_"))
         for combo in suite.combos(dev):
             params = dict(zip(suite.param_names, combo, strict=True))
-            if lean and (params["backend"] != own or params["dtype"] != "bfloat16"):
+            if lean and "backend" in params and (params["backend"] != own or params["dtype"] != "bfloat16"):
                 continue
             label = re.escape(f"({', '.join(repr(v) for v in combo)})")
             names.append(f"{re.escape(module)}\\.{type(suite).__name__}\\.(?:{'|'.join(tracks)}){label}")

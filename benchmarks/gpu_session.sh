@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu_session.sh [family] [steps: tests,check,tune,overhead,bench,long,dtypes,demo]
+#   bash benchmarks/gpu_session.sh [family] [steps: tests,check,tune,hosttime,bench,long,dtypes,demo]
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
-steps=${2:-tests,overhead,bench,dtypes,demo}
+steps=${2:-tests,hosttime,bench,dtypes,demo}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -32,8 +32,9 @@ fi
 if [[ $steps == *tune* && -f benchmarks/tune_$family.py ]]; then
   run "benchmarks/tune_$family.py" | tee "$out/tune.txt" | tail -3
 fi
-if [[ $steps == *overhead* && -f benchmarks/overhead.py ]]; then
-  run benchmarks/overhead.py | tee "$out/overhead.txt"
+if [[ $steps == *hosttime* ]]; then
+  # Every public op's host time per call against torch's, Triton's launch and the direct one.
+  run -m benchmarks.host_time --direct-launch both --json "$out/host_time.json" | tee "$out/host_time.txt"
 fi
 if [[ $steps == *bench* ]]; then
   peers=()
