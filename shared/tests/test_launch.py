@@ -93,3 +93,33 @@ def test_direct_launches_match_kernel_grid_on_gpu() -> None:
         _affine_kernel[(triton.cdiv(n, 128),)](x, want, n, offset, scale, BLOCK=128, ADD=add, num_warps=4)
         assert torch.equal(got, want), (start, n, offset, scale, add)
     assert len(L._compiled) >= 4  # aligned/misaligned, offset 1 vs not, ADD on/off: separate entries
+
+
+@pytest.mark.gpu
+def test_direct_launch_still_calls_launch_hooks_on_gpu() -> None:
+    """The direct path skips Triton's launch metadata only while no hook is set (profilers
+    such as Proton add one): with a hook, every launch reaches it, the direct ones too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from triton import knobs
+
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton has no launch hook chain")
+    L.clear()
+    x = torch.randn(256, device="cuda")
+    out = torch.empty_like(x)
+    seen = []
+
+    def hook(metadata) -> None:
+        seen.append(metadata["name"])
+
+    chain.add(hook)
+    try:
+        for _ in range(3):  # the first compiles through kernel[grid], the next two launch directly
+            L.launch(_affine_kernel, (2,), x, out, 256, 3, 2.0, BLOCK=128, num_warps=4)
+    finally:
+        chain.remove(hook)
+    torch.cuda.synchronize()
+    assert seen == ["_affine_kernel"] * 3
+    torch.testing.assert_close(out, x * 2 + 3)

@@ -65,7 +65,7 @@ def _define() -> opdef.DefinedOp:
                 compute=_backward,
                 fake=lambda grad_out, x, factor: torch.empty_like(grad_out),
                 save=lambda inputs, output: ((inputs[0],), (inputs[1],)),
-                grads=lambda run, tensors, values, grads: (run(grads[0], tensors[0], values[0]), None),
+                grads=lambda run, tensors, values, grads, needs: (run(grads[0], tensors[0], values[0]), None),
                 key=_key,
                 impls=_impls("bwd"),
             ),

@@ -52,10 +52,11 @@ def _signature(kernel: Any) -> tuple[tuple[str, ...], tuple[bool, ...], dict[str
 
 
 def _spec(value: Any) -> Any:
-    """What Triton specializes a runtime argument on."""
+    """What Triton specializes a runtime argument on (the key derivation below inlines the
+    int and tensor cases; this is its readable form, used for everything else)."""
     kind = type(value)
     if kind is int:
-        return (value == 1, value & 15 == 0, -(2**31) <= value < 2**31, value < 2**63)
+        return _int_spec(value)
     if kind is bool or value is None:
         return value
     if kind is float:
@@ -65,45 +66,107 @@ def _spec(value: Any) -> Any:
     return (kind, value)  # anything else (tl.dtype, str...): by value, conservatively
 
 
+def _int_spec(value: int) -> int:
+    """An int's specialization as one small int: 1 is a constant of its own; otherwise
+    divisibility by 16 and the 32-bit / signed 64-bit range (Triton's i32 / i64 / u64)."""
+    if value == 1:
+        return 1
+    return 2 + (value & 15 == 0) + 2 * (-(2**31) <= value < 2**31) + 4 * (value < 2**63)
+
+
+def _key_parts(values: Sequence[Any], constexpr: tuple[bool, ...]) -> list[Any]:
+    parts = []
+    append = parts.append
+    tensor = torch.Tensor
+    for value, is_constexpr in zip(values, constexpr):
+        if is_constexpr:
+            append(value)
+            continue
+        kind = type(value)
+        if kind is int:  # inlined _int_spec: most runtime arguments are ints or tensors
+            append(
+                1
+                if value == 1
+                else 2 + (value & 15 == 0) + 2 * (-(2**31) <= value < 2**31) + 4 * (value < 2**63)
+            )
+        elif kind is tensor:
+            append((value.dtype, value.data_ptr() & 15 == 0))
+        else:
+            append(_spec(value))
+    return parts
+
+
 def specialization_key(kernel: Any, values: Sequence[Any], num_warps: int | None, num_stages: int | None,
                        device: int) -> tuple:  # fmt: skip
     """The cache key of one launch: values are every parameter's value in order."""
     _, constexpr, _ = _signature(kernel)
-    return (
-        id(kernel),
-        device,
-        num_warps,
-        num_stages,
-        *[v if c else _spec(v) for v, c in zip(values, constexpr)],
-    )
+    return (id(kernel), device, num_warps, num_stages, *_key_parts(values, constexpr))
+
+
+_MISSING = object()
+# (id(kernel), number of positional arguments, keyword names in call order) -> how to fill
+# each remaining parameter: (name, value when not passed, passed by keyword). Launchers call
+# a kernel with the same argument names every time, so binding is a lookup after the first.
+_bindings: dict[tuple, tuple[tuple[str, Any, bool], ...]] = {}
+
+
+def _binding(kernel: Any, n_args: int, names_passed: tuple[str, ...]) -> tuple[tuple[str, Any, bool], ...]:
+    key = (id(kernel), n_args, names_passed)
+    found = _bindings.get(key)
+    if found is not None:
+        return found
+    names, _, defaults = _signature(kernel)
+    if n_args > len(names):
+        raise TypeError(f"launch: {kernel.__name__} takes {len(names)} arguments, got {n_args}")
+    passed = set(names_passed)
+    unknown = sorted(passed - set(names[n_args:]))
+    if unknown:
+        raise TypeError(f"launch: {kernel.__name__} got unexpected arguments {unknown}")
+    tail = []
+    for name in names[n_args:]:
+        if name not in passed and name not in defaults:
+            raise TypeError(f"launch: {kernel.__name__} is missing argument {name!r}")
+        tail.append((name, defaults.get(name, _MISSING), name in passed))
+    found = _bindings[key] = tuple(tail)
+    return found
 
 
 def _bind(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
     """Every parameter's value in order, as JITFunction's binder would give them."""
-    names, _, defaults = _signature(kernel)
-    if len(args) > len(names):
-        raise TypeError(f"launch: {kernel.__name__} takes {len(names)} arguments, got {len(args)}")
+    tail = _binding(kernel, len(args), tuple(kwargs))
     values = list(args)
-    used = 0
-    for name in names[len(args) :]:
-        if name in kwargs:
-            values.append(kwargs[name])
-            used += 1
-        elif name in defaults:
-            values.append(defaults[name])
-        else:
-            raise TypeError(f"launch: {kernel.__name__} is missing argument {name!r}")
-    if used != len(kwargs):
-        unknown = sorted(set(kwargs) - set(names[len(args) :]))
-        raise TypeError(f"launch: {kernel.__name__} got unexpected arguments {unknown}")
+    values += [kwargs[name] if passed else default for name, default, passed in tail]
     return values
 
 
-def _first_tensor(values: Sequence[Any]) -> torch.Tensor | None:
+def _first_tensor(values: Any) -> torch.Tensor | None:
     for v in values:
         if isinstance(v, torch.Tensor):
             return v
     return None
+
+
+def _options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+    options = {}
+    if num_warps:
+        options["num_warps"] = num_warps
+    if num_stages:
+        options["num_stages"] = num_stages
+    return options
+
+
+# (triton.knobs.runtime, triton.runtime.driver), imported on first use
+_runtime: tuple[Any, Any] | None = None
+
+
+def _triton_runtime() -> tuple[Any, Any]:
+    global _runtime
+    if _runtime is None:
+        from triton import knobs
+        from triton.runtime import driver
+
+        _runtime = (knobs.runtime, driver)
+    return _runtime
 
 
 def launch(kernel: Any, grid: Sequence[int], *args: Any, num_warps: int | None = None,
@@ -111,23 +174,20 @@ def launch(kernel: Any, grid: Sequence[int], *args: Any, num_warps: int | None =
     """kernel[grid](*args, num_warps=..., num_stages=..., **kwargs), launched directly once
     the specialization has been compiled. num_warps / num_stages None: Triton's defaults
     for the backend (they differ between CUDA and ROCm)."""
-    grid = tuple(grid)
-    options = {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value}
     tensor = _first_tensor(args)
     if tensor is None:
-        tensor = _first_tensor(tuple(kwargs.values()))
-    if not FAST or not hasattr(kernel, "params") or tensor is None or not tensor.is_cuda:
-        kernel[grid](*args, **kwargs, **options)
+        tensor = _first_tensor(kwargs.values())
+    if not FAST or tensor is None or not tensor.is_cuda or not hasattr(kernel, "params"):
+        kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages))
         return
-    from triton import knobs
-    from triton.runtime import driver
-
+    hooks, driver = _triton_runtime()
+    active = driver.active
     values = _bind(kernel, args, kwargs)
-    device = driver.active.get_current_device()
+    device = active.get_current_device()
     key = specialization_key(kernel, values, num_warps, num_stages, device)
     compiled = _compiled.get(key)
     if compiled is None:
-        compiled = kernel[grid](*args, **kwargs, **options)
+        compiled = kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages))
         meta = compiled.metadata
         if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
             compiled = False  # scratch memory is set up by JITFunction.run: always go through it
@@ -136,17 +196,27 @@ def launch(kernel: Any, grid: Sequence[int], *args: Any, num_warps: int | None =
         _compiled[key] = compiled
         return
     if compiled is False:
-        kernel[grid](*args, **kwargs, **options)
+        kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages))
         return
-    stream = driver.active.get_current_stream(device)
-    enter = knobs.runtime.launch_enter_hook
-    meta = None if enter is None else compiled.launch_metadata(grid, stream, *values)
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter,
-                 knobs.runtime.launch_exit_hook, *values)  # fmt: skip
+    stream = active.get_current_stream(device)
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    if _no_hooks(enter) and _no_hooks(leave):
+        # Triton 3.6 keeps empty hook chains (never None) and builds launch metadata for
+        # them on every launch; with nothing hooked the launcher is told so instead.
+        meta = enter = leave = None
+    else:
+        meta = compiled.launch_metadata(tuple(grid), stream, *values)
+    n = len(grid)
+    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
+                 compiled.packed_metadata, meta, enter, leave, *values)  # fmt: skip
+
+
+def _no_hooks(hook: Any) -> bool:
+    """None, or an empty triton.knobs.HookChain (profilers such as Proton add to it)."""
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 def clear() -> None:
-    """Forget the compiled specializations (tests)."""
+    """Forget the compiled specializations and bindings (tests)."""
     _compiled.clear()
+    _bindings.clear()

@@ -56,23 +56,28 @@ class BackwardDef:
     """The backward op `<name>_backward` and how the forward feeds it.
 
     schema: the backward op's schema; compute/fake: its eager body and its fake.
-    save(inputs, output) -> (tensors, values): what the forward keeps for the backward.
-    grads(backward, tensors, values, grad_outputs) -> one gradient (or None) per forward
-        input; `backward` calls the backward op (the library op or `compute`, under the
-        forward's steering).
+    save(inputs, output) -> (tensors, values): what the forward keeps for the backward
+        (None among the tensors is kept as None).
+    grads(backward, tensors, values, grad_outputs, needs_input_grad) -> one gradient (or
+        None) per forward input; `backward` calls the backward op (the library op or
+        `compute`, under the forward's steering); needs_input_grad: autograd's flags, one
+        per forward input, so gradients nobody asked for are not computed.
     key, impls: its dispatch selection and registrations (none: `compute` dispatches
         under another op's name).
     non_differentiable: indices of forward outputs that get no gradient (marked so).
+    materialize_grads: False hands `grads` None for the gradient of an output that was not
+        used, instead of a tensor of zeros (ops with several outputs save the fill).
     """
 
     schema: str
     compute: Callable[..., Any]
     fake: Callable[..., Any]
     save: Callable[[tuple, Any], tuple[tuple[torch.Tensor, ...], tuple]]
-    grads: Callable[[Callable[..., Any], tuple, tuple, tuple], tuple]
+    grads: Callable[[Callable[..., Any], tuple, tuple, tuple, tuple[bool, ...]], tuple]
     key: Callable[..., dispatch.DispatchKey] | None = None
     impls: Sequence[Impl] = ()
     non_differentiable: tuple[int, ...] = ()
+    materialize_grads: bool = True
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,7 @@ def _eager_function(op: OpDef, backward_op: Any) -> type[torch.autograd.Function
 
     def forward(ctx, *args):
         out = op.forward(*args)
+        ctx.set_materialize_grads(bwd.materialize_grads)
         tensors, values = bwd.save(args, out)
         ctx.save_for_backward(*tensors)
         ctx.values = values
@@ -176,7 +182,7 @@ def _eager_function(op: OpDef, backward_op: Any) -> type[torch.autograd.Function
         def run(*args):
             return steering.run(compute, *args)
 
-        return tuple(bwd.grads(run, ctx.saved_tensors, ctx.values, grad_outputs))
+        return tuple(bwd.grads(run, ctx.saved_tensors, ctx.values, grad_outputs, ctx.needs_input_grad))
 
     # Made with type(): autograd names the graph nodes after the class (Eager_<op>Backward).
     name = f"Eager_{op.name}"
@@ -204,6 +210,7 @@ def define(lib: torch.library.Library, op: OpDef) -> DefinedOp:
         backward_op = getattr(namespace, bwd_name).default
 
         def setup_context(ctx, inputs, output) -> None:
+            ctx.set_materialize_grads(bwd.materialize_grads)
             tensors, values = bwd.save(tuple(inputs), output)
             ctx.save_for_backward(*tensors)
             ctx.values = values
@@ -217,7 +224,7 @@ def define(lib: torch.library.Library, op: OpDef) -> DefinedOp:
             def run(*args):
                 return steering.run(backward_op, *args)
 
-            return tuple(bwd.grads(run, ctx.saved_tensors, ctx.values, grad_outputs))
+            return tuple(bwd.grads(run, ctx.saved_tensors, ctx.values, grad_outputs, ctx.needs_input_grad))
 
         torch.library.register_autograd(qualified, autograd_backward, setup_context=setup_context, lib=lib)
 

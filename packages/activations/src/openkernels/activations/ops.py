@@ -111,7 +111,7 @@ def _define(spec: OpSpec) -> opdef.DefinedOp:
     def save(inputs: tuple, output: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple]:
         return (inputs[0],), tuple(inputs[1:])  # x; approximate when the op has it
 
-    def grads(run, tensors: tuple, values: tuple, grad_outputs: tuple) -> tuple:
+    def grads(run, tensors: tuple, values: tuple, grad_outputs: tuple, needs: tuple[bool, ...]) -> tuple:
         return (run(grad_outputs[0], tensors[0], *values), *(None for _ in values))
 
     defined = opdef.define(

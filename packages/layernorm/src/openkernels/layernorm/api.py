@@ -92,14 +92,6 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _eager(x: torch.Tensor) -> bool:
-    """Skip the torch.library layer where it adds only overhead: plain eager calls on a real
-    device (meta/fake tensors take the library op's fake, torch.compile traces the op).
-    Without autograd the backend runs directly; with it, through ops.EagerNorm."""
-    # type() is exact: subclasses (FakeTensor, tensor wrappers) take the library op.
-    return type(x) is torch.Tensor and x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
-
-
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
@@ -128,15 +120,8 @@ def rms_norm(
     needs_grad = _needs_grad(x, weight, residual)
     store = prenorm or (needs_grad and residual is not None)
     eps, weight_offset = float(eps), float(weight_offset)
-    args = (x, weight, None, residual, eps, weight_offset, store, out_dtype, residual_dtype)
-    if _eager(x) and not needs_grad:
-        out, h, _, _ = ops.forward(True, *args)
-    elif _eager(x):
-        out, h = ops.EagerNorm.apply(True, *args)
-    else:
-        out, h, _ = torch.ops.openkernels.rms_norm(
-            x, weight, residual, eps, weight_offset, store, out_dtype, residual_dtype
-        )
+    # Plain eager tensors: the kernels directly, or one autograd.Function; else the library op.
+    out, h, _ = ops.RMS_NORM(x, weight, residual, eps, weight_offset, store, out_dtype, residual_dtype)
     return (out, h) if prenorm else out
 
 
@@ -162,15 +147,7 @@ def layer_norm(
     needs_grad = _needs_grad(x, weight, bias, residual)
     store = prenorm or (needs_grad and residual is not None)
     eps = float(eps)
-    args = (x, weight, bias, residual, eps, 0.0, store, out_dtype, residual_dtype)
-    if _eager(x) and not needs_grad:
-        out, h, _, _ = ops.forward(False, *args)
-    elif _eager(x):
-        out, h = ops.EagerNorm.apply(False, *args)
-    else:
-        out, h, _, _ = torch.ops.openkernels.layer_norm(
-            x, weight, bias, residual, eps, store, out_dtype, residual_dtype
-        )
+    out, h, _, _ = ops.LAYER_NORM(x, weight, bias, residual, eps, store, out_dtype, residual_dtype)
     return (out, h) if prenorm else out
 
 

@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info
 
 from .configs import plan
@@ -31,8 +32,8 @@ def _backend(device: torch.device) -> str:
 def unary_fwd(x: torch.Tensor, out: torch.Tensor, act: int) -> None:
     n_rows, n_cols = out.shape
     cfg, grid, even = _grid(x, n_rows, n_cols)
-    _activation_fwd_kernel[grid](
-        x, out, n_rows, n_cols, x.stride(0), out.stride(0),
+    launch(
+        _activation_fwd_kernel, grid, x, out, n_rows, n_cols, x.stride(0), out.stride(0),
         ACT=act, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, EVEN=even,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -41,8 +42,8 @@ def unary_fwd(x: torch.Tensor, out: torch.Tensor, act: int) -> None:
 def unary_bwd(grad_out: torch.Tensor, x: torch.Tensor, grad_in: torch.Tensor, act: int) -> None:
     n_rows, n_cols = grad_in.shape
     cfg, grid, even = _grid(x, n_rows, n_cols)
-    _activation_bwd_kernel[grid](
-        grad_out, x, grad_in, n_rows, n_cols, grad_out.stride(0), x.stride(0), grad_in.stride(0),
+    launch(
+        _activation_bwd_kernel, grid, grad_out, x, grad_in, n_rows, n_cols, grad_out.stride(0), x.stride(0), grad_in.stride(0),
         ACT=act, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, EVEN=even,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -51,8 +52,8 @@ def unary_bwd(grad_out: torch.Tensor, x: torch.Tensor, grad_in: torch.Tensor, ac
 def gated_fwd(x: torch.Tensor, out: torch.Tensor, act: int, *, act_first: bool) -> None:
     n_rows, n_cols = out.shape
     cfg, grid, even = _grid(x, n_rows, n_cols)
-    _gated_activation_fwd_kernel[grid](
-        x, out, n_rows, n_cols, x.stride(0), out.stride(0),
+    launch(
+        _gated_activation_fwd_kernel, grid, x, out, n_rows, n_cols, x.stride(0), out.stride(0),
         ACT=act, ACT_FIRST=act_first, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, EVEN=even,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -63,8 +64,8 @@ def gated_bwd(
 ) -> None:
     n_rows, n_cols = grad_out.shape
     cfg, grid, even = _grid(x, n_rows, n_cols)
-    _gated_activation_bwd_kernel[grid](
-        grad_out, x, grad_in, n_rows, n_cols, grad_out.stride(0), x.stride(0), grad_in.stride(0),
+    launch(
+        _gated_activation_bwd_kernel, grid, grad_out, x, grad_in, n_rows, n_cols, grad_out.stride(0), x.stride(0), grad_in.stride(0),
         ACT=act, ACT_FIRST=act_first, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols, EVEN=even,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

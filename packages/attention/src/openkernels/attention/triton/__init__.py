@@ -7,6 +7,7 @@ import functools
 import torch
 import triton
 
+from openkernels.shared.launch import launch as direct_launch
 from openkernels.shared.platform import device_info
 
 from . import plan
@@ -106,7 +107,8 @@ def attn_fwd(
                  softcap)  # fmt: skip
     strides = tuple(_bshd(t, p.varlen) for t in (q, k, v, out))
     launch = plan.fwd(p, _arch(q.device), q.dtype, strides, _lse_strides(lse, p.varlen), config)
-    _attn_fwd_kernel[launch.grid](
+    direct_launch(
+        _attn_fwd_kernel, launch.grid,
         q_ptr=q, k_ptr=k, v_ptr=v, cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, slopes_ptr=alibi_slopes, o_ptr=out,
         lse_ptr=lse, USE_TMA=_tma_ok(launch.config, k, v), num_warps=launch.num_warps,
         num_stages=launch.num_stages, **launch.args,
@@ -143,7 +145,7 @@ def attn_bwd(
     dkdv_cfg, dq_cfg = configs or (None, None)
     delta = torch.empty_like(lse)
     pre = plan.preprocess(p, (_bshd(out, varlen), _bshd(dout, varlen)), lse_strides)
-    _attn_bwd_preprocess_kernel[pre.grid](o_ptr=out, do_ptr=dout, cu_q_ptr=cu_seqlens_q, delta_ptr=delta,
+    direct_launch(_attn_bwd_preprocess_kernel, pre.grid, o_ptr=out, do_ptr=dout, cu_q_ptr=cu_seqlens_q, delta_ptr=delta,
                                           num_warps=pre.num_warps, **pre.args)  # fmt: skip
     # GQA: each query head's dK/dV share lands in float32 buffers with one head per query
     # head, summed over each group in a fixed order below (deterministic).
@@ -157,11 +159,11 @@ def attn_bwd(
     base = tuple(_bshd(t, varlen) for t in (q, k, v, dout))
     kv = plan.dkdv(p, arch, q.dtype, (*base, _bshd(dk_part, varlen), _bshd(dv_part, varlen)), lse_strides,
                    strides_aligned, dkdv_cfg)  # fmt: skip
-    _attn_bwd_dkdv_kernel[kv.grid](**common, dk_ptr=dk_part, dv_ptr=dv_part, num_warps=kv.num_warps,
+    direct_launch(_attn_bwd_dkdv_kernel, kv.grid, **common, dk_ptr=dk_part, dv_ptr=dv_part, num_warps=kv.num_warps,
                                    num_stages=kv.num_stages, **kv.args)  # fmt: skip
     if p.group > 1:
         for part, grad in ((dk_part, dk), (dv_part, dv)):
             grad.copy_(part.view(*part.shape[:2], p.heads_kv, p.group, p.head_dim).sum(dim=3))
     qd = plan.dq(p, arch, q.dtype, (*base, _bshd(dq, varlen)), lse_strides, strides_aligned, dq_cfg)
-    _attn_bwd_dq_kernel[qd.grid](**common, dq_ptr=dq, num_warps=qd.num_warps, num_stages=qd.num_stages,
+    direct_launch(_attn_bwd_dq_kernel, qd.grid, **common, dq_ptr=dq, num_warps=qd.num_warps, num_stages=qd.num_stages,
                                  **qd.args)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from openkernels.shared.launch import launch as direct_launch
 from openkernels.shared.platform import device_info
 
 from . import plan
@@ -24,7 +25,7 @@ def _launch(x_q, x_k, cos, sin, out_q, out_k, backward: bool, config: RotaryConf
         tuple(x_q.shape), x_k.shape[2], cos.shape[-1], (x_q.stride()[:3], x_k.stride()[:3]),
         (_table_strides(cos), _table_strides(sin)), backward, device_info(x_q.device).arch, config,
     )  # fmt: skip
-    _apply_rotary_kernel[launch.grid](q_ptr=x_q, k_ptr=x_k, cos_ptr=cos, sin_ptr=sin, qo_ptr=out_q, ko_ptr=out_k,
+    direct_launch(_apply_rotary_kernel, launch.grid, q_ptr=x_q, k_ptr=x_k, cos_ptr=cos, sin_ptr=sin, qo_ptr=out_q, ko_ptr=out_k,
                                       num_warps=launch.num_warps, **launch.args)  # fmt: skip
 
 

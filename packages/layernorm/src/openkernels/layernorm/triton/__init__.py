@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info
 
 from . import kernels
@@ -20,10 +21,14 @@ def _aligned(n_cols: int, *tensors: torch.Tensor | None) -> bool:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter runs programs one after another: a few are enough
+def _device_state(index: int) -> tuple[str, int]:
+    """(backend, SM count) of the device a tensor's get_device() names: -1 is the CPU (the
+    interpreter runs programs one after another there: a few are enough)."""
+    if index < 0:
+        return "cpu", 4
+    return device_info(torch.device("cuda", index)).backend, torch.cuda.get_device_properties(
+        index
+    ).multi_processor_count
 
 
 @functools.cache
@@ -50,29 +55,38 @@ def norm_fwd(
     config: NormConfig | None = None,
 ) -> None:
     n_rows, n_cols = x.shape
-    backend = device_info(x.device).backend
+    backend, sm_count = _device_state(x.get_device())
     aligned = _aligned(n_cols, x, residual)
-    plan = fwd_plan(n_rows, n_cols, x.dtype, backend, aligned, rms, _sm_count(x.device), config)
+    plan = fwd_plan(n_rows, n_cols, x.dtype, backend, aligned, rms, sm_count, config)
     cfg = plan.config
-    # Absent tensors are stand-ins the kernel's flags keep it from touching.
-    args = dict(
-        x_ptr=x, res_ptr=x if residual is None else residual, w_ptr=x if weight is None else weight,
-        b_ptr=x if bias is None else bias, out_ptr=out,
-        res_out_ptr=residual_out if residual_out is not None else _dtype_token(h_dtype, x.device),
-        mean_ptr=rstd if mean is None else mean, rstd_ptr=rstd,
-        n_rows=n_rows, n_cols=n_cols, stride_x=x.stride(0),
-        stride_res=0 if residual is None else residual.stride(0), stride_out=out.stride(0),
-        stride_res_out=0 if residual_out is None else residual_out.stride(0),
-        eps=eps, weight_offset=weight_offset,
-        IS_RMS=rms, HAS_RESIDUAL=residual is not None, STORE_RESIDUAL=residual_out is not None,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+    # Absent tensors are stand-ins the kernel's flags keep it from touching. Positional, in
+    # the kernels' parameter order (binding by name costs host time on every call).
+    args = (
+        x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias, out,
+        residual_out if residual_out is not None else _dtype_token(h_dtype, x.device),
+        rstd if mean is None else mean, rstd,
+        n_rows, n_cols, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        0 if residual_out is None else residual_out.stride(0), eps, weight_offset,
     )  # fmt: skip
-    if cfg.mode == "split":
-        args["part_ptr"] = torch.empty(n_rows * plan.splits * 2, dtype=torch.float32, device=x.device)
-        args["arrived_ptr"] = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
-        args["n_splits"] = plan.splits
-    getattr(kernels, plan.kernel)[plan.grid](
-        **args, **plan.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+    flags = dict(IS_RMS=rms, HAS_RESIDUAL=residual is not None, STORE_RESIDUAL=residual_out is not None,
+                 HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)  # fmt: skip
+    kernel = getattr(kernels, plan.kernel)
+    if cfg.mode == "split":  # its parameters come in another order: by name
+        names = ("x_ptr", "res_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr", "mean_ptr", "rstd_ptr", "n_rows",
+                 "n_cols", "stride_x", "stride_res", "stride_out", "stride_res_out", "eps", "weight_offset")  # fmt: skip
+        flags.update(zip(names, args))
+        flags["part_ptr"] = torch.empty(n_rows * plan.splits * 2, dtype=torch.float32, device=x.device)
+        flags["arrived_ptr"] = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
+        flags["n_splits"] = plan.splits
+        args = ()
+    launch(
+        kernel,
+        plan.grid,
+        *args,
+        **flags,
+        **plan.constexprs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
@@ -92,16 +106,16 @@ def norm_bwd(
     config: NormConfig | None = None,
 ) -> None:
     n_rows, n_cols = h.shape
-    backend = device_info(h.device).backend
+    backend, sm_count = _device_state(h.get_device())
     aligned = _aligned(n_cols, dy, h, dh_out)
-    plan = bwd_plan(n_rows, n_cols, h.dtype, backend, aligned, rms, _sm_count(h.device), config)
+    plan = bwd_plan(n_rows, n_cols, h.dtype, backend, aligned, rms, sm_count, config)
     dw_part = db_part = rstd
     if dweight is not None:
         dw_part = torch.empty((plan.programs, n_cols), dtype=torch.float32, device=h.device)
     if dbias is not None:
         db_part = torch.empty((plan.programs, n_cols), dtype=torch.float32, device=h.device)
-    kernels._norm_bwd_kernel[plan.grid](
-        dy_ptr=dy, h_ptr=h, w_ptr=h if weight is None else weight, mean_ptr=rstd if mean is None else mean,
+    launch(
+        kernels._norm_bwd_kernel, plan.grid, dy_ptr=dy, h_ptr=h, w_ptr=h if weight is None else weight, mean_ptr=rstd if mean is None else mean,
         rstd_ptr=rstd, dh_out_ptr=dh if dh_out is None else dh_out, dh_ptr=dh, dw_part_ptr=dw_part,
         db_part_ptr=db_part,
         n_rows=n_rows, n_cols=n_cols, stride_dy=dy.stride(0), stride_h=h.stride(0),
