@@ -123,3 +123,54 @@ def test_direct_launch_still_calls_launch_hooks_on_gpu() -> None:
     torch.cuda.synchronize()
     assert seen == ["_affine_kernel"] * 3
     torch.testing.assert_close(out, x * 2 + 3)
+
+
+@jit_only
+def test_prepare_checks_its_arguments_once() -> None:
+    with pytest.raises(TypeError, match="no parameters \\['BLOK'\\]"):
+        L.prepare(_affine_kernel, ("x_ptr", "out_ptr"), n=8, offset=0, scale=1.0, BLOK=8)
+    with pytest.raises(TypeError, match="missing argument 'BLOCK'"):
+        L.prepare(_affine_kernel, ("x_ptr", "out_ptr"), n=8, offset=0, scale=1.0)
+    with pytest.raises(TypeError, match="constexpr parameters cannot vary"):
+        L.prepare(_affine_kernel, ("x_ptr", "out_ptr", "BLOCK"), n=8, offset=0, scale=1.0)
+    with pytest.raises(TypeError, match="both varying and fixed"):
+        L.prepare(_affine_kernel, ("x_ptr", "out_ptr", "n"), n=8, offset=0, scale=1.0, BLOCK=8)
+    prepared = L.prepare(_affine_kernel, ("x_ptr", "out_ptr"), n=8, offset=0, scale=1.0, BLOCK=8)
+    assert prepared.varying == ("x_ptr", "out_ptr") and prepared.fixed == {"n": 8, "offset": 0, "scale": 1.0, "BLOCK": 8}
+
+
+@pytest.mark.interpreter
+def test_prepared_launch_on_the_interpreter() -> None:
+    if not triton_interpreting():
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    x = torch.arange(10, dtype=torch.float32)
+    out = torch.full_like(x, float("nan"))
+    L.prepare(_affine_kernel, ("x_ptr", "out_ptr"), n=10, offset=3, scale=2.0, BLOCK=8, num_warps=4)(
+        (2,), x, out
+    )
+    torch.testing.assert_close(out, x * 2 + 3)
+
+
+@pytest.mark.gpu
+def test_prepared_launches_match_kernel_grid_on_gpu() -> None:
+    """One prepared launch, called on aligned and misaligned views and a None-free mix of
+    dtypes: every call equals kernel[grid] on the same arguments."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    buf = torch.randn(1100, device="cuda")
+    prepared = L.prepare(
+        _affine_kernel, ("x_ptr", "out_ptr"), n=1000, offset=3, scale=0.5, BLOCK=128, num_warps=4
+    )
+    for start, out_start, dtype in [(0, 0, torch.float32), (1, 0, torch.float32), (0, 3, torch.float32),
+                                    (4, 4, torch.float32), (0, 0, torch.float16), (1, 0, torch.float32)]:  # fmt: skip
+        x = buf[start : start + 1000].to(dtype)
+        if start % 4:  # keep the misaligned start: .to() of a same-dtype view returns the view
+            x = buf.to(dtype)[start : start + 1000]
+        got_buf = torch.full((1100,), float("nan"), device="cuda", dtype=dtype)
+        got = got_buf[out_start : out_start + 1000]
+        want = torch.full_like(got, float("nan"))
+        for _ in range(2):  # the first call compiles through kernel[grid], the second is direct
+            prepared((8,), x, got)
+        _affine_kernel[(8,)](x, want, 1000, 3, 0.5, BLOCK=128, num_warps=4)
+        assert torch.equal(got, want), (start, out_start, dtype)
+    assert len(prepared._compiled) >= 3  # aligned, misaligned input, misaligned output, fp16

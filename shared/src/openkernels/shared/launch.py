@@ -14,6 +14,11 @@ parameters by value; plus the current device, num_warps and num_stages. The key 
 superset of Triton's (it distinguishes all that Triton does, and maybe more), so a key hit
 means the same compiled kernel Triton would pick.
 
+`prepare(kernel, varying, **fixed)` goes one step further for launchers that cache a launch
+plan: every argument but the `varying` ones (the tensors, typically) is fixed once, so a
+call binds and keys only those. The plan must then decide every fixed value: a launcher
+keeps one prepared launch per plan.
+
 Falls back to `kernel[grid](...)` (same results, Triton's host time) under the Triton
 interpreter, for CPU tensors, for kernels that need global scratch memory, and when
 `FAST` is False (OPENKERNELS_DIRECT_LAUNCH=0 in the environment sets it so at import: a
@@ -28,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["launch", "FAST", "specialization_key", "clear"]
+__all__ = ["launch", "prepare", "PreparedLaunch", "FAST", "specialization_key", "clear"]
 
 # False: always kernel[grid](...) (overhead measurements, debugging, OPENKERNELS_DIRECT_LAUNCH=0)
 FAST = os.environ.get("OPENKERNELS_DIRECT_LAUNCH", "1") not in ("0", "")
@@ -187,10 +192,9 @@ def launch(kernel: Any, grid: Sequence[int], *args: Any, num_warps: int | None =
     key = specialization_key(kernel, values, num_warps, num_stages, device)
     compiled = _compiled.get(key)
     if compiled is None:
-        compiled = kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages))
-        meta = compiled.metadata
-        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
-            compiled = False  # scratch memory is set up by JITFunction.run: always go through it
+        compiled = _compile(
+            kernel, grid, {**dict(zip(_signature(kernel)[0], values)), **_options(num_warps, num_stages)}
+        )
         if len(_compiled) >= _MAX_ENTRIES:
             _compiled.clear()
         _compiled[key] = compiled
@@ -198,6 +202,13 @@ def launch(kernel: Any, grid: Sequence[int], *args: Any, num_warps: int | None =
     if compiled is False:
         kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages))
         return
+    _run(compiled, grid, values, active, device, hooks)
+
+
+def _run(
+    compiled: Any, grid: Sequence[int], values: Sequence[Any], active: Any, device: int, hooks: Any
+) -> None:
+    """Launch a compiled kernel on the current stream, as JITFunction.run would."""
     stream = active.get_current_stream(device)
     enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
     if _no_hooks(enter) and _no_hooks(leave):
@@ -209,6 +220,92 @@ def launch(kernel: Any, grid: Sequence[int], *args: Any, num_warps: int | None =
     n = len(grid)
     compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
                  compiled.packed_metadata, meta, enter, leave, *values)  # fmt: skip
+
+
+def _compile(kernel: Any, grid: Sequence[int], kwargs: dict[str, Any]) -> Any:
+    """kernel[grid](**kwargs): launches (compiling first if needed) and returns the compiled
+    kernel, or False when it needs what JITFunction.run sets up (global scratch memory)."""
+    compiled = kernel[tuple(grid)](**kwargs)
+    meta = compiled.metadata
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        return False
+    return compiled
+
+
+class PreparedLaunch:
+    """`kernel` with every argument but `varying` fixed: `prepared(grid, *values)` launches it
+    with `values` for the varying parameters, in the order they were named. Each call keys
+    only those values (tensors by dtype and 16-byte alignment, ints as Triton specializes
+    them); the fixed ones were specialized once, here. Make one per launch plan."""
+
+    __slots__ = ("_compiled", "_options", "_positions", "_template", "fixed", "kernel", "varying")
+
+    def __init__(self, kernel: Any, varying: Sequence[str], fixed: dict[str, Any], num_warps: int | None = None,
+                 num_stages: int | None = None) -> None:  # fmt: skip
+        self.kernel = kernel
+        self.varying = tuple(varying)
+        self.fixed = dict(fixed)
+        self._options = _options(num_warps, num_stages)
+        self._compiled: dict[tuple, Any] = {}
+        self._template: list[Any] | None = None  # None: always kernel[grid] (the interpreter's kernels)
+        self._positions: tuple[int, ...] = ()
+        if not hasattr(kernel, "params"):
+            return
+        names, constexpr, defaults = _signature(kernel)
+        position = {name: i for i, name in enumerate(names)}
+        unknown = sorted((set(varying) | set(fixed)) - set(names))
+        if unknown:
+            raise TypeError(f"prepare: {kernel.__name__} has no parameters {unknown}")
+        both = sorted(set(varying) & set(fixed))
+        if both:
+            raise TypeError(f"prepare: {both} named both varying and fixed")
+        if any(constexpr[position[name]] for name in varying):
+            raise TypeError(f"prepare: constexpr parameters cannot vary: {list(varying)}")
+        template = []
+        for name in names:
+            if name in fixed:
+                template.append(fixed[name])
+            elif name in defaults or name in varying:
+                template.append(defaults.get(name))
+            else:
+                raise TypeError(f"prepare: {kernel.__name__} is missing argument {name!r}")
+        self._template = template
+        self._positions = tuple(position[name] for name in varying)
+
+    def __call__(self, grid: Sequence[int], *values: Any) -> None:
+        tensor = _first_tensor(values)
+        if not FAST or tensor is None or not tensor.is_cuda or self._template is None:
+            self.kernel[tuple(grid)](**dict(zip(self.varying, values)), **self.fixed, **self._options)
+            return
+        hooks, driver = _triton_runtime()
+        active = driver.active
+        device = active.get_current_device()
+        key = (device, *_key_parts(values, _NOT_CONSTEXPR[: len(values)]))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = _compile(
+                self.kernel, grid, {**dict(zip(self.varying, values)), **self.fixed, **self._options}
+            )
+            if len(self._compiled) >= _MAX_ENTRIES:
+                self._compiled.clear()
+            self._compiled[key] = compiled
+            return
+        if compiled is False:
+            self.kernel[tuple(grid)](**dict(zip(self.varying, values)), **self.fixed, **self._options)
+            return
+        full = self._template.copy()
+        for i, value in zip(self._positions, values):
+            full[i] = value
+        _run(compiled, grid, full, active, device, hooks)
+
+
+_NOT_CONSTEXPR = (False,) * 256
+
+
+def prepare(kernel: Any, varying: Sequence[str], *, num_warps: int | None = None, num_stages: int | None = None,
+            **fixed: Any) -> PreparedLaunch:  # fmt: skip
+    """A PreparedLaunch of `kernel`: `varying` parameters given per call, the rest `fixed`."""
+    return PreparedLaunch(kernel, varying, fixed, num_warps, num_stages)
 
 
 def _no_hooks(hook: Any) -> bool:

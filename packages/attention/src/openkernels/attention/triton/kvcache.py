@@ -8,7 +8,7 @@ import functools
 import torch
 import triton
 
-from openkernels.shared.launch import launch
+from openkernels.shared.launch import PreparedLaunch, launch, prepare
 from openkernels.shared.platform import device_info
 
 from . import plan
@@ -84,8 +84,12 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
     )  # fmt: skip
 
 
-_plans: dict[tuple, plan.KVLaunches] = {}
+_plans: dict[tuple, tuple[plan.KVLaunches, PreparedLaunch, PreparedLaunch | None]] = {}
 _MAX_PLANS = 4096
+# The tensor parameters of the decode kernels, in the order their launchers pass them.
+_MAIN_TENSORS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "k_zero_ptr", "v_scale_ptr", "v_zero_ptr", "seqlens_ptr",
+                 "block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr", "leftpad_ptr", "o_ptr", "lse_ptr")  # fmt: skip
+_COMBINE_TENSORS = ("part_o_ptr", "part_lse_ptr", "o_ptr", "lse_ptr")
 
 
 def _plan(q, k_data, v_data, k_scale, out, lse, block_table, rotary_cos, seqlen_new, max_seqlen_k, scale, window_left,
@@ -128,24 +132,27 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
            None if rotary_cos is None else (rotary_cos.stride(0), rotary_cos.shape[1]), q.device, bits, group_size,
            seqlen_new, max_k16, scale, window_left, window_right, alibi_slopes is not None, softcap,
            rotary_interleaved, leftpad is not None, config, num_splits or FORCE_SPLITS, scale_gather)  # fmt: skip
-    kv = _plans.get(key)
-    if kv is None:
+    cached = _plans.get(key)
+    if cached is None:
         kv = _plan(q, k_data, v_data, k_scale, out, lse, block_table, rotary_cos, seqlen_new, max_k16, scale,
                    window_left, window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size, leftpad,
                    config, num_splits or FORCE_SPLITS, scale_gather)  # fmt: skip
+        # The plan fixes every argument but the tensors: each call keys and binds only those.
+        main = prepare(_attention_kvcache_fwd_kernel, _MAIN_TENSORS, num_warps=kv.main.num_warps,
+                       num_stages=kv.main.num_stages, **kv.main.args)  # fmt: skip
+        combine = None
+        if kv.combine is not None:
+            combine = prepare(_attention_kvcache_combine_kernel, _COMBINE_TENSORS, num_warps=kv.combine.num_warps,
+                              **kv.combine.args)  # fmt: skip
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        _plans[key] = kv
+        cached = _plans[key] = (kv, main, combine)
+    kv, main, combine = cached
     dst_o, dst_lse = out, lse
     if kv.splits > 1:  # float32 partials, merged below
         dst_o = torch.empty(kv.partial_out, dtype=torch.float32, device=q.device)
         dst_lse = torch.empty(kv.partial_lse, dtype=torch.float32, device=q.device)
-    launch(
-        _attention_kvcache_fwd_kernel, kv.main.grid, q_ptr=q, k_ptr=k_data, v_ptr=v_data, k_scale_ptr=k_scale, k_zero_ptr=k_zero, v_scale_ptr=v_scale,
-        v_zero_ptr=v_zero, seqlens_ptr=cache_seqlens, block_table_ptr=block_table, cos_ptr=rotary_cos,
-        sin_ptr=rotary_sin, slopes_ptr=alibi_slopes, leftpad_ptr=leftpad, o_ptr=dst_o, lse_ptr=dst_lse, num_warps=kv.main.num_warps,
-        num_stages=kv.main.num_stages, **kv.main.args,
-    )  # fmt: skip
-    if kv.combine is not None:
-        launch(_attention_kvcache_combine_kernel, kv.combine.grid, part_o_ptr=dst_o, part_lse_ptr=dst_lse, o_ptr=out,
-               lse_ptr=lse, num_warps=kv.combine.num_warps, **kv.combine.args)  # fmt: skip
+    main(kv.main.grid, q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, cache_seqlens, block_table, rotary_cos,
+         rotary_sin, alibi_slopes, leftpad, dst_o, dst_lse)  # fmt: skip
+    if combine is not None:
+        combine(kv.combine.grid, dst_o, dst_lse, out, lse)
