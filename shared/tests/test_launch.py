@@ -112,7 +112,7 @@ def test_direct_launch_still_calls_launch_hooks_on_gpu() -> None:
     seen = []
 
     def hook(metadata) -> None:
-        seen.append(metadata["name"])
+        seen.append(metadata.get()["name"])  # a triton LazyDict
 
     chain.add(hook)
     try:
@@ -136,7 +136,12 @@ def test_prepare_checks_its_arguments_once() -> None:
     with pytest.raises(TypeError, match="both varying and fixed"):
         L.prepare(_affine_kernel, ("x_ptr", "out_ptr", "n"), n=8, offset=0, scale=1.0, BLOCK=8)
     prepared = L.prepare(_affine_kernel, ("x_ptr", "out_ptr"), n=8, offset=0, scale=1.0, BLOCK=8)
-    assert prepared.varying == ("x_ptr", "out_ptr") and prepared.fixed == {"n": 8, "offset": 0, "scale": 1.0, "BLOCK": 8}
+    assert prepared.varying == ("x_ptr", "out_ptr") and prepared.fixed == {
+        "n": 8,
+        "offset": 0,
+        "scale": 1.0,
+        "BLOCK": 8,
+    }
 
 
 @pytest.mark.interpreter

@@ -48,6 +48,10 @@ def _empty(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ref.new_empty((0,), dtype=dtype)
 
 
+def _flat(stats: torch.Tensor) -> torch.Tensor:
+    return stats if stats.dim() == 1 else stats.view(-1)  # a view costs host time: 2D x needs none
+
+
 def _fwd_outputs(x, residual, store_residual, out_dtype, residual_dtype, rms):
     """(out, residual_out, mean or None, rstd), allocated; shared by the impl and the fake."""
     # empty_like of a contiguous x and new_empty cost less host time than torch.empty with a
@@ -88,8 +92,8 @@ def forward(
         bias,
         as_rows(out),
         None if residual_out is None else as_rows(residual_out),
-        None if mean is None else mean.view(-1),
-        rstd.view(-1),
+        None if mean is None else _flat(mean),
+        _flat(rstd),
         eps=eps,
         weight_offset=weight_offset,
         rms=rms,
