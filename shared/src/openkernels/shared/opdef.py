@@ -89,6 +89,8 @@ class OpDef:
     under `name` (none: the op's body dispatches under another name). tensor_args: the
     positions of tensor arguments (the eager fast path needs each to be a plain tensor;
     the first decides the device); backward: None for an op without gradients.
+    library_forward: the body the library op runs, when it must differ from the eager one
+    (quant's sets a flag that keeps caches out of CUDA-graph captures); default `forward`.
     """
 
     name: str
@@ -100,6 +102,7 @@ class OpDef:
     tensor_args: tuple[int, ...] = (0,)
     backward: BackwardDef | None = None
     tags: tuple[torch.Tag, ...] = ()
+    library_forward: Callable[..., Any] | None = None
 
 
 def _register(op: str, key: Callable | None, impls: Sequence[Impl]) -> None:
@@ -195,7 +198,7 @@ def define(lib: torch.library.Library, op: OpDef) -> DefinedOp:
     fakes, the autograd formula and the dispatch implementations; return the callable."""
     qualified = f"{lib.ns}::{op.name}"
     lib.define(op.name + op.schema, tags=op.tags)
-    lib.impl(op.name, op.forward, "CompositeExplicitAutograd")
+    lib.impl(op.name, op.library_forward or op.forward, "CompositeExplicitAutograd")
     torch.library.register_fake(qualified, op.fake, lib=lib)
     _register(op.name, op.key, op.impls)
     namespace = getattr(torch.ops, lib.ns)

@@ -49,16 +49,13 @@ def linear_parts(
     perm: Tensor | None = None,
 ) -> Tensor:
     """int4_linear on the weight's parts (what Int4Linear.forward calls; the parts were
-    checked when the module was built or loaded). Eager calls skip the torch.library layers;
-    torch.compile traces the library op."""
+    checked when the module was built or loaded)."""
     _check_call(x, qweight, bias)
     if perm is not None:
         x = x.index_select(-1, perm)
-    if torch.compiler.is_compiling() or x.device.type == "meta":
-        return torch.ops.openkernels.int4_linear(x, qweight, scales, zeros, bias, group_size, kind)
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return ops.EagerInt4Linear.apply(x, qweight, scales, zeros, bias, group_size, kind)
-    return ops.forward(x, qweight, scales, zeros, bias, group_size, kind)
+    # Plain eager tensors: the kernel directly, or one autograd.Function; anything else
+    # (torch.compile, meta and fake tensors, tensor subclasses such as DTensor): the library op.
+    return ops.INT4_LINEAR(x, qweight, scales, zeros, bias, group_size, kind)
 
 
 def int4_linear(x: Tensor, weight: Int4Weight, bias: Tensor | None = None) -> Tensor:

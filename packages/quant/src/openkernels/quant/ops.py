@@ -1,10 +1,12 @@
 """torch.library ops of the quant family and their dispatch registrations.
 
-Library ops (one explicit schema each, fakes and autograd below):
+Library ops (one explicit schema each; op, fake, backward op, autograd, dispatch
+registrations and eager fast paths from one `opdef` declaration each):
   openkernels::int4_linear(x, qweight, scales, zeros?, bias?, group_size, kind) -> out
       x (..., K) float16 / bfloat16 / float32 / float64, out (..., N) in x's dtype.
       Differentiable in x and bias (the 4-bit weight is frozen):
-      grad_x = grad_out @ W, grad_bias = grad_out summed over the leading dims.
+      grad_x = grad_out @ W, grad_bias = grad_out summed over the leading dims
+      (openkernels::int4_linear_backward).
   openkernels::dequantize_int4(qweight, scales, zeros?, group_size, kind, dtype) -> W (N, K)
 The weight parts are format.py's layout (checked once, when the Int4Weight is built); the
 act-order perm is applied by api.py before these ops. The backend contract
@@ -18,22 +20,14 @@ import contextvars
 import torch
 from torch import Tensor
 
-from openkernels.shared import dispatch
+from openkernels.shared import dispatch, opdef
 
-__all__ = ["forward", "dequantize", "EagerInt4Linear", "KERNEL_DTYPES"]
+__all__ = ["forward", "dequantize", "INT4_LINEAR", "DEQUANTIZE_INT4", "KERNEL_DTYPES"]
 
 _PKG = "openkernels.quant"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # activations the Triton kernels take
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
-_LIB.define(
-    "int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, "
-    "str kind) -> Tensor"
-)
-_LIB.define(
-    "dequantize_int4(Tensor qweight, Tensor scales, Tensor? zeros, int group_size, str kind, "
-    "ScalarType dtype) -> Tensor"
-)
 
 
 def forward(
@@ -65,12 +59,6 @@ def dequantize(
     if out.numel():
         dispatch.run("dequantize_int4", qweight, scales, zeros, out, group_size, kind)
     return out
-
-
-def _grad_x(grad_out: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int, kind: str,
-            dtype: torch.dtype) -> Tensor:  # fmt: skip
-    w = torch.ops.openkernels.dequantize_int4(qweight, scales, zeros, group_size, kind, dtype)
-    return grad_out.to(dtype) @ w
 
 
 def _grad_bias(grad_out: Tensor, bias: Tensor) -> Tensor:
@@ -106,19 +94,14 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
     return supports(key)
 
 
-def _register_backends() -> None:
-    for op, key_fn, triton_supports in (
-        ("int4_linear", _linear_key, _triton_linear_supports),
-        ("dequantize_int4", _dequantize_key, _triton_dequantize_supports),
-    ):
-        dispatch.define(op, key_fn)
-        entry = f"{op}_fwd"
-        dispatch.register(op, "triton", dispatch.lazy(f"{_PKG}.triton:{entry}"), backends=("cuda", "rocm"),
-                          priority=20, supports=triton_supports, interpretable=True)  # fmt: skip
-        dispatch.register(op, "cpu", dispatch.lazy(f"{_PKG}.cpu:{entry}"), backends=("cpu",), priority=10,
-                          supports=_cpu_supports)  # fmt: skip
-        dispatch.register(op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"),
-                          backends=("cuda", "rocm", "cpu"), priority=0)  # fmt: skip
+def _impls(op: str, triton_supports) -> tuple[opdef.Impl, ...]:
+    """triton (CUDA, ROCm, the interpreter), cpu (C++), reference: entry point `<op>_fwd`."""
+    entry = f"{op}_fwd"
+    return (
+        opdef.Impl("triton", f"{_PKG}.triton:{entry}", ("cuda", "rocm"), 20, triton_supports, True),
+        opdef.Impl("cpu", f"{_PKG}.cpu:{entry}", ("cpu",), 10, _cpu_supports),
+        opdef.Impl("reference", f"{_PKG}.reference:{entry}", ("cuda", "rocm", "cpu"), 0),
+    )
 
 
 # ---- library op impls, fakes, autograd ------------------------------------------------------
@@ -132,8 +115,7 @@ LIBRARY_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-@torch.library.impl(_LIB, "int4_linear", "CompositeExplicitAutograd")
-def _int4_linear_impl(x, qweight, scales, zeros, bias, group_size, kind):
+def _library_forward(x, qweight, scales, zeros, bias, group_size, kind):
     token = LIBRARY_CALL.set(True)
     try:
         return forward(x, qweight, scales, zeros, bias, group_size, kind)
@@ -141,68 +123,75 @@ def _int4_linear_impl(x, qweight, scales, zeros, bias, group_size, kind):
         LIBRARY_CALL.reset(token)
 
 
-@torch.library.register_fake("openkernels::int4_linear", lib=_LIB)
-def _int4_linear_fake(x, qweight, scales, zeros, bias, group_size, kind):
+def _linear_fake(x, qweight, scales, zeros, bias, group_size, kind):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
-@torch.library.impl(_LIB, "dequantize_int4", "CompositeExplicitAutograd")
-def _dequantize_impl(qweight, scales, zeros, group_size, kind, dtype):
-    return dequantize(qweight, scales, zeros, group_size, kind, dtype)
+def _linear_backward(grad_out, qweight, scales, zeros, bias, group_size, kind, dtype, x_grad, bias_grad):
+    """(grad_x (..., K) in x's dtype, or empty; grad_bias (N,) in bias's dtype, or empty)."""
+    grad_x = grad_out.new_empty((0,), dtype=dtype)
+    if x_grad:
+        grad_x = grad_out.to(dtype) @ dequantize(qweight, scales, zeros, group_size, kind, dtype)
+    grad_bias = grad_out.new_empty((0,)) if bias is None or not bias_grad else _grad_bias(grad_out, bias)
+    return grad_x, grad_bias
 
 
-@torch.library.register_fake("openkernels::dequantize_int4", lib=_LIB)
-def _dequantize_fake(qweight, scales, zeros, group_size, kind, dtype):
-    return qweight.new_empty((qweight.shape[0], 2 * qweight.shape[1]), dtype=dtype)
+def _linear_backward_fake(grad_out, qweight, scales, zeros, bias, group_size, kind, dtype, x_grad, bias_grad):
+    k = 2 * qweight.shape[1]
+    grad_x = grad_out.new_empty((*grad_out.shape[:-1], k) if x_grad else (0,), dtype=dtype)
+    grad_bias = grad_out.new_empty((0,)) if bias is None or not bias_grad else torch.empty_like(bias)
+    return grad_x, grad_bias
 
 
-def _setup(ctx, inputs, output) -> None:
+def _linear_save(inputs: tuple, output: Tensor) -> tuple[tuple, tuple]:
     x, qweight, scales, zeros, bias, group_size, kind = inputs
-    ctx.save_for_backward(qweight, scales, zeros, bias)
-    ctx.options = (group_size, kind, x.dtype)
+    return (qweight, scales, zeros, bias), (group_size, kind, x.dtype)
 
 
-def _backward(ctx, grad_out):
-    qweight, scales, zeros, bias = ctx.saved_tensors
-    group_size, kind, dtype = ctx.options
-    grad_x = (
-        _grad_x(grad_out, qweight, scales, zeros, group_size, kind, dtype)
-        if ctx.needs_input_grad[0]
-        else None
+def _linear_grads(run, tensors: tuple, values: tuple, grad_outputs: tuple, needs: tuple[bool, ...]) -> tuple:
+    qweight, scales, zeros, bias = tensors
+    group_size, kind, dtype = values
+    x_grad, bias_grad = needs[0], bias is not None and needs[4]
+    grad_x, grad_bias = run(
+        grad_outputs[0], qweight, scales, zeros, bias, group_size, kind, dtype, x_grad, bias_grad
     )
-    grad_bias = _grad_bias(grad_out, bias) if bias is not None and ctx.needs_input_grad[4] else None
-    return grad_x, None, None, None, grad_bias, None, None
+    return grad_x if x_grad else None, None, None, None, grad_bias if bias_grad else None, None, None
 
 
-torch.library.register_autograd("openkernels::int4_linear", _backward, setup_context=_setup, lib=_LIB)
+INT4_LINEAR = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="int4_linear",
+        schema="(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, str kind) "
+        "-> Tensor",
+        forward=forward,
+        library_forward=_library_forward,
+        fake=_linear_fake,
+        key=_linear_key,
+        impls=_impls("int4_linear", _triton_linear_supports),
+        tensor_args=(0, 1, 2, 3, 4),
+        backward=opdef.BackwardDef(
+            schema="(Tensor grad_out, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, "
+            "str kind, ScalarType dtype, bool x_grad, bool bias_grad) -> (Tensor, Tensor)",
+            compute=_linear_backward,
+            fake=_linear_backward_fake,
+            save=_linear_save,
+            grads=_linear_grads,
+        ),
+    ),
+)
 
 
-class EagerInt4Linear(torch.autograd.Function):
-    """The library op's forward and backward as a plain autograd.Function, for eager calls
-    that need gradients (skips the torch.library dispatch layers; torch.compile uses the op).
-
-    apply(x, qweight, scales, zeros, bias, group_size, kind) -> out
-    """
-
-    @staticmethod
-    def forward(ctx, x, qweight, scales, zeros, bias, group_size, kind):
-        ctx.save_for_backward(qweight, scales, zeros, bias)
-        ctx.options = (group_size, kind, x.dtype)
-        ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
-        return forward(x, qweight, scales, zeros, bias, group_size, kind)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        qweight, scales, zeros, bias = ctx.saved_tensors
-        group_size, kind, dtype = ctx.options
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            w = ctx.dispatch_context.run(dequantize, qweight, scales, zeros, group_size, kind, dtype)
-            grad_x = grad_out.to(dtype) @ w
-        if bias is not None and ctx.needs_input_grad[4]:
-            grad_bias = _grad_bias(grad_out, bias)
-        return grad_x, None, None, None, grad_bias, None, None
-
-
-_register_backends()
+DEQUANTIZE_INT4 = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="dequantize_int4",
+        schema="(Tensor qweight, Tensor scales, Tensor? zeros, int group_size, str kind, ScalarType dtype) -> Tensor",
+        forward=dequantize,
+        fake=lambda qweight, scales, zeros, group_size, kind, dtype: qweight.new_empty(
+            (qweight.shape[0], 2 * qweight.shape[1]), dtype=dtype
+        ),
+        key=_dequantize_key,
+        impls=_impls("dequantize_int4", _triton_dequantize_supports),
+    ),
+)
