@@ -21,7 +21,7 @@ from .api import (
     silu_and_mul,
 )
 
-__version__ = "0.3.2"
+__version__ = "0.3.3"
 
 __all__ = [
     "Gelu",

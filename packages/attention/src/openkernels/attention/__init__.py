@@ -10,7 +10,7 @@ from .hf import hf_attention_forward, register_with_transformers
 from .kvcache import KVCache
 from .kvformat import QuantizedKV, dequantize_kv, quantize_kv
 
-__version__ = "0.4.2"
+__version__ = "0.4.3"
 
 __all__ = [
     "attention",
