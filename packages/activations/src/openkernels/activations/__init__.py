@@ -3,41 +3,12 @@
 Backends: Triton (CUDA and ROCm), fused C++ (CPU, compiled on first use), reference.
 """
 
+from . import api as _api
 from . import ops as _ops  # registers the torch.library ops and dispatch entries
-from .api import (
-    Gelu,
-    GeluAndMul,
-    GeluQuick,
-    MulAndSilu,
-    ReluSquared,
-    Silu,
-    SiluAndMul,
-    gelu,
-    gelu_and_mul,
-    gelu_quick,
-    mul_and_silu,
-    relu_squared,
-    silu,
-    silu_and_mul,
-)
+from .api import *  # noqa: F403 - the public API is api.__all__ (a new op is added there only)
 
 __version__ = "0.3.3"
 
-__all__ = [
-    "Gelu",
-    "GeluAndMul",
-    "GeluQuick",
-    "MulAndSilu",
-    "ReluSquared",
-    "Silu",
-    "SiluAndMul",
-    "gelu",
-    "gelu_and_mul",
-    "gelu_quick",
-    "mul_and_silu",
-    "relu_squared",
-    "silu",
-    "silu_and_mul",
-]
+__all__ = _api.__all__
 
-del _ops
+del _ops, _api
