@@ -73,6 +73,9 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max
     if impl is blockwise:
         opts["softcap"] = softcap
     with torch.no_grad():
+        if cu_seqlens_q is None and q.shape[1] and k.shape[1]:  # one batch: no per-sequence slices
+            impl.forward(q, k, v, out, lse, alibi_slopes, **opts)
+            return
         for rq, rk, slopes in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
             qs, ks, vs, os, ls = q[:, rq], k[:, rk], v[:, rk], out[:, rq], lse[:, :, rq]
             if qs.shape[1] == 0:
@@ -91,6 +94,9 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
     if impl is blockwise:
         opts["softcap"] = softcap
     with torch.no_grad():
+        if cu_seqlens_q is None and q.shape[1] and k.shape[1]:  # one batch: no per-sequence slices
+            impl.backward(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, **opts)
+            return
         for rq, rk, slopes in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
             grads = dq[:, rq], dk[:, rk], dv[:, rk]
             if q[:, rq].shape[1] == 0 or k[:, rk].shape[1] == 0:  # nothing attends: zero gradients
