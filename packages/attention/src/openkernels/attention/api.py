@@ -149,21 +149,10 @@ def _check_cu_seqlens(
 
 
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
-    """The cheapest path that is still correct: the library op under torch.compile, for
-    tensor subclasses and meta tensors (its fake), the autograd.Function when gradients are
-    needed, else the op's body."""
-    tensors = (q, k, v)
-    if (
-        torch.compiler.is_compiling()
-        or any(type(t) is not torch.Tensor for t in tensors)
-        or q.device.type not in ("cpu", "cuda")
-    ):
-        return torch.ops.openkernels.attention(
-            q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap
-        )
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return ops.EagerAttention.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
-    return ops.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
+    """The cheapest path that is still correct (opdef picks it): the op's body for plain eager
+    tensors, one autograd.Function when gradients are needed, else the library op
+    (torch.compile, tensor subclasses, meta tensors)."""
+    return ops.ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
 
 
 def attention(
@@ -531,8 +520,9 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     quant = (k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero) if bits != 16 else (None,) * 4
     library = tracing or any(type(t) is not torch.Tensor for t in (q, kd, vd))
-    append = torch.ops.openkernels.kvcache_append if library else ops.kvcache_append
-    forward = torch.ops.openkernels.attention_kvcache if library else ops.kvcache_forward
+    # Both ops take the same path (decided here, once, for the pair).
+    append = ops.KVCACHE_APPEND.library if library else ops.kvcache_append
+    forward = ops.ATTENTION_KVCACHE.library if library else ops.kvcache_forward
     forward_args = (q, kd, vd, *quant, seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
                     scale, left, right, alibi_slopes, float(softcap), rotary_interleaved, bits, group,
                     cache_leftpad)  # fmt: skip
@@ -686,12 +676,4 @@ def apply_rotary(
     """
     name = "apply_rotary"
     _check_rotary(name, q, k, cos, sin)
-    if (
-        torch.compiler.is_compiling()
-        or any(type(t) is not torch.Tensor for t in (q, k, cos, sin))
-        or q.device.type not in ("cpu", "cuda")
-    ):
-        return torch.ops.openkernels.apply_rotary(q, k, cos, sin)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return ops.EagerApplyRotary.apply(q, k, cos, sin)
-    return ops.apply_rotary_forward(q, k, cos, sin)
+    return ops.APPLY_ROTARY(q, k, cos, sin)

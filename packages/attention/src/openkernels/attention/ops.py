@@ -1,6 +1,7 @@
 """torch.library ops of the attention family and their dispatch registrations.
 
-Library ops (one explicit schema each, fakes and autograd below):
+Library ops (one explicit schema each; op, fake, backward op, autograd, dispatch
+registrations and eager fast paths from one `opdef` declaration each, at the end):
   openkernels::attention(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
                          softmax_scale, window_left, window_right, alibi_slopes?, softcap)
       -> (out, lse)
@@ -22,19 +23,21 @@ from __future__ import annotations
 
 import torch
 
-from openkernels.shared import dispatch
+from openkernels.shared import dispatch, opdef
 
 from .reference import compute_dtype
 
 __all__ = [
     "forward",
     "backward",
-    "EagerAttention",
     "kvcache_append",
     "kvcache_forward",
     "apply_rotary_forward",
     "apply_rotary_backward",
-    "EagerApplyRotary",
+    "ATTENTION",
+    "KVCACHE_APPEND",
+    "ATTENTION_KVCACHE",
+    "APPLY_ROTARY",
     "KERNEL_DTYPES",
     "HEAD_DIMS",
     "ROTARY_KERNEL_DTYPES",
@@ -54,32 +57,10 @@ _OPTIONS = (
     "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
     "int window_left, int window_right, Tensor? alibi_slopes, float softcap"
 )
-_LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Tensor)")
-_LIB.define(
-    f"attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}) "
-    "-> (Tensor, Tensor, Tensor)"
-)
 # Attention against a KV cache (inference only: no autograd). A cache side is data plus, for
 # int8/int4 (bits 8/4), float16 scale and zero (kvformat.py); block_table pages it.
 _CACHE = "Tensor? k_scale, Tensor? k_zero, Tensor? v_scale, Tensor? v_zero"
 _ROTARY = "Tensor? rotary_cos, Tensor? rotary_sin"
-_LIB.define(
-    "kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? k_zero, "
-    "Tensor(e!)? v_scale, Tensor(f!)? v_zero, Tensor k_new, Tensor v_new, Tensor cache_seqlens, "
-    f"Tensor? block_table, {_ROTARY}, bool rotary_interleaved, int bits, int group_size, "
-    "Tensor? cache_leftpad=None) -> ()"
-)
-_LIB.define(
-    f"attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, {_CACHE}, Tensor cache_seqlens, "
-    f"Tensor? block_table, {_ROTARY}, int seqlen_new, int max_seqlen_k, float softmax_scale, int window_left, "
-    "int window_right, Tensor? alibi_slopes, float softcap, bool rotary_interleaved, int bits, int group_size, "
-    "Tensor? cache_leftpad=None) -> (Tensor, Tensor)"
-)
-# Rotary position embedding (GPT-NeoX halves) of q and k; the backward is the transposed rotation.
-_LIB.define("apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
-_LIB.define(
-    "apply_rotary_backward(Tensor grad_q_out, Tensor grad_k_out, Tensor cos, Tensor sin) -> (Tensor, Tensor)"
-)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -338,160 +319,74 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
     return supports(key)
 
 
-def _register_backends() -> None:
-    for op, entry, key_fn in (
-        ("attention", "attn_fwd", _fwd_key),
-        ("attention_backward", "attn_bwd", _bwd_key),
-    ):
-        dispatch.define(op, key_fn)
-        dispatch.register(
-            op,
-            "triton",
-            dispatch.lazy(f"{_PKG}.triton:{entry}"),
-            backends=("cuda", "rocm"),
-            priority=20,
-            supports=_triton_supports,
-            interpretable=True,
-        )
-        dispatch.register(
-            op,
-            "cpu",
-            dispatch.lazy(f"{_PKG}.cpu:{entry}"),
-            backends=("cpu",),
-            priority=10,
-            supports=_cpu_supports,
-        )
-        dispatch.register(
-            op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"), backends=("cuda", "rocm", "cpu")
-        )
-    # The cache ops: append has no CPU kernel of its own (the reference's indexed writes are it).
-    for op, entry, key_fn, cpu in (
-        ("kvcache_append", "kvcache_append_fwd", _append_key, None),
-        ("attention_kvcache", "attention_kvcache_fwd", _fwd_key, "cpu.kvcache"),
-    ):
-        dispatch.define(op, key_fn)
-        dispatch.register(op, "triton", dispatch.lazy(f"{_PKG}.triton:{entry}"), backends=("cuda", "rocm"),
-                          priority=20, supports=_triton_supports, interpretable=True)  # fmt: skip
-        if cpu is not None:
-            dispatch.register(op, "cpu", dispatch.lazy(f"{_PKG}.{cpu}:{entry}"), backends=("cpu",), priority=10,
-                              supports=_cpu_supports)  # fmt: skip
-        dispatch.register(
-            op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"), backends=("cuda", "rocm", "cpu")
-        )
-    for op, entry in (("apply_rotary", "apply_rotary_fwd"), ("apply_rotary_backward", "apply_rotary_bwd")):
-        dispatch.define(op, _rotary_key)
-        dispatch.register(op, "triton", dispatch.lazy(f"{_PKG}.triton:{entry}"), backends=("cuda", "rocm"),
-                          priority=20, supports=_rotary_triton_supports, interpretable=True)  # fmt: skip
-        dispatch.register(op, "cpu", dispatch.lazy(f"{_PKG}.cpu.rotary:{entry}"), backends=("cpu",), priority=10,
-                          supports=_cpu_supports)  # fmt: skip
-        dispatch.register(
-            op, "reference", dispatch.lazy(f"{_PKG}.reference:{entry}"), backends=("cuda", "rocm", "cpu")
-        )
+def _impls(entry: str, supports, cpu: str | None = "cpu") -> tuple[opdef.Impl, ...]:
+    """triton (CUDA, ROCm, the interpreter), cpu (module `cpu` of the family, None: no CPU
+    kernel of its own), reference."""
+    impls = [opdef.Impl("triton", f"{_PKG}.triton:{entry}", ("cuda", "rocm"), 20, supports, True)]
+    if cpu is not None:
+        impls.append(opdef.Impl("cpu", f"{_PKG}.{cpu}:{entry}", ("cpu",), 10, _cpu_supports))
+    impls.append(opdef.Impl("reference", f"{_PKG}.reference:{entry}", ("cuda", "rocm", "cpu"), 0))
+    return tuple(impls)
 
 
 # ---- openkernels::attention ------------------------------------------------------------
 
 
-@torch.library.impl(_LIB, "attention", "CompositeExplicitAutograd")
-def _attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                    window_right, alibi_slopes, softcap):  # fmt: skip
-    return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                   window_right, alibi_slopes, softcap)  # fmt: skip
-
-
-@torch.library.register_fake("openkernels::attention", lib=_LIB)
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, cu_seqlens_q is not None), dtype=compute_dtype(q.dtype), device=q.device)
     return out, lse
 
 
-@torch.library.impl(_LIB, "attention_backward", "CompositeExplicitAutograd")
-def _attention_backward_impl(grad_out, q, k, v, out, lse, *options):
-    return backward(grad_out, q, k, v, out, lse, *options)
-
-
-@torch.library.register_fake("openkernels::attention_backward", lib=_LIB)
 def _attention_backward_fake(grad_out, q, k, v, *args):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-# ---- autograd --------------------------------------------------------------------------
-
-
-def _setup(ctx, inputs, output) -> None:
-    q, k, v, cu_q, cu_k, *options = inputs
+def _attention_save(inputs: tuple, output: tuple) -> tuple[tuple, tuple]:
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap = inputs
     out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.options = options
-    alibi = options[5]  # (max_q, max_k, scale, left, right, alibi, softcap)
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
-    ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
+    return (q, k, v, out, lse, cu_q, cu_k, alibi), (max_q, max_k, scale, left, right, softcap)
 
 
-def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
-    max_q, max_k, scale, left, right, _, softcap = ctx.options
-    dq, dk, dv = ctx.dispatch_context.run(
-        torch.ops.openkernels.attention_backward,
-        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap,
-    )  # fmt: skip
+def _attention_grads(
+    run, tensors: tuple, values: tuple, grad_outputs: tuple, needs: tuple[bool, ...]
+) -> tuple:
+    q, k, v, out, lse, cu_q, cu_k, alibi = tensors
+    max_q, max_k, scale, left, right, softcap = values
+    dq, dk, dv = run(
+        grad_outputs[0], q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap
+    )
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError("openkernels::attention_backward: double backward is not supported")
+ATTENTION = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="attention",
+        schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Tensor)",
+        forward=forward,
+        fake=_attention_fake,
+        key=_fwd_key,
+        impls=_impls("attn_fwd", _triton_supports),
+        tensor_args=(0, 1, 2, 3, 4, 10),
+        backward=opdef.BackwardDef(
+            schema=f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}) "
+            "-> (Tensor, Tensor, Tensor)",
+            compute=backward,
+            fake=_attention_backward_fake,
+            save=_attention_save,
+            grads=_attention_grads,
+            key=_bwd_key,
+            impls=_impls("attn_bwd", _triton_supports),
+            non_differentiable=(1,),
+        ),
+    ),
+)
 
 
-class EagerAttention(torch.autograd.Function):
-    """The library ops' forward and backward as a plain autograd.Function, for eager calls
-    that need gradients (skips the torch.library dispatch layers; torch.compile and tensor
-    subclasses use the library ops).
-
-    apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-          window_left, window_right, alibi_slopes, softcap) -> (out, lse)
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
-        out, lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
-        ctx.mark_non_differentiable(lse)
-        ctx.options = (max_q, max_k, scale, left, right, None, softcap)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
-        # dispatch.force / strict are context variables, and autograd runs CUDA backwards on
-        # its own threads: the backward runs in the forward's context.
-        ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # double backward: a clear error
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
-        max_q, max_k, scale, left, right, _, softcap = ctx.options
-        dq, dk, dv = ctx.dispatch_context.run(backward, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                                              scale, left, right, alibi, softcap)  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+# ---- openkernels::kvcache_append / attention_kvcache -------------------------------------
 
 
-# ---- openkernels::kvcache_append / attention_kvcache ---------------------------------------
-
-
-@torch.library.impl(_LIB, "kvcache_append", "CompositeExplicitAutograd")
-def _kvcache_append_impl(*args):
-    kvcache_append(*args)
-
-
-@torch.library.register_fake("openkernels::kvcache_append", lib=_LIB)
-def _kvcache_append_fake(*args):
-    return None
-
-
-@torch.library.impl(_LIB, "attention_kvcache", "CompositeExplicitAutograd")
-def _attention_kvcache_impl(*args):
-    return kvcache_forward(*args)
-
-
-@torch.library.register_fake("openkernels::attention_kvcache", lib=_LIB)
 def _attention_kvcache_fake(q, *args):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty(
@@ -499,27 +394,40 @@ def _attention_kvcache_fake(q, *args):
     )
 
 
+# The cache ops: append has no CPU kernel of its own (the reference's indexed writes are it).
+KVCACHE_APPEND = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="kvcache_append",
+        schema="(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? k_zero, "
+        "Tensor(e!)? v_scale, Tensor(f!)? v_zero, Tensor k_new, Tensor v_new, Tensor cache_seqlens, "
+        f"Tensor? block_table, {_ROTARY}, bool rotary_interleaved, int bits, int group_size, "
+        "Tensor? cache_leftpad=None) -> ()",
+        forward=kvcache_append,
+        fake=lambda *args: None,
+        key=_append_key,
+        impls=_impls("kvcache_append_fwd", _triton_supports, cpu=None),
+        tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
+    ),
+)
+ATTENTION_KVCACHE = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="attention_kvcache",
+        schema=f"(Tensor q, Tensor k_cache, Tensor v_cache, {_CACHE}, Tensor cache_seqlens, Tensor? block_table, "
+        f"{_ROTARY}, int seqlen_new, int max_seqlen_k, float softmax_scale, int window_left, int window_right, "
+        "Tensor? alibi_slopes, float softcap, bool rotary_interleaved, int bits, int group_size, "
+        "Tensor? cache_leftpad=None) -> (Tensor, Tensor)",
+        forward=kvcache_forward,
+        fake=_attention_kvcache_fake,
+        key=_fwd_key,
+        impls=_impls("attention_kvcache_fwd", _triton_supports, cpu="cpu.kvcache"),
+        tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
+    ),
+)
+
+
 # ---- openkernels::apply_rotary / apply_rotary_backward -------------------------------------
-
-
-@torch.library.impl(_LIB, "apply_rotary", "CompositeExplicitAutograd")
-def _apply_rotary_impl(q, k, cos, sin):
-    return apply_rotary_forward(q, k, cos, sin)
-
-
-@torch.library.register_fake("openkernels::apply_rotary", lib=_LIB)
-def _apply_rotary_fake(q, k, cos, sin):
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
-
-
-@torch.library.impl(_LIB, "apply_rotary_backward", "CompositeExplicitAutograd")
-def _apply_rotary_backward_impl(grad_q_out, grad_k_out, cos, sin):
-    return apply_rotary_backward(grad_q_out, grad_k_out, cos, sin)
-
-
-@torch.library.register_fake("openkernels::apply_rotary_backward", lib=_LIB)
-def _apply_rotary_backward_fake(grad_q_out, grad_k_out, cos, sin):
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (grad_q_out, grad_k_out))
 
 
 def _no_table_grad(name: str, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -528,51 +436,40 @@ def _no_table_grad(name: str, cos: torch.Tensor, sin: torch.Tensor) -> None:
                          f"{cos.requires_grad}, sin.requires_grad is {sin.requires_grad})")  # fmt: skip
 
 
-def _rotary_setup(ctx, inputs, output) -> None:
+def _rotary_fake(q, k, cos, sin):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
+
+
+def _rotary_save(inputs: tuple, output: tuple) -> tuple[tuple, tuple]:
     _q, _k, cos, sin = inputs
     _no_table_grad("openkernels::apply_rotary", cos, sin)
-    ctx.save_for_backward(cos, sin)
-    ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
+    return (cos, sin), ()
 
 
-def _rotary_backward(ctx, grad_q_out, grad_k_out):
-    cos, sin = ctx.saved_tensors
-    grad_q, grad_k = ctx.dispatch_context.run(
-        torch.ops.openkernels.apply_rotary_backward, grad_q_out, grad_k_out, cos, sin
-    )
+def _rotary_grads(run, tensors: tuple, values: tuple, grad_outputs: tuple, needs: tuple[bool, ...]) -> tuple:
+    cos, sin = tensors
+    grad_q, grad_k = run(grad_outputs[0], grad_outputs[1], cos, sin)
     return grad_q, grad_k, None, None
 
 
-def _rotary_no_double_backward(ctx, *grads):
-    raise NotImplementedError("openkernels::apply_rotary_backward: double backward is not supported")
-
-
-class EagerApplyRotary(torch.autograd.Function):
-    """apply_rotary's forward and backward as a plain autograd.Function, for eager calls that
-    need gradients (skips the torch.library dispatch layers, as EagerAttention does).
-
-    apply(q, k, cos, sin) -> (q_out, k_out)
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        _no_table_grad("apply_rotary", cos, sin)
-        ctx.save_for_backward(cos, sin)
-        ctx.dispatch_context = dispatch.snapshot()  # the backward runs under the forward's force/strict
-        return apply_rotary_forward(q, k, cos, sin)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # double backward: a clear error
-    def backward(ctx, grad_q_out, grad_k_out):
-        cos, sin = ctx.saved_tensors
-        grad_q, grad_k = ctx.dispatch_context.run(apply_rotary_backward, grad_q_out, grad_k_out, cos, sin)
-        return grad_q, grad_k, None, None
-
-
-torch.library.register_autograd("openkernels::attention", _backward, setup_context=_setup, lib=_LIB)
-torch.library.register_autograd("openkernels::attention_backward", _no_double_backward, lib=_LIB)
-torch.library.register_autograd(
-    "openkernels::apply_rotary", _rotary_backward, setup_context=_rotary_setup, lib=_LIB
+APPLY_ROTARY = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="apply_rotary",
+        schema="(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+        forward=apply_rotary_forward,
+        fake=_rotary_fake,
+        key=_rotary_key,
+        impls=_impls("apply_rotary_fwd", _rotary_triton_supports, cpu="cpu.rotary"),
+        tensor_args=(0, 1, 2, 3),
+        backward=opdef.BackwardDef(
+            schema="(Tensor grad_q_out, Tensor grad_k_out, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+            compute=apply_rotary_backward,
+            fake=lambda grad_q_out, grad_k_out, cos, sin: _rotary_fake(grad_q_out, grad_k_out, cos, sin),
+            save=_rotary_save,
+            grads=_rotary_grads,
+            key=_rotary_key,
+            impls=_impls("apply_rotary_bwd", _rotary_triton_supports, cpu="cpu.rotary"),
+        ),
+    ),
 )
-torch.library.register_autograd("openkernels::apply_rotary_backward", _rotary_no_double_backward, lib=_LIB)
-_register_backends()
