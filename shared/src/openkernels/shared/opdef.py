@@ -34,7 +34,7 @@ import torch
 
 from . import dispatch
 
-__all__ = ["Impl", "OpDef", "BackwardDef", "DefinedOp", "define"]
+__all__ = ["Impl", "OpDef", "BackwardDef", "DefinedOp", "define", "standard_impls"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,23 @@ class Impl:
     supports: Callable[[dispatch.DispatchKey], str | None] | None = None
     interpretable: bool = False
     bound: Mapping[str, Any] = field(default_factory=dict)
+
+
+def standard_impls(package: str, entry: str, *, triton_supports: Callable[[dispatch.DispatchKey], str | None],
+                   cpu_supports: Callable[[dispatch.DispatchKey], str | None], cpu: str | None = "cpu",
+                   bound: Mapping[str, Any] | None = None) -> tuple[Impl, ...]:  # fmt: skip
+    """Every family's three implementations of one op: `triton` (CUDA and ROCm, priority 20,
+    runnable under the interpreter when forced), `cpu` (priority 10; `cpu` names the
+    family's module, None when the op has no CPU kernel of its own) and `reference` (every
+    device, priority 0), each at `<package>.<module>:<entry>` with `bound` keyword arguments."""
+    bound = dict(bound or {})
+    impls = [Impl("triton", f"{package}.triton:{entry}", ("cuda", "rocm"), 20, triton_supports, True, bound)]
+    if cpu is not None:
+        impls.append(Impl("cpu", f"{package}.{cpu}:{entry}", ("cpu",), 10, cpu_supports, False, bound))
+    impls.append(
+        Impl("reference", f"{package}.reference:{entry}", ("cuda", "rocm", "cpu"), 0, None, False, bound)
+    )
+    return tuple(impls)
 
 
 @dataclass(frozen=True)

@@ -74,15 +74,11 @@ def backward(name: str, grad_out: torch.Tensor, x: torch.Tensor, approximate: st
 
 
 def _impls(spec: OpSpec, direction: str) -> tuple[opdef.Impl, ...]:
-    """triton (CUDA, ROCm, the interpreter), cpu (C++), reference: one entry point per
-    kind of op and direction (unary_fwd, gated_bwd, ...)."""
+    """One entry point per kind of op and direction (unary_fwd, gated_bwd, ...)."""
     entry = f"{'gated' if spec.gated else 'unary'}_{direction}"
     bound = {"act_first": spec.act_first} if spec.gated else {}
-    return (
-        opdef.Impl("triton", f"{_PKG}.triton:{entry}", ("cuda", "rocm"), 20, _triton_supports, True, bound),
-        opdef.Impl("cpu", f"{_PKG}.cpu:{entry}", ("cpu",), 10, _cpu_supports, False, bound),
-        opdef.Impl("reference", f"{_PKG}.reference:{entry}", ("cuda", "rocm", "cpu"), 0, None, False, bound),
-    )
+    return opdef.standard_impls(_PKG, entry, triton_supports=_triton_supports, cpu_supports=_cpu_supports,
+                                bound=bound)  # fmt: skip
 
 
 def _triton_supports(key: dispatch.DispatchKey) -> str | None:

@@ -320,13 +320,8 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
 
 
 def _impls(entry: str, supports, cpu: str | None = "cpu") -> tuple[opdef.Impl, ...]:
-    """triton (CUDA, ROCm, the interpreter), cpu (module `cpu` of the family, None: no CPU
-    kernel of its own), reference."""
-    impls = [opdef.Impl("triton", f"{_PKG}.triton:{entry}", ("cuda", "rocm"), 20, supports, True)]
-    if cpu is not None:
-        impls.append(opdef.Impl("cpu", f"{_PKG}.{cpu}:{entry}", ("cpu",), 10, _cpu_supports))
-    impls.append(opdef.Impl("reference", f"{_PKG}.reference:{entry}", ("cuda", "rocm", "cpu"), 0))
-    return tuple(impls)
+    """`cpu`: the family's module with the CPU kernel, None when the op has none of its own."""
+    return opdef.standard_impls(_PKG, entry, triton_supports=supports, cpu_supports=_cpu_supports, cpu=cpu)
 
 
 # ---- openkernels::attention ------------------------------------------------------------

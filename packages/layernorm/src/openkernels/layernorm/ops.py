@@ -167,12 +167,8 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
 
 
 def _impls(entry: str) -> tuple[opdef.Impl, ...]:
-    """triton (CUDA, ROCm, the interpreter), cpu (C++), reference: `entry` is norm_fwd or norm_bwd."""
-    return (
-        opdef.Impl("triton", f"{_PKG}.triton:{entry}", ("cuda", "rocm"), 20, _triton_supports, True),
-        opdef.Impl("cpu", f"{_PKG}.cpu:{entry}", ("cpu",), 10, _cpu_supports),
-        opdef.Impl("reference", f"{_PKG}.reference:{entry}", ("cuda", "rocm", "cpu"), 0),
-    )
+    """`entry`: norm_fwd or norm_bwd."""
+    return opdef.standard_impls(_PKG, entry, triton_supports=_triton_supports, cpu_supports=_cpu_supports)
 
 
 def _or_empty(t: torch.Tensor | None, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -95,12 +95,9 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
 
 
 def _impls(op: str, triton_supports) -> tuple[opdef.Impl, ...]:
-    """triton (CUDA, ROCm, the interpreter), cpu (C++), reference: entry point `<op>_fwd`."""
-    entry = f"{op}_fwd"
-    return (
-        opdef.Impl("triton", f"{_PKG}.triton:{entry}", ("cuda", "rocm"), 20, triton_supports, True),
-        opdef.Impl("cpu", f"{_PKG}.cpu:{entry}", ("cpu",), 10, _cpu_supports),
-        opdef.Impl("reference", f"{_PKG}.reference:{entry}", ("cuda", "rocm", "cpu"), 0),
+    """Entry point `<op>_fwd`."""
+    return opdef.standard_impls(
+        _PKG, f"{op}_fwd", triton_supports=triton_supports, cpu_supports=_cpu_supports
     )
 
 
