@@ -136,6 +136,8 @@ def test_prepare_checks_its_arguments_once() -> None:
     with pytest.raises(TypeError, match="both varying and fixed"):
         L.prepare(_affine_kernel, ("x_ptr", "out_ptr", "n"), n=8, offset=0, scale=1.0, BLOCK=8)
     prepared = L.prepare(_affine_kernel, ("x_ptr", "out_ptr"), n=8, offset=0, scale=1.0, BLOCK=8)
+    with pytest.raises(TypeError, match="expected values for"):
+        prepared((1,), torch.zeros(8))  # one of the two varying values: an error, not a default
     assert prepared.varying == ("x_ptr", "out_ptr") and prepared.fixed == {
         "n": 8,
         "offset": 0,

@@ -216,3 +216,19 @@ def test_jax_specializations_compile_clean(vendor: str) -> None:
     from openkernels.shared.testing.aot import check_vendor
 
     check_vendor(jax_cases_for, vendor)
+
+
+def test_forward_launcher_argument_order_matches_the_kernels() -> None:
+    """The launcher passes the tile and looped kernels' runtime arguments positionally, in
+    _FWD_ARG_NAMES's order, and the split kernel's by those names: a reordered kernel
+    signature must fail here, not bind eps to a stride."""
+    import inspect
+
+    from openkernels.layernorm import triton as launchers
+    from openkernels.layernorm.triton import kernels
+
+    names = launchers._FWD_ARG_NAMES
+    for kernel in (kernels._norm_fwd_kernel, kernels._norm_fwd_looped_kernel):
+        params = list(inspect.signature(kernel.fn).parameters)
+        assert tuple(params[: len(names)]) == names, kernel.fn.__name__
+    assert set(names) <= set(inspect.signature(kernels._norm_fwd_split_kernel.fn).parameters)

@@ -79,21 +79,19 @@ def _int_spec(value: int) -> int:
     return 2 + (value & 15 == 0) + 2 * (-(2**31) <= value < 2**31) + 4 * (value < 2**63)
 
 
-def _key_parts(values: Sequence[Any], constexpr: tuple[bool, ...]) -> list[Any]:
+def _key_parts(values: Sequence[Any], constexpr: Sequence[bool] | None = None) -> list[Any]:
+    """The specialization of each value, in order; constexpr (one flag per value, None: no
+    value is a constexpr) values count by value."""
     parts = []
     append = parts.append
     tensor = torch.Tensor
-    for value, is_constexpr in zip(values, constexpr):
-        if is_constexpr:
+    for i, value in enumerate(values):
+        if constexpr is not None and constexpr[i]:
             append(value)
             continue
         kind = type(value)
-        if kind is int:  # inlined _int_spec: most runtime arguments are ints or tensors
-            append(
-                1
-                if value == 1
-                else 2 + (value & 15 == 0) + 2 * (-(2**31) <= value < 2**31) + 4 * (value < 2**63)
-            )
+        if kind is int:  # most runtime arguments are ints or tensors: checked first
+            append(_int_spec(value))
         elif kind is tensor:
             append((value.dtype, value.data_ptr() & 15 == 0))
         else:
@@ -273,6 +271,10 @@ class PreparedLaunch:
         self._positions = tuple(position[name] for name in varying)
 
     def __call__(self, grid: Sequence[int], *values: Any) -> None:
+        if len(values) != len(self.varying):
+            raise TypeError(
+                f"prepared {self.kernel.__name__}: expected values for {self.varying}, got {len(values)}"
+            )
         tensor = _first_tensor(values)
         if not FAST or tensor is None or not tensor.is_cuda or self._template is None:
             self.kernel[tuple(grid)](**dict(zip(self.varying, values)), **self.fixed, **self._options)
@@ -280,7 +282,7 @@ class PreparedLaunch:
         hooks, driver = _triton_runtime()
         active = driver.active
         device = active.get_current_device()
-        key = (device, *_key_parts(values, _NOT_CONSTEXPR[: len(values)]))
+        key = (device, *_key_parts(values))
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = _compile(
@@ -297,9 +299,6 @@ class PreparedLaunch:
         for i, value in zip(self._positions, values):
             full[i] = value
         _run(compiled, grid, full, active, device, hooks)
-
-
-_NOT_CONSTEXPR = (False,) * 256
 
 
 def prepare(kernel: Any, varying: Sequence[str], *, num_warps: int | None = None, num_stages: int | None = None,

@@ -20,6 +20,11 @@ def _aligned(n_cols: int, *tensors: torch.Tensor | None) -> bool:
     return n_cols % 16 == 0 and all(t is None or t.stride(0) % 16 == 0 for t in tensors)
 
 
+# The forward kernels' runtime parameters, in the tile and looped kernels' order.
+_FWD_ARG_NAMES = ("x_ptr", "res_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr", "mean_ptr", "rstd_ptr", "n_rows",
+                  "n_cols", "stride_x", "stride_res", "stride_out", "stride_res_out", "eps", "weight_offset")  # fmt: skip
+
+
 @functools.cache
 def _device_state(index: int) -> tuple[str, int]:
     """(backend, SM count) of the device a tensor's get_device() names: -1 is the CPU (the
@@ -72,9 +77,7 @@ def norm_fwd(
                  HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)  # fmt: skip
     kernel = getattr(kernels, plan.kernel)
     if cfg.mode == "split":  # its parameters come in another order: by name
-        names = ("x_ptr", "res_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr", "mean_ptr", "rstd_ptr", "n_rows",
-                 "n_cols", "stride_x", "stride_res", "stride_out", "stride_res_out", "eps", "weight_offset")  # fmt: skip
-        flags.update(zip(names, args))
+        flags.update(zip(_FWD_ARG_NAMES, args))
         flags["part_ptr"] = torch.empty(n_rows * plan.splits * 2, dtype=torch.float32, device=x.device)
         flags["arrived_ptr"] = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
         flags["n_splits"] = plan.splits
