@@ -1,7 +1,9 @@
-"""Quantization error of the int8 / int4 KV-cache formats on the attention output: float32
+"""Quantization error of the int8 / int4 / fp8 KV-cache formats on the attention output: float32
 reference attention on the bf16 cache against the same on the dequantized cache, for random
 normal activations and for keys with outlier channels (the table in
-docs/ops/attention-kvcache.md), at 4096 cached tokens (batch 4) and 131072 (batch 1).
+docs/ops/attention-kvcache.md), at 4096 cached tokens (batch 4) and 131072 (batch 1). fp8 with
+its per-head scales calibrated on the cache's own keys and values (kvformat.fp8_scale) and with
+the default scale 1.0.
 
     python benchmarks/kvcache_quant_error.py [TOKENS ...]
 """
@@ -13,7 +15,7 @@ import sys
 import torch
 
 from openkernels.attention import reference as R
-from openkernels.attention.kvformat import dequantize_kv, quantize_kv
+from openkernels.attention.kvformat import QuantizedKV, dequantize_kv, fp8_scale, quantize_fp8, quantize_kv
 
 Hq, Hk, D = 32, 8, 128
 
@@ -38,6 +40,16 @@ def run(kind: str, S: int) -> list[str]:
         rel = ((o - ref).norm() / ref.norm()).item()
         mx = ((o - ref).abs().max() / ref.abs().max()).item()
         rows.append(f"| {kind} | {S} | int{bits} | {g or 'head'} | {rel:.2e} | {mx:.2e} |")
+    for label, calibrated in (("per-head scale (calibrated)", True), ("scale 1.0", False)):
+        kq, vq = (
+            dequantize_kv(QuantizedKV.fp8(quantize_fp8(x, sc), sc))
+            for x in (kb, vb)
+            for sc in [fp8_scale(x) if calibrated else torch.ones(Hk)]
+        )
+        o = R.attention_ref(q.bfloat16().float(), kq, vq, causal=True)
+        rel = ((o - ref).norm() / ref.norm()).item()
+        mx = ((o - ref).abs().max() / ref.abs().max()).item()
+        rows.append(f"| {kind} | {S} | fp8 e4m3 | {label} | {rel:.2e} | {mx:.2e} |")
     return rows
 
 

@@ -23,7 +23,7 @@ from openkernels.shared.bench import copy_ceiling_gbps
 SHAPES = ((32, 32, 8, 4096, 128), (1, 32, 8, 131072, 128))
 FORMATS = {"bf16": {}, "int8": {"kv_dtype": "int8"}, "int4": {"kv_dtype": "int4"},
            "int4-g32": {"kv_dtype": "int4", "group_size": 32}, "int8-g32": {"kv_dtype": "int8", "group_size": 32},
-           "paged16": {"page_size": 16}, "paged256": {"page_size": 256}}  # fmt: skip
+           "paged16": {"page_size": 16}, "paged256": {"page_size": 256}, "fp8": {"kv_dtype": "fp8"}}  # fmt: skip
 
 
 def _call(cache: KVCache, q, cfg, splits, gather=False):

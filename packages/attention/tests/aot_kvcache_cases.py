@@ -11,7 +11,7 @@ from openkernels.attention.triton import configs
 _KERNELS = "openkernels.attention.triton.kvcache_kernels"
 _FLOATS = ("qk_scale", "cap_scale", "cap_out")
 # (bits, group): 16-bit, then int8 and int4 with one group per head and with groups of 32
-# (the gathered scale tile is the register-heavy case).
+# (the gathered scale tile is the register-heavy case); fp8 (bits 8 with FP8) apart below.
 _FORMATS = ((16, None), (8, None), (8, 32), (4, None), (4, 32))
 _ALL_FLAGS = dict(PAGE_SIZE=16, HAS_ROTARY=True, INTERLEAVED=False, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True,
                   HAS_ALIBI=True, HAS_SOFTCAP=True)  # fmt: skip
@@ -46,26 +46,35 @@ def _signature(kernel_name: str, pointers: dict[str, str]) -> tuple[dict[str, st
 
 
 def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str, split: bool,
-               plain: bool = False, leftpad: bool = False):  # fmt: skip
+               plain: bool = False, leftpad: bool = False, fp8: bool = False):  # fmt: skip
     """plain: what a decode step on a contiguous cache launches (causal only): no block
     table, rotary tables or slopes (None pointers are constants to Triton), no scales for a
-    16-bit cache."""
+    16-bit cache. fp8: e4m3 bytes with float32 per-head scales, converted in hardware on
+    sm_90 and with bit operations elsewhere (as the launcher picks)."""
     from openkernels.shared.testing.aot import AotCase
 
-    cfg = configs.kv_config(head_dim, bits, rows, arch)
+    cfg = configs.kv_config(head_dim, bits, rows, arch, fp8)
     data = "*bf16" if bits == 16 else "*u8"
-    pointers = {"q_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": "*fp16", "k_zero_ptr": "*fp16",
-                "v_scale_ptr": "*fp16", "v_zero_ptr": "*fp16", "o_ptr": "*fp32" if split else "*bf16",
+    scales = "*fp32" if fp8 else "*fp16"
+    pointers = {"q_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": scales, "k_zero_ptr": "*fp16",
+                "v_scale_ptr": scales, "v_zero_ptr": "*fp16", "o_ptr": "*fp32" if split else "*bf16",
                 "seqlens_ptr": "*i32", "block_table_ptr": "*i32", "leftpad_ptr": "*i32"}  # fmt: skip
     signature, attrs = _signature("_attention_kvcache_fwd_kernel", pointers)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
                   "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim,
-                  **(_LEFTPAD_FLAGS if leftpad else _ALL_FLAGS), "FAST_DEQUANT": arch.startswith("sm_")}  # fmt: skip
+                  **(_LEFTPAD_FLAGS if leftpad else _ALL_FLAGS), "FAST_DEQUANT": arch.startswith("sm_"),
+                  "FP8": fp8, "FP8_NATIVE": fp8 and arch == "sm_90"}  # fmt: skip
+    if fp8:  # no zero
+        for name in ("k_zero_ptr", "v_zero_ptr"):
+            del signature[name]
+            constexprs[name] = None
     if plain:
         nones = ["block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr", "leftpad_ptr"]
         if bits == 16:
             nones += ["k_scale_ptr", "k_zero_ptr", "v_scale_ptr", "v_zero_ptr"]
         for name in nones:
+            if name not in signature:
+                continue
             del signature[name]
             constexprs[name] = None
         constexprs |= dict(
@@ -79,16 +88,19 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
     label = (f"attn-d{head_dim}-{bits}b-g{group or 'head'}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}"
              f"s{cfg.num_stages}{'-split' if split else ''}{'-plain' if plain else ''}"
              f"{'-leftpad' if leftpad else ''}")  # fmt: skip
+    if fp8:
+        label = label.replace(f"-{bits}b-", "-fp8-")
     return AotCase(f"{_KERNELS}:_attention_kvcache_fwd_kernel", signature, constexprs, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, label=label, attrs=attrs)  # fmt: skip
 
 
-def _append_case(head_dim: int, bits: int, group: int | None, leftpad: bool = False):
+def _append_case(head_dim: int, bits: int, group: int | None, leftpad: bool = False, fp8: bool = False):
     from openkernels.shared.testing.aot import AotCase
 
     data = "*bf16" if bits == 16 else "*u8"
-    pointers = {"k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": "*fp16",
-                "k_zero_ptr": "*fp16", "v_scale_ptr": "*fp16", "v_zero_ptr": "*fp16", "seqlens_ptr": "*i32",
+    scales = "*fp32" if fp8 else "*fp16"
+    pointers = {"k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": scales,
+                "k_zero_ptr": "*fp16", "v_scale_ptr": scales, "v_zero_ptr": "*fp16", "seqlens_ptr": "*i32",
                 "block_table_ptr": "*i32", "leftpad_ptr": "*i32"}  # fmt: skip
     signature, attrs = _signature("_kvcache_append_fwd_kernel", pointers)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim),
@@ -96,7 +108,14 @@ def _append_case(head_dim: int, bits: int, group: int | None, leftpad: bool = Fa
                   "PAGE_SIZE": 16, "HAS_ROTARY": True, "INTERLEAVED": False}  # fmt: skip
     if leftpad:
         constexprs |= dict(PAGE_SIZE=0, HAS_LEFTPAD=True, ROW_TABLE=True)
-    label = f"append-d{head_dim}-{bits}b-g{group or 'head'}{'-leftpad' if leftpad else ''}"
+    if fp8:
+        constexprs["FP8"] = True
+        for name in ("k_zero_ptr", "v_zero_ptr"):
+            del signature[name]
+            constexprs[name] = None
+    label = (
+        f"append-d{head_dim}-{'fp8' if fp8 else f'{bits}b'}-g{group or 'head'}{'-leftpad' if leftpad else ''}"
+    )
     return AotCase(f"{_KERNELS}:_kvcache_append_fwd_kernel", signature, constexprs, num_warps=4, label=label,
                    attrs=attrs)  # fmt: skip
 
@@ -124,8 +143,11 @@ def cases_for(arch: str) -> list:
             out += [_attn_case(head_dim, rows, bits, None, arch, split=False, plain=True) for bits in (16, 4)]
             out += [_attn_case(head_dim, rows, bits, group, arch, split=False, leftpad=True)
                     for bits, group in ((8, None), (4, 32))]  # fmt: skip
+            out += [_attn_case(head_dim, rows, 8, None, arch, split=split, plain=plain, fp8=True)
+                    for split, plain in ((False, False), (True, False), (False, True))]  # fmt: skip
         for bits, group in _FORMATS:
             out.append(_append_case(head_dim, bits, group))
         out.append(_append_case(head_dim, 4, 32, leftpad=True))
+        out.append(_append_case(head_dim, 8, None, fp8=True))
         out.append(_combine_case(head_dim))
     return list({c.label: c for c in out}.values())

@@ -51,7 +51,14 @@ import torch
 
 import openkernels.attention as A
 from openkernels.attention import reference as R
-from openkernels.attention.kvformat import QuantizedKV, quantize_kv, quantize_unchecked, unpack_codes
+from openkernels.attention.kvformat import (
+    QuantizedKV,
+    fp8_scale,
+    quantize_fp8,
+    quantize_kv,
+    quantize_unchecked,
+    unpack_codes,
+)
 from openkernels.shared import dispatch
 from openkernels.shared.testing import TOLERANCES, assert_close, poisoned_empty, random_tensor
 
@@ -69,7 +76,10 @@ FORMATS = {
     "int8-g32-fp16": (F16, 8, 32),
     "int4": (BF16, 4, None),
     "int4-g32": (BF16, 4, 32),
+    "fp8": (BF16, 8, None),
+    "fp8-fp16": (F16, 8, None),
 }
+FP8_FORMATS = ("fp8", "fp8-fp16")  # float8_e4m3fn data, a float32 scale per KV head
 SOFTCAP = 2.0
 SCALE = 0.3
 U16 = 2.0**-11  # float16's unit roundoff
@@ -142,6 +152,10 @@ class KVCall:
         return self.k_cache.group_size if isinstance(self.k_cache, QuantizedKV) else self.q.shape[-1]
 
     @property
+    def fp8(self) -> bool:
+        return isinstance(self.k_cache, QuantizedKV) and self.k_cache.is_fp8
+
+    @property
     def lengths(self) -> list[int]:
         return self.cache_seqlens.tolist()
 
@@ -174,7 +188,8 @@ class KVCall:
         """Every tensor of the cache (data, and scale and zero when quantized)."""
         out = []
         for side in (self.k_cache, self.v_cache):
-            out += [side.data, side.scale, side.zero] if isinstance(side, QuantizedKV) else [side]
+            parts = [side.data, side.scale, side.zero] if isinstance(side, QuantizedKV) else [side]
+            out += [t for t in parts if t is not None]
         return out
 
 
@@ -198,8 +213,11 @@ def slots(b: int, positions: torch.Tensor, block_table: torch.Tensor | None,
 
 
 def _poison(side: torch.Tensor | QuantizedKV, valid: torch.Tensor) -> None:
-    """NaN where `valid` (lead dims) is False: in the data of a 16-bit side, in the scales
-    of a quantized one."""
+    """NaN where `valid` (lead dims) is False: in the data of a 16-bit or fp8 side, in the
+    scales of an int8/int4 one."""
+    if isinstance(side, QuantizedKV) and side.is_fp8:
+        side.data.view(torch.uint8)[~valid.to(side.data.device)] = 0x7F  # e4m3fn's NaN
+        return
     target = side.scale if isinstance(side, QuantizedKV) else side
     target[~valid.to(target.device)] = float("nan")
 
@@ -223,6 +241,13 @@ def build(s: Scenario, device: str) -> KVCall:
     fullv = random_tensor((*lead, hkv, d), dtype if bits == 16 else F32, device)
     if bits == 16:
         k_cache, v_cache = full, fullv
+    elif s.fmt in FP8_FORMATS:
+        # Per-head scales around the data's range, some below it: those heads saturate.
+        sides = []
+        for x in (full, fullv):
+            scale = (fp8_scale(x) * (0.6 + 0.8 * torch.rand(hkv, device=x.device))).contiguous()
+            sides.append(QuantizedKV.fp8(quantize_fp8(x, scale), scale))
+        k_cache, v_cache = sides
     else:
         k_cache, v_cache = quantize_kv(full, bits, group), quantize_kv(fullv, bits, group)
     valid = torch.zeros(lead, dtype=torch.bool)
@@ -271,6 +296,8 @@ def raw_bits(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.int16)
     if t.dtype == torch.float32:
         return t.view(torch.int32)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
     return t
 
 
@@ -288,6 +315,8 @@ def _gather(call: KVCall, side: torch.Tensor | QuantizedKV, b: int, length: int)
     idx = slots(b, torch.arange(length, device=call.q.device), call.block_table, call.page)
     if not isinstance(side, QuantizedKV):
         return side[idx].to(F32)
+    if side.is_fp8:
+        return QuantizedKV.fp8(side.data[idx], side.scale).dequantize()
     return QuantizedKV(
         side.data[idx], side.scale[idx], side.zero[idx], side.bits, side.group_size
     ).dequantize()
@@ -297,6 +326,15 @@ def ulp_apart(a: torch.Tensor, b: torch.Tensor, ulps: int) -> bool:
     """Same-sign finite floats at most `ulps` representable values apart."""
     diff = (raw_bits(a).to(torch.int64) - raw_bits(b).to(torch.int64)).abs()
     return bool((diff <= ulps).all())
+
+
+def fp8_within_one_step(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """float8_e4m3fn values at most one representable step apart (the step at the larger
+    magnitude: 2^(e - 3) in [2^e, 2^(e + 1)), 2^-9 among the subnormals)."""
+    a, b = a.float(), b.float()
+    big = torch.maximum(a.abs(), b.abs()).clamp_min(2.0**-6)
+    step = torch.exp2(torch.floor(torch.log2(big)) - 3)
+    return bool(((a - b).abs() <= step).all())
 
 
 def check_append(call: KVCall, before: list[torch.Tensor], *, fma: bool, msg: str) -> None:
@@ -330,6 +368,15 @@ def check_append(call: KVCall, before: list[torch.Tensor], *, fma: bool, msg: st
                     f"{where} differs from k_new / v_new{' rotated' if what == 'k' and rotated else ''}"
                 )
                 continue
+            if call.fp8:  # the head's fixed scale; round to nearest even, bit for bit
+                got, want = side.data[idx], quantize_fp8(x, side.scale)
+                ok = (
+                    fp8_within_one_step(got, want)
+                    if fuzzy
+                    else torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+                )
+                assert ok, f"{where} differs from kvformat.quantize_fp8's"
+                continue
             want = quantize_unchecked(x, call.bits, call.group)
             for part in ("scale", "zero"):
                 got_p, want_p = getattr(side, part)[idx], getattr(want, part)
@@ -344,6 +391,9 @@ def check_append(call: KVCall, before: list[torch.Tensor], *, fma: bool, msg: st
                 f"{where}: {int((diff > 0).sum())} of {diff.numel()} codes one apart from quantize_kv's"
             )
     for i, (a, b) in enumerate(zip(after, before)):
+        if a.dim() == 1:  # an fp8 side's per-head scale: no append writes it
+            assert torch.equal(raw_bits(a), raw_bits(b)), f"{msg}: the fp8 scale (cache tensor {i}) changed"
+            continue
         assert torch.equal(raw_bits(a)[~touched], raw_bits(b)[~touched]), (
             f"{msg}: cache tensor {i} changed outside the appended slots"
         )
@@ -377,6 +427,21 @@ def designs(call: KVCall, b: int, length: int):
     dtype = call.q.dtype
     k, v = _gather(call, call.k_cache, b, length), _gather(call, call.v_cache, b, length)
     qs, ks, vs, mag = [(query(call, b, length), call.scale)], [k], [v], v.abs()
+    if call.fp8:
+        # The Triton kernel: float16(rotated q * (softmax_scale * k_scale * unit)) against the
+        # codes times 2^-8 / unit (unit 2^8 where the bytes are converted with bit operations,
+        # 1 with the hardware), the value scale on the output. In the semantics' terms: q
+        # design that / k_scale / unit, softmax scale 1, k and v the dequantized cache.
+        group = call.q.shape[2] // data_of(call.k_cache).shape[2]
+        k_scale = call.k_cache.scale.repeat_interleave(group)[None, :, None]  # (1, Hq, 1)
+        rotated = query(call, b, length, rounded=False).float()
+        for unit in (1.0, 256.0):
+            total = torch.tensor(call.scale, dtype=F32, device=k_scale.device) * (k_scale * unit)
+            q16 = (rotated * total).clamp(-65504, 65504).half()
+            qs.append((q16.double() / (k_scale.double() * unit), 1.0))
+        ks.append(k.to(dtype))  # the CPU backend gathers the cache in q's dtype
+        vs.append(v.to(dtype))
+        return qs, ks, vs, mag
     if call.bits != 16:
         qs.append(((query(call, b, length, rounded=False).float() * call.scale).half(), 1.0))
         for side, out in ((call.k_cache, ks), (call.v_cache, vs)):
@@ -432,7 +497,8 @@ def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, device: str, 
         score_max = 0.0
         if length:  # |score| <= scale * max ||q_i||_1 * max |k| (+ ALiBi's largest bias below)
             score_max = scale * float(q.double().abs().sum(-1).max()) * float(k.abs().max())
-        quantized = call.bits != 16
+        # fp8 tiles convert exactly: only integer codes have a dequantization a GPU may fuse.
+        quantized = call.bits != 16 and not call.fp8
         if length and device != "cpu" and (call.rotary_cos is not None or quantized):
             # A GPU's fused multiply-adds (module docstring): e_q one ulp of the rotated q,
             # e_k, e_v: code * scale rounded once fewer, the result one float16 ulp either way.
@@ -489,9 +555,8 @@ def copy_call(call: KVCall) -> KVCall:
 
     def clone(side):
         if isinstance(side, QuantizedKV):
-            return dataclasses.replace(
-                side, data=side.data.clone(), scale=side.scale.clone(), zero=side.zero.clone()
-            )
+            zero = None if side.zero is None else side.zero.clone()
+            return dataclasses.replace(side, data=side.data.clone(), scale=side.scale.clone(), zero=zero)
         return side.clone()
 
     return dataclasses.replace(call, k_cache=clone(call.k_cache), v_cache=clone(call.v_cache))
@@ -499,6 +564,8 @@ def copy_call(call: KVCall) -> KVCall:
 
 __all__ = [
     "FORMATS",
+    "FP8_FORMATS",
+    "fp8_within_one_step",
     "SCALE",
     "SOFTCAP",
     "KVCall",

@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 import openkernels.attention as A  # noqa: E402
 from openkernels.attention.kvcache import KVCache  # noqa: E402
-from openkernels.attention.kvformat import QuantizedKV, dequantize_kv, quantize_kv  # noqa: E402
+from openkernels.attention.kvformat import FP8, QuantizedKV, dequantize_kv, quantize_fp8, quantize_kv  # noqa: E402
 
 BATCH, PROMPT, NEW = 2, 11, 20
 LAYERS = 2
@@ -85,7 +85,13 @@ class _FormatLayer(DynamicLayer):
         self.bits = bits
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.bits != 16:
+        if self.bits == "fp8":  # (batch, heads, tokens, head_dim): heads where the format has them last
+            key_states, value_states = (
+                dequantize_kv(QuantizedKV.fp8(quantize_fp8(t.transpose(1, 2), torch.ones(t.shape[1])),
+                                              torch.ones(t.shape[1])), t.dtype).transpose(1, 2)
+                for t in (key_states, value_states)
+            )  # fmt: skip
+        elif self.bits != 16:
             key_states, value_states = (dequantize_kv(quantize_kv(t, self.bits), t.dtype)
                                         for t in (key_states, value_states))  # fmt: skip
         return super().update(key_states, value_states)
@@ -171,6 +177,23 @@ def test_quantized_float32_logits(models, bits: int) -> None:
     assert (err <= 8 * step).all(), f"int{bits}: per-step max error {err.tolist()} > {8 * step:.3g}"
     assert rel_l2 <= 5 * step, f"int{bits}: relative L2 error {rel_l2:.3g} > {5 * step:.3g}"
     assert err.max() > 0  # quantization did happen
+
+
+def test_fp8_float32_logits(models) -> None:
+    """kv_dtype="fp8" (scale 1.0 per head): the kernel computes the format's keys and values
+    to float32 rounding; the format costs e4m3's 3 mantissa bits against the exact cache."""
+    p, t = models["prompt"], models["tokens"]
+    exact = _logits(models["ref"], DynamicCache(), p, t)
+    scale = float(exact.abs().max())
+    fmt = _logits(models["ref"], _format_cache("fp8"), p, t)
+    cache = A.OpenKernelsCache(models["ours"].config, BATCH, 64, kv_dtype="fp8")
+    got = _logits(models["ours"], cache, p, t)
+    kv = cache.layers[0].kv
+    assert isinstance(kv.k, QuantizedKV) and kv.k.data.dtype == FP8 and kv.k_scale.tolist() == [1.0, 1.0]
+    err = _step_errors(got, fmt, scale)
+    assert (err <= 1e-5).all(), f"fp8 vs the simulated format: {err.max():.2e}"
+    err = _step_errors(got, exact, scale)
+    assert 0 < err.max() <= 8 * 2.0**-4, f"fp8: per-step max error {err.tolist()}"
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])

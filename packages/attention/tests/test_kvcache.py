@@ -17,7 +17,15 @@ import torch
 
 import openkernels.attention as A
 from openkernels.attention import reference as R
-from openkernels.attention.kvformat import QuantizedKV, dequantize_kv, quantize_kv, unpack_codes
+from openkernels.attention.kvformat import (
+    FP8,
+    QuantizedKV,
+    dequantize_kv,
+    fp8_scale,
+    quantize_fp8,
+    quantize_kv,
+    unpack_codes,
+)
 from openkernels.shared import dispatch
 from openkernels.shared.testing import (
     assert_close,
@@ -43,6 +51,7 @@ from .kvcache_cases import (
     compare,
     copy_call,
     data_of,
+    fp8_within_one_step,
     raw_bits,
     rotary_tables,
     snapshot,
@@ -96,8 +105,14 @@ SCENARIOS = [
     _S("prefill5-int4-g32-rotary-interleaved", (8, 27), seqlen_q=5, fmt="int4-g32", rotary="interleaved",
        alibi="heads", softcap=SOFTCAP),
     _S("prefill5-int4-g32-no-append", (4, 9), seqlen_q=5, fmt="int4-g32", append=False, capacity=16),
+    _S("decode-fp8", (0, 23, 47), fmt="fp8", heads=(4, 2)),
+    _S("prefill5-fp8-fp16-paged16-rotary", (14, 2), seqlen_q=5, fmt="fp8-fp16", page=16, heads=(4, 1),
+       rotary="halves"),
+    _S("prefill5-fp8-window-alibi-softcap", (20, 9), seqlen_q=5, fmt="fp8", window=(6, -1), alibi="heads",
+       softcap=SOFTCAP, softmax_scale=SCALE),
     # padded head_dim (96 -> 128 tiles)
     _S("prefill5-d96-int8-g32-paged", (12, 40), seqlen_q=5, head_dim=96, fmt="int8-g32", page=16),
+    _S("decode-d96-fp8-paged16", (12, 40), head_dim=96, fmt="fp8", page=16),
     _S("decode-d96-bf16", (7, 0), head_dim=96, rotary="halves"),
 ]  # fmt: skip
 
@@ -161,6 +176,7 @@ _SPLIT_SCENARIOS = [
     _S("split-int4-g32-rotary-alibi", (37, 80), seqlen_q=5, fmt="int4-g32", rotary="interleaved", alibi="batch",
        softcap=SOFTCAP),
     _S("split-int8-paged32-gqa", (45, 81), fmt="int8", page=32, heads=(8, 2)),
+    _S("split-fp8-paged16-rotary", (45, 81), seqlen_q=5, fmt="fp8", page=16, heads=(4, 2), rotary="interleaved"),
 ]  # fmt: skip
 
 
@@ -213,6 +229,7 @@ _CACHE_KINDS = [
     pytest.param(F16, None, 16, id="fp16-paged16"),
     pytest.param("int8", None, 16, id="int8-paged16"),
     pytest.param("int4", 32, None, id="int4-g32-contiguous"),
+    pytest.param("fp8", None, 16, id="fp8-paged16"),
 ]
 
 
@@ -232,6 +249,12 @@ def _history_check(cache: A.KVCache, keys: list, values: list, msg: str, *, fma:
             if cache.bits == 16:
                 want = want.to(cache.kv_dtype).float()
                 assert ((got - want).abs() <= slack).all(), f"{msg}: {what} history of sequence {b}"
+            elif cache.fp8:  # within one e4m3 step of the value's, after the head's scale
+                scale = getattr(cache, f"{what}_scale")[:, None]
+                want8 = quantize_fp8(want, scale[:, 0]).float()
+                assert fp8_within_one_step(got / scale, want8), (
+                    f"{msg}: {what} history of sequence {b} off by more than one fp8 step"
+                )
             else:
                 q = quantize_kv(want, cache.bits, cache.group_size)
                 step = q.scale.float().repeat_interleave(cache.group_size, -1)
@@ -535,7 +558,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("device", "impl"), TARGETS)
-@pytest.mark.parametrize(("kv_dtype", "group"), [("int8", None), ("int4", None), ("int4", 32), ("int8", 32)])
+@pytest.mark.parametrize(
+    ("kv_dtype", "group"), [("int8", None), ("int4", None), ("int4", 32), ("int8", 32), ("fp8", None)]
+)
 @pytest.mark.parametrize("keys", ["random", "outliers"])
 def test_quantized_cache_long_context(device: str, impl: str, kv_dtype: str, group, keys: str) -> None:
     """GQA 32/8, head_dim 128, one decode query per sequence against a cache filled by one
@@ -558,8 +583,10 @@ def test_quantized_cache_long_context(device: str, impl: str, kv_dtype: str, gro
         )
         v = random_tensor(shape, BF16, device=device)
         q = random_tensor((batch, 1, heads_q, head_dim), BF16, device=device)
+        # fp8: per-head scales from the keys and values themselves, as a calibration gives them.
+        scales = dict(k_scale=fp8_scale(k), v_scale=fp8_scale(v)) if kv_dtype == "fp8" else {}
         cache = A.KVCache(
-            batch, tokens, heads_kv, head_dim, kv_dtype=kv_dtype, group_size=group, device=device
+            batch, tokens, heads_kv, head_dim, kv_dtype=kv_dtype, group_size=group, device=device, **scales
         )
         cache.append(k, v)
         with dispatch.force(impl):
@@ -969,7 +996,7 @@ def test_float32_cache() -> None:
         with dispatch.force(impl):
             assert_close(cache.attend(q), want, dtype=F32, terms=9 + 64, msg=impl)
     with pytest.raises(
-        ValueError, match=r"torch\.float16, torch\.bfloat16, torch\.float32, 'int8' or 'int4'"
+        ValueError, match=r"torch\.float16, torch\.bfloat16, torch\.float32, 'int8', 'int4' or 'fp8'"
     ):
         A.KVCache(1, 16, 1, 64, kv_dtype=torch.float64)
 
@@ -1013,3 +1040,152 @@ def test_append_quantizes_like_kvformat(device: str, impl: str, fmt) -> None:
     check_call(call, impl, device, "wide ranges")  # the append against kvformat, and the attention
     stored = call.v_cache.data[0, 3 : 3 + n : 3]
     assert (unpack_codes(stored, bits) == 0).all() and (call.v_cache.scale[0, 3 : 3 + n : 3] == 0).all()
+
+
+# ---- fp8 (e4m3) caches -------------------------------------------------------------------
+
+
+def _fp8_probe_values(device: str) -> torch.Tensor:
+    """float32 values that exercise every rounding path of an e4m3 encode: zeros of both
+    signs, subnormals and the ties between them, the smallest normal and values just around
+    it, ties to even among normals, the top of the range (448) and past it (saturation),
+    and random values over 30 binades."""
+    sub = torch.arange(0, 17, dtype=torch.float32) * 2.0**-10  # halfway points between subnormals
+    normal_ties = torch.tensor([1.0625, 1.1875, 3.25 + 0.125, 0.2578125, 0.0703125, 0.25 + 2.0**-6])
+    edges = torch.tensor([0.0, -0.0, 2.0**-6, 2.0**-6 * (1 - 2.0**-20), 2.0**-6 * (1 + 2.0**-20), 2.0**-9 / 2,
+                          2.0**-9 / 2 * (1 + 2.0**-20), 447.0, 448.0, 449.0, 464.0, 480.0, 1e9, 2.0**-40])  # fmt: skip
+    rand = torch.randn(4096) * torch.exp2(torch.empty(4096).uniform_(-20, 10))
+    x = torch.cat((sub, normal_ties, edges, rand))
+    return torch.cat((x, -x)).to(device)
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+def test_fp8_append_rounds_like_torch(device: str, impl: str) -> None:
+    """The append's e4m3 encode (integer operations in the Triton kernel) equals torch's
+    float8_e4m3fn conversion of x / scale clamped to +-448, bit for bit, for every value of
+    _fp8_probe_values; the scale is a power of two so x / scale is exact."""
+    x = _fp8_probe_values(device)
+    d = 64
+    n = -(-x.numel() // d)
+    x = torch.cat((x, torch.zeros(n * d - x.numel(), device=device))).view(1, n, 1, d)
+    if INTERPRETING:
+        x = x[:, :24]
+        n = 24
+    for scale in (1.0, 0.25):
+        cache = A.KVCache(1, n, 1, d, kv_dtype="fp8", k_scale=scale, v_scale=scale, device=device)
+        # float32 keys reach the Triton kernel only as bf16: feed bf16-exact values there.
+        k = x if impl != "triton" else x.to(BF16).float()
+        with dispatch.force(impl):
+            cache.append(k.to(BF16) if impl == "triton" else k, k.to(BF16) if impl == "triton" else k)
+        want = quantize_fp8(k, torch.tensor([scale], device=device))
+        got = cache.k.data[:, :n]
+        bad = got.view(torch.uint8) != want.view(torch.uint8)
+        assert not bad.any(), (
+            f"scale {scale}: {int(bad.sum())} codes differ, e.g. x={k[bad][:4].tolist()} "
+            f"got {got[bad][:4].float().tolist()} want {want[bad][:4].float().tolist()}"
+        )
+
+
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize("native", [False, True], ids=["bit-ops", "hardware"])
+def test_fp8_decode_reads_every_byte(device: str, impl: str, native: bool, monkeypatch) -> None:
+    """Each of the 254 finite e4m3 bytes as a one-hot attention: one key per value row, the
+    query picks it (a huge score), so the output is that value exactly; a NaN byte (0x7f,
+    0xff) in a value row makes that column of every output NaN (0 * NaN). Both conversions of the Triton
+    kernel: the bit operations every chip runs and the hardware convert of sm_89+."""
+    if impl != "triton":
+        pytest.skip("the kernel's conversion; the other backends convert with torch")
+    from openkernels.attention.triton import kvcache as launcher
+
+    if native and not (device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)):
+        pytest.skip("the hardware e4m3 convert needs CUDA sm_89+")
+    monkeypatch.setattr(launcher, "_fp8_native", lambda dev: native)
+    launcher._plans.clear()
+    d = 64
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    v = torch.zeros(1, 256, 1, d, dtype=torch.uint8, device=device)
+    v[0, :, 0, 0] = codes  # value row j holds byte j in column 0
+    k = torch.zeros(1, 256, 1, d, dtype=FP8, device=device)
+    one = torch.tensor(1.0).to(FP8).view(torch.uint8)
+    q = torch.zeros(1, 1, 256, d, dtype=BF16, device=device)
+    # Query head j scores key j at 1e4 and the others at 0: key j one-hot in column j % d of a
+    # key block of `d` keys is not possible with 256 keys, so one cache per 64 bytes.
+    for start in range(0, 256 + d, d):
+        kk = torch.zeros(1, d, 1, d, dtype=torch.uint8, device=device)
+        kk[0, torch.arange(d), 0, torch.arange(d)] = one
+        if start < 256:  # finite bytes only: a NaN row would turn every output NaN
+            vv = v[:, start : start + d].clone()
+            vv[(vv & 0x7F) == 0x7F] = 0
+        else:  # the NaN bytes, in columns 5 and 6 of two value rows
+            vv = v[:, :d].clone()
+            vv[0, 1, 0, 5] = 0x7F
+            vv[0, 2, 0, 6] = 0xFF
+        qq = torch.zeros(1, 1, d, d, dtype=BF16, device=device)
+        qq[0, 0, torch.arange(d), torch.arange(d)] = 3e4
+        side_k = QuantizedKV.fp8(kk.view(FP8), torch.ones(1, device=device))
+        side_v = QuantizedKV.fp8(vv.contiguous().view(FP8), torch.ones(1, device=device))
+        lengths = torch.tensor([d], dtype=torch.int32, device=device)
+        with dispatch.force(impl):
+            out = A.attention_with_kvcache(qq, side_k, side_v, lengths, causal=False)
+        got = out[0, 0, :, 0].float()
+        want = vv[0, :, 0, 0].view(FP8).float().to(BF16).float()
+        if start >= 256:
+            nan = torch.isnan(out[0, 0].float())
+            assert nan[:, 5:7].all(), "a NaN byte in the values must make its column of the output NaN"
+            continue
+        same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+        assert same.all(), (
+            f"bytes {[int(c) for c in codes[start : start + d][~same.cpu()][:4]]}: got "
+            f"{got[~same][:4].tolist()} want {want[~same][:4].tolist()}"
+        )
+    del k, q
+
+
+def test_fp8_cache_arguments() -> None:
+    """KVCache(kv_dtype='fp8'): scales as floats or (heads_kv,) tensors, checked; the formats'
+    errors name fp8; a QuantizedKV fp8 side must come with its per-head float32 scale."""
+    cache = A.KVCache(2, 16, 3, 64, kv_dtype="fp8", k_scale=0.5, v_scale=torch.tensor([1.0, 2.0, 4.0]))
+    assert cache.fp8 and cache.bits == 8 and cache.k.data.dtype == FP8
+    assert cache.k_scale.tolist() == [0.5] * 3 and cache.v_scale.tolist() == [1.0, 2.0, 4.0]
+    assert A.KVCache(1, 16, 2, 64, kv_dtype=FP8).k_scale.tolist() == [1.0, 1.0]
+    assert cache.nbytes == 2 * (2 * 16 * 3 * 64 + 3 * 4)
+    for bad, err in (
+        (dict(k_scale=0.0), ValueError),
+        (dict(k_scale=float("inf")), ValueError),
+        (dict(k_scale=torch.ones(2)), ValueError),
+        (dict(k_scale="1"), TypeError),
+        (dict(group_size=32), ValueError),
+    ):
+        with pytest.raises(err):
+            A.KVCache(2, 16, 3, 64, kv_dtype="fp8", **bad)
+    with pytest.raises(ValueError, match="belong to an fp8 cache"):
+        A.KVCache(2, 16, 3, 64, kv_dtype="int8", k_scale=1.0)
+    q = random_tensor((2, 1, 6, 64), BF16)
+    lengths = torch.tensor([3, 4], dtype=torch.int32)
+    data = torch.zeros(2, 16, 3, 64, dtype=FP8)
+    good = QuantizedKV.fp8(data, torch.ones(3))
+    A.attention_with_kvcache(q, good, good, lengths)
+    for side, match in (
+        (QuantizedKV.fp8(data, torch.ones(3, dtype=torch.float16)), "scale must be float32"),
+        (QuantizedKV.fp8(data, torch.ones(1)), "scale must be float32 of shape"),
+        (QuantizedKV(data, torch.ones(3), torch.ones(3), 8, 64), "no zero"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            A.attention_with_kvcache(q, side, good, lengths)
+    int8 = quantize_kv(torch.zeros(2, 16, 3, 64), 8)
+    with pytest.raises(TypeError, match="float8_e4m3fn data"):
+        A.attention_with_kvcache(q, good, int8, lengths)
+
+
+def test_fp8_scale_from_samples() -> None:
+    x = torch.zeros(2, 5, 3, 8)
+    x[..., 0, 1] = -896.0
+    x[1, 4, 1, 7] = 44.8
+    scale = fp8_scale(x)
+    assert scale.dtype == torch.float32
+    assert scale.tolist() == torch.tensor([2.0, 0.1, 1.0]).tolist()  # head 2 is all zero: 1.0
+    assert fp8_scale(x, headroom=2.0)[0] == 4.0
+    with pytest.raises(ValueError, match="finite"):
+        fp8_scale(torch.full((1, 2, 4), float("nan")))
+    with pytest.raises(ValueError, match="headroom"):
+        fp8_scale(x, headroom=0)

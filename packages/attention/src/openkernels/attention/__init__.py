@@ -1,5 +1,5 @@
 """openkernels.attention: fused attention for PyTorch (training, prefill, and decode against a
-(paged, int8/int4 quantized) KV cache), and the rotary position embedding of q and k.
+(paged, int8/int4/fp8 quantized) KV cache), and the rotary position embedding of q and k.
 
 Backends: Triton (CUDA and ROCm), CPU, reference.
 """
@@ -8,9 +8,9 @@ from . import ops as _ops  # registers the torch.library ops and dispatch entrie
 from .api import apply_rotary, attention, attention_varlen, attention_with_kvcache
 from .hf import hf_attention_forward, register_with_transformers
 from .kvcache import KVCache
-from .kvformat import QuantizedKV, dequantize_kv, quantize_kv
+from .kvformat import QuantizedKV, dequantize_kv, fp8_scale, quantize_fp8, quantize_kv
 
-__version__ = "0.4.3"
+__version__ = "0.5.0"
 
 __all__ = [
     "attention",
@@ -21,6 +21,8 @@ __all__ = [
     "QuantizedKV",
     "quantize_kv",
     "dequantize_kv",
+    "quantize_fp8",
+    "fp8_scale",
     "hf_attention_forward",
     "register_with_transformers",
     "OpenKernelsCache",

@@ -21,7 +21,7 @@ import torch
 from openkernels.shared import dispatch
 
 from . import ops
-from .kvformat import BITS, QuantizedKV, code_width
+from .kvformat import BITS, FP8, QuantizedKV, code_width
 from .problem import check_qkv_shapes
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "apply_rotary"]
@@ -262,6 +262,8 @@ def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) 
     bits, group = k_cache.bits, k_cache.group_size
     if bits not in BITS:
         raise ValueError(f"{name}: a QuantizedKV cache has bits 4 or 8, got {bits!r}")
+    if k_cache.data.dtype == FP8 or v_cache.data.dtype == FP8:
+        return _fp8_format(name, k_cache, v_cache, q)
     if group not in (32, 64, 128, head_dim) or head_dim % group:
         raise ValueError(
             f"{name}: group_size must divide head_dim {head_dim} and be 32, 64, 128 or head_dim, got {group}"
@@ -285,6 +287,31 @@ def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) 
                 raise ValueError(f"{name}: {what}.{part} must be on {q.device}, with a unit last stride and the "
                                  "strides of k_cache.scale (the kernels index all four alike)")  # fmt: skip
     return bits, group
+
+
+def _fp8_format(name: str, k_cache: QuantizedKV, v_cache: QuantizedKV, q: torch.Tensor) -> tuple[int, int]:
+    """(8, head_dim) of an fp8 cache: float8_e4m3fn data (..., heads_kv, head_dim) on q's
+    device, float32 scale (heads_kv,) per side, no zero."""
+    head_dim = q.shape[-1]
+    for what, side in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if side.data.dtype != FP8 or side.data.dim() != 4 or side.data.shape[-1] != head_dim:
+            raise TypeError(f"{name}: an fp8 cache has float8_e4m3fn data (..., heads_kv, {head_dim}) on both sides, "
+                            f"got {what}.data {side.data.dtype} {tuple(side.data.shape)}")  # fmt: skip
+        if side.group_size != head_dim or side.zero is not None:
+            raise ValueError(f"{name}: an fp8 {what} has group_size head_dim ({head_dim}) and no zero "
+                             "(build it with QuantizedKV.fp8)")  # fmt: skip
+        heads_kv = side.data.shape[2]
+        t = side.scale
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (heads_kv,)
+                or t.device != q.device):  # fmt: skip
+            got = (
+                f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                if isinstance(t, torch.Tensor)
+                else type(t).__name__
+            )
+            raise ValueError(f"{name}: an fp8 {what}.scale must be float32 of shape ({heads_kv},) on {q.device} "
+                             f"(one per KV head), got {got}")  # fmt: skip
+    return 8, head_dim
 
 
 def _cache_data(t: torch.Tensor | QuantizedKV) -> torch.Tensor:
@@ -538,7 +565,8 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
         chosen = dispatch.select("attention_kvcache", dispatch.key_for(q))
         if dispatch.is_strict() or dispatch.is_steered() or len(chosen) == 1:
             slots = _written_slots(k_new, cache_seqlens, block_table, kd.shape[1])
-    storage = [kd, vd, *(t for t in quant if t is not None)]
+    # What an append writes: fp8's per-head scales are fixed when the cache is made.
+    storage = [kd, vd] if kd.dtype == FP8 else [kd, vd, *(t for t in quant if t is not None)]
     append_args = (kd, vd, *quant, k_new, v_new, seqlens, block_table, rotary_cos, rotary_sin,
                    rotary_interleaved, bits, group, cache_leftpad)  # fmt: skip
     return _append_then_attend(append, forward, storage, append_args, forward_args, slots)

@@ -56,7 +56,7 @@ __all__ = [  # noqa: F822 (the Cache classes: __getattr__)
 ]
 
 _LAZY = ("OpenKernelsCache", "OpenKernelsCacheLayer", "OpenKernelsStaticCache", "OpenKernelsStaticLayer")
-_KV_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32, "int8", "int4")
+_KV_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32, "int8", "int4", "fp8")
 
 
 class CachedKV:
@@ -172,7 +172,7 @@ def _build_classes() -> dict[str, type]:
             kv_dtype = key_states.dtype if self.kv_dtype is None else self.kv_dtype
             if isinstance(kv_dtype, torch.dtype) and kv_dtype != key_states.dtype:
                 raise TypeError(f"{self.cache_name}: a 16-bit cache holds the model's dtype ({key_states.dtype}), "
-                                f"got kv_dtype={kv_dtype}; pass kv_dtype=None, 'int8' or 'int4'")  # fmt: skip
+                                f"got kv_dtype={kv_dtype}; pass kv_dtype=None, 'int8', 'int4' or 'fp8'")  # fmt: skip
             return heads_kv, head_dim, kv_dtype, key_states.device if self.device is None else self.device
 
         def get_max_length(self) -> int:
@@ -301,7 +301,9 @@ def _build_classes() -> dict[str, type]:
         max_seqlen: tokens per sequence, prompt plus generated (storage is allocated for all of
             them on the first forward).
         kv_dtype: None (the model's dtype, stored as is), "int8" or "int4" (codes with a float16
-            scale and zero per token, head and group of `group_size` elements; see kvformat.py).
+            scale and zero per token, head and group of `group_size` elements; see kvformat.py),
+            or "fp8" (float8_e4m3fn with the uncalibrated per-head scale 1.0: values beyond 448
+            saturate; for calibrated scales build the layers' `KVCache`s yourself).
         group_size: 32, 64, 128 or None (the whole head), for int8/int4.
         device: where the storage lives (default: the keys' device).
         Needs attn_implementation="openkernels" (`register_with_transformers()`); see hf_cache.py
@@ -318,7 +320,7 @@ def _build_classes() -> dict[str, type]:
     class OpenKernelsStaticLayer(_Layer):
         """One decoder layer's compileable cache: `k_cache` / `v_cache` preallocated in
         attention_with_kvcache's (batch, max_seqlen, heads_kv, head_dim) layout (tensors, or
-        `QuantizedKV` for int8/int4, allocated as `KVCache` allocates them) on the first `update`,
+        `QuantizedKV` for int8/int4/fp8, allocated as `KVCache` allocates them) on the first `update`,
         and `cumulative_length`, a device int32 0-d tensor: the tokens every sequence holds. The
         storage and the length keep their addresses (torch._dynamo.mark_static_address), and every
         change to them is in place, so CUDA graphs can replay a compiled decode step."""
@@ -342,7 +344,7 @@ def _build_classes() -> dict[str, type]:
             parts = []
             for side in (self.k_cache, self.v_cache):
                 parts += [side.data, side.scale, side.zero] if isinstance(side, QuantizedKV) else [side]
-            return parts
+            return [t for t in parts if t is not None]
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             heads_kv, head_dim, kv_dtype, device = self._storage_format(key_states, value_states)
@@ -420,7 +422,7 @@ def _build_classes() -> dict[str, type]:
         compileable cache): one `OpenKernelsStaticLayer` per decoder layer.
 
         Arguments as `OpenKernelsCache`'s: config, batch_size, max_seqlen (the prompt plus every
-        generated token; not checked while compiling), kv_dtype (None, "int8", "int4"),
+        generated token; not checked while compiling), kv_dtype (None, "int8", "int4", "fp8"),
         group_size, device. Needs attn_implementation="openkernels"; left padding only (see hf_cache.py).
         """
 
@@ -447,7 +449,9 @@ def _make_layers(name: str, layer_cls: type, config: Any, batch_size: Any, max_s
                  group_size: Any, device: Any) -> list:  # fmt: skip
     """One `layer_cls` per decoder layer of `config`, the arguments checked."""
     if kv_dtype not in _KV_DTYPES:
-        raise ValueError(f"{name}: kv_dtype must be None, a float dtype, 'int8' or 'int4', got {kv_dtype!r}")
+        raise ValueError(
+            f"{name}: kv_dtype must be None, a float dtype, 'int8', 'int4' or 'fp8', got {kv_dtype!r}"
+        )
     for what, n in (("batch_size", batch_size), ("max_seqlen", max_seqlen)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name}: {what} must be a positive int, got {n!r}")

@@ -6,11 +6,11 @@ import torch
 
 from . import ops
 from .api import _cache_format, _kvcache_call, check_block_table, check_lengths, check_rotary_tables
-from .kvformat import QuantizedKV, code_width, gather_sequence
+from .kvformat import FP8, QuantizedKV, code_width, gather_sequence
 
 __all__ = ["KVCache"]
 
-_KV_DTYPES = ("int8", "int4")
+_KV_DTYPES = ("int8", "int4", "fp8")
 
 
 class KVCache:
@@ -19,7 +19,12 @@ class KVCache:
     kv_dtype: torch.float16 / torch.bfloat16 (stored as is), torch.float32 (stored as is, for
         float32 queries on the CPU path and the reference; the Triton kernels take 16-bit
         queries), "int8" or "int4" (codes with a float16 scale and zero per token, head and
-        group of `group_size` elements along head_dim: 32, 64, 128 or None for the whole head).
+        group of `group_size` elements along head_dim: 32, 64, 128 or None for the whole head),
+        or "fp8" (float8_e4m3fn values with one float32 scale per KV head; torch.float8_e4m3fn
+        names it too).
+    k_scale, v_scale: fp8 only: the per-head scales, a float or a (heads_kv,) tensor, fixed for
+        the cache's life (default 1.0, as vLLM's uncalibrated default; kvformat.fp8_scale
+        derives them from sample keys and values). Values beyond 448 * scale saturate.
     page_size: None for one block per sequence (batch_size, max_seqlen, heads_kv, head_dim), or
         a multiple of 16 for paged storage (num_pages, page_size, heads_kv, head_dim) with a
         block table (batch_size, pages_per_seq) int32; num_pages defaults to what every
@@ -44,18 +49,29 @@ class KVCache:
         num_pages: int | None = None,
         block_table: torch.Tensor | None = None,
         device: torch.device | str | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> None:
         for what, n in (("batch_size", batch_size), ("max_seqlen", max_seqlen), ("heads_kv", heads_kv)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"KVCache: {what} must be a positive int, got {n!r}")
         if head_dim not in ops.HEAD_DIMS:
             raise ValueError(f"KVCache: head_dim {head_dim} is not supported; supported: {ops.HEAD_DIMS}")
+        if kv_dtype == FP8:
+            kv_dtype = "fp8"
         if kv_dtype not in (torch.float16, torch.bfloat16, torch.float32, *_KV_DTYPES):
             raise ValueError(
-                "KVCache: kv_dtype must be torch.float16, torch.bfloat16, torch.float32, 'int8' or 'int4', got "
-                f"{kv_dtype!r}"
+                "KVCache: kv_dtype must be torch.float16, torch.bfloat16, torch.float32, 'int8', 'int4' or 'fp8', "
+                f"got {kv_dtype!r}"
             )
-        self.bits = 16 if isinstance(kv_dtype, torch.dtype) else int(kv_dtype[3:])
+        self.bits = 16 if isinstance(kv_dtype, torch.dtype) else 8 if kv_dtype == "fp8" else int(kv_dtype[3:])
+        self.fp8 = kv_dtype == "fp8"
+        if self.fp8 and group_size not in (None, head_dim):
+            raise ValueError(
+                f"KVCache: an fp8 cache has one scale per head (group_size None), got {group_size!r}"
+            )
+        if not self.fp8 and (k_scale is not None or v_scale is not None):
+            raise ValueError("KVCache: k_scale and v_scale belong to an fp8 cache (kv_dtype='fp8')")
         self.group_size = head_dim if group_size is None else group_size
         if self.bits != 16 and (self.group_size not in (32, 64, 128, head_dim) or head_dim % self.group_size):
             raise ValueError(f"KVCache: group_size must divide head_dim {head_dim} and be 32, 64, 128 or None, got "
@@ -70,6 +86,11 @@ class KVCache:
         )
         self.page_size = page_size
         device = torch.device("cpu" if device is None else device)
+        if self.fp8:
+            scales = [
+                _fp8_scale(x, what, heads_kv, device)
+                for what, x in (("k_scale", k_scale), ("v_scale", v_scale))
+            ]
         if page_size is None:
             lead = (batch_size, max_seqlen)
             self.block_table = None
@@ -77,7 +98,10 @@ class KVCache:
             per_seq = -(-max_seqlen // page_size)
             num_pages = batch_size * per_seq if num_pages is None else num_pages
             lead = (num_pages, page_size)
-        self.k, self.v = (self._empty(lead, device) for _ in range(2))
+        if self.fp8:
+            self.k, self.v = (QuantizedKV.fp8(self._empty(lead, device), sc) for sc in scales)
+        else:
+            self.k, self.v = (self._empty(lead, device) for _ in range(2))
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._lengths = [0] * batch_size
         self._formats: dict[tuple, tuple[int, int]] = {}  # (q dtype, head_dim, device) -> (bits, group)
@@ -99,6 +123,8 @@ class KVCache:
 
         if self.bits == 16:
             return zeros(self.head_dim, self.kv_dtype)
+        if self.fp8:  # the data alone: KVCache.__init__ adds the scales
+            return zeros(self.head_dim, FP8)
         groups = self.head_dim // self.group_size
         return QuantizedKV(
             zeros(code_width(self.head_dim, self.bits), torch.uint8),
@@ -267,8 +293,39 @@ class KVCache:
                                          dtype=dtype))  # fmt: skip
         return sides[0], sides[1]
 
+    @property
+    def k_scale(self) -> torch.Tensor | None:
+        """fp8: the keys' float32 (heads_kv,) scales, else None."""
+        return self.k.scale if self.fp8 else None
+
+    @property
+    def v_scale(self) -> torch.Tensor | None:
+        """fp8: the values' float32 (heads_kv,) scales, else None."""
+        return self.v.scale if self.fp8 else None
+
     def __repr__(self) -> str:
         layout = "contiguous" if self.page_size is None else f"paged({self.page_size})"
         return (f"KVCache(batch_size={self.batch_size}, max_seqlen={self.max_seqlen}, heads_kv={self.heads_kv}, "
                 f"head_dim={self.head_dim}, kv_dtype={self.kv_dtype}, group_size={self.group_size}, {layout}, "
                 f"lengths={self._lengths})")  # fmt: skip
+
+
+def _fp8_scale(
+    x: float | torch.Tensor | None, what: str, heads_kv: int, device: torch.device
+) -> torch.Tensor:
+    """An fp8 cache's per-head scale as float32 (heads_kv,) on `device`: positive and finite."""
+    if x is None:
+        x = 1.0
+    if isinstance(x, torch.Tensor):
+        if not x.is_floating_point() or tuple(x.shape) not in ((), (heads_kv,)):
+            raise ValueError(f"KVCache: {what} must be a float or a float tensor of shape ({heads_kv},), got "
+                             f"{x.dtype} {tuple(x.shape)}")  # fmt: skip
+        scale = x.detach().to(device=device, dtype=torch.float32).expand(heads_kv).clone()
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        scale = torch.full((heads_kv,), float(x), dtype=torch.float32, device=device)
+    else:
+        raise TypeError(f"KVCache: {what} must be a float or a tensor, got {type(x).__name__}")
+    values = scale.tolist()
+    if not all(0 < v < float("inf") for v in values):
+        raise ValueError(f"KVCache: {what} must be positive and finite, got {values}")
+    return scale

@@ -1,14 +1,17 @@
 """The KV cache's storage formats, and their quantize / dequantize / gather in torch ops.
 
-A cache side (K or V) is `data` plus, when quantized, a per-(token, head, group) `scale` and
-`zero`:
+A cache side (K or V) is `data` plus, when quantized, a `scale` (and for the integer
+formats a `zero`):
 
     16-bit   data (..., heads_kv, head_dim) float16/bfloat16; scale = zero = None.
     int8     data (..., heads_kv, head_dim) uint8 codes 0..255.
     int4     data (..., heads_kv, head_dim // 2) uint8, two codes per byte: element 2j in the
              low nibble, 2j + 1 in the high nibble; codes 0..15.
-    scale, zero: float16 (..., heads_kv, head_dim // group_size); group g covers elements
-             g * group_size .. (g + 1) * group_size - 1 of head_dim.
+             int8/int4 scale, zero: float16 (..., heads_kv, head_dim // group_size), per token,
+             head and group; group g covers elements g * group_size .. (g + 1) * group_size - 1.
+    fp8      data (..., heads_kv, head_dim) torch.float8_e4m3fn; scale float32 (heads_kv,), one
+             per KV head for every token (what vLLM, TensorRT-LLM and FlashInfer call an fp8
+             KV cache with per-head scales); zero = None; bits 8, group_size head_dim.
 
 "..." is (batch, capacity) for a contiguous cache, (num_pages, page_size) for a paged one.
 
@@ -21,6 +24,14 @@ Quantization is asymmetric, round to nearest, per token and head over each group
 The Triton append kernel computes the same float32 expressions, so its codes match these
 except where a product lands within an ulp of .5 (one code apart, rare).
 Values must lie within float16's range (|x| < 65504): scale and zero are float16.
+
+fp8 is symmetric with a fixed scale per head, set when the cache is made (1.0 unless given;
+`fp8_scale` derives one from sample keys or values):
+
+    x' = float8_e4m3fn(clamp(x / scale, -448, 448)) * scale     (round to nearest even)
+
+Values beyond 448 * scale saturate to it (e4m3fn has no infinity); below 2^-6 * scale they
+are subnormal (steps of 2^-9 * scale). The Triton append rounds the same way, bit for bit.
 """
 
 from __future__ import annotations
@@ -32,6 +43,10 @@ import torch
 __all__ = [
     "QuantizedKV",
     "BITS",
+    "FP8",
+    "FP8_MAX",
+    "fp8_scale",
+    "quantize_fp8",
     "code_width",
     "quantize_kv",
     "dequantize_kv",
@@ -43,22 +58,36 @@ __all__ = [
 
 BITS = (4, 8)  # the quantized formats; 16 stands for an unquantized cache
 _SCALE_DTYPE = torch.float16
+FP8 = torch.float8_e4m3fn  # the fp8 format's storage dtype (bits 8, told apart from int8 by it)
+FP8_MAX = 448.0  # e4m3fn's largest finite value
 
 
 @dataclass
 class QuantizedKV:
-    """One side (K or V) of a quantized KV cache: codes plus float16 per-group scale and zero.
+    """One side (K or V) of a quantized KV cache.
 
-    data: uint8 (..., heads_kv, head_dim) for bits=8, (..., heads_kv, head_dim // 2) for bits=4;
-    scale, zero: float16 (..., heads_kv, head_dim // group_size). The leading dims are
-    (batch, capacity) or (num_pages, page_size). Format details in this module's docstring.
+    int8 / int4: data uint8 (..., heads_kv, head_dim) for bits=8, (..., heads_kv, head_dim // 2)
+    for bits=4; scale, zero: float16 (..., heads_kv, head_dim // group_size).
+    fp8: data torch.float8_e4m3fn (..., heads_kv, head_dim); scale float32 (heads_kv,); zero
+    None; bits 8, group_size head_dim (`QuantizedKV.fp8(data, scale)` builds one).
+    The leading dims are (batch, capacity) or (num_pages, page_size). Format details in this
+    module's docstring.
     """
 
     data: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    zero: torch.Tensor | None
     bits: int
     group_size: int
+
+    @classmethod
+    def fp8(cls, data: torch.Tensor, scale: torch.Tensor) -> QuantizedKV:
+        """An fp8 side: data float8_e4m3fn (..., heads_kv, head_dim), scale float32 (heads_kv,)."""
+        return cls(data, scale, None, 8, data.shape[-1])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.data.dtype == FP8
 
     @property
     def head_dim(self) -> int:
@@ -75,7 +104,7 @@ class QuantizedKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero))
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero) if t is not None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_kv(self, dtype)
@@ -126,6 +155,29 @@ def quantize_unchecked(xf: torch.Tensor, bits: int, group_size: int) -> Quantize
     return QuantizedKV(codes.contiguous(), scale.contiguous(), zero.contiguous(), bits, group_size)
 
 
+def fp8_scale(x: torch.Tensor, headroom: float = 1.0) -> torch.Tensor:
+    """A per-head fp8 scale from sample keys or values x (..., heads_kv, head_dim): the largest
+    |x| of each head over FP8_MAX, times `headroom` (> 1 leaves room for larger values later),
+    float32 (heads_kv,); 1.0 for a head whose samples are all zero."""
+    if not x.is_floating_point() or x.dim() < 2:
+        raise TypeError(
+            f"fp8_scale: x must be a float tensor (..., heads_kv, head_dim), got {x.dtype} {x.dim()}D"
+        )
+    if not headroom > 0:
+        raise ValueError(f"fp8_scale: headroom must be positive, got {headroom!r}")
+    amax = x.detach().to(torch.float32).abs().transpose(0, -2).flatten(1).amax(1)
+    if not torch.isfinite(amax).all():
+        raise ValueError("fp8_scale: x must be finite")
+    return torch.where(amax > 0, amax * (headroom / FP8_MAX), 1.0)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (..., heads_kv, head_dim), any float dtype, as float8_e4m3fn codes of x / scale with
+    scale float32 (heads_kv,): clamped to +-448, rounded to nearest even (the module docstring)."""
+    y = x.to(torch.float32) / scale.to(torch.float32)[:, None]
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def unpack_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes (..., head_dim) from `data`."""
     if bits == 8:
@@ -134,7 +186,10 @@ def unpack_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def dequantize_kv(qkv: QuantizedKV, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """code * scale + zero in float32, returned in `dtype`: (..., heads_kv, head_dim)."""
+    """code * scale + zero in float32 (fp8: code * scale), returned in `dtype`: (..., heads_kv,
+    head_dim)."""
+    if qkv.is_fp8:
+        return (qkv.data.to(torch.float32) * qkv.scale.to(torch.float32)[:, None]).to(dtype)
     codes = unpack_codes(qkv.data, qkv.bits).to(torch.float32)
     groups = codes.unflatten(-1, (codes.shape[-1] // qkv.group_size, qkv.group_size))
     x = groups * qkv.scale.to(torch.float32)[..., None] + qkv.zero.to(torch.float32)[..., None]
@@ -173,6 +228,8 @@ def gather_sequence(
     rows = _rows(data, b, length, block_table, start)
     if bits == 16:
         return rows.to(dtype)
+    if rows.dtype == FP8:  # one scale per head, for every token
+        return dequantize_kv(QuantizedKV.fp8(rows, scale), dtype)
     qkv = QuantizedKV(rows, _rows(scale, b, length, block_table, start), _rows(zero, b, length, block_table, start),
                       bits, group_size)  # fmt: skip
     return dequantize_kv(qkv, dtype)

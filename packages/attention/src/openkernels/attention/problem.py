@@ -53,7 +53,8 @@ class KVProblem(NamedTuple):
     every sequence's keys (plans the splits); page_size 0: contiguous cache; rot_half 0: no
     rotary (else the rotated half width, interleaved pairs or halves); leftpad: each sequence's
     tokens start at a per-sequence slot offset (cache_leftpad); row_table: page_size 0 with a
-    one-column block table naming each sequence's row (cache_batch_idx)."""
+    one-column block table naming each sequence's row (cache_batch_idx); fp8: bits 8 are
+    float8_e4m3fn values with a scale per KV head (kvformat.py), not int8 codes."""
 
     batch: int
     seqlen_q: int
@@ -74,6 +75,7 @@ class KVProblem(NamedTuple):
     interleaved: bool
     leftpad: bool = False
     row_table: bool = False
+    fp8: bool = False
 
 
 def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_dims: tuple[int, ...]) -> None:

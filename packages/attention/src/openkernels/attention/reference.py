@@ -292,7 +292,8 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
 #   rotary   cos, sin (seqlen_ro, R / 2), R <= D even: the first R elements of each head rotate
 #            in float32, in halves (x[:R/2], x[R/2:R]) or interleaved pairs (x[2j], x[2j+1]);
 #            q is rounded back to its dtype, k_new is stored (or quantized) from float32.
-#   dequant  a quantized cache is read as code * scale + zero (kvformat.py) in float32.
+#   dequant  a quantized cache is read as code * scale + zero (kvformat.py) in float32; an
+#            fp8 cache as code * scale, with one scale per KV head.
 # Kernels may round more: Triton's quantized path dequantizes to float16 and meets it with
 # q * softmax_scale rounded (and clamped) to float16, P in float16 (tests/kvcache_cases.py
 # bounds the difference).
@@ -306,7 +307,8 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
 # q, out (B, Sq, Hq, D); lse (B, Hq, Sq) float32; cache sides as in kvformat.py, (B, S_cap,
 # Hkv, ·) or paged (P, page, Hkv, ·) with block_table (B, max_pages) int32; cache_seqlens
 # int32 (B,) (before the append: attention_kvcache_fwd adds seqlen_new); max_seqlen_k: a bound on every
-# cache_seqlens[b] + seqlen_new (for planning splits); scale/zero None for bits == 16;
+# cache_seqlens[b] + seqlen_new (for planning splits); scale/zero None for bits == 16; an fp8
+# cache (data float8_e4m3fn, bits 8) has scale float32 (Hkv,) and zero None;
 # alibi_slopes float32 (B, Hq) contiguous or None; leftpad int32 (B,) or None: sequence b's
 # token t sits at position leftpad[b] + t of its storage (the API's cache_leftpad, with
 # cache_seqlens then counting tokens from there). The callers check every bound first.
@@ -338,7 +340,7 @@ def _cache_index(b: int, positions: torch.Tensor, block_table: torch.Tensor | No
 
 def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, v_new, cache_seqlens, block_table,
               rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
-    from .kvformat import quantize_unchecked
+    from .kvformat import FP8, quantize_fp8, quantize_unchecked
 
     lengths = cache_seqlens.tolist()
     offsets = [0] * len(lengths) if leftpad is None else leftpad.tolist()
@@ -351,6 +353,8 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
         for x, data, sc, zr in ((k, k_data, k_scale, k_zero), (v_new[b], v_data, v_scale, v_zero)):
             if bits == 16:
                 data[idx] = x.to(data.dtype)
+            elif data.dtype == FP8:  # the per-head scale stays as the cache was made
+                data[idx] = quantize_fp8(x, sc)
             else:
                 qx = quantize_unchecked(x, bits, group_size)
                 data[idx], sc[idx], zr[idx] = qx.data, qx.scale, qx.zero

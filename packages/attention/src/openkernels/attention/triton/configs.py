@@ -161,16 +161,18 @@ _KV_TABLE: dict[str, tuple[AttnConfig, AttnConfig, AttnConfig, AttnConfig]] = {
 }
 
 
-def kv_config(head_dim: int, bits: int, rows: int, arch: str) -> AttnConfig:
+def kv_config(head_dim: int, bits: int, rows: int, arch: str, fp8: bool = False) -> AttnConfig:
     """Launch config of `_attention_kvcache_fwd_kernel` for `rows` packed rows (seqlen_q *
-    group) of one KV head, a cache of `bits` (16, 8, 4) on `arch`; decode (rows <= 16)
-    streams K/V with 16-row tiles."""
+    group) of one KV head, a cache of `bits` (16, 8, 4; fp8: e4m3 bytes) on `arch`; decode
+    (rows <= 16) streams K/V with 16-row tiles."""
     family = arch_family(arch)
     if family == "interpreter":  # 32 keys: a page of 16 takes the per-key table lookups
         return AttnConfig(16, 32, 4, 1)
     decode16, decode_quant, prefill, wide = _KV_TABLE[family]
     if head_dim > 128:
-        return wide
+        # fp8 tiles of 32 keys at D256 spilled 4-28 B with every flag on (sm_80, sm_90);
+        # 16 keys compile clean on both.
+        return _C(16, 16, 8, 3) if fp8 and family != "cdna" else wide
     if rows > 16:
         return prefill
     return decode16 if bits == 16 else decode_quant

@@ -11,6 +11,7 @@ import triton
 from openkernels.shared.launch import PreparedLaunch, launch, prepare
 from openkernels.shared.platform import device_info
 
+from ..kvformat import FP8
 from . import plan
 from .configs import AttnConfig, block_d, kv_append_block_t
 from .kvcache_kernels import (
@@ -38,7 +39,17 @@ def _side(data: torch.Tensor, block_table: torch.Tensor | None) -> tuple[int, in
 
 
 def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int, int]:
-    return (0, 0, 0) if scale is None else (scale.stride(0), scale.stride(1), scale.stride(2))
+    """(page, token, head) strides of the scales: fp8's (heads_kv,) per-head scale has only the last."""
+    if scale is None:
+        return 0, 0, 0
+    if scale.dim() == 1:
+        return 0, 0, scale.stride(0)
+    return scale.stride(0), scale.stride(1), scale.stride(2)
+
+
+def _bytes(data: torch.Tensor) -> torch.Tensor:
+    """fp8 data as its bytes: the kernels convert them themselves (sm_80 has no e4m3 type)."""
+    return data.view(torch.uint8) if data.dtype == FP8 else data
 
 
 def _page_size(data: torch.Tensor, block_table: torch.Tensor | None) -> int:
@@ -60,6 +71,12 @@ def _fast_dequant(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None
 
 
+@functools.cache
+def _fp8_native(device: torch.device) -> bool:
+    """float8_e4m3fn converts in hardware: NVIDIA sm_89 and later."""
+    return _fast_dequant(device) and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _rotary(rotary_cos: torch.Tensor | None) -> tuple[int, int]:
     """(row stride, rot_half) of the cos/sin tables."""
     return (0, 0) if rotary_cos is None else (rotary_cos.stride(0), rotary_cos.shape[1])
@@ -72,6 +89,8 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
         return
     block_t = kv_append_block_t(head_dim)
     stride_ro, rot_half = _rotary(rotary_cos)
+    fp8 = k_data.dtype == FP8
+    k_data, v_data = _bytes(k_data), _bytes(v_data)
     launch(
         _kvcache_append_fwd_kernel, (triton.cdiv(seqlen_new, block_t), batch * heads_kv),
         k_new, v_new, k_data, v_data, k_scale, k_zero, v_scale, v_zero, cache_seqlens, block_table, rotary_cos,
@@ -80,7 +99,7 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
         0 if block_table is None else block_table.stride(0), stride_ro, seqlen_new, heads_kv, rot_half,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=block_t, BITS=bits, GROUP=group_size,
         PAGE_SIZE=_page_size(k_data, block_table), HAS_ROTARY=rotary_cos is not None, INTERLEAVED=rotary_interleaved,
-        HAS_LEFTPAD=leftpad is not None, ROW_TABLE=_row_table(block_table), num_warps=4,
+        HAS_LEFTPAD=leftpad is not None, ROW_TABLE=_row_table(block_table), FP8=fp8, num_warps=4,
     )  # fmt: skip
 
 
@@ -100,7 +119,7 @@ def _plan(q, k_data, v_data, k_scale, out, lse, block_table, rotary_cos, seqlen_
     problem = plan.KVProblem(
         batch, seqlen_q, heads_q, k_data.shape[2], head_dim, bits, group_size, seqlen_new, max_seqlen_k, scale,
         window_left, window_right, alibi_slopes is not None, softcap, _page_size(k_data, block_table), rot_half,
-        rotary_interleaved, leftpad is not None, _row_table(block_table),
+        rotary_interleaved, leftpad is not None, _row_table(block_table), k_data.dtype == FP8,
     )  # fmt: skip
     strides = (
         q.stride()[:3],
@@ -111,7 +130,7 @@ def _plan(q, k_data, v_data, k_scale, out, lse, block_table, rotary_cos, seqlen_
     return plan.kvcache(
         problem, device_info(q.device).arch, _sm_count(q.device), strides, out.stride()[:3], lse.stride(),
         (0 if block_table is None else block_table.stride(0), stride_ro), _fast_dequant(q.device), scale_gather,
-        config, num_splits,
+        config, num_splits, _fp8_native(q.device),
     )  # fmt: skip
 
 
@@ -126,7 +145,7 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     # multiple of 16): rounded up, one cached plan serves 16 decode steps in a row. The key
     # is a plain tuple of what the plan reads (building the problem object costs more).
     max_k16 = -(-max_seqlen_k // 16) * 16
-    key = (q.shape, q.stride(), k_data.shape, k_data.stride(), v_data.stride(),
+    key = (q.shape, q.stride(), k_data.dtype, k_data.shape, k_data.stride(), v_data.stride(),
            None if k_scale is None else k_scale.stride(), out.stride(), lse.stride(),
            None if block_table is None else (block_table.shape[1], block_table.stride(0)),
            None if rotary_cos is None else (rotary_cos.stride(0), rotary_cos.shape[1]), q.device, bits, group_size,
@@ -152,6 +171,8 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     if kv.splits > 1:  # float32 partials, merged below
         dst_o = torch.empty(kv.partial_out, dtype=torch.float32, device=q.device)
         dst_lse = torch.empty(kv.partial_lse, dtype=torch.float32, device=q.device)
+    if k_data.dtype == FP8:
+        k_data, v_data = k_data.view(torch.uint8), v_data.view(torch.uint8)
     main(kv.main.grid, q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, cache_seqlens, block_table, rotary_cos,
          rotary_sin, alibi_slopes, leftpad, dst_o, dst_lse)  # fmt: skip
     if combine is not None:

@@ -1,6 +1,7 @@
 """Triton kernels of attention against a KV cache (decode and chunked prefill).
 
-Cache formats (16-bit, int8, int4 with float16 per-group scale and zero) are in kvformat.py;
+Cache formats (16-bit, int8, int4 with float16 per-group scale and zero, fp8 e4m3 with a
+float32 scale per head) are in kvformat.py; the kernels take fp8 data as its bytes (uint8);
 the semantics (append positions, bottom-right alignment, rotary) in reference.py.
 
 - `_kvcache_append_fwd_kernel`: rotary on the new keys, quantization (per token, head and
@@ -64,7 +65,7 @@ def _kvcache_append_fwd_kernel(
     stride_bt, stride_ro, seqlen_new, heads_kv, rot_half,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HAS_LEFTPAD: tl.constexpr = False, ROW_TABLE: tl.constexpr = False,
+    HAS_LEFTPAD: tl.constexpr = False, ROW_TABLE: tl.constexpr = False, FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_T new tokens of one (sequence, KV head), K and V. Positions count
     from the sequence's first token (rotary); with HAS_LEFTPAD that token sits at slot
@@ -101,6 +102,12 @@ def _kvcache_append_fwd_kernel(
         mask = valid[:, None] & (offs[None, :] < HEAD_DIM)
         tl.store(k_rows[:, None] + offs[None, :], k.to(k_ptr.dtype.element_ty), mask=mask)
         tl.store(v_rows[:, None] + offs[None, :], v.to(v_ptr.dtype.element_ty), mask=mask)
+    elif FP8:  # the head's fixed scale; x / scale as kvformat.quantize_fp8 divides
+        mask = valid[:, None] & (offs[None, :] < HEAD_DIM)
+        k_s = tl.load(k_scale_ptr + h * stride_sh)
+        v_s = tl.load(v_scale_ptr + h * stride_sh)
+        tl.store(k_rows[:, None] + offs[None, :], _fp8_encode(tl.math.div_rn(k, k_s)), mask=mask)
+        tl.store(v_rows[:, None] + offs[None, :], _fp8_encode(tl.math.div_rn(v, v_s)), mask=mask)
     else:
         _quantize_store(k, k_rows, k_scale_ptr + s_rows, k_zero_ptr + s_rows, valid, offs, HEAD_DIM, BLOCK_D,
                         BLOCK_T, BITS, GROUP)  # fmt: skip
@@ -148,6 +155,40 @@ def _quantize_store(x, data_rows, scale_rows, zero_rows, valid, offs, HEAD_DIM: 
         half = tl.arange(0, BLOCK_D // 2)
         tl.store(data_rows[:, None] + half[None, :], lo4 | (hi4 << 4),
                  mask=valid[:, None] & (half[None, :] < HEAD_DIM // 2))  # fmt: skip
+
+
+@triton.jit
+def _fp8_encode(y):
+    """float32 -> float8_e4m3fn bytes (uint8), rounded to nearest even and saturated at +-448
+    as torch's conversion of kvformat.quantize_fp8 does, in integer operations (sm_80 and
+    AMD's fnuz chips have no e4m3fn convert). Normal results round float32's mantissa to 3
+    bits in place, the carry running into the exponent; below 2^-6 the result is a multiple
+    of 2^-9 (a subnormal, or 2^-6 itself)."""
+    a = tl.minimum(tl.abs(y), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)  # exponent bias 127 -> 7
+    t = a * 512.0
+    r = tl.floor(t + 0.5)
+    r = tl.where((r - t == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r)  # ties to even
+    code = tl.where(a < 0.015625, r.to(tl.int32), normal)
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_to_f16(raw, NATIVE: tl.constexpr):
+    """float8_e4m3fn bytes (uint8) -> float16. NATIVE (sm_89+): the hardware convert, exact.
+    Else two masks and shifts put the byte's exponent and mantissa under float16's, whose
+    exponent bias is 8 larger: the value times 2^-8, exact, subnormals included (the callers
+    fold 2^8 into the scales), NaN (0x7f / 0xff) kept NaN."""
+    if NATIVE:
+        f = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        c = raw.to(tl.uint16)
+        h = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
+        h = tl.where((c & 0x7F) == 0x7F, h | 0x7E00, h)
+        f = h.to(tl.float16, bitcast=True)
+    return f
 
 
 @triton.jit
@@ -367,6 +408,7 @@ def _kv_blocks(
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
     HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr, HAS_LEFTPAD: tl.constexpr, ROW_TABLE: tl.constexpr,
+    FP8: tl.constexpr, FP8_NATIVE: tl.constexpr,
 ):  # fmt: skip
     """Key blocks start..stop of one program.
 
@@ -381,9 +423,11 @@ def _kv_blocks(
     float32 accumulators carried 1024 sum(p s), thousands of times the output at long
     context, and removing the offset afterwards cancelled the output away (H200, GQA 32/8,
     N(0, 1) keys and values: relative error 1.9 for int4 and 0.12 for int8 at 131072
-    tokens, against the formats' own 0.14 and 0.008)."""
+    tokens, against the formats' own 0.14 and 0.008).
+    fp8 tiles are converted to float16 as they are: the head's scales act on q and on the
+    output (the caller's)."""
     dtype = q0.dtype
-    FACTORED: tl.constexpr = BITS != 16 and GROUP == HEAD_DIM
+    FACTORED: tl.constexpr = BITS != 16 and GROUP == HEAD_DIM and not FP8
     MID: tl.constexpr = 1 << (BITS - 1)
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
@@ -401,13 +445,18 @@ def _kv_blocks(
             HAS_LEFTPAD,
             ROW_TABLE,
         )
-        kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, page * stride_kb + slot * stride_ks + hk * stride_kh,
-                               page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
-                               HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
-        if FACTORED:
-            k0, k1 = _centred_codes(kc, BITS, FAST_DEQUANT)
+        k_rows = page * stride_kb + slot * stride_ks + hk * stride_kh
+        if FP8:
+            k0 = _fp8_to_f16(_load_codes(k_ptr + k_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D), FP8_NATIVE)
+            k1 = k0
         else:
-            k0, k1 = _dequant_tile(kc, ks, kz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
+            kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, k_rows,
+                                   page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
+                                   HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
+            if FACTORED:
+                k0, k1 = _centred_codes(kc, BITS, FAST_DEQUANT)
+            else:
+                k0, k1 = _dequant_tile(kc, ks, kz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
         qk = tl.dot(q0, tl.trans(k0))
         if BITS == 4:
             qk = tl.dot(q1, tl.trans(k1), qk)
@@ -420,16 +469,24 @@ def _kv_blocks(
             cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK)
-        vc, vs, vz = _raw_tile(v_ptr, v_scale_ptr, v_zero_ptr, page * stride_vb + slot * stride_vs + hk * stride_vh,
-                               page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
-                               HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
-        if FACTORED:
+        v_rows = page * stride_vb + slot * stride_vs + hk * stride_vh
+        if FP8:
+            v0 = _fp8_to_f16(_load_codes(v_ptr + v_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D), FP8_NATIVE)
+            v1 = v0
+            pv = p.to(dtype)
+        elif FACTORED:
+            vc, vs, vz = _raw_tile(v_ptr, v_scale_ptr, v_zero_ptr, v_rows,
+                                   page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
+                                   HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
             v0, v1 = _centred_codes(vc, BITS, FAST_DEQUANT)
             vs_row = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)[None, :]
             vz_row = tl.reshape(vz, (BLOCK_N,)).to(tl.float32)[None, :]
             pv = (p * vs_row).to(dtype)
             zsum_i = zsum_i * alpha + tl.sum(p * (vz_row + vs_row * MID), 1)
         else:
+            vc, vs, vz = _raw_tile(v_ptr, v_scale_ptr, v_zero_ptr, v_rows,
+                                   page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
+                                   HEAD_DIM, BLOCK_D, BITS, GROUP, SCALE_GATHER)  # fmt: skip
             v0, v1 = _dequant_tile(vc, vs, vz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
             pv = p.to(dtype)
         acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
@@ -453,9 +510,12 @@ def _attention_kvcache_fwd_kernel(
     INTERLEAVED: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_DEQUANT: tl.constexpr = False,
     SCALE_GATHER: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False, ROW_TABLE: tl.constexpr = False,
+    FP8: tl.constexpr = False, FP8_NATIVE: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_M packed (query, head) rows of one (sequence, KV head), keys of one
-    split. Writes out/lse at split index program_id(2) (a float32 partial when split)."""
+    split. Writes out/lse at split index program_id(2) (a float32 partial when split). FP8:
+    k/v data are float8_e4m3fn bytes with float32 scales per KV head (k_scale_ptr +
+    hk * stride_sh); FP8_NATIVE converts them with the hardware (sm_89+)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -491,6 +551,8 @@ def _attention_kvcache_fwd_kernel(
     else:
         q0 = _load_rotated(q_rows, row_ok, offs_d, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
                            HAS_ROTARY, INTERLEAVED)  # fmt: skip
+        if FP8:  # the keys' scale on q (times 2^8 with the converted tiles' 2^-8: _fp8_to_f16)
+            q_scale *= tl.load(k_scale_ptr + hk * stride_sh) * (1.0 if FP8_NATIVE else 256.0)
         q0 = _to_f16_range(q0 * q_scale).to(dtype)
         q1 = q0
         acc0 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -532,20 +594,22 @@ def _attention_kvcache_fwd_kernel(
         acc0, acc1, l_i, m_i, zsum_i = _kv_blocks(
             acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, *args, tl.maximum(a, lo), tl.minimum(end, hi), *opts, BLOCK_N, HEAD_DIM,
             BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
-            FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE,
+            FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE, FP8, FP8_NATIVE,
         )  # fmt: skip
     else:
         acc0, acc1, l_i, m_i, zsum_i = _kv_blocks(
             acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, *args, tl.maximum(b_full, lo), tl.minimum(c_full, hi), *opts, BLOCK_N,
             HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
-            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE,
+            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE, FP8, FP8_NATIVE,
         )  # fmt: skip
         acc0, acc1, l_i, m_i, zsum_i = _kv_blocks(
             acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, *args, tl.maximum(c_full, lo), tl.minimum(end, hi), *opts, BLOCK_N,
             HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
-            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE,
+            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE, FP8, FP8_NATIVE,
         )  # fmt: skip
-    if BITS != 16 and GROUP == HEAD_DIM:  # the values' middle terms (see _kv_blocks)
+    if FP8:  # the values' scale (times 2^8, as on q)
+        acc0 *= tl.load(v_scale_ptr + hk * stride_sh) * (1.0 if FP8_NATIVE else 256.0)
+    elif BITS != 16 and GROUP == HEAD_DIM:  # the values' middle terms (see _kv_blocks)
         acc0 += zsum_i[:, None]
         acc1 += zsum_i[:, None]
     empty = l_i == 0.0  # no visible key in this split

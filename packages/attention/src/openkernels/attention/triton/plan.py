@@ -316,13 +316,15 @@ def kvcache(
     scale_gather: bool = False,
     config: AttnConfig | None = None,
     num_splits: int | None = None,
+    fp8_native: bool = False,
 ) -> KVLaunches:
     """`_attention_kvcache_fwd_kernel` (and the combine): strides of (q, k data, v data, the
     scales: (0, 0, 0) for a 16-bit cache), of out (B, Sq, Hq) and lse (B, Hq, Sq), of the
     block table's rows and the rotary tables' rows (0 when absent). config, num_splits:
-    overrides (tuning, tests); else kv_config and kv_splits for sm_count SMs."""
+    overrides (tuning, tests); else kv_config and kv_splits for sm_count SMs. fp8_native: the
+    device converts float8_e4m3fn in hardware (CUDA sm_89+)."""
     group = p.heads_q // p.heads_kv
-    cfg = config or kv_config(p.head_dim, p.bits, min(p.seqlen_q * group, 17), arch)
+    cfg = config or kv_config(p.head_dim, p.bits, min(p.seqlen_q * group, 17), arch, p.fp8)
     if cfg.block_n % 16:  # the launcher rounds max_seqlen_k up to a multiple of 16
         raise ValueError(f"kvcache plan: block_n must be a multiple of 16, got {cfg.block_n}")
     m_blocks = _cdiv(p.seqlen_q * group, cfg.block_m)
@@ -355,7 +357,7 @@ def kvcache(
         "GROUP": p.group_size, "PAGE_SIZE": p.page_size, "HAS_ROTARY": p.rot_half > 0, "INTERLEAVED": p.interleaved,
         "HAS_WINDOW_LEFT": p.window_left >= 0, "HAS_WINDOW_RIGHT": p.window_right >= 0, "HAS_ALIBI": p.alibi,
         "HAS_SOFTCAP": p.softcap > 0, "FAST_DEQUANT": fast_dequant, "SCALE_GATHER": scale_gather,
-        "HAS_LEFTPAD": p.leftpad, "ROW_TABLE": p.row_table,
+        "HAS_LEFTPAD": p.leftpad, "ROW_TABLE": p.row_table, "FP8": p.fp8, "FP8_NATIVE": p.fp8 and fp8_native,
     }  # fmt: skip
     main = Launch((m_blocks, p.batch * p.heads_kv, splits), cfg.num_warps, cfg.num_stages, args, cfg)
     combine = None
