@@ -45,7 +45,15 @@ def main() -> None:
         line = [f"B{shape[0]} Hq{shape[1]} Hkv{shape[2]} S{shape[3]} D{shape[4]}:"]
         if "ours" in ms:
             line.append(f"bf16 {nbytes / ms['ours'] / 1e6 / ceiling:.3f} of copy")
-        for name in ("ours-fp8", "ours-int8", "ours-int4", "ours-int4-g32", "ours", "flex"):
+        for name in (
+            "ours-fp8",
+            "ours-int8",
+            "ours-int4",
+            "ours-int4-g32",
+            "ours-int4-keys32",
+            "ours",
+            "flex",
+        ):
             if name in ms and "sdpa" in ms:
                 line.append(f"{name} {ms['sdpa'] / ms[name]:.2f}x sdpa")
         for name in ("ours-paged16", "ours-paged256"):

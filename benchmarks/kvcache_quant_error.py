@@ -3,7 +3,8 @@ reference attention on the bf16 cache against the same on the dequantized cache,
 normal activations and for keys with outlier channels (the table in
 docs/ops/attention-kvcache.md), at 4096 cached tokens (batch 4) and 131072 (batch 1). fp8 with
 its per-head scales calibrated on the cache's own keys and values (kvformat.fp8_scale) and with
-the default scale 1.0.
+the default scale 1.0. Keys by channel (KIVI): keys quantized per channel over groups of 32 or
+64 tokens (float16 first, as the cache rounds them), values per token over the whole head.
 
     python benchmarks/kvcache_quant_error.py [TOKENS ...]
 """
@@ -15,9 +16,25 @@ import sys
 import torch
 
 from openkernels.attention import reference as R
-from openkernels.attention.kvformat import QuantizedKV, dequantize_kv, fp8_scale, quantize_fp8, quantize_kv
+from openkernels.attention.kvformat import (
+    QuantizedKV,
+    dequantize_kv,
+    fp8_scale,
+    quantize_channels,
+    quantize_fp8,
+    quantize_kv,
+    unpack_codes,
+)
 
 Hq, Hk, D = 32, 8, 128
+
+
+def _keys_by_channel(k: torch.Tensor, bits: int, g: int) -> torch.Tensor:
+    """k (B, S, H, D) through the keys-by-channel format (S a multiple of g), float32."""
+    groups = k.to(torch.float16).unflatten(1, (-1, g))  # (B, S / g, g, H, D)
+    codes, scale, zero = quantize_channels(groups, bits)
+    x = unpack_codes(codes, bits).float() * scale.float().unsqueeze(-3) + zero.float().unsqueeze(-3)
+    return x.flatten(1, 2)
 
 
 def run(kind: str, S: int) -> list[str]:
@@ -40,6 +57,16 @@ def run(kind: str, S: int) -> list[str]:
         rel = ((o - ref).norm() / ref.norm()).item()
         mx = ((o - ref).abs().max() / ref.abs().max()).item()
         rows.append(f"| {kind} | {S} | int{bits} | {g or 'head'} | {rel:.2e} | {mx:.2e} |")
+    for bits in (8, 4):
+        for g in (32, 64):
+            kq = _keys_by_channel(kb, bits, g)
+            vq = dequantize_kv(quantize_kv(vb, bits, None))
+            o = R.attention_ref(q.bfloat16().float(), kq, vq, causal=True)
+            rel = ((o - ref).norm() / ref.norm()).item()
+            mx = ((o - ref).abs().max() / ref.abs().max()).item()
+            rows.append(
+                f"| {kind} | {S} | int{bits}, keys by channel | keys {g} tokens, values head | {rel:.2e} | {mx:.2e} |"
+            )
     for label, calibrated in (("per-head scale (calibrated)", True), ("scale 1.0", False)):
         kq, vq = (
             dequantize_kv(QuantizedKV.fp8(quantize_fp8(x, sc), sc))

@@ -4,9 +4,11 @@ test_aot.py for sm_80, sm_90, gfx90a, gfx942, gfx950: every config `kv_config` p
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 from openkernels.attention.triton import configs
+from openkernels.attention.triton.configs import kv_append_keys_warps
 
 _KERNELS = "openkernels.attention.triton.kvcache_kernels"
 _FLOATS = ("qk_scale", "cap_scale", "cap_out")
@@ -46,24 +48,32 @@ def _signature(kernel_name: str, pointers: dict[str, str]) -> tuple[dict[str, st
 
 
 def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str, split: bool,
-               plain: bool = False, leftpad: bool = False, fp8: bool = False):  # fmt: skip
+               plain: bool = False, leftpad: bool = False, fp8: bool = False, key_group: int = 0):  # fmt: skip
     """plain: what a decode step on a contiguous cache launches (causal only): no block
     table, rotary tables or slopes (None pointers are constants to Triton), no scales for a
     16-bit cache. fp8: e4m3 bytes with float32 per-head scales, converted in hardware on
-    sm_90 and with bit operations elsewhere (as the launcher picks)."""
+    sm_90 and with bit operations elsewhere (as the launcher picks). key_group: keys by channel
+    (their key blocks are the groups), with the residual's pointer."""
     from openkernels.shared.testing.aot import AotCase
 
     cfg = configs.kv_config(head_dim, bits, rows, arch, fp8)
+    if key_group and key_group % cfg.block_n:  # as the plan: a key block lies in one group
+        cfg = dataclasses.replace(cfg, block_n=key_group)
     data = "*bf16" if bits == 16 else "*u8"
     scales = "*fp32" if fp8 else "*fp16"
     pointers = {"q_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": scales, "k_zero_ptr": "*fp16",
                 "v_scale_ptr": scales, "v_zero_ptr": "*fp16", "o_ptr": "*fp32" if split else "*bf16",
-                "seqlens_ptr": "*i32", "block_table_ptr": "*i32", "leftpad_ptr": "*i32"}  # fmt: skip
+                "seqlens_ptr": "*i32", "block_table_ptr": "*i32", "leftpad_ptr": "*i32", "res_ptr": "*fp16"}  # fmt: skip
     signature, attrs = _signature("_attention_kvcache_fwd_kernel", pointers)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
                   "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim,
                   **(_LEFTPAD_FLAGS if leftpad else _ALL_FLAGS), "FAST_DEQUANT": arch.startswith("sm_"),
-                  "FP8": fp8, "FP8_NATIVE": fp8 and arch == "sm_90"}  # fmt: skip
+                  "FP8": fp8, "FP8_NATIVE": fp8 and arch == "sm_90", "KEY_GROUP": key_group}  # fmt: skip
+    if key_group:  # pages hold whole groups (the API's rule)
+        constexprs["PAGE_SIZE"] = 64
+    else:  # the launcher passes None: no residual
+        del signature["res_ptr"]
+        constexprs["res_ptr"] = None
     if fp8:  # no zero
         for name in ("k_zero_ptr", "v_zero_ptr"):
             del signature[name]
@@ -90,6 +100,8 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
              f"{'-leftpad' if leftpad else ''}")  # fmt: skip
     if fp8:
         label = label.replace(f"-{bits}b-", "-fp8-")
+    if key_group:
+        label += f"-keys-by-channel{key_group}"
     return AotCase(f"{_KERNELS}:_attention_kvcache_fwd_kernel", signature, constexprs, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, label=label, attrs=attrs)  # fmt: skip
 
@@ -120,6 +132,19 @@ def _append_case(head_dim: int, bits: int, group: int | None, leftpad: bool = Fa
                    attrs=attrs)  # fmt: skip
 
 
+def _append_keys_case(head_dim: int, bits: int, key_group: int):
+    from openkernels.shared.testing.aot import AotCase
+
+    pointers = {"k_new_ptr": "*bf16", "k_ptr": "*u8", "k_scale_ptr": "*fp16", "k_zero_ptr": "*fp16", "res_ptr": "*fp16",
+                "seqlens_ptr": "*i32", "block_table_ptr": "*i32"}  # fmt: skip
+    signature, attrs = _signature("_kvcache_append_keys_by_channel_kernel", pointers)
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "KEY_GROUP": key_group, "BITS": bits,
+                  "PAGE_SIZE": 64, "HAS_ROTARY": True, "INTERLEAVED": False}  # fmt: skip
+    return AotCase(f"{_KERNELS}:_kvcache_append_keys_by_channel_kernel", signature, constexprs,
+                   num_warps=kv_append_keys_warps(head_dim, key_group),
+                   label=f"append-keys-by-channel-d{head_dim}-{bits}b-g{key_group}", attrs=attrs)  # fmt: skip
+
+
 def _combine_case(head_dim: int):
     from openkernels.shared.testing.aot import AotCase
 
@@ -145,9 +170,12 @@ def cases_for(arch: str) -> list:
                     for bits, group in ((8, None), (4, 32))]  # fmt: skip
             out += [_attn_case(head_dim, rows, 8, None, arch, split=split, plain=plain, fp8=True)
                     for split, plain in ((False, False), (True, False), (False, True))]  # fmt: skip
+            out += [_attn_case(head_dim, rows, bits, None, arch, split=split, key_group=g)
+                    for bits in (8, 4) for g in (32, 64) for split in (False, True)]  # fmt: skip
         for bits, group in _FORMATS:
             out.append(_append_case(head_dim, bits, group))
         out.append(_append_case(head_dim, 4, 32, leftpad=True))
         out.append(_append_case(head_dim, 8, None, fp8=True))
+        out += [_append_keys_case(head_dim, bits, g) for bits in (8, 4) for g in (32, 64)]
         out.append(_combine_case(head_dim))
     return list({c.label: c for c in out}.values())

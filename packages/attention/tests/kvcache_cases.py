@@ -54,6 +54,8 @@ from openkernels.attention import reference as R
 from openkernels.attention.kvformat import (
     QuantizedKV,
     fp8_scale,
+    gather_sequence,
+    quantize_channels,
     quantize_fp8,
     quantize_kv,
     quantize_unchecked,
@@ -78,8 +80,13 @@ FORMATS = {
     "int4-g32": (BF16, 4, 32),
     "fp8": (BF16, 8, None),
     "fp8-fp16": (F16, 8, None),
+    "int4-keys32": (BF16, 4, None),
+    "int8-keys64-fp16": (F16, 8, None),
+    "int4-g32-keys64": (BF16, 4, 32),
 }
 FP8_FORMATS = ("fp8", "fp8-fp16")  # float8_e4m3fn data, a float32 scale per KV head
+# keys quantized by channel over groups of this many tokens (values per token, group_size)
+KEY_GROUP_FORMATS = {"int4-keys32": 32, "int8-keys64-fp16": 64, "int4-g32-keys64": 64}
 SOFTCAP = 2.0
 SCALE = 0.3
 U16 = 2.0**-11  # float16's unit roundoff
@@ -148,12 +155,16 @@ class KVCall:
         return self.k_cache.bits if isinstance(self.k_cache, QuantizedKV) else 16
 
     @property
-    def group(self) -> int:
-        return self.k_cache.group_size if isinstance(self.k_cache, QuantizedKV) else self.q.shape[-1]
-
-    @property
     def fp8(self) -> bool:
         return isinstance(self.k_cache, QuantizedKV) and self.k_cache.is_fp8
+
+    @property
+    def key_group(self) -> int:
+        return self.k_cache.key_group if isinstance(self.k_cache, QuantizedKV) else 0
+
+    @property
+    def group(self) -> int:  # the values' group (the keys' too unless by channel)
+        return self.v_cache.group_size if isinstance(self.v_cache, QuantizedKV) else self.q.shape[-1]
 
     @property
     def lengths(self) -> list[int]:
@@ -188,7 +199,9 @@ class KVCall:
         """Every tensor of the cache (data, and scale and zero when quantized)."""
         out = []
         for side in (self.k_cache, self.v_cache):
-            parts = [side.data, side.scale, side.zero] if isinstance(side, QuantizedKV) else [side]
+            parts = (
+                [side.data, side.scale, side.zero, side.residual] if isinstance(side, QuantizedKV) else [side]
+            )
             out += [t for t in parts if t is not None]
         return out
 
@@ -218,8 +231,41 @@ def _poison(side: torch.Tensor | QuantizedKV, valid: torch.Tensor) -> None:
     if isinstance(side, QuantizedKV) and side.is_fp8:
         side.data.view(torch.uint8)[~valid.to(side.data.device)] = 0x7F  # e4m3fn's NaN
         return
+    if isinstance(side, QuantizedKV) and side.key_group:  # build_keys_by_channel poisoned it
+        return
     target = side.scale if isinstance(side, QuantizedKV) else side
     target[~valid.to(target.device)] = float("nan")
+
+
+def _keys_by_channel(full: torch.Tensor, s: Scenario, bits: int, key_group: int, batch: int,
+                     block_table: torch.Tensor | None) -> QuantizedKV:  # fmt: skip
+    """A keys-by-channel side holding sequence b's first s.lengths[b] keys of `full` (at their
+    slots): each full group quantized by channel, the rest in float16 residual rows; NaN
+    scales of every group that is not full and NaN residual rows past each sequence's."""
+    lead0, lead1, hkv, d = full.shape
+    assert lead1 % key_group == 0, s
+    data = quantize_kv(full, bits).data  # codes in the unused slots: their scales are NaN
+    scale = torch.full(
+        (lead0, lead1 // key_group, hkv, d), float("nan"), dtype=torch.float16, device=full.device
+    )
+    zero = scale.clone()
+    residual = torch.full((batch, key_group, hkv, d), float("nan"), dtype=torch.float16, device=full.device)
+    page = s.page
+    for b, n in enumerate(s.lengths):
+        idx = slots(b, torch.arange(n), block_table, page)
+        keys = full.cpu()[idx].to(torch.float16).to(full.device)
+        whole = n // key_group * key_group
+        for first in range(0, whole, key_group):
+            codes, sc, zr = quantize_channels(keys[first : first + key_group], bits)
+            data[slots(b, torch.arange(first, first + key_group), block_table, page)] = codes
+            at = (
+                (b, first // key_group)
+                if page is None
+                else (int(block_table[b, first // page]), first % page // key_group)
+            )
+            scale[at], zero[at] = sc, zr
+        residual[b, : n - whole] = keys[whole:]
+    return QuantizedKV(data, scale, zero, bits, d, residual, key_group)
 
 
 def build(s: Scenario, device: str) -> KVCall:
@@ -228,6 +274,8 @@ def build(s: Scenario, device: str) -> KVCall:
     batch, (hq, hkv), d, sn = len(s.lengths), s.heads, s.head_dim, s.seqlen_new
     after = [n + sn for n in s.lengths]
     capacity = s.capacity or max(after)
+    if s.fmt in KEY_GROUP_FORMATS and s.page is None:  # whole groups of keys
+        capacity = -(-capacity // KEY_GROUP_FORMATS[s.fmt]) * KEY_GROUP_FORMATS[s.fmt]
     if s.page is None:
         lead, block_table = (batch, capacity), None
         assert capacity >= max(after), s
@@ -241,6 +289,9 @@ def build(s: Scenario, device: str) -> KVCall:
     fullv = random_tensor((*lead, hkv, d), dtype if bits == 16 else F32, device)
     if bits == 16:
         k_cache, v_cache = full, fullv
+    elif s.fmt in KEY_GROUP_FORMATS:
+        k_cache = _keys_by_channel(full, s, bits, KEY_GROUP_FORMATS[s.fmt], batch, block_table)
+        v_cache = quantize_kv(fullv, bits, group)
     elif s.fmt in FP8_FORMATS:
         # Per-head scales around the data's range, some below it: those heads saturate.
         sides = []
@@ -317,6 +368,10 @@ def _gather(call: KVCall, side: torch.Tensor | QuantizedKV, b: int, length: int)
         return side[idx].to(F32)
     if side.is_fp8:
         return QuantizedKV.fp8(side.data[idx], side.scale).dequantize()
+    if side.key_group:
+        return gather_sequence(side.data, side.scale, side.zero, b, length, call.block_table, bits=side.bits,
+                               group_size=side.group_size, dtype=F32, residual=side.residual,
+                               key_group=side.key_group)  # fmt: skip
     return QuantizedKV(
         side.data[idx], side.scale[idx], side.zero[idx], side.bits, side.group_size
     ).dequantize()
@@ -356,10 +411,10 @@ def check_append(call: KVCall, before: list[torch.Tensor], *, fma: bool, msg: st
         k = call.k_new[b].to(F32)
         if rotated:
             k = R.rotate(k, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
-        for what, x, side, fuzzy in (
-            ("k", k, call.k_cache, fma and rotated),
-            ("v", call.v_new[b], call.v_cache, False),
-        ):
+        sides = [("k", k, call.k_cache, fma and rotated), ("v", call.v_new[b], call.v_cache, False)]
+        if call.key_group:  # the keys' own check, below
+            sides = sides[1:]
+        for what, x, side, fuzzy in sides:
             where = f"{msg}: appended {what} of sequence {b}"
             if call.bits == 16:
                 got, want = side[idx], x.to(side.dtype)
@@ -390,12 +445,71 @@ def check_append(call: KVCall, before: list[torch.Tensor], *, fma: bool, msg: st
             assert int((diff > 0).sum()) <= 1 + diff.numel() // 256, (
                 f"{where}: {int((diff > 0).sum())} of {diff.numel()} codes one apart from quantize_kv's"
             )
+    if call.key_group:  # k data, scale, zero and residual checked there; the values below
+        _check_keys_by_channel(call, before[:4], after[:4], fma=fma and rotated, msg=msg)
+        after, before = after[4:], before[4:]
     for i, (a, b) in enumerate(zip(after, before)):
         if a.dim() == 1:  # an fp8 side's per-head scale: no append writes it
             assert torch.equal(raw_bits(a), raw_bits(b)), f"{msg}: the fp8 scale (cache tensor {i}) changed"
             continue
         assert torch.equal(raw_bits(a)[~touched], raw_bits(b)[~touched]), (
             f"{msg}: cache tensor {i} changed outside the appended slots"
+        )
+
+
+def _check_keys_by_channel(call: KVCall, before: list[torch.Tensor], after: list[torch.Tensor], *, fma: bool,
+                           msg: str) -> None:  # fmt: skip
+    """Keys by channel after an append: each group the new keys fill is quantize_channels of
+    its keys (the residual's before the call, then the new ones rotated and rounded to
+    float16; codes rarely one apart, scale and zero one float16 ulp with fma), the new keys of
+    an incomplete group are in its residual rows, and nothing else changed."""
+    data0, scale0, zero0, res0 = before
+    data1, scale1, zero1, res1 = after
+    g, page, bits = call.key_group, call.page, call.bits
+    lead = data1.shape[:2]
+    touched = torch.zeros(lead, dtype=torch.bool, device=data1.device)
+    touched_g = torch.zeros(scale1.shape[:2], dtype=torch.bool, device=data1.device)
+    touched_r = torch.zeros(res1.shape[:2], dtype=torch.bool, device=data1.device)
+    for b, start in enumerate(call.lengths):
+        end = start + call.seqlen_new
+        pos = torch.arange(start, end, device=data1.device)
+        k = call.k_new[b].to(F32)
+        if call.rotary_cos is not None:
+            k = R.rotate(k, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
+        k = k.to(torch.float16)
+        for first in range(start // g * g, end, g):
+            last = min(first + g, end)
+            where = f"{msg}: keys {first}..{last - 1} of sequence {b}"
+            new = k[max(first, start) - start : last - start]
+            if last - first < g:
+                rows = slice(max(first, start) - first, last - first)
+                got, want = res1[b, rows], new
+                ok = ulp_apart(got, want, 1) if fma else torch.equal(raw_bits(got), raw_bits(want))
+                assert ok, f"{where}: the residual rows differ from the new keys"
+                touched_r[b, rows] = True
+                continue
+            keys = torch.cat((res0[b, : max(start - first, 0)], new))
+            codes, sc, zr = quantize_channels(keys, bits)
+            idx = slots(b, torch.arange(first, last, device=data1.device), call.block_table, page)
+            at = (
+                (b, first // g)
+                if page is None
+                else (int(call.block_table[b, first // page]), first % page // g)
+            )
+            for part, got, want in (("scale", scale1[at], sc), ("zero", zero1[at], zr)):
+                ok = ulp_apart(got, want, 1) if fma else torch.equal(raw_bits(got), raw_bits(want))
+                assert ok, f"{where}: {part} differs from kvformat.quantize_channels'"
+            diff = (unpack_codes(data1[idx], bits).int() - unpack_codes(codes, bits).int()).abs()
+            assert int(diff.max()) <= 1, f"{where}: codes {int(diff.max())} apart from quantize_channels'"
+            assert int((diff > 0).sum()) <= 1 + diff.numel() // 256, (
+                f"{where}: {int((diff > 0).sum())} codes apart"
+            )
+            touched[idx] = True
+            touched_g[at] = True
+    for name, a, b_, mask in (("data", data1, data0, touched), ("scale", scale1, scale0, touched_g),
+                              ("zero", zero1, zero0, touched_g), ("residual", res1, res0, touched_r)):  # fmt: skip
+        assert torch.equal(raw_bits(a)[~mask], raw_bits(b_)[~mask]), (
+            f"{msg}: keys' {name} changed outside the append"
         )
 
 
@@ -444,7 +558,15 @@ def designs(call: KVCall, b: int, length: int):
         return qs, ks, vs, mag
     if call.bits != 16:
         qs.append(((query(call, b, length, rounded=False).float() * call.scale).half(), 1.0))
-        for side, out in ((call.k_cache, ks), (call.v_cache, vs)):
+        sides = ((call.k_cache, ks), (call.v_cache, vs))
+        if call.key_group:
+            # Keys by channel: float32 q * softmax_scale, times each group's per-channel scale
+            # and rounded to float16 (compare() bounds that rounding); the residual keys meet
+            # float16(q * softmax_scale), the design above; the CPU backend gathers in q's dtype.
+            qs.append((query(call, b, length, rounded=False).float() * call.scale, 1.0))
+            ks.append(k.to(dtype))
+            sides = sides[1:]
+        for side, out in sides:
             codes, scale, zero = _codes(call, side, b, length)
             out += [out[0].to(dtype), codes.half() * scale + zero]
             mag = (codes * scale.float()).abs() + zero.float().abs()  # the v side's, last
@@ -505,9 +627,9 @@ def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, device: str, 
             e_q = TOLERANCES[dtype].rtol * q.double().abs() if call.rotary_cos is not None else 0 * q.double()
             e_k = e_v = torch.zeros_like(k, dtype=torch.float64)
             if quantized:
-                e_k, e_v = (
-                    3 * U16 * _codes_mag(call, side, b, length) for side in (call.k_cache, call.v_cache)
-                )
+                e_v = 3 * U16 * _codes_mag(call, call.v_cache, b, length)
+                if not call.key_group:  # keys by channel: the centred codes are exact
+                    e_k = 3 * U16 * _codes_mag(call, call.k_cache, b, length)
             qa, eq = q.double().abs().transpose(0, 1), e_q.transpose(0, 1)  # (Hq, Sq, D)
             ka, ek = (
                 t.double().abs().repeat_interleave(group, 1).transpose(0, 1) for t in (k, e_k)
@@ -516,6 +638,17 @@ def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, device: str, 
             extra_out += math.expm1(2 * dist) * magnitude + _finite_max(
                 reference(call, b, q, k, e_v, scale)[0]
             )
+            extra_lse += dist
+        if call.key_group and length:
+            # float16(q * s_c) for the keys of full groups: each product rounded once, so each
+            # score moves by at most U16 * sum_c |q_c s_c (code - M)| = U16 * sum_c |q_c| |k_c -
+            # z_c - s_c M|, bounded here by U16 * |q| . (|k| + |z| + |s| M).
+            qf = query(call, b, length, rounded=False).double().abs() * call.scale  # (Sq, Hq, D)
+            kmag = _channel_key_mag(call, b, length)  # (L, Hkv, D)
+            qa = qf.transpose(0, 1)  # (Hq, Sq, D)
+            ka = kmag.repeat_interleave(group, 1).transpose(0, 1)  # (Hq, L, D)
+            dist = U16 * float((qa @ ka.mT).max())
+            extra_out += math.expm1(2 * dist) * magnitude
             extra_lse += dist
         terms = length + d
         assert_attention_close(out[b], o_ref, dtype=dtype, magnitude=magnitude, terms=terms, extra=extra_out,
@@ -531,6 +664,25 @@ def compare(call: KVCall, out: torch.Tensor, lse: torch.Tensor, *, device: str, 
             assert (out[b].cpu().transpose(0, 1)[empty] == 0).all(), (
                 f"{where}: out of a row with no visible key"
             )
+
+
+def _channel_key_mag(call: KVCall, b: int, length: int) -> torch.Tensor:
+    """|k| + |zero| + |scale| M per key element of sequence b's full groups (0 for the
+    residual keys), float64 (L, Hkv, D), for keys by channel."""
+    side, g = call.k_cache, call.key_group
+    whole = length // g * g
+    k = _gather(call, side, b, length).double().abs()
+    groups = torch.arange(whole // g, device=k.device)
+    if call.block_table is None:
+        idx = (torch.full_like(groups, b), groups)
+    else:
+        page = call.page
+        idx = (call.block_table[b, groups * g // page].long(), groups * g % page // g)
+    mid = 1 << (call.bits - 1)
+    extra = side.zero[idx].double().abs() + side.scale[idx].double().abs() * mid  # (groups, Hkv, D)
+    out = torch.zeros_like(k)
+    out[:whole] = k[:whole] + extra.repeat_interleave(g, 0)
+    return out
 
 
 def _codes_mag(call: KVCall, side: QuantizedKV, b: int, length: int) -> torch.Tensor:
@@ -556,7 +708,9 @@ def copy_call(call: KVCall) -> KVCall:
     def clone(side):
         if isinstance(side, QuantizedKV):
             zero = None if side.zero is None else side.zero.clone()
-            return dataclasses.replace(side, data=side.data.clone(), scale=side.scale.clone(), zero=zero)
+            residual = None if side.residual is None else side.residual.clone()
+            return dataclasses.replace(side, data=side.data.clone(), scale=side.scale.clone(), zero=zero,
+                                       residual=residual)  # fmt: skip
         return side.clone()
 
     return dataclasses.replace(call, k_cache=clone(call.k_cache), v_cache=clone(call.v_cache))
@@ -565,6 +719,7 @@ def copy_call(call: KVCall) -> KVCall:
 __all__ = [
     "FORMATS",
     "FP8_FORMATS",
+    "KEY_GROUP_FORMATS",
     "fp8_within_one_step",
     "SCALE",
     "SOFTCAP",

@@ -196,6 +196,26 @@ def test_fp8_float32_logits(models) -> None:
     assert 0 < err.max() <= 8 * 2.0**-4, f"fp8: per-step max error {err.tolist()}"
 
 
+def test_keys_by_channel_float32_logits(models) -> None:
+    """OpenKernelsCache(kv_dtype="int4", key_group=32): the storage is keys by channel, and
+    the logits stay within int4's format error of the exact cache (per-step bound as for
+    int4 per token); the static cache refuses it (it passes every left padding on)."""
+    t = models["tokens"]
+    p = torch.cat((models["prompt"], t), 1)  # 31 + 20 tokens: the decode fills the first group
+    exact = _logits(models["ref"], DynamicCache(), p, t)
+    scale = float(exact.abs().max())
+    cache = A.OpenKernelsCache(models["ours"].config, BATCH, 64, kv_dtype="int4", key_group=32)
+    got = _logits(models["ours"], cache, p, t)
+    kv = cache.layers[0].kv
+    assert kv.k.key_group == 32 and kv.k.residual is not None
+    assert kv.lengths == [PROMPT + 2 * NEW] * BATCH and not torch.isnan(kv.k.scale[:, 0]).any()
+    step = 1 / 15
+    err = (got - exact).abs().amax(dim=(0, 2)) / scale  # per position
+    assert 0 < err.max() <= 8 * step, f"int4 keys by channel: per-step max error {err.tolist()}"
+    with pytest.raises(ValueError, match="key_group"):
+        A.OpenKernelsStaticCache(models["ours"].config, BATCH, 64, kv_dtype="int4", key_group=32)
+
+
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_bfloat16_logits_within_transformers_own_bf16_error(models, bits: int) -> None:
     p, t = models["prompt"], models["tokens"]

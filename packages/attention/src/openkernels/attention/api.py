@@ -21,7 +21,7 @@ import torch
 from openkernels.shared import dispatch
 
 from . import ops
-from .kvformat import BITS, FP8, QuantizedKV, code_width
+from .kvformat import BITS, FP8, KEY_GROUPS, QuantizedKV, code_width
 from .problem import check_qkv_shapes
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "apply_rotary"]
@@ -256,6 +256,8 @@ def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) 
     if not (isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)):
         raise TypeError(f"{name}: k_cache and v_cache must both be torch.Tensor or both QuantizedKV, got "
                         f"{type(k_cache).__name__} and {type(v_cache).__name__}")  # fmt: skip
+    if k_cache.key_group or v_cache.key_group:
+        return _channel_keys_format(name, k_cache, v_cache, q)
     if (k_cache.bits, k_cache.group_size) != (v_cache.bits, v_cache.group_size):
         raise ValueError(f"{name}: k_cache and v_cache must share bits and group_size, got "
                          f"{(k_cache.bits, k_cache.group_size)} and {(v_cache.bits, v_cache.group_size)}")  # fmt: skip
@@ -287,6 +289,59 @@ def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) 
                 raise ValueError(f"{name}: {what}.{part} must be on {q.device}, with a unit last stride and the "
                                  "strides of k_cache.scale (the kernels index all four alike)")  # fmt: skip
     return bits, group
+
+
+def _channel_keys_format(name: str, k_cache: QuantizedKV, v_cache: QuantizedKV,
+                         q: torch.Tensor) -> tuple[int, int]:  # fmt: skip
+    """(bits, the values' group_size) of a cache with keys by channel (kvformat.py): int8/int4
+    codes on both sides; the keys' scale and zero float16 (lead0, lead1 // key_group, Hkv, D),
+    their residual float16 (batch, key_group, Hkv, D); the values per token."""
+    head_dim, group = q.shape[-1], k_cache.key_group
+    if v_cache.key_group:
+        raise ValueError(f"{name}: only keys are quantized by channel (v_cache.key_group must be 0)")
+    if group not in KEY_GROUPS:
+        raise ValueError(f"{name}: k_cache.key_group must be one of {KEY_GROUPS}, got {group!r}")
+    if k_cache.bits != v_cache.bits or k_cache.bits not in BITS:
+        raise ValueError(
+            f"{name}: k_cache and v_cache must share bits 4 or 8, got {k_cache.bits} and {v_cache.bits}"
+        )
+    data = k_cache.data
+    if data.dtype != torch.uint8 or data.dim() != 4 or data.shape[-1] != code_width(head_dim, k_cache.bits):
+        raise TypeError(f"{name}: k_cache.data must be 4D uint8 (..., heads_kv, {code_width(head_dim, k_cache.bits)}), "
+                        f"got {data.dtype} {tuple(data.shape)}")  # fmt: skip
+    lead0, lead1, heads_kv = data.shape[:3]
+    if lead1 % group:
+        raise ValueError(f"{name}: keys by channel need a capacity (or page size) that is a multiple of key_group "
+                         f"{group}, got {lead1}")  # fmt: skip
+    for part, want in (("scale", (lead0, lead1 // group, heads_kv, head_dim)),
+                       ("zero", (lead0, lead1 // group, heads_kv, head_dim)),
+                       ("residual", (q.shape[0], group, heads_kv, head_dim))):  # fmt: skip
+        t = getattr(k_cache, part)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != want:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name}: k_cache.{part} of keys by channel must be float16 of shape {want}, got {got}"
+            )
+        if t.stride(-1) != 1 or t.device != q.device:
+            raise ValueError(f"{name}: k_cache.{part} must be on {q.device} with a unit last stride")
+    if k_cache.zero.stride() != k_cache.scale.stride():
+        raise ValueError(f"{name}: k_cache.zero must have the strides of k_cache.scale")
+    v_group = v_cache.group_size
+    if v_group not in (32, 64, 128, head_dim) or head_dim % v_group:
+        raise ValueError(f"{name}: v_cache.group_size must divide head_dim {head_dim} and be 32, 64, 128 or "
+                         f"head_dim, got {v_group}")  # fmt: skip
+    if v_cache.data.dtype != torch.uint8 or tuple(v_cache.data.shape) != tuple(data.shape):
+        raise TypeError(f"{name}: v_cache.data must be uint8 of k_cache.data's shape {tuple(data.shape)}")
+    for part in ("scale", "zero"):
+        t = getattr(v_cache, part)
+        want = (lead0, lead1, heads_kv, head_dim // v_group)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != want:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: v_cache.{part} must be float16 of shape {want}, got {got}")
+        if t.stride(-1) != 1 or t.stride() != v_cache.scale.stride() or t.device != q.device:
+            raise ValueError(f"{name}: v_cache.{part} must be on {q.device}, with a unit last stride and the "
+                             "strides of v_cache.scale")  # fmt: skip
+    return k_cache.bits, v_group
 
 
 def _fp8_format(name: str, k_cache: QuantizedKV, v_cache: QuantizedKV, q: torch.Tensor) -> tuple[int, int]:
@@ -465,28 +520,57 @@ def check_block_table(name: str, block_table: torch.Tensor, lengths: torch.Tenso
                          "shared)")  # fmt: skip
 
 
-def _written_slots(k_new: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+def _written_slots(positions: torch.Tensor, block_table: torch.Tensor | None,
                    page: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(page or sequence, slot) index tensors (batch, seqlen_new) of the slots an append writes."""
-    pos = cache_seqlens.to(torch.int64)[:, None] + torch.arange(k_new.shape[1], device=k_new.device)[None, :]
+    """(page or sequence, slot) index tensors of token positions (batch, n)."""
     if block_table is None:
-        return torch.arange(k_new.shape[0], device=k_new.device)[:, None].expand_as(pos), pos
-    return block_table.to(torch.int64).gather(1, pos // page), pos % page
+        return torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(
+            positions
+        ), positions
+    return block_table.to(torch.int64).gather(1, positions // page), positions % page
 
 
-def _append_then_attend(append, forward, storage: list[torch.Tensor], append_args: tuple, forward_args: tuple,
-                        slots: tuple[torch.Tensor, torch.Tensor] | None):  # fmt: skip
-    """The append, then the forward; when `slots` is given (a failure of the forward would
-    reach the caller), the slots the append writes are saved first and put back if the
-    forward raises, so a failed call leaves the cache bitwise as it was."""
-    saved = None if slots is None else [t[slots].clone() for t in storage]
+def _written_parts(k_new, cache_seqlens, block_table, kd, vd, quant, k_residual, key_group):
+    """What an append of k_new writes, as (tensor, index) pairs for _append_then_attend: the
+    new tokens' slots of every per-token tensor (fp8's per-head scales are fixed when the cache
+    is made); with keys by channel, every slot of the groups the new keys touch (a group that
+    fills is quantized again from its first token), their scales and the residual."""
+    n, page = k_new.shape[1], kd.shape[1]
+    start = cache_seqlens.to(torch.int64)[:, None]
+    slots = _written_slots(start + torch.arange(n, device=start.device)[None, :], block_table, page)
+    if kd.dtype == FP8:
+        return [(kd, slots), (vd, slots)]
+    if not key_group:
+        return [(kd, slots), (vd, slots)] + [(t, slots) for t in quant if t is not None]
+    # Each touched group whole: from the first group's start to the end of the last one.
+    first = start // key_group * key_group
+    last = (start + n + key_group - 1) // key_group * key_group - 1
+    span = (first + torch.arange(n + key_group, device=start.device)[None, :]).minimum(last)
+    page_of, slot = _written_slots(span, block_table, page)
+    k_scale, k_zero, v_scale, v_zero = quant
+    groups = (page_of, slot // key_group)
+    return [(kd, (page_of, slot)), (k_scale, groups), (k_zero, groups), (k_residual, None), (vd, slots),
+            (v_scale, slots), (v_zero, slots)]  # fmt: skip
+
+
+def _append_then_attend(append, forward, written: list[tuple[torch.Tensor, tuple | None]] | None,
+                        append_args: tuple, forward_args: tuple):  # fmt: skip
+    """The append, then the forward; when `written` is given (a failure of the forward would
+    reach the caller: the tensors the append writes, each with the index of what it writes,
+    None for all of it), those parts are saved first and put back if the forward raises, so
+    a failed call leaves the cache bitwise as it was."""
+    saved = None
+    if written is not None:
+        saved = [(t, idx, (t if idx is None else t[idx]).clone()) for t, idx in written]
     append(*append_args)
     try:
         return forward(*forward_args)
     except BaseException:
-        if saved is not None:
-            for t, old in zip(storage, saved):
-                t[slots] = old
+        for t, idx, old in saved or ():
+            if idx is None:
+                t.copy_(old)
+            else:
+                t[idx] = old
         raise
 
 
@@ -546,16 +630,21 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     max_seqlen_k = max(host_lengths, default=0) if host_lengths is not None else capacity
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     quant = (k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero) if bits != 16 else (None,) * 4
+    key_group = k_cache.key_group if isinstance(k_cache, QuantizedKV) else 0
+    k_residual = k_cache.residual if key_group else None
+    if key_group and (cache_batch_idx is not None or cache_leftpad is not None):
+        raise ValueError(f"{name}: keys by channel (key_group {key_group}) take neither cache_batch_idx nor "
+                         "cache_leftpad: their groups count positions from each sequence's first slot")  # fmt: skip
     library = tracing or any(type(t) is not torch.Tensor for t in (q, kd, vd))
     # Both ops take the same path (decided here, once, for the pair).
     append = ops.KVCACHE_APPEND.library if library else ops.kvcache_append
     forward = ops.ATTENTION_KVCACHE.library if library else ops.kvcache_forward
     forward_args = (q, kd, vd, *quant, seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
                     scale, left, right, alibi_slopes, float(softcap), rotary_interleaved, bits, group,
-                    cache_leftpad)  # fmt: skip
+                    cache_leftpad, k_residual, key_group)  # fmt: skip
     if k_new is None or k_new.numel() == 0:
         return forward(*forward_args)
-    slots = None
+    written = None
     if not library:
         # Neither op may fail after the append has written: pick both implementations first
         # (a forced or forbidden backend that cannot run raises here). A failure inside the
@@ -564,12 +653,10 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
         dispatch.select("kvcache_append", dispatch.key_for(k_new))
         chosen = dispatch.select("attention_kvcache", dispatch.key_for(q))
         if dispatch.is_strict() or dispatch.is_steered() or len(chosen) == 1:
-            slots = _written_slots(k_new, cache_seqlens, block_table, kd.shape[1])
-    # What an append writes: fp8's per-head scales are fixed when the cache is made.
-    storage = [kd, vd] if kd.dtype == FP8 else [kd, vd, *(t for t in quant if t is not None)]
+            written = _written_parts(k_new, cache_seqlens, block_table, kd, vd, quant, k_residual, key_group)
     append_args = (kd, vd, *quant, k_new, v_new, seqlens, block_table, rotary_cos, rotary_sin,
-                   rotary_interleaved, bits, group, cache_leftpad)  # fmt: skip
-    return _append_then_attend(append, forward, storage, append_args, forward_args, slots)
+                   rotary_interleaved, bits, group, cache_leftpad, k_residual, key_group)  # fmt: skip
+    return _append_then_attend(append, forward, written, append_args, forward_args)
 
 
 def attention_with_kvcache(

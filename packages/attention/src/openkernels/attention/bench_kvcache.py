@@ -10,6 +10,7 @@ Contenders (each cache built from the same bf16 K/V in a setup step, outside the
   ours-int8       KVCache int8 (group = head)       in a random order
   ours-int4       KVCache int4 (group = head)       ours-int4-g32: int4, groups of 32
   ours-fp8        KVCache fp8 e4m3 (scale 1.0 per head)
+  ours-int4-keys32  KVCache int4, keys by channel over groups of 32 tokens, values per token
   sdpa            F.scaled_dot_product_attention(enable_gqa=True) on the bf16 cache (B, H, S, D)
   flex            FlexAttention (enable_gqa=True, no mask: the query is the last position),
                   torch.compile(dynamic=False)'d once per case
@@ -42,6 +43,7 @@ FORMATS: dict[str, dict[str, Any]] = {
     "ours-int4": {"kv_dtype": "int4"},
     "ours-int4-g32": {"kv_dtype": "int4", "group_size": 32},
     "ours-fp8": {"kv_dtype": "fp8"},
+    "ours-int4-keys32": {"kv_dtype": "int4", "key_group": 32},
 }
 PEERS = ("sdpa", "flex")
 

@@ -153,12 +153,14 @@ def _build_classes() -> dict[str, type]:
             group_size: int | None = None,
             device: torch.device | str | None = None,
             sliding_window: int | None = None,
+            key_group: int | None = None,
         ) -> None:
             super().__init__()
             self.batch_size = batch_size
             self.max_seqlen = max_seqlen
             self.kv_dtype = kv_dtype
             self.group_size = group_size
+            self.key_group = key_group
             self.device = None if device is None else torch.device(device)
             self.is_sliding = sliding_window is not None
             self.sliding_window = sliding_window
@@ -212,9 +214,10 @@ def _build_classes() -> dict[str, type]:
             kv_dtype: torch.dtype | str | None = None,
             group_size: int | None = None,
             device: torch.device | str | None = None,
+            key_group: int | None = None,
         ) -> None:
             layers = _make_layers(type(self).__name__, self.layer_class, config, batch_size, max_seqlen, kv_dtype,
-                                  group_size, device)  # fmt: skip
+                                  group_size, device, key_group)  # fmt: skip
             super().__init__(layers=layers)
             self.max_seqlen = max_seqlen
             self.kv_dtype = kv_dtype
@@ -239,7 +242,7 @@ def _build_classes() -> dict[str, type]:
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             heads_kv, head_dim, kv_dtype, device = self._storage_format(key_states, value_states)
             self.kv = KVCache(self.batch_size, self.max_seqlen, heads_kv, head_dim, kv_dtype=kv_dtype,
-                              group_size=self.group_size, device=device)  # fmt: skip
+                              group_size=self.group_size, device=device, key_group=self.key_group)  # fmt: skip
             self.device = device
             self.is_initialized = True
 
@@ -305,6 +308,9 @@ def _build_classes() -> dict[str, type]:
             or "fp8" (float8_e4m3fn with the uncalibrated per-head scale 1.0: values beyond 448
             saturate; for calibrated scales build the layers' `KVCache`s yourself).
         group_size: 32, 64, 128 or None (the whole head), for int8/int4.
+        key_group: int8/int4: None (keys per token), or 32 / 64 for keys quantized by channel over
+            groups of that many tokens (KIVI; see KVCache); not with left-padded batches, and
+            not in OpenKernelsStaticCache.
         device: where the storage lives (default: the keys' device).
         Needs attn_implementation="openkernels" (`register_with_transformers()`); see hf_cache.py
         for the limits.
@@ -343,14 +349,18 @@ def _build_classes() -> dict[str, type]:
         def _storage(self) -> list[torch.Tensor]:
             parts = []
             for side in (self.k_cache, self.v_cache):
-                parts += [side.data, side.scale, side.zero] if isinstance(side, QuantizedKV) else [side]
+                parts += (
+                    [side.data, side.scale, side.zero, side.residual]
+                    if isinstance(side, QuantizedKV)
+                    else [side]
+                )
             return [t for t in parts if t is not None]
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             heads_kv, head_dim, kv_dtype, device = self._storage_format(key_states, value_states)
             # KVCache checks head_dim and group_size and allocates the storage; its tensors are kept.
             kv = KVCache(self.batch_size, self.max_seqlen, heads_kv, head_dim, kv_dtype=kv_dtype,
-                         group_size=self.group_size, device=device)  # fmt: skip
+                         group_size=self.group_size, device=device, key_group=self.key_group)  # fmt: skip
             self.k_cache, self.v_cache = kv.k, kv.v
             self.heads_kv, self.head_dim = heads_kv, head_dim
             self.cumulative_length = self.cumulative_length.to(device)
@@ -446,12 +456,16 @@ def _build_classes() -> dict[str, type]:
 
 
 def _make_layers(name: str, layer_cls: type, config: Any, batch_size: Any, max_seqlen: Any, kv_dtype: Any,
-                 group_size: Any, device: Any) -> list:  # fmt: skip
+                 group_size: Any, device: Any, key_group: Any = None) -> list:  # fmt: skip
     """One `layer_cls` per decoder layer of `config`, the arguments checked."""
     if kv_dtype not in _KV_DTYPES:
         raise ValueError(
             f"{name}: kv_dtype must be None, a float dtype, 'int8', 'int4' or 'fp8', got {kv_dtype!r}"
         )
+    if key_group is not None and layer_cls.is_compileable:
+        raise ValueError(f"{name}: key_group (keys by channel) is not supported by the compileable cache: it "
+                         "passes every batch's left padding on, which keys by channel do not take; use "
+                         "OpenKernelsCache")  # fmt: skip
     for what, n in (("batch_size", batch_size), ("max_seqlen", max_seqlen)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name}: {what} must be a positive int, got {n!r}")
@@ -462,7 +476,7 @@ def _make_layers(name: str, layer_cls: type, config: Any, batch_size: Any, max_s
             raise NotImplementedError(f"{name}: layer {i} is {layer_type!r}; only full and sliding-window attention "
                                       "layers are supported")  # fmt: skip
         layers.append(layer_cls(batch_size, max_seqlen, kv_dtype=kv_dtype, group_size=group_size, device=device,
-                                sliding_window=sliding_window))  # fmt: skip
+                                sliding_window=sliding_window, key_group=key_group))  # fmt: skip
     return layers
 
 

@@ -63,7 +63,8 @@ def _optional(inputs: dict, **pointers: Any) -> None:
     position, so a pointer between two inputs cannot be a constant None; the kernels read
     them only under their constexpr flags (IS_VARLEN, HAS_ALIBI, PAGE_SIZE, HAS_ROTARY)."""
     dummies = {"cu_q_ptr": jnp.int32, "cu_k_ptr": jnp.int32, "slopes_ptr": jnp.float32, "block_table_ptr": jnp.int32,
-               "cos_ptr": jnp.float32, "sin_ptr": jnp.float32, "leftpad_ptr": jnp.int32}  # fmt: skip
+               "cos_ptr": jnp.float32, "sin_ptr": jnp.float32, "leftpad_ptr": jnp.int32,
+               "res_ptr": jnp.float16}  # fmt: skip
     for name, value in pointers.items():
         inputs[name] = jnp.zeros((1,), dummies[name]) if value is None else value
 
@@ -154,7 +155,13 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin,
     inputs = {"q_ptr": q, "k_ptr": k_cache, "v_ptr": v_cache, "k_scale_ptr": dummy16, "k_zero_ptr": dummy16,
               "v_scale_ptr": dummy16, "v_zero_ptr": dummy16, "seqlens_ptr": cache_seqlens}  # fmt: skip
     _optional(
-        inputs, block_table_ptr=block_table, cos_ptr=cos, sin_ptr=sin, slopes_ptr=slopes, leftpad_ptr=leftpad
+        inputs,
+        block_table_ptr=block_table,
+        cos_ptr=cos,
+        sin_ptr=sin,
+        slopes_ptr=slopes,
+        leftpad_ptr=leftpad,
+        res_ptr=None,
     )
     if kv.combine is None:
         outputs = {

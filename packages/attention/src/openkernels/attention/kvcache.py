@@ -6,7 +6,7 @@ import torch
 
 from . import ops
 from .api import _cache_format, _kvcache_call, check_block_table, check_lengths, check_rotary_tables
-from .kvformat import FP8, QuantizedKV, code_width, gather_sequence
+from .kvformat import FP8, KEY_GROUPS, QuantizedKV, code_width, gather_sequence
 
 __all__ = ["KVCache"]
 
@@ -22,6 +22,11 @@ class KVCache:
         group of `group_size` elements along head_dim: 32, 64, 128 or None for the whole head),
         or "fp8" (float8_e4m3fn values with one float32 scale per KV head; torch.float8_e4m3fn
         names it too).
+    key_group: int8/int4 only: None (keys per token, as values), or 32 / 64: keys quantized
+        per channel over groups of that many tokens (KIVI), the keys of each sequence's last
+        incomplete group held in float16 until it fills; a multiple of it must be the page
+        size (contiguous: the capacity is rounded up to one). Keeps int4 usable on keys with
+        outlier channels; values stay per token (`group_size`).
     k_scale, v_scale: fp8 only: the per-head scales, a float or a (heads_kv,) tensor, fixed for
         the cache's life (default 1.0, as vLLM's uncalibrated default; kvformat.fp8_scale
         derives them from sample keys and values). Values beyond 448 * scale saturate.
@@ -51,6 +56,7 @@ class KVCache:
         device: torch.device | str | None = None,
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
+        key_group: int | None = None,
     ) -> None:
         for what, n in (("batch_size", batch_size), ("max_seqlen", max_seqlen), ("heads_kv", heads_kv)):
             if not isinstance(n, int) or n < 1:
@@ -72,6 +78,12 @@ class KVCache:
             )
         if not self.fp8 and (k_scale is not None or v_scale is not None):
             raise ValueError("KVCache: k_scale and v_scale belong to an fp8 cache (kv_dtype='fp8')")
+        if key_group is not None and (self.bits not in (4, 8) or self.fp8 or key_group not in KEY_GROUPS):
+            raise ValueError(f"KVCache: key_group (keys by channel) is for int8/int4 caches and one of {KEY_GROUPS}, "
+                             f"got {key_group!r} with kv_dtype={kv_dtype!r}")  # fmt: skip
+        if key_group is not None and page_size is not None and page_size % key_group:
+            raise ValueError(f"KVCache: page_size {page_size} must be a multiple of key_group {key_group}")
+        self.key_group = key_group or 0
         self.group_size = head_dim if group_size is None else group_size
         if self.bits != 16 and (self.group_size not in (32, 64, 128, head_dim) or head_dim % self.group_size):
             raise ValueError(f"KVCache: group_size must divide head_dim {head_dim} and be 32, 64, 128 or None, got "
@@ -92,7 +104,7 @@ class KVCache:
                 for what, x in (("k_scale", k_scale), ("v_scale", v_scale))
             ]
         if page_size is None:
-            lead = (batch_size, max_seqlen)
+            lead = (batch_size, -(-max_seqlen // (self.key_group or 1)) * (self.key_group or 1))
             self.block_table = None
         else:
             per_seq = -(-max_seqlen // page_size)
@@ -102,6 +114,13 @@ class KVCache:
             self.k, self.v = (QuantizedKV.fp8(self._empty(lead, device), sc) for sc in scales)
         else:
             self.k, self.v = (self._empty(lead, device) for _ in range(2))
+        if self.key_group:
+            g = self.key_group
+            groups = torch.zeros(
+                (lead[0], lead[1] // g, heads_kv, head_dim), dtype=torch.float16, device=device
+            )
+            residual = torch.zeros((batch_size, g, heads_kv, head_dim), dtype=torch.float16, device=device)
+            self.k = QuantizedKV(self.k.data, groups, groups.clone(), self.bits, head_dim, residual, g)
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._lengths = [0] * batch_size
         self._formats: dict[tuple, tuple[int, int]] = {}  # (q dtype, head_dim, device) -> (bits, group)
@@ -271,7 +290,8 @@ class KVCache:
         quant = (self.k.scale, self.k.zero, self.v.scale, self.v.zero) if self.bits != 16 else (None,) * 4
         ops.kvcache_append(self._data(self.k), self._data(self.v), *quant, k_new, v_new, self.seqlens,
                            self.block_table, rotary_cos, rotary_sin, rotary_interleaved, self.bits,
-                           self.group_size)  # fmt: skip
+                           self.group_size, None, self.k.residual if self.key_group else None,
+                           self.key_group)  # fmt: skip
         self.seqlens += n
         self._lengths = [x + n for x in self._lengths]
 
@@ -290,7 +310,8 @@ class KVCache:
             else:
                 parts = (side, None, None)
             sides.append(gather_sequence(*parts, b, self._lengths[b], self.block_table, bits=bits, group_size=group,
-                                         dtype=dtype))  # fmt: skip
+                                         dtype=dtype, residual=getattr(side, "residual", None),
+                                         key_group=getattr(side, "key_group", 0)))  # fmt: skip
         return sides[0], sides[1]
 
     @property

@@ -9,6 +9,12 @@ formats a `zero`):
              low nibble, 2j + 1 in the high nibble; codes 0..15.
              int8/int4 scale, zero: float16 (..., heads_kv, head_dim // group_size), per token,
              head and group; group g covers elements g * group_size .. (g + 1) * group_size - 1.
+    int8/int4 keys by channel (KIVI): data as above, per token; scale, zero float16
+             (lead0, lead1 // key_group, heads_kv, head_dim), one per channel over each group of
+             `key_group` consecutive token positions (32 or 64, dividing the page size); the
+             keys of each sequence's last, incomplete group wait in `residual`, float16
+             (batch, key_group, heads_kv, head_dim) (position p in row p % key_group), and are
+             quantized together when the group fills. Values stay per token.
     fp8      data (..., heads_kv, head_dim) torch.float8_e4m3fn; scale float32 (heads_kv,), one
              per KV head for every token (what vLLM, TensorRT-LLM and FlashInfer call an fp8
              KV cache with per-head scales); zero = None; bits 8, group_size head_dim.
@@ -24,6 +30,11 @@ Quantization is asymmetric, round to nearest, per token and head over each group
 The Triton append kernel computes the same float32 expressions, so its codes match these
 except where a product lands within an ulp of .5 (one code apart, rare).
 Values must lie within float16's range (|x| < 65504): scale and zero are float16.
+
+Keys by channel use the same expressions with the group along the tokens: for each head and
+channel c of a full group, zero = fp16(min over the group's tokens), scale = fp16(range /
+(2^bits - 1)). A sequence of L tokens holds floor(L / key_group) quantized groups and
+L mod key_group keys in float16 in its residual rows.
 
 fp8 is symmetric with a fixed scale per head, set when the cache is made (1.0 unless given;
 `fp8_scale` derives one from sample keys or values):
@@ -47,6 +58,8 @@ __all__ = [
     "FP8_MAX",
     "fp8_scale",
     "quantize_fp8",
+    "KEY_GROUPS",
+    "quantize_channels",
     "code_width",
     "quantize_kv",
     "dequantize_kv",
@@ -60,6 +73,7 @@ BITS = (4, 8)  # the quantized formats; 16 stands for an unquantized cache
 _SCALE_DTYPE = torch.float16
 FP8 = torch.float8_e4m3fn  # the fp8 format's storage dtype (bits 8, told apart from int8 by it)
 FP8_MAX = 448.0  # e4m3fn's largest finite value
+KEY_GROUPS = (32, 64)  # tokens per group of keys quantized by channel
 
 
 @dataclass
@@ -70,6 +84,9 @@ class QuantizedKV:
     for bits=4; scale, zero: float16 (..., heads_kv, head_dim // group_size).
     fp8: data torch.float8_e4m3fn (..., heads_kv, head_dim); scale float32 (heads_kv,); zero
     None; bits 8, group_size head_dim (`QuantizedKV.fp8(data, scale)` builds one).
+    Keys by channel (key_group 32 or 64): scale, zero float16 (lead0, lead1 // key_group,
+    heads_kv, head_dim) per channel and group of tokens, residual float16 (batch, key_group,
+    heads_kv, head_dim) for the keys of each sequence's incomplete group; group_size head_dim.
     The leading dims are (batch, capacity) or (num_pages, page_size). Format details in this
     module's docstring.
     """
@@ -79,6 +96,8 @@ class QuantizedKV:
     zero: torch.Tensor | None
     bits: int
     group_size: int
+    residual: torch.Tensor | None = None
+    key_group: int = 0  # > 0: keys quantized by channel over groups of key_group tokens
 
     @classmethod
     def fp8(cls, data: torch.Tensor, scale: torch.Tensor) -> QuantizedKV:
@@ -104,7 +123,8 @@ class QuantizedKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero) if t is not None)
+        parts = (self.data, self.scale, self.zero, self.residual)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_kv(self, dtype)
@@ -178,6 +198,30 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def quantize_channels(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys x (..., tokens, heads_kv, head_dim) of one full group, quantized per head and
+    channel over the tokens: (codes packed as quantize_kv packs them, (..., tokens, heads_kv,
+    code width) uint8; scale, zero float16 (..., heads_kv, head_dim))."""
+    xf = x.to(torch.float32)
+    lo, hi = xf.amin(dim=-3), xf.amax(dim=-3)
+    scale = ((hi - lo) / _levels(bits)).to(_SCALE_DTYPE)
+    zero = lo.to(_SCALE_DTYPE)
+    s32 = scale.to(torch.float32)
+    inv = torch.where(s32 > 0, 1.0 / torch.where(s32 > 0, s32, 1.0), 0.0)
+    codes = torch.floor((xf - zero.to(torch.float32).unsqueeze(-3)) * inv.unsqueeze(-3) + 0.5)
+    codes = codes.clamp(0, _levels(bits)).to(torch.uint8)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes.contiguous(), scale, zero
+
+
+def _dequantize_channels(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                         key_group: int) -> torch.Tensor:  # fmt: skip
+    """Codes (n * key_group, heads_kv, width) with scale/zero (n, heads_kv, head_dim), float32."""
+    c = unpack_codes(codes, bits).to(torch.float32).unflatten(0, (-1, key_group))
+    return (c * scale.to(torch.float32)[:, None] + zero.to(torch.float32)[:, None]).flatten(0, 1)
+
+
 def unpack_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes (..., head_dim) from `data`."""
     if bits == 8:
@@ -222,9 +266,19 @@ def gather_sequence(
     group_size: int,
     dtype: torch.dtype,
     start: int = 0,
+    residual: torch.Tensor | None = None,
+    key_group: int = 0,
 ) -> torch.Tensor:
     """Sequence b's first `length` tokens of one cache side, dequantized: (length, heads_kv,
-    head_dim) in `dtype`; they sit from slot `start` of its storage (a left padding)."""
+    head_dim) in `dtype`; they sit from slot `start` of its storage (a left padding). Keys by
+    channel (key_group > 0, start 0): the full groups' codes with their per-channel scales,
+    then the residual rows."""
+    if key_group:
+        full = length // key_group * key_group
+        groups = full // key_group
+        keys = _dequantize_channels(_rows(data, b, full, block_table), _rows(scale, b, groups, block_table),
+                                    _rows(zero, b, groups, block_table), bits, key_group)  # fmt: skip
+        return torch.cat((keys, residual[b, : length - full].to(torch.float32))).to(dtype)
     rows = _rows(data, b, length, block_table, start)
     if bits == 16:
         return rows.to(dtype)
@@ -246,8 +300,13 @@ def gather_kv(
     group_size: int,
     dtype: torch.dtype,
     start: int = 0,
+    k_residual: torch.Tensor | None = None,
+    key_group: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """gather_sequence of both sides, each given as (data, scale, zero): (keys, values)."""
-    k, v = (gather_sequence(*parts, b, length, block_table, bits=bits, group_size=group_size, dtype=dtype,
-                            start=start) for parts in (k_parts, v_parts))  # fmt: skip
+    """gather_sequence of both sides, each given as (data, scale, zero): (keys, values);
+    k_residual, key_group: keys quantized by channel."""
+    k = gather_sequence(*k_parts, b, length, block_table, bits=bits, group_size=group_size, dtype=dtype,
+                        start=start, residual=k_residual, key_group=key_group)  # fmt: skip
+    v = gather_sequence(*v_parts, b, length, block_table, bits=bits, group_size=group_size, dtype=dtype,
+                        start=start)  # fmt: skip
     return k, v

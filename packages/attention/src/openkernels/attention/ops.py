@@ -58,7 +58,8 @@ _OPTIONS = (
     "int window_left, int window_right, Tensor? alibi_slopes, float softcap"
 )
 # Attention against a KV cache (inference only: no autograd). A cache side is data plus, for
-# int8/int4 (bits 8/4), float16 scale and zero (kvformat.py); block_table pages it.
+# int8/int4 (bits 8/4), float16 scale and zero (kvformat.py); block_table pages it; keys by
+# channel add k_residual and key_group.
 _CACHE = "Tensor? k_scale, Tensor? k_zero, Tensor? v_scale, Tensor? v_zero"
 _ROTARY = "Tensor? rotary_cos, Tensor? rotary_sin"
 
@@ -196,15 +197,18 @@ def kvcache_append(
     bits: int,
     group_size: int,
     cache_leftpad: torch.Tensor | None = None,
+    k_residual: torch.Tensor | None = None,
+    key_group: int = 0,
 ) -> None:
     """Write k_new/v_new (B, Sn, Hkv, D) into the cache at cache_seqlens (in place), from slot
-    cache_leftpad[b] of sequence b's storage on (reference.py)."""
+    cache_leftpad[b] of sequence b's storage on (reference.py); key_group > 0: keys by
+    channel, with k_residual (kvformat.py)."""
     if k_new.numel() == 0:
         return
     dispatch.run(
         "kvcache_append", k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, _unit_last(k_new), _unit_last(v_new),
         cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved=rotary_interleaved, bits=bits,
-        group_size=group_size, leftpad=cache_leftpad,
+        group_size=group_size, leftpad=cache_leftpad, k_residual=k_residual, key_group=key_group,
     )  # fmt: skip
 
 
@@ -231,6 +235,8 @@ def kvcache_forward(
     bits: int,
     group_size: int,
     cache_leftpad: torch.Tensor | None = None,
+    k_residual: torch.Tensor | None = None,
+    key_group: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, Hq, D) against the cache (the append already done); returns
     out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) float32."""
@@ -245,6 +251,7 @@ def kvcache_forward(
         scale=softmax_scale, window_left=window_left, window_right=window_right,
         alibi_slopes=_slopes(alibi_slopes, q.shape[0], q.shape[2]), softcap=softcap,
         rotary_interleaved=rotary_interleaved, bits=bits, group_size=group_size, leftpad=cache_leftpad,
+        k_residual=k_residual, key_group=key_group,
     )  # fmt: skip
     return out, lse
 
@@ -397,12 +404,12 @@ KVCACHE_APPEND = opdef.define(
         schema="(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? k_zero, "
         "Tensor(e!)? v_scale, Tensor(f!)? v_zero, Tensor k_new, Tensor v_new, Tensor cache_seqlens, "
         f"Tensor? block_table, {_ROTARY}, bool rotary_interleaved, int bits, int group_size, "
-        "Tensor? cache_leftpad=None) -> ()",
+        "Tensor? cache_leftpad=None, Tensor(g!)? k_residual=None, int key_group=0) -> ()",
         forward=kvcache_append,
         fake=lambda *args: None,
         key=_append_key,
         impls=_impls("kvcache_append_fwd", _triton_supports, cpu=None),
-        tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
+        tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 16),
     ),
 )
 ATTENTION_KVCACHE = opdef.define(
@@ -412,12 +419,12 @@ ATTENTION_KVCACHE = opdef.define(
         schema=f"(Tensor q, Tensor k_cache, Tensor v_cache, {_CACHE}, Tensor cache_seqlens, Tensor? block_table, "
         f"{_ROTARY}, int seqlen_new, int max_seqlen_k, float softmax_scale, int window_left, int window_right, "
         "Tensor? alibi_slopes, float softcap, bool rotary_interleaved, int bits, int group_size, "
-        "Tensor? cache_leftpad=None) -> (Tensor, Tensor)",
+        "Tensor? cache_leftpad=None, Tensor? k_residual=None, int key_group=0) -> (Tensor, Tensor)",
         forward=kvcache_forward,
         fake=_attention_kvcache_fake,
         key=_fwd_key,
         impls=_impls("attention_kvcache_fwd", _triton_supports, cpu="cpu.kvcache"),
-        tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
+        tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 21, 22),
     ),
 )
 

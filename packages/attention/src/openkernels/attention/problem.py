@@ -54,7 +54,8 @@ class KVProblem(NamedTuple):
     rotary (else the rotated half width, interleaved pairs or halves); leftpad: each sequence's
     tokens start at a per-sequence slot offset (cache_leftpad); row_table: page_size 0 with a
     one-column block table naming each sequence's row (cache_batch_idx); fp8: bits 8 are
-    float8_e4m3fn values with a scale per KV head (kvformat.py), not int8 codes."""
+    float8_e4m3fn values with a scale per KV head (kvformat.py), not int8 codes; key_group:
+    keys quantized by channel over groups of that many tokens (0: per token)."""
 
     batch: int
     seqlen_q: int
@@ -76,6 +77,7 @@ class KVProblem(NamedTuple):
     leftpad: bool = False
     row_table: bool = False
     fp8: bool = False
+    key_group: int = 0
 
 
 def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_dims: tuple[int, ...]) -> None:

@@ -339,7 +339,8 @@ def _cache_index(b: int, positions: torch.Tensor, block_table: torch.Tensor | No
 
 
 def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, v_new, cache_seqlens, block_table,
-              rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
+              rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size, leftpad=None, k_residual=None,
+              key_group=0) -> None:  # fmt: skip
     from .kvformat import FP8, quantize_fp8, quantize_unchecked
 
     lengths = cache_seqlens.tolist()
@@ -350,7 +351,14 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
         k = k_new[b].to(torch.float32)
         if rotary_cos is not None:
             k = rotate(k, pos, rotary_cos, rotary_sin, rotary_interleaved)
-        for x, data, sc, zr in ((k, k_data, k_scale, k_zero), (v_new[b], v_data, v_scale, v_zero)):
+        sides = [(v_new[b], v_data, v_scale, v_zero)]
+        if key_group:
+            _append_keys_by_channel(
+                k, b, start, k_data, k_scale, k_zero, k_residual, block_table, bits, key_group
+            )
+        else:
+            sides.insert(0, (k, k_data, k_scale, k_zero))
+        for x, data, sc, zr in sides:
             if bits == 16:
                 data[idx] = x.to(data.dtype)
             elif data.dtype == FP8:  # the per-head scale stays as the cache was made
@@ -360,9 +368,35 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
                 data[idx], sc[idx], zr[idx] = qx.data, qx.scale, qx.zero
 
 
+def _append_keys_by_channel(
+    k, b, start, k_data, k_scale, k_zero, k_residual, block_table, bits, key_group
+) -> None:
+    """Keys k (n, Hkv, D) float32 of sequence b at positions start..start+n-1, by channel:
+    rounded to float16, each group they fill quantized together with the residual rows
+    before it, the rest written to the residual."""
+    from .kvformat import quantize_channels
+
+    g, page = key_group, k_data.shape[1]
+    k = k.to(torch.float16)
+    end = start + k.shape[0]
+    for first in range(start // g * g, end, g):
+        last = min(first + g, end)
+        rows = (k_residual[b, : start - first], k[max(first, start) - start : last - start])
+        if last - first < g:  # incomplete: waits in the residual
+            k_residual[b, max(first, start) - first : last - first] = rows[1]
+            continue
+        codes, sc, zr = quantize_channels(torch.cat(rows) if start > first else rows[1], bits)
+        k_data[_cache_index(b, torch.arange(first, last, device=k.device), block_table, page)] = codes
+        if block_table is None:
+            at = (b, first // g)
+        else:
+            at = (int(block_table[b, first // page]), first % page // g)
+        k_scale[at], k_zero[at] = sc, zr
+
+
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
-            rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
+            rotary_interleaved, bits, group_size, leftpad=None, k_residual=None, key_group=0) -> None:  # fmt: skip
     from .kvformat import gather_kv
 
     sq = q.shape[1]
@@ -372,7 +406,8 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
         for b, cached in enumerate(cache_seqlens.tolist()):
             length = cached + seqlen_new
             k, v = gather_kv((k_data, k_scale, k_zero), (v_data, v_scale, v_zero), b, length, block_table, bits=bits,
-                             group_size=group_size, dtype=acc, start=offsets[b])  # fmt: skip
+                             group_size=group_size, dtype=acc, start=offsets[b], k_residual=k_residual,
+                             key_group=key_group)  # fmt: skip
             qb = q[b]
             if rotary_cos is not None:
                 pos = torch.arange(length - sq, length, device=q.device)

@@ -15,7 +15,7 @@ __all__ = ["attention_kvcache_fwd"]
 
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
-            rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
+            rotary_interleaved, bits, group_size, leftpad=None, k_residual=None, key_group=0) -> None:  # fmt: skip
     sq = q.shape[1]
     offsets = [0] * q.shape[0] if leftpad is None else leftpad.tolist()
     with torch.no_grad():
@@ -26,7 +26,8 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
                 lse[b].fill_(float("-inf"))
                 continue
             k, v = gather_kv((k_data, k_scale, k_zero), (v_data, v_scale, v_zero), b, length, block_table, bits=bits,
-                             group_size=group_size, dtype=q.dtype, start=offsets[b])  # fmt: skip
+                             group_size=group_size, dtype=q.dtype, start=offsets[b], k_residual=k_residual,
+                             key_group=key_group)  # fmt: skip
             qb = q[b]
             if rotary_cos is not None:
                 pos = torch.arange(length - sq, length, device=q.device)

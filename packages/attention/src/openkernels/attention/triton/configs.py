@@ -184,6 +184,12 @@ def kv_config(head_dim: int, bits: int, rows: int, arch: str, fp8: bool = False)
     return decode16 if bits == 16 else decode_quant
 
 
+def kv_append_keys_warps(head_dim: int, key_group: int) -> int:
+    """Warps of the keys-by-channel append: a (key_group, head_dim) float32 tile and its
+    rotary partner per program; at 4 warps a (64, 256) one spilled hundreds of bytes."""
+    return 8 if key_group * block_d(head_dim) > 8192 else 4
+
+
 def kv_splits(programs: int, key_blocks: int, sm_count: int) -> int:
     """How many splits of the key axis: enough programs for every SM, at least
     _KV_MIN_BLOCKS_PER_SPLIT key blocks each, at most 128."""

@@ -13,11 +13,12 @@ from openkernels.shared.platform import device_info
 
 from ..kvformat import FP8
 from . import plan
-from .configs import AttnConfig, block_d, kv_append_block_t
+from .configs import AttnConfig, block_d, kv_append_block_t, kv_append_keys_warps
 from .kvcache_kernels import (
     _attention_kvcache_combine_kernel,
     _attention_kvcache_fwd_kernel,
     _kvcache_append_fwd_kernel,
+    _kvcache_append_keys_by_channel_kernel,
 )
 
 __all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "FORCE_SPLITS"]
@@ -83,7 +84,8 @@ def _rotary(rotary_cos: torch.Tensor | None) -> tuple[int, int]:
 
 
 def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, v_new, cache_seqlens, block_table,
-              rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size, leftpad=None) -> None:  # fmt: skip
+              rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size, leftpad=None, k_residual=None,
+              key_group=0) -> None:  # fmt: skip
     batch, seqlen_new, heads_kv, head_dim = k_new.shape
     if seqlen_new == 0:
         return
@@ -91,15 +93,27 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
     stride_ro, rot_half = _rotary(rotary_cos)
     fp8 = k_data.dtype == FP8
     k_data, v_data = _bytes(k_data), _bytes(v_data)
+    if key_group:  # the keys by channel: every group the append touches, one program each
+        launch(
+            _kvcache_append_keys_by_channel_kernel, (triton.cdiv(seqlen_new, key_group) + 1, batch * heads_kv),
+            k_new, k_data, k_scale, k_zero, k_residual, cache_seqlens, block_table, rotary_cos, rotary_sin,
+            k_new.stride(0), k_new.stride(1), k_new.stride(2), *_side(k_data, block_table), k_scale.stride(0),
+            k_scale.stride(1), k_scale.stride(2), k_residual.stride(0), k_residual.stride(1), k_residual.stride(2),
+            0 if block_table is None else block_table.stride(0), stride_ro, seqlen_new, heads_kv, rot_half,
+            HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), KEY_GROUP=key_group, BITS=bits,
+            PAGE_SIZE=_page_size(k_data, block_table), HAS_ROTARY=rotary_cos is not None,
+            INTERLEAVED=rotary_interleaved, num_warps=kv_append_keys_warps(head_dim, key_group),
+        )  # fmt: skip
     launch(
         _kvcache_append_fwd_kernel, (triton.cdiv(seqlen_new, block_t), batch * heads_kv),
         k_new, v_new, k_data, v_data, k_scale, k_zero, v_scale, v_zero, cache_seqlens, block_table, rotary_cos,
         rotary_sin, leftpad, k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1),
-        v_new.stride(2), *_side(k_data, block_table), *_side(v_data, block_table), *_scale_strides(k_scale),
+        v_new.stride(2), *_side(k_data, block_table), *_side(v_data, block_table), *_scale_strides(v_scale),
         0 if block_table is None else block_table.stride(0), stride_ro, seqlen_new, heads_kv, rot_half,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=block_t, BITS=bits, GROUP=group_size,
         PAGE_SIZE=_page_size(k_data, block_table), HAS_ROTARY=rotary_cos is not None, INTERLEAVED=rotary_interleaved,
-        HAS_LEFTPAD=leftpad is not None, ROW_TABLE=_row_table(block_table), FP8=fp8, num_warps=4,
+        HAS_LEFTPAD=leftpad is not None, ROW_TABLE=_row_table(block_table), FP8=fp8, SKIP_KEYS=key_group > 0,
+        num_warps=4,
     )  # fmt: skip
 
 
@@ -107,37 +121,42 @@ _plans: dict[tuple, tuple[plan.KVLaunches, PreparedLaunch, PreparedLaunch | None
 _MAX_PLANS = 4096
 # The tensor parameters of the decode kernels, in the order their launchers pass them.
 _MAIN_TENSORS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "k_zero_ptr", "v_scale_ptr", "v_zero_ptr", "seqlens_ptr",
-                 "block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr", "leftpad_ptr", "o_ptr", "lse_ptr")  # fmt: skip
+                 "block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr", "leftpad_ptr", "res_ptr", "o_ptr",
+                 "lse_ptr")  # fmt: skip
 _COMBINE_TENSORS = ("part_o_ptr", "part_lse_ptr", "o_ptr", "lse_ptr")
 
 
-def _plan(q, k_data, v_data, k_scale, out, lse, block_table, rotary_cos, seqlen_new, max_seqlen_k, scale, window_left,
-          window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size, leftpad, config, num_splits,
-          scale_gather) -> plan.KVLaunches:  # fmt: skip
+def _plan(q, k_data, v_data, k_scale, v_scale, k_residual, key_group, out, lse, block_table, rotary_cos, seqlen_new,
+          max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size,
+          leftpad, config, num_splits, scale_gather) -> plan.KVLaunches:  # fmt: skip
     batch, seqlen_q, heads_q, head_dim = q.shape
     stride_ro, rot_half = _rotary(rotary_cos)
     problem = plan.KVProblem(
         batch, seqlen_q, heads_q, k_data.shape[2], head_dim, bits, group_size, seqlen_new, max_seqlen_k, scale,
         window_left, window_right, alibi_slopes is not None, softcap, _page_size(k_data, block_table), rot_half,
-        rotary_interleaved, leftpad is not None, _row_table(block_table), k_data.dtype == FP8,
+        rotary_interleaved, leftpad is not None, _row_table(block_table), k_data.dtype == FP8, key_group,
     )  # fmt: skip
     strides = (
         q.stride()[:3],
         _side(k_data, block_table),
         _side(v_data, block_table),
-        _scale_strides(k_scale),
+        _scale_strides(v_scale),  # per token (the keys' too unless by channel)
     )
+    key_strides = ((0, 0, 0), (0, 0, 0))
+    if key_group:
+        key_strides = (k_scale.stride()[:3], k_residual.stride()[:3])
     return plan.kvcache(
         problem, device_info(q.device).arch, _sm_count(q.device), strides, out.stride()[:3], lse.stride(),
         (0 if block_table is None else block_table.stride(0), stride_ro), _fast_dequant(q.device), scale_gather,
-        config, num_splits, _fp8_native(q.device),
+        config, num_splits, _fp8_native(q.device), key_strides,
     )  # fmt: skip
 
 
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
-            rotary_interleaved, bits, group_size, leftpad=None, config: AttnConfig | None = None,
-            num_splits: int | None = None, scale_gather: bool = False) -> None:  # fmt: skip
+            rotary_interleaved, bits, group_size, leftpad=None, k_residual=None, key_group=0,
+            config: AttnConfig | None = None, num_splits: int | None = None,
+            scale_gather: bool = False) -> None:  # fmt: skip
     """config, num_splits: override kv_config / kv_splits (tuning, tests). scale_gather: read
     grouped scales with one gathered load per element instead of a (keys, groups) load and a
     reshape (never ahead in the H200 sweeps of tune_kvcache.py; kept for them)."""
@@ -146,16 +165,17 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     # is a plain tuple of what the plan reads (building the problem object costs more).
     max_k16 = -(-max_seqlen_k // 16) * 16
     key = (q.shape, q.stride(), k_data.dtype, k_data.shape, k_data.stride(), v_data.stride(),
-           None if k_scale is None else k_scale.stride(), out.stride(), lse.stride(),
+           None if k_scale is None else k_scale.stride(), None if v_scale is None else v_scale.stride(),
+           None if k_residual is None else k_residual.stride(), key_group, out.stride(), lse.stride(),
            None if block_table is None else (block_table.shape[1], block_table.stride(0)),
            None if rotary_cos is None else (rotary_cos.stride(0), rotary_cos.shape[1]), q.device, bits, group_size,
            seqlen_new, max_k16, scale, window_left, window_right, alibi_slopes is not None, softcap,
            rotary_interleaved, leftpad is not None, config, num_splits or FORCE_SPLITS, scale_gather)  # fmt: skip
     cached = _plans.get(key)
     if cached is None:
-        kv = _plan(q, k_data, v_data, k_scale, out, lse, block_table, rotary_cos, seqlen_new, max_k16, scale,
-                   window_left, window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size, leftpad,
-                   config, num_splits or FORCE_SPLITS, scale_gather)  # fmt: skip
+        kv = _plan(q, k_data, v_data, k_scale, v_scale, k_residual, key_group, out, lse, block_table, rotary_cos,
+                   seqlen_new, max_k16, scale, window_left, window_right, alibi_slopes, softcap, rotary_interleaved,
+                   bits, group_size, leftpad, config, num_splits or FORCE_SPLITS, scale_gather)  # fmt: skip
         # The plan fixes every argument but the tensors: each call keys and binds only those.
         main = prepare(_attention_kvcache_fwd_kernel, _MAIN_TENSORS, num_warps=kv.main.num_warps,
                        num_stages=kv.main.num_stages, **kv.main.args)  # fmt: skip
@@ -174,6 +194,6 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     if k_data.dtype == FP8:
         k_data, v_data = k_data.view(torch.uint8), v_data.view(torch.uint8)
     main(kv.main.grid, q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, cache_seqlens, block_table, rotary_cos,
-         rotary_sin, alibi_slopes, leftpad, dst_o, dst_lse)  # fmt: skip
+         rotary_sin, alibi_slopes, leftpad, k_residual, dst_o, dst_lse)  # fmt: skip
     if combine is not None:
         combine(kv.combine.grid, dst_o, dst_lse, out, lse)

@@ -66,11 +66,13 @@ def _kvcache_append_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr = False, ROW_TABLE: tl.constexpr = False, FP8: tl.constexpr = False,
+    SKIP_KEYS: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_T new tokens of one (sequence, KV head), K and V. Positions count
     from the sequence's first token (rotary); with HAS_LEFTPAD that token sits at slot
     leftpad[b] of the sequence's storage. ROW_TABLE (PAGE_SIZE 0): sequence b's storage is
-    row block_table[b, 0] of the contiguous cache."""
+    row block_table[b, 0] of the contiguous cache. SKIP_KEYS: values only (keys by channel
+    are written by _kvcache_append_keys_by_channel_kernel)."""
     bh = tl.program_id(1)
     b = bh // heads_kv
     h = bh % heads_kv
@@ -90,9 +92,10 @@ def _kvcache_append_fwd_kernel(
         page = b.to(tl.int64)
         slot = at
     offs = tl.arange(0, BLOCK_D)
-    k = _load_rotated(k_new_ptr + b.to(tl.int64) * stride_knb + t.to(tl.int64) * stride_kns + h * stride_knh,
-                      valid, offs, pos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM, HAS_ROTARY,
-                      INTERLEAVED)  # fmt: skip
+    if not SKIP_KEYS:
+        k = _load_rotated(k_new_ptr + b.to(tl.int64) * stride_knb + t.to(tl.int64) * stride_kns + h * stride_knh,
+                          valid, offs, pos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM, HAS_ROTARY,
+                          INTERLEAVED)  # fmt: skip
     v = _load_rotated(v_new_ptr + b.to(tl.int64) * stride_vnb + t.to(tl.int64) * stride_vns + h * stride_vnh,
                       valid, offs, pos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM, False, INTERLEAVED)  # fmt: skip
     k_rows = k_ptr + page * stride_kb + slot * stride_ks + h * stride_kh
@@ -109,10 +112,74 @@ def _kvcache_append_fwd_kernel(
         tl.store(k_rows[:, None] + offs[None, :], _fp8_encode(tl.math.div_rn(k, k_s)), mask=mask)
         tl.store(v_rows[:, None] + offs[None, :], _fp8_encode(tl.math.div_rn(v, v_s)), mask=mask)
     else:
-        _quantize_store(k, k_rows, k_scale_ptr + s_rows, k_zero_ptr + s_rows, valid, offs, HEAD_DIM, BLOCK_D,
-                        BLOCK_T, BITS, GROUP)  # fmt: skip
+        if not SKIP_KEYS:
+            _quantize_store(k, k_rows, k_scale_ptr + s_rows, k_zero_ptr + s_rows, valid, offs, HEAD_DIM, BLOCK_D,
+                            BLOCK_T, BITS, GROUP)  # fmt: skip
         _quantize_store(v, v_rows, v_scale_ptr + s_rows, v_zero_ptr + s_rows, valid, offs, HEAD_DIM, BLOCK_D,
                         BLOCK_T, BITS, GROUP)  # fmt: skip
+
+
+@triton.jit
+def _kvcache_append_keys_by_channel_kernel(
+    k_new_ptr, k_ptr, k_scale_ptr, k_zero_ptr, res_ptr, seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr,
+    stride_knb, stride_kns, stride_knh, stride_kb, stride_ks, stride_kh, stride_gb, stride_gg, stride_gh,
+    stride_rb, stride_rs, stride_rh, stride_bt, stride_ro, seqlen_new, heads_kv, rot_half,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KEY_GROUP: tl.constexpr, BITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """Keys by channel (kvformat.py): one program per (group of KEY_GROUP positions the append
+    touches, sequence and KV head). The group's keys, earlier ones from the residual and new
+    ones rotated and rounded to float16, are quantized per channel when the append fills the
+    group (codes to their slots, scale and zero to the group's row); else the new keys go to
+    the residual rows. PAGE_SIZE is a multiple of KEY_GROUP: a group sits in one page."""
+    bh = tl.program_id(1)
+    b = bh // heads_kv
+    h = bh % heads_kv
+    length = tl.load(seqlens_ptr + b)  # before the append
+    end = length + seqlen_new
+    first = (length // KEY_GROUP + tl.program_id(0)) * KEY_GROUP
+    r = tl.arange(0, KEY_GROUP)
+    pos = first + r
+    old = pos < length
+    new = (pos >= length) & (pos < end)
+    offs = tl.arange(0, BLOCK_D)
+    in_dim = offs[None, :] < HEAD_DIM
+    t = tl.where(new, pos - length, 0)
+    k_rows = k_new_ptr + b.to(tl.int64) * stride_knb + t.to(tl.int64) * stride_kns + h * stride_knh
+    x = _load_rotated(k_rows, new, offs, pos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM, HAS_ROTARY,
+                      INTERLEAVED).to(tl.float16)  # fmt: skip
+    res_rows = res_ptr + b.to(tl.int64) * stride_rb + r * stride_rs + h * stride_rh
+    earlier = tl.load(res_rows[:, None] + offs[None, :], mask=old[:, None] & in_dim, other=0.0)
+    x = tl.where(old[:, None], earlier, x)
+    if first + KEY_GROUP <= end:  # the group fills: quantize it per channel over its tokens
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        xf = x.to(tl.float32)
+        lo = tl.min(xf, 0)
+        hi = tl.max(xf, 0)
+        scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
+        zero = lo.to(tl.float16)
+        s32 = scale.to(tl.float32)
+        inv = tl.where(s32 > 0, tl.math.div_rn(1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
+        codes = tl.floor((xf - zero.to(tl.float32)[None, :]) * inv[None, :] + 0.5)
+        codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.uint8)
+        if PAGE_SIZE > 0:
+            page = tl.load(block_table_ptr + b * stride_bt + first // PAGE_SIZE).to(tl.int64)
+            slot0 = first % PAGE_SIZE
+        else:
+            page = b.to(tl.int64)
+            slot0 = first
+        g_row = page * stride_gb + (slot0 // KEY_GROUP) * stride_gg + h * stride_gh + offs
+        tl.store(k_scale_ptr + g_row, scale, mask=offs < HEAD_DIM)
+        tl.store(k_zero_ptr + g_row, zero, mask=offs < HEAD_DIM)
+        data_rows = k_ptr + page * stride_kb + (slot0 + r) * stride_ks + h * stride_kh
+        if BITS == 8:
+            tl.store(data_rows[:, None] + offs[None, :], codes, mask=in_dim)
+        else:
+            lo4, hi4 = tl.split(tl.reshape(codes, (KEY_GROUP, BLOCK_D // 2, 2)))
+            half = tl.arange(0, BLOCK_D // 2)
+            tl.store(data_rows[:, None] + half[None, :], lo4 | (hi4 << 4), mask=half[None, :] < HEAD_DIM // 2)
+    else:  # still incomplete: the new keys wait in the residual
+        tl.store(res_rows[:, None] + offs[None, :], x, mask=new[:, None] & in_dim)
 
 
 @triton.jit
@@ -399,16 +466,72 @@ def _block_rows(block_table_ptr, stride_bt, b, start_n, offs_n, limit, slot0, PA
 
 
 @triton.jit
+def _channel_scores(q0, q1, qf0, qf1, k_ptr, k_scale_ptr, k_zero_ptr, res_ptr, k_rows, page, start_n, b, hk, full_end,
+                    sk, mask_n, offs_n, offs_d, offs_h, stride_gb, stride_gg, stride_gh, stride_rb, stride_rs,
+                    stride_rh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK: tl.constexpr, FAST_DEQUANT: tl.constexpr,
+                    KEY_GROUP: tl.constexpr):  # fmt: skip
+    """Scores (BLOCK_M, BLOCK_N) of the key block at start_n with keys by channel (BLOCK_N
+    divides KEY_GROUP: a block lies in one group): a full group's from its codes and
+    per-channel scale and zero (see _kv_blocks), the last, incomplete group's from the
+    residual rows. int4 works on even and odd elements apart, as q0 and q1 do."""
+    MID: tl.constexpr = 1 << (BITS - 1)
+    if start_n < full_end:
+        if BITS == 4:
+            codes = _load_codes(k_ptr + k_rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
+            cols0 = offs_h * 2
+        else:
+            codes = _load_codes(k_ptr + k_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+            cols0 = offs_d
+        if PAGE_SIZE > 0:
+            g_row = page * stride_gb + (start_n % PAGE_SIZE) // KEY_GROUP * stride_gg + hk * stride_gh
+        else:
+            g_row = b.to(tl.int64) * stride_gb + (start_n // KEY_GROUP) * stride_gg + hk * stride_gh
+        k0, k1 = _centred_codes(codes, BITS, FAST_DEQUANT)
+        in0 = cols0 < HEAD_DIM
+        s0 = tl.load(k_scale_ptr + g_row + cols0, mask=in0, other=0.0).to(tl.float32)
+        z0 = tl.load(k_zero_ptr + g_row + cols0, mask=in0, other=0.0).to(tl.float32)
+        qk = tl.dot(_to_f16_range(qf0 * s0[None, :]).to(q0.dtype), tl.trans(k0))
+        const = tl.sum(qf0 * (z0 + s0 * MID)[None, :], 1)
+        if BITS == 4:
+            in1 = cols0 + 1 < HEAD_DIM
+            s1 = tl.load(k_scale_ptr + g_row + cols0 + 1, mask=in1, other=0.0).to(tl.float32)
+            z1 = tl.load(k_zero_ptr + g_row + cols0 + 1, mask=in1, other=0.0).to(tl.float32)
+            qk = tl.dot(_to_f16_range(qf1 * s1[None, :]).to(q0.dtype), tl.trans(k1), qk)
+            const += tl.sum(qf1 * (z1 + s1 * MID)[None, :], 1)
+        qk += const[:, None]
+    else:  # the residual: rows 0 .. sk - full_end - 1 hold the incomplete group's keys
+        rows = (
+            res_ptr + b.to(tl.int64) * stride_rb + (start_n % KEY_GROUP + offs_n) * stride_rs + hk * stride_rh
+        )
+        valid = offs_n < sk - start_n
+        if BITS == 4:
+            r0 = tl.load(rows[:, None] + (offs_h * 2)[None, :], mask=valid[:, None] & (offs_h * 2 < HEAD_DIM)[None, :],
+                         other=0.0)  # fmt: skip
+            r1 = tl.load(rows[:, None] + (offs_h * 2 + 1)[None, :],
+                         mask=valid[:, None] & (offs_h * 2 + 1 < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+            qk = tl.dot(q0, tl.trans(r0))
+            qk = tl.dot(q1, tl.trans(r1), qk)
+        else:
+            r0 = tl.load(
+                rows[:, None] + offs_d[None, :], mask=valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0
+            )
+            qk = tl.dot(q0, tl.trans(r0))
+    return qk
+
+
+@triton.jit
 def _kv_blocks(
-    acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr,
-    v_zero_ptr, block_table_ptr, stride_bt, b, hk, slot0, start, stop, qrow, sk, diag, window_left, window_right,
-    slope_log2, qk_scale, cap_scale, cap_out, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_sb, stride_ss, stride_sh, offs_n, offs_d, offs_h,
+    acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, qf0, qf1, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr,
+    v_zero_ptr, res_ptr, block_table_ptr, stride_bt, b, hk, slot0, start, stop, qrow, sk, diag, window_left,
+    window_right, slope_log2, qk_scale, cap_scale, cap_out, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+    stride_vh, stride_sb, stride_ss, stride_sh, stride_gb, stride_gg, stride_gh, stride_rb, stride_rs, stride_rh,
+    offs_n, offs_d, offs_h,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
     HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     FAST_DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr, HAS_LEFTPAD: tl.constexpr, ROW_TABLE: tl.constexpr,
-    FP8: tl.constexpr, FP8_NATIVE: tl.constexpr,
+    FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, KEY_GROUP: tl.constexpr,
 ):  # fmt: skip
     """Key blocks start..stop of one program.
 
@@ -425,10 +548,15 @@ def _kv_blocks(
     N(0, 1) keys and values: relative error 1.9 for int4 and 0.12 for int8 at 131072
     tokens, against the formats' own 0.14 and 0.008).
     fp8 tiles are converted to float16 as they are: the head's scales act on q and on the
-    output (the caller's)."""
+    output (the caller's).
+    Keys by channel (BLOCK_N divides KEY_GROUP: a block lies in one group): a group's scale s_c and
+    zero z_c per channel go on q, q' = float16(q * s) against the centred codes, plus the
+    row constant sum_c q_c (z_c + s_c M); the sequence's last, incomplete group is read from
+    the float16 residual rows. qf0, qf1: q (pre-scaled) in float32."""
     dtype = q0.dtype
     FACTORED: tl.constexpr = BITS != 16 and GROUP == HEAD_DIM and not FP8
     MID: tl.constexpr = 1 << (BITS - 1)
+    full_end = sk // KEY_GROUP * KEY_GROUP if KEY_GROUP > 0 else 0  # keys below it are in full groups
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         page, slot, mask_n = _block_rows(
@@ -446,7 +574,12 @@ def _kv_blocks(
             ROW_TABLE,
         )
         k_rows = page * stride_kb + slot * stride_ks + hk * stride_kh
-        if FP8:
+        if KEY_GROUP > 0:
+            qk = _channel_scores(q0, q1, qf0, qf1, k_ptr, k_scale_ptr, k_zero_ptr, res_ptr, k_rows, page, start_n, b,
+                                 hk, full_end, sk, mask_n, offs_n, offs_d, offs_h, stride_gb, stride_gg, stride_gh,
+                                 stride_rb, stride_rs, stride_rh, HEAD_DIM, BLOCK_D, BLOCK_N, BITS, PAGE_SIZE, MASK,
+                                 FAST_DEQUANT, KEY_GROUP)  # fmt: skip
+        elif FP8:
             k0 = _fp8_to_f16(_load_codes(k_ptr + k_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D), FP8_NATIVE)
             k1 = k0
         else:
@@ -457,13 +590,14 @@ def _kv_blocks(
                 k0, k1 = _centred_codes(kc, BITS, FAST_DEQUANT)
             else:
                 k0, k1 = _dequant_tile(kc, ks, kz, HEAD_DIM, BITS, GROUP, FAST_DEQUANT, SCALE_GATHER)
-        qk = tl.dot(q0, tl.trans(k0))
-        if BITS == 4:
-            qk = tl.dot(q1, tl.trans(k1), qk)
-        if FACTORED:  # ks, kz: (BLOCK_N, 1) float16
-            ks_row = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)[None, :]
-            kz_row = tl.reshape(kz, (BLOCK_N,)).to(tl.float32)[None, :]
-            qk = ks_row * qk + (kz_row + ks_row * MID) * qsum[:, None]
+        if KEY_GROUP == 0:
+            qk = tl.dot(q0, tl.trans(k0))
+            if BITS == 4:
+                qk = tl.dot(q1, tl.trans(k1), qk)
+            if FACTORED:  # ks, kz: (BLOCK_N, 1) float16
+                ks_row = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)[None, :]
+                kz_row = tl.reshape(kz, (BLOCK_N,)).to(tl.float32)[None, :]
+                qk = ks_row * qk + (kz_row + ks_row * MID) * qsum[:, None]
         s, _ = _log2_scores(
             qk, qrow[:, None], cols[None, :], sk, diag, window_left, window_right, slope_log2, qk_scale,
             cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
@@ -499,9 +633,10 @@ def _kv_blocks(
 @triton.jit
 def _attention_kvcache_fwd_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, slopes_ptr, leftpad_ptr, o_ptr, lse_ptr,
+    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, slopes_ptr, leftpad_ptr, res_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_sb, stride_ss, stride_sh, stride_ob, stride_os, stride_oh, stride_osplit,
+    stride_sb, stride_ss, stride_sh, stride_gb, stride_gg, stride_gh, stride_rb, stride_rs, stride_rh,
+    stride_ob, stride_os, stride_oh, stride_osplit,
     stride_lb, stride_lh, stride_ls, stride_lsplit, stride_bt, stride_ro,
     seqlen_q, seqlen_new, heads_kv, group, split_len, rot_half,
     q_scale, qk_scale, cap_scale, cap_out, window_left, window_right,
@@ -510,12 +645,14 @@ def _attention_kvcache_fwd_kernel(
     INTERLEAVED: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_DEQUANT: tl.constexpr = False,
     SCALE_GATHER: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False, ROW_TABLE: tl.constexpr = False,
-    FP8: tl.constexpr = False, FP8_NATIVE: tl.constexpr = False,
+    FP8: tl.constexpr = False, FP8_NATIVE: tl.constexpr = False, KEY_GROUP: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: BLOCK_M packed (query, head) rows of one (sequence, KV head), keys of one
     split. Writes out/lse at split index program_id(2) (a float32 partial when split). FP8:
     k/v data are float8_e4m3fn bytes with float32 scales per KV head (k_scale_ptr +
-    hk * stride_sh); FP8_NATIVE converts them with the hardware (sm_89+)."""
+    hk * stride_sh); FP8_NATIVE converts them with the hardware (sm_89+). KEY_GROUP > 0: keys by
+    channel over groups of KEY_GROUP tokens (a multiple of BLOCK_N), their scale and zero at (page or
+    sequence, group, head) strides stride_g*, the incomplete group in res_ptr (stride_r*)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -546,15 +683,18 @@ def _attention_kvcache_fwd_kernel(
                            HAS_ROTARY, INTERLEAVED)  # fmt: skip
         q1 = _load_rotated(q_rows, row_ok, offs_h * 2 + 1, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
                            HAS_ROTARY, INTERLEAVED)  # fmt: skip
-        q0, q1 = _to_f16_range(q0 * q_scale).to(dtype), _to_f16_range(q1 * q_scale).to(dtype)
+        qf0, qf1 = q0 * q_scale, q1 * q_scale  # float32: keys by channel scale them per group
+        q0, q1 = _to_f16_range(qf0).to(dtype), _to_f16_range(qf1).to(dtype)
         acc0 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
     else:
         q0 = _load_rotated(q_rows, row_ok, offs_d, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
                            HAS_ROTARY, INTERLEAVED)  # fmt: skip
         if FP8:  # the keys' scale on q (times 2^8 with the converted tiles' 2^-8: _fp8_to_f16)
             q_scale *= tl.load(k_scale_ptr + hk * stride_sh) * (1.0 if FP8_NATIVE else 256.0)
-        q0 = _to_f16_range(q0 * q_scale).to(dtype)
+        qf0 = q0 * q_scale
+        q0 = _to_f16_range(qf0).to(dtype)
         q1 = q0
+        qf1 = qf0
         acc0 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
     slope_log2 = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
@@ -581,6 +721,7 @@ def _attention_kvcache_fwd_kernel(
         k_zero_ptr,
         v_scale_ptr,
         v_zero_ptr,
+        res_ptr,
         block_table_ptr,
         stride_bt,
         b,
@@ -589,23 +730,23 @@ def _attention_kvcache_fwd_kernel(
     )
     opts = (qrow, sk, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-            offs_n, offs_d, offs_h)  # fmt: skip
+            stride_gb, stride_gg, stride_gh, stride_rb, stride_rs, stride_rh, offs_n, offs_d, offs_h)  # fmt: skip
     if HAS_WINDOW_LEFT:  # one masked loop, as in the prefill kernel
         acc0, acc1, l_i, m_i, zsum_i = _kv_blocks(
-            acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, *args, tl.maximum(a, lo), tl.minimum(end, hi), *opts, BLOCK_N, HEAD_DIM,
+            acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, qf0, qf1, *args, tl.maximum(a, lo), tl.minimum(end, hi), *opts, BLOCK_N, HEAD_DIM,
             BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
-            FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE, FP8, FP8_NATIVE,
+            FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE, FP8, FP8_NATIVE, KEY_GROUP,
         )  # fmt: skip
     else:
         acc0, acc1, l_i, m_i, zsum_i = _kv_blocks(
-            acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, *args, tl.maximum(b_full, lo), tl.minimum(c_full, hi), *opts, BLOCK_N,
+            acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, qf0, qf1, *args, tl.maximum(b_full, lo), tl.minimum(c_full, hi), *opts, BLOCK_N,
             HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
-            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE, FP8, FP8_NATIVE,
+            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE, FP8, FP8_NATIVE, KEY_GROUP,
         )  # fmt: skip
         acc0, acc1, l_i, m_i, zsum_i = _kv_blocks(
-            acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, *args, tl.maximum(c_full, lo), tl.minimum(end, hi), *opts, BLOCK_N,
+            acc0, acc1, l_i, m_i, zsum_i, q0, q1, qsum, qf0, qf1, *args, tl.maximum(c_full, lo), tl.minimum(end, hi), *opts, BLOCK_N,
             HEAD_DIM, BLOCK_D, BITS, GROUP, PAGE_SIZE, True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI,
-            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE, FP8, FP8_NATIVE,
+            HAS_SOFTCAP, FAST_DEQUANT, SCALE_GATHER, HAS_LEFTPAD, ROW_TABLE, FP8, FP8_NATIVE, KEY_GROUP,
         )  # fmt: skip
     if FP8:  # the values' scale (times 2^8, as on q)
         acc0 *= tl.load(v_scale_ptr + hk * stride_sh) * (1.0 if FP8_NATIVE else 256.0)

@@ -11,6 +11,7 @@ Plans are cached: every argument is hashable (strides are tuples, in the kernel'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -317,14 +318,19 @@ def kvcache(
     config: AttnConfig | None = None,
     num_splits: int | None = None,
     fp8_native: bool = False,
+    key_strides: tuple[Strides, Strides] = ((0, 0, 0), (0, 0, 0)),
 ) -> KVLaunches:
     """`_attention_kvcache_fwd_kernel` (and the combine): strides of (q, k data, v data, the
     scales: (0, 0, 0) for a 16-bit cache), of out (B, Sq, Hq) and lse (B, Hq, Sq), of the
     block table's rows and the rotary tables' rows (0 when absent). config, num_splits:
     overrides (tuning, tests); else kv_config and kv_splits for sm_count SMs. fp8_native: the
-    device converts float8_e4m3fn in hardware (CUDA sm_89+)."""
+    device converts float8_e4m3fn in hardware (CUDA sm_89+). key_strides: with keys by channel,
+    the (page, group, head) strides of their scales and the (sequence, row, head) strides of
+    their residual; a key block then lies in one group."""
     group = p.heads_q // p.heads_kv
     cfg = config or kv_config(p.head_dim, p.bits, min(p.seqlen_q * group, 17), arch, p.fp8)
+    if p.key_group and p.key_group % cfg.block_n:  # a key block must lie in one group (one row of scales)
+        cfg = dataclasses.replace(cfg, block_n=p.key_group)
     if cfg.block_n % 16:  # the launcher rounds max_seqlen_k up to a multiple of 16
         raise ValueError(f"kvcache plan: block_n must be a multiple of 16, got {cfg.block_n}")
     m_blocks = _cdiv(p.seqlen_q * group, cfg.block_m)
@@ -358,6 +364,9 @@ def kvcache(
         "HAS_WINDOW_LEFT": p.window_left >= 0, "HAS_WINDOW_RIGHT": p.window_right >= 0, "HAS_ALIBI": p.alibi,
         "HAS_SOFTCAP": p.softcap > 0, "FAST_DEQUANT": fast_dequant, "SCALE_GATHER": scale_gather,
         "HAS_LEFTPAD": p.leftpad, "ROW_TABLE": p.row_table, "FP8": p.fp8, "FP8_NATIVE": p.fp8 and fp8_native,
+        "stride_gb": key_strides[0][0], "stride_gg": key_strides[0][1], "stride_gh": key_strides[0][2],
+        "stride_rb": key_strides[1][0], "stride_rs": key_strides[1][1], "stride_rh": key_strides[1][2],
+        "KEY_GROUP": p.key_group,
     }  # fmt: skip
     main = Launch((m_blocks, p.batch * p.heads_kv, splits), cfg.num_warps, cfg.num_stages, args, cfg)
     combine = None
