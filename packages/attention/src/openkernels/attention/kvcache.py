@@ -327,7 +327,8 @@ class KVCache:
     def __repr__(self) -> str:
         layout = "contiguous" if self.page_size is None else f"paged({self.page_size})"
         return (f"KVCache(batch_size={self.batch_size}, max_seqlen={self.max_seqlen}, heads_kv={self.heads_kv}, "
-                f"head_dim={self.head_dim}, kv_dtype={self.kv_dtype}, group_size={self.group_size}, {layout}, "
+                f"head_dim={self.head_dim}, kv_dtype={self.kv_dtype}, group_size={self.group_size}, "
+                f"{f'key_group={self.key_group}, ' if self.key_group else ''}{layout}, "
                 f"lengths={self._lengths})")  # fmt: skip
 
 
