@@ -524,9 +524,8 @@ def _written_slots(positions: torch.Tensor, block_table: torch.Tensor | None,
                    page: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(page or sequence, slot) index tensors of token positions (batch, n)."""
     if block_table is None:
-        return torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(
-            positions
-        ), positions
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        return rows.expand_as(positions), positions
     return block_table.to(torch.int64).gather(1, positions // page), positions % page
 
 
