@@ -21,6 +21,8 @@
                                             runs it too)
     nox -s asv-backfill                     the commits that changed a kernel and have no results for
                                             this machine yet
+    nox -s asv-noise                        HEAD benchmarked N times (`-- --runs N`): each benchmark's
+                                            spread, which asv-compare then will not call a regression
 
 Environment:
     OPENKERNELS_TORCH_CPU_INDEX   index URL for the CPU build of torch where the default index
@@ -486,7 +488,8 @@ def asv_run(session: nox.Session) -> None:
 @nox.session(name="asv-compare", default=False)
 def asv_compare(session: nox.Session) -> None:
     """`nox -s asv-compare -- BASE HEAD`: benchmark both commits here, print the table, and
-    fail when any time grew past its family's factor (benchmarks/asv_history.py FACTORS)."""
+    fail when any time grew past its limit: its family's factor (benchmarks/asv_history.py
+    FACTORS) or, where `nox -s asv-noise` measured this machine, 1.1x the benchmark's spread."""
     if len([a for a in session.posargs if not a.startswith("-")]) < 2:
         session.error("usage: nox -s asv-compare -- BASE HEAD [--lean] [--families a,b] [--factor family=X]")
     _asv_venv(session)
@@ -508,6 +511,14 @@ def asv_smoke(session: nox.Session) -> None:
     _asv_venv(session)
     if not _asv_smoke(session, families):
         session.error("asv smoke run failed")
+
+
+@nox.session(name="asv-noise", default=False)
+def asv_noise(session: nox.Session) -> None:
+    """Benchmark HEAD several times (`-- --runs 4 --lean`) and record each benchmark's spread
+    (max / min) in benchmarks/results/asv-noise/<machine>.json for asv-compare's limits."""
+    _asv_venv(session)
+    _asv(session, "noise", *session.posargs)
 
 
 @nox.session(name="asv-backfill", default=False)

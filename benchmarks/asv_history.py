@@ -9,6 +9,8 @@ commit's hash (`--set-commit-hash`), and writes them to the committed results fo
     python benchmarks/asv_history.py run [COMMIT]          this machine, one commit (HEAD)
     python benchmarks/asv_history.py compare BASE HEAD     both, a table, exit 1 on regressions
     python benchmarks/asv_history.py publish               HTML report with the regressions view
+    python benchmarks/asv_history.py noise [--runs N]      HEAD N times: each benchmark's spread,
+                                                           written to results/asv-noise/<machine>.json
     python benchmarks/asv_history.py smoke                 every suite once on tiny shapes, untimed
     python benchmarks/asv_history.py kernel-commits        the commits that changed a kernel
     python benchmarks/asv_history.py backfill              run those missing for this machine
@@ -41,6 +43,12 @@ HTML = ROOT / CONF["html_dir"]
 # the run-to-run spread measured on the H200 for each family (docs/benchmarking.md).
 FACTORS = {"activations": 1.10, "layernorm": 1.10, "attention": 1.10, "quant": 1.15}
 DEFAULT_FACTOR = 1.10
+# Where a machine's measured noise is kept (outside asv's results folder, which reads every
+# JSON file there as results): per benchmark, max / min of its time over repeated runs of
+# one commit. compare() then flags a benchmark only past NOISE_MARGIN times that spread (and
+# never under its family's factor): a rise inside what the same code shows is not a regression.
+NOISE = RESULTS.parent / "asv-noise"
+NOISE_MARGIN = 1.10
 
 # Where kernels live, per device kind: a commit changed a kernel when the code (not only
 # docstrings or comments) of a file under these paths changed. A GPU machine's history
@@ -248,16 +256,57 @@ def family_of(benchmark: str) -> str:
     return benchmark.split(".", 1)[0]
 
 
+def measure_noise(machine: str, runs: int, regex: str, launch: str) -> dict:
+    """Benchmark HEAD `runs` times; per benchmark (track_ms) the spread max / min of its
+    times; written to NOISE/<machine>.json with the commit, date and per-family quantiles."""
+    sha = git("rev-parse", "--verify", "HEAD^{commit}")
+    times: dict[str, list[float]] = {}
+    for i in range(runs):
+        print(f"noise: run {i + 1} of {runs}", flush=True)
+        run_commit(sha, machine=machine, regex=regex, launch=launch)
+        for (name, label), value in load_results(machine, sha).items():
+            if name.endswith(".track_ms"):
+                times.setdefault(f"{name}({label})", []).append(value)
+    spread = {k: max(v) / min(v) for k, v in sorted(times.items()) if len(v) == runs and min(v) > 0}
+    families: dict[str, dict[str, float]] = {}
+    for family in sorted({family_of(k) for k in spread}):
+        values = sorted(v for k, v in spread.items() if family_of(k) == family)
+        families[family] = {"n": len(values), "median": _quantile(values, 0.5), "p90": _quantile(values, 0.9),
+                            "max": values[-1]}  # fmt: skip
+    data = {"machine": machine, "commit": sha, "date": time.strftime("%Y-%m-%d"), "runs": runs,
+            "families": families, "spread": spread}  # fmt: skip
+    NOISE.mkdir(parents=True, exist_ok=True)
+    (NOISE / f"{machine}.json").write_text(json.dumps(data, indent=1) + "\n")
+    for family, q in families.items():
+        print(f"{family:12} {q['n']:4} benchmarks: spread median {q['median']:.3f}, p90 {q['p90']:.3f}, "
+              f"max {q['max']:.3f}")  # fmt: skip
+    return data
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def load_noise(machine: str) -> dict[str, float]:
+    """{"benchmark(params)": spread} measured on `machine`, or {} when never measured."""
+    path = NOISE / f"{machine}.json"
+    return json.loads(path.read_text())["spread"] if path.exists() else {}
+
+
 def compare(machine: str, base: str, head: str, factors: dict[str, float]) -> list[str]:
-    """Print the table of every time both commits have; return the regressions."""
+    """Print the table of every time both commits have; return the regressions (a time past
+    its limit: its family's factor, or NOISE_MARGIN times its measured spread if larger)."""
     before, after = load_results(machine, base), load_results(machine, head)
+    noise = load_noise(machine)
     rows, regressions = [], []
     for key in sorted(set(before) | set(after)):
         name, label = key
         if not name.endswith(".track_ms"):
             continue  # throughput is the same measurement; time is what is judged
         b, a = before.get(key), after.get(key)
-        factor = factors.get(family_of(name), DEFAULT_FACTOR)
+        factor = max(
+            factors.get(family_of(name), DEFAULT_FACTOR), NOISE_MARGIN * noise.get(f"{name}({label})", 0.0)
+        )
         if b is None or a is None:
             status = "only base" if a is None else "new"
             if a is None:
@@ -365,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     p_back = sub.add_parser("backfill", help="benchmark the kernel commits that have no results here yet")
     p_back.add_argument("--budget-s", type=float, default=0, help="start no commit after this many seconds")
     p_back.add_argument("--newest-first", action="store_true")
-    for p in (p_run, p_cmp, p_back):
+    p_noise = sub.add_parser("noise", help="benchmark HEAD several times; record each benchmark's spread")
+    p_noise.add_argument("--runs", type=int, default=4)
+    for p in (p_run, p_cmp, p_back, p_noise):
         p.add_argument("--lean", action="store_true", help="bfloat16 on the device's own kernels only")
         p.add_argument("--families", default="", help="comma-separated families (default: all)")
         p.add_argument(
@@ -415,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{len(regressions)} regression(s) on {machine}:", *regressions, sep="\n  ")
             return 1
         print(f"\nno regression on {machine} (factors: {factors})")
+        return 0
+    if args.command == "noise":
+        if args.runs < 2:
+            raise SystemExit("noise: --runs must be at least 2")
+        measure_noise(machine, args.runs, selection(dev, families=families, lean=args.lean), args.launch)
         return 0
     if args.command == "backfill":
         start = time.monotonic()

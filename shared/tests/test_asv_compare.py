@@ -1,0 +1,51 @@
+"""benchmarks/asv_history.py's regression rule: a time is a regression past its family's
+factor, or past NOISE_MARGIN times the spread measured for it on the machine (repeated runs of
+one commit), whichever is larger; a benchmark the base had and the head lost is one too."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def history(monkeypatch):
+    spec = importlib.util.spec_from_file_location("asv_history", ROOT / "benchmarks" / "asv_history.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compare(history, monkeypatch, before: dict, after: dict, noise: dict) -> list[str]:
+    results = {"base": before, "head": after}
+    monkeypatch.setattr(history, "load_results", lambda machine, sha: results[sha])
+    monkeypatch.setattr(history, "load_noise", lambda machine: noise)
+    return history.compare("m", "base", "head", dict(history.FACTORS))
+
+
+def test_a_rise_past_the_factor_is_a_regression_unless_the_machine_is_that_noisy(
+    history, monkeypatch
+) -> None:
+    key = ("layernorm.Norms.track_ms", "'rms_norm', 'bfloat16'")
+    name = f"{key[0]}({key[1]})"
+    base, head = {key: 1.0}, {key: 1.2}
+    assert len(_compare(history, monkeypatch, base, head, {})) == 1  # 1.2x > 1.10
+    assert _compare(history, monkeypatch, base, head, {name: 1.5}) == []  # inside 1.1 x 1.5
+    slower = _compare(history, monkeypatch, base, {key: 1.8}, {name: 1.5})
+    assert len(slower) == 1 and "limit 1.65x" in slower[0]
+    assert _compare(history, monkeypatch, base, {key: 1.05}, {}) == []
+
+
+def test_a_benchmark_lost_at_head_is_a_regression(history, monkeypatch) -> None:
+    key = ("quant.Int4Linear.track_ms", "'1x4096x4096'")
+    lost = _compare(history, monkeypatch, {key: 1.0}, {}, {})
+    assert len(lost) == 1 and "missing at head" in lost[0]
+
+
+def test_throughput_is_not_judged(history, monkeypatch) -> None:
+    key = ("layernorm.Norms.track_gbps", "'rms_norm'")
+    assert _compare(history, monkeypatch, {key: 100.0}, {key: 10.0}, {}) == []
