@@ -35,18 +35,8 @@ import time
 
 import torch
 
-LLAMA_1B = dict(  # Llama 3.2 1B's shape (as benchmarks/e2e_models.py)
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    tie_word_embeddings=True,
-)
+from e2e_models import LLAMA_1B  # Llama 3.2 1B's shape, as the other end-to-end benchmark
+
 TINY = dict(LLAMA_1B, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
 FORMATS = {"bf16": None, "fp8": "fp8", "int8": "int8", "int4": "int4"}

@@ -120,6 +120,16 @@ def _kvcache_append_fwd_kernel(
 
 
 @triton.jit
+def _scale_zero(lo, hi, LEVELS: tl.constexpr):
+    """float16 scale and zero of a range lo..hi over 2^bits - 1 levels (kvformat.py's
+    expressions), and the float32 reciprocal of the scale (0 where the scale is 0)."""
+    scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
+    s32 = scale.to(tl.float32)
+    inv = tl.where(s32 > 0, tl.math.div_rn(1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
+    return scale, lo.to(tl.float16), inv
+
+
+@triton.jit
 def _kvcache_append_keys_by_channel_kernel(
     k_new_ptr, k_ptr, k_scale_ptr, k_zero_ptr, res_ptr, seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr,
     stride_knb, stride_kns, stride_knh, stride_kb, stride_ks, stride_kh, stride_gb, stride_gg, stride_gh,
@@ -156,10 +166,7 @@ def _kvcache_append_keys_by_channel_kernel(
         xf = x.to(tl.float32)
         lo = tl.min(xf, 0)
         hi = tl.max(xf, 0)
-        scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
-        zero = lo.to(tl.float16)
-        s32 = scale.to(tl.float32)
-        inv = tl.where(s32 > 0, tl.math.div_rn(1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
+        scale, zero, inv = _scale_zero(lo, hi, LEVELS)
         codes = tl.floor((xf - zero.to(tl.float32)[None, :]) * inv[None, :] + 0.5)
         codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.uint8)
         if PAGE_SIZE > 0:
@@ -192,10 +199,7 @@ def _quantize_store(x, data_rows, scale_rows, zero_rows, valid, offs, HEAD_DIM: 
     if GROUP == HEAD_DIM:  # one group per row (any head_dim): plain row reductions
         lo = tl.min(tl.where(in_dim, x, float("inf")), 1)
         hi = tl.max(tl.where(in_dim, x, float("-inf")), 1)
-        scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
-        zero = lo.to(tl.float16)
-        s32 = scale.to(tl.float32)
-        inv = tl.where(s32 > 0, tl.math.div_rn(1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
+        scale, zero, inv = _scale_zero(lo, hi, LEVELS)
         codes = tl.floor((x - zero.to(tl.float32)[:, None]) * inv[:, None] + 0.5)
         tl.store(scale_rows, scale, mask=valid)
         tl.store(zero_rows, zero, mask=valid)
@@ -204,10 +208,7 @@ def _quantize_store(x, data_rows, scale_rows, zero_rows, valid, offs, HEAD_DIM: 
         xg = tl.reshape(x, (BLOCK_T, NG, GROUP))
         lo = tl.min(xg, 2)
         hi = tl.max(xg, 2)
-        scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
-        zero = lo.to(tl.float16)
-        s32 = scale.to(tl.float32)
-        inv = tl.where(s32 > 0, tl.math.div_rn(1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
+        scale, zero, inv = _scale_zero(lo, hi, LEVELS)
         codes = tl.floor((xg - zero.to(tl.float32)[:, :, None]) * inv[:, :, None] + 0.5)
         codes = tl.reshape(codes, (BLOCK_T, BLOCK_D))
         groups = tl.arange(0, NG)
