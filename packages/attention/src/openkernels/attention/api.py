@@ -279,16 +279,25 @@ def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) 
         if side.data.shape[-1] != code_width(head_dim, bits):
             raise ValueError(f"{name}: {what}.data's last dim must be {code_width(head_dim, bits)} for head_dim "
                              f"{head_dim} at {bits} bits, got {side.data.shape[-1]}")  # fmt: skip
-        for part in ("scale", "zero"):
-            t = getattr(side, part)
-            want = (*lead, head_dim // group)
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != want:
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name}: {what}.{part} must be float16 of shape {want}, got {got}")
-            if t.stride(-1) != 1 or t.stride() != k_cache.scale.stride() or t.device != q.device:
-                raise ValueError(f"{name}: {what}.{part} must be on {q.device}, with a unit last stride and the "
-                                 "strides of k_cache.scale (the kernels index all four alike)")  # fmt: skip
+        _check_token_scales(
+            name, what, side, lead, head_dim // group, k_cache.scale, "k_cache.scale", q.device
+        )
     return bits, group
+
+
+def _check_token_scales(name: str, what: str, side: QuantizedKV, lead: tuple, groups: int, like: torch.Tensor,
+                        like_name: str, device: torch.device) -> None:  # fmt: skip
+    """A per-token side's scale and zero: float16 (*lead, groups) on `device`, with a unit
+    last stride and the strides of `like` (the kernels index them with one set of strides)."""
+    for part in ("scale", "zero"):
+        t = getattr(side, part)
+        want = (*lead, groups)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != want:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: {what}.{part} must be float16 of shape {want}, got {got}")
+        if t.stride(-1) != 1 or t.stride() != like.stride() or t.device != device:
+            raise ValueError(f"{name}: {what}.{part} must be on {device}, with a unit last stride and the "
+                             f"strides of {like_name} (the kernels index them alike)")  # fmt: skip
 
 
 def _channel_keys_format(name: str, k_cache: QuantizedKV, v_cache: QuantizedKV,
@@ -332,15 +341,8 @@ def _channel_keys_format(name: str, k_cache: QuantizedKV, v_cache: QuantizedKV,
                          f"head_dim, got {v_group}")  # fmt: skip
     if v_cache.data.dtype != torch.uint8 or tuple(v_cache.data.shape) != tuple(data.shape):
         raise TypeError(f"{name}: v_cache.data must be uint8 of k_cache.data's shape {tuple(data.shape)}")
-    for part in ("scale", "zero"):
-        t = getattr(v_cache, part)
-        want = (lead0, lead1, heads_kv, head_dim // v_group)
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != want:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: v_cache.{part} must be float16 of shape {want}, got {got}")
-        if t.stride(-1) != 1 or t.stride() != v_cache.scale.stride() or t.device != q.device:
-            raise ValueError(f"{name}: v_cache.{part} must be on {q.device}, with a unit last stride and the "
-                             "strides of v_cache.scale")  # fmt: skip
+    _check_token_scales(name, "v_cache", v_cache, (lead0, lead1, heads_kv), head_dim // v_group, v_cache.scale,
+                        "v_cache.scale", q.device)  # fmt: skip
     return k_cache.bits, v_group
 
 
