@@ -23,6 +23,9 @@
                                             this machine yet
     nox -s asv-noise                        HEAD benchmarked N times (`-- --runs N`): each benchmark's
                                             spread, which asv-compare then will not call a regression
+    nox -s asv-history                      the committed history's regressions (rolling minima
+                                            against the best earlier result), exit 1 when any
+    nox -s docs-tables [-- --check]         docs/results/*.md from the committed asv results
 
 Environment:
     OPENKERNELS_TORCH_CPU_INDEX   index URL for the CPU build of torch where the default index
@@ -527,6 +530,22 @@ def asv_backfill(session: nox.Session) -> None:
     this machine yet (`-- --lean --budget-s 600` as on the lent GPU)."""
     _asv_venv(session)
     _asv(session, "backfill", *session.posargs)
+
+
+@nox.session(name="asv-history", default=False)
+def asv_history(session: nox.Session) -> None:
+    """The history rule on the committed results (`-- --machine M --window 3`): fail when the
+    minimum of a benchmark's last results rose past max(family factor, 1.1x its measured
+    spread) over its best earlier result; prints the commit of each step. Runs nothing, needs
+    no torch nor asv."""
+    _asv(session, "history", *session.posargs)
+
+
+@nox.session(name="docs-tables", default=False)
+def docs_tables(session: nox.Session) -> None:
+    """docs/results/*.md regenerated from the committed asv results (benchmarks/docs_tables.py;
+    `-- --check` only compares). Needs nothing beyond the standard library."""
+    session.run("python", "benchmarks/docs_tables.py", *session.posargs)
 
 
 @nox.session(default=False)

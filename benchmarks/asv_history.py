@@ -1,4 +1,5 @@
-"""Drives asv for the nox sessions asv-run, asv-compare, asv-publish, asv-smoke and asv-backfill.
+"""Drives asv for the nox sessions asv-run, asv-compare, asv-publish, asv-smoke, asv-noise,
+asv-backfill and asv-history.
 
 Every run benchmarks a *commit*, never the working tree: the commit's packages are exported
 (`git archive`) and put on the path of the benchmark processes (asv's ASV_PYTHONPATH), while
@@ -14,9 +15,29 @@ commit's hash (`--set-commit-hash`), and writes them to the committed results fo
     python benchmarks/asv_history.py smoke                 every suite once on tiny shapes, untimed
     python benchmarks/asv_history.py kernel-commits        the commits that changed a kernel
     python benchmarks/asv_history.py backfill              run those missing for this machine
+    python benchmarks/asv_history.py history [--machine M] [--window 3]
+                                                           the committed history's regressions,
+                                                           exit 1 when any (runs nothing)
 
 Machines are named after the device: "nvidia-h200-sm_90", "amd-instinct-mi300x-gfx942",
 "cpu-amd-epyc-2c".
+
+History rule (`history`), beside the two-commit `compare`: the results committed for a
+machine, per benchmark time (track_ms) and parameter combination, ordered by commit date (the
+date asv records, then the hash), only results of the benchmark's newest version. The
+*current* time is the minimum of the last WINDOW results (default 3), the *best earlier*
+time the minimum of every result before them. A benchmark is flagged when
+
+    current / best earlier > max(family factor, MARGIN x spread)
+
+with the family factors of FACTORS (1.10, quant 1.15; --factor FAMILY=X overrides), MARGIN
+1.1 (--margin) and the spread (max / min over repeated runs of one commit) measured for that
+benchmark in results/asv-noise/<machine>.json; without an entry there, the factor alone. The
+step is reported at the first commit from which every result stays above best earlier x
+limit, with the size of the rise (current / best earlier). A series needs WINDOW + 1 results
+to be judged. Minima make the rule robust to the slow outliers a busy machine produces: one
+slow run cannot raise the minimum of a window, so it takes WINDOW slow results in a row; a
+regression stays flagged until a fix brings the last WINDOW results back within the limit.
 """
 
 from __future__ import annotations
@@ -24,6 +45,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import re
 import subprocess
@@ -32,6 +54,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = json.loads((ROOT / "asv.conf.json").read_text())
@@ -337,6 +360,128 @@ def publish() -> Path:
     return HTML / "index.html"
 
 
+# ---------------------------------------------------------------------------- history rule
+
+HISTORY_WINDOW = 3
+
+
+class Point(NamedTuple):
+    """One committed time: the commit's date (ms since the epoch, as asv records it), hash, value."""
+
+    date: int
+    commit: str
+    value: float
+
+
+class Regression(NamedTuple):
+    """A benchmark whose last results all sit above its best earlier result times `limit`."""
+
+    benchmark: str
+    best: Point  # the best (lowest) result before the last window
+    current: float  # the minimum of the last window
+    step: Point  # the first result of the rise that lasts to the newest one
+    before: Point  # the result just before the step
+    limit: float
+
+    @property
+    def rise(self) -> float:
+        return self.current / self.best.value
+
+
+def history_machines(results: Path | None = None) -> list[str]:
+    """The machines with committed results (a folder holding asv's machine.json)."""
+    return sorted(p.parent.name for p in (results or RESULTS).glob("*/machine.json"))
+
+
+def _row_times(columns: list[str], row: list) -> list[tuple[str, float]]:
+    """(params label, time) of one benchmark's row in an asv result file; failures dropped."""
+    cell = dict(zip(columns, row))
+    values, params = cell.get("result"), cell.get("params") or []
+    labels = _combos(params) if params else [""]
+    values = values if params else [values]
+    return [
+        (label, float(v))
+        for label, v in zip(labels, values or [])
+        if isinstance(v, (int, float)) and math.isfinite(v)
+    ]
+
+
+def load_series(machine: str, results: Path | None = None) -> dict[str, list[Point]]:
+    """{"benchmark(params)": its times, oldest commit first} of every track_ms committed for
+    `machine`, read as plain JSON; only results of the benchmark's newest version."""
+    found: dict[str, list[tuple[Point, str]]] = {}
+    for path in sorted(((results or RESULTS) / machine).glob("*.json")):
+        if path.name == "machine.json":
+            continue
+        data = json.loads(path.read_text())
+        columns = data.get("result_columns", ["result", "params", "version"])
+        for name, row in (data.get("results") or {}).items():
+            if not name.endswith(".track_ms") or not row:
+                continue
+            version = str(dict(zip(columns, row)).get("version"))
+            for label, value in _row_times(columns, row):
+                point = Point(int(data["date"]), data["commit_hash"], value)
+                found.setdefault(f"{name}({label})", []).append((point, version))
+    return {key: _newest_version(points) for key, points in sorted(found.items())}
+
+
+def _newest_version(points: list[tuple[Point, str]]) -> list[Point]:
+    ordered = sorted(points, key=lambda pv: (pv[0].date, pv[0].commit))
+    return [p for p, v in ordered if v == ordered[-1][1]]
+
+
+def history_limit(benchmark: str, noise: dict[str, float], factors: dict[str, float], margin: float) -> float:
+    """max(the family's factor, `margin` x the benchmark's measured spread, when measured)."""
+    return max(factors.get(family_of(benchmark), DEFAULT_FACTOR), margin * noise.get(benchmark, 0.0))
+
+
+def judge(benchmark: str, series: list[Point], window: int, limit: float) -> Regression | None:
+    """The history rule on one series (oldest first): the regression, or None."""
+    if len(series) <= window:
+        return None
+    best = min(series[:-window], key=lambda p: p.value)
+    current = min(p.value for p in series[-window:])
+    if best.value <= 0 or current <= best.value * limit:
+        return None
+    threshold = best.value * limit
+    start = next(i for i in range(len(series)) if min(p.value for p in series[i:]) > threshold)
+    return Regression(benchmark, best, current, series[start], series[start - 1], limit)
+
+
+def history(
+    machine: str,
+    *,
+    window: int = HISTORY_WINDOW,
+    margin: float = NOISE_MARGIN,
+    factors: dict[str, float] | None = None,
+    results: Path | None = None,
+) -> tuple[list[Regression], int]:
+    """The regressions in `machine`'s committed history, and how many series were judged."""
+    noise = load_noise(machine)
+    factors = FACTORS if factors is None else factors
+    found, judged = [], 0
+    for benchmark, series in load_series(machine, results).items():
+        judged += len(series) > window
+        limit = history_limit(benchmark, noise, factors, margin)
+        regression = judge(benchmark, series, window, limit)
+        if regression:
+            found.append(regression)
+    return found, judged
+
+
+def _when(point: Point) -> str:
+    return f"{point.commit[:8]} ({time.strftime('%Y-%m-%d', time.gmtime(point.date / 1000))})"
+
+
+def describe(r: Regression, window: int) -> str:
+    """One line per regression: where the step happened and how large the rise is."""
+    return (
+        f"{r.benchmark.replace('.track_ms', '')}: step at {_when(r.step)} after {_when(r.before)}; "
+        f"min of last {window} {r.current:.4g} ms vs best earlier {r.best.value:.4g} ms at "
+        f"{_when(r.best)}: {r.rise:.2f}x (limit {r.limit:.2f}x)"
+    )
+
+
 # ---------------------------------------------------------------------------- history
 
 
@@ -394,6 +539,32 @@ def has_results(machine: str, sha: str) -> bool:
 # ---------------------------------------------------------------------------- commands
 
 
+def _factors(overrides: list[str]) -> dict[str, float]:
+    """FACTORS with the command line's FAMILY=X overrides."""
+    factors = dict(FACTORS)
+    for item in overrides:
+        family, _, value = item.partition("=")
+        factors[family] = float(value)
+    return factors
+
+
+def history_command(machines: list[str], window: int, margin: float, factors: dict[str, float]) -> int:
+    """Print the history rule's regressions per machine; 1 when any, else 0."""
+    if window < 1:
+        raise SystemExit("history: --window must be at least 1")
+    flagged = 0
+    for machine in machines:
+        if not (RESULTS / machine).is_dir():
+            raise SystemExit(f"history: no results for {machine} in {RESULTS}")
+        found, judged = history(machine, window=window, margin=margin, factors=factors)
+        noise = "measured noise" if load_noise(machine) else "no noise file: family factors only"
+        print(f"{machine}: {judged} series judged (window {window}, {noise}), {len(found)} regression(s)")
+        for regression in found:
+            print("  " + describe(regression, window))
+        flagged += len(found)
+    return 1 if flagged else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -416,6 +587,11 @@ def main(argv: list[str] | None = None) -> int:
     p_back.add_argument("--newest-first", action="store_true")
     p_noise = sub.add_parser("noise", help="benchmark HEAD several times; record each benchmark's spread")
     p_noise.add_argument("--runs", type=int, default=4)
+    p_hist = sub.add_parser("history", help="the history rule on committed results; exit 1 when any flagged")
+    p_hist.add_argument("--machine", action="append", help="default: every machine with results")
+    p_hist.add_argument("--window", type=int, default=HISTORY_WINDOW, help="results in the last window")
+    p_hist.add_argument("--margin", type=float, default=NOISE_MARGIN, help="times the measured spread")
+    p_hist.add_argument("--factor", action="append", default=[], metavar="FAMILY=X", help="override a factor")
     for p in (p_run, p_cmp, p_back, p_noise):
         p.add_argument("--lean", action="store_true", help="bfloat16 on the device's own kernels only")
         p.add_argument("--families", default="", help="comma-separated families (default: all)")
@@ -433,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "publish":
         print(f"report: {publish()}")
         return 0
+    if args.command == "history":
+        machines = args.machine or history_machines()
+        return history_command(machines, args.window, args.margin, _factors(args.factor))
 
     dev = device_type()
     machine = machine_name()
@@ -452,10 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if run_commit(args.commit, machine=machine, regex=selection(dev, families=families,
                                lean=args.lean), launch=args.launch) else 0  # fmt: skip
     if args.command == "compare":
-        factors = dict(FACTORS)
-        for item in args.factor:
-            family, _, value = item.partition("=")
-            factors[family] = float(value)
+        factors = _factors(args.factor)
         base, head = (git("rev-parse", "--verify", f"{c}^{{commit}}") for c in (args.base, args.head))
         regex = selection(dev, families=families, lean=args.lean)
         if not args.no_run:
