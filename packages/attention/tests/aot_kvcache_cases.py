@@ -48,7 +48,8 @@ def _signature(kernel_name: str, pointers: dict[str, str]) -> tuple[dict[str, st
 
 
 def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str, split: bool,
-               plain: bool = False, leftpad: bool = False, fp8: bool = False, key_group: int = 0):  # fmt: skip
+               plain: bool = False, leftpad: bool = False, fp8: bool = False, key_group: int = 0,
+               lean: bool = False):  # fmt: skip
     """plain: what a decode step on a contiguous cache launches (causal only): no block
     table, rotary tables or slopes (None pointers are constants to Triton), no scales for a
     16-bit cache. fp8: e4m3 bytes with float32 per-head scales, converted in hardware on
@@ -56,7 +57,7 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
     (their key blocks are the groups), with the residual's pointer."""
     from openkernels.shared.testing.aot import AotCase
 
-    cfg = configs.kv_config(head_dim, bits, rows, arch, fp8)
+    cfg = configs.kv_config(head_dim, bits, rows, arch, fp8, lean)
     if key_group and key_group % cfg.block_n:  # as the plan: a key block lies in one group
         cfg = dataclasses.replace(cfg, block_n=key_group)
     data = "*bf16" if bits == 16 else "*u8"
@@ -78,6 +79,15 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
         for name in ("k_zero_ptr", "v_zero_ptr"):
             del signature[name]
             constexprs[name] = None
+    if lean:  # no in-kernel rotary; int8 also without ALiBi, softcap and a left window
+        extras = bits == 8 and not fp8
+        assert configs.lean_decode(bits, group or head_dim, head_dim, fp8, key_group, False, False)
+        constexprs |= dict(HAS_ROTARY=False)
+        constexprs["cos_ptr"] = constexprs["sin_ptr"] = None
+        signature.pop("cos_ptr"), signature.pop("sin_ptr")
+        if extras:
+            constexprs |= dict(HAS_ALIBI=False, HAS_SOFTCAP=False, HAS_WINDOW_LEFT=False, slopes_ptr=None)
+            signature.pop("slopes_ptr")
     if plain:
         nones = ["block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr", "leftpad_ptr"]
         if bits == 16:
@@ -97,7 +107,7 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
         )
     label = (f"attn-d{head_dim}-{bits}b-g{group or 'head'}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}"
              f"s{cfg.num_stages}{'-split' if split else ''}{'-plain' if plain else ''}"
-             f"{'-leftpad' if leftpad else ''}")  # fmt: skip
+             f"{'-leftpad' if leftpad else ''}{'-lean' if lean else ''}")  # fmt: skip
     if fp8:
         label = label.replace(f"-{bits}b-", "-fp8-")
     if key_group:
@@ -172,6 +182,12 @@ def cases_for(arch: str) -> list:
                     for split, plain in ((False, False), (True, False), (False, True))]  # fmt: skip
             out += [_attn_case(head_dim, rows, bits, None, arch, split=split, key_group=g)
                     for bits in (8, 4) for g in (32, 64) for split in (False, True)]  # fmt: skip
+            if rows <= 16 and configs.kv_config(head_dim, 8, rows, arch, lean=True) != configs.kv_config(
+                head_dim, 8, rows, arch
+            ):  # the one-warp decode tile, where the arch has one
+                out += [_attn_case(head_dim, rows, bits, None, arch, split=split, fp8=fp8, lean=True, leftpad=leftpad)
+                        for bits, fp8 in ((8, False), (4, False), (8, True)) for split in (False, True)
+                        for leftpad in (False, True)]  # fmt: skip
         for bits, group in _FORMATS:
             out.append(_append_case(head_dim, bits, group))
         out.append(_append_case(head_dim, 4, 32, leftpad=True))

@@ -138,9 +138,15 @@ def all_configs(arch: str) -> list[tuple[int, str, bool, AttnConfig]]:
 # ---- attention against a KV cache (kvcache_kernels.py) -----------------------------------
 # Rows are (query, head) pairs of one KV head's group: a decode step of GQA 32/8 has 4 rows,
 # padded to the 16 a matrix-unit tile needs (the K/V bytes, not the math, bound decode).
-# Splits cut the key axis until about `KV_PROGRAMS_PER_SM` programs per SM are in flight.
-KV_PROGRAMS_PER_SM = 2
-_KV_MIN_BLOCKS_PER_SPLIT = 4  # below this the partials' write and merge cost more than they save
+# Splits cut the key axis until about `programs per SM` programs are in flight, each with at
+# least `min blocks` key blocks (below that the partials' write and merge, and each program's
+# pipeline prologue, cost more than they save): (programs per SM, min blocks) by num_warps.
+# One-warp programs (the quantized decode on Hopper) need many per SM to hide latency and
+# run 32-key blocks: H200, fp8 at B8 S32768 146.6 us with 33 splits (16 programs per SM)
+# against 159-168 with fewer; at B32 S4096 (128 blocks) 2-3 splits led (74-76 us) and 9 lost
+# (87 us): each program then had 14 blocks.
+_KV_SPLIT_RULE = {1: (16, 32), 2: (8, 16)}
+_KV_SPLIT_DEFAULT = (2, 4)
 
 
 # arch family -> (decode of a 16-bit cache, decode of an int8/int4 cache, chunked prefill) at
@@ -165,12 +171,36 @@ _KV_TABLE: dict[str, tuple[AttnConfig, AttnConfig, AttnConfig, AttnConfig]] = {
 # B8 S32768 / B1 S131072 (SDPA 133.8 / 251.6 / 136.9): 64 keys, 4 warps, 3 stages 116.3 /
 # 194.4 / 103.0; 128 keys at 4 warps 97.1 / 236.3 / 93.4 (3 stages: spills 4 B with every
 # flag on) and 105.2 / 265.9 / 103.5 (2 stages); 8 warps slower at every shape.
+#
+# Lean quantized decode on Hopper: one warp per program, 32-key tiles, 3 stages, many programs
+# per SM (_KV_SPLIT_RULE). A program of one warp has no cross-warp reduction or barrier wait
+# in its loop (the softmax's row max and sum, the scale rows and P's move into the dot's
+# operand layout stay within the warp), and its loads are in flight while other programs
+# compute. H200 (`tune_kvcache.py`, CUDA-graph kernel us, B32 S4096 / B8 S32768): fp8 74.4 /
+# 146.6 against 101.8 / 189.3 with 64 keys at 4 warps (0.85 of copy bandwidth), int8 130.6 /
+# 215.9 against 142.9 / 398.6, int4 -- / 186.4 against 97.0 / 244.5. Its tile is at the 255
+# register limit: in-kernel rotary, groups along head_dim and keys by channel spilled 4-236 B
+# on sm_90 (int8 also with ALiBi, softcap and windows together), so those keep the 4-warp tile.
+_LEAN_DECODE = {"hopper": _C(16, 32, 1, 3)}
 
 
-def kv_config(head_dim: int, bits: int, rows: int, arch: str, fp8: bool = False) -> AttnConfig:
+def lean_decode(
+    bits: int, group_size: int, head_dim: int, fp8: bool, key_group: int, rotary: bool, extras: bool
+) -> bool:
+    """Whether a quantized decode specialization fits the one-warp tile without spills: one
+    scale per token (or fp8's per head), no keys by channel, no in-kernel rotary; for int8
+    also none of ALiBi, softcap or a left window (`extras`)."""  # fmt: skip
+    per_token = fp8 or group_size == head_dim
+    return bits != 16 and per_token and not key_group and not rotary and (fp8 or bits == 4 or not extras)
+
+
+def kv_config(
+    head_dim: int, bits: int, rows: int, arch: str, fp8: bool = False, lean: bool = False
+) -> AttnConfig:
     """Launch config of `_attention_kvcache_fwd_kernel` for `rows` packed rows (seqlen_q *
     group) of one KV head, a cache of `bits` (16, 8, 4; fp8: e4m3 bytes) on `arch`; decode
-    (rows <= 16) streams K/V with 16-row tiles."""
+    (rows <= 16) streams K/V with 16-row tiles. lean: a quantized decode that `lean_decode`
+    admits (one-warp tiles where the arch has them)."""
     family = arch_family(arch)
     if family == "interpreter":  # 32 keys: a page of 16 takes the per-key table lookups
         return AttnConfig(16, 32, 4, 1)
@@ -181,6 +211,8 @@ def kv_config(head_dim: int, bits: int, rows: int, arch: str, fp8: bool = False)
         return _C(16, 16, 8, 3) if fp8 and family != "cdna" else wide
     if rows > 16:
         return prefill
+    if lean and family in _LEAN_DECODE:
+        return _LEAN_DECODE[family]
     return decode16 if bits == 16 else decode_quant
 
 
@@ -190,11 +222,12 @@ def kv_append_keys_warps(head_dim: int, key_group: int) -> int:
     return 8 if key_group * block_d(head_dim) > 8192 else 4
 
 
-def kv_splits(programs: int, key_blocks: int, sm_count: int) -> int:
-    """How many splits of the key axis: enough programs for every SM, at least
-    _KV_MIN_BLOCKS_PER_SPLIT key blocks each, at most 128."""
-    want = -(-KV_PROGRAMS_PER_SM * sm_count // max(programs, 1))
-    return max(1, min(want, key_blocks // _KV_MIN_BLOCKS_PER_SPLIT, 128))
+def kv_splits(programs: int, key_blocks: int, sm_count: int, num_warps: int = 4) -> int:
+    """How many splits of the key axis for programs of `num_warps` warps: enough programs for
+    every SM, a minimum of key blocks each (_KV_SPLIT_RULE), at most 128."""
+    per_sm, min_blocks = _KV_SPLIT_RULE.get(num_warps, _KV_SPLIT_DEFAULT)
+    want = -(-per_sm * sm_count // max(programs, 1))
+    return max(1, min(want, key_blocks // min_blocks, 128))
 
 
 def kv_append_block_t(head_dim: int) -> int:

@@ -28,6 +28,7 @@ from .configs import (
     kv_config,
     kv_splits,
     launch_config,
+    lean_decode,
     preprocess_block_m,
     rotary_blocks,
     rotary_config,
@@ -328,14 +329,16 @@ def kvcache(
     the (page, group, head) strides of their scales and the (sequence, row, head) strides of
     their residual; a key block then lies in one group."""
     group = p.heads_q // p.heads_kv
-    cfg = config or kv_config(p.head_dim, p.bits, min(p.seqlen_q * group, 17), arch, p.fp8)
+    lean = lean_decode(p.bits, p.group_size, p.head_dim, p.fp8, p.key_group, p.rot_half > 0,
+                       p.alibi or p.softcap > 0 or p.window_left >= 0)  # fmt: skip
+    cfg = config or kv_config(p.head_dim, p.bits, min(p.seqlen_q * group, 17), arch, p.fp8, lean)
     if p.key_group and p.key_group % cfg.block_n:  # a key block must lie in one group (one row of scales)
         cfg = dataclasses.replace(cfg, block_n=p.key_group)
     if cfg.block_n % 16:  # the launcher rounds max_seqlen_k up to a multiple of 16
         raise ValueError(f"kvcache plan: block_n must be a multiple of 16, got {cfg.block_n}")
     m_blocks = _cdiv(p.seqlen_q * group, cfg.block_m)
     key_blocks = _cdiv(p.max_seqlen_k, cfg.block_n)
-    splits = num_splits or kv_splits(m_blocks * p.batch * p.heads_kv, key_blocks, sm_count)
+    splits = num_splits or kv_splits(m_blocks * p.batch * p.heads_kv, key_blocks, sm_count, cfg.num_warps)
     split_blocks = max(1, _cdiv(key_blocks, splits))
     splits = max(1, _cdiv(key_blocks, split_blocks))
     partial_out = partial_lse = None
