@@ -659,3 +659,20 @@ def test_sdpa_route_only_where_it_measured_faster(monkeypatch):
         assert not hf._sdpa_is_faster(q, k, True, None, None)
     monkeypatch.setattr(hf, "_capability", lambda index: (8, 0))
     assert not hf._sdpa_is_faster(q, k, True, None, None)
+
+
+@pytest.mark.parametrize("kwargs", [{}, [], None], ids=["dict", "short-list", "none"])
+def test_layers_when_transformers_gives_no_per_layer_kwargs(models, monkeypatch, kwargs) -> None:
+    """transformers 5.17's get_layer_types_and_kwargs returned no per-layer kwargs: the cache
+    still has one layer per decoder layer (it had none, and decode raised IndexError)."""
+    import transformers.cache_utils as cu
+
+    config = models["ours"].config
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs",
+                        lambda c: (["full_attention"] * c.num_hidden_layers, kwargs), raising=False)  # fmt: skip
+    cache = A.OpenKernelsCache(config, BATCH, 64)
+    assert len(cache.layers) == config.num_hidden_layers
+    p, t = models["prompt"], models["tokens"]
+    want = _logits(models["ref"], DynamicCache(), p, t)
+    got = _logits(models["ours"], cache, p, t)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)

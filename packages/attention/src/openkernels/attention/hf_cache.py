@@ -481,16 +481,19 @@ def _make_layers(name: str, layer_cls: type, config: Any, batch_size: Any, max_s
 
 
 def _layer_types(config: Any) -> list[tuple[str, int | None]]:
-    """(layer type, sliding window or None) per decoder layer, as transformers' caches read them."""
+    """(layer type, sliding window or None) per decoder layer, as transformers' caches read them:
+    from `get_layer_types_and_kwargs` where it gives one kwargs dict per layer (5.2x), else from
+    the config's fields (earlier versions; 5.17's function returns no per-layer kwargs, which
+    zipped into zero layers and an IndexError at the first decode step)."""
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         types, kwargs = get_layer_types_and_kwargs(config)
+    except (ImportError, AttributeError):
+        types, kwargs = None, None
+    if types and isinstance(kwargs, (list, tuple)) and len(kwargs) == len(types):
         return [(t, kw.get("sliding_window")) for t, kw in zip(types, kwargs)]
-    except (ImportError, AttributeError):  # transformers without per-layer configs
-        n = config.num_hidden_layers
-        window = getattr(config, "sliding_window", None)
-        types = (
-            getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
-        )
-        return [(t, window if t == "sliding_attention" else None) for t in types]
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
+    return [(t, window if t == "sliding_attention" else None) for t in types]
