@@ -23,10 +23,18 @@ Environment (set by benchmarks/asv_history.py; plain `asv run` needs neither):
 
 The suites keep to the families' public API and their `bench.cases`, which have kept their
 signatures since each family landed, so today's suites also measure past commits.
+
+Peers (`PeerSuite`): beside each family's suite, a `<Suite>Peers` class times the peers
+its bench module already runs (torch eager, torch.compile, SDPA backends, Liger, ...) on
+the same cases, with a `peer` parameter (the peer's name in the report) instead of
+`backend`, in bfloat16. A peer that is not installed, or cannot run on this device or
+case, is n/a (NotImplementedError, with the reason on stderr): never a failure, and never
+something else timed in its place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -41,6 +49,9 @@ SELECT_ENV = "OPENKERNELS_ASV_SELECT"
 SMOKE_ENV = "OPENKERNELS_ASV_SMOKE"
 BACKENDS = ["triton", "cpu", "reference"]
 DTYPES = ["bfloat16", "float16", "float32"]
+DEVICE_TYPES = ("cuda", "cpu")
+# Peers are timed in the dtype every family's headline numbers are written in.
+PEER_DTYPES = ["bfloat16"]
 L2_BYTES = 60 * 2**20
 MAX_INPUT_SETS = 8
 # asv's default of 60 s per setup_cache covers a few dozen GPU measurements, not a suite's.
@@ -50,6 +61,10 @@ VERSION = "1"  # bump when what the suites measure changes meaning (old results 
 
 class NotApplicableError(NotImplementedError):
     """This parameter combination does not exist on this machine (asv records it as n/a)."""
+
+
+class PeerUnavailableError(NotApplicableError):
+    """A peer is not installed, or cannot run this case on this device: n/a, with the reason."""
 
 
 def smoke() -> bool:
@@ -86,24 +101,57 @@ def _input_sets(case: Any, contender: str, dev: Any) -> list[Any]:
     return [prepare(s) for s in sets] if prepare else sets
 
 
-def _measure(case: Any, contender: str, backend: str, dev: Any) -> dict[str, float]:
+def _first_call(fn: Any, sets: list[Any], dev: Any) -> None:
+    """One call, waited for: compiles, and raises here when the implementation cannot run."""
     import torch
 
-    from openkernels.shared import dispatch
+    fn(sets[0])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed_ms(fn: Any, sets: list[Any], dev: Any) -> float:
+    """Milliseconds per call after the first: one call in smoke mode, else `time_ms`."""
     from openkernels.shared.bench import time_ms
 
+    if smoke():
+        start = time.perf_counter()
+        fn(sets[0])
+        return (time.perf_counter() - start) * 1e3
+    return time_ms(fn, sets, dev)
+
+
+def _steered(backend: str | None) -> contextlib.AbstractContextManager[None]:
+    """The forced backend in strict mode; nothing for peers (backend None), which do not
+    go through openkernels' dispatch."""
+    if backend is None:
+        return contextlib.nullcontext()
+    from openkernels.shared import dispatch
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(dispatch.force(backend))
+    stack.enter_context(dispatch.strict())
+    return stack
+
+
+def _measure(
+    case: Any, contender: str, backend: str | None, dev: Any, *, peer: bool = False
+) -> dict[str, float]:
+    """One contender of one case: {"ms", "gbps"}, and "tflops" for cases that count FLOPs.
+    The input sets are prepared outside the forced backend (as the bench modules do);
+    the calls run inside it. peer: a failure to prepare the inputs or of the first call
+    means that the peer cannot run here (PeerUnavailableError); ours propagate."""
     fn = case.contenders[contender]
-    sets = _input_sets(case, contender, dev)
-    with dispatch.force(backend), dispatch.strict():
-        fn(sets[0])  # compiles, and raises here when the forced backend cannot run
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        if smoke():
-            start = time.perf_counter()
-            fn(sets[0])
-            ms = (time.perf_counter() - start) * 1e3
-        else:
-            ms = time_ms(fn, sets, dev)
+    try:
+        sets = _input_sets(case, contender, dev)
+        with _steered(backend):
+            _first_call(fn, sets, dev)
+    except Exception as exc:
+        if not peer:
+            raise
+        raise PeerUnavailableError(f"{contender}: {type(exc).__name__}: {exc}") from exc
+    with _steered(backend):
+        ms = _timed_ms(fn, sets, dev)
     out = {"ms": ms, "gbps": case.bytes / ms / 1e6}
     flops = getattr(case, "flops", 0)
     if flops:
@@ -193,6 +241,11 @@ class Suite:
         names = [n for n in dir(self) if n.startswith("track_")]
         return any(re.search(pattern, f"{module}.{type(self).__name__}.{n}{label}") for n in names)
 
+    def measure(self, dev: Any, params: dict[str, str]) -> dict[str, Any]:
+        """One combination: build its case and time our contender on the forced backend."""
+        case = self.build(dev, **params)
+        return _measure(case, self.contender(**params), params["backend"], dev)
+
     def measure_all(self) -> dict[tuple[str, ...], dict[str, Any]]:
         """Every selected combination measured once: {combo: {"ms", "gbps", "tflops"}} or
         {combo: {"error"}}; combinations that do not apply here are left out."""
@@ -201,13 +254,11 @@ class Suite:
         for combo in self.combos(dev.type):
             if not self._selected(combo):
                 continue
-            case = None
             try:
-                params = dict(zip(self.param_names, combo, strict=True))
-                case = self.build(dev, **params)
-                results[combo] = _measure(case, self.contender(**params), params["backend"], dev)
-            except NotApplicableError:
-                pass
+                results[combo] = self.measure(dev, dict(zip(self.param_names, combo, strict=True)))
+            except NotApplicableError as exc:
+                if str(exc):
+                    print(f"{type(self).__name__}{combo}: n/a: {exc}", file=sys.stderr)
             except Exception as exc:
                 if _unsupported(exc):  # the forced backend declines this dtype or shape: n/a
                     print(f"{type(self).__name__}{combo}: n/a: {exc}", file=sys.stderr)
@@ -216,7 +267,6 @@ class Suite:
                 traceback.print_exc(file=sys.stderr)
                 results[combo] = {"error": f"{type(exc).__name__}: {exc}"}  # fails its lookups
             finally:
-                del case
                 _free(dev)
         return results
 
@@ -232,6 +282,51 @@ class Suite:
         return self.found["ms"]
 
     track_ms.unit = "ms"
+
+
+class PeerSuite(Suite):
+    """Base of the peer suites: a family's cases timed for the peers its bench module runs.
+
+    A subclass sets `peers` ({name in the report: the bench module's contender name}) and,
+    for peers that run on one kind of device only, `peer_devices`; its params end with
+    PEER_DTYPES and the peer names (param names `dtype`, `peer`), its `build` returns the
+    case holding that contender. No backend is forced: a peer does not go through
+    openkernels' dispatch. A peer that is not installed (the case has no such contender),
+    does not run on this kind of device, or fails to prepare its inputs or on its first
+    call is n/a (PeerUnavailableError): the suite never fails because of a peer, and never
+    times something else in its place.
+    """
+
+    peers: dict[str, str] = {}
+    peer_devices: dict[str, tuple[str, ...]] = {}
+
+    def contender(self, **params: str) -> str:
+        return self.peers[params["peer"]]
+
+    def runs_on(self, device_type: str, peer: str) -> bool:
+        return device_type in self.peer_devices.get(peer, DEVICE_TYPES)
+
+    def applies(self, device_type: str, **params: str) -> bool:
+        """The peer runs on this kind of device, bfloat16, and the family's shapes for it."""
+        if not self.runs_on(device_type, params["peer"]) or params["dtype"] not in PEER_DTYPES:
+            return False
+        shapes = self.gpu_shapes if device_type == "cuda" else self.cpu_shapes
+        return "shape" not in params or params["shape"] in shapes
+
+    def measure(self, dev: Any, params: dict[str, str]) -> dict[str, Any]:
+        peer = params["peer"]
+        if not self.runs_on(dev.type, peer):
+            raise PeerUnavailableError(f"{peer} runs on {', '.join(self.peer_devices[peer])} only")
+        try:
+            case = self.build(dev, **params)
+        except NotApplicableError:
+            raise
+        except Exception as exc:  # e.g. a bench module of an older commit without this peer
+            raise PeerUnavailableError(f"{peer}: {type(exc).__name__}: {exc}") from exc
+        name = self.contender(**params)
+        if name not in case.contenders:
+            raise PeerUnavailableError(f"{peer} is not installed here, or has no implementation of this case")
+        return _measure(case, name, None, dev, peer=True)
 
 
 class GBps:

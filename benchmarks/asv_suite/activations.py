@@ -3,6 +3,9 @@
 Cases (bytes moved, inputs) come from openkernels.activations.bench, the module behind
 `benchmarks/run.py activations`: 16384x8192 and 4096x4096 on GPUs, 4096x4096 on CPUs;
 fwd reads x and writes y, bwd reads dy and x and writes dx (gated ops: x is (rows, 2d)).
+`ActivationsPeers`: the same cases in bfloat16 for the peers (`peer`): the torch eager
+composition, the same under torch.compile, and on GPUs Liger-Kernel where installed (it has
+silu_and_mul and gelu_and_mul[tanh]; n/a for the other ops).
 """
 
 from __future__ import annotations
@@ -35,15 +38,36 @@ class Activations(_h.Suite, _h.GBps):
         return self.measure_all()
 
     def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, backend: str) -> Any:
-        from openkernels.activations import bench
+        return _case(dev, op, direction, shape, dtype, peers=[])
 
-        name, _, approximate = op.partition("[")
-        cases = bench.cases(
-            dev,
-            shapes=[SMOKE_SHAPE if _h.smoke() else _h.parse_shape(shape)],
-            dtypes=[_h.torch_dtype(dtype)],
-            variants=[(name, approximate.rstrip("]") or None)],
-            directions=[direction],
-            peers=[],
-        )
-        return _h.only_case(cases)
+
+class ActivationsPeers(_h.PeerSuite, _h.GBps):
+    gpu_shapes = Activations.gpu_shapes
+    cpu_shapes = Activations.cpu_shapes
+    # name in the report: contender of openkernels.activations.bench
+    peers = {"torch eager": "torch", "torch.compile": "torch.compile", "Liger": "liger"}
+    peer_devices = {"Liger": ("cuda",)}
+    params = [VARIANTS, ["fwd", "bwd"], gpu_shapes, _h.PEER_DTYPES, list(peers)]
+    param_names = ["op", "direction", "shape", "dtype", "peer"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, peer: str) -> Any:
+        return _case(dev, op, direction, shape, dtype, peers=[self.peers[peer]])
+
+
+def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list[str]) -> Any:
+    """The family's one case for these parameters, with `peers` beside ours."""
+    from openkernels.activations import bench
+
+    name, _, approximate = op.partition("[")
+    cases = bench.cases(
+        dev,
+        shapes=[SMOKE_SHAPE if _h.smoke() else _h.parse_shape(shape)],
+        dtypes=[_h.torch_dtype(dtype)],
+        variants=[(name, approximate.rstrip("]") or None)],
+        directions=[direction],
+        peers=peers,
+    )
+    return _h.only_case(cases)

@@ -8,6 +8,11 @@
   GQA 32/8, head_dim 128), per cache format; GB/s count the 16-bit cache's bytes for every
   format, so a quantized cache can pass the copy ceiling.
 - `Rotary`: apply_rotary to q and k, forward and backward (openkernels.attention.bench_rotary).
+- `AttentionPeers` / `DecodePeers`: the same cases in bfloat16 for the peers (`peer`): on GPUs
+  SDPA with one backend forced (flash: FlashAttention-2's kernel; efficient: xFormers'
+  memory-efficient kernel; cuDNN's) and FlashAttention-4 (flash_attn.cute) where it
+  imports, on CPUs SDPA with torch's own choice; for decode, SDPA with enable_gqa on the
+  bf16 cache.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _harness as _h
+from . import _peers
 
 
 class Attention(_h.Suite, _h.TFLOPs):
@@ -38,6 +44,55 @@ class Attention(_h.Suite, _h.TFLOPs):
             peers=[],
         )
         return _h.only_case(cases)
+
+
+# Peers by their name in the report: the contender of openkernels.attention.bench (SDPA with
+# one backend forced by sdpa_kernel; "sdpa": torch's own choice) or of _peers.
+ATTENTION_PEERS = {
+    "FlashAttention-2 (SDPA flash)": "sdpa-flash",
+    "xFormers (SDPA efficient)": "sdpa-efficient",
+    "cuDNN (SDPA cudnn)": "sdpa-cudnn",
+    "FlashAttention-4": _peers.FLASH_ATTN_4,
+    "SDPA": "sdpa",
+}
+GPU_ONLY = ("cuda",)
+CPU_ONLY = ("cpu",)
+
+
+class AttentionPeers(_h.PeerSuite, _h.TFLOPs):
+    """`Attention`'s cases for the peers. SDPA's named backends are NVIDIA's kernels (the
+    names would be wrong on ROCm: n/a there); plain SDPA on CPUs, where those do not exist."""
+
+    gpu_shapes = Attention.gpu_shapes
+    cpu_shapes = Attention.cpu_shapes
+    peers = ATTENTION_PEERS
+    peer_devices = {name: GPU_ONLY for name in ATTENTION_PEERS} | {"SDPA": CPU_ONLY}
+    params = [["causal", "full"], ["fwd", "fwd+bwd"], gpu_shapes + cpu_shapes, _h.PEER_DTYPES, list(peers)]
+    param_names = ["op", "direction", "shape", "dtype", "peer"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, peer: str) -> Any:
+        import torch
+
+        from openkernels.attention import bench
+
+        name = self.peers[peer]
+        if name.startswith("sdpa-") and torch.version.hip:
+            raise _h.PeerUnavailableError(f"{peer}: SDPA's backends on ROCm are not these kernels")
+        cases = bench.cases(
+            dev,
+            shapes=[(1, 2, 128, 64) if _h.smoke() else _h.parse_shape(shape)],
+            dtypes=[_h.torch_dtype(dtype)],
+            ops=[op],
+            directions=[direction],
+            peers=[] if name == _peers.FLASH_ATTN_4 else [name],
+        )
+        case = _h.only_case(cases)
+        if name == _peers.FLASH_ATTN_4:
+            _peers.add_flash_attn_4(case, causal=op == "causal")
+        return case
 
 
 # Our contenders in bench_kvcache, by cache format.
@@ -65,6 +120,32 @@ class Decode(_h.Suite, _h.GBps):
             shapes=[(2, 4, 2, 256, 64) if _h.smoke() else _h.parse_shape(shape)],
             formats=[FORMATS[cache]],
             peers=[],
+            dtype=_h.torch_dtype(dtype),
+        )
+        return _h.only_case(cases)
+
+
+class DecodePeers(_h.PeerSuite, _h.GBps):
+    """`Decode`'s cases for the peer: SDPA with enable_gqa=True on the bf16 cache in its
+    (B, H, S, D) layout; GB/s count the same bf16 cache bytes as ours."""
+
+    gpu_shapes = Decode.gpu_shapes
+    cpu_shapes = Decode.cpu_shapes
+    peers = {"SDPA (enable_gqa)": "sdpa"}
+    params = [gpu_shapes + cpu_shapes, _h.PEER_DTYPES, list(peers)]
+    param_names = ["shape", "dtype", "peer"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def build(self, dev: Any, shape: str, dtype: str, peer: str) -> Any:
+        from openkernels.attention import bench_kvcache
+
+        cases = bench_kvcache.cases(
+            dev,
+            shapes=[(2, 4, 2, 256, 64) if _h.smoke() else _h.parse_shape(shape)],
+            formats=[],
+            peers=[self.peers[peer]],
             dtype=_h.torch_dtype(dtype),
         )
         return _h.only_case(cases)

@@ -3,7 +3,9 @@ residual, prenorm=True), forward and forward+backward.
 
 Cases come from openkernels.layernorm.bench (`benchmarks/run.py layernorm`): the GPU grid
 32768x2048 ... 4096x16384 (the same bytes at four row lengths), 4096x4096 and 16384x1024
-on CPUs.
+on CPUs. `LayerNormPeers`: the same cases in bfloat16 for the peers (`peer`): torch eager
+(F.rms_norm / F.layer_norm, `x + r` then F.rms_norm for add_rms_norm), the same under
+torch.compile, and on GPUs Liger-Kernel and QuACK (rms_norm and add_rms_norm) where installed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _harness as _h
+from . import _peers
 
 SMOKE_SHAPE = (64, 256)
 
@@ -37,3 +40,39 @@ class LayerNorm(_h.Suite, _h.GBps):
             peers=[],
         )
         return _h.only_case(cases)
+
+
+class LayerNormPeers(_h.PeerSuite, _h.GBps):
+    gpu_shapes = LayerNorm.gpu_shapes
+    cpu_shapes = LayerNorm.cpu_shapes
+    # name in the report: contender of openkernels.layernorm.bench (QuACK: of _peers)
+    peers = {
+        "torch eager": "torch",
+        "torch.compile": "torch.compile",
+        "Liger": "liger",
+        "QuACK": _peers.QUACK,
+    }
+    peer_devices = {"Liger": ("cuda",), "QuACK": ("cuda",)}
+    params = [["rms_norm", "layer_norm", "add_rms_norm"], ["fwd", "fwd+bwd"], gpu_shapes + cpu_shapes,
+              _h.PEER_DTYPES, list(peers)]  # fmt: skip
+    param_names = ["op", "direction", "shape", "dtype", "peer"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, peer: str) -> Any:
+        from openkernels.layernorm import bench
+
+        name = self.peers[peer]
+        cases = bench.cases(
+            dev,
+            shapes=[SMOKE_SHAPE if _h.smoke() else _h.parse_shape(shape)],
+            dtypes=[_h.torch_dtype(dtype)],
+            ops=[op],
+            directions=[direction],
+            peers=[] if name == _peers.QUACK else [name],
+        )
+        case = _h.only_case(cases)
+        if name == _peers.QUACK:
+            _peers.add_quack(case, eps=getattr(bench, "EPS", 1e-6))
+        return case

@@ -4,6 +4,9 @@ Cases come from openkernels.quant.bench (`benchmarks/quant_linear.py`): M = 1, 1
 2048 tokens against (N, K) = 8192x8192 and 28672x8192 weights on GPUs, M = 1, 16, 128 at
 4096x4096 on CPUs. GB/s count the 4-bit weight, its scales and zeros, x and y once (at
 M = 2048 the work is compute-bound: benchmarks/quant_linear.py reports its TFLOP/s).
+`Int4LinearPeers`: the same cases in bfloat16 for the peers (`peer`): F.linear with the
+unquantized 16-bit weight (cuBLAS on GPUs), and on GPUs torch's int4 kernel tinygemm
+(aten._weight_int4pack_mm, from our int4 codes; int4 only) where the torch build has it.
 """
 
 from __future__ import annotations
@@ -23,17 +26,50 @@ class Int4Linear(_h.Suite, _h.GBps):
         return self.measure_all()
 
     def applies(self, device_type: str, **params: str) -> bool:
-        # M = 2048 (dequantize, then the vendor GEMM) is a GPU path; CPUs stop at M = 128.
-        return super().applies(device_type, **params) and (device_type == "cuda" or params["m"] != "2048")
+        return super().applies(device_type, **params) and _m_applies(device_type, params["m"])
 
     def build(self, dev: Any, kind: str, m: str, shape: str, dtype: str, backend: str) -> Any:
-        from openkernels.quant import bench
+        return _case(dev, kind, m, shape, dtype, peers=[])
 
-        size = dict(
-            shapes=[(128, 256) if _h.smoke() else _h.parse_shape(shape)], ms=[int(m)], kinds=[kind], peers=[]
-        )
-        try:
-            cases = bench.cases(dev, dtypes=[_h.torch_dtype(dtype)], **size)
-        except TypeError:  # the family's first commits took one dtype
-            cases = bench.cases(dev, dtype=_h.torch_dtype(dtype), **size)
-        return _h.only_case(cases)
+
+class Int4LinearPeers(_h.PeerSuite, _h.GBps):
+    gpu_shapes = Int4Linear.gpu_shapes
+    cpu_shapes = Int4Linear.cpu_shapes
+    # name in the report: contender of openkernels.quant.bench
+    peers = {"F.linear (16-bit weight)": "torch", "tinygemm (torch int4)": "tinygemm"}
+    peer_devices = {"tinygemm (torch int4)": ("cuda",)}
+    params = [
+        ["int4", "nf4"],
+        ["1", "16", "128", "2048"],
+        gpu_shapes + cpu_shapes,
+        _h.PEER_DTYPES,
+        list(peers),
+    ]
+    param_names = ["kind", "m", "shape", "dtype", "peer"]
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
+
+    def applies(self, device_type: str, **params: str) -> bool:
+        return super().applies(device_type, **params) and _m_applies(device_type, params["m"])
+
+    def build(self, dev: Any, kind: str, m: str, shape: str, dtype: str, peer: str) -> Any:
+        return _case(dev, kind, m, shape, dtype, peers=[self.peers[peer]])
+
+
+def _m_applies(device_type: str, m: str) -> bool:
+    # M = 2048 (dequantize, then the vendor GEMM) is a GPU path; CPUs stop at M = 128.
+    return device_type == "cuda" or m != "2048"
+
+
+def _case(dev: Any, kind: str, m: str, shape: str, dtype: str, peers: list[str]) -> Any:
+    """The family's one case for these parameters, with `peers` beside ours."""
+    from openkernels.quant import bench
+
+    size = dict(shapes=[(128, 256) if _h.smoke() else _h.parse_shape(shape)], ms=[int(m)], kinds=[kind],
+                peers=peers)  # fmt: skip
+    try:
+        cases = bench.cases(dev, dtypes=[_h.torch_dtype(dtype)], **size)
+    except TypeError:  # the family's first commits took one dtype
+        cases = bench.cases(dev, dtype=_h.torch_dtype(dtype), **size)
+    return _h.only_case(cases)
