@@ -9,6 +9,7 @@ commit's hash (`--set-commit-hash`), and writes them to the committed results fo
 
     python benchmarks/asv_history.py run [COMMIT]          this machine, one commit (HEAD)
     python benchmarks/asv_history.py compare BASE HEAD     both, a table, exit 1 on regressions
+                                          [--report PATH]  also as markdown (the CI job posts it)
     python benchmarks/asv_history.py publish               HTML report with the regressions view
     python benchmarks/asv_history.py noise [--runs N]      HEAD N times: each benchmark's spread,
                                                            written to results/asv-noise/<machine>.json
@@ -316,9 +317,25 @@ def load_noise(machine: str) -> dict[str, float]:
     return json.loads(path.read_text())["spread"] if path.exists() else {}
 
 
-def compare(machine: str, base: str, head: str, factors: dict[str, float]) -> list[str]:
-    """Print the table of every time both commits have; return the regressions (a time past
-    its limit: its family's factor, or NOISE_MARGIN times its measured spread if larger)."""
+class Row(NamedTuple):
+    """One time of the two-commit comparison: status ("slower", "faster", "new", "only base"
+    or ""), benchmark, parameters, base and head ms (None where missing), ratio, limit."""
+
+    status: str
+    name: str
+    label: str
+    base: float | None
+    head: float | None
+    ratio: float
+    limit: float
+
+
+def compare_rows(
+    machine: str, base: str, head: str, factors: dict[str, float]
+) -> tuple[list[Row], list[str]]:
+    """Every time either commit has, judged: the rows (slowest ratio first) and the
+    regressions (a time past its limit: its family's factor, or NOISE_MARGIN times its
+    measured spread if larger; or measured at the base and missing at head)."""
     before, after = load_results(machine, base), load_results(machine, head)
     noise = load_noise(machine)
     rows, regressions = [], []
@@ -327,25 +344,48 @@ def compare(machine: str, base: str, head: str, factors: dict[str, float]) -> li
         if not name.endswith(".track_ms"):
             continue  # throughput is the same measurement; time is what is judged
         b, a = before.get(key), after.get(key)
-        factor = max(
+        limit = max(
             factors.get(family_of(name), DEFAULT_FACTOR), NOISE_MARGIN * noise.get(f"{name}({label})", 0.0)
         )
         if b is None or a is None:
-            status = "only base" if a is None else "new"
             if a is None:
                 regressions.append(f"{name}({label}): measured at the base, failed or missing at head")
-            rows.append((status, name, label, b, a, float("nan")))
+            rows.append(Row("only base" if a is None else "new", name, label, b, a, float("nan"), limit))
             continue
         ratio = a / b
-        status = "slower" if ratio > factor else "faster" if ratio < 1 / factor else ""
+        status = "slower" if ratio > limit else "faster" if ratio < 1 / limit else ""
         if status == "slower":
-            regressions.append(f"{name}({label}): {b:.4g} -> {a:.4g} ms ({ratio:.2f}x, limit {factor:.2f}x)")
-        rows.append((status, name, label, b, a, ratio))
+            regressions.append(f"{name}({label}): {b:.4g} -> {a:.4g} ms ({ratio:.2f}x, limit {limit:.2f}x)")
+        rows.append(Row(status, name, label, b, a, ratio, limit))
+    rows.sort(key=lambda r: -(r.ratio if r.ratio == r.ratio else 9))
+    return rows, regressions
+
+
+def compare(machine: str, base: str, head: str, factors: dict[str, float]) -> list[str]:
+    """Print the table of every time both commits have; return the regressions (compare_rows)."""
+    rows, regressions = compare_rows(machine, base, head, factors)
     print(f"{'':7} {'base ms':>10} {'head ms':>10} {'ratio':>6}  benchmark (params)")
-    for status, name, label, b, a, ratio in sorted(rows, key=lambda r: -(r[5] if r[5] == r[5] else 9)):
+    for r in rows:
         fmt = lambda v: f"{v:10.4g}" if v is not None else f"{'-':>10}"  # noqa: E731
-        print(f"{status:7} {fmt(b)} {fmt(a)} {ratio:6.2f}  {name.removesuffix('.track_ms')}({label})")
+        print(
+            f"{r.status:7} {fmt(r.base)} {fmt(r.head)} {r.ratio:6.2f}  {r.name.removesuffix('.track_ms')}({r.label})"
+        )
     return regressions
+
+
+def markdown_report(machine: str, base: str, head: str, rows: list[Row], regressions: list[str]) -> str:
+    """The comparison as markdown, for the CI job's summary and its commit comment: the verdict,
+    the regressions, then every time with its ratio and limit (slowest first)."""
+    verdict = f"**{len(regressions)} regression(s)**" if regressions else "no regression"
+    lines = [f"## asv: {head[:8]} against {base[:8]} on {machine}: {verdict}", ""]
+    lines += [f"- {r}" for r in regressions] + ([""] if regressions else [])
+    lines += ["| | benchmark (params) | base ms | head ms | ratio | limit |", "|---|---|---|---|---|---|"]
+    cell = lambda v: f"{v:.4g}" if v is not None else "-"  # noqa: E731
+    for r in rows:
+        ratio = f"{r.ratio:.2f}x" if r.ratio == r.ratio else "-"
+        bench = f"`{r.name.removesuffix('.track_ms')}({r.label})`"
+        lines.append(f"| {r.status} | {bench} | {cell(r.base)} | {cell(r.head)} | {ratio} | {r.limit:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 def publish() -> Path:
@@ -577,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp.add_argument("head")
     p_cmp.add_argument("--no-run", action="store_true", help="compare results already in the folder")
     p_cmp.add_argument("--factor", action="append", default=[], metavar="FAMILY=X", help="override a factor")
+    p_cmp.add_argument("--report", metavar="PATH", help="also write the comparison as markdown here")
     sub.add_parser("publish", help="the HTML report (asv publish) into " + CONF["html_dir"])
     p_smoke = sub.add_parser("smoke", help="every suite once on tiny shapes, untimed, results not saved")
     p_smoke.add_argument("--families", default="", help="comma-separated families (default: all)")
@@ -638,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
             for sha in (base, head):
                 run_commit(sha, machine=machine, regex=regex, launch=args.launch)
         regressions = compare(machine, base, head, factors)
+        if args.report:
+            rows, _ = compare_rows(machine, base, head, factors)
+            Path(args.report).write_text(markdown_report(machine, base, head, rows, regressions))
         if regressions:
             print(f"\n{len(regressions)} regression(s) on {machine}:", *regressions, sep="\n  ")
             return 1

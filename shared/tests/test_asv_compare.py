@@ -49,3 +49,19 @@ def test_a_benchmark_lost_at_head_is_a_regression(history, monkeypatch) -> None:
 def test_throughput_is_not_judged(history, monkeypatch) -> None:
     key = ("layernorm.Norms.track_gbps", "'rms_norm'")
     assert _compare(history, monkeypatch, {key: 100.0}, {key: 10.0}, {}) == []
+
+
+def test_markdown_report_lists_the_regressions_and_every_time(history, monkeypatch) -> None:
+    slow = ("layernorm.Norms.track_ms", "'rms_norm'")
+    same = ("activations.Act.track_ms", "'silu'")
+    results = {"base": {slow: 1.0, same: 2.0}, "head": {slow: 1.5, same: 2.0}}
+    monkeypatch.setattr(history, "load_results", lambda machine, sha: results[sha])
+    monkeypatch.setattr(history, "load_noise", lambda machine: {})
+    rows, regressions = history.compare_rows("m", "base", "head", dict(history.FACTORS))
+    text = history.markdown_report("m", "base0000", "head0000", rows, regressions)
+    assert "**1 regression(s)**" in text and "layernorm.Norms.track_ms(" in text.splitlines()[2]
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table[1].startswith("| slower | `layernorm.Norms('rms_norm')` | 1 | 1.5 | 1.50x | 1.10x |")
+    assert table[2].startswith("|  | `activations.Act('silu')` | 2 | 2 | 1.00x |")
+    clean = history.markdown_report("m", "b", "h", rows[1:], [])
+    assert "no regression" in clean.splitlines()[0]
