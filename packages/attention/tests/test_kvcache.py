@@ -388,6 +388,41 @@ def test_kvcache_custom_block_table(device: str, impl: str) -> None:
                   device=device)  # fmt: skip
 
 
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+def test_attend_reuses_checked_plans_only_where_they_hold(device: str, impl: str) -> None:
+    """KVCache.attend checks a call signature once and reuses its plan: the reused calls give
+    the same output as fresh ones, a replaced block table or cache side is followed, and a new
+    signature (another head_dim, causal=1 instead of True) is checked again."""
+    batch, hkv, d, page = 2, 2, 64, 16
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=device)
+    cache = A.KVCache(batch, 48, hkv, d, kv_dtype="int4", page_size=page, num_pages=6, block_table=table,
+                      device=device)  # fmt: skip
+    with dispatch.force(impl):
+        cache.append(
+            random_tensor((batch, 30, hkv, d), BF16, device), random_tensor((batch, 30, hkv, d), BF16, device)
+        )
+        q = random_tensor((batch, 1, 4, d), BF16, device)
+        first = cache.attend(q, causal=True)
+        assert len(cache._plans) == 1
+        again = cache.attend(q, causal=True)
+        assert len(cache._plans) == 1 and torch.equal(first, again)
+        # A replaced table is read at once (sequence 0 now reads sequence 1's pages).
+        cache.block_table = table.flip(0).contiguous()
+        swapped = cache.attend(q.flip(0).contiguous(), causal=True)
+        torch.testing.assert_close(swapped.flip(0), first, atol=0, rtol=0)
+        # New signatures are checked: another head_dim, and 1 where the plan was made for True.
+        with pytest.raises(ValueError, match="head_dim"):
+            cache.attend(random_tensor((batch, 1, 4, 32), BF16, device))
+        with pytest.raises(TypeError, match="causal"):
+            cache.attend(q, causal=1)
+        # Replaced storage is followed too.
+        cache.block_table = table
+        cache.v = dataclasses.replace(cache.v, scale=torch.zeros_like(cache.v.scale),
+                                      zero=torch.zeros_like(cache.v.zero))  # fmt: skip
+        zero_values = cache.attend(q, causal=True)
+        assert zero_values.abs().max() == 0, "the replaced value side's scales were not used"
+
+
 # ---- quantization error (measured) ---------------------------------------------------------
 
 # Relative L2 error ||out_q - out_bf16|| / ||out_bf16|| of attention on the quantized cache

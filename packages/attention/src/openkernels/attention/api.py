@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import numbers
+from typing import Any, NamedTuple
 
 import torch
 
@@ -575,17 +576,30 @@ def _append_then_attend(append, forward, written: list[tuple[torch.Tensor, tuple
         raise
 
 
-def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale, window,
-                  alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, host_lengths,
-                  cache_format=None, check=True, cache_batch_idx=None, cache_leftpad=None):  # fmt: skip
-    """attention_with_kvcache's body; host_lengths: the lengths after the append when the
-    caller knows them (KVCache), else they are checked here with one device-to-host copy
-    (unless check=False); cache_format: see _check_kvcache.
+class KVCallPlan(NamedTuple):
+    """What `_kvcache_call` derives from its checked arguments and reuses for every call of
+    the same signature (KVCache keeps one per signature: a decode step then skips the checks):
+    the cache sides it was made for (identity-checked on reuse), the format, the window, the
+    scale and the quantization's side tensors."""
 
-    cache_batch_idx views the contiguous cache as a paged one with one page per row and the
-    table cache_batch_idx[:, None]; cache_leftpad becomes the backends' per-sequence slot
-    offset, with the lengths counted from there (cache_seqlens - cache_leftpad)."""
-    name = "attention_with_kvcache"
+    k_cache: Any
+    v_cache: Any
+    block_table: torch.Tensor | None
+    bits: int
+    group: int
+    left: int
+    right: int
+    scale: float
+    softcap: float
+    quant: tuple
+    key_group: int
+    k_residual: torch.Tensor | None
+
+
+def _kvcache_plan(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale,
+                  window, alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, cache_format,
+                  cache_batch_idx, cache_leftpad) -> KVCallPlan:  # fmt: skip
+    """Every check of attention_with_kvcache's arguments that needs no device read; the plan."""
     batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
     if cache_batch_idx is not None:
         if block_table is not None:
@@ -603,6 +617,36 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     _check_alibi(name, alibi_slopes, q, q.shape[0])
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"{name}: rotary_interleaved must be a bool, got {rotary_interleaved!r}")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    quant = (k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero) if bits != 16 else (None,) * 4
+    key_group = k_cache.key_group if isinstance(k_cache, QuantizedKV) else 0
+    if key_group and (cache_batch_idx is not None or cache_leftpad is not None):
+        raise ValueError(f"{name}: keys by channel (key_group {key_group}) take neither cache_batch_idx nor "
+                         "cache_leftpad: their groups count positions from each sequence's first slot")  # fmt: skip
+    return KVCallPlan(k_cache, v_cache, block_table, bits, group, left, right, scale, float(softcap), quant,
+                      key_group, k_cache.residual if key_group else None)  # fmt: skip
+
+
+def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, softmax_scale, window,
+                  alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, host_lengths,
+                  cache_format=None, check=True, cache_batch_idx=None, cache_leftpad=None,
+                  plan=None):  # fmt: skip
+    """attention_with_kvcache's body; host_lengths: the lengths after the append when the
+    caller knows them (KVCache), else they are checked here with one device-to-host copy
+    (unless check=False); cache_format: see _check_kvcache; plan: a KVCallPlan made by an
+    earlier call of the same signature on these cache sides (KVCache.attend's fast path: the
+    checks are skipped).
+
+    cache_batch_idx views the contiguous cache as a paged one with one page per row and the
+    table cache_batch_idx[:, None]; cache_leftpad becomes the backends' per-sequence slot
+    offset, with the lengths counted from there (cache_seqlens - cache_leftpad)."""
+    name = "attention_with_kvcache"
+    if plan is None:
+        plan = _kvcache_plan(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                             softmax_scale, window, alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved,
+                             cache_format, cache_batch_idx, cache_leftpad)  # fmt: skip
+    bits, group, left, right, scale = plan.bits, plan.group, plan.left, plan.right, plan.scale
+    quant, key_group, k_residual = plan.quant, plan.key_group, plan.k_residual
     kd, vd = _cache_data(k_cache), _cache_data(v_cache)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
     tracing = torch.compiler.is_compiling() or q.device.type == "meta"
@@ -629,19 +673,12 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
         if block_table is not None:
             check_block_table(name, block_table, stored, kd.shape[1], kd.shape[0], seqlen_new, label)
     max_seqlen_k = max(host_lengths, default=0) if host_lengths is not None else capacity
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    quant = (k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero) if bits != 16 else (None,) * 4
-    key_group = k_cache.key_group if isinstance(k_cache, QuantizedKV) else 0
-    k_residual = k_cache.residual if key_group else None
-    if key_group and (cache_batch_idx is not None or cache_leftpad is not None):
-        raise ValueError(f"{name}: keys by channel (key_group {key_group}) take neither cache_batch_idx nor "
-                         "cache_leftpad: their groups count positions from each sequence's first slot")  # fmt: skip
     library = tracing or any(type(t) is not torch.Tensor for t in (q, kd, vd))
     # Both ops take the same path (decided here, once, for the pair).
     append = ops.KVCACHE_APPEND.library if library else ops.kvcache_append
     forward = ops.ATTENTION_KVCACHE.library if library else ops.kvcache_forward
     forward_args = (q, kd, vd, *quant, seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
-                    scale, left, right, alibi_slopes, float(softcap), rotary_interleaved, bits, group,
+                    scale, left, right, alibi_slopes, plan.softcap, rotary_interleaved, bits, group,
                     cache_leftpad, k_residual, key_group)  # fmt: skip
     if k_new is None or k_new.numel() == 0:
         return forward(*forward_args)

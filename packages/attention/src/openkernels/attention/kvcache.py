@@ -5,12 +5,58 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .api import _cache_format, _kvcache_call, check_block_table, check_lengths, check_rotary_tables
+from .api import (
+    KVCallPlan,
+    _cache_format,
+    _kvcache_call,
+    _kvcache_plan,
+    check_block_table,
+    check_lengths,
+    check_rotary_tables,
+)
 from .kvformat import FP8, KEY_GROUPS, QuantizedKV, code_width, gather_sequence
 
 __all__ = ["KVCache"]
 
 _KV_DTYPES = ("int8", "int4", "fp8")
+
+
+_MAX_PLANS = 64  # call signatures one cache keeps checked plans for (a model calls a few)
+_SCALAR_OPTIONS = {"causal": (bool,), "softmax_scale": (type(None), float, int), "softcap": (float, int),
+                   "rotary_interleaved": (bool,)}  # fmt: skip
+_TENSOR_OPTIONS = ("alibi_slopes", "rotary_cos", "rotary_sin", "cache_leftpad")
+
+
+def _call_signature(q: object, k_new: object, v_new: object, options: dict) -> tuple | None:
+    """The key under which KVCache.attend reuses a checked plan: q's and the new tokens' type,
+    shape, dtype and device and the scalar options with their exact types (True must not hit
+    a plan made for 1); None (no reuse) with a tensor option (ALiBi slopes, rotary tables,
+    cache_leftpad: checked every call) or anything not a plain tensor."""
+    if type(q) is not torch.Tensor or any(options.get(name) is not None for name in _TENSOR_OPTIONS):
+        return None
+    parts = [q.shape, q.dtype, q.device]
+    for t in (k_new, v_new):
+        if t is None:
+            parts.append(None)
+        elif type(t) is torch.Tensor:
+            parts += (t.shape, t.dtype, t.device)
+        else:
+            return None
+    for name, value in options.items():
+        if name in _TENSOR_OPTIONS:
+            continue
+        if name == "window":
+            if (
+                type(value) is not tuple
+                or len(value) != 2
+                or type(value[0]) is not int
+                or type(value[1]) is not int
+            ):
+                return None
+        elif type(value) not in _SCALAR_OPTIONS[name]:
+            return None
+        parts += (name, value, type(value))
+    return tuple(parts)
 
 
 class KVCache:
@@ -124,6 +170,7 @@ class KVCache:
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._lengths = [0] * batch_size
         self._formats: dict[tuple, tuple[int, int]] = {}  # (q dtype, head_dim, device) -> (bits, group)
+        self._plans: dict[tuple, KVCallPlan] = {}  # call signature -> checked plan (see attend)
         self._block_table = None
         if page_size is not None:
             if block_table is None:
@@ -219,27 +266,44 @@ class KVCache:
         if unknown:
             raise TypeError(f"KVCache.attend: unknown options {sorted(unknown)}")
         n = 0 if k_new is None else k_new.shape[1]
-        # The storage's format is checked once per (q dtype, head_dim, device): a decode step
-        # is a ~0.1 ms kernel, and the per-side checks cost ~30 us of Python here.
-        key = (q.dtype, q.shape[-1], q.device) if isinstance(q, torch.Tensor) else None
-        fmt = self._formats.get(key)
-        if fmt is None:
-            fmt = _cache_format("KVCache.attend", self.k, self.v, q) if key is not None else None
-            if fmt is not None:
-                self._formats[key] = fmt
+        compiling = torch.compiler.is_compiling()
+        sig = None if compiling else _call_signature(q, k_new, v_new, options)
+        plan = self._plans.get(sig) if sig is not None else None
+        if plan is not None and not (plan.k_cache is self.k and plan.v_cache is self.v
+                                     and plan.block_table is self._block_table):  # fmt: skip
+            plan = None  # the sides or the table were replaced since
+        fmt = None
+        if plan is None:
+            # The storage's format is checked once per (q dtype, head_dim, device): a decode step
+            # is a ~0.1 ms kernel, and the per-side checks cost ~30 us of Python here.
+            key = (q.dtype, q.shape[-1], q.device) if isinstance(q, torch.Tensor) else None
+            fmt = self._formats.get(key)
+            if fmt is None:
+                fmt = _cache_format("KVCache.attend", self.k, self.v, q) if key is not None else None
+                if fmt is not None:
+                    self._formats[key] = fmt
         lengths = None
         leftpad = options.get("cache_leftpad")
-        if not torch.compiler.is_compiling():
+        if not compiling:
             lengths = self._advance(
                 n, "KVCache.attend", options.get("rotary_cos"), q.shape[1] if q.dim() == 4 else 0
             )
             if leftpad is not None:
                 self._check_leftpad(leftpad, n)
+        if sig is not None and plan is None:  # checked by this call: kept for the next ones
+            plan = _kvcache_plan(
+                "attention_with_kvcache", q, self.k, self.v, self.seqlens, k_new, v_new, self.block_table,
+                options.get("causal", True), options.get("softmax_scale"), options.get("window", (-1, -1)), None,
+                options.get("softcap", 0.0), None, None, options.get("rotary_interleaved", False), fmt, None, None,
+            )  # fmt: skip
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[sig] = plan
         out, lse = _kvcache_call(
             q, self.k, self.v, self.seqlens, k_new, v_new, self.block_table, options.get("causal", True),
             options.get("softmax_scale"), options.get("window", (-1, -1)), options.get("alibi_slopes"),
             options.get("softcap", 0.0), options.get("rotary_cos"), options.get("rotary_sin"),
-            options.get("rotary_interleaved", False), lengths, fmt, cache_leftpad=leftpad,
+            options.get("rotary_interleaved", False), lengths, fmt, cache_leftpad=leftpad, plan=plan,
         )  # fmt: skip
         if n:
             self.seqlens += n
