@@ -39,6 +39,8 @@ def test_lean_config_only_where_the_arch_has_one():
         (256, 128, 1, 4),  # B32 S4096: at least 32 key blocks per split
         (8, 4096, 1, 128),  # B1 S131072: the cap
         (256, 64, 4, 2),  # 4-warp programs: two per SM
+        (8, 128, 1, 17),  # B1 S4096: every SM gets a program before the 32-block minimum applies
+        (128, 136, 1, 4),  # Llama 1B at B16, 4352 tokens: 512 programs
         (4, 3, 1, 1),  # a short cache is not split
     ],
 )

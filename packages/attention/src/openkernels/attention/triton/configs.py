@@ -144,9 +144,13 @@ def all_configs(arch: str) -> list[tuple[int, str, bool, AttnConfig]]:
 # One-warp programs (the quantized decode on Hopper) need many per SM to hide latency and
 # run 32-key blocks: H200, fp8 at B8 S32768 146.6 us with 33 splits (16 programs per SM)
 # against 159-168 with fewer; at B32 S4096 (128 blocks) 2-3 splits led (74-76 us) and 9 lost
-# (87 us): each program then had 14 blocks.
+# (87 us): each program then had 14 blocks. Whatever the warps, the splits first give every SM
+# one program where the cache has _KV_MIN_BLOCKS_PER_SPLIT blocks per split for it: a single
+# short sequence (B1 S4096: 8 programs, 128 blocks of 32 keys) would otherwise run 32
+# one-warp programs on 132 SMs (not measured on the GPU; the 4-warp rule gave it 128).
 _KV_SPLIT_RULE = {1: (16, 32), 2: (8, 16)}
 _KV_SPLIT_DEFAULT = (2, 4)
+_KV_MIN_BLOCKS_PER_SPLIT = 4
 
 
 # arch family -> (decode of a 16-bit cache, decode of an int8/int4 cache, chunked prefill) at
@@ -223,11 +227,14 @@ def kv_append_keys_warps(head_dim: int, key_group: int) -> int:
 
 
 def kv_splits(programs: int, key_blocks: int, sm_count: int, num_warps: int = 4) -> int:
-    """How many splits of the key axis for programs of `num_warps` warps: enough programs for
-    every SM, a minimum of key blocks each (_KV_SPLIT_RULE), at most 128."""
+    """How many splits of the key axis for programs of `num_warps` warps, at most 128: one
+    program per SM if the splits keep _KV_MIN_BLOCKS_PER_SPLIT key blocks each, and up to the
+    rule's programs per SM while they keep its minimum of blocks (_KV_SPLIT_RULE)."""
     per_sm, min_blocks = _KV_SPLIT_RULE.get(num_warps, _KV_SPLIT_DEFAULT)
-    want = -(-per_sm * sm_count // max(programs, 1))
-    return max(1, min(want, key_blocks // min_blocks, 128))
+    programs = max(programs, 1)
+    fill = min(-(-sm_count // programs), key_blocks // _KV_MIN_BLOCKS_PER_SPLIT)
+    more = min(-(-per_sm * sm_count // programs), key_blocks // min_blocks)
+    return max(1, min(max(fill, more), 128))
 
 
 def kv_append_block_t(head_dim: int) -> int:
