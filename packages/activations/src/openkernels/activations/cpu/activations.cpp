@@ -20,6 +20,7 @@
 namespace {
 
 enum Dtype { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// Activation codes: spec.Act's values (test_codes.py checks them).
 enum Act { kSilu = 0, kGelu = 1, kGeluTanh = 2, kGeluQuick = 3, kReluSquared = 4 };
 
 constexpr int64_t kBlock = 512;             // f16 staging buffers (floats): a block's buffers fit in L1
@@ -122,10 +123,12 @@ OK_INLINE void act_both(float x, float& f, float& df) {
     sigmoid(xc * std::fma(c3, x2, c1), s, sc);
     f = x * s;
     df = s + x * (s * sc * std::fma(3.0f * c3, x2, c1));
-  } else {  // relu(x)^2; `x < 0 ? 0 : x` keeps NaN
+  } else if constexpr (A == kReluSquared) {  // relu(x)^2; `x < 0 ? 0 : x` keeps NaN
     float r = x < 0.0f ? 0.0f : x;
     f = r * r;
     df = 2.0f * r;
+  } else {
+    static_assert(A != A, "unknown activation code (spec.Act)");
   }
 }
 

@@ -10,6 +10,8 @@ ACT is an `Act` code from spec.py; gated kernels read a = x[:, :n_cols], b = x[:
 import triton
 import triton.language as tl
 
+from ..spec import Act
+
 # Constants of the activation definitions (see reference.py); jit code may only read
 # module globals that are constexpr.
 _INV_SQRT2 = tl.constexpr(0.7071067811865476)
@@ -17,6 +19,12 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_TANH_C = tl.constexpr(0.044715)
 _GELU_QUICK_C = tl.constexpr(1.702)
+# The activation codes, from spec.Act (the C++ kernels' enum is checked against it by a test).
+_SILU = tl.constexpr(int(Act.SILU))
+_GELU = tl.constexpr(int(Act.GELU))
+_GELU_TANH = tl.constexpr(int(Act.GELU_TANH))
+_GELU_QUICK = tl.constexpr(int(Act.GELU_QUICK))
+_RELU_SQUARED = tl.constexpr(int(Act.RELU_SQUARED))
 
 
 @triton.jit
@@ -85,46 +93,50 @@ def _store(ptrs, value, mask, EVEN: tl.constexpr):
 @triton.jit
 def _act(x, ACT: tl.constexpr):
     """act(x) for float32 x."""
-    if ACT == 0:  # silu
+    if ACT == _SILU:
         y = x * _sigmoid(x)
-    elif ACT == 1:  # gelu, exact
+    elif ACT == _GELU:  # exact
         y = x * _normal_cdf(x)
-    elif ACT == 2:  # gelu tanh: 0.5 (1 + tanh(u)) == sigmoid(2u), no tanh intrinsic needed
+    elif ACT == _GELU_TANH:  # 0.5 (1 + tanh(u)) == sigmoid(2u), no tanh intrinsic needed
         u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
         y = x * _sigmoid(2.0 * u)
-    elif ACT == 3:  # gelu quick
+    elif ACT == _GELU_QUICK:
         y = x * _sigmoid(_GELU_QUICK_C * x)
-    else:  # relu squared; where(x < 0) rather than maximum, which would turn NaN into 0
+    elif ACT == _RELU_SQUARED:  # where(x < 0) rather than maximum, which would turn NaN into 0
         r = tl.where(x < 0.0, 0.0, x)
         y = r * r
+    else:
+        tl.static_assert(False, "unknown activation code (spec.Act)")
     return y
 
 
 @triton.jit
 def _act_and_grad(x, ACT: tl.constexpr):
     """(act(x), act'(x)) for float32 x, sharing the transcendental between the two."""
-    if ACT == 0:
+    if ACT == _SILU:
         s, one_minus_s = _sigmoid_and_complement(x)
         y = x * s
         dy = s * (1.0 + x * one_minus_s)
-    elif ACT == 1:
+    elif ACT == _GELU:
         cdf = _normal_cdf(x)
         y = x * cdf
         dy = cdf + x * _INV_SQRT_2PI * tl.exp(-0.5 * x * x)
-    elif ACT == 2:
+    elif ACT == _GELU_TANH:
         u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x * x * x)
         s, one_minus_s = _sigmoid_and_complement(2.0 * u)
         du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * x * x)
         y = x * s
         dy = s + 2.0 * x * s * one_minus_s * du
-    elif ACT == 3:
+    elif ACT == _GELU_QUICK:
         s, one_minus_s = _sigmoid_and_complement(_GELU_QUICK_C * x)
         y = x * s
         dy = s + _GELU_QUICK_C * x * s * one_minus_s
-    else:
+    elif ACT == _RELU_SQUARED:
         r = tl.where(x < 0.0, 0.0, x)
         y = r * r
         dy = 2.0 * r
+    else:
+        tl.static_assert(False, "unknown activation code (spec.Act)")
     return y, dy
 
 
