@@ -12,7 +12,6 @@ aligned bottom-right, softcap, ALiBi, empty rows, rotary) are in reference.py.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import numbers
 from typing import Any, NamedTuple
@@ -23,65 +22,20 @@ from openkernels.shared import dispatch
 
 from . import ops
 from .kvformat import BITS, FP8, KEY_GROUPS, QuantizedKV, code_width
-from .problem import check_qkv_shapes
+from .problem import check_lengths, check_options, check_qkv_shapes
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "apply_rotary"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _finite(x) -> bool:
-    """math.isfinite that dynamo can trace when it turns a float argument into a symbolic
-    one (math.isinf/isfinite on it is unsupported): x - x is NaN for +-inf and NaN."""
-    return x - x == 0
-
-
 def _check_options(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
-    """(window_left, window_right) after checking the scalar options; plain Python values
-    (the usual call) are checked once per combination."""
-    if (
-        type(causal) is bool
-        and type(window) is tuple
-        and len(window) == 2
-        and type(window[0]) is int
-        and type(window[1]) is int
-        and type(softcap) in (float, int)
-        and (softmax_scale is None or type(softmax_scale) in (float, int))
-        and not torch.compiler.is_compiling()
-    ):  # exact types: True == 1 must not hit an entry cached for 1
-        return _checked_options(name, causal, softmax_scale, window, softcap)
-    return _check_options_now(name, causal, softmax_scale, window, softcap)
-
-
-@functools.lru_cache(maxsize=1024)
-def _checked_options(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
-    return _check_options_now(name, causal, softmax_scale, window, softcap)
-
-
-def _check_options_now(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
-    if not isinstance(causal, bool):
-        raise TypeError(f"{name}: causal must be a bool, got {causal!r}")
-    if softmax_scale is not None and (
-        not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool)
-        or not _finite(softmax_scale) or softmax_scale <= 0
-    ):  # fmt: skip
-        raise ValueError(
-            f"{name}: softmax_scale must be a positive finite float or None, got {softmax_scale!r}"
-        )
-    if (
-        not isinstance(window, (tuple, list)) or len(window) != 2
-        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window)
-    ):  # fmt: skip
-        raise ValueError(f"{name}: window must be a pair of ints >= -1 (-1: unbounded side), got {window!r}")
-    if (
-        not isinstance(softcap, numbers.Real)
-        or isinstance(softcap, bool)
-        or not softcap >= 0
-        or not _finite(softcap)
-    ):
-        raise ValueError(f"{name}: softcap must be a finite float >= 0 (0: off), got {softcap!r}")
-    left, right = int(window[0]), int(window[1])
-    return left, 0 if causal else right
+    """(window_left, window_right) after checking the scalar options (problem.check_options);
+    plain Python values (the usual call) are checked once per combination, never while
+    torch.compile traces (dynamo would turn the cache lookup into guards)."""
+    return check_options(
+        name, causal, softmax_scale, window, softcap, cached=not torch.compiler.is_compiling()
+    )
 
 
 def _check_qkv(name: str, q: object, k: object, v: object, dims: int) -> None:
@@ -474,22 +428,6 @@ def _check_per_sequence(name: str, what: str, t: object, batch: int, device: tor
     if tuple(t.shape) != (batch,) or t.device != device:
         raise ValueError(f"{name}: {what} must have shape ({batch},) and be on {device}, got {tuple(t.shape)} on "
                          f"{t.device}")  # fmt: skip
-
-
-def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int, seqlen_q: int,
-                  rotary_rows: int | None) -> list[int]:  # fmt: skip
-    """Host lengths before the append against the capacity (and the rotary table); returns
-    the lengths after the append."""
-    for b, cached in enumerate(lengths):
-        if cached < 0 or cached + seqlen_new > capacity:
-            raise ValueError(f"{name}: cache_seqlens[{b}] = {cached} plus {seqlen_new} new tokens is outside the "
-                             f"cache's capacity of {capacity} tokens")  # fmt: skip
-        if rotary_rows is not None and (
-            cached + seqlen_new - seqlen_q < 0 or cached + seqlen_new > rotary_rows
-        ):
-            raise ValueError(f"{name}: rotary positions {cached + seqlen_new - seqlen_q}..{cached + seqlen_new - 1} of "
-                             f"sequence {b} are outside rotary_cos's {rotary_rows} rows")  # fmt: skip
-    return [n + seqlen_new for n in lengths]
 
 
 def check_block_table(name: str, block_table: torch.Tensor, lengths: torch.Tensor | list[int], page: int,

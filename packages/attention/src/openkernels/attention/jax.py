@@ -30,11 +30,10 @@ import jax.numpy as jnp
 from openkernels.shared import jax as okjax
 
 from . import jax_jnp
-from .api import _check_options
 from .jax_checks import check_alibi, check_cu_seqlens, check_qkv, check_rotary
 from .jax_kvcache import attention_with_kvcache
 from .ops import KERNEL_DTYPES, ROTARY_KERNEL_DTYPES, ROTARY_MAX_HEAD_DIM
-from .problem import Problem
+from .problem import Problem, check_options
 
 __all__ = ["attention", "attention_varlen", "apply_rotary", "attention_with_kvcache"]
 
@@ -146,7 +145,7 @@ def attention(
     """
     name = "attention"
     check_qkv(name, q, k, v, 4)
-    left, right = _check_options(name, causal, softmax_scale, window, softcap)
+    left, right = check_options(name, causal, softmax_scale, window, softcap)
     check_alibi(name, alibi_slopes, q.shape[2], q.shape[0])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], False, scale, left,
@@ -190,7 +189,7 @@ def attention_varlen(
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
                          f"got {cu_seqlens_q.shape[0] - 1} and {cu_seqlens_k.shape[0] - 1}")  # fmt: skip
-    left, right = _check_options(name, causal, softmax_scale, window, softcap)
+    left, right = check_options(name, causal, softmax_scale, window, softcap)
     n_seqs = cu_seqlens_q.shape[0] - 1
     check_alibi(name, alibi_slopes, q.shape[1], n_seqs)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .ops import HEAD_DIMS
-from .problem import check_qkv_shapes
+from .problem import check_lengths, check_qkv_shapes
 
 __all__ = ["check_qkv", "check_alibi", "check_cu_seqlens", "check_rotary", "concrete", "DTYPES"]
 
@@ -199,10 +199,8 @@ def check_kvcache(
 
 def check_kvcache_values(name: str, cache_seqlens, block_table, capacity: int, page: int, num_pages: int,
                          seqlen_new: int, seqlen_q: int, rotary_rows: int | None) -> list[int] | None:  # fmt: skip
-    """api.check_lengths and api.check_block_table when the values are known (one small
+    """problem.check_lengths and api.check_block_table when the values are known (one small
     device-to-host copy each); returns the lengths after the append, or None under jit."""
-    from .api import check_lengths
-
     lengths = concrete(cache_seqlens)
     if lengths is None:
         return None

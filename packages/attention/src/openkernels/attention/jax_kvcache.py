@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from openkernels.shared import jax as okjax
 
 from . import jax_jnp
-from .api import _check_options
 from .jax_checks import (
     check_alibi,
     check_kvcache,
@@ -24,7 +23,7 @@ from .jax_checks import (
     check_per_sequence,
     check_rows_and_padding,
 )
-from .problem import KVProblem, Problem
+from .problem import KVProblem, Problem, check_options
 
 __all__ = ["attention_with_kvcache"]
 
@@ -108,7 +107,7 @@ def attention_with_kvcache(
             check_per_sequence(name, what, value, batch)
     check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
                   rows_indexed=cache_batch_idx is not None)  # fmt: skip
-    left, right = _check_options(name, causal, softmax_scale, window, softcap)
+    left, right = check_options(name, causal, softmax_scale, window, softcap)
     batch, seqlen_q, heads_q, head_dim = q.shape
     check_alibi(name, alibi_slopes, heads_q, batch)
     if not isinstance(rotary_interleaved, bool):

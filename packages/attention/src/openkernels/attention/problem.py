@@ -5,9 +5,11 @@ launchers build one per call (a frozen dataclass costs microseconds more)."""
 
 from __future__ import annotations
 
+import functools
+import numbers
 from typing import NamedTuple
 
-__all__ = ["Problem", "KVProblem", "check_qkv_shapes"]
+__all__ = ["Problem", "KVProblem", "check_lengths", "check_options", "check_qkv_shapes"]
 
 
 class Problem(NamedTuple):
@@ -98,3 +100,74 @@ def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_di
         raise ValueError(
             f"{name}: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for MQA/GQA"
         )
+
+
+def _finite(x) -> bool:
+    """math.isfinite that dynamo can trace when it turns a float argument into a symbolic
+    one (math.isinf/isfinite on it is unsupported): x - x is NaN for +-inf and NaN."""
+    return x - x == 0
+
+
+def check_options(name: str, causal: object, softmax_scale: object, window: object, softcap: object,
+                  cached: bool = True) -> tuple[int, int]:  # fmt: skip
+    """(window_left, window_right) of an attention call after checking its scalar options, for
+    both front ends; with `cached`, plain Python values are checked once per combination."""
+    if (
+        cached
+        and type(causal) is bool
+        and type(window) is tuple
+        and len(window) == 2
+        and type(window[0]) is int
+        and type(window[1]) is int
+        and type(softcap) in (float, int)
+        and (softmax_scale is None or type(softmax_scale) in (float, int))
+    ):  # exact types: True == 1 must not hit an entry cached for 1
+        return _checked_options(name, causal, softmax_scale, window, softcap)
+    return _check_options_now(name, causal, softmax_scale, window, softcap)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_options(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
+    return _check_options_now(name, causal, softmax_scale, window, softcap)
+
+
+def _check_options_now(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
+    if not isinstance(causal, bool):
+        raise TypeError(f"{name}: causal must be a bool, got {causal!r}")
+    if softmax_scale is not None and (
+        not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool)
+        or not _finite(softmax_scale) or softmax_scale <= 0
+    ):  # fmt: skip
+        raise ValueError(
+            f"{name}: softmax_scale must be a positive finite float or None, got {softmax_scale!r}"
+        )
+    if (
+        not isinstance(window, (tuple, list)) or len(window) != 2
+        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window)
+    ):  # fmt: skip
+        raise ValueError(f"{name}: window must be a pair of ints >= -1 (-1: unbounded side), got {window!r}")
+    if (
+        not isinstance(softcap, numbers.Real)
+        or isinstance(softcap, bool)
+        or not softcap >= 0
+        or not _finite(softcap)
+    ):
+        raise ValueError(f"{name}: softcap must be a finite float >= 0 (0: off), got {softcap!r}")
+    left, right = int(window[0]), int(window[1])
+    return left, 0 if causal else right
+
+
+def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int, seqlen_q: int,
+                  rotary_rows: int | None) -> list[int]:  # fmt: skip
+    """Host lengths before the append against the capacity (and the rotary table); returns
+    the lengths after the append."""
+    for b, cached in enumerate(lengths):
+        if cached < 0 or cached + seqlen_new > capacity:
+            raise ValueError(f"{name}: cache_seqlens[{b}] = {cached} plus {seqlen_new} new tokens is outside the "
+                             f"cache's capacity of {capacity} tokens")  # fmt: skip
+        if rotary_rows is not None and (
+            cached + seqlen_new - seqlen_q < 0 or cached + seqlen_new > rotary_rows
+        ):
+            raise ValueError(f"{name}: rotary positions {cached + seqlen_new - seqlen_q}..{cached + seqlen_new - 1} of "
+                             f"sequence {b} are outside rotary_cos's {rotary_rows} rows")  # fmt: skip
+    return [n + seqlen_new for n in lengths]
