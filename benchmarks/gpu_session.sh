@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu_session.sh [family] [steps: tests,check,tune,hosttime,bench,long,dtypes,demo]
+#   bash benchmarks/gpu_session.sh [family] [steps: tests,check,tune,hosttime,bench,long,dtypes,demo,decode]
+# decode (attention): KV-cache decode of every format at the shapes and one short
+# sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
 # results in $OUT.
 set -uo pipefail
@@ -62,6 +64,12 @@ if [[ $steps == *dtypes* ]]; then
   [[ $family == attention ]] && dtypes=float16
   run benchmarks/run.py "$family" --dtype "$dtypes" "${args[@]}" \
     --json "$out/bench_f16_f32.json" | tee "$out/bench_f16_f32.txt"
+fi
+if [[ $steps == *decode* && $family == attention ]]; then
+  run benchmarks/decode_attention.py --peers sdpa --formats ours,ours-fp8,ours-int8,ours-int4,ours-int4-keys32 \
+    --shapes 32x32x8x4096x128,8x32x8x32768x128,1x32x8x131072x128,1x32x8x4096x128 --kernel-time --rep-ms 30 \
+    --json "$out/decode.json" | tee "$out/decode.txt"
+  (cd benchmarks && run e2e_kv_decode.py --reps 1 --json "$out/e2e_kv.json") | tee "$out/e2e_kv.txt" | tail -12
 fi
 if [[ $steps == *demo* ]]; then
   run -m openkernels.shared check | tee "$out/check.txt" | grep -E "FAIL|checks|passed"
