@@ -33,17 +33,22 @@ class Attention(_h.Suite, _h.TFLOPs):
         return self.measure_all()
 
     def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, backend: str) -> Any:
-        from openkernels.attention import bench
+        return _case(dev, op, direction, shape, dtype, peers=[])
 
-        cases = bench.cases(
-            dev,
-            shapes=[(1, 2, 128, 64) if _h.smoke() else _h.parse_shape(shape)],
-            dtypes=[_h.torch_dtype(dtype)],
-            ops=[op],
-            directions=[direction],
-            peers=[],
-        )
-        return _h.only_case(cases)
+
+def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list[str]) -> Any:
+    """The one case of openkernels.attention.bench for these parameters (tiny in smoke mode)."""
+    from openkernels.attention import bench
+
+    cases = bench.cases(
+        dev,
+        shapes=[(1, 2, 128, 64) if _h.smoke() else _h.parse_shape(shape)],
+        dtypes=[_h.torch_dtype(dtype)],
+        ops=[op],
+        directions=[direction],
+        peers=peers,
+    )
+    return _h.only_case(cases)
 
 
 # Peers by their name in the report: the contender of openkernels.attention.bench (SDPA with
@@ -76,20 +81,10 @@ class AttentionPeers(_h.PeerSuite, _h.TFLOPs):
     def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, peer: str) -> Any:
         import torch
 
-        from openkernels.attention import bench
-
         name = self.peers[peer]
         if name.startswith("sdpa-") and torch.version.hip:
             raise _h.PeerUnavailableError(f"{peer}: SDPA's backends on ROCm are not these kernels")
-        cases = bench.cases(
-            dev,
-            shapes=[(1, 2, 128, 64) if _h.smoke() else _h.parse_shape(shape)],
-            dtypes=[_h.torch_dtype(dtype)],
-            ops=[op],
-            directions=[direction],
-            peers=[] if name == _peers.FLASH_ATTN_4 else [name],
-        )
-        case = _h.only_case(cases)
+        case = _case(dev, op, direction, shape, dtype, peers=[] if name == _peers.FLASH_ATTN_4 else [name])
         if name == _peers.FLASH_ATTN_4:
             _peers.add_flash_attn_4(case, causal=op == "causal")
         return case

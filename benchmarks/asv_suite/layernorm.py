@@ -29,17 +29,22 @@ class LayerNorm(_h.Suite, _h.GBps):
         return self.measure_all()
 
     def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, backend: str) -> Any:
-        from openkernels.layernorm import bench
+        return _case(dev, op, direction, shape, dtype, peers=[])
 
-        cases = bench.cases(
-            dev,
-            shapes=[SMOKE_SHAPE if _h.smoke() else _h.parse_shape(shape)],
-            dtypes=[_h.torch_dtype(dtype)],
-            ops=[op],
-            directions=[direction],
-            peers=[],
-        )
-        return _h.only_case(cases)
+
+def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list[str]) -> Any:
+    """The one case of openkernels.layernorm.bench for these parameters (tiny in smoke mode)."""
+    from openkernels.layernorm import bench
+
+    cases = bench.cases(
+        dev,
+        shapes=[SMOKE_SHAPE if _h.smoke() else _h.parse_shape(shape)],
+        dtypes=[_h.torch_dtype(dtype)],
+        ops=[op],
+        directions=[direction],
+        peers=peers,
+    )
+    return _h.only_case(cases)
 
 
 class LayerNormPeers(_h.PeerSuite, _h.GBps):
@@ -64,15 +69,7 @@ class LayerNormPeers(_h.PeerSuite, _h.GBps):
         from openkernels.layernorm import bench
 
         name = self.peers[peer]
-        cases = bench.cases(
-            dev,
-            shapes=[SMOKE_SHAPE if _h.smoke() else _h.parse_shape(shape)],
-            dtypes=[_h.torch_dtype(dtype)],
-            ops=[op],
-            directions=[direction],
-            peers=[] if name == _peers.QUACK else [name],
-        )
-        case = _h.only_case(cases)
+        case = _case(dev, op, direction, shape, dtype, peers=[] if name == _peers.QUACK else [name])
         if name == _peers.QUACK:
             _peers.add_quack(case, eps=getattr(bench, "EPS", 1e-6))
         return case

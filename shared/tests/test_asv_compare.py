@@ -4,7 +4,6 @@ one commit), whichever is larger; a benchmark the base had and the head lost is 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
-def history(monkeypatch):
-    spec = importlib.util.spec_from_file_location("asv_history", ROOT / "benchmarks" / "asv_history.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def history(script):
+    return script("asv_history")
 
 
 def _compare(history, monkeypatch, before: dict, after: dict, noise: dict) -> list[str]:

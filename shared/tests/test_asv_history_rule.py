@@ -4,7 +4,6 @@ than max(family factor, MARGIN x its measured spread), at the first commit of th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,11 +17,8 @@ KEY = f"{NORM}({LABEL})"
 
 
 @pytest.fixture()
-def history():
-    spec = importlib.util.spec_from_file_location("asv_history", ROOT / "benchmarks" / "asv_history.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def history(script):
+    return script("asv_history")
 
 
 def _sha(i: int) -> str:

@@ -4,7 +4,6 @@ rows carry each number with its machine, commit date and short hash."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,11 +14,8 @@ PARAMS = [["'silu'", "'gelu'"], ["'fwd'", "'bwd'"]]
 
 
 @pytest.fixture()
-def tables():
-    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "benchmarks" / "docs_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tables(script):
+    return script("docs_tables")
 
 
 def test_committed_pages_match_the_committed_results(tables, capsys) -> None:
