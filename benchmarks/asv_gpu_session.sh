@@ -9,6 +9,8 @@
 #                           forkserver launch), starting none after SECONDS
 #     run:COMMIT            every benchmark that applies here, for one commit (spawn launch)
 #     compare:BASE:HEAD     asv-compare's table and verdict for two commits (lean set)
+#     noise:RUNS:SECONDS    HEAD benchmarked RUNS times (lean set), no run started after SECONDS;
+#                           the spread file lands in $OUT/asv-noise
 set -uo pipefail
 OUT=${OUT:-/tmp/asv-out}
 mkdir -p "$OUT"
@@ -32,6 +34,9 @@ for step in "$@"; do
     case $kind in
     backfill) python3 benchmarks/asv_history.py backfill --lean --launch forkserver --budget-s "$a" 2>&1 | tee -a "$OUT/backfill.log" | grep -E "^asv:|budget|failed|Error" ;;
     run) python3 benchmarks/asv_history.py run "$a" ${b:+--families "$b"} 2>&1 | tee -a "$OUT/run.log" | grep -E "^asv:|failed|Error" ;;
+    noise) python3 benchmarks/asv_history.py noise --lean --launch forkserver --runs "$a" --budget-s "${b:-0}" 2>&1 \
+        | tee -a "$OUT/noise.log" | grep -E "^asv:|noise|spread|failed|Error"
+        mkdir -p "$OUT/asv-noise" && cp benchmarks/results/asv-noise/*.json "$OUT/asv-noise/" 2>/dev/null ;;
     compare) python3 benchmarks/asv_history.py compare "$a" "$b" --lean --launch forkserver 2>&1 | tee -a "$OUT/compare.log" | tail -40 ;;
     esac
     echo "step $step: $(($(date +%s) - start)) s"

@@ -280,17 +280,30 @@ def family_of(benchmark: str) -> str:
     return benchmark.split(".", 1)[0]
 
 
-def measure_noise(machine: str, runs: int, regex: str, launch: str) -> dict:
+def measure_noise(machine: str, runs: int, regex: str, launch: str, budget_s: float = 0) -> dict:
     """Benchmark HEAD `runs` times; per benchmark (track_ms) the spread max / min of its
-    times; written to NOISE/<machine>.json with the commit, date and per-family quantiles."""
+    times; written to NOISE/<machine>.json with the commit, date and per-family quantiles.
+    With `budget_s`, no run starts after that many seconds; the file is rewritten after every
+    run from the second on, so a call cut short keeps what it measured."""
     sha = git("rev-parse", "--verify", "HEAD^{commit}")
     times: dict[str, list[float]] = {}
+    start = time.monotonic()
+    data: dict = {}
     for i in range(runs):
+        if i >= 2 and budget_s and time.monotonic() - start > budget_s:
+            print(f"noise: budget of {budget_s:.0f} s spent after {i} runs", flush=True)
+            break
         print(f"noise: run {i + 1} of {runs}", flush=True)
         run_commit(sha, machine=machine, regex=regex, launch=launch)
         for (name, label), value in load_results(machine, sha).items():
             if name.endswith(".track_ms"):
                 times.setdefault(f"{name}({label})", []).append(value)
+        if i >= 1:
+            data = _write_noise(machine, sha, i + 1, times)
+    return data
+
+
+def _write_noise(machine: str, sha: str, runs: int, times: dict[str, list[float]]) -> dict:
     spread = {k: max(v) / min(v) for k, v in sorted(times.items()) if len(v) == runs and min(v) > 0}
     families: dict[str, dict[str, float]] = {}
     for family in sorted({family_of(k) for k in spread}):
@@ -301,6 +314,7 @@ def measure_noise(machine: str, runs: int, regex: str, launch: str) -> dict:
             "families": families, "spread": spread}  # fmt: skip
     NOISE.mkdir(parents=True, exist_ok=True)
     (NOISE / f"{machine}.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(f"noise after {runs} runs:")
     for family, q in families.items():
         print(f"{family:12} {q['n']:4} benchmarks: spread median {q['median']:.3f}, p90 {q['p90']:.3f}, "
               f"max {q['max']:.3f}")  # fmt: skip
@@ -628,6 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     p_back.add_argument("--newest-first", action="store_true")
     p_noise = sub.add_parser("noise", help="benchmark HEAD several times; record each benchmark's spread")
     p_noise.add_argument("--runs", type=int, default=4)
+    p_noise.add_argument(
+        "--budget-s", type=float, default=0, help="start no run after this many seconds (2 always run)"
+    )
     p_hist = sub.add_parser("history", help="the history rule on committed results; exit 1 when any flagged")
     p_hist.add_argument("--machine", action="append", help="default: every machine with results")
     p_hist.add_argument("--window", type=int, default=HISTORY_WINDOW, help="results in the last window")
@@ -690,7 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "noise":
         if args.runs < 2:
             raise SystemExit("noise: --runs must be at least 2")
-        measure_noise(machine, args.runs, selection(dev, families=families, lean=args.lean), args.launch)
+        measure_noise(
+            machine, args.runs, selection(dev, families=families, lean=args.lean), args.launch, args.budget_s
+        )
         return 0
     if args.command == "backfill":
         start = time.monotonic()
