@@ -95,6 +95,9 @@ def run(model, batch: int, prompt: int, new: int, formats: list[str], eager: boo
     rows, ref = [], None
     for name, (attn, kv_dtype) in contenders.items():
         model.set_attn_implementation(attn)
+        # Each contender compiles afresh: one cache format after another recompiles the same
+        # decode step, and past dynamo's recompile limit (8) the rest ran in eager mode.
+        torch._dynamo.reset()
 
         def call(n: int, attn=attn, kv_dtype=kv_dtype):
             if attn == "sdpa":
