@@ -161,13 +161,16 @@ def selection(dev: str, *, families: list[str] | None = None, lean: bool = False
 
     asv starts a process for every benchmark and parameter combination it is asked for, so
     naming only those that apply here keeps it from starting thousands that would only say
-    n/a. lean: the history subset, bfloat16 on the device's own kernels (Triton or C++).
+    n/a. lean: the history subset, bfloat16 on the device's own kernels (Triton or C++), no
+    peer suite and no end-to-end model (a suite's `lean` attribute).
     """
     own = "triton" if dev == "cuda" else "cpu"
     names = []
     for suite in load_suites():
         module = type(suite).__module__.split(".", 1)[-1]
         if families and module not in {m for f in families for m in SUITE_MODULES[f]}:
+            continue
+        if lean and not getattr(suite, "lean", True):
             continue
         tracks = sorted(n for n in dir(suite) if n.startswith("track_"))
         for combo in suite.combos(dev):

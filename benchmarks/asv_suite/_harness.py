@@ -189,6 +189,9 @@ class Suite:
     params: list[list[str]] = []
     param_names: list[str] = []
     timeout = SETUP_CACHE_TIMEOUT
+    # In the lean selection (backfill of old commits, noise runs): the suites that time
+    # openkernels' own code; the peers and end-to-end models are left out of it.
+    lean = True
     # asv keeps results only while a benchmark's version matches; by default that is a hash
     # of its source, which changes with any edit of the harness. Bump on a change of meaning.
     version = VERSION
@@ -298,6 +301,7 @@ class PeerSuite(Suite):
     """
 
     peers: dict[str, str] = {}
+    lean = False
     peer_devices: dict[str, tuple[str, ...]] = {}
 
     def contender(self, **params: str) -> str:

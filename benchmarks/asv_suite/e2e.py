@@ -167,6 +167,7 @@ class E2E(_h.Suite):
     params = [STEPS, MODES, MODELS]
     param_names = ["step", "mode", "model"]
     version = "e2e-1"
+    lean = False
 
     def applies(self, device_type: str, **params: str) -> bool:
         step, mode, model = params["step"], params["mode"], params["model"]
