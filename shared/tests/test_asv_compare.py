@@ -61,3 +61,24 @@ def test_markdown_report_lists_the_regressions_and_every_time(history, monkeypat
     assert table[2].startswith("|  | `activations.Act('silu')` | 2 | 2 | 1.00x |")
     clean = history.markdown_report("m", "b", "h", rows[1:], [])
     assert "no regression" in clean.splitlines()[0]
+
+
+def test_noise_stops_at_its_budget_and_keeps_the_runs_it_made(history, monkeypatch, tmp_path) -> None:
+    """A noise run cut by its budget still writes the spread of the runs it finished (at
+    least two), and starts no run after the budget."""
+    times = iter([1.0, 1.3, 1.1, 9.9])
+    current: dict = {}
+    clock = iter([0.0, 5.0, 50.0, 500.0])  # start, then before runs 3 and 4
+
+    def run_commit(sha, **kwargs):
+        current[("attention.Decode.track_ms", "'x'")] = next(times)
+
+    monkeypatch.setattr(history, "git", lambda *args: "abc")
+    monkeypatch.setattr(history, "run_commit", run_commit)
+    monkeypatch.setattr(history, "load_results", lambda machine, sha: dict(current))
+    monkeypatch.setattr(history, "NOISE", tmp_path)
+    monkeypatch.setattr(history.time, "monotonic", lambda: next(clock))
+    data = history.measure_noise("m", 4, ".*", "spawn", budget_s=40.0)
+    assert data["runs"] == 3
+    assert data["spread"] == {"attention.Decode.track_ms('x')": pytest.approx(1.3)}
+    assert (tmp_path / "m.json").exists()
