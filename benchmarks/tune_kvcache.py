@@ -66,6 +66,7 @@ def main() -> None:
         "--configs", default="", help="keys/warps pairs (64/4,32/1) instead of blocks x warps"
     )
     parser.add_argument("--per-sm", default="1,2,4,8,16", help="programs per SM the split count aims at")
+    parser.add_argument("--min-blocks", type=int, default=4, help="key blocks each split keeps at least")
     args = parser.parse_args()
     dev = torch.device("cuda")
     ceiling = copy_ceiling_gbps(dev)
@@ -94,7 +95,7 @@ def main() -> None:
         for bn, w, st in candidates:
             cfg = AttnConfig(16, bn, w, st)
             for per_sm in per_sms:
-                splits = max(1, min(128, -(-per_sm * sms // base_programs), n // (4 * bn)))
+                splits = max(1, min(128, -(-per_sm * sms // base_programs), n // (args.min_blocks * bn)))
                 try:
                     ms = _time(_call(cache, q, cfg, splits))
                 except Exception as exc:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from openkernels.attention.triton.configs import kv_config, kv_splits, lean_decode
+from openkernels.attention.triton import plan
+from openkernels.attention.triton.configs import kv_config, kv_splits, lean_decode, lean_pays
 
 
 @pytest.mark.parametrize(
@@ -46,3 +47,39 @@ def test_lean_config_only_where_the_arch_has_one():
 )
 def test_kv_splits(programs, key_blocks, warps, splits):
     assert kv_splits(programs, key_blocks, 132, warps) == splits
+
+
+def test_kv_splits_min_blocks_override():
+    assert kv_splits(8, 64, 132, 4) == 16  # B1 S4096 in 64-key blocks: the rule keeps 4 per split
+    assert kv_splits(8, 64, 132, 4, min_blocks=2) == 32
+
+
+@pytest.mark.parametrize(
+    ("programs", "key_blocks", "pays"),
+    [
+        (8, 128, False),  # B1 S4096: 17 splits of 7-8 blocks (measured slower than 4 warps)
+        (256, 128, True),  # B32 S4096: 4 splits of 32 blocks
+        (64, 1024, True),  # B8 S32768: 32 splits of 32 blocks
+        (8, 4096, True),  # B1 S131072: 128 splits of 32 blocks
+    ],
+)
+def test_lean_pays_only_with_long_splits(programs, key_blocks, pays):
+    assert lean_pays(programs, key_blocks, 132) is pays
+
+
+def _decode_plan(batch: int, tokens: int, bits: int = 8, fp8: bool = False) -> plan.KVLaunches:
+    p = plan.KVProblem(
+        batch, 1, 32, 8, 128, bits, 128, 0, tokens, 128**-0.5, -1, 0, False, 0.0, 0, 0, False, fp8=fp8
+    )
+    q = plan.contiguous((batch, 1, 32, 128), False)
+    side = plan.contiguous((batch, tokens, 8, 128), False)
+    scales = (tokens * 8, 8, 1) if not fp8 else (0, 0, 0)
+    return plan.kvcache(p, "sm_90", 132, (q, side, side, scales), q, (32, 1, 1), (0, 0), True)
+
+
+@pytest.mark.parametrize(("bits", "fp8"), [(8, False), (4, False), (8, True)])
+def test_short_quantized_decode_takes_the_four_warp_tile(bits, fp8):
+    short = _decode_plan(1, 4096, bits, fp8)
+    assert (short.main.num_warps, short.main.config.block_n, short.splits) == (4, 64, 32)
+    long = _decode_plan(8, 32768, bits, fp8)
+    assert (long.main.num_warps, long.main.config.block_n, long.splits) == (1, 32, 32)

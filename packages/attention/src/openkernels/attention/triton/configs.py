@@ -151,6 +151,15 @@ def all_configs(arch: str) -> list[tuple[int, str, bool, AttnConfig]]:
 _KV_SPLIT_RULE = {1: (16, 32), 2: (8, 16)}
 _KV_SPLIT_DEFAULT = (2, 4)
 _KV_MIN_BLOCKS_PER_SPLIT = 4
+# A one-warp (lean) decode pays only with long splits: its programs run their key blocks one
+# after another. H200, B1 S4096 (8 programs, 128 blocks of 32 keys: 17 splits of 7-8 blocks),
+# CUDA-graph kernel us fp8 / int8 / int4: one warp 15.0 / 21.5 / 19.6; 64-key tiles at 4 warps
+# in 33 splits of 2 blocks 10.1 / 11.1 / 10.8 (64 splits of 1 block: 13.2-15.5). The measured
+# one-warp wins had 32 or more blocks per split (B32 S4096, B8 S32768, B1 S131072); the
+# threshold sits between the two measured regimes. A short decode that falls back to the
+# 4-warp tile takes splits of _SHORT_DECODE_MIN_BLOCKS blocks, the measured best above.
+_LEAN_MIN_BLOCKS_PER_SPLIT = 16
+_SHORT_DECODE_MIN_BLOCKS = 2
 
 
 # arch family -> (decode of a 16-bit cache, decode of an int8/int4 cache, chunked prefill) at
@@ -226,15 +235,30 @@ def kv_append_keys_warps(head_dim: int, key_group: int) -> int:
     return 8 if key_group * block_d(head_dim) > 8192 else 4
 
 
-def kv_splits(programs: int, key_blocks: int, sm_count: int, num_warps: int = 4) -> int:
+def kv_splits(
+    programs: int, key_blocks: int, sm_count: int, num_warps: int = 4, min_blocks: int | None = None
+) -> int:
     """How many splits of the key axis for programs of `num_warps` warps, at most 128: one
     program per SM if the splits keep _KV_MIN_BLOCKS_PER_SPLIT key blocks each, and up to the
-    rule's programs per SM while they keep its minimum of blocks (_KV_SPLIT_RULE)."""
-    per_sm, min_blocks = _KV_SPLIT_RULE.get(num_warps, _KV_SPLIT_DEFAULT)
+    rule's programs per SM while they keep its minimum of blocks (_KV_SPLIT_RULE; `min_blocks`
+    overrides that minimum)."""
+    per_sm, rule_min = _KV_SPLIT_RULE.get(num_warps, _KV_SPLIT_DEFAULT)
+    min_blocks = min_blocks or rule_min
     programs = max(programs, 1)
     fill = min(-(-sm_count // programs), key_blocks // _KV_MIN_BLOCKS_PER_SPLIT)
     more = min(-(-per_sm * sm_count // programs), key_blocks // min_blocks)
     return max(1, min(max(fill, more), 128))
+
+
+def lean_pays(programs: int, key_blocks: int, sm_count: int) -> bool:
+    """Whether a one-warp decode of `programs` programs over `key_blocks` blocks of its tile
+    keeps _LEAN_MIN_BLOCKS_PER_SPLIT blocks per split (else the 4-warp tile is faster)."""
+    return key_blocks >= _LEAN_MIN_BLOCKS_PER_SPLIT * kv_splits(programs, key_blocks, sm_count, 1)
+
+
+def short_decode_splits(programs: int, key_blocks: int, sm_count: int, num_warps: int) -> int:
+    """Splits of a quantized decode too short for the one-warp tile (see lean_pays)."""
+    return kv_splits(programs, key_blocks, sm_count, num_warps, _SHORT_DECODE_MIN_BLOCKS)
 
 
 def kv_append_block_t(head_dim: int) -> int:

@@ -29,9 +29,11 @@ from .configs import (
     kv_splits,
     launch_config,
     lean_decode,
+    lean_pays,
     preprocess_block_m,
     rotary_blocks,
     rotary_config,
+    short_decode_splits,
 )
 
 __all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "fwd", "preprocess", "dkdv", "dq", "rotary", "contiguous",
@@ -331,14 +333,28 @@ def kvcache(
     group = p.heads_q // p.heads_kv
     lean = lean_decode(p.bits, p.group_size, p.head_dim, p.fp8, p.key_group, p.rot_half > 0,
                        p.alibi or p.softcap > 0 or p.window_left >= 0)  # fmt: skip
-    cfg = config or kv_config(p.head_dim, p.bits, min(p.seqlen_q * group, 17), arch, p.fp8, lean)
+    rows = min(p.seqlen_q * group, 17)
+    short = False
+    if lean and config is None:
+        one_warp = kv_config(p.head_dim, p.bits, rows, arch, p.fp8, lean)
+        if one_warp.num_warps == 1:
+            programs = _cdiv(p.seqlen_q * group, one_warp.block_m) * p.batch * p.heads_kv
+            short = not lean_pays(programs, _cdiv(p.max_seqlen_k, one_warp.block_n), sm_count)
+            lean = not short
+    cfg = config or kv_config(p.head_dim, p.bits, rows, arch, p.fp8, lean)
     if p.key_group and p.key_group % cfg.block_n:  # a key block must lie in one group (one row of scales)
         cfg = dataclasses.replace(cfg, block_n=p.key_group)
     if cfg.block_n % 16:  # the launcher rounds max_seqlen_k up to a multiple of 16
         raise ValueError(f"kvcache plan: block_n must be a multiple of 16, got {cfg.block_n}")
     m_blocks = _cdiv(p.seqlen_q * group, cfg.block_m)
     key_blocks = _cdiv(p.max_seqlen_k, cfg.block_n)
-    splits = num_splits or kv_splits(m_blocks * p.batch * p.heads_kv, key_blocks, sm_count, cfg.num_warps)
+    programs = m_blocks * p.batch * p.heads_kv
+    if num_splits:
+        splits = num_splits
+    elif short:
+        splits = short_decode_splits(programs, key_blocks, sm_count, cfg.num_warps)
+    else:
+        splits = kv_splits(programs, key_blocks, sm_count, cfg.num_warps)
     split_blocks = max(1, _cdiv(key_blocks, splits))
     splits = max(1, _cdiv(key_blocks, split_blocks))
     partial_out = partial_lse = None
