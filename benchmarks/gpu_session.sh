@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu_session.sh [family] [steps: tests,check,tune,hosttime,bench,long,dtypes,demo,decode]
+#   bash benchmarks/gpu_session.sh [family] [steps: tests,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -70,6 +70,11 @@ if [[ $steps == *decode* && $family == attention ]]; then
     --shapes 32x32x8x4096x128,8x32x8x32768x128,1x32x8x131072x128,1x32x8x4096x128 --kernel-time --rep-ms 30 \
     --json "$out/decode.json" | tee "$out/decode.txt"
   (cd benchmarks && run e2e_kv_decode.py --reps 1 --json "$out/e2e_kv.json") | tee "$out/e2e_kv.txt" | tail -12
+fi
+if [[ $steps == *replay* ]]; then
+  # Eager replay on CUDA: replayed calls bitwise against the Python path, then host time.
+  OPENKERNELS_REPLAY=1 run benchmarks/check_replay_gpu.py | tee "$out/replay.txt" | tail -40
+  OPENKERNELS_REPLAY=1 run -m benchmarks.host_time --json "$out/host_time_replay.json" | tee "$out/host_time_replay.txt"
 fi
 if [[ $steps == *demo* ]]; then
   run -m openkernels.shared check | tee "$out/check.txt" | grep -E "FAIL|checks|passed"

@@ -53,6 +53,7 @@ __all__ = [
     "Steering",
     "strict",
     "triton_supports",
+    "unsteered",
 ]
 
 FORCE_ENV = "OPENKERNELS_FORCE"
@@ -317,6 +318,16 @@ def _steering_state() -> tuple:
     if _RAW_ENV is not None:
         return (_RAW_ENV.get(_FORCE_KEY), _RAW_ENV.get(_FORBID_KEY), _FORCED.get(), _FORBIDDEN.get())
     return (os.environ.get(FORCE_ENV), os.environ.get(FORBID_ENV), _FORCED.get(), _FORBIDDEN.get())
+
+
+def unsteered() -> bool:
+    """True when no force / forbid is in effect (cheap: the replay of recorded calls asks on
+    every call, since a recorded call holds the implementation picked without steering)."""
+    if _FORCED.get() or _FORBIDDEN.get():
+        return False
+    if _RAW_ENV is not None:
+        return not _RAW_ENV.get(_FORCE_KEY) and not _RAW_ENV.get(_FORBID_KEY)
+    return not os.environ.get(FORCE_ENV) and not os.environ.get(FORBID_ENV)
 
 
 def _reasons(op: str, key: DispatchKey, forced: list[str], forbidden: list[str]) -> list[str]:

@@ -40,6 +40,9 @@ FAST = os.environ.get("OPENKERNELS_DIRECT_LAUNCH", "1") not in ("0", "")
 _MAX_ENTRIES = 4096  # compiled specializations kept (a bound, as Triton's own caches have none)
 
 _compiled: dict[tuple, Any] = {}
+# Called with (compiled kernel or False, grid, every parameter's value) after each launch made
+# here while set: openkernels.shared.replay records the launches of a call through it.
+observer: Any = None
 # id(kernel) -> its signature, and the kernel itself: held, so that no other object can
 # take the id that the keys of _compiled use while they exist.
 _params: dict[int, tuple[tuple[str, ...], tuple[bool, ...], dict[str, Any], Any]] = {}
@@ -196,11 +199,12 @@ def launch(kernel: Any, grid: Sequence[int], *args: Any, num_warps: int | None =
         if len(_compiled) >= _MAX_ENTRIES:
             _compiled.clear()
         _compiled[key] = compiled
-        return
-    if compiled is False:
+    elif compiled is False:
         kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages))
-        return
-    _run(compiled, grid, values, active, device, hooks)
+    else:
+        _run(compiled, grid, values, active, device, hooks)
+    if observer is not None:
+        observer(compiled, tuple(grid), values)
 
 
 def _run(
@@ -284,6 +288,9 @@ class PreparedLaunch:
         device = active.get_current_device()
         key = (device, *_key_parts(values))
         compiled = self._compiled.get(key)
+        full = self._template.copy()
+        for i, value in zip(self._positions, values):
+            full[i] = value
         if compiled is None:
             compiled = _compile(
                 self.kernel, grid, {**dict(zip(self.varying, values)), **self.fixed, **self._options}
@@ -291,14 +298,12 @@ class PreparedLaunch:
             if len(self._compiled) >= _MAX_ENTRIES:
                 self._compiled.clear()
             self._compiled[key] = compiled
-            return
-        if compiled is False:
+        elif compiled is False:
             self.kernel[tuple(grid)](**dict(zip(self.varying, values)), **self.fixed, **self._options)
-            return
-        full = self._template.copy()
-        for i, value in zip(self._positions, values):
-            full[i] = value
-        _run(compiled, grid, full, active, device, hooks)
+        else:
+            _run(compiled, grid, full, active, device, hooks)
+        if observer is not None:
+            observer(compiled, tuple(grid), full)
 
 
 def prepare(kernel: Any, varying: Sequence[str], *, num_warps: int | None = None, num_stages: int | None = None,

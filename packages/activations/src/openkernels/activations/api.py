@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from openkernels.shared import replay
+
 from . import ops
 from .spec import SPECS
 
@@ -90,31 +92,37 @@ def _call(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: str
     return ops.OPS[name](x, *extra)  # the op picks its path: eager, eager autograd or library
 
 
+@replay.replayable
 def silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x * sigmoid(x), elementwise. Any shape; returns x's shape and dtype."""
     return _call("silu", x, out)
 
 
+@replay.replayable
 def gelu(x: torch.Tensor, approximate: str = "none", *, out: torch.Tensor | None = None) -> torch.Tensor:
     """GELU: x * Phi(x) ("none", exact erf) or its tanh approximation ("tanh")."""
     return _call("gelu", x, out, approximate)
 
 
+@replay.replayable
 def gelu_quick(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x * sigmoid(1.702 x), elementwise."""
     return _call("gelu_quick", x, out)
 
 
+@replay.replayable
 def relu_squared(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """max(x, 0)^2, elementwise."""
     return _call("relu_squared", x, out)
 
 
+@replay.replayable
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] for x of shape (..., 2d); returns (..., d)."""
     return _call("silu_and_mul", x, out)
 
 
+@replay.replayable
 def gelu_and_mul(
     x: torch.Tensor, approximate: str = "none", *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -122,6 +130,7 @@ def gelu_and_mul(
     return _call("gelu_and_mul", x, out, approximate)
 
 
+@replay.replayable
 def mul_and_silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x[..., :d] * silu(x[..., d:]) for x of shape (..., 2d); returns (..., d)."""
     return _call("mul_and_silu", x, out)

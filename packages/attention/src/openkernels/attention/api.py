@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from openkernels.shared import dispatch
+from openkernels.shared import dispatch, replay
 
 from . import ops
 from .kvformat import BITS, FP8, KEY_GROUPS, QuantizedKV, code_width
@@ -110,6 +110,7 @@ def _run(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
     return ops.ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
 
 
+@replay.replayable
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

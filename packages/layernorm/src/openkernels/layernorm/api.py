@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from openkernels.shared import replay
+
 from . import ops
 
 __all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "AddRMSNorm", "AddLayerNorm"]
@@ -96,6 +98,7 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
+@replay.replayable
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -125,6 +128,7 @@ def rms_norm(
     return (out, h) if prenorm else out
 
 
+@replay.replayable
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from openkernels.shared import cpu_build
+from openkernels.shared import cpu_build, replay
 from openkernels.shared.dispatch import DispatchKey
 
 __all__ = ["gated_bwd", "gated_fwd", "supports", "unary_bwd", "unary_fwd"]
 
 _SOURCE = pathlib.Path(__file__).with_name("activations.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_lib: ctypes.CDLL | None = None
+_lib: Any = None  # the library, its kernels seen by replay recordings
 
 
 def supports(key: DispatchKey) -> str | None:
@@ -31,7 +32,7 @@ def supports(key: DispatchKey) -> str | None:
     return cpu_build.no_compiler_reason()
 
 
-def _library() -> ctypes.CDLL:
+def _library() -> Any:
     """Compile (or fetch from the cache) and load the kernels; declare their signatures once."""
     global _lib
     if _lib is None:
@@ -46,7 +47,7 @@ def _library() -> ctypes.CDLL:
         for fn_name, argtypes in signatures.items():
             fn = getattr(lib, fn_name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        _lib = lib
+        _lib = replay.observe_library(lib, tuple(signatures))
     return _lib
 
 

@@ -480,4 +480,15 @@ int ok_gated_bwd(const void* dy, int64_t dy_stride, const void* x, int64_t x_str
   return dispatch<GatedBwd>(j, rows, d, dtype, act, num_threads);
 }
 
+// Packed entries: every argument in one 64-bit slot, for openkernels.shared.replay's C side.
+int ok_unary_fwd_packed(const int64_t* a) {
+  return ok_unary_fwd(reinterpret_cast<const void*>(a[0]), a[1], reinterpret_cast<void*>(a[2]), a[3], a[4],
+                      static_cast<int>(a[5]), static_cast<int>(a[6]), static_cast<int>(a[7]));
+}
+
+int ok_gated_fwd_packed(const int64_t* a) {
+  return ok_gated_fwd(reinterpret_cast<const void*>(a[0]), a[1], reinterpret_cast<void*>(a[2]), a[3], a[4],
+                      static_cast<int>(a[5]), static_cast<int>(a[6]), static_cast<int>(a[7]), static_cast<int>(a[8]));
+}
+
 }  // extern "C"

@@ -12,11 +12,12 @@ from __future__ import annotations
 import ctypes
 import math
 import pathlib
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from openkernels.shared import cpu_build
+from openkernels.shared import cpu_build, replay
 from openkernels.shared.dispatch import DispatchKey
 
 __all__ = ["norm_bwd", "norm_fwd", "supports"]
@@ -24,7 +25,7 @@ __all__ = ["norm_bwd", "norm_fwd", "supports"]
 _SOURCE = pathlib.Path(__file__).with_name("layernorm.cpp")
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _NARROW = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes of the float32 path
-_lib: ctypes.CDLL | None = None
+_lib: Any = None  # the library, its kernels seen by replay recordings
 
 
 def supports(key: DispatchKey) -> str | None:
@@ -34,7 +35,7 @@ def supports(key: DispatchKey) -> str | None:
     return cpu_build.no_compiler_reason()
 
 
-def _library() -> ctypes.CDLL:
+def _library() -> Any:
     """Compile (or fetch from the cache) and load the kernels; declare their signatures once."""
     global _lib
     if _lib is None:
@@ -47,7 +48,7 @@ def _library() -> ctypes.CDLL:
             p, i64, i32, p, i64, i32, p, p, p, p, i64, i32, p, i32, p, p, i64, i64, i32, i32, i32,
         ]  # fmt: skip
         lib.ok_norm_fwd.restype = lib.ok_norm_bwd.restype = ctypes.c_int
-        _lib = lib
+        _lib = replay.observe_library(lib, ("ok_norm_fwd", "ok_norm_bwd"))
     return _lib
 
 

@@ -769,4 +769,15 @@ int ok_norm_bwd(const void* dy, int64_t dy_stride, int dy_code, const void* h, i
   return 0;
 }
 
+// Packed entry: every argument in one 64-bit slot (eps as its bits), for
+// openkernels.shared.replay's C side.
+int ok_norm_fwd_packed(const int64_t* a) {
+  double eps;
+  std::memcpy(&eps, &a[17], sizeof eps);
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_norm_fwd(p(0), a[1], i32(2), p(3), a[4], i32(5), p(6), p(7), p(8), i32(9), p(10), i32(11), p(12), p(13),
+                     i32(14), a[15], a[16], eps, i32(18), i32(19));
+}
+
 }  // extern "C"

@@ -1,0 +1,157 @@
+"""Eager replay on a GPU: every replayable op's replayed CUDA calls against its Python path,
+bitwise, then host time per call (replayed, Python path, torch).
+
+    OPENKERNELS_REPLAY=1 python benchmarks/check_replay_gpu.py [--calls 2000]
+
+For each case: one call records (the Python path under the recording), then fresh inputs of
+the same shapes go through the replay and through the Python path (`replay.disabled()`);
+the two outputs must be equal bit for bit (same kernels, same launch). Prints each op's
+entries, replayed calls and refusal reasons, then microseconds per call. Exit status 1 on
+any mismatch, or when an op that should replay on CUDA was refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from openkernels.activations import gelu, silu_and_mul
+from openkernels.attention import attention
+from openkernels.layernorm import layer_norm, rms_norm
+from openkernels.shared import replay
+
+
+def _cases(dev: torch.device) -> list[tuple[str, object, object, object]]:
+    """(name, our function, arguments factory, torch equivalent)."""
+    bf16 = torch.bfloat16
+    out = []
+    for dtype in (bf16, torch.float16, torch.float32):
+        for shape in ((4, 256), (37, 4096), (3, 5, 1000)):
+            n = shape[-1]
+
+            def norm_args(shape=shape, dtype=dtype, n=n):
+                return (
+                    torch.randn(shape, device=dev, dtype=dtype),
+                    torch.randn(n, device=dev, dtype=dtype),
+                    1e-6,
+                ), {}
+
+            out.append((f"rms_norm {dtype} {shape}", rms_norm, norm_args,
+                        lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)))  # fmt: skip
+
+            def ln_args(shape=shape, dtype=dtype, n=n):
+                w = torch.randn(n, device=dev, dtype=dtype)
+                return (torch.randn(shape, device=dev, dtype=dtype), w, w.clone(), 1e-5), {}
+
+            out.append((f"layer_norm {dtype} {shape}", layer_norm, ln_args,
+                        lambda x, w, b, eps: F.layer_norm(x, (x.shape[-1],), w, b, eps)))  # fmt: skip
+
+            def res_args(shape=shape, dtype=dtype, n=n):
+                x = torch.randn(shape, device=dev, dtype=dtype)
+                return (x, torch.randn(n, device=dev, dtype=dtype), 1e-6), {"residual": torch.randn_like(x),
+                                                                            "prenorm": True}  # fmt: skip
+
+            out.append((f"rms_norm+residual {dtype} {shape}", rms_norm, res_args, None))
+
+            def act_args(shape=shape, dtype=dtype):
+                return (torch.randn(*shape[:-1], 2 * shape[-1], device=dev, dtype=dtype),), {}
+
+            out.append((f"silu_and_mul {dtype} {shape}", silu_and_mul, act_args,
+                        lambda x: F.silu(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2 :]))  # fmt: skip
+
+            def gelu_args(shape=shape, dtype=dtype):
+                return (torch.randn(shape, device=dev, dtype=dtype),), {"approximate": "tanh"}
+
+            out.append(
+                (
+                    f"gelu tanh {dtype} {shape}",
+                    gelu,
+                    gelu_args,
+                    lambda x, approximate: F.gelu(x, approximate=approximate),
+                )
+            )
+    for dtype in (bf16, torch.float16):
+
+        def att_args(dtype=dtype):
+            q = torch.randn(1, 1, 32, 128, device=dev, dtype=dtype)
+            k = torch.randn(1, 300, 8, 128, device=dev, dtype=dtype)
+            return (q, k, torch.randn_like(k)), {"causal": False}
+
+        out.append((f"attention decode-shaped {dtype}", attention, att_args, None))
+
+        def att_view_args(dtype=dtype):
+            qkv = torch.randn(2, 77, 3, 8, 64, device=dev, dtype=dtype)
+            return (qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]), {"causal": True}  # strided views
+
+        out.append((f"attention views causal {dtype}", attention, att_view_args, None))
+    return out
+
+
+def _us(fn, calls: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def _host_times(fn, a: tuple, kw: dict, ref, calls: int) -> tuple[float, float, float]:
+    ours = _us(lambda: fn(*a, **kw), calls)
+    with replay.disabled():
+        python = _us(lambda: fn(*a, **kw), calls)
+    theirs = _us(lambda: ref(*a, **kw), calls) if ref is not None else float("nan")
+    return ours, python, theirs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    replay.set_mode("all")
+    bad = 0
+    torch.manual_seed(0)
+    for name, fn, make, _ in _cases(dev):
+        a, kw = make()
+        fn(*a, **kw)  # records
+        for _ in range(2):
+            a, kw = make()
+            got = fn(*a, **kw)
+            with replay.disabled():
+                want = fn(*a, **kw)
+            got = got if isinstance(got, tuple) else (got,)
+            want = want if isinstance(want, tuple) else (want,)
+            same = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            nan = any(torch.isnan(g).any().item() for g in got)
+            if not same or nan:
+                bad += 1
+                print(f"BAD {name}: replayed output differs from the Python path (nan={nan})")
+    torch.cuda.synchronize()
+    for fn in (rms_norm, layer_norm, silu_and_mul, gelu, attention):
+        stats = replay.stats(fn)
+        print(
+            f"{fn.__name__:14} entries {stats['entries']:3} hits {stats['hits']:4} refused {stats['refused']}"
+        )
+        if stats["refused"] or not stats["hits"]:
+            bad += 1
+    print("\nhost time per call (us): replayed / Python path / torch")
+    for name, fn, make, ref in _cases(dev):
+        if "(4, 256)" not in name and "decode" not in name:
+            continue
+        ours, python, theirs = _host_times(fn, *make(), ref, args.calls)
+        print(f"{name:40} {ours:7.1f} {python:7.1f} {theirs:7.1f}")
+    print("checks passed" if not bad else f"{bad} check(s) failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

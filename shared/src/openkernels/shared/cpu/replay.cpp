@@ -1,0 +1,571 @@
+// Eager replay of recorded calls: the C side of openkernels.shared.replay (see replay.py).
+//
+// A Table belongs to one public function. `table.call(args, kwargs)` builds a key from the
+// call's arguments (tensors by dtype, device, sizes, strides and 16-byte alignment; None,
+// bools, ints, floats, dtypes and tuples of them by value; keyword names by identity) plus
+// the CPU thread count and the current CUDA device. On a hit it allocates the recorded
+// outputs, fills each recorded launch's argument slots with the pointers of this call's
+// tensors and runs the launches: a CPU kernel's packed entry (`int f(const int64_t*)`) or a
+// compiled Triton kernel through cuLaunchKernelEx on the current stream. It returns the
+// outputs, or Miss (record this call) or Skip (this call cannot be replayed: autograd, a
+// tensor subclass, an argument of another type). No Python runs on a hit.
+#include <Python.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+// ---- the CUDA driver entry, found at run time (no CUDA headers or libraries at build time)
+struct LaunchConfig {  // CUlaunchConfig's layout
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
+  void* stream;
+  void* attrs;
+  unsigned num_attrs;
+};
+struct LaunchAttr {  // CUlaunchAttribute: id, padding, a 64-byte value union
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    int value;
+    struct {
+      unsigned x, y, z;
+    } cluster;
+  } v;
+};
+static_assert(sizeof(LaunchAttr) == 72, "CUlaunchAttribute is 72 bytes");
+static_assert(offsetof(LaunchConfig, stream) == 32 && sizeof(LaunchConfig) == 56, "CUlaunchConfig's layout");
+constexpr int kAttrCooperative = 2, kAttrClusterDim = 4, kAttrClusterPolicy = 5, kAttrPdl = 6;
+using LaunchEx = int (*)(const LaunchConfig*, void*, void**, void**);
+LaunchEx launch_ex = nullptr;
+
+bool load_driver() {
+  if (launch_ex) return true;
+  void* handle = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  if (!handle) handle = dlopen("libcuda.so.1", RTLD_LAZY);
+  if (!handle) return false;
+  launch_ex = reinterpret_cast<LaunchEx>(dlsym(handle, "cuLaunchKernelEx"));
+  return launch_ex != nullptr;
+}
+
+// ---- keys
+enum Tag : int64_t { kTensor = 1, kNone, kBool, kInt, kFloat, kDtype, kTuple, kKwarg, kEnd, kStr };
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& key) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+    return h;
+  }
+};
+
+// Appends `obj` to the key, its tensors to `tensors`; false when it cannot be replayed.
+bool add_value(PyObject* obj, std::vector<int64_t>& key, std::vector<const at::Tensor*>& tensors, bool& cuda,
+               int depth = 0) {
+  if (THPVariable_CheckExact(obj)) {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined() || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) return false;
+    if (t.requires_grad() && at::GradMode::is_enabled()) return false;
+    const auto device = t.device();
+    if (device.type() != c10::kCPU && device.type() != c10::kCUDA) return false;
+    cuda = cuda || device.type() == c10::kCUDA;
+    key.push_back(kTensor);
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(static_cast<int64_t>(device.type()) * 1024 + device.index());
+    key.push_back(t.dim());
+    for (int64_t s : t.sizes()) key.push_back(s);
+    for (int64_t s : t.strides()) key.push_back(s);
+    key.push_back((reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0);
+    tensors.push_back(&t);
+    return true;
+  }
+  if (obj == Py_None) {
+    key.push_back(kNone);
+    return true;
+  }
+  if (PyBool_Check(obj)) {
+    key.push_back(kBool);
+    key.push_back(obj == Py_True);
+    return true;
+  }
+  if (PyLong_CheckExact(obj)) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    key.push_back(kInt);
+    key.push_back(v);
+    return true;
+  }
+  if (PyFloat_CheckExact(obj)) {
+    double d = PyFloat_AS_DOUBLE(obj);
+    int64_t bits;
+    std::memcpy(&bits, &d, sizeof bits);
+    key.push_back(kFloat);
+    key.push_back(bits);
+    return true;
+  }
+  if (THPDtype_Check(obj)) {
+    key.push_back(kDtype);
+    key.push_back(static_cast<int64_t>(reinterpret_cast<THPDtype*>(obj)->scalar_type));
+    return true;
+  }
+  if (PyUnicode_CheckExact(obj)) {  // by identity: the table holds every string its keys name
+    key.push_back(kStr);
+    key.push_back(reinterpret_cast<int64_t>(obj));
+    return true;
+  }
+  if (PyTuple_CheckExact(obj) && depth < 2) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(obj);
+    key.push_back(kTuple);
+    key.push_back(n);
+    for (Py_ssize_t i = 0; i < n; ++i)
+      if (!add_value(PyTuple_GET_ITEM(obj, i), key, tensors, cuda, depth + 1)) return false;
+    return true;
+  }
+  return false;
+}
+
+// ---- entries
+enum SlotKind : int { kConst = 0, kInput = 1, kOutput = 2 };
+struct Slot {
+  int kind;
+  int index;     // input tensor (in key order) or output
+  int64_t bits;  // the constant
+  int size;      // bytes in a CUDA kernel's parameter (CPU slots are 8)
+};
+struct Launch {
+  bool cuda;
+  void* fn;  // CPU: int (*)(const int64_t*); CUDA: CUfunction
+  unsigned grid[3];
+  int num_warps, num_ctas, shared, cooperative, pdl;
+  std::vector<Slot> slots;
+};
+struct Output {
+  int alias;  // -1: a new tensor; else this input is returned as is
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+  c10::Device device{c10::kCPU};
+};
+struct Entry {
+  std::vector<Output> outputs;  // what the launches use: results and scratch
+  std::vector<int> returns;     // the outputs returned, in order
+  bool tuple = false;           // return a tuple (else the one output)
+  bool skip = false;            // recorded as not replayable: the Python path runs
+  std::vector<Launch> launches;
+};
+
+struct TableObject {
+  PyObject_HEAD std::unordered_map<std::vector<int64_t>, std::shared_ptr<Entry>, KeyHash>* entries;
+  std::vector<PyObject*>* names;  // strings held: keyword names and str arguments (keys hold their addresses)
+  Py_ssize_t limit;
+  long long hits;
+};
+
+PyObject* miss_sentinel = nullptr;  // record this call
+bool allow_cuda = false;             // replay calls with CUDA tensors (set_cuda)
+PyObject* skip_sentinel = nullptr;  // do not record
+
+// The key of a call, or false (not replayable). cuda: a CUDA tensor is among the arguments.
+bool build_key(PyObject* args, PyObject* kwargs, std::vector<int64_t>& key,
+               std::vector<const at::Tensor*>& tensors, bool& cuda) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  key.reserve(64);
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!add_value(PyTuple_GET_ITEM(args, i), key, tensors, cuda)) return false;
+  if (kwargs && PyDict_GET_SIZE(kwargs)) {
+    PyObject *name, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kwargs, &pos, &name, &value)) {
+      key.push_back(kKwarg);
+      key.push_back(reinterpret_cast<int64_t>(name));
+      if (!add_value(value, key, tensors, cuda)) return false;
+    }
+  }
+  key.push_back(kEnd);
+  key.push_back(at::get_num_threads());
+  if (cuda) key.push_back(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
+  return true;
+}
+
+bool run_launch(const Launch& launch, const std::vector<const at::Tensor*>& inputs,
+                const std::vector<at::Tensor>& outputs, c10::Device device) {
+  int64_t values[64];
+  void* params[66];
+  const size_t n = launch.slots.size();
+  if (n > 64) return false;
+  for (size_t i = 0; i < n; ++i) {
+    const Slot& s = launch.slots[i];
+    if (s.kind == kInput) values[i] = reinterpret_cast<int64_t>(inputs[s.index]->data_ptr());
+    else if (s.kind == kOutput) values[i] = reinterpret_cast<int64_t>(outputs[s.index].data_ptr());
+    else values[i] = s.bits;
+  }
+  if (!launch.cuda) return reinterpret_cast<int (*)(const int64_t*)>(launch.fn)(values) == 0;
+  // Little-endian: a 4- or 2-byte parameter is the low bytes of its 8-byte slot.
+  for (size_t i = 0; i < n; ++i) params[i] = &values[i];
+  int64_t scratch = 0;  // global and profile scratch: kernels that need them are not recorded
+  params[n] = &scratch;
+  params[n + 1] = &scratch;
+  auto stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device);
+  LaunchAttr attrs[4];
+  std::memset(attrs, 0, sizeof attrs);
+  unsigned count = 0;
+  if (launch.pdl) {
+    attrs[count].id = kAttrPdl;
+    attrs[count++].v.value = 1;
+  }
+  if (launch.cooperative) {
+    attrs[count].id = kAttrCooperative;
+    attrs[count++].v.value = 1;
+  }
+  if (launch.num_ctas != 1) {
+    attrs[count].id = kAttrClusterDim;
+    attrs[count++].v.cluster = {static_cast<unsigned>(launch.num_ctas), 1, 1};
+    attrs[count].id = kAttrClusterPolicy;
+    attrs[count++].v.value = 1;  // CU_CLUSTER_SCHEDULING_POLICY_SPREAD
+  }
+  LaunchConfig config{launch.grid[0] * static_cast<unsigned>(launch.num_ctas), launch.grid[1], launch.grid[2],
+                      32u * static_cast<unsigned>(launch.num_warps), 1, 1, static_cast<unsigned>(launch.shared),
+                      stream.native_handle(), attrs, count};
+  if (launch.grid[0] * launch.grid[1] * launch.grid[2] == 0) return true;
+  return launch_ex(&config, launch.fn, params, nullptr) == 0;
+}
+
+PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 2 || !PyTuple_CheckExact(argv[0]) || (argv[1] != Py_None && !PyDict_CheckExact(argv[1]))) {
+    PyErr_SetString(PyExc_TypeError, "Table.call(args: tuple, kwargs: dict | None)");
+    return nullptr;
+  }
+  try {
+    std::vector<int64_t> key;
+    std::vector<const at::Tensor*> tensors;
+    bool cuda = false;
+    if (!build_key(argv[0], argv[1] == Py_None ? nullptr : argv[1], key, tensors, cuda) ||
+        (cuda && !allow_cuda)) {
+      Py_INCREF(skip_sentinel);
+      return skip_sentinel;
+    }
+    auto found = self->entries->find(key);
+    if (found == self->entries->end()) {
+      Py_INCREF(miss_sentinel);
+      return miss_sentinel;
+    }
+    const Entry& entry = *found->second;
+    if (entry.skip) {
+      Py_INCREF(skip_sentinel);
+      return skip_sentinel;
+    }
+    std::vector<at::Tensor> outputs;
+    outputs.reserve(entry.outputs.size());
+    for (const Output& out : entry.outputs) {
+      if (out.alias >= 0) outputs.push_back(*tensors[out.alias]);
+      else
+        outputs.push_back(at::empty_strided(out.sizes, out.strides, at::TensorOptions(out.dtype).device(out.device)));
+    }
+    const c10::Device device = cuda ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice() : c10::Device(c10::kCPU);
+    for (const Launch& launch : entry.launches) {
+      if (!run_launch(launch, tensors, outputs, device)) {
+        PyErr_SetString(PyExc_RuntimeError, "openkernels replay: a recorded launch failed");
+        return nullptr;
+      }
+    }
+    self->hits++;
+    if (!entry.tuple) return THPVariable_Wrap(outputs[entry.returns[0]]);
+    PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(entry.returns.size()));
+    if (!result) return nullptr;
+    for (size_t i = 0; i < entry.returns.size(); ++i)
+      PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), THPVariable_Wrap(outputs[entry.returns[i]]));
+    return result;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* store(TableObject* self, PyObject* args, PyObject* kwargs, std::vector<int64_t>&& key,
+                std::shared_ptr<Entry>&& entry);
+
+void hold(TableObject* self, PyObject* obj) {
+  for (PyObject* n : *self->names)
+    if (n == obj) return;
+  Py_INCREF(obj);
+  self->names->push_back(obj);
+}
+
+// Holds every string among `obj` (an argument, a tuple of arguments or a dict of keyword
+// arguments and their names): keys name strings by address, so none may be freed and reused.
+void hold_strings(TableObject* self, PyObject* obj, int depth = 0) {
+  if (PyUnicode_CheckExact(obj)) {
+    hold(self, obj);
+  } else if (PyTuple_CheckExact(obj) && depth < 3) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); ++i) hold_strings(self, PyTuple_GET_ITEM(obj, i), depth + 1);
+  } else if (PyDict_CheckExact(obj)) {
+    PyObject *name, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(obj, &pos, &name, &value)) {
+      hold(self, name);
+      hold_strings(self, value, depth + 1);
+    }
+  }
+}
+
+// ---- recording: Table.add(args, kwargs, outputs, returns, is_tuple, launches)
+// outputs: [(alias, sizes, strides, dtype, device_type, device_index)]
+// launches: [(cuda, fn, (gx, gy, gz), num_warps, num_ctas, shared, cooperative, pdl,
+//             [(kind, index, bits, size)])]
+bool as_i64(PyObject* obj, int64_t& out) {
+  out = PyLong_AsLongLong(obj);
+  return !(out == -1 && PyErr_Occurred());
+}
+
+bool int_list(PyObject* seq, std::vector<int64_t>& out) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence");
+  if (!fast) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  bool ok = true;
+  for (Py_ssize_t i = 0; i < n && ok; ++i) {
+    int64_t v;
+    ok = as_i64(PySequence_Fast_GET_ITEM(fast, i), v);
+    out.push_back(v);
+  }
+  Py_DECREF(fast);
+  return ok;
+}
+
+PyObject* table_add(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 6 || !PyTuple_CheckExact(argv[0]) || (argv[1] != Py_None && !PyDict_CheckExact(argv[1]))) {
+    PyErr_SetString(PyExc_TypeError, "Table.add(args, kwargs, outputs, returns, is_tuple, launches)");
+    return nullptr;
+  }
+  try {
+    std::vector<int64_t> key;
+    std::vector<const at::Tensor*> tensors;
+    bool cuda = false;
+    if (!build_key(argv[0], argv[1] == Py_None ? nullptr : argv[1], key, tensors, cuda)) Py_RETURN_FALSE;
+    if (cuda && !load_driver()) Py_RETURN_FALSE;
+    auto entry = std::make_shared<Entry>();
+    entry->tuple = PyObject_IsTrue(argv[4]) == 1;
+    PyObject* outs = PySequence_Fast(argv[2], "outputs");
+    if (!outs) return nullptr;
+    bool ok = true;
+    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(outs); ++i) {
+      PyObject* o = PySequence_Fast_GET_ITEM(outs, i);
+      Output out;
+      int64_t alias, dtype, dev_type, dev_index;
+      ok = PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 6 && as_i64(PyTuple_GET_ITEM(o, 0), alias) &&
+           int_list(PyTuple_GET_ITEM(o, 1), out.sizes) && int_list(PyTuple_GET_ITEM(o, 2), out.strides) &&
+           as_i64(PyTuple_GET_ITEM(o, 3), dtype) && as_i64(PyTuple_GET_ITEM(o, 4), dev_type) &&
+           as_i64(PyTuple_GET_ITEM(o, 5), dev_index);
+      if (!ok) break;
+      out.alias = static_cast<int>(alias);
+      ok = alias < static_cast<int64_t>(tensors.size());
+      out.dtype = static_cast<at::ScalarType>(dtype);
+      out.device = c10::Device(static_cast<c10::DeviceType>(dev_type), static_cast<c10::DeviceIndex>(dev_index));
+      entry->outputs.push_back(std::move(out));
+    }
+    Py_DECREF(outs);
+    std::vector<int64_t> returns;
+    ok = ok && int_list(argv[3], returns) && !returns.empty() && (entry->tuple || returns.size() == 1);
+    for (int64_t r : returns) {
+      ok = ok && r >= 0 && r < static_cast<int64_t>(entry->outputs.size());
+      entry->returns.push_back(static_cast<int>(r));
+    }
+    PyObject* launches = ok ? PySequence_Fast(argv[5], "launches") : nullptr;
+    if (!launches) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed outputs");
+      return nullptr;
+    }
+    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(launches); ++i) {
+      PyObject* l = PySequence_Fast_GET_ITEM(launches, i);
+      Launch launch{};
+      int64_t is_cuda, fn, warps, ctas, shared, coop, pdl;
+      std::vector<int64_t> grid;
+      ok = PyTuple_Check(l) && PyTuple_GET_SIZE(l) == 9 && as_i64(PyTuple_GET_ITEM(l, 0), is_cuda) &&
+           as_i64(PyTuple_GET_ITEM(l, 1), fn) && int_list(PyTuple_GET_ITEM(l, 2), grid) && grid.size() == 3 &&
+           as_i64(PyTuple_GET_ITEM(l, 3), warps) && as_i64(PyTuple_GET_ITEM(l, 4), ctas) &&
+           as_i64(PyTuple_GET_ITEM(l, 5), shared) && as_i64(PyTuple_GET_ITEM(l, 6), coop) &&
+           as_i64(PyTuple_GET_ITEM(l, 7), pdl);
+      if (!ok) break;
+      launch.cuda = is_cuda != 0;
+      launch.fn = reinterpret_cast<void*>(fn);
+      for (int d = 0; d < 3; ++d) launch.grid[d] = static_cast<unsigned>(grid[d]);
+      launch.num_warps = static_cast<int>(warps);
+      launch.num_ctas = static_cast<int>(ctas);
+      launch.shared = static_cast<int>(shared);
+      launch.cooperative = static_cast<int>(coop);
+      launch.pdl = static_cast<int>(pdl);
+      PyObject* slots = PySequence_Fast(PyTuple_GET_ITEM(l, 8), "slots");
+      if (!slots) {
+        ok = false;
+        break;
+      }
+      for (Py_ssize_t j = 0; ok && j < PySequence_Fast_GET_SIZE(slots); ++j) {
+        std::vector<int64_t> s;
+        ok = int_list(PySequence_Fast_GET_ITEM(slots, j), s) && s.size() == 4;
+        if (!ok) break;
+        const int64_t bound = s[0] == kInput ? static_cast<int64_t>(tensors.size())
+                              : s[0] == kOutput ? static_cast<int64_t>(entry->outputs.size())
+                                                : 1;
+        ok = s[0] >= kConst && s[0] <= kOutput && (s[0] == kConst || (s[1] >= 0 && s[1] < bound));
+        launch.slots.push_back(Slot{static_cast<int>(s[0]), static_cast<int>(s[1]), s[2], static_cast<int>(s[3])});
+      }
+      Py_DECREF(slots);
+      ok = ok && launch.slots.size() <= 64;
+      entry->launches.push_back(std::move(launch));
+    }
+    Py_DECREF(launches);
+    if (!ok) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed launches");
+      return nullptr;
+    }
+    return store(self, argv[0], argv[1], std::move(key), std::move(entry));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* table_refuse(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  // Table.refuse(args, kwargs): calls with this key take the Python path from now on.
+  if (argc != 2 || !PyTuple_CheckExact(argv[0]) || (argv[1] != Py_None && !PyDict_CheckExact(argv[1]))) {
+    PyErr_SetString(PyExc_TypeError, "Table.refuse(args, kwargs)");
+    return nullptr;
+  }
+  try {
+    std::vector<int64_t> key;
+    std::vector<const at::Tensor*> tensors;
+    bool cuda = false;
+    if (!build_key(argv[0], argv[1] == Py_None ? nullptr : argv[1], key, tensors, cuda)) Py_RETURN_FALSE;
+    auto entry = std::make_shared<Entry>();
+    entry->skip = true;
+    return store(self, argv[0], argv[1], std::move(key), std::move(entry));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* store(TableObject* self, PyObject* args, PyObject* kwargs, std::vector<int64_t>&& key,
+                std::shared_ptr<Entry>&& entry) {
+    if (static_cast<Py_ssize_t>(self->entries->size()) >= self->limit) self->entries->clear();
+    hold_strings(self, args);
+    if (kwargs != Py_None) hold_strings(self, kwargs);
+    (*self->entries)[std::move(key)] = std::move(entry);
+    Py_RETURN_TRUE;
+}
+
+PyObject* table_clear(TableObject* self, PyObject*) {
+  self->entries->clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* table_len(TableObject* self, PyObject*) { return PyLong_FromSsize_t(self->entries->size()); }
+
+PyObject* table_hits(TableObject* self, PyObject*) { return PyLong_FromLongLong(self->hits); }
+
+PyObject* table_new(PyTypeObject* type, PyObject* args, PyObject*) {
+  Py_ssize_t limit = 256;
+  if (!PyArg_ParseTuple(args, "|n", &limit)) return nullptr;
+  auto* self = reinterpret_cast<TableObject*>(type->tp_alloc(type, 0));
+  if (!self) return nullptr;
+  self->entries = new std::unordered_map<std::vector<int64_t>, std::shared_ptr<Entry>, KeyHash>();
+  self->names = new std::vector<PyObject*>();
+  self->limit = limit;
+  self->hits = 0;
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void table_dealloc(TableObject* self) {
+  delete self->entries;
+  for (PyObject* name : *self->names) Py_DECREF(name);
+  delete self->names;
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyMethodDef table_methods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_call)), METH_FASTCALL,
+     "call(args, kwargs): the outputs, MISS or SKIP"},
+    {"add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_add)), METH_FASTCALL,
+     "add(args, kwargs, outputs, returns, is_tuple, launches): record a call; False when it has no key"},
+    {"refuse", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_refuse)), METH_FASTCALL,
+     "refuse(args, kwargs): calls with this key are not replayed"},
+    {"clear", reinterpret_cast<PyCFunction>(table_clear), METH_NOARGS, "forget every entry"},
+    {"size", reinterpret_cast<PyCFunction>(table_len), METH_NOARGS, "number of entries"},
+    {"hits", reinterpret_cast<PyCFunction>(table_hits), METH_NOARGS, "calls replayed so far"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject table_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* key_of(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  // The key of a call as a tuple of ints, or None (tests).
+  if (argc != 2 || !PyTuple_CheckExact(argv[0]) || (argv[1] != Py_None && !PyDict_CheckExact(argv[1]))) {
+    PyErr_SetString(PyExc_TypeError, "key(args, kwargs)");
+    return nullptr;
+  }
+  std::vector<int64_t> key;
+  std::vector<const at::Tensor*> tensors;
+  bool cuda = false;
+  try {
+    if (!build_key(argv[0], argv[1] == Py_None ? nullptr : argv[1], key, tensors, cuda)) Py_RETURN_NONE;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(key.size()));
+  for (size_t i = 0; i < key.size(); ++i) PyTuple_SET_ITEM(out, i, PyLong_FromLongLong(key[i]));
+  return out;
+}
+
+PyObject* set_cuda(PyObject*, PyObject* flag) {
+  allow_cuda = PyObject_IsTrue(flag) == 1;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef module_methods[] = {
+    {"set_cuda", set_cuda, METH_O, "set_cuda(flag): replay calls with CUDA tensors"},
+    {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(key_of)), METH_FASTCALL,
+     "key(args, kwargs): a call's key (None: not replayable)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "openkernels_replay", "eager replay of recorded calls", -1,
+                          module_methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_openkernels_replay() {
+  table_type.tp_name = "openkernels_replay.Table";
+  table_type.tp_basicsize = sizeof(TableObject);
+  table_type.tp_flags = Py_TPFLAGS_DEFAULT;
+  table_type.tp_new = table_new;
+  table_type.tp_dealloc = reinterpret_cast<destructor>(table_dealloc);
+  table_type.tp_methods = table_methods;
+  if (PyType_Ready(&table_type) < 0) return nullptr;
+  PyObject* m = PyModule_Create(&module_def);
+  if (!m) return nullptr;
+  miss_sentinel = PyUnicode_InternFromString("MISS");
+  skip_sentinel = PyUnicode_InternFromString("SKIP");
+  Py_INCREF(&table_type);
+  PyModule_AddObject(m, "Table", reinterpret_cast<PyObject*>(&table_type));
+  Py_INCREF(miss_sentinel);
+  PyModule_AddObject(m, "MISS", miss_sentinel);
+  Py_INCREF(skip_sentinel);
+  PyModule_AddObject(m, "SKIP", skip_sentinel);
+  return m;
+}

@@ -1,0 +1,498 @@
+"""Eager replay of recorded calls: the second call of a public op with the same argument
+metadata runs no Python beyond a wrapper.
+
+`@replayable` wraps a public function. Its first call with a given key (every tensor's
+dtype, device, sizes, strides and 16-byte alignment; None, bools, ints, floats, dtypes and
+tuples of them by value; keyword names; the CPU thread count and the current CUDA device)
+runs the function as usual while a recording watches it: the tensors it allocates, the
+aten ops it runs and the kernels it launches (CPU kernels through `observe_library`,
+Triton kernels through `openkernels.shared.launch`). When the call did nothing but
+allocate, take views and launch kernels whose pointer arguments are its inputs or its
+allocations, the C extension (`cpu/replay.cpp`, compiled on first use) keeps the
+allocations and launches; later calls with the same key allocate and launch straight from
+C++. Anything else (an aten op that computes, a kernel launched another way, a pointer
+into the middle of a tensor, a Triton kernel that needs scratch memory) marks the key as
+not replayable, and its calls keep taking the Python path.
+
+The contract of a replayable function: its launches depend on its arguments only through
+that key (it reads no tensor values on the host). Calls under autograd (an input that
+requires grad while grad mode is on), with tensor subclasses, under torch.compile, under
+`dispatch.force` / `forbid`, or with arguments of other types are never replayed.
+
+OPENKERNELS_REPLAY: "cpu" (default) replays calls on CPU tensors; "1" / "all" also on CUDA
+(Triton kernels launched with cuLaunchKernelEx, as Triton's own launcher does: not yet
+measured on a GPU, hence off there by default); "0" turns replay off. A replayed Triton
+launch does not call Triton's launch hooks (profilers): turn replay off to profile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import importlib.machinery
+import importlib.util
+import os
+import pathlib
+import struct
+import sys
+import sysconfig
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import cpu_build, dispatch, launch
+
+__all__ = ["MODE_ENV", "replayable", "observe_library", "set_mode", "mode", "disabled", "stats", "available"]
+
+MODE_ENV = "OPENKERNELS_REPLAY"
+_SOURCE = pathlib.Path(__file__).with_name("cpu") / "replay.cpp"
+_MODES = {"0": "off", "": "off", "off": "off", "cpu": "cpu", "1": "all", "all": "all"}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _State:
+    mode = _MODES.get(os.environ.get(MODE_ENV, "cpu").strip().lower(), "cpu")
+    module: Any = None  # the C extension, once built
+    failed: str | None = None  # why it could not be built (no retry)
+    lock = threading.Lock()
+    local = threading.local()  # .recording: the recording of this thread, if any
+    replayables: ClassVar[list[_Replayable]] = []
+
+
+def mode() -> str:
+    """ "off", "cpu" or "all"."""
+    return _State.mode
+
+
+def set_mode(value: str) -> None:
+    """Change the mode ("0"/"off", "cpu", "1"/"all") and forget every recorded call."""
+    if value not in _MODES:
+        raise ValueError(f"replay mode must be one of {sorted(_MODES)}, got {value!r}")
+    _State.mode = _MODES[value]
+    if _State.module is not None:
+        _State.module.set_cuda(_State.mode == "all")
+    for r in _State.replayables:
+        if r.table is not None:
+            r.table.clear()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """No replay (nor recording) inside the block, for every thread (profiling, tests)."""
+    before = _State.mode
+    _State.mode = "off"
+    try:
+        yield
+    finally:
+        _State.mode = before
+
+
+def _build_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    lib = pathlib.Path(torch.__file__).parent / "lib"
+    flags = [f"-I{p}" for p in cpp_extension.include_paths()]
+    flags += [f"-I{sysconfig.get_paths()['include']}", f"-L{lib}", f"-Wl,-rpath,{lib}", "-Wl,--no-as-needed"]
+    flags += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    # In the flags, so in the cache key: another torch or Python builds its own library.
+    flags += [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+              f"-DOK_TORCH_VERSION={torch.__version__}", f"-DOK_PYTHON={sysconfig.get_python_version()}"]  # fmt: skip
+    return flags
+
+
+def _module() -> Any:
+    """The C extension (built on first use), or None where it cannot be built (one warning)."""
+    if _State.module is not None or _State.failed is not None:
+        return _State.module
+    with _State.lock:
+        if _State.module is None and _State.failed is None:
+            try:
+                lib = cpu_build.load_library(_SOURCE, name="openkernels_replay", extra_flags=_build_flags())
+                path = lib._name
+                loader = importlib.machinery.ExtensionFileLoader("openkernels_replay", path)
+                spec = importlib.util.spec_from_file_location("openkernels_replay", path, loader=loader)
+                assert spec is not None
+                module = importlib.util.module_from_spec(spec)
+                loader.exec_module(module)
+                module.set_cuda(_State.mode == "all")
+                global _MISS, _SKIP
+                _MISS, _SKIP = module.MISS, module.SKIP
+                _State.module = module
+            except Exception as error:  # any failure turns replay off, once
+                _State.failed = f"{type(error).__name__}: {error}"
+                warnings.warn(
+                    f"openkernels: eager replay is off (its C extension could not be built: "
+                    f"{_State.failed.splitlines()[0][:300]})",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+    return _State.module
+
+
+def available() -> bool:
+    """Whether the C extension could be built here (builds it)."""
+    return _module() is not None
+
+
+# ---------------------------------------------------------------------------- recording
+
+_VIEWS_AND_ALLOCATIONS = {
+    "empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
+    "new_empty_strided.default", "view.default", "_unsafe_view.default", "as_strided.default", "t.default",
+    "transpose.int", "permute.default", "expand.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims",
+    "squeeze.default", "select.int", "slice.Tensor", "alias.default", "detach.default", "split.Tensor",
+    "split_with_sizes.default", "unbind.int", "unflatten.int", "view_as_real.default", "view_as_complex.default",
+}  # fmt: skip
+_ALLOCATIONS = {"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
+                "new_empty_strided.default"}  # fmt: skip
+
+
+class _Watch(TorchDispatchMode):
+    """Sees every aten op of the recorded call: keeps its allocations, flags anything else."""
+
+    def __init__(self, recording: _Recording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = f"{func._opname}.{func._overloadname}"
+        if name not in _VIEWS_AND_ALLOCATIONS:
+            self.recording.refuse(f"aten.{name}")
+        elif name in _ALLOCATIONS and isinstance(out, torch.Tensor):
+            self.recording.allocations.append(out)
+        return out
+
+
+class _Recording:
+    def __init__(self, cuda: bool) -> None:
+        self.thread = threading.get_ident()
+        self.allocations: list[torch.Tensor] = []
+        self.launches: list[tuple] = []  # ("cpu", fn address, [(is_pointer, value)]) or ("cuda", ...)
+        self.why_not: str | None = None
+        self.cuda = cuda
+        self.triton_launches = 0  # counted by Triton's launch hook, whoever launched
+
+    def refuse(self, why: str) -> None:
+        if self.why_not is None:
+            self.why_not = why
+
+    def count(self, *args: Any) -> None:
+        if threading.get_ident() == self.thread:
+            self.triton_launches += 1
+
+
+def _recording() -> _Recording | None:
+    return getattr(_State.local, "recording", None)
+
+
+def observe_cpu(
+    packed: int | None, args: tuple, pointer: tuple[bool, ...], doubles: tuple[bool, ...]
+) -> None:
+    """A CPU kernel call of the recording in this thread: `packed` is its packed entry's address
+    (None: it has none), `pointer` / `doubles` flag each argument's kind."""
+    rec = _recording()
+    if rec is None:
+        return
+    if not packed:
+        rec.refuse("a CPU kernel without a packed entry")
+        return
+    slots = []
+    for value, is_pointer, is_double in zip(args, pointer, doubles, strict=True):
+        if is_double:
+            slots.append((False, struct.unpack("<q", struct.pack("<d", float(value)))[0]))
+        else:
+            slots.append((is_pointer, int(value or 0)))
+    rec.launches.append(("cpu", packed, slots))
+
+
+_FLOAT_PACK = {"fp32": "<f", "f32": "<f", "fp64": "<d", "fp16": "<e"}
+
+
+def observe_triton(compiled: Any, grid: tuple, values: list) -> None:
+    """A Triton launch through `openkernels.shared.launch` of the recording in this thread."""
+    rec = _recording()
+    if rec is None:
+        return
+    if compiled is False or not rec.cuda:
+        rec.refuse(
+            "a Triton kernel that needs scratch memory" if compiled is False else "a Triton launch on CPU"
+        )
+        return
+    try:
+        meta = compiled.metadata
+        signature = list(compiled.src.signature.values())
+        slots = []
+        for ty, value in zip(signature, values, strict=True):
+            if ty == "constexpr":
+                continue
+            if not isinstance(ty, str) or ty.startswith("tensordesc") or ty == "nvTmaDesc":
+                rec.refuse(f"a Triton parameter of type {ty}")
+                return
+            if ty[0] == "*":
+                if value is None:
+                    slots.append((False, 0, 8))
+                elif isinstance(value, torch.Tensor):
+                    slots.append((True, value.data_ptr(), 8))
+                else:
+                    rec.refuse("a Triton pointer passed as an int")
+                    return
+            elif ty in _FLOAT_PACK:
+                raw = struct.pack(_FLOAT_PACK[ty], float(value))
+                slots.append((False, int.from_bytes(raw, "little"), len(raw)))
+            elif ty == "bf16":
+                raw = struct.pack("<f", float(value))[2:]
+                slots.append((False, int.from_bytes(raw, "little"), 2))
+            else:
+                slots.append((False, int(value), 8))
+        grid3 = (*grid, 1, 1)[:3]
+        rec.launches.append(("cuda", int(compiled.function), grid3, meta.num_warps, getattr(meta, "num_ctas", 1),
+                             meta.shared, int(bool(getattr(meta, "launch_cooperative_grid", False))),
+                             int(bool(getattr(meta, "launch_pdl", False))), slots))  # fmt: skip
+    except (AttributeError, TypeError, ValueError) as error:
+        rec.refuse(f"an unreadable Triton launch ({error})")
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors of a call in the C key's order: positional, then keyword, tuples inside."""
+    out: list[torch.Tensor] = []
+
+    def add(v: Any, depth: int = 0) -> None:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif type(v) is tuple and depth < 2:
+            for item in v:
+                add(item, depth + 1)
+
+    for v in args:
+        add(v)
+    for v in kwargs.values():
+        add(v)
+    return out
+
+
+def _exact_buffer(t: torch.Tensor) -> bool:
+    """t starts its storage and covers all of it (so a fresh tensor of its shape replaces it)."""
+    if t.storage_offset() != 0:
+        return False
+    if t.numel() == 0:
+        return t.untyped_storage().nbytes() == 0
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() == extent * t.element_size()
+
+
+def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | str:
+    """(outputs, is_tuple, launches) for Table.add, or why the call cannot be replayed."""
+    if rec.why_not:
+        return rec.why_not
+    if rec.triton_launches != sum(1 for seen in rec.launches if seen[0] == "cuda"):
+        return "a Triton kernel launched around openkernels.shared.launch"
+    if isinstance(result, torch.Tensor):
+        returned, is_tuple = [result], False
+    elif type(result) is tuple and result and all(isinstance(t, torch.Tensor) for t in result):
+        returned, is_tuple = list(result), True
+    else:
+        return "a result that is not a tensor or a tuple of tensors"
+    inputs = _tensors(args, kwargs)
+    by_pointer = {t.data_ptr(): i for i, t in reversed(list(enumerate(inputs)))}
+    buffers: list[torch.Tensor] = []
+    buffer_of: dict[int, int] = {}  # storage address -> buffer index
+    outputs = []  # (alias, sizes, strides, dtype, device type, device index)
+    returns = []
+    for t in returned:
+        alias = next((i for i, x in enumerate(inputs) if x is t), None)
+        if alias is not None:
+            outputs.append((alias, (), (), 0, 0, 0))
+            returns.append(len(outputs) - 1)
+            continue
+        base = t.untyped_storage().data_ptr()
+        if any(x.untyped_storage().data_ptr() == base for x in inputs) or base in buffer_of:
+            return "a result that shares memory with an input or another result"
+        if not _exact_buffer(t):
+            return "a result that is a view into a larger buffer"
+        buffer_of[base] = len(outputs)
+        buffers.append(t)
+        outputs.append(
+            (-1, tuple(t.shape), t.stride(), _dtype_code(t.dtype), _device_type(t), t.device.index or 0)
+        )
+        returns.append(len(outputs) - 1)
+    for t in rec.allocations:  # scratch: allocated, passed to kernels, not returned
+        base = t.untyped_storage().data_ptr()
+        if base in buffer_of or not _exact_buffer(t):
+            continue
+        buffer_of[base] = len(outputs)
+        outputs.append(
+            (-1, tuple(t.shape), t.stride(), _dtype_code(t.dtype), _device_type(t), t.device.index or 0)
+        )
+    launches = []
+    for seen in rec.launches:
+        raw = seen[-1]
+        slots = []
+        for item in raw:
+            is_pointer, value = item[0], item[1]
+            size = item[2] if len(item) > 2 else 8
+            if not is_pointer or value == 0:
+                slots.append((0, 0, _signed(value), size))
+            elif value in by_pointer:
+                slots.append((1, by_pointer[value], 0, size))
+            elif value in buffer_of:
+                slots.append((2, buffer_of[value], 0, size))
+            else:
+                return "a kernel pointer that is neither an input nor an allocation of the call"
+        if seen[0] == "cpu":
+            launches.append((0, seen[1], (1, 1, 1), 0, 1, 0, 0, 0, slots))
+        else:
+            launches.append((1, *seen[1:-1], slots))
+    # A result no recorded launch wrote was made some way the recording cannot see (the
+    # Triton interpreter, a launch around the observed paths): not replayable.
+    written = {slot[1] for launch in launches for slot in launch[-1] if slot[0] == 2}
+    for r, t in zip(returns, returned):
+        if outputs[r][0] < 0 and t.numel() > 0 and r not in written:
+            return "a result that no recorded launch wrote"
+    return outputs, returns, is_tuple, launches
+
+
+def _signed(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """c10::ScalarType's number of a torch dtype (read once from the extension's own key)."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        key = _State.module.key((torch.empty(0, dtype=dtype),), None)
+        code = _DTYPE_CODES[dtype] = key[1]
+    return code
+
+
+def _device_type(t: torch.Tensor) -> int:
+    return 1 if t.device.type == "cuda" else 0  # c10::DeviceType: kCPU 0, kCUDA 1
+
+
+class _Replayable:
+    """One public function's table and its recording."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.table: Any = None
+        self.refusals: dict[str, int] = {}
+
+    def start(self) -> bool:
+        if self.table is None:
+            module = _module()
+            if module is None:
+                return False
+            self.table = module.Table()
+        return True
+
+    def record(self, args: tuple, kwargs: dict) -> Any:
+        if _recording() is not None:  # a replayable function called by another one: the outer records
+            return self.fn(*args, **kwargs)
+        cuda = any(t.is_cuda for t in _tensors(args, kwargs))
+        rec = _Recording(cuda)
+        hooks = None
+        if "triton" in sys.modules:  # count every Triton launch, however it was made
+            from triton import knobs
+
+            hooks = knobs.runtime.launch_enter_hook
+            hooks.add(rec.count)
+        _State.local.recording = rec
+        if cuda:
+            launch.observer = observe_triton
+        try:
+            with _Watch(rec):
+                result = self.fn(*args, **kwargs)
+        finally:
+            _State.local.recording = None
+            if cuda:
+                launch.observer = None
+            if hooks is not None:
+                hooks.remove(rec.count)
+        entry = _entry(rec, args, kwargs, result)
+        if isinstance(entry, str):
+            self.refusals[entry] = self.refusals.get(entry, 0) + 1
+            self.table.refuse(args, kwargs)
+        else:
+            self.table.add(args, kwargs, *entry)
+        return result
+
+
+def replayable(fn: F) -> F:
+    """Wrap a public function so that its calls are recorded and replayed (module docstring)."""
+    r = _Replayable(fn)
+    _State.replayables.append(r)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or _State.mode == "off" or not dispatch.unsteered():
+            return fn(*args, **kwargs)
+        table = r.table
+        if table is None and not r.start():
+            return fn(*args, **kwargs)
+        out = r.table.call(args, kwargs)
+        if out is _MISS:
+            return r.record(args, kwargs)
+        if out is _SKIP:
+            return fn(*args, **kwargs)
+        return out
+
+    call._replay = r  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]
+
+
+_MISS: Any = object()  # the extension's sentinels, once it is built
+_SKIP: Any = object()
+
+
+def stats(fn: Callable[..., Any]) -> dict[str, Any]:
+    """A replayable function's entries, replayed calls and why recordings were refused."""
+    r: _Replayable = fn._replay  # type: ignore[attr-defined]
+    if r.table is None:
+        return {"entries": 0, "hits": 0, "refused": dict(r.refusals)}
+    return {"entries": r.table.size(), "hits": r.table.hits(), "refused": dict(r.refusals)}
+
+
+# ---------------------------------------------------------------------------- CPU kernels
+
+
+class _ObservedFunction:
+    __slots__ = ("doubles", "fn", "packed", "pointer")
+
+    def __init__(self, fn: Any, packed: int | None) -> None:
+        self.fn = fn
+        self.packed = packed
+        self.pointer = tuple(t is ctypes.c_void_p for t in fn.argtypes)
+        self.doubles = tuple(t in (ctypes.c_double, ctypes.c_float) for t in fn.argtypes)
+
+    def __call__(self, *args: Any) -> Any:
+        if getattr(_State.local, "recording", None) is not None:
+            observe_cpu(self.packed, args, self.pointer, self.doubles)
+        return self.fn(*args)
+
+
+class _ObservedLibrary:
+    def __init__(self, lib: ctypes.CDLL, names: tuple[str, ...]) -> None:
+        for name in names:
+            fn = getattr(lib, name)
+            try:
+                packed = ctypes.cast(getattr(lib, f"{name}_packed"), ctypes.c_void_p).value
+            except AttributeError:
+                packed = None
+            setattr(self, name, _ObservedFunction(fn, packed))
+
+
+def observe_library(lib: ctypes.CDLL, names: tuple[str, ...]) -> Any:
+    """`lib` with its functions `names` (argtypes declared) seen by recordings: a kernel `f` is
+    replayable when the library exports `int f_packed(const int64_t* args)` (every argument in
+    one 64-bit slot, doubles as their bits) that calls it."""
+    return _ObservedLibrary(lib, names)

@@ -1,0 +1,312 @@
+"""openkernels.shared.replay: recorded calls replayed from C++ give the Python path's results,
+and every call the recording cannot vouch for takes the Python path."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import types
+
+import pytest
+import torch
+
+from openkernels.shared import cpu_build, dispatch, replay
+
+pytestmark = pytest.mark.skipif(not cpu_build.compiler_available(), reason="no C++ compiler")
+
+# y = x * scale + shift over n floats; the packed entry takes every argument in a 64-bit slot.
+_SOURCE = r"""
+#include <cstdint>
+#include <cstring>
+extern "C" int toy_affine(const float* x, float* y, int64_t n, double scale, double shift) {
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(x[i] * scale + shift);
+  return 0;
+}
+extern "C" int toy_affine_packed(const int64_t* a) {
+  double scale, shift;
+  std::memcpy(&scale, &a[3], 8);
+  std::memcpy(&shift, &a[4], 8);
+  return toy_affine(reinterpret_cast<const float*>(a[0]), reinterpret_cast<float*>(a[1]), a[2], scale, shift);
+}
+extern "C" int toy_nopack(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i];
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    if not replay.available():
+        pytest.skip("the replay extension cannot be built here")
+    source = tmp_path_factory.mktemp("toy") / "toy.cpp"
+    source.write_text(_SOURCE)
+    raw = cpu_build.load_library(source, name="openkernels_toy_replay")
+    p, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    raw.toy_affine.argtypes = [p, p, i64, f64, f64]
+    raw.toy_nopack.argtypes = [p, p, i64]
+    return replay.observe_library(raw, ("toy_affine", "toy_nopack"))
+
+
+@pytest.fixture(autouse=True)
+def cpu_mode():
+    before = replay.mode()
+    replay.set_mode("cpu")
+    yield
+    replay.set_mode({"off": "0", "cpu": "cpu", "all": "all"}[before])
+
+
+def _affine(lib):
+    calls = []
+
+    @replay.replayable
+    def affine(x: torch.Tensor, scale: float = 2.0, *, shift: float = 0.0, out: torch.Tensor | None = None):
+        calls.append(1)  # Python ran
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError("affine: contiguous float32 only")
+        y = torch.empty_like(x) if out is None else out
+        lib.toy_affine(x.data_ptr(), y.data_ptr(), x.numel(), scale, shift)
+        return y
+
+    return affine, calls
+
+
+def test_a_replayed_call_computes_on_its_own_inputs_into_a_fresh_output(lib):
+    affine, calls = _affine(lib)
+    x = torch.randn(3, 5)
+    first = affine(x, 3.0, shift=1.0)
+    assert len(calls) == 1 and replay.stats(affine)["entries"] == 1
+    for _ in range(3):
+        x2 = torch.randn(3, 5)
+        y = affine(x2, 3.0, shift=1.0)
+        torch.testing.assert_close(y, x2 * 3.0 + 1.0, rtol=0, atol=1e-6)
+        assert y.data_ptr() != first.data_ptr() and y.shape == (3, 5) and y.dtype == torch.float32
+    assert len(calls) == 1 and replay.stats(affine)["hits"] == 3
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda x: ((torch.randn(4, 5),), {"shift": 1.0}),  # shape
+        lambda x: ((x, 4.0), {"shift": 1.0}),  # a float's value
+        lambda x: ((x, 3.0), {"shift": 2.0}),  # a keyword's value
+        lambda x: ((x, 3.0), {}),  # a keyword left out
+        lambda x: ((torch.randn(5, 3).t(),), {"shift": 1.0}),  # strides (and the Python check)
+        lambda x: ((torch.randn(17)[1:].view(4, 4),), {"shift": 1.0}),  # alignment of the address
+    ],
+)
+def test_any_change_of_the_key_runs_python_again(lib, change):
+    affine, calls = _affine(lib)
+    x = torch.randn(3, 5)
+    affine(x, 3.0, shift=1.0)
+    args, kwargs = change(x)
+    try:
+        y = affine(*args, **kwargs)
+    except ValueError:
+        y = None
+    assert len(calls) == 2
+    if y is not None:
+        scale = args[1] if len(args) > 1 else 2.0
+        torch.testing.assert_close(y, args[0] * scale + kwargs.get("shift", 0.0), rtol=0, atol=1e-6)
+
+
+def test_out_is_returned_as_given(lib):
+    affine, calls = _affine(lib)
+    x, out = torch.randn(8), torch.empty(8)
+    affine(x, out=out)
+    x2, out2 = torch.randn(8), torch.empty(8)
+    assert affine(x2, out=out2) is out2
+    torch.testing.assert_close(out2, x2 * 2.0)
+    assert len(calls) == 1
+
+
+def test_errors_are_not_recorded(lib):
+    affine, calls = _affine(lib)
+    x = torch.randn(4, dtype=torch.float64)
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            affine(x)
+    assert len(calls) == 2 and replay.stats(affine)["entries"] == 0
+
+
+def test_calls_that_compute_in_torch_are_refused_and_stay_correct(lib):
+    calls = []
+
+    @replay.replayable
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        y = torch.empty_like(x)
+        lib.toy_affine(x.data_ptr(), y.data_ptr(), x.numel(), 1.0, 0.0)
+        return y + 1  # a computation no launch records
+
+    for _ in range(3):
+        x = torch.randn(6)
+        torch.testing.assert_close(shifted(x), x + 1)
+    assert len(calls) == 3
+    assert replay.stats(shifted)["refused"] == {"aten.add.Tensor": 1}
+
+
+def test_kernels_without_a_packed_entry_and_foreign_pointers_are_refused(lib):
+    @replay.replayable
+    def copy(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x)
+        lib.toy_nopack(x.data_ptr(), y.data_ptr(), x.numel())
+        return y
+
+    @replay.replayable
+    def tail(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.numel() - 1)
+        lib.toy_affine(x.data_ptr() + 4, y.data_ptr(), y.numel(), 1.0, 0.0)  # into the middle of x
+        return y
+
+    x = torch.randn(6)
+    for _ in range(2):
+        torch.testing.assert_close(copy(x), x)
+        torch.testing.assert_close(tail(x), x[1:])
+    assert list(replay.stats(copy)["refused"]) == ["a CPU kernel without a packed entry"]
+    assert list(replay.stats(tail)["refused"]) == [
+        "a kernel pointer that is neither an input nor an allocation of the call"
+    ]
+
+
+def test_scratch_allocations_are_made_again_and_views_of_results_returned(lib):
+    @replay.replayable
+    def two_step(x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.empty(x.numel())
+        y = torch.empty(x.numel())
+        lib.toy_affine(x.reshape(-1).data_ptr(), scratch.data_ptr(), x.numel(), 2.0, 0.0)
+        lib.toy_affine(scratch.data_ptr(), y.data_ptr(), x.numel(), 1.0, 1.0)
+        return y.view(x.shape)
+
+    two_step(torch.randn(2, 3))
+    x = torch.randn(2, 3)
+    y = two_step(x)
+    torch.testing.assert_close(y, x * 2 + 1)
+    assert y.shape == (2, 3) and replay.stats(two_step)["hits"] == 1
+
+
+def test_autograd_subclasses_steering_compile_and_off_take_the_python_path(lib):
+    affine, calls = _affine(lib)
+    x = torch.randn(5)
+    affine(x)
+    n = len(calls)
+    affine(torch.randn(5, requires_grad=True).detach().requires_grad_())  # grad mode on
+    affine(torch.nn.Parameter(torch.randn(5), requires_grad=False))  # a Parameter is a plain tensor
+    with dispatch.force("reference"):
+        affine(x)
+    with replay.disabled():
+        affine(x)
+
+    class Sub(torch.Tensor):
+        pass
+
+    affine(torch.randn(5).as_subclass(Sub))
+    assert len(calls) == n + 4
+    with torch.no_grad():
+        affine(torch.randn(5, requires_grad=True))  # no autograd: replayed
+    assert len(calls) == n + 4
+
+
+def test_strings_are_keyed_by_identity_and_held(lib):
+    calls = []
+
+    @replay.replayable
+    def tagged(x: torch.Tensor, mode: str) -> torch.Tensor:
+        calls.append(mode)
+        y = torch.empty_like(x)
+        lib.toy_affine(x.data_ptr(), y.data_ptr(), x.numel(), 2.0 if mode == "double" else 1.0, 0.0)
+        return y
+
+    x = torch.randn(4)
+    torch.testing.assert_close(tagged(x, "double"), x * 2)
+    torch.testing.assert_close(tagged(x, "double"), x * 2)
+    made = "".join(["sa", "me"])  # a string built at run time: its own key
+    torch.testing.assert_close(tagged(x, made), x)
+    torch.testing.assert_close(tagged(x, "same"), x)
+    assert calls == ["double", made, "same"]
+
+
+def test_threads_replay_the_same_entries(lib):
+    affine, calls = _affine(lib)
+    affine(torch.randn(64))
+    errors = []
+
+    def work():
+        for _ in range(200):
+            x = torch.randn(64)
+            if not torch.allclose(affine(x), x * 2.0):
+                errors.append(1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(calls) == 1
+
+
+def test_a_triton_launch_becomes_slots_of_its_parameters():
+    """The CUDA launch record (checked here without a GPU): constexprs dropped, pointers
+    mapped to inputs and allocations, floats packed as their parameter type."""
+    x, y = torch.empty(16), torch.empty(16)
+    rec = replay._Recording(cuda=True)
+    rec.allocations.append(y)
+    compiled = types.SimpleNamespace(
+        function=1234,
+        metadata=types.SimpleNamespace(
+            num_warps=4, num_ctas=1, shared=512, launch_cooperative_grid=False, launch_pdl=False
+        ),
+        src=types.SimpleNamespace(
+            signature={
+                "x": "*fp32",
+                "y": "*fp32",
+                "n": "i32",
+                "eps": "fp32",
+                "B": "constexpr",
+                "none": "*fp32",
+            }
+        ),
+    )
+    replay._State.local.recording = rec
+    try:
+        replay.observe_triton(compiled, (8,), [x, y, -5, 0.5, 64, None])
+    finally:
+        replay._State.local.recording = None
+    rec.triton_launches = 1
+    outputs, returns, is_tuple, launches = replay._entry(rec, (x,), {}, y)
+    assert returns == [0] and not is_tuple and outputs[0][:3] == (-1, (16,), (1,))
+    (launch,) = launches
+    assert launch[:8] == (1, 1234, (8, 1, 1), 4, 1, 512, 0, 0)
+    half = int.from_bytes(torch.tensor(0.5).numpy().tobytes(), "little")
+    assert launch[8] == [(1, 0, 0, 8), (2, 0, 0, 8), (0, 0, -5, 8), (0, 0, half, 4), (0, 0, 0, 8)]
+
+
+def test_keys_follow_what_the_kernels_specialize_on():
+    if not replay.available():
+        pytest.skip("the replay extension cannot be built here")
+    key = replay._State.module.key
+    x = torch.randn(4, 8)
+    assert key((x, 1.0), None) == key((torch.randn(4, 8), 1.0), None)
+    assert key((x, 1.0), None) != key((x, 1), None)  # int and float differ
+    assert key((x, True), None) != key((x, 1), None)
+    assert key((x.t(),), None) != key((x,), None)
+    assert key((x.half(),), None) != key((x,), None)
+    assert key((x, None), None) != key((x,), None)
+    assert key((x, (1, 2)), None) != key((x, (1, 3)), None)
+    assert key((x, [1]), None) is None  # lists are not keyed
+    assert key((x, object()), None) is None
+
+
+def test_results_no_recorded_launch_wrote_are_refused(lib):
+    """A result made where the recording cannot see (here: by numpy) must not be replayed as
+    an uninitialized tensor."""
+
+    @replay.replayable
+    def filled(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x)
+        y.numpy()[:] = 7.0  # no aten op, no observed launch
+        return y
+
+    for _ in range(2):
+        assert torch.equal(filled(torch.randn(3)), torch.full((3,), 7.0))
+    assert list(replay.stats(filled)["refused"]) == ["a result that no recorded launch wrote"]
