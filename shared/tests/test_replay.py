@@ -310,3 +310,19 @@ def test_results_no_recorded_launch_wrote_are_refused(lib):
     for _ in range(2):
         assert torch.equal(filled(torch.randn(3)), torch.full((3,), 7.0))
     assert list(replay.stats(filled)["refused"]) == ["a result that no recorded launch wrote"]
+
+
+def test_persistent_tables_are_constants_of_the_launch(lib):
+    table = replay.persistent(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # a lookup table kernels read
+    calls = []
+
+    @replay.replayable
+    def plus_table(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        y = torch.empty(4)
+        lib.toy_affine(table.data_ptr(), y.data_ptr(), 4, 1.0, float(x.numel()))
+        return y
+
+    for _ in range(3):
+        torch.testing.assert_close(plus_table(torch.randn(2)), table + 2)
+    assert len(calls) == 1 and replay.stats(plus_table)["hits"] == 2

@@ -47,7 +47,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import cpu_build, dispatch, launch
 
-__all__ = ["MODE_ENV", "replayable", "observe_library", "set_mode", "mode", "disabled", "stats", "available"]
+__all__ = [
+    "MODE_ENV",
+    "replayable",
+    "observe_library",
+    "persistent",
+    "set_mode",
+    "mode",
+    "disabled",
+    "stats",
+    "available",
+]
 
 MODE_ENV = "OPENKERNELS_REPLAY"
 _SOURCE = pathlib.Path(__file__).with_name("cpu") / "replay.cpp"
@@ -148,6 +158,7 @@ _VIEWS_AND_ALLOCATIONS = {
     "transpose.int", "permute.default", "expand.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims",
     "squeeze.default", "select.int", "slice.Tensor", "alias.default", "detach.default", "split.Tensor",
     "split_with_sizes.default", "unbind.int", "unflatten.int", "view_as_real.default", "view_as_complex.default",
+    "lift_fresh.default",  # torch.tensor(python data): a constant, used by a kernel only if persistent
 }  # fmt: skip
 _ALLOCATIONS = {"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
                 "new_empty_strided.default"}  # fmt: skip
@@ -186,6 +197,16 @@ class _Recording:
     def count(self, *args: Any) -> None:
         if threading.get_ident() == self.thread:
             self.triton_launches += 1
+
+
+_PERSISTENT: dict[int, torch.Tensor] = {}  # data_ptr -> a tensor that lives as long as the process
+
+
+def persistent(t: torch.Tensor) -> torch.Tensor:
+    """Declare `t` a constant for the life of the process (a lookup table a kernel reads):
+    a recorded launch may then pass its address as a constant. Held here, never freed."""
+    _PERSISTENT.setdefault(t.data_ptr(), t)
+    return t
 
 
 def _recording() -> _Recording | None:
@@ -343,6 +364,8 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
                 slots.append((1, by_pointer[value], 0, size))
             elif value in buffer_of:
                 slots.append((2, buffer_of[value], 0, size))
+            elif value in _PERSISTENT:
+                slots.append((0, 0, _signed(value), size))
             else:
                 return "a kernel pointer that is neither an input nor an allocation of the call"
         if seen[0] == "cpu":

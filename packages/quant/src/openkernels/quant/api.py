@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from openkernels.shared import replay
+
 from . import ops
 from .format import Int4Weight
 
@@ -38,6 +40,7 @@ def _check_call(x: Tensor, qweight: Tensor, bias: Tensor | None) -> None:
             raise ValueError(f"int4_linear: bias is on {bias.device}, x on {x.device}")
 
 
+@replay.replayable
 def linear_parts(
     x: Tensor,
     qweight: Tensor,

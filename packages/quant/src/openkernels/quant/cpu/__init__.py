@@ -19,11 +19,12 @@ from __future__ import annotations
 import ctypes
 import pathlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from openkernels.shared import cpu_build
+from openkernels.shared import cpu_build, replay
 from openkernels.shared.dispatch import DispatchKey
 
 from ..format import KINDS, SCALE_DTYPES, nf4_values
@@ -33,7 +34,7 @@ __all__ = ["dequantize_int4_fwd", "int4_linear_fwd", "supports"]
 _SOURCE = pathlib.Path(__file__).with_name("int4_linear.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INT4_ZEROS, _INT4_SYMMETRIC, _NF4 = 0, 1, 2
-_lib: ctypes.CDLL | None = None
+_lib: Any = None  # the library, its kernels seen by replay recordings
 
 
 def supports(key: DispatchKey) -> str | None:
@@ -45,7 +46,7 @@ def supports(key: DispatchKey) -> str | None:
     return cpu_build.no_compiler_reason()
 
 
-def _load(name: str = "openkernels_quant", extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
+def _load(name: str = "openkernels_quant", extra_flags: Sequence[str] = ()) -> Any:
     """Compile (or fetch from the cache) and load the kernels, with their signatures declared."""
     lib = cpu_build.load_library(_SOURCE, name=name, extra_flags=extra_flags)
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -59,10 +60,10 @@ def _load(name: str = "openkernels_quant", extra_flags: Sequence[str] = ()) -> c
     for fn_name, argtypes in signatures.items():
         fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return lib
+    return replay.observe_library(lib, tuple(signatures))
 
 
-def _library() -> ctypes.CDLL:
+def _library() -> Any:
     """The kernels, loaded once."""
     global _lib
     if _lib is None:
@@ -169,7 +170,7 @@ def int4_linear_fwd(
     z_ptr, z_stride = _zeros_args(zeros)
     status = _library().ok_int4_linear(
         x.data_ptr(), x.stride(0), qweight.data_ptr(), qweight.stride(0), scales.data_ptr(), scales.stride(0),
-        z_ptr, z_stride, int(scales.dtype == torch.bfloat16), nf4_values().data_ptr(),
+        z_ptr, z_stride, int(scales.dtype == torch.bfloat16), replay.persistent(nf4_values()).data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, group_size, code, kind_code,
         torch.get_num_threads(),
     )  # fmt: skip

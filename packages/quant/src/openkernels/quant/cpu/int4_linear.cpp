@@ -635,6 +635,16 @@ int ok_int4_linear(const void* x, int64_t x_stride, const uint8_t* q, int64_t q_
   return 0;
 }
 
+// Packed entry: every argument in one 64-bit slot, for openkernels.shared.replay's C side.
+int ok_int4_linear_packed(const int64_t* a) {
+  auto p = [a](int i) { return reinterpret_cast<const void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_int4_linear(p(0), a[1], static_cast<const uint8_t*>(p(2)), a[3], static_cast<const uint16_t*>(p(4)), a[5],
+                        static_cast<const uint16_t*>(p(6)), a[7], i32(8), static_cast<const float*>(p(9)),
+                        static_cast<const float*>(p(10)), reinterpret_cast<void*>(a[11]), a[12], a[13], a[14], a[15],
+                        i32(16), i32(17), i32(18));
+}
+
 int ok_int4_dequantize(const uint8_t* q, int64_t q_stride, const uint16_t* s, int64_t s_stride, const uint16_t* z,
                        int64_t z_stride, int s_bf16, const float* nf4, void* out, int64_t N, int64_t K,
                        int64_t group_size, int dtype, int kind, int num_threads) {
