@@ -457,7 +457,14 @@ def replayable(fn: F) -> F:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or _State.mode == "off" or not dispatch.unsteered():
+        mode = _State.mode
+        if torch.compiler.is_compiling() or mode == "off":
+            return fn(*args, **kwargs)
+        # Off on the GPU by default: a CUDA call then costs one attribute read here (its first
+        # tensor decides), and builds nothing.
+        if mode == "cpu" and args and getattr(args[0], "is_cuda", False):
+            return fn(*args, **kwargs)
+        if not dispatch.unsteered():
             return fn(*args, **kwargs)
         table = r.table
         if table is None and not r.start():

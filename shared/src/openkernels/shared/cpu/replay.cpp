@@ -63,6 +63,8 @@ bool load_driver() {
   return launch_ex != nullptr;
 }
 
+bool allow_cuda = false;  // replay calls with CUDA tensors (set_cuda)
+
 // ---- keys
 enum Tag : int64_t { kTensor = 1, kNone, kBool, kInt, kFloat, kDtype, kTuple, kKwarg, kEnd, kStr };
 
@@ -83,6 +85,7 @@ bool add_value(PyObject* obj, std::vector<int64_t>& key, std::vector<const at::T
     if (t.requires_grad() && at::GradMode::is_enabled()) return false;
     const auto device = t.device();
     if (device.type() != c10::kCPU && device.type() != c10::kCUDA) return false;
+    if (device.type() == c10::kCUDA && !allow_cuda) return false;  // not replayed: fail early
     cuda = cuda || device.type() == c10::kCUDA;
     key.push_back(kTensor);
     key.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -180,7 +183,6 @@ struct TableObject {
 };
 
 PyObject* miss_sentinel = nullptr;  // record this call
-bool allow_cuda = false;             // replay calls with CUDA tensors (set_cuda)
 PyObject* skip_sentinel = nullptr;  // do not record
 
 // The key of a call, or false (not replayable). cuda: a CUDA tensor is among the arguments.
@@ -267,7 +269,8 @@ PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) 
       Py_INCREF(miss_sentinel);
       return miss_sentinel;
     }
-    const Entry& entry = *found->second;
+    const std::shared_ptr<Entry> held = found->second;  // alive while the GIL is released
+    const Entry& entry = *held;
     if (entry.skip) {
       Py_INCREF(skip_sentinel);
       return skip_sentinel;
@@ -280,11 +283,18 @@ PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) 
         outputs.push_back(at::empty_strided(out.sizes, out.strides, at::TensorOptions(out.dtype).device(out.device)));
     }
     const c10::Device device = cuda ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice() : c10::Device(c10::kCPU);
+    bool launched = true;
+    Py_BEGIN_ALLOW_THREADS;  // as ctypes and Triton's launcher do: other threads run meanwhile
     for (const Launch& launch : entry.launches) {
       if (!run_launch(launch, tensors, outputs, device)) {
-        PyErr_SetString(PyExc_RuntimeError, "openkernels replay: a recorded launch failed");
-        return nullptr;
+        launched = false;
+        break;
       }
+    }
+    Py_END_ALLOW_THREADS;
+    if (!launched) {
+      PyErr_SetString(PyExc_RuntimeError, "openkernels replay: a recorded launch failed");
+      return nullptr;
     }
     self->hits++;
     if (!entry.tuple) return THPVariable_Wrap(outputs[entry.returns[0]]);
