@@ -326,3 +326,21 @@ def test_persistent_tables_are_constants_of_the_launch(lib):
     for _ in range(3):
         torch.testing.assert_close(plus_table(torch.randn(2)), table + 2)
     assert len(calls) == 1 and replay.stats(plus_table)["hits"] == 2
+
+
+def test_a_replayable_called_inside_another_ones_recording_runs_its_python(lib):
+    """The inner call must not replay from C++ while the outer call records: the outer's
+    recording would not see the inner launches."""
+    inner, inner_calls = _affine(lib)
+    x = torch.randn(8)
+    inner(x)  # the inner key is recorded
+
+    @replay.replayable
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return inner(x)
+
+    for _ in range(3):
+        x = torch.randn(8)
+        torch.testing.assert_close(outer(x), x * 2.0)
+    assert len(inner_calls) == 2  # its first call, then once inside outer's recording
+    assert replay.stats(outer)["hits"] == 2 and replay.stats(outer)["refused"] == {}

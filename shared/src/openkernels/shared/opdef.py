@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch
+from . import dispatch, replay
 
 __all__ = ["Impl", "OpDef", "BackwardDef", "DefinedOp", "define", "standard_impls"]
 
@@ -149,7 +149,8 @@ class DefinedOp:
         self.name = op.name
         self.library = library  # torch.ops.openkernels.<name>
         self.eager = eager
-        self._forward = op.forward
+        # The eager bodies replay their kernels from C++ on a repeated key (shared.replay).
+        self._forward = replay.replayable(op.forward)
         self._tensor_args = op.tensor_args
         self._first = op.tensor_args[0]
 
@@ -181,9 +182,12 @@ class DefinedOp:
 def _eager_function(op: OpDef, backward_op: Any) -> type[torch.autograd.Function]:
     bwd = op.backward
     assert bwd is not None
+    # autograd.Function runs both bodies with grad mode off: their kernels replay (shared.replay).
+    replayed_forward = replay.replayable(op.forward)
+    replayed_compute = replay.replayable(bwd.compute)
 
     def forward(ctx, *args):
-        out = op.forward(*args)
+        out = replayed_forward(*args)
         ctx.set_materialize_grads(bwd.materialize_grads)
         tensors, values = bwd.save(args, out)
         ctx.save_for_backward(*tensors)
@@ -197,7 +201,7 @@ def _eager_function(op: OpDef, backward_op: Any) -> type[torch.autograd.Function
         steering = ctx.steering
         # create_graph=True: the library backward op, whose own autograd says that double
         # backward is not supported when the graph is differentiated again.
-        compute = backward_op if torch.is_grad_enabled() else bwd.compute
+        compute = backward_op if torch.is_grad_enabled() else replayed_compute
 
         def run(*args):
             return steering.run(compute, *args)

@@ -419,8 +419,6 @@ class _Replayable:
         return True
 
     def record(self, args: tuple, kwargs: dict) -> Any:
-        if _recording() is not None:  # a replayable function called by another one: the outer records
-            return self.fn(*args, **kwargs)
         cuda = any(t.is_cuda for t in _tensors(args, kwargs))
         rec = _Recording(cuda)
         hooks = None
@@ -442,11 +440,13 @@ class _Replayable:
             if hooks is not None:
                 hooks.remove(rec.count)
         entry = _entry(rec, args, kwargs, result)
+        if cuda and torch.version.hip is not None:
+            entry = "a ROCm call (the C side launches through the CUDA driver only)"
+        if not isinstance(entry, str) and not self.table.add(args, kwargs, *entry):
+            entry = "no CUDA driver to launch with"  # the key was built for the recording
         if isinstance(entry, str):
             self.refusals[entry] = self.refusals.get(entry, 0) + 1
             self.table.refuse(args, kwargs)
-        else:
-            self.table.add(args, kwargs, *entry)
         return result
 
 
@@ -464,8 +464,8 @@ def replayable(fn: F) -> F:
         # tensor decides), and builds nothing.
         if mode == "cpu" and args and getattr(args[0], "is_cuda", False):
             return fn(*args, **kwargs)
-        if not dispatch.unsteered():
-            return fn(*args, **kwargs)
+        if not dispatch.unsteered() or getattr(_State.local, "recording", None) is not None:
+            return fn(*args, **kwargs)  # steered, or inside another call's recording: run it
         table = r.table
         if table is None and not r.start():
             return fn(*args, **kwargs)

@@ -491,4 +491,16 @@ int ok_gated_fwd_packed(const int64_t* a) {
                       static_cast<int>(a[5]), static_cast<int>(a[6]), static_cast<int>(a[7]), static_cast<int>(a[8]));
 }
 
+int ok_unary_bwd_packed(const int64_t* a) {
+  return ok_unary_bwd(reinterpret_cast<const void*>(a[0]), a[1], reinterpret_cast<const void*>(a[2]), a[3],
+                      reinterpret_cast<void*>(a[4]), a[5], a[6], static_cast<int>(a[7]), static_cast<int>(a[8]),
+                      static_cast<int>(a[9]));
+}
+
+int ok_gated_bwd_packed(const int64_t* a) {
+  return ok_gated_bwd(reinterpret_cast<const void*>(a[0]), a[1], reinterpret_cast<const void*>(a[2]), a[3],
+                      reinterpret_cast<void*>(a[4]), a[5], a[6], static_cast<int>(a[7]), static_cast<int>(a[8]),
+                      static_cast<int>(a[9]), static_cast<int>(a[10]));
+}
+
 }  // extern "C"

@@ -780,4 +780,11 @@ int ok_norm_fwd_packed(const int64_t* a) {
                      i32(14), a[15], a[16], eps, i32(18), i32(19));
 }
 
+int ok_norm_bwd_packed(const int64_t* a) {
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_norm_bwd(p(0), a[1], i32(2), p(3), a[4], i32(5), p(6), p(7), p(8), p(9), a[10], i32(11), p(12), i32(13),
+                     p(14), p(15), a[16], a[17], i32(18), i32(19), i32(20));
+}
+
 }  // extern "C"
