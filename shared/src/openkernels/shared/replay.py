@@ -322,6 +322,11 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
         return "a result that is not a tensor or a tuple of tensors"
     inputs = _tensors(args, kwargs)
     by_pointer = {t.data_ptr(): i for i, t in reversed(list(enumerate(inputs)))}
+    addresses = [t.data_ptr() for t in inputs if t.data_ptr()]
+    if len(set(addresses)) < len(addresses):
+        # The key does not say which inputs share memory: a call with distinct ones must not
+        # get launches that pass one input's address for both.
+        return "inputs that share an address"
     buffers: list[torch.Tensor] = []
     buffer_of: dict[int, int] = {}  # storage address -> buffer index
     outputs = []  # (alias, sizes, strides, dtype, device type, device index)
