@@ -23,7 +23,7 @@ if [[ $steps == *tests* ]]; then
   # The JAX tests run apart (benchmarks/jax_gpu_session.sh): each xdist worker that imports
   # JAX takes 75% of the GPU's memory by default, and 12 of them aborted the quant run.
   xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
-  XLA_PYTHON_CLIENT_PREALLOCATE=false OPENKERNELS_STRICT=1 python3 -m pytest -p openkernels.shared.testing.plugin \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false OPENKERNELS_STRICT=1 python3 -m pytest \
     -q -rfE $xdist "packages/$family/tests" --ignore "packages/$family/tests/test_jax.py" \
     -m "not interpreter and not aot" -k "cuda or offsets or 2_to_the_31" \
     2>&1 | tee "$out/tests.txt" | tail -8

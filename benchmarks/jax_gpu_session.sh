@@ -15,7 +15,7 @@ if [[ $steps == *tests* ]]; then
   files=()
   for f in $families; do files+=("packages/$f/tests/test_jax.py"); done
   # The xdist workers would each take a share of the GPU for JAX: 4 is enough.
-  python3 -m pytest -p openkernels.shared.testing.plugin -q -n 4 -p no:cacheprovider shared/tests/test_jax.py "${files[@]}" \
+  python3 -m pytest -q -n 4 -p no:cacheprovider shared/tests/test_jax.py "${files[@]}" \
     -k "triton or not (jnp or interpret)" 2>&1 | tee "$out/jax_tests.txt" | grep -E "passed|failed|FAILED|Error" | tail -15
 fi
 if [[ $steps == *bench* ]]; then

@@ -1,4 +1,5 @@
-"""pytest plugin of openkernels (loaded through the pytest11 entry point).
+"""pytest plugin of openkernels, opt-in: `-p openkernels.shared.testing.plugin` (the repository's
+pytest configuration passes it; installing openkernels-shared registers nothing with pytest).
 
 Markers:
   interpreter  Triton kernels on CPU tensors; runs only with TRITON_INTERPRET=1.
