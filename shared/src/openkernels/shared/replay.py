@@ -3,7 +3,8 @@ metadata runs no Python beyond a wrapper.
 
 `@replayable` wraps a public function. Its first call with a given key (every tensor's
 dtype, device, sizes, strides and 16-byte alignment; None, bools, ints, floats, dtypes and
-tuples of them by value; keyword names; the CPU thread count and the current CUDA device)
+tuples of them by value; keyword names; which tensors share an address; the CPU thread
+count and the current CUDA device)
 runs the function as usual while a recording watches it: the tensors it allocates, the
 aten ops it runs and the kernels it launches (CPU kernels through `observe_library`,
 Triton kernels through `openkernels.shared.launch`). When the call did nothing but
@@ -322,11 +323,7 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
         return "a result that is not a tensor or a tuple of tensors"
     inputs = _tensors(args, kwargs)
     by_pointer = {t.data_ptr(): i for i, t in reversed(list(enumerate(inputs)))}
-    addresses = [t.data_ptr() for t in inputs if t.data_ptr()]
-    if len(set(addresses)) < len(addresses):
-        # The key does not say which inputs share memory: a call with distinct ones must not
-        # get launches that pass one input's address for both.
-        return "inputs that share an address"
+    # Inputs that share an address map to the first of them; the key records that sharing.
     buffers: list[torch.Tensor] = []
     buffer_of: dict[int, int] = {}  # storage address -> buffer index
     outputs = []  # (alias, sizes, strides, dtype, device type, device index)

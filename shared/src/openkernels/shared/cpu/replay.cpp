@@ -202,9 +202,34 @@ bool build_key(PyObject* args, PyObject* kwargs, std::vector<int64_t>& key,
     }
   }
   key.push_back(kEnd);
+  // Which tensors share an address: a recording passes the first one's pointer for all of
+  // them, right only for calls that share the same way.
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const void* ptr = tensors[i]->data_ptr();
+    int64_t first = -1;
+    for (size_t j = 0; j < i && first < 0 && ptr; ++j)
+      if (tensors[j]->data_ptr() == ptr) first = static_cast<int64_t>(j);
+    key.push_back(first);
+  }
   key.push_back(at::get_num_threads());
   if (cuda) key.push_back(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
   return true;
+}
+
+// A call's (args, kwargs) as the methods take them: checks the arguments (a TypeError with
+// `usage` when malformed: returns -1), then builds the key (0: the call has none, 1: built).
+struct CallKey {
+  std::vector<int64_t> key;
+  std::vector<const at::Tensor*> tensors;
+  bool cuda = false;
+};
+
+int call_key(PyObject* const* argv, Py_ssize_t argc, Py_ssize_t expected, const char* usage, CallKey& out) {
+  if (argc != expected || !PyTuple_CheckExact(argv[0]) || (argv[1] != Py_None && !PyDict_CheckExact(argv[1]))) {
+    PyErr_SetString(PyExc_TypeError, usage);
+    return -1;
+  }
+  return build_key(argv[0], argv[1] == Py_None ? nullptr : argv[1], out.key, out.tensors, out.cuda) ? 1 : 0;
 }
 
 bool run_launch(const Launch& launch, const std::vector<const at::Tensor*>& inputs,
@@ -251,20 +276,17 @@ bool run_launch(const Launch& launch, const std::vector<const at::Tensor*>& inpu
 }
 
 PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
-  if (argc != 2 || !PyTuple_CheckExact(argv[0]) || (argv[1] != Py_None && !PyDict_CheckExact(argv[1]))) {
-    PyErr_SetString(PyExc_TypeError, "Table.call(args: tuple, kwargs: dict | None)");
-    return nullptr;
-  }
   try {
-    std::vector<int64_t> key;
-    std::vector<const at::Tensor*> tensors;
-    bool cuda = false;
-    if (!build_key(argv[0], argv[1] == Py_None ? nullptr : argv[1], key, tensors, cuda) ||
-        (cuda && !allow_cuda)) {
+    CallKey k;
+    const int keyed = call_key(argv, argc, 2, "Table.call(args: tuple, kwargs: dict | None)", k);
+    if (keyed < 0) return nullptr;
+    if (keyed == 0 || (k.cuda && !allow_cuda)) {
       Py_INCREF(skip_sentinel);
       return skip_sentinel;
     }
-    auto found = self->entries->find(key);
+    const bool cuda = k.cuda;
+    const std::vector<const at::Tensor*>& tensors = k.tensors;
+    auto found = self->entries->find(k.key);
     if (found == self->entries->end()) {
       Py_INCREF(miss_sentinel);
       return miss_sentinel;
@@ -360,16 +382,12 @@ bool int_list(PyObject* seq, std::vector<int64_t>& out) {
 }
 
 PyObject* table_add(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
-  if (argc != 6 || !PyTuple_CheckExact(argv[0]) || (argv[1] != Py_None && !PyDict_CheckExact(argv[1]))) {
-    PyErr_SetString(PyExc_TypeError, "Table.add(args, kwargs, outputs, returns, is_tuple, launches)");
-    return nullptr;
-  }
   try {
-    std::vector<int64_t> key;
-    std::vector<const at::Tensor*> tensors;
-    bool cuda = false;
-    if (!build_key(argv[0], argv[1] == Py_None ? nullptr : argv[1], key, tensors, cuda)) Py_RETURN_FALSE;
-    if (cuda && !load_driver()) Py_RETURN_FALSE;
+    CallKey k;
+    const int keyed = call_key(argv, argc, 6, "Table.add(args, kwargs, outputs, returns, is_tuple, launches)", k);
+    if (keyed < 0) return nullptr;
+    if (keyed == 0 || (k.cuda && !load_driver())) Py_RETURN_FALSE;
+    const std::vector<const at::Tensor*>& tensors = k.tensors;
     auto entry = std::make_shared<Entry>();
     entry->tuple = PyObject_IsTrue(argv[4]) == 1;
     PyObject* outs = PySequence_Fast(argv[2], "outputs");
@@ -445,7 +463,7 @@ PyObject* table_add(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed launches");
       return nullptr;
     }
-    return store(self, argv[0], argv[1], std::move(key), std::move(entry));
+    return store(self, argv[0], argv[1], std::move(k.key), std::move(entry));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -454,18 +472,14 @@ PyObject* table_add(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
 
 PyObject* table_refuse(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
   // Table.refuse(args, kwargs): calls with this key take the Python path from now on.
-  if (argc != 2 || !PyTuple_CheckExact(argv[0]) || (argv[1] != Py_None && !PyDict_CheckExact(argv[1]))) {
-    PyErr_SetString(PyExc_TypeError, "Table.refuse(args, kwargs)");
-    return nullptr;
-  }
   try {
-    std::vector<int64_t> key;
-    std::vector<const at::Tensor*> tensors;
-    bool cuda = false;
-    if (!build_key(argv[0], argv[1] == Py_None ? nullptr : argv[1], key, tensors, cuda)) Py_RETURN_FALSE;
+    CallKey k;
+    const int keyed = call_key(argv, argc, 2, "Table.refuse(args, kwargs)", k);
+    if (keyed < 0) return nullptr;
+    if (keyed == 0) Py_RETURN_FALSE;
     auto entry = std::make_shared<Entry>();
     entry->skip = true;
-    return store(self, argv[0], argv[1], std::move(key), std::move(entry));
+    return store(self, argv[0], argv[1], std::move(k.key), std::move(entry));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -525,19 +539,16 @@ PyTypeObject table_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyObject* key_of(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   // The key of a call as a tuple of ints, or None (tests).
-  if (argc != 2 || !PyTuple_CheckExact(argv[0]) || (argv[1] != Py_None && !PyDict_CheckExact(argv[1]))) {
-    PyErr_SetString(PyExc_TypeError, "key(args, kwargs)");
-    return nullptr;
-  }
-  std::vector<int64_t> key;
-  std::vector<const at::Tensor*> tensors;
-  bool cuda = false;
+  CallKey k;
   try {
-    if (!build_key(argv[0], argv[1] == Py_None ? nullptr : argv[1], key, tensors, cuda)) Py_RETURN_NONE;
+    const int keyed = call_key(argv, argc, 2, "key(args, kwargs)", k);
+    if (keyed < 0) return nullptr;
+    if (keyed == 0) Py_RETURN_NONE;
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
+  const std::vector<int64_t>& key = k.key;
   PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(key.size()));
   for (size_t i = 0; i < key.size(); ++i) PyTuple_SET_ITEM(out, i, PyLong_FromLongLong(key[i]));
   return out;
