@@ -310,7 +310,9 @@ def _exact_buffer(t: torch.Tensor) -> bool:
 
 
 def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | str:
-    """(outputs, is_tuple, launches) for Table.add, or why the call cannot be replayed."""
+    """(outputs, returns, is_tuple, launches) for Table.add, or why the call cannot be replayed.
+    outputs: every tensor a replay allocates (results and scratch) or returns as given (an
+    input); returns: which of them the call returns."""
     if rec.why_not:
         return rec.why_not
     if rec.triton_launches != sum(1 for seen in rec.launches if seen[0] == "cuda"):
@@ -324,7 +326,6 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
     inputs = _tensors(args, kwargs)
     by_pointer = {t.data_ptr(): i for i, t in reversed(list(enumerate(inputs)))}
     # Inputs that share an address map to the first of them; the key records that sharing.
-    buffers: list[torch.Tensor] = []
     buffer_of: dict[int, int] = {}  # storage address -> buffer index
     outputs = []  # (alias, sizes, strides, dtype, device type, device index)
     returns = []
@@ -340,7 +341,6 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
         if not _exact_buffer(t):
             return "a result that is a view into a larger buffer"
         buffer_of[base] = len(outputs)
-        buffers.append(t)
         outputs.append(
             (-1, tuple(t.shape), t.stride(), _dtype_code(t.dtype), _device_type(t), t.device.index or 0)
         )
