@@ -1,7 +1,7 @@
-"""Eager replay of recorded calls: the second call of a public op with the same argument
-metadata runs no Python beyond a wrapper.
+"""Eager replay of recorded calls: from its third call with the same argument metadata, a
+public op runs no Python beyond a wrapper.
 
-`@replayable` wraps a public function. Its first call with a given key (every tensor's
+`@replayable` wraps a public function. Its second call with a given key (every tensor's
 dtype, device, sizes, strides and 16-byte alignment; None, bools, ints, floats, dtypes and
 tuples of them by value; keyword names; which tensors share an address; the CPU thread
 count and the current CUDA device)
@@ -11,7 +11,8 @@ Triton kernels through `openkernels.shared.launch`). When the call did nothing b
 allocate, take views and launch kernels whose pointer arguments are its inputs or its
 allocations, the C extension (`cpu/replay.cpp`, compiled on first use) keeps the
 allocations and launches; later calls with the same key allocate and launch straight from
-C++. Anything else (an aten op that computes, a kernel launched another way, a pointer
+C++. (The first call of a key only marks it seen: one-off shapes, such as a prefill of each
+length, never pay for a recording.) Anything else (an aten op that computes, a kernel launched another way, a pointer
 into the middle of a tensor, a Triton kernel that needs scratch memory) marks the key as
 not replayable, and its calls keep taking the Python path.
 

@@ -7,8 +7,9 @@
 // outputs, fills each recorded launch's argument slots with the pointers of this call's
 // tensors and runs the launches: a CPU kernel's packed entry (`int f(const int64_t*)`) or a
 // compiled Triton kernel through cuLaunchKernelEx on the current stream. It returns the
-// outputs, or Miss (record this call) or Skip (this call cannot be replayed: autograd, a
-// tensor subclass, an argument of another type). No Python runs on a hit.
+// outputs, or MISS (record this call: the second with its key) or SKIP (run the Python path:
+// the key's first call, a refused key, or a call that cannot be replayed: autograd, a tensor
+// subclass, an argument of another type). No Python runs on a hit.
 #include <Python.h>
 
 #include <ATen/Parallel.h>
@@ -26,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -177,6 +179,9 @@ struct Entry {
 
 struct TableObject {
   PyObject_HEAD std::unordered_map<std::vector<int64_t>, std::shared_ptr<Entry>, KeyHash>* entries;
+  // Keys seen once: a key is recorded on its second call, so one-off shapes (a prefill of
+  // each length, a test's shapes) never pay for a recording.
+  std::unordered_set<std::vector<int64_t>, KeyHash>* seen;
   std::vector<PyObject*>* names;  // strings held: keyword names and str arguments (keys hold their addresses)
   Py_ssize_t limit;
   long long hits;
@@ -288,8 +293,14 @@ PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) 
     const std::vector<const at::Tensor*>& tensors = k.tensors;
     auto found = self->entries->find(k.key);
     if (found == self->entries->end()) {
-      Py_INCREF(miss_sentinel);
-      return miss_sentinel;
+      if (self->seen->erase(k.key)) {  // its second call: record it
+        Py_INCREF(miss_sentinel);
+        return miss_sentinel;
+      }
+      if (static_cast<Py_ssize_t>(self->seen->size()) >= 16 * self->limit) self->seen->clear();
+      self->seen->insert(std::move(k.key));
+      Py_INCREF(skip_sentinel);
+      return skip_sentinel;
     }
     const std::shared_ptr<Entry> held = found->second;  // alive while the GIL is released
     const Entry& entry = *held;
@@ -497,6 +508,7 @@ PyObject* store(TableObject* self, PyObject* args, PyObject* kwargs, std::vector
 
 PyObject* table_clear(TableObject* self, PyObject*) {
   self->entries->clear();
+  self->seen->clear();
   Py_RETURN_NONE;
 }
 
@@ -505,11 +517,12 @@ PyObject* table_len(TableObject* self, PyObject*) { return PyLong_FromSsize_t(se
 PyObject* table_hits(TableObject* self, PyObject*) { return PyLong_FromLongLong(self->hits); }
 
 PyObject* table_new(PyTypeObject* type, PyObject* args, PyObject*) {
-  Py_ssize_t limit = 256;
+  Py_ssize_t limit = 1024;
   if (!PyArg_ParseTuple(args, "|n", &limit)) return nullptr;
   auto* self = reinterpret_cast<TableObject*>(type->tp_alloc(type, 0));
   if (!self) return nullptr;
   self->entries = new std::unordered_map<std::vector<int64_t>, std::shared_ptr<Entry>, KeyHash>();
+  self->seen = new std::unordered_set<std::vector<int64_t>, KeyHash>();
   self->names = new std::vector<PyObject*>();
   self->limit = limit;
   self->hits = 0;
@@ -518,6 +531,7 @@ PyObject* table_new(PyTypeObject* type, PyObject* args, PyObject*) {
 
 void table_dealloc(TableObject* self) {
   delete self->entries;
+  delete self->seen;
   for (PyObject* name : *self->names) Py_DECREF(name);
   delete self->names;
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
@@ -525,7 +539,7 @@ void table_dealloc(TableObject* self) {
 
 PyMethodDef table_methods[] = {
     {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_call)), METH_FASTCALL,
-     "call(args, kwargs): the outputs, MISS or SKIP"},
+     "call(args, kwargs): the outputs, MISS (record this call: its key's second) or SKIP"},
     {"add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_add)), METH_FASTCALL,
      "add(args, kwargs, outputs, returns, is_tuple, launches): record a call; False when it has no key"},
     {"refuse", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_refuse)), METH_FASTCALL,
