@@ -116,6 +116,22 @@ def test_grad_eager_call_uses_one_autograd_function(scale) -> None:
     assert CALLS == ["fast fwd", "fast bwd"]
 
 
+def test_parameters_take_the_eager_paths(scale, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A model's weights are nn.Parameter: a Tensor to every torch layer, so no library op.
+    def library_must_not_run(*args):
+        raise AssertionError("the library op ran")
+
+    monkeypatch.setattr(scale, "library", library_must_not_run)
+    w = torch.nn.Parameter(torch.arange(4.0))
+    with torch.no_grad():
+        torch.testing.assert_close(scale(w, 3.0), w * w * 3)
+    y = scale(w, 3.0)
+    assert type(y.grad_fn).__name__.startswith("Eager_opdef_test_scale")
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, 6 * w.detach())
+    assert CALLS == ["fast fwd", "fast fwd", "fast bwd"]
+
+
 def test_meta_and_subclass_calls_take_the_library_op(scale) -> None:
     out = scale(torch.empty(5, device="meta"), 2.0)
     assert out.device.type == "meta" and out.shape == (5,)

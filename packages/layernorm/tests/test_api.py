@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import openkernels.layernorm as L
 from openkernels.layernorm import reference as R
@@ -241,3 +242,26 @@ def test_tensors_past_2_to_the_31_elements() -> None:
     assert_close(y[tail], R.rms_norm_ref(x[tail].double(), w.double()), dtype=torch.bfloat16, terms=n)
     y = L.layer_norm(x, w)
     assert_close(y[tail], R.layer_norm_ref(x[tail].double(), w.double()), dtype=torch.bfloat16, terms=n)
+
+
+def test_module_parameters_take_the_eager_path_and_replay() -> None:
+    """A model's norm weight is an nn.Parameter: its calls run the kernels directly (no
+    library op) and, from the second call of a shape on, replay; forward and backward equal
+    the Python path's."""
+    from openkernels.shared import replay
+
+    w = torch.nn.Parameter(torch.randn(64, dtype=torch.float64).float())
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        outs = [L.rms_norm(x, w, 1e-6) for _ in range(3)]
+    with replay.disabled():
+        want = L.rms_norm(x, w, 1e-6)
+    assert all(torch.equal(o, want.detach()) for o in outs)
+    assert replay.stats(L.rms_norm)["hits"] >= (1 if replay.available() else 0)
+    grads = []
+    for _ in range(3):
+        w.grad = None
+        L.rms_norm(x, w, 1e-6).sum().backward()
+        grads.append(w.grad.clone())
+    assert all(torch.equal(g, grads[0]) for g in grads)
+    torch.testing.assert_close(grads[0], torch.func.grad(lambda w: F.rms_norm(x, (64,), w, 1e-6).sum())(w.detach()))

@@ -12,8 +12,8 @@ A family declares each public op once::
 and calls `SILU_AND_MUL(x)` from its public function. The call takes the cheapest path that
 is correct for its arguments:
 
-- plain eager tensors (exact torch.Tensor on the CPU or a CUDA/ROCm device, not under
-  torch.compile) without autograd: the forward function itself, no library layers;
+- plain eager tensors (exact torch.Tensor or nn.Parameter, a model's weights, on the CPU
+  or a CUDA/ROCm device, not under torch.compile) without autograd: the forward function itself, no library layers;
 - the same with autograd: one `torch.autograd.Function` that runs the same forward and
   backward functions (the torch.library autograd layers cost more than a small kernel);
 - anything else (tensor subclasses, FakeTensor and meta tensors, torch.compile): the
@@ -139,6 +139,9 @@ def _register(op: str, key: Callable | None, impls: Sequence[Impl]) -> None:
 
 
 _EAGER_DEVICES = ("cpu", "cuda")  # torch reports ROCm devices as "cuda"
+# Plain tensors: a Parameter is a Tensor to every torch layer below Python (it overrides no
+# torch function); any other subclass takes the library op.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class DefinedOp:
@@ -154,10 +157,16 @@ class DefinedOp:
         self._tensor_args = op.tensor_args
         self._first = op.tensor_args[0]
 
+    @property
+    def direct(self) -> Callable[..., Any]:
+        """The eager forward without autograd (replayed on a repeated key), for callers that
+        have already checked plain tensors and no gradients."""
+        return self._forward
+
     def __call__(self, *args: Any) -> Any:
         first = args[self._first]
         if (
-            type(first) is torch.Tensor
+            type(first) in _PLAIN
             and first.device.type in _EAGER_DEVICES
             and not torch.compiler.is_compiling()
         ):
@@ -167,7 +176,7 @@ class DefinedOp:
                 t = args[i]
                 if t is None:
                     continue
-                if type(t) is not torch.Tensor:
+                if type(t) not in _PLAIN:
                     plain = False
                     break
                 grad = grad or t.requires_grad
@@ -202,6 +211,10 @@ def _eager_function(op: OpDef, backward_op: Any) -> type[torch.autograd.Function
         # create_graph=True: the library backward op, whose own autograd says that double
         # backward is not supported when the graph is differentiated again.
         compute = backward_op if torch.is_grad_enabled() else replayed_compute
+        # A gradient that is a broadcast (`loss = y.sum()` gives an expanded one) or any other
+        # non-contiguous view: made dense here, outside the replayed body, whose own copy
+        # would be a torch op that refuses the recording.
+        grad_outputs = tuple(g if g is None or g.is_contiguous() else g.contiguous() for g in grad_outputs)
 
         def run(*args):
             return steering.run(compute, *args)
