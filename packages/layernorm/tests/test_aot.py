@@ -137,6 +137,15 @@ def cases_for(backend: str) -> list:
             for c in (_case(direction, cfg, "bf16", every, aligned=False),
                       _case(direction, cfg, "fp32", every, aligned=False, h_dtype="fp32")):  # fmt: skip
                 out[c.label] = c
+    from openkernels.shared.testing.aot import AotCase
+
+    for dtype in ("fp32", "bf16", "fp16"):  # the dweight/dbias reduction, into each parameter dtype
+        for even in (False, True):
+            c = AotCase(f"{_KERNELS}:_sum_parts_kernel", {"part_ptr": "*fp32", "out_ptr": _TRITON_DTYPE[dtype],
+                        "n_parts": "i32", "n_cols": "i32"},
+                        {"BLOCK_P": configs.SUM_BLOCK_P, "BLOCK_C": configs.SUM_BLOCK_C, "EVEN_P": even},
+                        num_warps=configs.SUM_WARPS, label=f"sum-parts-{dtype}{'-even' if even else ''}")  # fmt: skip
+            out[c.label] = c
     split = next(c for c in configs.all_configs(backend, "fwd") if c.mode == "split")
     for max_splits in (1, 2, 4, 8, 16, 32):
         c = _case("fwd", split, "bf16", _FWD_ALL, max_splits=max_splits)

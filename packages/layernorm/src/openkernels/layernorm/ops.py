@@ -117,9 +117,11 @@ def backward(
     """(grad_h in h's dtype, grad_weight or None, grad_bias or None)."""
     grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     n = h.shape[-1]
-    stats = rstd.dtype
-    dweight = torch.empty(n, dtype=stats, device=h.device) if weight_grad else None
-    dbias = torch.empty(n, dtype=stats, device=h.device) if bias_grad else None
+    # The parameters' gradients in their final dtype: backends sum in float32 (or float64)
+    # and round once when they store.
+    param_dtype = rstd.dtype if weight is None else weight.dtype
+    dweight = torch.empty(n, dtype=param_dtype, device=h.device) if weight_grad else None
+    dbias = torch.empty(n, dtype=param_dtype, device=h.device) if bias_grad else None
     if h.numel() == 0:
         for t in (dweight, dbias):
             if t is not None:
@@ -139,9 +141,7 @@ def backward(
             weight_offset=weight_offset,
             rms=rms,
         )
-    if dweight is not None and weight is not None:
-        dweight = dweight.to(weight.dtype)
-    return grad_h, dweight, None if dbias is None else dbias.to(weight.dtype if weight is not None else stats)
+    return grad_h, dweight, dbias
 
 
 # Selection depends on the normalized input alone: `dispatch.explain("rms_norm", x)` works

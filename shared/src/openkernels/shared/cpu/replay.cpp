@@ -217,7 +217,14 @@ bool build_key(PyObject* args, PyObject* kwargs, std::vector<int64_t>& key,
     key.push_back(first);
   }
   key.push_back(at::get_num_threads());
-  if (cuda) key.push_back(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
+  if (cuda) {
+    // The device and its current stream: a recording may hold per-stream scratch (quant's
+    // split-K counters), valid only on the stream it was made for.
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+    const c10::Device device = impl->getDevice();
+    key.push_back(device.index());
+    key.push_back(impl->getStream(device).id());
+  }
   return true;
 }
 

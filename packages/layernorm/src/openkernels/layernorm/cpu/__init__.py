@@ -196,8 +196,10 @@ def norm_bwd(
         raise ValueError("mean: LayerNorm's backward needs the saved mean")
     mean_ptr = _output(mean, "mean", (M,), acc)
     rstd_ptr = _output(rstd, "rstd", (M,), acc)
-    dw_ptr = _output(dweight, "dweight", (N,), acc)
-    db_ptr = _output(dbias, "dbias", (N,), acc)
+    # dweight / dbias in the parameters' dtype: the kernel sums into the accumulator's, stored once.
+    sums = [t if t is None or t.dtype == acc else torch.empty(N, dtype=acc) for t in (dweight, dbias)]
+    dw_ptr = _output(sums[0], "dweight", (N,), acc)
+    db_ptr = _output(sums[1], "dbias", (N,), acc)
     w = _param(weight, "weight", N, acc, weight_offset)
     if M == 0 or N == 0:  # sums over no rows
         for t in (dweight, dbias):
@@ -211,3 +213,6 @@ def norm_bwd(
     )  # fmt: skip
     if status != 0:
         raise TypeError("ok_norm_bwd: unsupported dtype combination")
+    for total, summed in zip((dweight, dbias), sums):
+        if summed is not total:
+            total.copy_(summed)

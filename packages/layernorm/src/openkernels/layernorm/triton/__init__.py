@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
+from openkernels.shared import replay
 from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info
 
 from . import kernels
-from .configs import NormConfig, bwd_plan, fwd_plan
+from .configs import SUM_BLOCK_C, SUM_BLOCK_P, SUM_WARPS, NormConfig, bwd_plan, fwd_plan
 
 __all__ = ["norm_fwd", "norm_bwd"]
 
@@ -40,7 +42,7 @@ def _device_state(index: int) -> tuple[str, int]:
 def _dtype_token(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A one-element tensor whose pointer type tells the kernel the residual stream's dtype
     when nothing is stored."""
-    return torch.zeros(1, dtype=dtype, device=device)
+    return replay.persistent(torch.zeros(1, dtype=dtype, device=device))  # replayed launches pass it
 
 
 def norm_fwd(
@@ -128,8 +130,16 @@ def norm_bwd(
         WEIGHT_GRAD=dweight is not None, BIAS_GRAD=dbias is not None, **plan.constexprs,
         num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
     )  # fmt: skip
-    # A fixed-order sum over the program axis: deterministic, unlike atomics.
-    if dweight is not None:
-        torch.sum(dw_part, dim=0, out=dweight)
-    if dbias is not None:
-        torch.sum(db_part, dim=0, out=dbias)
+    # A fixed-order sum over the program axis: deterministic, unlike atomics; a kernel of our
+    # own rather than torch.sum, so that the whole backward is launches (shared.replay).
+    for part, total in ((dw_part, dweight), (db_part, dbias)):
+        if total is not None:
+            _sum_parts(part, total)
+
+
+def _sum_parts(part: torch.Tensor, total: torch.Tensor) -> None:
+    """total (n_cols,), any float dtype = part (programs, n_cols) float32 summed over programs."""
+    n_parts, n_cols = part.shape
+    launch(kernels._sum_parts_kernel, (triton.cdiv(n_cols, SUM_BLOCK_C),), part, total, n_parts, n_cols,
+           BLOCK_P=SUM_BLOCK_P, BLOCK_C=SUM_BLOCK_C, EVEN_P=n_parts % SUM_BLOCK_P == 0,
+           num_warps=SUM_WARPS)  # fmt: skip

@@ -39,6 +39,9 @@ MAX_TILE_COLS = {"fwd": 16384, "bwd": 8192}
 # Split kernel: at most this many programs per row (they must be resident together; any
 # GPU holds 64 such programs at once). Looped kernels: chunk per step.
 MAX_SPLITS = 64
+# The backward's dweight/dbias reduction over the programs' partial rows: parts per step,
+# columns per program (enough programs at 2048 columns), warps.
+SUM_BLOCK_P, SUM_BLOCK_C, SUM_WARPS = 32, 128, 4
 LOOPED_COLS = 4096
 # Elements each thread holds, by (direction, norm), and how many rows a tile stacks.
 # Measured on H200, bf16, 64M-element grids (docs/perf.md): the RMSNorm forward ran best at

@@ -15,7 +15,8 @@ Forward, by row length:
                            one read of x, one write of y.
   _norm_fwd_looped_kernel  any length: one program walks a row twice (statistics, then
                            output), the second walk backwards to start where L2 is warm.
-Backward: _norm_bwd_kernel, tile (persistent, optionally prefetching) or looped.
+Backward: _norm_bwd_kernel, tile (persistent, optionally prefetching) or looped, then
+_sum_parts_kernel for dweight/dbias: the programs' partial rows summed in a fixed order.
 """
 
 import triton
@@ -471,3 +472,20 @@ def _norm_bwd_kernel(
                 if BIAS_GRAD:
                     db = tl.load(db_part_ptr + part_row + cols, mask=mask & not_first, other=0.0)
                     tl.store(db_part_ptr + part_row + cols, db + dy, mask=mask)
+
+
+@triton.jit
+def _sum_parts_kernel(
+    part_ptr, out_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_P: tl.constexpr
+):
+    """out[c] = sum over p of part[p, c] for a (n_parts, n_cols) float32 buffer, summed in
+    float32 in a fixed order (deterministic) and rounded once to out's dtype."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for first in range(0, n_parts, BLOCK_P):
+        parts = first + tl.arange(0, BLOCK_P)
+        mask = col_mask[None, :] if EVEN_P else (parts[:, None] < n_parts) & col_mask[None, :]
+        offs = parts.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        acc += tl.load(part_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)

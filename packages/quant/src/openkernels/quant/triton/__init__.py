@@ -7,6 +7,7 @@ import functools
 import torch
 from torch import Tensor
 
+from openkernels.shared import replay
 from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info, triton_interpreting
 
@@ -39,7 +40,7 @@ def config_for(m: int, n: int, k: int, group: int, device: torch.device) -> Line
 
 def _lut(kind: str, scales: Tensor) -> Tensor:
     """The NF4 levels (float32) for nf4; any pointer otherwise (never read)."""
-    return nf4_values(scales.device) if kind == "nf4" else scales
+    return replay.persistent(nf4_values(scales.device)) if kind == "nf4" else scales
 
 
 # Split-K scratch, per (device, stream): float32 partials and per-tile arrival counters. The
@@ -66,7 +67,9 @@ def _split_scratch(device: torch.device, partials: int, tiles: int) -> tuple[Ten
         ws = torch.empty(max(partials, 1 << 20), dtype=torch.float32, device=device)
     if counters is None or counters.numel() < tiles:
         counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    _scratch[key] = (ws, counters)
+    # Replayed launches (shared.replay, keyed by stream) pass these addresses: held for good,
+    # so a buffer outgrown here stays valid for the recordings that name it.
+    _scratch[key] = (replay.persistent(ws), replay.persistent(counters))
     return ws, counters
 
 
