@@ -150,6 +150,23 @@ def test_calls_that_compute_in_torch_are_refused_and_stay_correct(lib):
     assert replay.stats(shifted)["refused"] == {"aten.add.Tensor": 1}
 
 
+def test_bodies_that_read_tensor_values_on_the_host_are_refused(lib):
+    # A scale read with .tolist() escapes the recording: the body says so, and every call
+    # keeps computing with the value it is given.
+    @replay.replayable
+    def scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        replay.reads_host_values("factor")
+        y = torch.empty_like(x)
+        lib.toy_affine(x.data_ptr(), y.data_ptr(), x.numel(), factor.tolist()[0], 0.0)
+        return y
+
+    x = torch.randn(5)
+    for value in (1.0, 2.0, 3.0, 4.0):
+        torch.testing.assert_close(scaled(x, torch.tensor([value])), x * value)
+    assert replay.stats(scaled)["refused"] == {"reads factor on the host": 1}
+    replay.reads_host_values("anything")  # outside a recording: nothing happens
+
+
 def test_kernels_without_a_packed_entry_and_foreign_pointers_are_refused(lib):
     @replay.replayable
     def copy(x: torch.Tensor) -> torch.Tensor:

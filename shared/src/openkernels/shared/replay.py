@@ -215,6 +215,15 @@ def _recording() -> _Recording | None:
     return getattr(_State.local, "recording", None)
 
 
+def reads_host_values(what: str) -> None:
+    """Say that the running body reads tensor values on the host (`.tolist()`, numpy views:
+    reads no recording sees): a recording of the call in progress is refused, since those
+    values would be baked into its launches. Free when nothing records."""
+    rec = getattr(_State.local, "recording", None)
+    if rec is not None:
+        rec.refuse(f"reads {what} on the host")
+
+
 def observe_cpu(
     packed: int | None, args: tuple, pointer: tuple[bool, ...], doubles: tuple[bool, ...]
 ) -> None:
@@ -493,6 +502,26 @@ def stats(fn: Callable[..., Any]) -> dict[str, Any]:
     if r.table is None:
         return {"entries": 0, "hits": 0, "refused": dict(r.refusals)}
     return {"entries": r.table.size(), "hits": r.table.hits(), "refused": dict(r.refusals)}
+
+
+def all_stats() -> dict[str, dict[str, Any]]:
+    """`stats` of every replayable body that has run (public functions and the opdef
+    forward/backward bodies), by qualified name."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in _State.replayables:
+        if r.table is not None or r.refusals:
+            name = f"{r.fn.__module__}.{r.fn.__qualname__}"
+            while name in out:  # the same body wrapped twice (an op's direct and autograd paths)
+                name += "'"
+            out[name] = stats(_Handle(r))
+    return out
+
+
+class _Handle:
+    __slots__ = ("_replay",)
+
+    def __init__(self, r: _Replayable) -> None:
+        self._replay = r
 
 
 # ---------------------------------------------------------------------------- CPU kernels

@@ -612,10 +612,13 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
         if block_table is not None:
             check_block_table(name, block_table, stored, kd.shape[1], kd.shape[0], seqlen_new, label)
     max_seqlen_k = max(host_lengths, default=0) if host_lengths is not None else capacity
+    # A bound for planning only: rounded up to 16 (what the plans resolve), one key serves 16
+    # decode steps in a row and the eager bodies replay (shared.replay).
+    max_seqlen_k = -(-max_seqlen_k // 16) * 16
     library = tracing or any(type(t) is not torch.Tensor for t in (q, kd, vd))
     # Both ops take the same path (decided here, once, for the pair).
-    append = ops.KVCACHE_APPEND.library if library else ops.kvcache_append
-    forward = ops.ATTENTION_KVCACHE.library if library else ops.kvcache_forward
+    append = ops.KVCACHE_APPEND.library if library else ops.KVCACHE_APPEND.direct
+    forward = ops.ATTENTION_KVCACHE.library if library else ops.ATTENTION_KVCACHE.direct
     forward_args = (q, kd, vd, *quant, seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
                     scale, left, right, alibi_slopes, plan.softcap, rotary_interleaved, bits, group,
                     cache_leftpad, k_residual, key_group)  # fmt: skip

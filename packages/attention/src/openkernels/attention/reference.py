@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from openkernels.shared import replay
+
 __all__ = [
     "attention_ref",
     "attention_varlen_ref",
@@ -228,6 +230,7 @@ def attention_varlen_ref(
     being rows cu_seqlens[i]:cu_seqlens[i + 1] -> o (Tq, Hq, D) [, lse (Hq, Tq)]."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     left, right = _window(causal, window)
+    replay.reads_host_values("cu_seqlens")  # values baked into a recording
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
     for i in range(len(cq) - 1):
@@ -271,6 +274,7 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
     if cu_seqlens_q is None:
         spans = [(b, slice(None), slice(None), b) for b in range(q.shape[0])]
     else:
+        replay.reads_host_values("cu_seqlens")  # values baked into a recording
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         spans = [(0, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1]), i) for i in range(len(cq) - 1)]
     for b, rq, rk, seq in spans:
@@ -343,6 +347,7 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
               key_group=0) -> None:  # fmt: skip
     from .kvformat import FP8, quantize_fp8, quantize_unchecked
 
+    replay.reads_host_values("cache_seqlens")  # values baked into a recording
     lengths = cache_seqlens.tolist()
     offsets = [0] * len(lengths) if leftpad is None else leftpad.tolist()
     for b, start in enumerate(lengths):
@@ -401,6 +406,7 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
 
     sq = q.shape[1]
     acc = compute_dtype(q.dtype)
+    replay.reads_host_values("cache_seqlens")  # values baked into a recording
     offsets = [0] * q.shape[0] if leftpad is None else leftpad.tolist()
     with torch.no_grad():
         for b, cached in enumerate(cache_seqlens.tolist()):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from openkernels.shared import dispatch
+from openkernels.shared import dispatch, replay
 
 from . import blockwise, sdpa
 
@@ -60,6 +60,7 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
     if cu_seqlens_q is None:
         yield slice(None), slice(None), alibi_slopes
         return
+    replay.reads_host_values("cu_seqlens")  # values baked into a recording
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cq) - 1):
         slopes = None if alibi_slopes is None else alibi_slopes[i : i + 1]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from openkernels.shared import replay
+
 from ..kvformat import gather_kv
 from ..reference import rotate
 from . import attn_fwd
@@ -17,6 +19,7 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
             rotary_interleaved, bits, group_size, leftpad=None, k_residual=None, key_group=0) -> None:  # fmt: skip
     sq = q.shape[1]
+    replay.reads_host_values("cache_seqlens")  # values baked into a recording
     offsets = [0] * q.shape[0] if leftpad is None else leftpad.tolist()
     with torch.no_grad():
         for b, cached in enumerate(cache_seqlens.tolist()):
