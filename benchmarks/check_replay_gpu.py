@@ -91,6 +91,102 @@ def _cases(dev: torch.device) -> list[tuple[str, object, object, object]]:
     return out
 
 
+def _int4_cases(dev: torch.device) -> list[tuple[str, object, object, object]]:
+    from openkernels.quant import int4_linear, quantize_int4, quantize_nf4
+
+    out = []
+    for m, n, k, kind in (
+        (1, 512, 1024, "int4"),
+        (5, 384, 512, "int4"),
+        (1, 512, 1024, "nf4"),
+        (64, 256, 512, "int4"),
+    ):
+        quantize = quantize_nf4 if kind == "nf4" else quantize_int4
+        w = quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16), group_size=128)
+
+        def args(m=m, k=k, w=w):
+            return (torch.randn(m, k, device=dev, dtype=torch.bfloat16), w), {}
+
+        out.append((f"int4_linear {kind} M{m} {n}x{k}", int4_linear, args, None))
+    return out
+
+
+def _check_backward(dev: torch.device) -> int:
+    """Forward+backward with dense and broadcast (`.sum()`) gradients: replayed gradients
+    bitwise against the Python path's."""
+    bad = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, fn in (
+            ("rms_norm", lambda x, w, r: rms_norm(x, w, 1e-6)),
+            ("rms_norm+residual", lambda x, w, r: rms_norm(x, w, 1e-6, residual=r)),
+            ("layer_norm", lambda x, w, r: layer_norm(x, w, w * 0.5, 1e-5)),
+            ("silu_and_mul", lambda x, w, r: silu_and_mul(torch.cat([x, x * 0.5], -1))),
+            (
+                "attention",
+                lambda x, w, r: attention(x.view(2, 4, 4, 64), x.view(2, 4, 4, 64), r.view(2, 4, 4, 64)),
+            ),
+        ):
+            for dense in (True, False):
+
+                def grads(fn=fn, dense=dense, dtype=dtype, seed=0):
+                    g = torch.Generator(device=dev).manual_seed(seed)
+                    x = torch.randn(8, 256, device=dev, dtype=dtype, generator=g).requires_grad_()
+                    w = torch.randn(256, device=dev, dtype=dtype, generator=g).requires_grad_()
+                    r = torch.randn(8, 256, device=dev, dtype=dtype, generator=g).requires_grad_()
+                    y = fn(x, w, r)
+                    if dense:
+                        y.backward(torch.randn(y.shape, device=dev, dtype=y.dtype, generator=g))
+                    else:
+                        y.float().sum().backward()
+                    return [t.grad for t in (x, w, r) if t.grad is not None]
+
+                if "attention" in name and dtype == torch.float32:
+                    continue
+                grads()
+                grads()  # records
+                got = grads(seed=1)
+                with replay.disabled():
+                    want = grads(seed=1)
+                if len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want)):
+                    bad += 1
+                    print(f"BAD backward {name} {dtype} dense={dense}: replayed gradients differ")
+    return bad
+
+
+def _check_kv_decode(dev: torch.device) -> int:
+    """KVCache.attend decode loops (append + attend per step, lengths crossing several
+    multiples of 16): the replayed loop's outputs and cache bitwise equal to the Python
+    path's, every format."""
+    from openkernels.attention import KVCache
+
+    bad = 0
+    for kv_dtype in (None, "fp8", "int8", "int4"):
+        caches = []
+        for _ in range(2):
+            c = KVCache(2, 256, 8, 128, kv_dtype=kv_dtype or torch.bfloat16, device=dev)
+            g = torch.Generator(device=dev).manual_seed(3)
+            k = torch.randn(2, 21, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
+            c.append(k, torch.randn(k.shape, device=dev, dtype=k.dtype, generator=g))
+            caches.append(c)
+        g = torch.Generator(device=dev).manual_seed(4)
+        for step in range(40):
+            q = torch.randn(2, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
+            k = torch.randn(2, 1, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
+            v = torch.randn(k.shape, device=dev, dtype=k.dtype, generator=g)
+            for layer in range(3):  # a decode step's layers share the key
+                got = caches[0].attend(q, k, v) if layer == 0 else caches[0].attend(q)
+                with replay.disabled():
+                    want = caches[1].attend(q, k, v) if layer == 0 else caches[1].attend(q)
+                if not torch.equal(got, want) or torch.isnan(got).any():
+                    bad += 1
+                    print(f"BAD KVCache {kv_dtype} step {step} layer {layer}: replayed output differs")
+        for b in range(2):
+            if not all(torch.equal(x, y) for x, y in zip(caches[0].dequantize(b), caches[1].dequantize(b))):
+                bad += 1
+                print(f"BAD KVCache {kv_dtype}: replayed appends left another cache")
+    return bad
+
+
 def _us(fn, calls: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -120,7 +216,7 @@ def main() -> int:
     replay.set_mode("all")
     bad = 0
     torch.manual_seed(0)
-    for name, fn, make, _ in _cases(dev):
+    for name, fn, make, _ in _cases(dev) + _int4_cases(dev):
         a, kw = make()
         fn(*a, **kw)  # marks the key seen
         fn(*a, **kw)  # records
@@ -137,11 +233,10 @@ def main() -> int:
                 bad += 1
                 print(f"BAD {name}: replayed output differs from the Python path (nan={nan})")
     torch.cuda.synchronize()
-    for fn in (rms_norm, layer_norm, silu_and_mul, gelu, attention):
-        stats = replay.stats(fn)
-        print(
-            f"{fn.__name__:14} entries {stats['entries']:3} hits {stats['hits']:4} refused {stats['refused']}"
-        )
+    bad += _check_backward(dev)
+    bad += _check_kv_decode(dev)
+    for name, stats in replay.all_stats().items():
+        print(f"{name:60} entries {stats['entries']:3} hits {stats['hits']:4} refused {stats['refused']}")
         if stats["refused"] or not stats["hits"]:
             bad += 1
     print("\nhost time per call (us): replayed / Python path / torch")
