@@ -1,7 +1,7 @@
 """Eager replay on a GPU: every replayable op's replayed CUDA calls against its Python path,
 bitwise, then host time per call (replayed, Python path, torch).
 
-    OPENKERNELS_REPLAY=1 python benchmarks/check_replay_gpu.py [--calls 2000]
+    python benchmarks/check_replay_gpu.py [--calls 2000]
 
 For each case: two calls record (a key's second call runs under the recording), then fresh inputs of
 the same shapes go through the replay and through the Python path (`replay.disabled()`);
@@ -89,6 +89,11 @@ def _cases(dev: torch.device) -> list[tuple[str, object, object, object]]:
 
         out.append((f"attention views causal {dtype}", attention, att_view_args, None))
     return out
+
+
+# Refusals that are known and kept: the fp8 cache is read through a uint8 view (aten.view.dtype,
+# not yet among the recorded views).
+_EXPECTED_REFUSALS = {"openkernels.attention.ops.kvcache_forward": {"aten.view.dtype"}}
 
 
 def _int4_cases(dev: torch.device) -> list[tuple[str, object, object, object]]:
@@ -237,8 +242,10 @@ def main() -> int:
     bad += _check_kv_decode(dev)
     for name, stats in replay.all_stats().items():
         print(f"{name:60} entries {stats['entries']:3} hits {stats['hits']:4} refused {stats['refused']}")
-        if stats["refused"] or not stats["hits"]:
+        unexpected = set(stats["refused"]) - _EXPECTED_REFUSALS.get(name.rstrip("'"), set())
+        if unexpected or (stats["entries"] and not stats["hits"]):
             bad += 1
+            print(f"BAD {name}: refused {sorted(unexpected)} or recorded and never replayed")
     print("\nhost time per call (us): replayed / Python path / torch")
     for name, fn, make, ref in _cases(dev):
         if "(4, 256)" not in name and "decode" not in name:

@@ -72,9 +72,9 @@ if [[ $steps == *decode* && $family == attention ]]; then
   (cd benchmarks && run e2e_kv_decode.py --reps 1 --json "$out/e2e_kv.json") | tee "$out/e2e_kv.txt" | tail -12
 fi
 if [[ $steps == *replay* ]]; then
-  # Eager replay on CUDA: replayed calls bitwise against the Python path, then host time.
-  OPENKERNELS_REPLAY=1 run benchmarks/check_replay_gpu.py | tee "$out/replay.txt" | tail -40
-  OPENKERNELS_REPLAY=1 run -m benchmarks.host_time --json "$out/host_time_replay.json" | tee "$out/host_time_replay.txt"
+  # Eager replay on CUDA (on by default): replayed calls bitwise against the Python path, then host time.
+  run benchmarks/check_replay_gpu.py | tee "$out/replay.txt" | tail -40
+  run -m benchmarks.host_time --json "$out/host_time_replay.json" | tee "$out/host_time_replay.txt"
 fi
 if [[ $steps == *demo* ]]; then
   run -m openkernels.shared check | tee "$out/check.txt" | grep -E "FAIL|checks|passed"

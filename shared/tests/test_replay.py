@@ -124,6 +124,30 @@ def test_out_is_returned_as_given(lib):
     assert len(calls) == 2
 
 
+def test_in_place_calls_returning_none_replay_into_their_inputs(lib):
+    # A KV-cache append: launches write into the arguments and nothing is returned.
+    calls = []
+
+    @replay.replayable
+    def scale_in_place(x: torch.Tensor, y: torch.Tensor) -> None:
+        calls.append(1)
+        lib.toy_affine(x.data_ptr(), y.data_ptr(), x.numel(), 3.0, 1.0)
+
+    for _ in range(4):
+        x, y = torch.randn(6), torch.empty(6)
+        assert scale_in_place(x, y) is None
+        torch.testing.assert_close(y, x * 3 + 1)
+    assert len(calls) == 2 and replay.stats(scale_in_place)["hits"] == 2
+
+    @replay.replayable
+    def does_nothing(x: torch.Tensor) -> None:  # no launch: nothing to replay, refused
+        calls.append(1)
+
+    for _ in range(3):
+        does_nothing(torch.randn(2))
+    assert replay.stats(does_nothing)["refused"] == {"a result that is not a tensor or a tuple of tensors": 1}
+
+
 def test_errors_are_not_recorded(lib):
     affine, calls = _affine(lib)
     x = torch.randn(4, dtype=torch.float64)

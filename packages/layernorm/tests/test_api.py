@@ -264,4 +264,6 @@ def test_module_parameters_take_the_eager_path_and_replay() -> None:
         L.rms_norm(x, w, 1e-6).sum().backward()
         grads.append(w.grad.clone())
     assert all(torch.equal(g, grads[0]) for g in grads)
-    torch.testing.assert_close(grads[0], torch.func.grad(lambda w: F.rms_norm(x, (64,), w, 1e-6).sum())(w.detach()))
+    torch.testing.assert_close(
+        grads[0], torch.func.grad(lambda w: F.rms_norm(x, (64,), w, 1e-6).sum())(w.detach())
+    )

@@ -21,10 +21,11 @@ that key (it reads no tensor values on the host). Calls under autograd (an input
 requires grad while grad mode is on), with tensor subclasses, under torch.compile, under
 `dispatch.force` / `forbid`, or with arguments of other types are never replayed.
 
-OPENKERNELS_REPLAY: "cpu" (default) replays calls on CPU tensors; "1" / "all" also on CUDA
-(Triton kernels launched with cuLaunchKernelEx, as Triton's own launcher does: not yet
-measured on a GPU, hence off there by default); "0" turns replay off. A replayed Triton
-launch does not call Triton's launch hooks (profilers): turn replay off to profile.
+OPENKERNELS_REPLAY: "1" / "all" (default) replays calls on CPU and CUDA tensors (Triton
+kernels launched with cuLaunchKernelEx, as Triton's own launcher does; checked bitwise
+against the Python path on the H200 by benchmarks/check_replay_gpu.py); "cpu" only on CPU
+tensors; "0" turns replay off. A replayed Triton launch does not call Triton's launch hooks
+(profilers): turn replay off to profile.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _State:
-    mode = _MODES.get(os.environ.get(MODE_ENV, "cpu").strip().lower(), "cpu")
+    mode = _MODES.get(os.environ.get(MODE_ENV, "all").strip().lower(), "all")
     module: Any = None  # the C extension, once built
     failed: str | None = None  # why it could not be built (no retry)
     lock = threading.Lock()
@@ -331,6 +332,8 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
         returned, is_tuple = [result], False
     elif type(result) is tuple and result and all(isinstance(t, torch.Tensor) for t in result):
         returned, is_tuple = list(result), True
+    elif result is None and rec.launches:  # in place: what it computes, its launches write into its inputs
+        returned, is_tuple = [], False
     else:
         return "a result that is not a tensor or a tuple of tensors"
     inputs = _tensors(args, kwargs)
@@ -472,8 +475,7 @@ def replayable(fn: F) -> F:
         mode = _State.mode
         if torch.compiler.is_compiling() or mode == "off":
             return fn(*args, **kwargs)
-        # Off on the GPU by default: a CUDA call then costs one attribute read here (its first
-        # tensor decides), and builds nothing.
+        # "cpu": a CUDA call costs one attribute read here (its first tensor decides).
         if mode == "cpu" and args and getattr(args[0], "is_cuda", False):
             return fn(*args, **kwargs)
         if not dispatch.unsteered() or getattr(_State.local, "recording", None) is not None:

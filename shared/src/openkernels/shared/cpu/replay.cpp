@@ -337,6 +337,7 @@ PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) 
       return nullptr;
     }
     self->hits++;
+    if (!entry.tuple && entry.returns.empty()) Py_RETURN_NONE;  // in place: the launches wrote its inputs
     if (!entry.tuple) return THPVariable_Wrap(outputs[entry.returns[0]]);
     PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(entry.returns.size()));
     if (!result) return nullptr;
@@ -428,7 +429,7 @@ PyObject* table_add(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
     }
     Py_DECREF(outs);
     std::vector<int64_t> returns;
-    ok = ok && int_list(argv[3], returns) && !returns.empty() && (entry->tuple || returns.size() == 1);
+    ok = ok && int_list(argv[3], returns) && (entry->tuple ? !returns.empty() : returns.size() <= 1);
     for (int64_t r : returns) {
       ok = ok && r >= 0 && r < static_cast<int64_t>(entry->outputs.size());
       entry->returns.push_back(static_cast<int>(r));
