@@ -23,7 +23,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
-import pkgutil
 import platform as _platform
 import re
 import sys
@@ -34,9 +33,7 @@ from typing import Any, NoReturn
 
 import torch
 
-import openkernels
-
-from . import __version__, dispatch
+from . import __version__, dispatch, manifest
 from .bench import (
     BenchCase,
     Check,
@@ -59,12 +56,8 @@ KNOWN_FAMILIES = ("activations", "layernorm", "attention", "quant")
 
 
 def families() -> list[str]:
-    """Installed families: openkernels.<name> packages that ship a bench module."""
-    names = []
-    for module in pkgutil.iter_modules(openkernels.__path__):
-        if module.name != "shared" and importlib.util.find_spec(f"openkernels.{module.name}.bench"):
-            names.append(module.name)
-    return sorted(names)
+    """Installed families whose manifest names bench modules (openkernels.shared.manifest)."""
+    return [name for name, m in manifest.families().items() if m.bench]
 
 
 def _bench(family: str) -> ModuleType:
@@ -235,19 +228,9 @@ def _reference_only() -> Iterator[None]:
 
 
 def _bench_modules(family: str) -> list[ModuleType]:
-    """The family's bench module, then its other bench_* modules, each with checks or cases."""
-    package = importlib.import_module(f"openkernels.{family}")
-    others = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name.startswith("bench_"))
-    names = ["bench", *others]
-    modules = []
-    for name in names:
-        try:
-            module = importlib.import_module(f"openkernels.{family}.{name}")
-        except ImportError:
-            continue
-        if hasattr(module, "checks") or hasattr(module, "cases"):
-            modules.append(module)
-    return modules
+    """The bench modules the family's manifest names, each with checks or cases."""
+    modules = manifest.families()[family].bench_modules()
+    return [m for m in modules if hasattr(m, "checks") or hasattr(m, "cases")]
 
 
 def _run_first_case(module: ModuleType, device: torch.device) -> None:

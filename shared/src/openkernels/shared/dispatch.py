@@ -22,7 +22,6 @@ import contextlib
 import contextvars
 import importlib
 import os
-import pkgutil
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -240,14 +239,13 @@ def _import_families() -> None:
         if _families_imported:
             return
         _families_imported = True
-        import openkernels
+        from . import manifest
 
-        for module in pkgutil.iter_modules(openkernels.__path__):
-            if module.name != "shared":
-                # A family that fails to import says so when imported itself; here its
-                # names just stay unknown.
-                with contextlib.suppress(Exception):
-                    importlib.import_module(f"openkernels.{module.name}")
+        for name in manifest.families():
+            # A family that fails to import says so when imported itself; here its
+            # names just stay unknown.
+            with contextlib.suppress(Exception):
+                importlib.import_module(f"openkernels.{name}")
 
 
 def _unknown(spec: str) -> str | None:

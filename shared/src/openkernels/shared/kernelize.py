@@ -1,10 +1,10 @@
 """kernelize: swap a model's norms, activations, MLPs, attention and (optionally) linear
 layers for openkernels kernels, per instance and reversibly.
 
-Families offer their replacements through the Python entry-point group
-`openkernels.kernelize` (a function returning `Swap` and `ModelPatch` objects); only the
-installed families take part. Modules found on the import path without entry points (a
-source checkout on PYTHONPATH) are picked up from `openkernels.<family>.kernelize` too.
+Families offer their replacements through their manifest's `kernelize` target (a function
+returning `Swap` and `ModelPatch` objects; openkernels.shared.manifest); only the installed
+families take part. A package outside this repository may still offer one through the
+entry-point group `openkernels.kernelize`.
 
 A module is swapped by giving the instance a subclass of its own class whose `forward` is
 the family's fused one: parameters, buffers, hooks, `state_dict` keys and `isinstance`
@@ -17,7 +17,6 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import importlib.metadata
-import pkgutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,27 +156,21 @@ def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _family_modules() -> dict[str, Callable[[], Iterable[Swap | ModelPatch]]]:
-    """family name -> its replacements() function: entry points first, then the namespace."""
+    """family name -> its replacements() function: the family manifests', then those of
+    the `openkernels.kernelize` entry points of other packages."""
+    from . import manifest
+
     found: dict[str, Callable[[], Iterable[Swap | ModelPatch]]] = {}
+    for name, family in manifest.families().items():
+        if family.kernelize is not None:
+            found[name] = manifest.resolve(family.kernelize)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found:
+            continue
         try:
             found[ep.name] = ep.load()
         except ImportError:  # an entry point left behind by an uninstalled family
             continue
-    import openkernels
-
-    for module in pkgutil.iter_modules(openkernels.__path__):
-        name = module.name
-        if name == "shared" or name in found:
-            continue
-        if importlib.util.find_spec(f"openkernels.{name}") is None:
-            continue
-        try:
-            spec = importlib.util.find_spec(f"openkernels.{name}.kernelize")
-        except ImportError:
-            spec = None
-        if spec is not None:
-            found[name] = importlib.import_module(f"openkernels.{name}.kernelize").replacements
     return dict(sorted(found.items()))
 
 
