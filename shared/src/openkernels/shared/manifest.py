@@ -43,6 +43,12 @@ class FamilyManifest:
     kernelize: str | None = None
     asv_suite: str | None = None
 
+    @classmethod
+    def standard(cls, name: str, bench: tuple[str, ...] = ("bench",)) -> FamilyManifest:
+        """A family of this repository: distribution openkernels-<name>, kernelize in
+        openkernels.<name>.kernelize, asv suite benchmarks/asv_suite/<name>.py."""
+        return cls(name, f"openkernels-{name}", bench, f"openkernels.{name}.kernelize:replacements", name)
+
     def bench_modules(self) -> list[Any]:
         """The bench modules that import here (a module needing a missing extra is left out)."""
         modules = []

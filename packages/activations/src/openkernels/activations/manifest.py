@@ -2,10 +2,4 @@
 
 from openkernels.shared.manifest import FamilyManifest
 
-MANIFEST = FamilyManifest(
-    name="activations",
-    distribution="openkernels-activations",
-    bench=("bench",),
-    kernelize="openkernels.activations.kernelize:replacements",
-    asv_suite="activations",
-)
+MANIFEST = FamilyManifest.standard("activations")

@@ -2,10 +2,4 @@
 
 from openkernels.shared.manifest import FamilyManifest
 
-MANIFEST = FamilyManifest(
-    name="attention",
-    distribution="openkernels-attention",
-    bench=("bench", "bench_kvcache", "bench_rotary"),
-    kernelize="openkernels.attention.kernelize:replacements",
-    asv_suite="attention",
-)
+MANIFEST = FamilyManifest.standard("attention", bench=("bench", "bench_kvcache", "bench_rotary"))

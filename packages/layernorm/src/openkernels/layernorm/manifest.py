@@ -2,10 +2,4 @@
 
 from openkernels.shared.manifest import FamilyManifest
 
-MANIFEST = FamilyManifest(
-    name="layernorm",
-    distribution="openkernels-layernorm",
-    bench=("bench",),
-    kernelize="openkernels.layernorm.kernelize:replacements",
-    asv_suite="layernorm",
-)
+MANIFEST = FamilyManifest.standard("layernorm")

@@ -2,10 +2,4 @@
 
 from openkernels.shared.manifest import FamilyManifest
 
-MANIFEST = FamilyManifest(
-    name="quant",
-    distribution="openkernels-quant",
-    bench=("bench",),
-    kernelize="openkernels.quant.kernelize:replacements",
-    asv_suite="quant",
-)
+MANIFEST = FamilyManifest.standard("quant")
