@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import parts
+
 __all__ = [
     "Int4Weight",
     "NF4_VALUES",
@@ -38,7 +40,7 @@ __all__ = [
     "check_scale_values",
 ]
 
-KINDS = ("int4", "nf4")
+KINDS = parts.KINDS
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
 
 # The 16 NF4 levels (normal-float 4-bit, QLoRA / bitsandbytes): quantiles of a standard
@@ -86,47 +88,21 @@ def check_parts(
     where: str = "Int4Weight",
 ) -> int:
     """Raise ValueError / TypeError naming the tensor when the parts do not form a valid
-    weight; return in_features (K)."""
-    if kind not in KINDS:
-        raise ValueError(f"{where}: kind must be one of {KINDS}, got {kind!r}")
-    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
-        raise TypeError(
-            f"{where}: qweight must be a 2D uint8 tensor (N, K // 2), got {qweight.dim()}D {qweight.dtype}"
-        )
-    n, half_k = qweight.shape
-    k = 2 * half_k if in_features is None else in_features
-    if k != 2 * half_k:
-        raise ValueError(f"{where}: qweight has {half_k} bytes per row, in_features {k} needs {k // 2}")
-    if not isinstance(group_size, int) or group_size <= 0 or k % group_size:
-        raise ValueError(f"{where}: group_size {group_size} must be a positive divisor of in_features {k}")
-    if group_size % 2:
-        raise ValueError(f"{where}: group_size {group_size} must be even (two codes per byte)")
-    groups = k // group_size
-    if scales.dtype not in SCALE_DTYPES:
-        raise TypeError(f"{where}: scales must be float16 or bfloat16, got {scales.dtype}")
-    if tuple(scales.shape) != (groups, n):
-        raise ValueError(
-            f"{where}: scales has shape {tuple(scales.shape)}, expected (in_features // group_size, "
-            f"out_features) = ({groups}, {n})"
-        )
-    if zeros is not None:
-        if kind == "nf4":
-            raise ValueError(f"{where}: nf4 weights have no zeros")
-        if zeros.dtype != scales.dtype or tuple(zeros.shape) != (groups, n):
-            raise ValueError(
-                f"{where}: zeros must match scales ({groups}, {n}) {scales.dtype}, got "
-                f"{tuple(zeros.shape)} {zeros.dtype}"
-            )
-    if perm is not None and (perm.dtype != torch.int64 or tuple(perm.shape) != (k,)):
-        raise ValueError(
-            f"{where}: perm must be an int64 ({k},) permutation, got {tuple(perm.shape)} {perm.dtype}"
-        )
+    weight (parts.check_parts, plus one device); return in_features (K)."""
+    k = parts.check_parts(
+        _part(qweight), _part(scales), _part(zeros), group_size, kind, _part(perm),
+        in_features=in_features, where=where,
+    )  # fmt: skip
     devices = {t.device for t in (qweight, scales, zeros, perm) if t is not None}
     if len(devices) > 1:
         raise ValueError(
             f"{where}: qweight, scales, zeros and perm must be on one device, got {sorted(map(str, devices))}"
         )
     return k
+
+
+def _part(t: Tensor | None) -> parts.Part | None:
+    return None if t is None else parts.Part(tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
 def check_scale_values(scales: Tensor, name: str) -> None:
@@ -143,7 +119,7 @@ def check_scale_values(scales: Tensor, name: str) -> None:
 
 
 @dataclass(frozen=True, eq=False)
-class Int4Weight:
+class Int4Weight(parts.Int4Shape):
     """A 4-bit weight in this family's layout (module docstring): qweight (N, K // 2) uint8,
     scales and zeros (K // group_size, N), kind "int4" or "nf4", optional act-order perm (K,)."""
 
@@ -158,30 +134,13 @@ class Int4Weight:
         check_parts(self.qweight, self.scales, self.zeros, self.group_size, self.kind, self.perm)
 
     @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return 2 * self.qweight.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(out_features, in_features): the shape of the dequantized weight."""
-        return (self.out_features, self.in_features)
-
-    @property
-    def symmetric(self) -> bool:
-        return self.zeros is None
-
-    @property
     def device(self) -> torch.device:
         return self.qweight.device
 
     def nbytes(self) -> int:
         """Bytes the weight occupies (codes, scales, zeros, perm)."""
-        parts = (self.qweight, self.scales, self.zeros, self.perm)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        arrays = (self.qweight, self.scales, self.zeros, self.perm)
+        return sum(t.numel() * t.element_size() for t in arrays if t is not None)
 
     def to(self, device: torch.device | str) -> Int4Weight:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731

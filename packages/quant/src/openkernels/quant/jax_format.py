@@ -22,54 +22,28 @@ import numpy as np
 import torch
 
 from . import format as torch_format
+from . import parts
 
 __all__ = ["Int4Weight", "from_torch", "SCALE_DTYPES"]
 
 SCALE_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-_PERM_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64))
 
 
 def _check_parts(qweight: Any, scales: Any, zeros: Any, group_size: Any, kind: Any, perm: Any) -> None:
-    """format.check_parts on JAX arrays: ValueError / TypeError naming the part."""
-    where = "Int4Weight"
-    if kind not in torch_format.KINDS:
-        raise ValueError(f"{where}: kind must be one of {torch_format.KINDS}, got {kind!r}")
+    """parts.check_parts on JAX arrays (int32 act-order permutations too)."""
     for name, part in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("perm", perm)):
         if part is not None and not isinstance(part, jax.Array):
-            raise TypeError(f"{where}: {name} must be a jax.Array, got {type(part).__name__}")
-    if qweight.dtype != jnp.uint8 or qweight.ndim != 2:
-        raise TypeError(
-            f"{where}: qweight must be a 2D uint8 array (N, K // 2), got {qweight.ndim}D {qweight.dtype}"
-        )
-    n, k = qweight.shape[0], 2 * qweight.shape[1]
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or k % group_size:
-        raise ValueError(f"{where}: group_size {group_size} must be a positive divisor of in_features {k}")
-    if group_size % 2:
-        raise ValueError(f"{where}: group_size {group_size} must be even (two codes per byte)")
-    groups = k // group_size
-    if scales.dtype not in SCALE_DTYPES:
-        raise TypeError(f"{where}: scales must be float16 or bfloat16, got {scales.dtype}")
-    if tuple(scales.shape) != (groups, n):
-        raise ValueError(
-            f"{where}: scales has shape {tuple(scales.shape)}, expected (in_features // group_size, "
-            f"out_features) = ({groups}, {n})"
-        )
-    if zeros is not None:
-        if kind == "nf4":
-            raise ValueError(f"{where}: nf4 weights have no zeros")
-        if zeros.dtype != scales.dtype or tuple(zeros.shape) != (groups, n):
-            raise ValueError(
-                f"{where}: zeros must match scales ({groups}, {n}) {scales.dtype}, got "
-                f"{tuple(zeros.shape)} {zeros.dtype}"
-            )
-    if perm is not None and (perm.dtype not in _PERM_DTYPES or tuple(perm.shape) != (k,)):
-        raise ValueError(
-            f"{where}: perm must be an int32 or int64 ({k},) permutation, got {tuple(perm.shape)} {perm.dtype}"
-        )
+            raise TypeError(f"Int4Weight: {name} must be a jax.Array, got {type(part).__name__}")
+    meta = [
+        None if a is None else parts.Part(tuple(a.shape), str(a.dtype))
+        for a in (qweight, scales, zeros, perm)
+    ]
+    parts.check_parts(meta[0], meta[1], meta[2], group_size, kind, meta[3], perm_dtypes=("int32", "int64"),
+                      noun="array")  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
-class Int4Weight:
+class Int4Weight(parts.Int4Shape):
     """A 4-bit weight W (N, K) in format.py's layout on JAX arrays (module docstring), the
     JAX counterpart of openkernels.quant.Int4Weight; `from_torch` converts one."""
 
@@ -83,27 +57,10 @@ class Int4Weight:
     def __post_init__(self) -> None:
         _check_parts(self.qweight, self.scales, self.zeros, self.group_size, self.kind, self.perm)
 
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return 2 * self.qweight.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(out_features, in_features): the shape of the dequantized weight."""
-        return (self.out_features, self.in_features)
-
-    @property
-    def symmetric(self) -> bool:
-        return self.zeros is None
-
     def nbytes(self) -> int:
         """Bytes the weight occupies (codes, scales, zeros, perm)."""
-        parts = (self.qweight, self.scales, self.zeros, self.perm)
-        return sum(p.size * p.dtype.itemsize for p in parts if p is not None)
+        arrays = (self.qweight, self.scales, self.zeros, self.perm)
+        return sum(p.size * p.dtype.itemsize for p in arrays if p is not None)
 
     def to_torch(self, device: torch.device | str = "cpu") -> torch_format.Int4Weight:
         """The same weight as a torch Int4Weight on `device` (a copy; perm becomes int64)."""
