@@ -8,7 +8,6 @@ float32 on every backend, float64 on the CPU and reference backends; statistics 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 from openkernels.shared import replay
 
 from . import ops
+from .checks import check_shapes_and_scalars
 
 __all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "AddRMSNorm", "AddLayerNorm"]
 
@@ -59,35 +59,25 @@ def _check(
         raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in (*_HALF_AND_FLOAT, torch.float64):
         raise TypeError(f"{name}: x has dtype {x.dtype}; supported: {_DTYPE_NAMES}")
-    if x.dim() == 0:
-        raise ValueError(f"{name}: x must have at least one dim (the normalized one), got a scalar")
     # Mixed precision within {fp16, bf16, fp32}; float64 only all the way (tests, gradcheck).
     allowed = (torch.float64,) if x.dtype == torch.float64 else _HALF_AND_FLOAT
-    n = x.shape[-1]
-    for what, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        _check_tensor(name, what, t, x, allowed)
-        if tuple(t.shape) != (n,):
-            raise ValueError(f"{name}: {what} must have shape ({n},) for x of shape {tuple(x.shape)}, "
-                             f"got {tuple(t.shape)}")  # fmt: skip
-    if residual is not None:
-        _check_tensor(name, "residual", residual, x, allowed)
-        if residual.shape != x.shape:
-            raise ValueError(
-                f"{name}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
-            )
-    # A NaN or inf eps or weight_offset makes every output NaN (or zero, or the bias).
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not 0 <= eps < math.inf:
-        raise ValueError(f"{name}: eps must be a non-negative float, not NaN or inf, got {eps!r}")
-    if not isinstance(weight_offset, numbers.Real) or isinstance(weight_offset, bool):
-        raise TypeError(f"{name}: weight_offset must be a float, got {weight_offset!r}")
-    if not math.isfinite(weight_offset):
-        raise ValueError(f"{name}: weight_offset must be finite, got {weight_offset!r}")
-    if weight_offset != 0 and weight is None:
-        raise ValueError(f"{name}: weight_offset={weight_offset} scales a weight, but weight is None")
+    for what, t in (("weight", weight), ("bias", bias), ("residual", residual)):
+        if t is not None:
+            _check_tensor(name, what, t, x, allowed)
+    check_shapes_and_scalars(
+        name,
+        tuple(x.shape),
+        {"weight": _shape(weight), "bias": _shape(bias)},
+        _shape(residual),
+        eps,
+        weight_offset,
+    )
     _check_dtype_arg(name, "out_dtype", out_dtype, allowed)
     _check_dtype_arg(name, "residual_dtype", residual_dtype, allowed)
+
+
+def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if t is None else tuple(t.shape)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:

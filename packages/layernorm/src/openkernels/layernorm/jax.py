@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
 from typing import Any
 
 import jax
@@ -37,6 +35,8 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from openkernels.shared import jax as okjax
+
+from .checks import check_shapes_and_scalars
 
 __all__ = ["rms_norm", "layer_norm"]
 
@@ -87,33 +87,20 @@ def _check(
 ) -> tuple[jnp.dtype, jnp.dtype]:  # fmt: skip
     """Raise TypeError / ValueError for bad arguments; returns (out dtype, h dtype)."""
     okjax.check_array(name, "x", x, _DTYPES)
-    if x.ndim == 0:
-        raise ValueError(f"{name}: x must have at least one dim (the normalized one), got a scalar")
     # Mixed precision within {fp16, bf16, fp32}; float64 only all the way.
     allowed = (_F64,) if x.dtype == _F64 else _HALF_AND_FLOAT
-    n = x.shape[-1]
-    for what, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        okjax.check_array(name, what, t, allowed)
-        if tuple(t.shape) != (n,):
-            raise ValueError(f"{name}: {what} must have shape ({n},) for x of shape {tuple(x.shape)}, "
-                             f"got {tuple(t.shape)}")  # fmt: skip
-    if residual is not None:
-        okjax.check_array(name, "residual", residual, allowed)
-        if residual.shape != x.shape:
-            raise ValueError(
-                f"{name}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
-            )
-    # A NaN or inf eps or weight_offset makes every output NaN (or zero, or the bias).
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not 0 <= eps < math.inf:
-        raise ValueError(f"{name}: eps must be a non-negative float, not NaN or inf, got {eps!r}")
-    if not isinstance(weight_offset, numbers.Real) or isinstance(weight_offset, bool):
-        raise TypeError(f"{name}: weight_offset must be a float, got {weight_offset!r}")
-    if not math.isfinite(weight_offset):
-        raise ValueError(f"{name}: weight_offset must be finite, got {weight_offset!r}")
-    if weight_offset != 0 and weight is None:
-        raise ValueError(f"{name}: weight_offset={weight_offset} scales a weight, but weight is None")
+    for what, t in (("weight", weight), ("bias", bias), ("residual", residual)):
+        if t is not None:
+            okjax.check_array(name, what, t, allowed)
+    shape = lambda t: None if t is None else tuple(t.shape)  # noqa: E731
+    check_shapes_and_scalars(
+        name,
+        tuple(x.shape),
+        {"weight": shape(weight), "bias": shape(bias)},
+        shape(residual),
+        eps,
+        weight_offset,
+    )
     out = _dtype_arg(name, "out_dtype", out_dtype, allowed) or x.dtype
     h = _dtype_arg(name, "residual_dtype", residual_dtype, allowed)
     return out, h or (residual.dtype if residual is not None else x.dtype)
