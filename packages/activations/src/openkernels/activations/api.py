@@ -13,16 +13,12 @@ from torch import nn
 from openkernels.shared import replay
 
 from . import ops
+from .spec import APPROXIMATE as _APPROXIMATE
 from .spec import SPECS
 
+# The functions are named by the op table (spec.SPECS); the modules after them.
 __all__ = [
-    "silu",
-    "gelu",
-    "gelu_quick",
-    "relu_squared",
-    "silu_and_mul",
-    "gelu_and_mul",
-    "mul_and_silu",
+    *SPECS,
     "Silu",
     "Gelu",
     "GeluQuick",
@@ -33,7 +29,6 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_APPROXIMATE = ("none", "tanh")
 
 
 def _check(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: str) -> None:

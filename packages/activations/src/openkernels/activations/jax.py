@@ -21,20 +21,12 @@ import jax.numpy as jnp
 
 from openkernels.shared import jax as okjax
 
+from .spec import APPROXIMATE as _APPROXIMATE
 from .spec import SPECS, Act, act_for
 
-__all__ = [
-    "silu",
-    "gelu",
-    "gelu_quick",
-    "relu_squared",
-    "silu_and_mul",
-    "gelu_and_mul",
-    "mul_and_silu",
-]
+__all__ = list(SPECS)  # one function per op of the table
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
-_APPROXIMATE = ("none", "tanh")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 

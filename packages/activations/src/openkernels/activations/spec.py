@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-__all__ = ["Act", "OpSpec", "SPECS", "act_for"]
+__all__ = ["Act", "APPROXIMATE", "OpSpec", "SPECS", "act_for"]
+
+APPROXIMATE = ("none", "tanh")  # the GELU ops' approximate= values
 
 
 class Act(IntEnum):
