@@ -20,7 +20,7 @@ import torch
 
 from openkernels.shared import dispatch, replay
 
-from . import ops
+from . import ops, problem
 from .kvformat import BITS, FP8, KEY_GROUPS, QuantizedKV, code_width
 from .problem import check_lengths, check_options, check_qkv_shapes
 
@@ -709,44 +709,18 @@ def attention_with_kvcache(
 # ---- rotary position embedding -----------------------------------------------------------
 
 
+def _part(t: torch.Tensor) -> problem.Part:
+    return problem.Part(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
 def _check_rotary(name: str, q: object, k: object, cos: object, sin: object) -> None:
     for what, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-    for what, t in (("q", q), ("k", k)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name}: {what} must be 4D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
-            )
-    for what, t in (("q", q), ("cos", cos), ("sin", sin)):
-        if t.dtype not in _DTYPES:
-            raise TypeError(
-                f"{name}: {what} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64"
-            )
-    if k.dtype != q.dtype:
-        raise TypeError(f"{name}: q and k must share a dtype, got q {q.dtype} and k {k.dtype}")
+    problem.check_rotary(name, *(_part(t) for t in (q, k, cos, sin)))
     for what, t in (("k", k), ("cos", cos), ("sin", sin)):
         if t.device != q.device:
             raise ValueError(f"{name}: {what} is on {t.device} but q is on {q.device}")
-    batch, seqlen, _, head_dim = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (batch, seqlen, head_dim):
-        raise ValueError(f"{name}: q and k must share batch, seqlen and head_dim, got q {tuple(q.shape)} and k "
-                         f"{tuple(k.shape)}")  # fmt: skip
-    if cos.shape != sin.shape:
-        raise ValueError(
-            f"{name}: cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
-        )
-    if (
-        cos.dim() not in (2, 3)
-        or cos.shape[-2] != seqlen
-        or (cos.dim() == 3 and cos.shape[0] not in (1, batch))
-    ):
-        raise ValueError(f"{name}: cos and sin must be ({batch} or 1, {seqlen}, rotary_dim) or ({seqlen}, rotary_dim) "
-                         f"for q of shape {tuple(q.shape)}, got {tuple(cos.shape)}")  # fmt: skip
-    rot_dim = cos.shape[-1]
-    if rot_dim % 2 or not 2 <= rot_dim <= head_dim:
-        raise ValueError(f"{name}: rotary_dim (cos.shape[-1] = {rot_dim}) must be even and in 2..head_dim "
-                         f"({head_dim})")  # fmt: skip
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError(f"{name}: cos and sin get no gradient; pass them detached (cos.requires_grad is "
                          f"{cos.requires_grad}, sin.requires_grad is {sin.requires_grad})")  # fmt: skip

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import problem
 from .ops import HEAD_DIMS
 from .problem import check_lengths, check_qkv_shapes
 
@@ -80,37 +81,7 @@ def check_rotary(name: str, q: object, k: object, cos: object, sin: object) -> N
     for what, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, jax.Array):
             raise TypeError(f"{name}: {what} must be a jax.Array, got {type(t).__name__}")
-    for what, t in (("q", q), ("k", k)):
-        if t.ndim != 4:
-            raise ValueError(
-                f"{name}: {what} must be 4D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
-            )
-    for what, t in (("q", q), ("cos", cos), ("sin", sin)):
-        if t.dtype not in DTYPES:
-            raise TypeError(
-                f"{name}: {what} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64"
-            )
-    if k.dtype != q.dtype:
-        raise TypeError(f"{name}: q and k must share a dtype, got q {q.dtype} and k {k.dtype}")
-    batch, seqlen, _, head_dim = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (batch, seqlen, head_dim):
-        raise ValueError(f"{name}: q and k must share batch, seqlen and head_dim, got q {tuple(q.shape)} and k "
-                         f"{tuple(k.shape)}")  # fmt: skip
-    if cos.shape != sin.shape:
-        raise ValueError(
-            f"{name}: cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
-        )
-    if (
-        cos.ndim not in (2, 3)
-        or cos.shape[-2] != seqlen
-        or (cos.ndim == 3 and cos.shape[0] not in (1, batch))
-    ):
-        raise ValueError(f"{name}: cos and sin must be ({batch} or 1, {seqlen}, rotary_dim) or ({seqlen}, rotary_dim) "
-                         f"for q of shape {tuple(q.shape)}, got {tuple(cos.shape)}")  # fmt: skip
-    rot_dim = cos.shape[-1]
-    if rot_dim % 2 or not 2 <= rot_dim <= head_dim:
-        raise ValueError(f"{name}: rotary_dim (cos.shape[-1] = {rot_dim}) must be even and in 2..head_dim "
-                         f"({head_dim})")  # fmt: skip
+    problem.check_rotary(name, *(problem.Part(tuple(t.shape), str(t.dtype)) for t in (q, k, cos, sin)))
 
 
 _CACHE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
