@@ -211,10 +211,11 @@ def _eager_function(op: OpDef, backward_op: Any) -> type[torch.autograd.Function
         # create_graph=True: the library backward op, whose own autograd says that double
         # backward is not supported when the graph is differentiated again.
         compute = backward_op if torch.is_grad_enabled() else replayed_compute
-        # A gradient that is a broadcast (`loss = y.sum()` gives an expanded one) or any other
-        # non-contiguous view: made dense here, outside the replayed body, whose own copy
-        # would be a torch op that refuses the recording.
-        grad_outputs = tuple(g if g is None or g.is_contiguous() else g.contiguous() for g in grad_outputs)
+        # A gradient that is a broadcast (`loss = y.sum()` gives an expanded one, zero strides)
+        # is made dense here, outside the replayed body, whose own copy would be a torch op
+        # that refuses the recording. Other strided gradients go in as they are (the kernels
+        # take row strides; a body that copies one runs its Python path).
+        grad_outputs = tuple(g if g is None or 0 not in g.stride() else g.contiguous() for g in grad_outputs)
 
         def run(*args):
             return steering.run(compute, *args)
