@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from openkernels.shared import replay
+
 from . import parts
 
 __all__ = [
@@ -68,11 +70,13 @@ _nf4_tables: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
 
 def nf4_values(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Tensor:
-    """NF4_VALUES as a (16,) tensor on `device` (cached: kernels read it on every call)."""
+    """NF4_VALUES as a (16,) tensor on `device` (cached: kernels read it on every call; a
+    replay.persistent constant, so replayed launches may pass its address)."""
     key = (torch.device(device), dtype)
     table = _nf4_tables.get(key)
     if table is None:
-        table = _nf4_tables[key] = torch.tensor(NF4_VALUES, dtype=dtype, device=key[0])
+        table = torch.tensor(NF4_VALUES, dtype=dtype, device=key[0])
+        _nf4_tables[key] = replay.persistent(table)
     return table
 
 

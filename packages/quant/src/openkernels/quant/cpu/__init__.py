@@ -170,7 +170,7 @@ def int4_linear_fwd(
     z_ptr, z_stride = _zeros_args(zeros)
     status = _library().ok_int4_linear(
         x.data_ptr(), x.stride(0), qweight.data_ptr(), qweight.stride(0), scales.data_ptr(), scales.stride(0),
-        z_ptr, z_stride, int(scales.dtype == torch.bfloat16), replay.persistent(nf4_values()).data_ptr(),
+        z_ptr, z_stride, int(scales.dtype == torch.bfloat16), nf4_values().data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, group_size, code, kind_code,
         torch.get_num_threads(),
     )  # fmt: skip

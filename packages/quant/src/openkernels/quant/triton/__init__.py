@@ -40,7 +40,7 @@ def config_for(m: int, n: int, k: int, group: int, device: torch.device) -> Line
 
 def _lut(kind: str, scales: Tensor) -> Tensor:
     """The NF4 levels (float32) for nf4; any pointer otherwise (never read)."""
-    return replay.persistent(nf4_values(scales.device)) if kind == "nf4" else scales
+    return nf4_values(scales.device) if kind == "nf4" else scales
 
 
 # Split-K scratch, per (device, stream): float32 partials and per-tile arrival counters. The
@@ -63,13 +63,13 @@ def _split_scratch(device: torch.device, partials: int, tiles: int) -> tuple[Ten
                 torch.zeros(tiles, dtype=torch.int32, device=device))  # fmt: skip
     key = (index, _current_stream(index))
     ws, counters = _scratch.get(key, (None, None))
-    if ws is None or ws.numel() < partials:
-        ws = torch.empty(max(partials, 1 << 20), dtype=torch.float32, device=device)
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
     # Replayed launches (shared.replay, keyed by stream) pass these addresses: held for good,
     # so a buffer outgrown here stays valid for the recordings that name it.
-    _scratch[key] = (replay.persistent(ws), replay.persistent(counters))
+    if ws is None or ws.numel() < partials:
+        ws = replay.persistent(torch.empty(max(partials, 1 << 20), dtype=torch.float32, device=device))
+    if counters is None or counters.numel() < tiles:
+        counters = replay.persistent(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    _scratch[key] = (ws, counters)
     return ws, counters
 
 
