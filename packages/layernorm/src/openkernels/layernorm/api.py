@@ -16,7 +16,7 @@ from torch import nn
 from openkernels.shared import replay
 
 from . import ops
-from .checks import check_shapes_and_scalars
+from .problem import check_shapes_and_scalars
 
 __all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "AddRMSNorm", "AddLayerNorm"]
 

@@ -36,7 +36,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from openkernels.shared import jax as okjax
 
-from .checks import check_shapes_and_scalars
+from .problem import check_shapes_and_scalars
 
 __all__ = ["rms_norm", "layer_norm"]
 

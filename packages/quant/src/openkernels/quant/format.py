@@ -30,7 +30,7 @@ from torch import Tensor
 
 from openkernels.shared import replay
 
-from . import parts
+from . import problem
 
 __all__ = [
     "Int4Weight",
@@ -42,7 +42,7 @@ __all__ = [
     "check_scale_values",
 ]
 
-KINDS = parts.KINDS
+KINDS = problem.KINDS
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
 
 # The 16 NF4 levels (normal-float 4-bit, QLoRA / bitsandbytes): quantiles of a standard
@@ -92,8 +92,8 @@ def check_parts(
     where: str = "Int4Weight",
 ) -> int:
     """Raise ValueError / TypeError naming the tensor when the parts do not form a valid
-    weight (parts.check_parts, plus one device); return in_features (K)."""
-    k = parts.check_parts(
+    weight (problem.check_parts, plus one device); return in_features (K)."""
+    k = problem.check_parts(
         _part(qweight), _part(scales), _part(zeros), group_size, kind, _part(perm),
         in_features=in_features, where=where,
     )  # fmt: skip
@@ -105,8 +105,8 @@ def check_parts(
     return k
 
 
-def _part(t: Tensor | None) -> parts.Part | None:
-    return None if t is None else parts.Part(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+def _part(t: Tensor | None) -> problem.Part | None:
+    return None if t is None else problem.Part(tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
 def check_scale_values(scales: Tensor, name: str) -> None:
@@ -123,7 +123,7 @@ def check_scale_values(scales: Tensor, name: str) -> None:
 
 
 @dataclass(frozen=True, eq=False)
-class Int4Weight(parts.Int4Shape):
+class Int4Weight(problem.Int4Shape):
     """A 4-bit weight in this family's layout (module docstring): qweight (N, K // 2) uint8,
     scales and zeros (K // group_size, N), kind "int4" or "nf4", optional act-order perm (K,)."""
 

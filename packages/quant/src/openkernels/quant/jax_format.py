@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import format as torch_format
-from . import parts
+from . import problem
 
 __all__ = ["Int4Weight", "from_torch", "SCALE_DTYPES"]
 
@@ -30,20 +30,20 @@ SCALE_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
 def _check_parts(qweight: Any, scales: Any, zeros: Any, group_size: Any, kind: Any, perm: Any) -> None:
-    """parts.check_parts on JAX arrays (int32 act-order permutations too)."""
+    """problem.check_parts on JAX arrays (int32 act-order permutations too)."""
     for name, part in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("perm", perm)):
         if part is not None and not isinstance(part, jax.Array):
             raise TypeError(f"Int4Weight: {name} must be a jax.Array, got {type(part).__name__}")
     meta = [
-        None if a is None else parts.Part(tuple(a.shape), str(a.dtype))
+        None if a is None else problem.Part(tuple(a.shape), str(a.dtype))
         for a in (qweight, scales, zeros, perm)
     ]
-    parts.check_parts(meta[0], meta[1], meta[2], group_size, kind, meta[3], perm_dtypes=("int32", "int64"),
+    problem.check_parts(meta[0], meta[1], meta[2], group_size, kind, meta[3], perm_dtypes=("int32", "int64"),
                       noun="array")  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
-class Int4Weight(parts.Int4Shape):
+class Int4Weight(problem.Int4Shape):
     """A 4-bit weight W (N, K) in format.py's layout on JAX arrays (module docstring), the
     JAX counterpart of openkernels.quant.Int4Weight; `from_torch` converts one."""
 

@@ -1,4 +1,5 @@
-"""The 4-bit weight's layout rules on shapes and dtype names alone, shared by the PyTorch
+"""The 4-bit weight's layout rules on shapes and dtype names alone (this family's framework-neutral
+problem module, as in every family), shared by the PyTorch
 (format.py) and JAX (jax_format.py) faces: each face describes its arrays as `Part`s and
 adds only what is its own (array types, devices).
 
