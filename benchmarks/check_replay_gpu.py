@@ -13,6 +13,7 @@ any mismatch, or when an op that should replay on CUDA was refused.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -93,7 +94,7 @@ def _cases(dev: torch.device) -> list[tuple[str, object, object, object]]:
 
 # Refusals that are known and kept: the fp8 cache is read through a uint8 view (aten.view.dtype,
 # not yet among the recorded views).
-_EXPECTED_REFUSALS = {"openkernels.attention.ops.kvcache_forward": {"aten.view.dtype"}}
+_EXPECTED_REFUSALS: dict[str, set[str]] = {}
 
 
 def _int4_cases(dev: torch.device) -> list[tuple[str, object, object, object]]:
@@ -158,37 +159,54 @@ def _check_backward(dev: torch.device) -> int:
     return bad
 
 
-def _check_kv_decode(dev: torch.device) -> int:
-    """KVCache.attend decode loops (append + attend per step, lengths crossing several
-    multiples of 16): the replayed loop's outputs and cache bitwise equal to the Python
-    path's, every format."""
+def _kv_loop(dev: torch.device, batch: int, prompt: int, capacity: int, steps: int, **cache_kw) -> int:
+    """One decode loop on two equal caches, replayed and on the Python path: each step
+    writes the new token either through attend(q, k, v) or through append() then attend(q)
+    (alternating), then two more layers attend; outputs and caches must stay bitwise equal."""
     from openkernels.attention import KVCache
 
+    what = f"KVCache B{batch} prompt {prompt} {cache_kw}"
+    caches = []
+    for _ in range(2):
+        c = KVCache(batch, capacity, 8, 128, device=dev, **cache_kw)
+        g = torch.Generator(device=dev).manual_seed(3)
+        k = torch.randn(batch, prompt, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
+        c.append(k, torch.randn(k.shape, device=dev, dtype=k.dtype, generator=g))
+        caches.append(c)
+    g = torch.Generator(device=dev).manual_seed(4)
     bad = 0
-    for kv_dtype in (None, "fp8", "int8", "int4"):
-        caches = []
-        for _ in range(2):
-            c = KVCache(2, 256, 8, 128, kv_dtype=kv_dtype or torch.bfloat16, device=dev)
-            g = torch.Generator(device=dev).manual_seed(3)
-            k = torch.randn(2, 21, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
-            c.append(k, torch.randn(k.shape, device=dev, dtype=k.dtype, generator=g))
-            caches.append(c)
-        g = torch.Generator(device=dev).manual_seed(4)
-        for step in range(40):
-            q = torch.randn(2, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
-            k = torch.randn(2, 1, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
-            v = torch.randn(k.shape, device=dev, dtype=k.dtype, generator=g)
-            for layer in range(3):  # a decode step's layers share the key
-                got = caches[0].attend(q, k, v) if layer == 0 else caches[0].attend(q)
-                with replay.disabled():
-                    want = caches[1].attend(q, k, v) if layer == 0 else caches[1].attend(q)
-                if not torch.equal(got, want) or torch.isnan(got).any():
-                    bad += 1
-                    print(f"BAD KVCache {kv_dtype} step {step} layer {layer}: replayed output differs")
-        for b in range(2):
-            if not all(torch.equal(x, y) for x, y in zip(caches[0].dequantize(b), caches[1].dequantize(b))):
+    for step in range(steps):
+        q = torch.randn(batch, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(batch, 1, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(k.shape, device=dev, dtype=k.dtype, generator=g)
+        for layer in range(3):  # a decode step's layers share the key
+            outs = []
+            for i, c in enumerate(caches):
+                with replay.disabled() if i else contextlib.nullcontext():
+                    if layer == 0 and step % 2:
+                        c.append(k, v)
+                        outs.append(c.attend(q))
+                    else:
+                        outs.append(c.attend(q, k, v) if layer == 0 else c.attend(q))
+            if not torch.equal(outs[0], outs[1]) or torch.isnan(outs[0]).any():
                 bad += 1
-                print(f"BAD KVCache {kv_dtype}: replayed appends left another cache")
+                print(f"BAD {what} step {step} layer {layer}: replayed output differs")
+    for b in range(batch):
+        if not all(torch.equal(x, y) for x, y in zip(caches[0].dequantize(b), caches[1].dequantize(b))):
+            bad += 1
+            print(f"BAD {what}: replayed appends left another cache (sequence {b})")
+    return bad
+
+
+def _check_kv_decode(dev: torch.device) -> int:
+    """KVCache decode loops in every format, contiguous and paged, lengths crossing several
+    multiples of 16, and one 128K-token sequence."""
+    bad = 0
+    for kv_dtype in (torch.bfloat16, "fp8", "int8", "int4"):
+        bad += _kv_loop(dev, 2, 21, 256, 40, kv_dtype=kv_dtype)
+        bad += _kv_loop(dev, 2, 21, 256, 24, kv_dtype=kv_dtype, page_size=16)
+        bad += _kv_loop(dev, 1, 131072 - 5, 131072 + 64, 12, kv_dtype=kv_dtype)
+    bad += _kv_loop(dev, 2, 21, 256, 40, kv_dtype="int4", key_group=32)
     return bad
 
 

@@ -157,7 +157,8 @@ def available() -> bool:
 
 _VIEWS_AND_ALLOCATIONS = {
     "empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
-    "new_empty_strided.default", "view.default", "_unsafe_view.default", "as_strided.default", "t.default",
+    "new_empty_strided.default", "view.default", "view.dtype", "_unsafe_view.default", "as_strided.default",
+    "t.default",
     "transpose.int", "permute.default", "expand.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims",
     "squeeze.default", "select.int", "slice.Tensor", "alias.default", "detach.default", "split.Tensor",
     "split_with_sizes.default", "unbind.int", "unflatten.int", "view_as_real.default", "view_as_complex.default",

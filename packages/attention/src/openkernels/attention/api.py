@@ -617,8 +617,7 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     max_seqlen_k = -(-max_seqlen_k // 16) * 16
     library = tracing or any(type(t) is not torch.Tensor for t in (q, kd, vd))
     # Both ops take the same path (decided here, once, for the pair).
-    # The append's replay (an in-place body) awaits its GPU check: its Python body for now.
-    append = ops.KVCACHE_APPEND.library if library else ops.kvcache_append
+    append = ops.KVCACHE_APPEND.library if library else ops.KVCACHE_APPEND.direct
     forward = ops.ATTENTION_KVCACHE.library if library else ops.ATTENTION_KVCACHE.direct
     forward_args = (q, kd, vd, *quant, seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
                     scale, left, right, alibi_slopes, plan.softcap, rotary_interleaved, bits, group,

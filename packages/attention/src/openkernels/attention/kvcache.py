@@ -352,7 +352,7 @@ class KVCache:
         n = k_new.shape[1]
         self._advance(n, "KVCache.append", rotary_cos, n)
         quant = (self.k.scale, self.k.zero, self.v.scale, self.v.zero) if self.bits != 16 else (None,) * 4
-        ops.kvcache_append(self._data(self.k), self._data(self.v), *quant, k_new, v_new, self.seqlens,
+        ops.KVCACHE_APPEND(self._data(self.k), self._data(self.v), *quant, k_new, v_new, self.seqlens,
                            self.block_table, rotary_cos, rotary_sin, rotary_interleaved, self.bits,
                            self.group_size, None, self.k.residual if self.key_group else None,
                            self.key_group)  # fmt: skip
