@@ -24,6 +24,7 @@ VARIANTS = [
     "gelu_and_mul[none]",
     "gelu_and_mul[tanh]",
     "mul_and_silu",
+    "glu",
 ]
 SMOKE_SHAPE = (64, 256)
 

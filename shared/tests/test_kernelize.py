@@ -83,7 +83,7 @@ EXPECTED = {
     "gemma2": {"layernorm.rms_norm(1 + w)": 9, "activations.gated_mlp": 2},
     "gemma3": {"layernorm.rms_norm(1 + w)": 13, "activations.gated_mlp": 2},
     "gpt2": {"layernorm.layer_norm": 5, "activations.activation": 2},
-    "bert": {"layernorm.add_layer_norm": 4, "layernorm.layer_norm": 1, "activations.activation": 2},
+    "bert": {"layernorm.add_layer_norm": 4, "layernorm.layer_norm": 1, "activations.dense_act": 2},
 }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openkernels.activations.spec import Act
+from openkernels.activations.spec import SPECS, Act
 from openkernels.activations.triton import configs
 
 pytestmark = pytest.mark.aot
@@ -92,8 +92,9 @@ def cases_for(backend: str) -> list:
             _case(kind, all_configs[len(all_configs) // 2], "bf16", Act.GELU, even=False, aligned=False),
             _case(kind, widest, "bf16", Act.GELU, even=False, int_type="i64"),
         ]
-        if kind.startswith("gated"):
-            extra.append(_case(kind, widest, "bf16", Act.SILU, even=True, act_first=False))
+        if kind.startswith("gated"):  # each code a gated op applies to the second half (mul_and_silu, glu)
+            for act in sorted({s.act for s in SPECS.values() if s.gated and not s.act_first}):
+                extra.append(_case(kind, widest, "bf16", act, even=True, act_first=False))
         out.update({c.label: c for c in extra})
     return list(out.values())
 

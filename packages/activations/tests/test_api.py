@@ -6,9 +6,11 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import openkernels.activations as A
 from openkernels.activations import reference as R
+from openkernels.activations.spec import SPECS
 from openkernels.shared import dispatch
 from openkernels.shared.testing import assert_close, failing_implementation, random_tensor, run_opcheck
 
@@ -47,10 +49,14 @@ def test_mismatched_out_is_rejected(variant: Variant) -> None:
         variant(x.requires_grad_(), out=torch.empty(good))
 
 
-def test_out_aliasing_input_is_rejected() -> None:
+def test_out_overlapping_input_is_rejected() -> None:
+    # out=x itself is in place (test_correctness); any other overlap is refused.
+    buf = torch.randn(9)
+    with pytest.raises(ValueError, match="share memory"):
+        A.silu(buf[1:], out=buf[:-1])
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="share memory"):
-        A.silu(x, out=x)
+        A.silu_and_mul(x, out=x.view(-1)[:16].view(4, 4))  # the first rows' memory
 
 
 def test_bad_approximate_is_rejected() -> None:
@@ -75,10 +81,34 @@ def test_modules_match_functions() -> None:
         (A.SiluAndMul(), A.silu_and_mul(x)),
         (A.GeluAndMul(), A.gelu_and_mul(x)),
         (A.MulAndSilu(), A.mul_and_silu(x)),
+        (A.Glu(), A.glu(x)),
     ]
     for module, expected in pairs:
         assert torch.equal(module(x), expected), module
     assert "tanh" in repr(A.Gelu("tanh"))
+
+
+def test_every_op_has_a_function_a_module_and_a_reference() -> None:
+    modules = {
+        cls.__name__ for cls in vars(A).values() if isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+    }
+    for name in SPECS:
+        assert name in A.__all__ and callable(getattr(A, name)) and getattr(A, name).__doc__
+        assert callable(getattr(R, f"{name}_ref")) and f"{name}_ref" in R.__all__
+    assert len(modules) == len(SPECS) and set(modules) <= set(A.__all__)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_glu_is_torch_glu(dtype: torch.dtype) -> None:
+    x = random_tensor((5, 3, 2 * 37), dtype, scale=4.0)
+    assert_close(A.glu(x), F.glu(x.double(), dim=-1), dtype=dtype)
+    assert torch.equal(A.Glu()(x), A.glu(x))
+    xg = x.double().requires_grad_()
+    grad_out = random_tensor((5, 3, 37), torch.float64)
+    (expected,) = torch.autograd.grad(F.glu(xg, dim=-1), xg, grad_out)
+    x = x.requires_grad_()
+    (grad,) = torch.autograd.grad(A.glu(x), x, grad_out.to(dtype))
+    assert_close(grad, expected, dtype=dtype)
 
 
 def test_library_path_matches_fast_path() -> None:

@@ -101,6 +101,18 @@ def test_out_argument(device: str, impl: str, variant: Variant) -> None:
     assert_close(out, variant.ref(x.to(torch.float64)), dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("variant", [v for v in variant_params() if not v.values[0].gated])
+def test_out_in_place(device: str, impl: str, variant: Variant) -> None:
+    # out=x: every element read before it is written (kernelize runs BERT's intermediate
+    # activation this way on the dense layer's fresh output).
+    x = random_tensor((7, 1000), torch.bfloat16, device, scale=2.0)
+    want = variant.ref(x.to(torch.float64))
+    with dispatch.force(impl):
+        result = variant(x, out=x)
+    assert result is x
+    assert_close(x, want, dtype=torch.bfloat16)
+
+
 def test_float64_runs_on_reference(device: str, impl: str) -> None:
     # float64 is the reference's alone: forcing a kernel on it says why it cannot.
     x = random_tensor((4, 10), torch.float64, device)

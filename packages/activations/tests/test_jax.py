@@ -112,6 +112,20 @@ def test_bad_inputs_raise_before_any_kernel(backend: str, variant: Variant) -> N
                 fn(jnp.ones((4, 8)), "fast")
 
 
+def test_every_op_has_its_torch_name_arguments_and_docstring(backend: str) -> None:
+    import inspect
+
+    import openkernels.activations as A
+    from openkernels.activations.spec import SPECS
+
+    assert AJ.__all__ == list(SPECS)
+    for name in AJ.__all__:
+        fn, torch_fn = getattr(AJ, name), getattr(A, name)
+        assert fn.__name__ == name and fn.__module__ == AJ.__name__ and fn.__doc__ == torch_fn.__doc__
+        torch_params = [p for p in inspect.signature(torch_fn).parameters if p != "out"]
+        assert list(inspect.signature(fn).parameters) == torch_params
+
+
 def test_float64_with_x64(backend: str) -> None:
     x = random_tensor((5, 12), torch.float64, "cpu")
     with jax.enable_x64(True), okjax.use_backend(backend):

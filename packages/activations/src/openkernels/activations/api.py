@@ -26,6 +26,7 @@ __all__ = [
     "SiluAndMul",
     "GeluAndMul",
     "MulAndSilu",
+    "Glu",
 ]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -60,7 +61,11 @@ def _check(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: st
     if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
         raise RuntimeError(f"{name}: out= does not support autograd; call it without out= to get gradients")
     if out.data_ptr() != 0 and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        raise ValueError(f"{name}: out must not share memory with x")
+        # In place (out is x's own memory, element for element) is safe for an elementwise op:
+        # each element is read before it is written, by the same thread. Any other overlap is not.
+        in_place = not spec.gated and out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
+        if not in_place:
+            raise ValueError(f"{name}: out must not share memory with x, except out=x for an elementwise op")
 
 
 def _eager_fast_path(x: torch.Tensor) -> bool:
@@ -131,6 +136,12 @@ def mul_and_silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     return _call("mul_and_silu", x, out)
 
 
+@replay.replayable
+def glu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., :d] * sigmoid(x[..., d:]) for x of shape (..., 2d); returns (..., d): GLU over the last dim."""
+    return _call("glu", x, out)
+
+
 class Silu(nn.Module):
     """Module form of `silu`."""
 
@@ -193,3 +204,10 @@ class MulAndSilu(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mul_and_silu(x)
+
+
+class Glu(nn.Module):
+    """Module form of `glu`: (..., 2d) -> (..., d), as torch.nn.GLU(dim=-1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return glu(x)

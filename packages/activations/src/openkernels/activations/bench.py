@@ -3,6 +3,8 @@
 Used by benchmarks/run.py (tables and JSON), the asv suite and the demo. Peers: the
 torch eager composition a user would write, the same under torch.compile(dynamic=False),
 and Liger-Kernel where it has the op (SwiGLU = silu_and_mul, GEGLU = gelu_and_mul tanh).
+The variants and the torch peers follow from the op table (spec.SPECS): a new op needs no
+edit here.
 """
 
 from __future__ import annotations
@@ -17,42 +19,45 @@ import torch.nn.functional as F
 from openkernels.shared.bench import BenchCase, Check, compiled_peer
 from openkernels.shared.bench import score as _score
 
-from . import api
-from .spec import SPECS
+from . import api, reference
+from .spec import APPROXIMATE, SPECS, Act, act_for
 
 __all__ = ["GPU_SHAPES", "CPU_SHAPES", "VARIANTS", "cases", "jax_cases", "checks", "torch_composition"]
 
 # (rows, d): gated ops read (rows, 2d) and write (rows, d); unary ops map (rows, d).
 GPU_SHAPES = ((16384, 8192), (4096, 4096))
 CPU_SHAPES = ((4096, 4096),)
-VARIANTS = (
-    ("silu", None),
-    ("gelu", "none"),
-    ("gelu", "tanh"),
-    ("gelu_quick", None),
-    ("relu_squared", None),
-    ("silu_and_mul", None),
-    ("gelu_and_mul", "none"),
-    ("gelu_and_mul", "tanh"),
-    ("mul_and_silu", None),
+# (op, approximate): every op of the table, the GELU ops once per `approximate` value.
+VARIANTS = tuple(
+    (name, approximate)
+    for name, spec in SPECS.items()
+    for approximate in (APPROXIMATE if spec.approximate else (None,))
 )
+
+# Activations torch has one fused function for; every other code is written as the
+# reference writes it (reference.act_ref: x * torch.sigmoid(1.702 * x), torch.relu(x) ** 2, ...).
+_TORCH_ACTS: dict[Act, Callable[[torch.Tensor], torch.Tensor]] = {
+    Act.SILU: F.silu,
+    Act.GELU: F.gelu,
+    Act.GELU_TANH: functools.partial(F.gelu, approximate="tanh"),
+}
 
 
 def torch_composition(op: str, approximate: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What a user writes in plain PyTorch for `op` (the eager and torch.compile peer)."""
-    approx = approximate or "none"
-    unary = {
-        "silu": F.silu,
-        "gelu": lambda x: F.gelu(x, approximate=approx),
-        "gelu_quick": lambda x: x * torch.sigmoid(1.702 * x),
-        "relu_squared": lambda x: torch.relu(x) ** 2,
-    }
-    if op in unary:
-        return unary[op]
-    act = F.silu if op in ("silu_and_mul", "mul_and_silu") else (lambda t: F.gelu(t, approximate=approx))
-    if op == "mul_and_silu":
-        return lambda x: x[..., : x.shape[-1] // 2] * act(x[..., x.shape[-1] // 2 :])
-    return lambda x: act(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2 :]
+    """What a user writes in plain PyTorch for `op` (the eager and torch.compile peer): the
+    op's torch.nn.functional function where it has one (`OpSpec.torch_peer`), else its
+    activation, times the other half for gated ops."""
+    spec = SPECS[op]
+    if spec.torch_peer is not None:
+        peer = getattr(F, spec.torch_peer)
+        return functools.partial(peer, approximate=approximate or "none") if spec.approximate else peer
+    code = act_for(spec, approximate or "none")
+    act = _TORCH_ACTS.get(code, functools.partial(reference.act_ref, act=code))
+    if not spec.gated:
+        return act
+    if spec.act_first:
+        return lambda x: act(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2 :]
+    return lambda x: x[..., : x.shape[-1] // 2] * act(x[..., x.shape[-1] // 2 :])
 
 
 def _ours(op: str, approximate: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -189,8 +194,6 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     the float64 reference: the demo's and the CLI's self-check."""
     from openkernels.shared import dispatch
     from openkernels.shared.testing import testable_implementations
-
-    from . import reference
 
     device = torch.device(device)
     results = []

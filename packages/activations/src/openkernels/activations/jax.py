@@ -9,20 +9,26 @@ kernels. There is no ``out=``: JAX arrays are immutable.
 Backends (`openkernels.shared.jax`): the family's Triton kernels through jax-triton on
 GPUs, the Triton interpreter for tests, and a jax.numpy composition everywhere else.
 Needs the ``[jax]`` extra: ``pip install openkernels-activations[jax]``.
+
+The functions are made from the op table (`spec.SPECS`), one per op of
+`openkernels.activations`: its name, its docstring, and its arguments without ``out=``
+(``x``, and ``approximate="none"`` for the GELU ops).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from openkernels.shared import jax as okjax
 
+from . import api as _api
 from .spec import APPROXIMATE as _APPROXIMATE
-from .spec import SPECS, Act, act_for
+from .spec import SPECS, Act, OpSpec, act_for
 
 __all__ = list(SPECS)  # one function per op of the table
 
@@ -45,6 +51,8 @@ def _act(x: jax.Array, act: Act) -> jax.Array:
         return x * jax.nn.sigmoid(1.702 * x)
     if act == Act.RELU_SQUARED:
         return jnp.square(jnp.maximum(x, 0.0))
+    if act == Act.SIGMOID:
+        return jax.nn.sigmoid(x)
     raise ValueError(f"unknown activation {act!r}")
 
 
@@ -64,6 +72,8 @@ def _act_grad(x: jax.Array, act: Act) -> jax.Array:
         return s + 1.702 * x * s * sig(-1.702 * x)
     if act == Act.RELU_SQUARED:
         return 2.0 * jnp.maximum(x, 0.0)
+    if act == Act.SIGMOID:
+        return sig(x) * sig(-x)
     raise ValueError(f"unknown activation {act!r}")
 
 
@@ -193,36 +203,23 @@ def _call(name: str, x: jax.Array, approximate: str = "none") -> jax.Array:
     return _apply(x, act_for(spec, approximate), spec.gated, spec.act_first, okjax.backend())
 
 
-def silu(x: jax.Array) -> jax.Array:
-    """x * sigmoid(x), elementwise. Any shape; returns x's shape and dtype."""
-    return _call("silu", x)
+def _public(spec: OpSpec) -> Callable[..., jax.Array]:
+    """The JAX function of one op: the PyTorch function's name, docstring and arguments
+    (less ``out=``)."""
+    name = spec.name
+    if spec.approximate:
+
+        def fn(x: jax.Array, approximate: str = "none") -> jax.Array:
+            return _call(name, x, approximate)
+    else:
+
+        def fn(x: jax.Array) -> jax.Array:
+            return _call(name, x)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__module__ = __name__
+    fn.__doc__ = getattr(_api, name).__doc__
+    return fn
 
 
-def gelu(x: jax.Array, approximate: str = "none") -> jax.Array:
-    """GELU: x * Phi(x) ("none", exact erf) or its tanh approximation ("tanh")."""
-    return _call("gelu", x, approximate)
-
-
-def gelu_quick(x: jax.Array) -> jax.Array:
-    """x * sigmoid(1.702 x), elementwise."""
-    return _call("gelu_quick", x)
-
-
-def relu_squared(x: jax.Array) -> jax.Array:
-    """max(x, 0)^2, elementwise."""
-    return _call("relu_squared", x)
-
-
-def silu_and_mul(x: jax.Array) -> jax.Array:
-    """silu(x[..., :d]) * x[..., d:] for x of shape (..., 2d); returns (..., d)."""
-    return _call("silu_and_mul", x)
-
-
-def gelu_and_mul(x: jax.Array, approximate: str = "none") -> jax.Array:
-    """gelu(x[..., :d], approximate) * x[..., d:] for x of shape (..., 2d); returns (..., d)."""
-    return _call("gelu_and_mul", x, approximate)
-
-
-def mul_and_silu(x: jax.Array) -> jax.Array:
-    """x[..., :d] * silu(x[..., d:]) for x of shape (..., 2d); returns (..., d)."""
-    return _call("mul_and_silu", x)
+globals().update({name: _public(spec) for name, spec in SPECS.items()})

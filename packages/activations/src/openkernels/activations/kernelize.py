@@ -9,6 +9,7 @@ of two and two.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -19,7 +20,7 @@ from openkernels.shared.stacked import stack, stackable, stacked_forward
 
 from .api import gelu, gelu_and_mul, gelu_quick, relu_squared, silu, silu_and_mul
 
-__all__ = ["replacements", "GATED_MLPS"]
+__all__ = ["replacements", "GATED_MLPS", "DENSE_ACTS"]
 
 _TORCH_ACT = "torch.nn.modules.activation"
 _HF_ACT = "transformers.activations"
@@ -53,7 +54,7 @@ def _act_kind(act: nn.Module) -> str | None:
 _PLAIN: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": silu,
     "gelu": gelu,
-    "gelu_tanh": lambda x: gelu(x, approximate="tanh"),
+    "gelu_tanh": functools.partial(gelu, approximate="tanh"),
     "gelu_quick": gelu_quick,
     "relu_squared": relu_squared,
 }
@@ -116,6 +117,34 @@ def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(self.__dict__[_KIND](h))
 
 
+# ---------------------------------------------------------------------------- dense + activation
+
+# Classes whose forward is exactly intermediate_act_fn(dense(x)) (BERT-style encoders' FFN input).
+DENSE_ACTS = ("BertIntermediate", "RobertaIntermediate", "XLMRobertaIntermediate", "ElectraIntermediate",
+              "CamembertIntermediate", "MPNetIntermediate")  # fmt: skip
+
+
+def _dense_act_check(module: nn.Module, ctx: KernelizeContext) -> str | None:
+    act = getattr(module, "intermediate_act_fn", None)
+    if not isinstance(act, nn.Module) or _act_kind(act) not in _PLAIN:
+        return f"intermediate_act_fn {type(act).__name__} has no fused kernel"
+    return None
+
+
+def _dense_act_prepare(module: nn.Module, ctx: KernelizeContext) -> Callable[[], None]:
+    return _remember(module, _PLAIN, module.intermediate_act_fn)
+
+
+def _dense_act_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    h = self.dense(x)
+    act = self.__dict__[_KIND]
+    if type(h) is torch.Tensor and h.is_contiguous() and not (h.requires_grad and torch.is_grad_enabled()):
+        # In place on the dense layer's fresh output, which nothing else holds: no second
+        # activation-sized allocation (on the CPU its page faults cost as much as the pass).
+        return act(h, out=h)
+    return act(h)
+
+
 def replacements() -> list[Swap]:
     """The entry point `openkernels.kernelize` calls."""
     family = "activations"
@@ -132,6 +161,8 @@ def replacements() -> list[Swap]:
     )
     return [
         Swap(family, "gated_mlp", GATED_MLPS, _gated_forward, check=_gated_check, prepare=_gated_prepare,
+             covers_children=True),
+        Swap(family, "dense_act", DENSE_ACTS, _dense_act_forward, check=_dense_act_check, prepare=_dense_act_prepare,
              covers_children=True),
         Swap(family, "activation", activations, _activation_forward, check=_activation_check,
              prepare=_activation_prepare),

@@ -24,6 +24,7 @@ __all__ = [
     "silu_and_mul_ref",
     "gelu_and_mul_ref",
     "mul_and_silu_ref",
+    "glu_ref",
     "unary_fwd",
     "unary_bwd",
     "gated_fwd",
@@ -50,6 +51,8 @@ def act_ref(x: torch.Tensor, act: Act) -> torch.Tensor:
         return x * torch.sigmoid(1.702 * x)
     if act == Act.RELU_SQUARED:
         return torch.relu(x) ** 2
+    if act == Act.SIGMOID:
+        return torch.sigmoid(x)
     raise ValueError(f"unknown activation {act!r}")
 
 
@@ -72,6 +75,8 @@ def act_grad_ref(x: torch.Tensor, act: Act) -> torch.Tensor:
         return s + 1.702 * x * s * torch.sigmoid(-1.702 * x)
     if act == Act.RELU_SQUARED:
         return 2.0 * torch.relu(x)
+    if act == Act.SIGMOID:
+        return torch.sigmoid(x) * torch.sigmoid(-x)
     raise ValueError(f"unknown activation {act!r}")
 
 
@@ -111,6 +116,10 @@ def gelu_and_mul_ref(x: torch.Tensor, approximate: str = "none") -> torch.Tensor
 
 def mul_and_silu_ref(x: torch.Tensor) -> torch.Tensor:
     return _gated(x, Act.SILU, act_first=False)
+
+
+def glu_ref(x: torch.Tensor) -> torch.Tensor:
+    return _gated(x, Act.SIGMOID, act_first=False)
 
 
 # Backend entry points: 2D tensors, outputs preallocated (see ops.py for the contract).

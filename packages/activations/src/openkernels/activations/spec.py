@@ -2,8 +2,13 @@
 
 Gated ops split the last dim of x, shape (..., 2d), into halves a = x[..., :d] and
 b = x[..., d:]. `*_and_mul` ops return act(a) * b (activated half first); `mul_and_silu`
-returns a * silu(b) (vLLM's convention). Every backend computes in float32 and rounds
-once to the input dtype.
+(vLLM's convention) and `glu` (torch.nn.functional.glu over the last dim) return
+a * act(b). Every backend computes in float32 and rounds once to the input dtype.
+
+Adding an activation: an `Act` code and an `OpSpec` here, then the code's formula and
+derivative in reference.py, triton/kernels.py, cpu/activations.cpp and jax.py (jnp), and the
+public function and module in api.py; the JAX functions, the benchmark variants and their
+torch peers follow from this table (docs/adding-a-kernel.md, "Adding an activation").
 """
 
 from __future__ import annotations
@@ -24,15 +29,20 @@ class Act(IntEnum):
     GELU_TANH = 2  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
     GELU_QUICK = 3  # x * sigmoid(1.702 x)
     RELU_SQUARED = 4  # max(x, 0)^2
+    SIGMOID = 5  # 1 / (1 + exp(-x))
 
 
 @dataclass(frozen=True)
 class OpSpec:
     name: str
     gated: bool
-    act_first: bool = True
+    act_first: bool = True  # gated: act(a) * b; False: a * act(b)
     approximate: bool = False  # takes approximate="none" | "tanh" (GELU family)
     act: Act = Act.SILU
+    # The torch.nn.functional function that computes the whole op, called as fn(x) (with
+    # approximate= for the GELU ops): the benchmarks' eager peer. None: the activation's
+    # torch form, times the other half for gated ops (bench.torch_composition).
+    torch_peer: str | None = None
 
 
 SPECS: dict[str, OpSpec] = {
@@ -45,6 +55,7 @@ SPECS: dict[str, OpSpec] = {
         OpSpec("silu_and_mul", gated=True, act=Act.SILU),
         OpSpec("gelu_and_mul", gated=True, approximate=True, act=Act.GELU),
         OpSpec("mul_and_silu", gated=True, act_first=False, act=Act.SILU),
+        OpSpec("glu", gated=True, act_first=False, act=Act.SIGMOID, torch_peer="glu"),
     )
 }
 

@@ -21,7 +21,7 @@ namespace {
 
 enum Dtype { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // Activation codes: spec.Act's values (test_codes.py checks them).
-enum Act { kSilu = 0, kGelu = 1, kGeluTanh = 2, kGeluQuick = 3, kReluSquared = 4 };
+enum Act { kSilu = 0, kGelu = 1, kGeluTanh = 2, kGeluQuick = 3, kReluSquared = 4, kSigmoid = 5 };
 
 constexpr int64_t kBlock = 512;             // f16 staging buffers (floats): a block's buffers fit in L1
 constexpr int64_t kSerialBelow = 32 * 1024;  // elements; smaller calls lose more to fork/join than they gain
@@ -94,9 +94,17 @@ OK_INLINE void normal_tail(float a, float& tail, float& gauss) {
   tail = gauss * t * q;
 }
 
+// v, or x itself when x is NaN: exp_ turns NaN into a number, and sigmoid has no final product by x to
+// carry it. Integer masks, as for GELU's Phi below, rather than a float select.
+OK_INLINE float keep_nan(float x, float v) {
+  const uint32_t nan = uint32_t(int32_t(0x7f800000u - (bits(x) & 0x7fffffffu)) >> 31);  // all ones for NaN
+  return from_bits((bits(v) & ~nan) | (bits(x) & nan));
+}
+
 // f = act(x) and df = act'(x). Callers that use one of them let the compiler drop the other.
 // Clamped copies xc of x keep x^2 finite where the result no longer depends on x; each result ends
-// with a product by x itself, which carries NaN (and gives NaN at x = +-inf where the reference does).
+// with a product by x itself, which carries NaN (and gives NaN at x = +-inf where the reference does),
+// or, for sigmoid, passes x's NaN through keep_nan.
 template <int A>
 OK_INLINE void act_both(float x, float& f, float& df) {
   if constexpr (A == kSilu || A == kGeluQuick) {
@@ -127,6 +135,11 @@ OK_INLINE void act_both(float x, float& f, float& df) {
     float r = x < 0.0f ? 0.0f : x;
     f = r * r;
     df = 2.0f * r;
+  } else if constexpr (A == kSigmoid) {  // s = sigmoid(x), s' = s (1 - s)
+    float s, sc;
+    sigmoid(x, s, sc);
+    f = keep_nan(x, s);
+    df = keep_nan(x, s * sc);
   } else {
     static_assert(A != A, "unknown activation code (spec.Act)");
   }
@@ -435,6 +448,7 @@ int dispatch_act(const Job& j, int64_t rows, int64_t cols, int act, int num_thre
     case kGeluTanh: run_tiles<Op, D, kGeluTanh>(j, rows, cols, num_threads); return 0;
     case kGeluQuick: run_tiles<Op, D, kGeluQuick>(j, rows, cols, num_threads); return 0;
     case kReluSquared: run_tiles<Op, D, kReluSquared>(j, rows, cols, num_threads); return 0;
+    case kSigmoid: run_tiles<Op, D, kSigmoid>(j, rows, cols, num_threads); return 0;
   }
   return -1;
 }

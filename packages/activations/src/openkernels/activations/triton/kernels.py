@@ -25,6 +25,7 @@ _GELU = tl.constexpr(int(Act.GELU))
 _GELU_TANH = tl.constexpr(int(Act.GELU_TANH))
 _GELU_QUICK = tl.constexpr(int(Act.GELU_QUICK))
 _RELU_SQUARED = tl.constexpr(int(Act.RELU_SQUARED))
+_SIGMOID = tl.constexpr(int(Act.SIGMOID))
 
 
 @triton.jit
@@ -105,6 +106,8 @@ def _act(x, ACT: tl.constexpr):
     elif ACT == _RELU_SQUARED:  # where(x < 0) rather than maximum, which would turn NaN into 0
         r = tl.where(x < 0.0, 0.0, x)
         y = r * r
+    elif ACT == _SIGMOID:
+        y = _sigmoid(x)
     else:
         tl.static_assert(False, "unknown activation code (spec.Act)")
     return y
@@ -135,6 +138,10 @@ def _act_and_grad(x, ACT: tl.constexpr):
         r = tl.where(x < 0.0, 0.0, x)
         y = r * r
         dy = 2.0 * r
+    elif ACT == _SIGMOID:  # s' = s (1 - s)
+        s, one_minus_s = _sigmoid_and_complement(x)
+        y = s
+        dy = s * one_minus_s
     else:
         tl.static_assert(False, "unknown activation code (spec.Act)")
     return y, dy
