@@ -260,6 +260,24 @@ def dense_case(shape: Shape, options: Options, dtype: torch.dtype, device: str, 
     )
 
 
+def nan_case(what: str, options: Options, dtype: torch.dtype, device: str) -> tuple[Case, torch.Tensor]:
+    """A (2, 17, 17, 4, 2, 64) case with one NaN at [1, 3, 1, 7] of q, k or v (`what`), and
+    where that NaN must spread in the output (a CPU bool mask): from q, its row only; from
+    k, every row of its K/V head's group (query heads 2, 3); from v, that column of those rows."""
+    case = dense_case(Shape(2, 17, 17, 4, 2, 64), options, dtype, device, grad=False)
+    x = getattr(case, what).clone()
+    x[1, 3, 1, 7] = float("nan")
+    setattr(case, what, x)
+    expected = torch.zeros(case.q.shape, dtype=torch.bool)
+    if what == "q":
+        expected[1, 3, 1] = True
+    elif what == "k":
+        expected[1, :, 2:4] = True
+    else:
+        expected[1, :, 2:4, 7] = True
+    return case, expected
+
+
 def cu_seqlens(lengths: list[int], device: str) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 

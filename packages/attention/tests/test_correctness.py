@@ -28,6 +28,7 @@ from .cases import (
     compare,
     cu_seqlens,
     dense_case,
+    nan_case,
     option_params,
     option_shapes,
     recording_implementation,
@@ -292,22 +293,11 @@ def test_noncontiguous_varlen(device: str, impl: str) -> None:
 
 
 def test_nan_stays_in_its_rows(device: str, impl: str) -> None:
-    shape = Shape(2, 17, 17, 4, 2, 64)
     # A NaN in a query poisons its row only; in a key, every row that attends to it (all
     # rows of its K/V head's group, without masks); in a value, that column of those rows.
     for what, options in (("q", Options(causal=True)), ("k", Options()), ("v", Options())):
-        case = dense_case(shape, options, BF16, device, grad=False)
-        x = getattr(case, what).clone()
-        x[1, 3, 1, 7] = float("nan")
-        setattr(case, what, x)
+        case, expected = nan_case(what, options, BF16, device)
         out, lse, _, _ = run(case, impl, backward=False)
-        expected = torch.zeros(out.shape, dtype=torch.bool)
-        if what == "q":
-            expected[1, 3, 1] = True
-        elif what == "k":
-            expected[1, :, 2:4] = True
-        else:
-            expected[1, :, 2:4, 7] = True
         assert torch.equal(torch.isnan(out).cpu(), expected), f"NaN in {what}: wrong rows are NaN"
         compare(case, out, lse, None, None, f"NaN in {what}")  # and the rest is right
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "BenchPoint",
     "BenchCase",
     "Check",
     "score",
@@ -47,7 +48,25 @@ L2_BYTES = 60 * 2**20  # H200; rotation targets 3x this so nothing stays residen
 
 
 @dataclass
-class BenchCase:
+class BenchPoint:
+    """What names a benchmark point and sizes its work, for the PyTorch harness (BenchCase)
+    and the JAX one (bench_jax.JaxCase): `bytes` counts each input read once and each
+    output written once."""
+
+    family: str
+    op: str
+    direction: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+
+    def size_label(self) -> str:
+        """The shape and dtype as labels show them: "4096x8192 bfloat16"."""
+        return "x".join(map(str, self.shape)) + " " + str(self.dtype).removeprefix("torch.")
+
+
+@dataclass
+class BenchCase(BenchPoint):
     """One benchmark point.
 
     make_inputs(device) returns one input set (a dict); contenders map a name ("ours",
@@ -56,12 +75,6 @@ class BenchCase:
     (reported in TFLOP/s against the matmul ceiling; `bytes` still sizes the input rotation).
     """
 
-    family: str
-    op: str
-    direction: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    bytes: int
     make_inputs: Callable[[torch.device], dict[str, Any]]
     contenders: dict[str, Callable[[dict[str, Any]], Any]]
     flops: int = 0
@@ -69,8 +82,7 @@ class BenchCase:
 
     @property
     def label(self) -> str:
-        shape = "x".join(map(str, self.shape))
-        return f"{self.op} {self.direction} {shape} {str(self.dtype).removeprefix('torch.')}"
+        return f"{self.op} {self.direction} {self.size_label()}"
 
 
 @dataclass

@@ -45,24 +45,18 @@ import jax
 import torch
 
 from . import jax as okjax
-from .bench import L2_BYTES
+from .bench import L2_BYTES, BenchPoint
 
 __all__ = ["JaxCase", "JaxMeasurement", "run_jax_cases", "format_jax_table", "to_jax"]
 
 
 @dataclass
-class JaxCase:
+class JaxCase(BenchPoint):
     """One point: `make_inputs(device)` gives a dict of torch tensors; `torch_fn` and
     `jax_fn` take that dict (jax_fn with each tensor as a jax.Array) and return the result
     (an array or a tuple of arrays). `bytes` is the least traffic of the work (GB/s),
     `flops` its FLOPs for compute-bound work (TFLOP/s)."""
 
-    family: str
-    op: str
-    direction: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    bytes: int
     make_inputs: Callable[[torch.device], dict[str, torch.Tensor]]
     torch_fn: Callable[[dict[str, Any]], Any]
     jax_fn: Callable[[dict[str, Any]], Any]
@@ -70,8 +64,7 @@ class JaxCase:
 
     @property
     def label(self) -> str:
-        shape = "x".join(map(str, self.shape))
-        return f"{self.family}.{self.op} {self.direction} {shape} {str(self.dtype).removeprefix('torch.')}"
+        return f"{self.family}.{self.op} {self.direction} {self.size_label()}"
 
 
 @dataclass

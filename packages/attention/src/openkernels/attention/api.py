@@ -12,7 +12,6 @@ aligned bottom-right, softcap, ALiBi, empty rows, rotary) are in reference.py.
 
 from __future__ import annotations
 
-import itertools
 import numbers
 from typing import Any, NamedTuple
 
@@ -67,11 +66,7 @@ def _check_alibi(name: str, alibi_slopes: object, q: torch.Tensor, n_seqs: int) 
         raise TypeError(f"{name}: alibi_slopes must be float32, got {alibi_slopes.dtype}")
     if alibi_slopes.device != q.device:
         raise ValueError(f"{name}: alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
-    heads = q.shape[-2]
-    if tuple(alibi_slopes.shape) not in ((heads,), (n_seqs, heads)):
-        raise ValueError(
-            f"{name}: alibi_slopes must have shape ({heads},) or ({n_seqs}, {heads}), got {tuple(alibi_slopes.shape)}"
-        )
+    problem.check_alibi_shape(name, tuple(alibi_slopes.shape), q.shape[-2], n_seqs)
 
 
 def _check_cu_seqlens(
@@ -90,17 +85,7 @@ def _check_cu_seqlens(
     if torch.compiler.is_compiling() or cu.device.type == "meta":
         return  # values are not known while tracing (or on meta tensors)
     # One small device-to-host copy: a wrong cu_seqlens would read or write out of bounds.
-    values = cu.tolist()
-    if values[0] != 0 or values[-1] != tokens:
-        raise ValueError(f"{name}: {what} must start at 0 and end at the token count {tokens}, got "
-                         f"{values[0]} ... {values[-1]}")  # fmt: skip
-    lengths = [b - a for a, b in itertools.pairwise(values)]
-    if any(n < 0 for n in lengths):
-        raise ValueError(f"{name}: {what} must be non-decreasing, got {values}")
-    if lengths and max(lengths) > max_seqlen:
-        raise ValueError(
-            f"{name}: max_seqlen {max_seqlen} is below the longest sequence ({max(lengths)}) in {what}"
-        )
+    problem.check_cu_values(name, what, cu.tolist(), tokens, max_seqlen)
 
 
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
@@ -145,7 +130,7 @@ def attention(
     _check_qkv(name, q, k, v, 4)
     left, right = _check_options(name, causal, softmax_scale, window, softcap)
     _check_alibi(name, alibi_slopes, q, q.shape[0])
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = problem.resolve_scale(q.shape[-1], softmax_scale)
     out, lse = _run(
         q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, alibi_slopes, float(softcap)
     )
@@ -182,12 +167,10 @@ def attention_varlen(
     _check_qkv(name, q, k, v, 3)
     _check_cu_seqlens(name, "cu_seqlens_q", cu_seqlens_q, q, q.shape[0], max_seqlen_q)
     _check_cu_seqlens(name, "cu_seqlens_k", cu_seqlens_k, q, k.shape[0], max_seqlen_k)
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
-                         f"got {cu_seqlens_q.shape[0] - 1} and {cu_seqlens_k.shape[0] - 1}")  # fmt: skip
+    problem.check_same_n_seqs(name, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
     left, right = _check_options(name, causal, softmax_scale, window, softcap)
     _check_alibi(name, alibi_slopes, q, cu_seqlens_q.shape[0] - 1)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = problem.resolve_scale(q.shape[-1], softmax_scale)
     out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, left, right,
                     alibi_slopes, float(softcap))  # fmt: skip
     return (out, lse) if return_lse else out
@@ -331,6 +314,11 @@ def _cache_data(t: torch.Tensor | QuantizedKV) -> torch.Tensor:
     return t.data if isinstance(t, QuantizedKV) else t
 
 
+def _shape_or_type(t: object) -> tuple[int, ...] | str:
+    """A tensor's shape, or its type's name when it is no tensor (for the message)."""
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
                    cache_format=None, rows_indexed=False):  # fmt: skip
     """Shapes, dtypes and devices of attention_with_kvcache's tensors; returns (bits, group).
@@ -341,9 +329,8 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         raise ValueError(f"{name}: q must be a 4D (batch, seqlen_q, heads_q, head_dim) tensor")
     if q.dtype not in _CACHE_DTYPES:
         raise TypeError(f"{name}: q's dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    if head_dim not in ops.HEAD_DIMS:
-        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {ops.HEAD_DIMS}")
+    batch, seqlen_q, _, head_dim = q.shape
+    problem.check_head_dim(name, head_dim, ops.HEAD_DIMS)
     bits, group = cache_format or _cache_format(name, k_cache, v_cache, q)
     kd, vd = _cache_data(k_cache), _cache_data(v_cache)
     if kd.dim() != 4 or kd.shape != vd.shape:
@@ -357,16 +344,9 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
                 f"{name}: {what} must have a unit stride along head_dim (it is written in place)"
             )
     heads_kv = kd.shape[2]
-    if bits == 16 and kd.shape[3] != head_dim:
-        raise ValueError(f"{name}: q has head_dim {head_dim} but the cache has {kd.shape[3]}")
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(
-            f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})"
-        )
-    if block_table is None:
-        if kd.shape[0] != batch and not rows_indexed:
-            raise ValueError(f"{name}: the cache has batch {kd.shape[0]} but q has {batch}")
-    else:
+    paged = block_table is not None
+    problem.check_cache_heads(name, tuple(q.shape), tuple(kd.shape), bits == 16, paged, rows_indexed)
+    if paged:
         if (
             not isinstance(block_table, torch.Tensor)
             or block_table.dtype != torch.int32
@@ -376,10 +356,7 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
         if block_table.shape[0] != batch or block_table.device != q.device:
             raise ValueError(f"{name}: block_table must have {batch} rows and be on {q.device}, got "
                              f"{tuple(block_table.shape)} on {block_table.device}")  # fmt: skip
-        if kd.shape[1] % 16:
-            raise ValueError(
-                f"{name}: the page size (k_cache.shape[1] = {kd.shape[1]}) must be a multiple of 16"
-            )
+        problem.check_page_size(name, kd.shape[1])
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32:
         raise TypeError(f"{name}: cache_seqlens must be an int32 tensor of shape ({batch},)")
     if tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.device != q.device:
@@ -390,11 +367,7 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     if k_new is not None:
         want = (batch, seqlen_q, heads_kv, head_dim)
         for what, t in (("k_new", k_new), ("v_new", v_new)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"{name}: {what} must have shape {want} (one new token per query), got {got}"
-                )
+            problem.check_new_tokens(name, what, _shape_or_type(t), want)
             if t.dtype != q.dtype or t.device != q.device:
                 raise TypeError(f"{name}: {what} must have q's dtype and device, got {t.dtype} on {t.device}")
     check_rotary_tables(name, rotary_cos, rotary_sin, head_dim, q.device)
@@ -416,9 +389,7 @@ def check_rotary_tables(name: str, rotary_cos: object, rotary_sin: object, head_
         if t.shape != rotary_cos.shape or t.device != device or t.stride(-1) != 1:
             raise ValueError(f"{name}: rotary_cos and rotary_sin must share a shape, be on {device} and have a unit "
                              f"last stride, got {tuple(t.shape)} on {t.device}")  # fmt: skip
-    if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
-        raise ValueError(f"{name}: rotary_dim (2 x rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must be "
-                         f"in 2..head_dim ({head_dim})")  # fmt: skip
+    problem.check_rotary_dim(name, rotary_cos.shape[1], head_dim)
 
 
 def _check_per_sequence(name: str, what: str, t: object, batch: int, device: torch.device) -> None:

@@ -33,7 +33,7 @@ from . import jax_jnp
 from .jax_checks import check_alibi, check_cu_seqlens, check_qkv, check_rotary
 from .jax_kvcache import attention_with_kvcache
 from .ops import KERNEL_DTYPES, ROTARY_KERNEL_DTYPES, ROTARY_MAX_HEAD_DIM
-from .problem import Problem, check_options
+from .problem import Problem, check_options, check_same_n_seqs, resolve_scale
 
 __all__ = ["attention", "attention_varlen", "apply_rotary", "attention_with_kvcache"]
 
@@ -147,7 +147,7 @@ def attention(
     check_qkv(name, q, k, v, 4)
     left, right = check_options(name, causal, softmax_scale, window, softcap)
     check_alibi(name, alibi_slopes, q.shape[2], q.shape[0])
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = resolve_scale(q.shape[-1], softmax_scale)
     problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], False, scale, left,
                       right, alibi_slopes is not None, float(softcap))  # fmt: skip
     slopes = _slopes(alibi_slopes, q.shape[0], q.shape[2])
@@ -186,13 +186,11 @@ def attention_varlen(
     check_qkv(name, q, k, v, 3)
     check_cu_seqlens(name, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     check_cu_seqlens(name, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
-                         f"got {cu_seqlens_q.shape[0] - 1} and {cu_seqlens_k.shape[0] - 1}")  # fmt: skip
+    check_same_n_seqs(name, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
     left, right = check_options(name, causal, softmax_scale, window, softcap)
     n_seqs = cu_seqlens_q.shape[0] - 1
     check_alibi(name, alibi_slopes, q.shape[1], n_seqs)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = resolve_scale(q.shape[-1], softmax_scale)
     problem = Problem(n_seqs, int(max_seqlen_q), int(max_seqlen_k), q.shape[1], k.shape[1], q.shape[2], True, scale,
                       left, right, alibi_slopes is not None, float(softcap))  # fmt: skip
     slopes = _slopes(alibi_slopes, n_seqs, q.shape[1])

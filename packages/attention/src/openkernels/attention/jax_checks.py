@@ -41,9 +41,7 @@ def check_alibi(name: str, alibi_slopes: object, heads: int, n_seqs: int) -> Non
         )
     if alibi_slopes.dtype != jnp.float32:
         raise TypeError(f"{name}: alibi_slopes must be float32, got {alibi_slopes.dtype}")
-    if tuple(alibi_slopes.shape) not in ((heads,), (n_seqs, heads)):
-        raise ValueError(f"{name}: alibi_slopes must have shape ({heads},) or ({n_seqs}, {heads}), got "
-                         f"{tuple(alibi_slopes.shape)}")  # fmt: skip
+    problem.check_alibi_shape(name, tuple(alibi_slopes.shape), heads, n_seqs)
 
 
 def concrete(x: jax.Array) -> np.ndarray | None:
@@ -65,16 +63,7 @@ def check_cu_seqlens(name: str, what: str, cu: object, tokens: int, max_seqlen: 
     values = concrete(cu)
     if values is None:
         return  # under jax.jit: the caller vouches for the values (as for any index array)
-    if values[0] != 0 or values[-1] != tokens:
-        raise ValueError(f"{name}: {what} must start at 0 and end at the token count {tokens}, got "
-                         f"{values[0]} ... {values[-1]}")  # fmt: skip
-    lengths = np.diff(values)
-    if (lengths < 0).any():
-        raise ValueError(f"{name}: {what} must be non-decreasing, got {values.tolist()}")
-    if lengths.size and lengths.max() > max_seqlen:
-        raise ValueError(
-            f"{name}: max_seqlen {max_seqlen} is below the longest sequence ({lengths.max()}) in {what}"
-        )
+    problem.check_cu_values(name, what, values.tolist(), tokens, max_seqlen)
 
 
 def check_rotary(name: str, q: object, k: object, cos: object, sin: object) -> None:
@@ -106,9 +95,8 @@ def check_kvcache(
         raise ValueError(f"{name}: q must be a 4D (batch, seqlen_q, heads_q, head_dim) jax.Array")
     if q.dtype not in _CACHE_DTYPES:
         raise TypeError(f"{name}: q's dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    batch, seqlen_q, _, head_dim = q.shape
+    problem.check_head_dim(name, head_dim, HEAD_DIMS)
     for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, jax.Array):
             raise TypeError(f"{name}: {what} must be a jax.Array in q's dtype (quantized caches are not supported "
@@ -119,24 +107,14 @@ def check_kvcache(
         raise ValueError(f"{name}: k_cache and v_cache must be 4D of one shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")  # fmt: skip
     heads_kv = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"{name}: q has head_dim {head_dim} but the cache has {k_cache.shape[3]}")
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(
-            f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})"
-        )
-    if block_table is None:
-        if k_cache.shape[0] != batch and not rows_indexed:
-            raise ValueError(f"{name}: the cache has batch {k_cache.shape[0]} but q has {batch}")
-    else:
+    paged = block_table is not None
+    problem.check_cache_heads(name, tuple(q.shape), tuple(k_cache.shape), True, paged, rows_indexed)
+    if paged:
         if not isinstance(block_table, jax.Array) or block_table.dtype != jnp.int32 or block_table.ndim != 2:
             raise TypeError(f"{name}: block_table must be an int32 (batch, max_pages) jax.Array")
         if block_table.shape[0] != batch:
             raise ValueError(f"{name}: block_table must have {batch} rows, got {tuple(block_table.shape)}")
-        if k_cache.shape[1] % 16:
-            raise ValueError(
-                f"{name}: the page size (k_cache.shape[1] = {k_cache.shape[1]}) must be a multiple of 16"
-            )
+        problem.check_page_size(name, k_cache.shape[1])
     if not isinstance(cache_seqlens, jax.Array) or cache_seqlens.dtype != jnp.int32:
         raise TypeError(f"{name}: cache_seqlens must be an int32 jax.Array of shape ({batch},)")
     if tuple(cache_seqlens.shape) != (batch,):
@@ -148,11 +126,9 @@ def check_kvcache(
     if k_new is not None:
         want = (batch, seqlen_q, heads_kv, head_dim)
         for what, t in (("k_new", k_new), ("v_new", v_new)):
-            if not isinstance(t, jax.Array) or tuple(t.shape) != want:
-                got = tuple(t.shape) if isinstance(t, jax.Array) else type(t).__name__
-                raise ValueError(
-                    f"{name}: {what} must have shape {want} (one new token per query), got {got}"
-                )
+            problem.check_new_tokens(
+                name, what, tuple(t.shape) if isinstance(t, jax.Array) else type(t).__name__, want
+            )
             if t.dtype != q.dtype:
                 raise TypeError(f"{name}: {what} must have q's dtype, got {t.dtype}")
     if (rotary_cos is None) != (rotary_sin is None):
@@ -163,9 +139,7 @@ def check_kvcache(
                 raise TypeError(f"{name}: {what} must be a float (seqlen_ro, rotary_dim / 2) jax.Array")
             if t.shape != rotary_cos.shape:
                 raise ValueError(f"{name}: rotary_cos and rotary_sin must share a shape")
-        if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
-            raise ValueError(f"{name}: rotary_dim (2 x rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must be "
-                             f"in 2..head_dim ({head_dim})")  # fmt: skip
+        problem.check_rotary_dim(name, rotary_cos.shape[1], head_dim)
 
 
 def check_kvcache_values(name: str, cache_seqlens, block_table, capacity: int, page: int, num_pages: int,

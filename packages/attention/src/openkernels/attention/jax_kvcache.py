@@ -23,7 +23,7 @@ from .jax_checks import (
     check_per_sequence,
     check_rows_and_padding,
 )
-from .problem import KVProblem, Problem, check_options
+from .problem import KVProblem, Problem, check_options, resolve_scale
 
 __all__ = ["attention_with_kvcache"]
 
@@ -135,7 +135,7 @@ def attention_with_kvcache(
         k_cache, v_cache = jax_jnp.kvcache_append(k_cache, v_cache, k_new, v_new, seqlens, block_table,
                                                   rotary_cos, rotary_sin, rotary_interleaved,
                                                   cache_leftpad)  # fmt: skip
-    scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+    scale = resolve_scale(head_dim, softmax_scale)
     problem = KVProblem(
         batch, seqlen_q, heads_q, k_cache.shape[2], head_dim, 16, head_dim, seqlen_new,
         capacity, scale, left, right, alibi_slopes is not None,

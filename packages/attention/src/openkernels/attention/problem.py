@@ -6,6 +6,7 @@ launchers build one per call (a frozen dataclass costs microseconds more)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 from typing import NamedTuple
 
@@ -13,10 +14,19 @@ __all__ = [
     "Problem",
     "KVProblem",
     "Part",
+    "check_alibi_shape",
+    "check_cache_heads",
+    "check_cu_values",
+    "check_head_dim",
     "check_lengths",
+    "check_new_tokens",
     "check_options",
+    "check_page_size",
     "check_qkv_shapes",
     "check_rotary",
+    "check_rotary_dim",
+    "check_same_n_seqs",
+    "resolve_scale",
 ]
 
 
@@ -101,13 +111,86 @@ def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_di
     head_dim = q[-1]
     if k[-1] != head_dim:
         raise ValueError(f"{name}: q has head_dim {head_dim} but k and v have {k[-1]}")
-    if head_dim not in head_dims:
-        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {head_dims}")
+    check_head_dim(name, head_dim, head_dims)
     heads_q, heads_kv = q[-2], k[-2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(
             f"{name}: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for MQA/GQA"
         )
+
+
+def check_head_dim(name: str, head_dim: int, head_dims: tuple[int, ...]) -> None:
+    if head_dim not in head_dims:
+        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {head_dims}")
+
+
+def check_alibi_shape(name: str, shape: tuple[int, ...], heads: int, n_seqs: int) -> None:
+    """alibi_slopes: one slope per query head, shared by the sequences or one row each."""
+    if shape not in ((heads,), (n_seqs, heads)):
+        raise ValueError(
+            f"{name}: alibi_slopes must have shape ({heads},) or ({n_seqs}, {heads}), got {shape}"
+        )
+
+
+def check_cu_values(name: str, what: str, values: list[int], tokens: int, max_seqlen: int) -> None:
+    """The values of cu_seqlens_q / cu_seqlens_k (n_seqs + 1 offsets into `tokens` rows): a
+    wrong one would read or write out of bounds."""
+    if values[0] != 0 or values[-1] != tokens:
+        raise ValueError(f"{name}: {what} must start at 0 and end at the token count {tokens}, got "
+                         f"{values[0]} ... {values[-1]}")  # fmt: skip
+    lengths = [b - a for a, b in itertools.pairwise(values)]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name}: {what} must be non-decreasing, got {values}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(
+            f"{name}: max_seqlen {max_seqlen} is below the longest sequence ({max(lengths)}) in {what}"
+        )
+
+
+def check_same_n_seqs(name: str, cu_q_len: int, cu_k_len: int) -> None:
+    if cu_q_len != cu_k_len:
+        raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+                         f"got {cu_q_len - 1} and {cu_k_len - 1}")  # fmt: skip
+
+
+def resolve_scale(head_dim: int, softmax_scale: float | None) -> float:
+    """The softmax scale of a call: 1 / sqrt(head_dim) unless given."""
+    return head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def check_cache_heads(name: str, q: tuple[int, ...], cache: tuple[int, ...], cache_head_dim: bool,
+                      paged: bool, rows_indexed: bool) -> None:  # fmt: skip
+    """q (batch, seqlen_q, heads_q, head_dim) against a 4D cache (rows or pages, slots,
+    heads_kv, head_dim or its code width): cache_head_dim says whether cache[3] is head_dim
+    (not for quantized codes); a contiguous cache has q's batch of rows unless rows_indexed."""
+    batch, _, heads_q, head_dim = q
+    heads_kv = cache[2]
+    if cache_head_dim and cache[3] != head_dim:
+        raise ValueError(f"{name}: q has head_dim {head_dim} but the cache has {cache[3]}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})"
+        )
+    if not paged and cache[0] != batch and not rows_indexed:
+        raise ValueError(f"{name}: the cache has batch {cache[0]} but q has {batch}")
+
+
+def check_page_size(name: str, page: int) -> None:
+    if page % 16:
+        raise ValueError(f"{name}: the page size (k_cache.shape[1] = {page}) must be a multiple of 16")
+
+
+def check_new_tokens(name: str, what: str, got: tuple[int, ...] | str, want: tuple[int, ...]) -> None:
+    """k_new / v_new: `got` is the array's shape, or its type's name when it is no array."""
+    if got != want:
+        raise ValueError(f"{name}: {what} must have shape {want} (one new token per query), got {got}")
+
+
+def check_rotary_dim(name: str, half: int, head_dim: int) -> None:
+    """rotary_cos / rotary_sin of `half` columns rotate 2 * half of head_dim's elements."""
+    if not 1 <= 2 * half <= head_dim:
+        raise ValueError(f"{name}: rotary_dim (2 x rotary_cos.shape[1] = {2 * half}) must be "
+                         f"in 2..head_dim ({head_dim})")  # fmt: skip
 
 
 def _finite(x) -> bool:

@@ -152,9 +152,4 @@ class Int4Weight(problem.Int4Shape):
                           move(self.perm))  # fmt: skip
 
     def __repr__(self) -> str:
-        zeros = "symmetric" if self.zeros is None else "zeros"
-        perm = ", act-order" if self.perm is not None else ""
-        return (
-            f"Int4Weight({self.kind}, {self.out_features}x{self.in_features}, group_size={self.group_size}, "
-            f"{zeros}, scales {str(self.scales.dtype).removeprefix('torch.')}, {self.device}{perm})"
-        )
+        return self.describe("Int4Weight", f"{str(self.scales.dtype).removeprefix('torch.')}, {self.device}")

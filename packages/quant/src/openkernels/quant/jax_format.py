@@ -70,12 +70,7 @@ class Int4Weight(problem.Int4Shape):
                                        self.kind, perm)  # fmt: skip
 
     def __repr__(self) -> str:
-        zeros = "symmetric" if self.zeros is None else "zeros"
-        perm = ", act-order" if self.perm is not None else ""
-        return (
-            f"jax.Int4Weight({self.kind}, {self.out_features}x{self.in_features}, group_size={self.group_size}, "
-            f"{zeros}, scales {self.scales.dtype}{perm})"
-        )
+        return self.describe("jax.Int4Weight", str(self.scales.dtype))
 
 
 def _flatten(w: Int4Weight) -> tuple[tuple, tuple]:

@@ -80,10 +80,13 @@ def check_parts(
 
 
 class Int4Shape:
-    """What both faces' Int4Weight derive from their qweight and zeros."""
+    """What both faces' Int4Weight derive from their parts."""
 
     qweight: object
     zeros: object
+    perm: object
+    kind: str
+    group_size: int
 
     @property
     def out_features(self) -> int:
@@ -101,3 +104,12 @@ class Int4Shape:
     @property
     def symmetric(self) -> bool:
         return self.zeros is None
+
+    def describe(self, name: str, scales: str) -> str:
+        """The repr of either face: `scales` is what it says of the scales (dtype, device)."""
+        zeros = "symmetric" if self.zeros is None else "zeros"
+        perm = ", act-order" if self.perm is not None else ""
+        return (
+            f"{name}({self.kind}, {self.out_features}x{self.in_features}, group_size={self.group_size}, "
+            f"{zeros}, scales {scales}{perm})"
+        )
