@@ -67,13 +67,15 @@ def main() -> None:
     )
     parser.add_argument("--per-sm", default="1,2,4,8,16", help="programs per SM the split count aims at")
     parser.add_argument("--min-blocks", type=int, default=4, help="key blocks each split keeps at least")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--max-splits", type=int, default=128, help="the most splits of the key axis")
     args = parser.parse_args()
     dev = torch.device("cuda")
     ceiling = copy_ceiling_gbps(dev)
     print(f"copy ceiling {ceiling:.0f} GB/s")
     ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     blocks, warps, per_sms = ints(args.blocks), ints(args.warps), ints(args.per_sm)
-    shapes = [(int(b), 32, 8, int(n), 128) for b, n in (s.split("x") for s in args.shapes.split(","))]
+    shapes = [(int(b), 32, 8, int(n), args.head_dim) for b, n in (s.split("x") for s in args.shapes.split(","))]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     stages = tuple(int(x) for x in args.stages.split(",")) if not args.quick else (3,)
     formats = {name: FORMATS[name] for name in args.formats.split(",")}
@@ -95,7 +97,7 @@ def main() -> None:
         for bn, w, st in candidates:
             cfg = AttnConfig(16, bn, w, st)
             for per_sm in per_sms:
-                splits = max(1, min(128, -(-per_sm * sms // base_programs), n // (args.min_blocks * bn)))
+                splits = max(1, min(args.max_splits, -(-per_sm * sms // base_programs), n // (args.min_blocks * bn)))
                 try:
                     ms = _time(_call(cache, q, cfg, splits))
                 except Exception as exc:

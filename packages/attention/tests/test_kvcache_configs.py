@@ -49,6 +49,13 @@ def test_kv_splits(programs, key_blocks, warps, splits):
     assert kv_splits(programs, key_blocks, 132, warps) == splits
 
 
+def test_kv_splits_one_warp_at_head_dim_64():
+    # Llama 1B at B16, 4352 tokens (head_dim 64): splits of 16 blocks, 1024 programs
+    assert kv_splits(128, 136, 132, 1, head_dim=64) == 8
+    assert kv_splits(128, 136, 132, 4, head_dim=64) == kv_splits(128, 136, 132, 4)  # 4 warps: unchanged
+    assert lean_pays(128, 136, 132, head_dim=64)
+
+
 def test_kv_splits_min_blocks_override():
     assert kv_splits(8, 64, 132, 4) == 16  # B1 S4096 in 64-key blocks: the rule keeps 4 per split
     assert kv_splits(8, 64, 132, 4, min_blocks=2) == 32

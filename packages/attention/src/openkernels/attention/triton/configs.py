@@ -159,6 +159,11 @@ _KV_MIN_BLOCKS_PER_SPLIT = 4
 # threshold sits between the two measured regimes. A short decode that falls back to the
 # 4-warp tile takes splits of _SHORT_DECODE_MIN_BLOCKS blocks, the measured best above.
 _LEAN_MIN_BLOCKS_PER_SPLIT = 16
+# One-warp splits at head_dim 64 (Llama 3.2 1B's): H200, B16 S4352 GQA 32/8 (`tune_kvcache.py
+# --head-dim 64 --configs 32/1`, CUDA-graph kernel us int4 / int8 / fp8): 9 splits of 15
+# blocks 32.8 / 37.8 / 31.7 against 39.4 / 50.2 / 30.5 with the 4 splits of 34 blocks the
+# D128 minimum gave. 16 blocks of 32 keys at D64 are the bytes of 8 at D128.
+_LEAN_MIN_BLOCKS_D64 = 16
 _SHORT_DECODE_MIN_BLOCKS = 2
 
 
@@ -236,13 +241,21 @@ def kv_append_keys_warps(head_dim: int, key_group: int) -> int:
 
 
 def kv_splits(
-    programs: int, key_blocks: int, sm_count: int, num_warps: int = 4, min_blocks: int | None = None
+    programs: int,
+    key_blocks: int,
+    sm_count: int,
+    num_warps: int = 4,
+    min_blocks: int | None = None,
+    head_dim: int = 128,
 ) -> int:
     """How many splits of the key axis for programs of `num_warps` warps, at most 128: one
     program per SM if the splits keep _KV_MIN_BLOCKS_PER_SPLIT key blocks each, and up to the
     rule's programs per SM while they keep its minimum of blocks (_KV_SPLIT_RULE; `min_blocks`
-    overrides that minimum)."""
+    overrides that minimum). The one-warp minimum counts blocks of head_dim 128; at head_dim
+    64 a block is half the bytes and half as many more are needed (see _LEAN_MIN_BLOCKS_D64)."""
     per_sm, rule_min = _KV_SPLIT_RULE.get(num_warps, _KV_SPLIT_DEFAULT)
+    if num_warps == 1 and head_dim <= 64:
+        rule_min = _LEAN_MIN_BLOCKS_D64
     min_blocks = min_blocks or rule_min
     programs = max(programs, 1)
     fill = min(-(-sm_count // programs), key_blocks // _KV_MIN_BLOCKS_PER_SPLIT)
@@ -250,10 +263,11 @@ def kv_splits(
     return max(1, min(max(fill, more), 128))
 
 
-def lean_pays(programs: int, key_blocks: int, sm_count: int) -> bool:
+def lean_pays(programs: int, key_blocks: int, sm_count: int, head_dim: int = 128) -> bool:
     """Whether a one-warp decode of `programs` programs over `key_blocks` blocks of its tile
     keeps _LEAN_MIN_BLOCKS_PER_SPLIT blocks per split (else the 4-warp tile is faster)."""
-    return key_blocks >= _LEAN_MIN_BLOCKS_PER_SPLIT * kv_splits(programs, key_blocks, sm_count, 1)
+    splits = kv_splits(programs, key_blocks, sm_count, 1, head_dim=head_dim)
+    return key_blocks >= _LEAN_MIN_BLOCKS_PER_SPLIT * splits
 
 
 def short_decode_splits(programs: int, key_blocks: int, sm_count: int, num_warps: int) -> int:

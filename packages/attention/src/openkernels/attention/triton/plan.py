@@ -339,7 +339,7 @@ def kvcache(
         one_warp = kv_config(p.head_dim, p.bits, rows, arch, p.fp8, lean)
         if one_warp.num_warps == 1:
             programs = _cdiv(p.seqlen_q * group, one_warp.block_m) * p.batch * p.heads_kv
-            short = not lean_pays(programs, _cdiv(p.max_seqlen_k, one_warp.block_n), sm_count)
+            short = not lean_pays(programs, _cdiv(p.max_seqlen_k, one_warp.block_n), sm_count, p.head_dim)
             lean = not short
     cfg = config or kv_config(p.head_dim, p.bits, rows, arch, p.fp8, lean)
     if p.key_group and p.key_group % cfg.block_n:  # a key block must lie in one group (one row of scales)
@@ -354,7 +354,7 @@ def kvcache(
     elif short:
         splits = short_decode_splits(programs, key_blocks, sm_count, cfg.num_warps)
     else:
-        splits = kv_splits(programs, key_blocks, sm_count, cfg.num_warps)
+        splits = kv_splits(programs, key_blocks, sm_count, cfg.num_warps, head_dim=p.head_dim)
     split_blocks = max(1, _cdiv(key_blocks, splits))
     splits = max(1, _cdiv(key_blocks, split_blocks))
     partial_out = partial_lse = None
