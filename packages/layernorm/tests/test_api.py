@@ -44,12 +44,37 @@ def device(request) -> str:
         (lambda x: L.rms_norm(x.double(), out_dtype=torch.float32), TypeError, "out_dtype"),
         (lambda x: L.rms_norm(x[0, 0]), ValueError, "at least one dim"),
         (lambda x: L.rms_norm(x.numpy()), TypeError, "x must be a torch.Tensor"),
+        (lambda x: L.rms_norm(x, out=x.numpy()), TypeError, "out must be a torch.Tensor"),
+        (lambda x: L.rms_norm(x, out=torch.empty(4, 7)), ValueError, r"out must have shape \(4, 8\)"),
+        (lambda x: L.rms_norm(x, out=torch.empty(4, 8).half()), ValueError, "dtype torch.float32"),
+        (lambda x: L.layer_norm(x, out=torch.empty(8, 4).t()), ValueError, "out must be contiguous"),
+        (lambda x: L.rms_norm(x, prenorm=True, out=torch.empty(4, 8)), ValueError, "prenorm=True"),
+        (lambda x: L.rms_norm(x, out=torch.empty(4, 8, requires_grad=True)), RuntimeError, "autograd"),
+        (lambda x: L.rms_norm(x.requires_grad_(), out=torch.empty(4, 8)), RuntimeError, "autograd"),
     ],
 )
 def test_bad_input_is_a_clear_error(call, error, match) -> None:
     x = torch.randn(4, 8)
     with pytest.raises(error, match=match):
         call(x)
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_out_that_overlaps_an_input_is_rejected(rms: bool) -> None:
+    # out=x and out=residual run in place; any other overlap would read written elements.
+    buf = torch.randn(5, 8)
+    before = buf.clone()
+    x, shifted = buf[:4], buf[1:]
+    residual = torch.randn(4, 8)
+    norm = L.rms_norm if rms else L.layer_norm
+    with pytest.raises(ValueError, match="must not share memory with x"):
+        norm(x, residual=residual, out=shifted)
+    with pytest.raises(ValueError, match="must not share memory with residual"):
+        norm(residual, residual=x, out=shifted)
+    weight = torch.ones(32)
+    with pytest.raises(ValueError, match="must not share memory with weight"):
+        norm(torch.randn(1, 32), weight, out=weight.view(1, 32))
+    assert torch.equal(buf, before)  # nothing was written
 
 
 def test_bad_input_fails_before_any_kernel_runs() -> None:
@@ -114,6 +139,31 @@ def test_torch_compile_fullgraph(device: str, rms: bool) -> None:
     assert_close(got, eager.double(), dtype=torch.float32, terms=240)
     for a, b in zip(got_grads, grads):
         assert torch.equal(a, b), "compiled and eager gradients differ"
+
+
+def test_out_ops_opcheck(device: str) -> None:
+    x = random_tensor((5, 33), torch.bfloat16, device)
+    r = random_tensor((5, 33), torch.bfloat16, device)
+    w = random_tensor((33,), torch.float32, device)
+    out = torch.empty(5, 33, dtype=torch.float32, device=device)
+    ops = torch.ops.openkernels
+    run_opcheck(ops.rms_norm_out.default, (x, w, r, 1e-6, 0.0, torch.float32), {"out": out})
+    run_opcheck(ops.layer_norm_out.default, (x, w, w, None, 1e-5, None), {"out": out})
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_torch_compile_out_in_place(device: str, rms: bool) -> None:
+    # The post-norm swap of kernelize under torch.compile: the dense output normalized in place.
+    def block(x, r, w, b):
+        h = x * 2
+        if rms:
+            return L.rms_norm(h, w, residual=r, out=h)
+        return L.layer_norm(h, w, b, residual=r, out=h)
+
+    args = [random_tensor(s, torch.float32, device) for s in ((6, 40), (6, 40), (40,), (40,))]
+    want = block(*args).clone()
+    got = torch.compile(block, fullgraph=True, dynamic=False)(*args)
+    assert torch.equal(got, want), "compiled and eager results differ"
 
 
 def test_double_backward_is_a_clear_error() -> None:

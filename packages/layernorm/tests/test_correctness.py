@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import openkernels.layernorm as L
 from openkernels.shared import dispatch
 from openkernels.shared.platform import triton_interpreting
 from openkernels.shared.testing import assert_close, noncontiguous_views, poisoned_empty, random_tensor
@@ -249,3 +250,24 @@ def test_every_kernel_path(device: str, impl: str, rms: bool) -> None:
             assert_close(got[1], want[1], dtype=torch.float32, terms=m, term_scale=scale * 4, msg=f"{msg} dw")
             if not rms:
                 assert_close(got[2], want[2], dtype=torch.float32, terms=m, term_scale=scale, msg=f"{msg} db")
+
+
+@pytest.mark.parametrize("target", ["new", "x", "residual"])
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_out(device: str, impl: str, rms: bool, target: str) -> None:
+    # out= writes y into a given tensor; out=x and out=residual run in place (kernelize runs
+    # BERT's post-attention and output norms into the dense layer's fresh output).
+    options = Options(rms=rms, bias=not rms, residual=True)
+    for shape in shapes(device):
+        inputs = options.make(shape, torch.bfloat16, device, grad=False)
+        want, _, _ = options.reference(inputs, torch.bfloat16)
+        out = {"new": torch.empty(shape, dtype=torch.bfloat16, device=device), "x": inputs["x"],
+               "residual": inputs["residual"]}[target]  # fmt: skip
+        kw = {"residual": inputs["residual"], "out": out}
+        with dispatch.force(impl):
+            if rms:
+                result = L.rms_norm(inputs["x"], inputs["weight"], 1e-6, **kw)
+            else:
+                result = L.layer_norm(inputs["x"], inputs["weight"], inputs["bias"], 1e-5, **kw)
+        assert result is out
+        assert_close(out, want, dtype=torch.bfloat16, msg=f"out={target} {shape}")

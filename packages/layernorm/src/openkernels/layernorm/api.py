@@ -88,6 +88,56 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
+def _check_out(
+    name: str,
+    out: object,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    prenorm: bool,
+    *params: torch.Tensor | None,
+) -> None:
+    """out= takes the result: x's shape, the result's dtype, contiguous, no autograd; it may
+    be x or residual itself (each element is read before it is written), nothing else it
+    shares memory with."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: out must be a torch.Tensor, got {type(out).__name__}")
+    if prenorm:
+        raise ValueError(f"{name}: out= is not supported with prenorm=True")
+    dtype = out_dtype or x.dtype
+    if tuple(out.shape) != tuple(x.shape) or out.dtype != dtype:
+        raise ValueError(
+            f"{name}: out must have shape {tuple(x.shape)} and dtype {dtype}, "
+            f"got shape {tuple(out.shape)} and dtype {out.dtype}"
+        )
+    if out.device != x.device:
+        raise ValueError(f"{name}: out is on {out.device} but x is on {x.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous")
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, out, residual, *params)
+    ):
+        raise RuntimeError(f"{name}: out= does not support autograd; call it without out= to get gradients")
+    if out.numel() == 0 or torch.compiler.is_compiling():  # traced tensors have no storage to compare
+        return
+    base = out.untyped_storage().data_ptr()
+    for what, t in (("x", x), ("residual", residual), *zip(("weight", "bias"), params, strict=False)):
+        if t is None or t.untyped_storage().data_ptr() != base:
+            continue
+        exact = what in ("x", "residual") and t.data_ptr() == out.data_ptr() and t.stride() == out.stride()
+        if not exact:
+            raise ValueError(f"{name}: out must not share memory with {what}, except out=x or out=residual")
+
+
+def _plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """The out= call can skip the library op: plain tensors on a real device, not compiling."""
+    return (
+        all(t is None or type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
+        and tensors[0].device.type in ("cpu", "cuda")
+        and not torch.compiler.is_compiling()
+    )
+
+
 @replay.replayable
 def rms_norm(
     x: torch.Tensor,
@@ -99,6 +149,7 @@ def rms_norm(
     weight_offset: float = 0.0,
     out_dtype: torch.dtype | None = None,
     residual_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim: y = h / sqrt(mean(h^2) + eps) * (weight + weight_offset).
 
@@ -107,9 +158,21 @@ def rms_norm(
     pass. Returns y (..., N) in out_dtype (default x's dtype), or (y, h) with prenorm=True,
     h being the residual stream for the next block. weight_offset=1.0 gives Gemma's (1 + w).
     Differentiable in x, weight and residual.
+
+    out: a contiguous tensor of x's shape and y's dtype to write y into and return (x or
+    residual itself is allowed: in place); not with prenorm=True, nor when a gradient is
+    wanted.
     """
     _check("rms_norm", x, weight, None, residual, eps, weight_offset, out_dtype, residual_dtype)
     weight = _contiguous(weight)
+    if out is not None:
+        _check_out("rms_norm", out, x, residual, out_dtype, prenorm, weight)
+        args = (x, weight, residual, float(eps), float(weight_offset), residual_dtype)
+        if _plain_eager(x, weight, residual, out):
+            ops.RMS_NORM_OUT.direct(*args, out=out)
+        else:
+            torch.ops.openkernels.rms_norm_out(*args, out=out)
+        return out
     needs_grad = _needs_grad(x, weight, residual)
     store = prenorm or (needs_grad and residual is not None)
     eps, weight_offset = float(eps), float(weight_offset)
@@ -129,15 +192,24 @@ def layer_norm(
     prenorm: bool = False,
     out_dtype: torch.dtype | None = None,
     residual_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm over the last dim: y = (h - mean(h)) / sqrt(var(h) + eps) * weight + bias.
 
-    x: (..., N); weight, bias: (N,) or None; residual, prenorm, out_dtype, residual_dtype
-    as in `rms_norm`. The variance is the biased one, as in torch.nn.LayerNorm.
+    x: (..., N); weight, bias: (N,) or None; residual, prenorm, out_dtype, residual_dtype,
+    out as in `rms_norm`. The variance is the biased one, as in torch.nn.LayerNorm.
     Differentiable in x, weight, bias and residual.
     """
     _check("layer_norm", x, weight, bias, residual, eps, 0.0, out_dtype, residual_dtype)
     weight, bias = _contiguous(weight), _contiguous(bias)
+    if out is not None:
+        _check_out("layer_norm", out, x, residual, out_dtype, prenorm, weight, bias)
+        args = (x, weight, bias, residual, float(eps), residual_dtype)
+        if _plain_eager(x, weight, bias, residual, out):
+            ops.LAYER_NORM_OUT.direct(*args, out=out)
+        else:
+            torch.ops.openkernels.layer_norm_out(*args, out=out)
+        return out
     needs_grad = _needs_grad(x, weight, bias, residual)
     store = prenorm or (needs_grad and residual is not None)
     eps = float(eps)

@@ -79,6 +79,15 @@ def _post_norm_forward(
 ) -> torch.Tensor:
     h = self.dropout(self.dense(hidden_states))
     norm = self.LayerNorm
+    tensors = (h, input_tensor, norm.weight, norm.bias)
+    if (
+        type(h) is torch.Tensor
+        and h.is_contiguous()
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    ):
+        # In place on the dense layer's fresh output, which nothing else holds: no second
+        # hidden-sized allocation (on the CPU its page faults cost about as much as the pass).
+        return layer_norm(h, norm.weight, norm.bias, norm.eps, residual=input_tensor, out=h)
     return layer_norm(h, norm.weight, norm.bias, norm.eps, residual=input_tensor)
 
 

@@ -7,6 +7,7 @@ dispatch registrations and the eager fast paths all come from one `opdef` declar
   openkernels::layer_norm(x, weight?, bias?, residual?, eps, store_residual, out_dtype?,
                           residual_dtype?) -> (out, residual_out, mean, rstd)
   openkernels::rms_norm_backward / layer_norm_backward -> (grad_h, grad_weight[, grad_bias])
+  openkernels::rms_norm_out / layer_norm_out(..., *, Tensor(a!) out) -> (): the result into out
 residual_out is h = x + residual in the residual dtype when store_residual is set, else an
 empty tensor; mean/rstd are the per-row statistics the backward reuses. Unwanted weight and
 bias gradients come back as empty tensors.
@@ -30,7 +31,16 @@ from openkernels.shared.layout import as_rows
 
 from .reference import stats_dtype
 
-__all__ = ["forward", "backward", "RMS_NORM", "LAYER_NORM", "KERNEL_DTYPES", "OPS"]
+__all__ = [
+    "forward",
+    "backward",
+    "RMS_NORM",
+    "LAYER_NORM",
+    "RMS_NORM_OUT",
+    "LAYER_NORM_OUT",
+    "KERNEL_DTYPES",
+    "OPS",
+]
 
 _PKG = "openkernels.layernorm"
 # Dtypes the Triton kernels take; the CPU kernels take float64 too (gradcheck).
@@ -52,11 +62,14 @@ def _flat(stats: torch.Tensor) -> torch.Tensor:
     return stats if stats.dim() == 1 else stats.view(-1)  # a view costs host time: 2D x needs none
 
 
-def _fwd_outputs(x, residual, store_residual, out_dtype, residual_dtype, rms):
-    """(out, residual_out, mean or None, rstd), allocated; shared by the impl and the fake."""
+def _fwd_outputs(x, residual, store_residual, out_dtype, residual_dtype, rms, out=None):
+    """(out, residual_out, mean or None, rstd), allocated (out: given, or allocated when None);
+    shared by the impl and the fake."""
     # empty_like of a contiguous x and new_empty cost less host time than torch.empty with a
     # device argument (1.9 / 2.7 / 3.3 us on the H200's host).
-    if x.is_contiguous():
+    if out is not None:
+        pass
+    elif x.is_contiguous():
         out = torch.empty_like(x, dtype=out_dtype or x.dtype)
     else:
         out = x.new_empty(x.shape, dtype=out_dtype or x.dtype)
@@ -79,9 +92,14 @@ def forward(
     store_residual: bool,
     out_dtype: torch.dtype | None,
     residual_dtype: torch.dtype | None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Run the best backend; returns (out, residual_out or None, mean or None, rstd)."""
-    out, residual_out, mean, rstd = _fwd_outputs(x, residual, store_residual, out_dtype, residual_dtype, rms)
+    """Run the best backend; returns (out, residual_out or None, mean or None, rstd). out: the
+    tensor to write the result into (contiguous, x's shape; x or residual itself is allowed:
+    every backend reads an element before it writes it), else a new one."""
+    out, residual_out, mean, rstd = _fwd_outputs(
+        x, residual, store_residual, out_dtype, residual_dtype, rms, out
+    )
     if x.numel() == 0:
         return out, residual_out, mean, rstd
     dispatch.run(
@@ -377,5 +395,40 @@ LAYER_NORM = opdef.define(
             non_differentiable=(2, 3),
             materialize_grads=False,
         ),
+    ),
+)
+
+
+# ---- openkernels::rms_norm_out / layer_norm_out: the result into a given tensor --------
+
+
+def _rms_out(x, weight, residual, eps, weight_offset, residual_dtype, *, out) -> None:
+    forward(True, x, weight, None, residual, eps, weight_offset, False, out.dtype, residual_dtype, out)
+
+
+def _ln_out(x, weight, bias, residual, eps, residual_dtype, *, out) -> None:
+    forward(False, x, weight, bias, residual, eps, 0.0, False, out.dtype, residual_dtype, out)
+
+
+# No autograd (the public call refuses out= when a gradient is wanted); the eager calls run
+# _rms_out / _ln_out directly, the library ops serve torch.compile and tensor subclasses.
+RMS_NORM_OUT = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="rms_norm_out",
+        schema="(Tensor x, Tensor? weight, Tensor? residual, float eps, float weight_offset, "
+        "ScalarType? residual_dtype, *, Tensor(a!) out) -> ()",
+        forward=_rms_out,
+        fake=lambda *args, out: None,
+    ),
+)
+LAYER_NORM_OUT = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="layer_norm_out",
+        schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, ScalarType? residual_dtype, "
+        "*, Tensor(a!) out) -> ()",
+        forward=_ln_out,
+        fake=lambda *args, out: None,
     ),
 )
