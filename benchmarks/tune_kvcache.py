@@ -75,7 +75,9 @@ def main() -> None:
     print(f"copy ceiling {ceiling:.0f} GB/s")
     ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     blocks, warps, per_sms = ints(args.blocks), ints(args.warps), ints(args.per_sm)
-    shapes = [(int(b), 32, 8, int(n), args.head_dim) for b, n in (s.split("x") for s in args.shapes.split(","))]
+    shapes = [
+        (int(b), 32, 8, int(n), args.head_dim) for b, n in (s.split("x") for s in args.shapes.split(","))
+    ]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     stages = tuple(int(x) for x in args.stages.split(",")) if not args.quick else (3,)
     formats = {name: FORMATS[name] for name in args.formats.split(",")}
@@ -97,7 +99,9 @@ def main() -> None:
         for bn, w, st in candidates:
             cfg = AttnConfig(16, bn, w, st)
             for per_sm in per_sms:
-                splits = max(1, min(args.max_splits, -(-per_sm * sms // base_programs), n // (args.min_blocks * bn)))
+                splits = max(
+                    1, min(args.max_splits, -(-per_sm * sms // base_programs), n // (args.min_blocks * bn))
+                )
                 try:
                     ms = _time(_call(cache, q, cfg, splits))
                 except Exception as exc:
