@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from openkernels.shared import replay
+from openkernels.shared.outputs import check_out
 
 from . import ops
 from .spec import APPROXIMATE as _APPROXIMATE
@@ -47,25 +48,9 @@ def _check(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: st
     if out is None:
         return
     expected = (*x.shape[:-1], x.shape[-1] // 2) if spec.gated else tuple(x.shape)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name}: out must be a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != expected or out.dtype != x.dtype:
-        raise ValueError(
-            f"{name}: out must have shape {expected} and dtype {x.dtype}, "
-            f"got shape {tuple(out.shape)} and dtype {out.dtype}"
-        )
-    if out.device != x.device:
-        raise ValueError(f"{name}: out is on {out.device} but x is on {x.device}")
-    if not out.is_contiguous():
-        raise ValueError(f"{name}: out must be contiguous")
-    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
-        raise RuntimeError(f"{name}: out= does not support autograd; call it without out= to get gradients")
-    if out.data_ptr() != 0 and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        # In place (out is x's own memory, element for element) is safe for an elementwise op:
-        # each element is read before it is written, by the same thread. Any other overlap is not.
-        in_place = not spec.gated and out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
-        if not in_place:
-            raise ValueError(f"{name}: out must not share memory with x, except out=x for an elementwise op")
+    # In place (out=x) is safe for an elementwise op: each element is read before it is
+    # written, by the same thread. A gated op reads two elements per one it writes.
+    check_out(name, out, expected, x.dtype, x, {"x": x}, in_place=() if spec.gated else ("x",))
 
 
 def _eager_fast_path(x: torch.Tensor) -> bool:

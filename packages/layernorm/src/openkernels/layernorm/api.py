@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from openkernels.shared import replay
+from openkernels.shared.outputs import check_out
 
 from . import ops
 from .problem import check_shapes_and_scalars
@@ -95,38 +96,15 @@ def _check_out(
     residual: torch.Tensor | None,
     out_dtype: torch.dtype | None,
     prenorm: bool,
-    *params: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """out= takes the result: x's shape, the result's dtype, contiguous, no autograd; it may
-    be x or residual itself (each element is read before it is written), nothing else it
-    shares memory with."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name}: out must be a torch.Tensor, got {type(out).__name__}")
+    """out= takes y: x's shape and y's dtype; x or residual itself is allowed (every backend
+    reads an element before it writes it)."""
     if prenorm:
         raise ValueError(f"{name}: out= is not supported with prenorm=True")
-    dtype = out_dtype or x.dtype
-    if tuple(out.shape) != tuple(x.shape) or out.dtype != dtype:
-        raise ValueError(
-            f"{name}: out must have shape {tuple(x.shape)} and dtype {dtype}, "
-            f"got shape {tuple(out.shape)} and dtype {out.dtype}"
-        )
-    if out.device != x.device:
-        raise ValueError(f"{name}: out is on {out.device} but x is on {x.device}")
-    if not out.is_contiguous():
-        raise ValueError(f"{name}: out must be contiguous")
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, out, residual, *params)
-    ):
-        raise RuntimeError(f"{name}: out= does not support autograd; call it without out= to get gradients")
-    if out.numel() == 0 or torch.compiler.is_compiling():  # traced tensors have no storage to compare
-        return
-    base = out.untyped_storage().data_ptr()
-    for what, t in (("x", x), ("residual", residual), *zip(("weight", "bias"), params, strict=False)):
-        if t is None or t.untyped_storage().data_ptr() != base:
-            continue
-        exact = what in ("x", "residual") and t.data_ptr() == out.data_ptr() and t.stride() == out.stride()
-        if not exact:
-            raise ValueError(f"{name}: out must not share memory with {what}, except out=x or out=residual")
+    inputs = {"x": x, "residual": residual, "weight": weight, "bias": bias}
+    check_out(name, out, tuple(x.shape), out_dtype or x.dtype, x, inputs, in_place=("x", "residual"))
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:

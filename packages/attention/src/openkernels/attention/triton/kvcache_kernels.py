@@ -355,6 +355,18 @@ def _load_codes(rows, cols, mask_n, MASK: tl.constexpr, WIDTH: tl.constexpr, BLO
 
 
 @triton.jit
+def _quantized_codes(data_ptr, rows, mask_n, offs_d, offs_h, MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """The code tile of a quantized K or V block: (BLOCK_N, BLOCK_D) int8 codes, or (BLOCK_N,
+    BLOCK_D // 2) bytes of two int4 codes each."""
+    if BITS == 4:
+        codes = _load_codes(data_ptr + rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
+    else:
+        codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+    return codes
+
+
+@triton.jit
 def _raw_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_h, MASK: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
               SCALE_GATHER: tl.constexpr):  # fmt: skip
@@ -363,13 +375,10 @@ def _raw_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_
     if BITS == 16:
         codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
         sc, zr = codes, codes
-    elif BITS == 8:
-        codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
-        sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_d, MASK, GROUP, HEAD_DIM,
-                              BLOCK_D, SCALE_GATHER)  # fmt: skip
     else:
-        codes = _load_codes(data_ptr + rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
-        sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_h * 2, MASK, GROUP, HEAD_DIM,
+        codes = _quantized_codes(data_ptr, rows, mask_n, offs_d, offs_h, MASK, HEAD_DIM, BLOCK_D, BITS)
+        elems = offs_h * 2 if BITS == 4 else offs_d  # the head_dim element of each column
+        sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, elems, MASK, GROUP, HEAD_DIM,
                               BLOCK_D, SCALE_GATHER)  # fmt: skip
     return codes, sc, zr
 
@@ -639,10 +648,7 @@ def _kv_blocks(
             k0 = _fp8_to_f16(_load_codes(k_ptr + k_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D), FP8_NATIVE)
             k1 = k0
         elif FACTORED:
-            if BITS == 4:
-                kc = _load_codes(k_ptr + k_rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
-            else:
-                kc = _load_codes(k_ptr + k_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+            kc = _quantized_codes(k_ptr, k_rows, mask_n, offs_d, offs_h, MASK, HEAD_DIM, BLOCK_D, BITS)
             k0, k1 = _centred_codes(kc, BITS, FAST_DEQUANT)
         else:
             kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, k_rows,
@@ -668,10 +674,7 @@ def _kv_blocks(
             v1 = v0
             pv = p.to(dtype)
         elif FACTORED:
-            if BITS == 4:
-                vc = _load_codes(v_ptr + v_rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
-            else:
-                vc = _load_codes(v_ptr + v_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+            vc = _quantized_codes(v_ptr, v_rows, mask_n, offs_d, offs_h, MASK, HEAD_DIM, BLOCK_D, BITS)
             v0, v1 = _centred_codes(vc, BITS, FAST_DEQUANT)
             vs_tok, vz_tok = _unpack_halves(v_tok)
             vs_row, vz_row = vs_tok[None, :], vz_tok[None, :]
