@@ -355,18 +355,6 @@ def _load_codes(rows, cols, mask_n, MASK: tl.constexpr, WIDTH: tl.constexpr, BLO
 
 
 @triton.jit
-def _quantized_codes(data_ptr, rows, mask_n, offs_d, offs_h, MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
-    """The code tile of a quantized K or V block: (BLOCK_N, BLOCK_D) int8 codes, or (BLOCK_N,
-    BLOCK_D // 2) bytes of two int4 codes each."""
-    if BITS == 4:
-        codes = _load_codes(data_ptr + rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
-    else:
-        codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
-    return codes
-
-
-@triton.jit
 def _raw_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_h, MASK: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
               SCALE_GATHER: tl.constexpr):  # fmt: skip
@@ -375,37 +363,51 @@ def _raw_tile(data_ptr, scale_ptr, zero_ptr, rows, s_rows, mask_n, offs_d, offs_
     if BITS == 16:
         codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
         sc, zr = codes, codes
+    elif BITS == 8:
+        codes = _load_codes(data_ptr + rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+        sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_d, MASK, GROUP, HEAD_DIM,
+                              BLOCK_D, SCALE_GATHER)  # fmt: skip
     else:
-        codes = _quantized_codes(data_ptr, rows, mask_n, offs_d, offs_h, MASK, HEAD_DIM, BLOCK_D, BITS)
-        elems = offs_h * 2 if BITS == 4 else offs_d  # the head_dim element of each column
-        sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, elems, MASK, GROUP, HEAD_DIM,
+        codes = _load_codes(data_ptr + rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
+        sc, zr = _scale_tiles(scale_ptr + s_rows, zero_ptr + s_rows, mask_n, offs_h * 2, MASK, GROUP, HEAD_DIM,
                               BLOCK_D, SCALE_GATHER)  # fmt: skip
     return codes, sc, zr
 
 
 @triton.jit
-def _centred_codes(codes, BITS: tl.constexpr, FAST_DEQUANT: tl.constexpr):
-    """Codes as float16 tiles centred on the format's middle code (code - 2^(BITS-1), exact in
-    float16), built with the bit trick (FAST_DEQUANT: 1024 + code, then one packed subtract)
-    or an int-to-float cast: (codes,) for int8, (low nibbles, high nibbles) for int4 (the
+def _code_tiles(codes, BITS: tl.constexpr, FAST_DEQUANT: tl.constexpr):
+    """Codes as float16 tiles, exact: 1024 + code from the bit trick (FAST_DEQUANT) or the
+    code by an int-to-float cast; (codes,) for int8, (low nibbles, high nibbles) for int4 (the
     second is the first for int8)."""
-    MID: tl.constexpr = 1 << (BITS - 1)
-    if FAST_DEQUANT:
-        shift = tl.full((1, 1), 1024.0 + MID, tl.float16)
-    else:
-        shift = tl.full((1, 1), MID * 1.0, tl.float16)
     if BITS == 8:
         if FAST_DEQUANT:
-            t0 = _u8_magic(codes) - shift
+            t0 = _u8_magic(codes)
         else:
-            t0 = codes.to(tl.float16) - shift
+            t0 = codes.to(tl.float16)
         t1 = t0
     else:
         if FAST_DEQUANT:
             t0, t1 = _u4x2_magic(codes)
         else:
             t0, t1 = (codes & 15).to(tl.float16), (codes >> 4).to(tl.float16)
-        t0, t1 = t0 - shift, t1 - shift
+    return t0, t1
+
+
+@triton.jit
+def _centred_codes(codes, BITS: tl.constexpr, FAST_DEQUANT: tl.constexpr):
+    """_code_tiles centred on the format's middle code (code - 2^(BITS-1), exact in float16),
+    by one packed subtract."""
+    MID: tl.constexpr = 1 << (BITS - 1)
+    if FAST_DEQUANT:
+        shift = tl.full((1, 1), 1024.0 + MID, tl.float16)
+    else:
+        shift = tl.full((1, 1), MID * 1.0, tl.float16)
+    t0, t1 = _code_tiles(codes, BITS, FAST_DEQUANT)
+    t0 = t0 - shift
+    if BITS == 4:
+        t1 = t1 - shift
+    else:
+        t1 = t0
     return t0, t1
 
 
@@ -589,12 +591,15 @@ def _kv_blocks(
         q . (s c + z)              = s (q . (c - M)) + (z + s M) sum(q)   on the scores,
         sum_n p_n (s_n c_n + z_n)  = (p s) . (c - M) + sum_n p_n (z_n + s_n M)
     with the scales folded into P; zsum_i carries the last sum per row. Measured on H200:
-    the elementwise float16 scale-and-shift made int4 decode as slow as bf16. The codes
-    must be centred before the dots: fed as 1024 + c (the bit trick's raw output) the
+    the elementwise float16 scale-and-shift made int4 decode as slow as bf16. The values'
+    codes must be centred before the dot: fed as 1024 + c (the bit trick's raw output) the
     float32 accumulators carried 1024 sum(p s), thousands of times the output at long
     context, and removing the offset afterwards cancelled the output away (H200, GQA 32/8,
     N(0, 1) keys and values: relative error 1.9 for int4 and 0.12 for int8 at 131072
-    tokens, against the formats' own 0.14 and 0.008).
+    tokens, against the formats' own 0.14 and 0.008). int4 keys' codes go in as 1024 + c,
+    with s (q . (1024 + c)) + (z - 1024 s) sum(q) on the scores: each score is its own sum
+    of head_dim products (no sum over the context), whose float32 rounding at the offset's
+    magnitude is ~1e-4 of a logit for N(0, 1) data; one packed subtract per two codes saved.
     fp8 tiles are converted to float16 as they are: the head's scales act on q and on the
     output (the caller's).
     Keys by channel (BLOCK_N divides KEY_GROUP: a block lies in one group): a group's scale s_c and
@@ -606,6 +611,7 @@ def _kv_blocks(
     the int8 and int4 decode latency-bound (ncu: 1 eligible warp of 3.6 per scheduler)."""
     dtype = q0.dtype
     FACTORED: tl.constexpr = BITS != 16 and GROUP == HEAD_DIM and not FP8
+    RAW_KEYS: tl.constexpr = FACTORED and BITS == 4  # int8's one-warp tile spilled with them (sm_90)
     MID: tl.constexpr = 1 << (BITS - 1)
     full_end = sk // KEY_GROUP * KEY_GROUP if KEY_GROUP > 0 else 0  # keys below it are in full groups
     k_next = tl.zeros((BLOCK_N,), tl.int32)
@@ -648,8 +654,14 @@ def _kv_blocks(
             k0 = _fp8_to_f16(_load_codes(k_ptr + k_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D), FP8_NATIVE)
             k1 = k0
         elif FACTORED:
-            kc = _quantized_codes(k_ptr, k_rows, mask_n, offs_d, offs_h, MASK, HEAD_DIM, BLOCK_D, BITS)
-            k0, k1 = _centred_codes(kc, BITS, FAST_DEQUANT)
+            if BITS == 4:
+                kc = _load_codes(k_ptr + k_rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
+            else:
+                kc = _load_codes(k_ptr + k_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
+            if RAW_KEYS:  # uncentred: see the docstring
+                k0, k1 = _code_tiles(kc, BITS, FAST_DEQUANT)
+            else:
+                k0, k1 = _centred_codes(kc, BITS, FAST_DEQUANT)
         else:
             kc, ks, kz = _raw_tile(k_ptr, k_scale_ptr, k_zero_ptr, k_rows,
                                    page * stride_sb + slot * stride_ss + hk * stride_sh, mask_n, offs_d, offs_h, MASK,
@@ -662,7 +674,12 @@ def _kv_blocks(
             if FACTORED:
                 ks_tok, kz_tok = _unpack_halves(k_tok)
                 ks_row, kz_row = ks_tok[None, :], kz_tok[None, :]
-                qk = ks_row * qk + (kz_row + ks_row * MID) * qsum[:, None]
+                if not RAW_KEYS:
+                    qk = ks_row * qk + (kz_row + ks_row * MID) * qsum[:, None]
+                elif FAST_DEQUANT:  # the codes came as 1024 + c
+                    qk = ks_row * qk + (kz_row - ks_row * 1024.0) * qsum[:, None]
+                else:
+                    qk = ks_row * qk + kz_row * qsum[:, None]
         s, _ = _log2_scores(
             qk, qrow[:, None], cols[None, :], sk, diag, window_left, window_right, slope_log2, qk_scale,
             cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
@@ -674,7 +691,10 @@ def _kv_blocks(
             v1 = v0
             pv = p.to(dtype)
         elif FACTORED:
-            vc = _quantized_codes(v_ptr, v_rows, mask_n, offs_d, offs_h, MASK, HEAD_DIM, BLOCK_D, BITS)
+            if BITS == 4:
+                vc = _load_codes(v_ptr + v_rows, offs_h, mask_n, MASK, HEAD_DIM // 2, BLOCK_D // 2)
+            else:
+                vc = _load_codes(v_ptr + v_rows, offs_d, mask_n, MASK, HEAD_DIM, BLOCK_D)
             v0, v1 = _centred_codes(vc, BITS, FAST_DEQUANT)
             vs_tok, vz_tok = _unpack_halves(v_tok)
             vs_row, vz_row = vs_tok[None, :], vz_tok[None, :]
