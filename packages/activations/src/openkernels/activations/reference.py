@@ -44,7 +44,9 @@ def act_ref(x: torch.Tensor, act: Act) -> torch.Tensor:
     if act == Act.SILU:
         return x * torch.sigmoid(x)
     if act == Act.GELU:
-        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+        # Phi(x) as erfc(-x / sqrt 2) / 2: 1 + erf(x / sqrt 2) cancels for x << 0 (float32
+        # loses every digit below x = -4, where gelu(x) is still -1e-4).
+        return 0.5 * x * torch.erfc(-x / math.sqrt(2.0))
     if act == Act.GELU_TANH:
         return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
     if act == Act.GELU_QUICK:
@@ -64,7 +66,7 @@ def act_grad_ref(x: torch.Tensor, act: Act) -> torch.Tensor:
         s = torch.sigmoid(x)
         return s * (1.0 + x * torch.sigmoid(-x))
     if act == Act.GELU:
-        return 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))) + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
+        return 0.5 * torch.erfc(-x / math.sqrt(2.0)) + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
     if act == Act.GELU_TANH:
         # 0.5 (1 + tanh u) = sigmoid(2u) and 1 - tanh(u)^2 = 4 sigmoid(2u) sigmoid(-2u)
         u = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
