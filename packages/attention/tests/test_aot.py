@@ -83,13 +83,26 @@ def _preprocess_case(head_dim: int):
                    label=f"preprocess-d{head_dim}")  # fmt: skip
 
 
+def _group_sum_case(head_dim: int, group: int):
+    from openkernels.shared.testing.aot import AotCase
+
+    signature = {"part_ptr": "*fp32", "grad_ptr": "*bf16", "stride_gb": "i64", "stride_gs": "i32", "stride_gh": "i32",
+                 "seqlen": "i32", "heads_kv": "i32"}  # fmt: skip
+    block_d = configs.block_d(head_dim)
+    constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_D": block_d,
+                  "BLOCK_R": configs.group_sum_block_rows(block_d)}  # fmt: skip
+    return AotCase(f"{_KERNELS}:_attn_bwd_group_sum_kernel", signature, constexprs, num_warps=4,
+                   label=f"group-sum-d{head_dim}-g{group}")  # fmt: skip
+
+
 def cases_for(arch: str) -> list:
     """Every config `launch_config` picks, with the heaviest variant it serves. Fast configs
     (dense, causal or none, 16-aligned sequence lengths and strides): causal, which
     compiles every segment loop the plain call has plus its mask. General configs: varlen
     with two-sided windows, and every flag on (neither register count bounds the other).
     Head dims 64, 128, 256 (the widest of each BLOCK_D); 32, 96, 192 (the same tiles,
-    masked head_dim padding) with every flag on. One fp16 forward, the preprocess kernel.
+    masked head_dim padding) with every flag on. One fp16 forward, the preprocess kernel,
+    GQA's dK/dV group sum.
     Each compile takes 2-15 s on one CI core, so the grid is what bounds the registers."""
     out = {}
     for head_dim, direction, general, cfg in configs.all_configs(arch):
@@ -106,6 +119,9 @@ def cases_for(arch: str) -> list:
             out[c.label] = c
     for head_dim in (32, 64, 96, 128, 192, 256):
         c = _preprocess_case(head_dim)
+        out[c.label] = c
+    for head_dim, group in ((64, 4), (128, 8), (256, 2)):
+        c = _group_sum_case(head_dim, group)
         out[c.label] = c
     return list(out.values())
 

@@ -10,9 +10,15 @@ import triton
 from openkernels.shared.launch import launch as direct_launch
 from openkernels.shared.platform import device_info
 
-from . import plan
+from . import configs, plan
 from .configs import AttnConfig
-from .kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel, _attn_fwd_kernel
+from .kernels import (
+    _attn_bwd_dkdv_kernel,
+    _attn_bwd_dq_kernel,
+    _attn_bwd_group_sum_kernel,
+    _attn_bwd_preprocess_kernel,
+    _attn_fwd_kernel,
+)
 from .kvcache import attention_kvcache_fwd, kvcache_append_fwd
 from .rotary import apply_rotary_bwd, apply_rotary_fwd
 
@@ -115,6 +121,20 @@ def attn_fwd(
     )  # fmt: skip
 
 
+def _group_sum(part: torch.Tensor, grad: torch.Tensor, p: plan.Problem, varlen: bool) -> None:
+    """GQA: grad (one head per K/V head, any strides) = part (float32, contiguous, one head
+    per query head) summed over each group, by a kernel (an aten sum would be a second pass in
+    float32 and a copy, and keeps the call from replaying)."""
+    batch, seqlen = 1 if varlen else grad.shape[0], grad.shape[-3]  # varlen: every token on dim -3
+    block_d = configs.block_d(p.head_dim)
+    block_r = configs.group_sum_block_rows(block_d)
+    stride_b, stride_s, stride_h = _bshd(grad, varlen)
+    direct_launch(_attn_bwd_group_sum_kernel, (triton.cdiv(seqlen * p.heads_kv, block_r), batch), part_ptr=part,
+                  grad_ptr=grad, stride_gb=stride_b, stride_gs=stride_s, stride_gh=stride_h, seqlen=seqlen,
+                  heads_kv=p.heads_kv, GROUP=p.group, HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_R=block_r,
+                  num_warps=4)  # fmt: skip
+
+
 def attn_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -163,7 +183,7 @@ def attn_bwd(
                                    num_stages=kv.num_stages, **kv.args)  # fmt: skip
     if p.group > 1:
         for part, grad in ((dk_part, dk), (dv_part, dv)):
-            grad.copy_(part.view(*part.shape[:2], p.heads_kv, p.group, p.head_dim).sum(dim=3))
+            _group_sum(part, grad, p, varlen)
     qd = plan.dq(p, arch, q.dtype, (*base, _bshd(dq, varlen)), lse_strides, strides_aligned, dq_cfg)
     direct_launch(_attn_bwd_dq_kernel, qd.grid, **common, dq_ptr=dq, num_warps=qd.num_warps, num_stages=qd.num_stages,
                                  **qd.args)  # fmt: skip

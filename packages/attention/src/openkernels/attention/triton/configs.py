@@ -55,6 +55,12 @@ def preprocess_block_m(head_dim: int) -> int:
     return min(64, 8192 // block_d(head_dim))
 
 
+def group_sum_block_rows(block_d: int) -> int:
+    """(token, head) rows per program of GQA's dK/dV group sum: 4096 float32 sums a program
+    (32 registers a thread at 4 warps)."""
+    return max(1, 4096 // block_d)
+
+
 # (arch family, direction) -> {largest head_dim: (fast, general)}. "fast" serves dense
 # calls with no window but the causal one, no ALiBi or softcap, and sequence lengths and
 # strides that are multiples of 16 (what the benchmarks and most models run); "general"

@@ -295,6 +295,30 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _attn_bwd_group_sum_kernel(
+    part_ptr, grad_ptr, stride_gb, stride_gs, stride_gh, seqlen, heads_kv,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """GQA's dK or dV: grad[b, s, h] = the sum over g of part[b, s, h * GROUP + g], part being
+    float32 and contiguous with one head per query head; always in the same order (the
+    backward is deterministic), rounded once to grad's dtype. Rows are (s, h) pairs of one
+    batch entry (program axis 1; varlen: one batch of every packed token)."""
+    b = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    s = rows // heads_kv
+    h = rows % heads_kv
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < seqlen * heads_kv) & (offs_d[None, :] < HEAD_DIM)
+    first = (b.to(tl.int64) * seqlen * heads_kv + rows) * (GROUP * HEAD_DIM)
+    src = part_ptr + first[:, None] + offs_d[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for g in tl.static_range(GROUP):
+        acc += tl.load(src + g * HEAD_DIM, mask=mask, other=0.0)
+    dst = grad_ptr + b.to(tl.int64) * stride_gb + s.to(tl.int64)[:, None] * stride_gs + h[:, None] * stride_gh
+    tl.store(dst + offs_d[None, :], acc.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, start, stop, cols, seqlen_q,
     seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d,
