@@ -131,6 +131,10 @@ def _check_backward(dev: torch.device) -> int:
                 "attention",
                 lambda x, w, r: attention(x.view(2, 4, 4, 64), x.view(2, 4, 4, 64), r.view(2, 4, 4, 64)),
             ),
+            (  # GQA: dK and dV summed over each group of query heads by a kernel
+                "attention gqa",
+                lambda x, w, r: attention(x.view(2, 4, 4, 64), r.view(2, 8, 2, 64), r.view(2, 8, 2, 64) * 2),
+            ),
         ):
             for dense in (True, False):
 
@@ -261,7 +265,10 @@ def main() -> int:
     for name, stats in replay.all_stats().items():
         print(f"{name:60} entries {stats['entries']:3} hits {stats['hits']:4} refused {stats['refused']}")
         unexpected = set(stats["refused"]) - _EXPECTED_REFUSALS.get(name.rstrip("'"), set())
-        if unexpected or (stats["entries"] and not stats["hits"]):
+        # An op's own bodies (`<family>.ops.*`) run on the Python path only until the public
+        # call replays as a whole (with its graph node, under autograd): they may never hit.
+        body = ".ops." in name
+        if unexpected or (stats["entries"] and not stats["hits"] and not body):
             bad += 1
             print(f"BAD {name}: refused {sorted(unexpected)} or recorded and never replayed")
     print("\nhost time per call (us): replayed / Python path / torch")

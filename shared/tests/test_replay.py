@@ -321,7 +321,7 @@ def test_a_triton_launch_becomes_slots_of_its_parameters():
     finally:
         replay._State.local.recording = None
     rec.triton_launches = 1
-    outputs, returns, is_tuple, launches = replay._entry(rec, (x,), {}, y)
+    outputs, returns, is_tuple, launches, _ = replay._entry(rec, (x,), {}, y)
     assert returns == [0] and not is_tuple and outputs[0][:3] == (-1, (16,), (1,))
     (launch,) = launches
     assert launch[:8] == (1, 1234, (8, 1, 1), 4, 1, 512, 0, 0)

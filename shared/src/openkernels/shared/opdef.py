@@ -197,6 +197,7 @@ def _eager_function(op: OpDef, backward_op: Any) -> type[torch.autograd.Function
 
     def forward(ctx, *args):
         out = replayed_forward(*args)
+        replay.observe_function(ctx, out, bwd.materialize_grads)  # a recording under autograd
         ctx.set_materialize_grads(bwd.materialize_grads)
         tensors, values = bwd.save(args, out)
         ctx.save_for_backward(*tensors)

@@ -17,9 +17,16 @@ into the middle of a tensor, a Triton kernel that needs scratch memory) marks th
 not replayable, and its calls keep taking the Python path.
 
 The contract of a replayable function: its launches depend on its arguments only through
-that key (it reads no tensor values on the host). Calls under autograd (an input that
-requires grad while grad mode is on), with tensor subclasses, under torch.compile, under
-`dispatch.force` / `forbid`, or with arguments of other types are never replayed.
+that key (it reads no tensor values on the host). Calls with tensor subclasses, under
+torch.compile, under `dispatch.force` / `forbid`, or with arguments of other types are never
+replayed.
+
+Under autograd (an input that requires grad, grad mode on: part of the key), a call whose
+graph is one opdef `autograd.Function` over its own arguments replays with its graph: the
+recording also runs the op's backward once on the saved tensors and a dense gradient of
+zeros (`_grad_plan`), and the C side gives replayed results a C++ autograd node that holds
+the saved tensors and launches the recorded backward; a gradient unlike the recorded one, or
+create_graph=True, runs the op's Python backward from that node (docs/replay.md).
 
 OPENKERNELS_REPLAY: "1" / "all" (default) replays calls on CPU and CUDA tensors (Triton
 kernels launched with cuLaunchKernelEx, as Triton's own launcher does; checked bitwise
@@ -193,6 +200,7 @@ class _Recording:
         self.why_not: str | None = None
         self.cuda = cuda
         self.triton_launches = 0  # counted by Triton's launch hook, whoever launched
+        self.functions: list[tuple] = []  # (ctx, outputs, materialize_grads) of each opdef autograd forward
 
     def refuse(self, why: str) -> None:
         if self.why_not is None:
@@ -224,6 +232,14 @@ def reads_host_values(what: str) -> None:
     rec = getattr(_State.local, "recording", None)
     if rec is not None:
         rec.refuse(f"reads {what} on the host")
+
+
+def observe_function(ctx: Any, outputs: Any, materialize_grads: bool) -> None:
+    """An openkernels autograd.Function's forward ran (opdef): a recording under autograd
+    keeps its context, to record the backward from it. Free when nothing records."""
+    rec = getattr(_State.local, "recording", None)
+    if rec is not None:
+        rec.functions.append((ctx, outputs if type(outputs) is tuple else (outputs,), materialize_grads))
 
 
 def observe_cpu(
@@ -322,9 +338,10 @@ def _exact_buffer(t: torch.Tensor) -> bool:
 
 
 def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | str:
-    """(outputs, returns, is_tuple, launches) for Table.add, or why the call cannot be replayed.
-    outputs: every tensor a replay allocates (results and scratch) or returns as given (an
-    input); returns: which of them the call returns."""
+    """(outputs, returns, is_tuple, launches, buffers): Table.add's arguments and the tensor
+    of each output, or why the call cannot be replayed. outputs: every tensor a replay
+    allocates (results and scratch) or returns as given (an input); returns: which of them
+    the call returns."""
     if rec.why_not:
         return rec.why_not
     if rec.triton_launches != sum(1 for seen in rec.launches if seen[0] == "cuda"):
@@ -337,16 +354,35 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
         returned, is_tuple = [], False
     else:
         return "a result that is not a tensor or a tuple of tensors"
-    inputs = _tensors(args, kwargs)
+    built = _build(rec, _tensors(args, kwargs), returned)
+    if isinstance(built, str):
+        return built
+    outputs, returns, launches, buffers = built
+    return outputs, returns, is_tuple, launches, buffers
+
+
+def _build(rec: _Recording, inputs: list[torch.Tensor], returned: list[torch.Tensor | None]) -> tuple | str:
+    """(outputs, returns, launches, buffers) of a recording whose launches take `inputs` and
+    whose results are `returned` (None: no result there, returns -1: a backward's gradient
+    nobody asked for)."""
     by_pointer = {t.data_ptr(): i for i, t in reversed(list(enumerate(inputs)))}
     # Inputs that share an address map to the first of them; the key records that sharing.
     buffer_of: dict[int, int] = {}  # storage address -> buffer index
     outputs = []  # (alias, sizes, strides, dtype, device type, device index)
+    buffers: list[torch.Tensor] = []
     returns = []
     for t in returned:
+        if t is None:
+            returns.append(-1)
+            continue
+        again = next((returns[k] for k, x in enumerate(returned[: len(returns)]) if x is t), None)
+        if again is not None:  # the same tensor twice (a backward's gradient of x and residual)
+            returns.append(again)
+            continue
         alias = next((i for i, x in enumerate(inputs) if x is t), None)
         if alias is not None:
             outputs.append((alias, (), (), 0, 0, 0))
+            buffers.append(t)
             returns.append(len(outputs) - 1)
             continue
         base = t.untyped_storage().data_ptr()
@@ -358,6 +394,7 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
         outputs.append(
             (-1, tuple(t.shape), t.stride(), _dtype_code(t.dtype), _device_type(t), t.device.index or 0)
         )
+        buffers.append(t)
         returns.append(len(outputs) - 1)
     for t in rec.allocations:  # scratch: allocated, passed to kernels, not returned
         base = t.untyped_storage().data_ptr()
@@ -367,6 +404,7 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
         outputs.append(
             (-1, tuple(t.shape), t.stride(), _dtype_code(t.dtype), _device_type(t), t.device.index or 0)
         )
+        buffers.append(t)
     launches = []
     for seen in rec.launches:
         raw = seen[-1]
@@ -392,9 +430,9 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
     # Triton interpreter, a launch around the observed paths): not replayable.
     written = {slot[1] for launch in launches for slot in launch[-1] if slot[0] == 2}
     for r, t in zip(returns, returned):
-        if outputs[r][0] < 0 and t.numel() > 0 and r not in written:
+        if r >= 0 and outputs[r][0] < 0 and t.numel() > 0 and r not in written:
             return "a result that no recorded launch wrote"
-    return outputs, returns, is_tuple, launches
+    return outputs, returns, launches, buffers
 
 
 def _signed(value: int) -> int:
@@ -435,35 +473,199 @@ class _Replayable:
         return True
 
     def record(self, args: tuple, kwargs: dict) -> Any:
-        cuda = any(t.is_cuda for t in _tensors(args, kwargs))
+        inputs = _tensors(args, kwargs)
+        cuda = any(t.is_cuda for t in inputs)
         rec = _Recording(cuda)
-        hooks = None
-        if "triton" in sys.modules:  # count every Triton launch, however it was made
-            from triton import knobs
-
-            hooks = knobs.runtime.launch_enter_hook
-            hooks.add(rec.count)
-        _State.local.recording = rec
-        if cuda:
-            launch.observer = observe_triton
-        try:
-            with _Watch(rec):
-                result = self.fn(*args, **kwargs)
-        finally:
-            _State.local.recording = None
-            if cuda:
-                launch.observer = None
-            if hooks is not None:
-                hooks.remove(rec.count)
+        with _watching(rec):
+            result = self.fn(*args, **kwargs)
         entry = _entry(rec, args, kwargs, result)
+        plan = None
+        if not isinstance(entry, str) and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            plan = _grad_plan(rec, inputs, result if isinstance(result, tuple) else (result,), entry)
+            if isinstance(plan, str):
+                entry = plan
         if cuda and torch.version.hip is not None:
             entry = "a ROCm call (the C side launches through the CUDA driver only)"
-        if not isinstance(entry, str) and not self.table.add(args, kwargs, *entry):
+        if not isinstance(entry, str) and not self.table.add(args, kwargs, *entry[:4], plan):
             entry = "no CUDA driver to launch with"  # the key was built for the recording
         if isinstance(entry, str):
             self.refusals[entry] = self.refusals.get(entry, 0) + 1
             self.table.refuse(args, kwargs)
         return result
+
+
+@contextlib.contextmanager
+def _watching(rec: _Recording) -> Iterator[None]:
+    """Watch this thread's aten ops, CPU kernel calls and Triton launches into `rec`."""
+    hooks = None
+    if "triton" in sys.modules:  # count every Triton launch, however it was made
+        from triton import knobs
+
+        hooks = knobs.runtime.launch_enter_hook
+        hooks.add(rec.count)
+    _State.local.recording = rec
+    if rec.cuda:
+        launch.observer = observe_triton
+    try:
+        with _Watch(rec):
+            yield
+    finally:
+        _State.local.recording = None
+        if rec.cuda:
+            launch.observer = None
+        if hooks is not None:
+            hooks.remove(rec.count)
+
+
+# ---------------------------------------------------------------------------- autograd
+
+
+class _SavedContext:
+    """What an opdef backward reads from its ctx, for the Python backward of a replayed node."""
+
+    __slots__ = ("needs_input_grad", "saved_tensors", "steering", "values")
+
+    def __init__(self, saved_tensors: tuple, values: Any, needs_input_grad: tuple, steering: Any) -> None:
+        self.saved_tensors = saved_tensors
+        self.values = values
+        self.needs_input_grad = needs_input_grad
+        self.steering = steering
+
+
+def _argument_of(node: Any, nr: int, inputs: list[torch.Tensor]) -> int | None:
+    """The argument tensor whose gradient edge is (node, nr)."""
+    for j, t in enumerate(inputs):
+        if not t.requires_grad:
+            continue
+        if t.grad_fn is None:
+            if nr == 0 and getattr(node, "variable", None) is t:  # a leaf's AccumulateGrad
+                return j
+        elif node is t.grad_fn and nr == t.output_nr:
+            return j
+    return None
+
+
+def _saved_ref(
+    t: torch.Tensor, inputs: list[torch.Tensor], buffers: list[torch.Tensor], outputs: list
+) -> tuple | None:
+    """(1, argument index) or (2, output buffer index) of a tensor the forward saved."""
+
+    def same(x: torch.Tensor) -> bool:
+        return (x.data_ptr() == t.data_ptr() and x.dtype == t.dtype and x.shape == t.shape
+                and x.stride() == t.stride())  # fmt: skip
+
+    for j, x in enumerate(inputs):
+        if x is t or same(x):
+            return 1, j
+    for i, b in enumerate(buffers):
+        if outputs[i][0] < 0 and same(b):
+            return 2, i
+    return None
+
+
+def _grad_plan(
+    rec: _Recording, inputs: list[torch.Tensor], returned: tuple, entry: tuple
+) -> tuple | str | None:
+    """Table.add's `grad` for a call recorded under autograd (None: its results need no graph
+    node), or why it cannot be replayed. Records the backward now, on the saved tensors and a
+    dense gradient of zeros per differentiable result; the results are thrown away."""
+    outputs, returns, _, _, buffers = entry
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in returned):
+        return None
+    if len(rec.functions) != 1:
+        return "a call under autograd that is not one openkernels autograd function"
+    ctx, function_outputs, materialize = rec.functions[0]
+    position = {id(o): i for i, o in enumerate(function_outputs)}
+    differentiable, output_index = [], []
+    for t in returned:
+        i = position.get(id(t))
+        if i is None or (t.requires_grad and t.grad_fn is not ctx):
+            return "a result under autograd that is not an output of the op's autograd function"
+        differentiable.append(t.requires_grad)
+        output_index.append(i)
+    edges, edge_args = [], []
+    for arg, (node, nr) in enumerate(ctx.next_functions):
+        if node is None:
+            continue
+        j = _argument_of(node, nr, inputs)
+        if j is None or j in edges:
+            return "an autograd input that is not an argument of the call, or one passed twice"
+        edges.append(j)
+        edge_args.append(arg)
+    saved_tensors = ctx.saved_tensors
+    diff_buffers = {returns[r] for r, d in enumerate(differentiable) if d}
+    saved, positions, saved_inputs = [], [], []
+    for pos, t in enumerate(saved_tensors):
+        if t is None:
+            continue
+        ref = _saved_ref(t, inputs, buffers, outputs)
+        if ref is None:
+            return "a saved tensor that is neither an argument nor a buffer of the call"
+        saved.append((*ref, int(ref[0] == 2 and ref[1] in diff_buffers)))
+        positions.append(pos)
+        saved_inputs.append(t)
+    grads, gradient_inputs = [], []
+    function_grads: list[torch.Tensor | None] = [None] * len(function_outputs)
+    for r, t in enumerate(returned):
+        if not differentiable[r]:
+            grads.append((0, (), (), 0, 1))
+            continue
+        g = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+        function_grads[output_index[r]] = g
+        gradient_inputs.append(g)
+        grads.append((1, tuple(g.shape), g.stride(), _dtype_code(g.dtype), int(g.data_ptr() % 16 == 0)))
+    if materialize:
+        function_grads = [
+            torch.zeros_like(o) if g is None else g for g, o in zip(function_grads, function_outputs)
+        ]
+    backward = ctx._forward_cls.backward
+    brec = _Recording(rec.cuda)
+    try:
+        with _watching(brec), torch.no_grad():
+            result = backward(ctx, *function_grads)
+    except Exception as error:  # the recording is refused; the call itself already ran
+        return f"a backward that failed when recorded ({type(error).__name__})"
+    if brec.why_not:
+        return brec.why_not
+    if brec.triton_launches != sum(1 for seen in brec.launches if seen[0] == "cuda"):
+        return "a Triton kernel launched around openkernels.shared.launch"
+    result = result if type(result) is tuple else (result,)
+    edge_grads = [result[a] if a < len(result) else None for a in edge_args]
+    if any(g is not None and not isinstance(g, torch.Tensor) for g in edge_grads):
+        return "a backward result that is not a tensor or None"
+    built = _build(brec, [*saved_inputs, *gradient_inputs], edge_grads)
+    if isinstance(built, str):
+        return built
+    b_outputs, b_returns, b_launches, _ = built
+    fallback = _python_backward(ctx, backward, len(saved_tensors), positions, output_index,
+                                function_outputs, materialize, edge_args)  # fmt: skip
+    return (type(ctx).__name__, [int(d) for d in differentiable], edges, saved, grads, b_outputs, b_returns,
+            b_launches, fallback)  # fmt: skip
+
+
+def _python_backward(ctx: Any, backward: Callable, n_saved: int, positions: list[int], output_index: list[int],
+                     function_outputs: tuple, materialize: bool, edge_args: list[int]) -> Callable:  # fmt: skip
+    """The Python backward a replayed node calls for gradients it has no recording for
+    (missing, other strides, create_graph=True): the op's own backward, as the Python path
+    would have run it. Holds no tensor of the call."""
+    values, needs, steering = ctx.values, ctx.needs_input_grad, ctx.steering
+    shapes = [(o.shape, o.dtype, o.device) for o in function_outputs]
+
+    def run(saved: tuple, grads: tuple) -> tuple:
+        full: list[torch.Tensor | None] = [None] * n_saved
+        for p, t in zip(positions, saved, strict=True):
+            full[p] = t
+        function_grads: list[torch.Tensor | None] = [None] * len(shapes)
+        for i, g in zip(output_index, grads, strict=True):
+            function_grads[i] = g
+        if materialize:
+            function_grads = [torch.zeros(s, dtype=d, device=v) if g is None else g
+                              for g, (s, d, v) in zip(function_grads, shapes)]  # fmt: skip
+        result = backward(_SavedContext(tuple(full), values, needs, steering), *function_grads)
+        result = result if type(result) is tuple else (result,)
+        return tuple(result[a] if a < len(result) else None for a in edge_args)
+
+    return run
 
 
 def replayable(fn: F) -> F:

@@ -18,7 +18,12 @@
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include <dlfcn.h>
 
@@ -26,6 +31,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -54,15 +61,40 @@ static_assert(sizeof(LaunchAttr) == 72, "CUlaunchAttribute is 72 bytes");
 static_assert(offsetof(LaunchConfig, stream) == 32 && sizeof(LaunchConfig) == 56, "CUlaunchConfig's layout");
 constexpr int kAttrCooperative = 2, kAttrClusterDim = 4, kAttrClusterPolicy = 5, kAttrPdl = 6;
 using LaunchEx = int (*)(const LaunchConfig*, void*, void**, void**);
+using CtxGetCurrent = int (*)(void**);
+using CtxSetCurrent = int (*)(void*);
+using PrimaryCtxRetain = int (*)(void**, int);
+using DeviceGet = int (*)(int*, int);
 LaunchEx launch_ex = nullptr;
+CtxGetCurrent ctx_get_current = nullptr;
+CtxSetCurrent ctx_set_current = nullptr;
+PrimaryCtxRetain primary_ctx_retain = nullptr;
+DeviceGet device_get = nullptr;
 
 bool load_driver() {
   if (launch_ex) return true;
   void* handle = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
   if (!handle) handle = dlopen("libcuda.so.1", RTLD_LAZY);
   if (!handle) return false;
+  ctx_get_current = reinterpret_cast<CtxGetCurrent>(dlsym(handle, "cuCtxGetCurrent"));
+  ctx_set_current = reinterpret_cast<CtxSetCurrent>(dlsym(handle, "cuCtxSetCurrent"));
+  primary_ctx_retain = reinterpret_cast<PrimaryCtxRetain>(dlsym(handle, "cuDevicePrimaryCtxRetain"));
+  device_get = reinterpret_cast<DeviceGet>(dlsym(handle, "cuDeviceGet"));
+  if (!ctx_get_current || !ctx_set_current || !primary_ctx_retain || !device_get) return false;
   launch_ex = reinterpret_cast<LaunchEx>(dlsym(handle, "cuLaunchKernelEx"));
   return launch_ex != nullptr;
+}
+
+// The driver launches on the calling thread's current context. A thread that has made no
+// CUDA runtime call has none (autograd's device thread for GPU 0 never calls cudaSetDevice:
+// it is already the runtime's current device), so bind the device's primary context, the
+// one the runtime and torch use.
+bool ensure_context(c10::DeviceIndex device) {
+  void* ctx = nullptr;
+  if (ctx_get_current(&ctx) != 0) return false;
+  if (ctx) return true;
+  int handle = 0;
+  return device_get(&handle, device) == 0 && primary_ctx_retain(&ctx, handle) == 0 && ctx_set_current(ctx) == 0;
 }
 
 bool allow_cuda = false;  // replay calls with CUDA tensors (set_cuda)
@@ -84,7 +116,6 @@ bool add_value(PyObject* obj, std::vector<int64_t>& key, std::vector<const at::T
   if (THPVariable_CheckExact(obj)) {
     const at::Tensor& t = THPVariable_Unpack(obj);
     if (!t.defined() || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) return false;
-    if (t.requires_grad() && at::GradMode::is_enabled()) return false;
     const auto device = t.device();
     if (device.type() != c10::kCPU && device.type() != c10::kCUDA) return false;
     if (device.type() == c10::kCUDA && !allow_cuda) return false;  // not replayed: fail early
@@ -96,6 +127,7 @@ bool add_value(PyObject* obj, std::vector<int64_t>& key, std::vector<const at::T
     for (int64_t s : t.sizes()) key.push_back(s);
     for (int64_t s : t.strides()) key.push_back(s);
     key.push_back((reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0);
+    key.push_back(t.requires_grad() && at::GradMode::is_enabled());  // a call under autograd
     tensors.push_back(&t);
     return true;
   }
@@ -169,13 +201,175 @@ struct Output {
   at::ScalarType dtype;
   c10::Device device{c10::kCPU};
 };
+struct GradPlan;
 struct Entry {
   std::vector<Output> outputs;  // what the launches use: results and scratch
-  std::vector<int> returns;     // the outputs returned, in order
+  std::vector<int> returns;     // the outputs returned, in order (a backward: -1 for no gradient)
   bool tuple = false;           // return a tuple (else the one output)
   bool skip = false;            // recorded as not replayable: the Python path runs
   std::vector<Launch> launches;
+  std::shared_ptr<GradPlan> grad;  // a call under autograd: the graph node its results get
 };
+
+// Allocates an entry's outputs (aliases: the inputs themselves) and runs its launches with
+// the GIL released; false when a launch failed.
+bool run_entry(const Entry& entry, const std::vector<const at::Tensor*>& inputs, std::vector<at::Tensor>& outputs,
+               c10::Device device);
+
+// ---- autograd: the node a replayed call under autograd gives its results
+//
+// Recorded from one call of an openkernels autograd.Function (replay.py, `_grad_plan`): which
+// results are differentiable, which arguments the gradients flow to, what the forward saves
+// (arguments or its own buffers) and the backward as an entry of its own, recorded on the
+// saved tensors and a dense gradient per differentiable result. A backward whose gradients
+// differ from the recorded ones (missing, other strides or alignment, a double backward)
+// calls the Python backward instead (`fallback`), as the Python path would have run it.
+struct GradMeta {
+  bool present = false;  // the recorded backward took a gradient for this result
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype = at::kFloat;
+  bool aligned = true;
+};
+struct SavedRef {
+  int kind;   // kInput: an argument tensor (key order); kOutput: a forward output buffer
+  int index;
+  bool output;  // a differentiable result of the node (saved without a reference cycle)
+};
+struct GradPlan {
+  std::vector<char> differentiable;  // per returned result
+  std::vector<int> edges;            // argument tensors (key order) the gradients flow to
+  std::vector<SavedRef> saved;
+  std::vector<GradMeta> grads;  // per returned result
+  Entry backward;               // inputs: the saved tensors, then the present gradients
+  PyObject* fallback = nullptr;  // (saved: tuple, grads: tuple) -> one gradient or None per edge
+  std::string name;
+  ~GradPlan() {
+    if (fallback && Py_IsInitialized()) {
+      PyGILState_STATE state = PyGILState_Ensure();
+      Py_DECREF(fallback);
+      PyGILState_Release(state);
+    }
+  }
+};
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+// torch holds nodes in std::shared_ptr (up to 2.12) or c10::intrusive_ptr (2.13 on).
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+template <typename T>
+NodePtr make_node(std::shared_ptr<GradPlan> plan, c10::Device device) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) return std::make_shared<T>(std::move(plan), device);
+  else return c10::make_intrusive<T>(std::move(plan), device);
+}
+
+bool grad_matches(const at::Tensor& g, const GradMeta& m) {
+  return g.scalar_type() == m.dtype && g.sizes().equals(m.sizes) && g.strides().equals(m.strides) &&
+         ((reinterpret_cast<uintptr_t>(g.data_ptr()) & 15) == 0) == m.aligned;
+}
+
+struct ReplayNode : Node {
+  ReplayNode(std::shared_ptr<GradPlan> plan, c10::Device device) : plan_(std::move(plan)), device_(device) {}
+
+  std::string name() const override { return plan_->name; }
+
+  void release_variables() override {
+    for (SavedVariable& s : saved_) s.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const GradPlan& plan = *plan_;
+    std::vector<at::Tensor> inputs;  // the saved tensors, then the present gradients
+    inputs.reserve(saved_.size() + grads.size());
+    for (const SavedVariable& s : saved_) inputs.push_back(s.unpack(getptr()));  // raises once freed
+    const size_t n_saved = inputs.size();
+    // A backward that builds a graph (create_graph=True) takes the Python path, whose library
+    // op says that double backward is not supported.
+    bool recorded = !at::GradMode::is_enabled() && grads.size() == plan.grads.size();
+    for (size_t i = 0; recorded && i < grads.size(); ++i) {
+      const GradMeta& m = plan.grads[i];
+      at::Tensor g = grads[i];
+      if (!m.present || !g.defined()) {
+        recorded = !m.present && !g.defined();
+        continue;
+      }
+      // The Python path makes a broadcast gradient (`y.sum().backward()`) dense the same way.
+      for (int64_t stride : g.strides())
+        if (stride == 0) {
+          g = g.contiguous();
+          break;
+        }
+      recorded = grad_matches(g, m);
+      inputs.push_back(std::move(g));
+    }
+    if (!recorded) return python_backward(inputs, n_saved, grads);
+    std::vector<const at::Tensor*> pointers;
+    pointers.reserve(inputs.size());
+    for (const at::Tensor& t : inputs) pointers.push_back(&t);
+    std::vector<at::Tensor> outputs;
+    if (!run_entry(plan.backward, pointers, outputs, device_))
+      throw std::runtime_error("openkernels replay: a recorded backward launch failed");
+    variable_list result(plan.edges.size());
+    for (size_t e = 0; e < result.size(); ++e)
+      if (plan.backward.returns[e] >= 0) result[e] = outputs[plan.backward.returns[e]];
+    return result;
+  }
+
+  std::vector<SavedVariable> saved_;
+
+ private:
+  variable_list python_backward(const std::vector<at::Tensor>& inputs, size_t n_saved, const variable_list& grads) {
+    pybind11::gil_scoped_acquire gil;
+    PyObject* saved = PyTuple_New(static_cast<Py_ssize_t>(n_saved));
+    PyObject* given = saved ? PyTuple_New(static_cast<Py_ssize_t>(grads.size())) : nullptr;
+    if (!given) {
+      Py_XDECREF(saved);
+      throw python_error();
+    }
+    for (size_t i = 0; i < n_saved; ++i) PyTuple_SET_ITEM(saved, i, THPVariable_Wrap(inputs[i]));
+    for (size_t i = 0; i < grads.size(); ++i) {
+      PyObject* g = grads[i].defined() ? THPVariable_Wrap(grads[i]) : (Py_INCREF(Py_None), Py_None);
+      PyTuple_SET_ITEM(given, i, g);
+    }
+    PyObject* out = PyObject_CallFunctionObjArgs(plan_->fallback, saved, given, nullptr);
+    Py_DECREF(saved);
+    Py_DECREF(given);
+    if (!out) throw python_error();
+    variable_list result(plan_->edges.size());
+    const bool ok = PyTuple_Check(out) && PyTuple_GET_SIZE(out) == static_cast<Py_ssize_t>(result.size());
+    for (size_t e = 0; ok && e < result.size(); ++e) {
+      PyObject* g = PyTuple_GET_ITEM(out, e);
+      if (THPVariable_Check(g)) result[e] = THPVariable_Unpack(g);
+    }
+    Py_DECREF(out);
+    if (!ok) throw std::runtime_error("openkernels replay: the Python backward returned a malformed result");
+    return result;
+  }
+
+  std::shared_ptr<GradPlan> plan_;
+  c10::Device device_;
+};
+
+// Gives a replayed call's results their graph node (as autograd.Function.apply would have).
+void attach_node(const std::shared_ptr<GradPlan>& plan, const std::vector<const at::Tensor*>& inputs,
+                 std::vector<at::Tensor>& outputs, const std::vector<int>& returns, c10::Device device) {
+  NodePtr node = make_node<ReplayNode>(plan, device);
+  torch::autograd::edge_list edges;
+  edges.reserve(plan->edges.size());
+  for (int i : plan->edges) edges.push_back(torch::autograd::impl::gradient_edge(*inputs[i]));
+  node->set_next_edges(std::move(edges));
+  for (size_t r = 0; r < returns.size(); ++r) {
+    if (plan->differentiable[r]) torch::autograd::set_history(outputs[returns[r]], node);
+    else node->add_input_metadata(Node::undefined_input());
+  }
+  auto* replay_node = static_cast<ReplayNode*>(node.get());
+  replay_node->saved_.reserve(plan->saved.size());
+  for (const SavedRef& s : plan->saved) {
+    const at::Tensor& t = s.kind == kInput ? *inputs[s.index] : outputs[s.index];
+    replay_node->saved_.emplace_back(t, s.output);
+  }
+}
 
 struct TableObject {
   PyObject_HEAD std::unordered_map<std::vector<int64_t>, std::shared_ptr<Entry>, KeyHash>* entries;
@@ -287,6 +481,26 @@ bool run_launch(const Launch& launch, const std::vector<const at::Tensor*>& inpu
   return launch_ex(&config, launch.fn, params, nullptr) == 0;
 }
 
+bool run_entry(const Entry& entry, const std::vector<const at::Tensor*>& inputs, std::vector<at::Tensor>& outputs,
+               c10::Device device) {
+  try {  // no exception may leave: the forward calls this with the GIL released
+    outputs.reserve(entry.outputs.size());
+    for (const Output& out : entry.outputs) {
+      if (out.alias >= 0) outputs.push_back(*inputs[out.alias]);
+      else
+        outputs.push_back(at::empty_strided(out.sizes, out.strides, at::TensorOptions(out.dtype).device(out.device)));
+    }
+    bool context = false;
+    for (const Launch& launch : entry.launches) {
+      if (launch.cuda && !context && !(context = ensure_context(device.index()))) return false;
+      if (!run_launch(launch, inputs, outputs, device)) return false;
+    }
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
   try {
     CallKey k;
@@ -315,27 +529,17 @@ PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) 
       Py_INCREF(skip_sentinel);
       return skip_sentinel;
     }
-    std::vector<at::Tensor> outputs;
-    outputs.reserve(entry.outputs.size());
-    for (const Output& out : entry.outputs) {
-      if (out.alias >= 0) outputs.push_back(*tensors[out.alias]);
-      else
-        outputs.push_back(at::empty_strided(out.sizes, out.strides, at::TensorOptions(out.dtype).device(out.device)));
-    }
     const c10::Device device = cuda ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice() : c10::Device(c10::kCPU);
+    std::vector<at::Tensor> outputs;
     bool launched = true;
     Py_BEGIN_ALLOW_THREADS;  // as ctypes and Triton's launcher do: other threads run meanwhile
-    for (const Launch& launch : entry.launches) {
-      if (!run_launch(launch, tensors, outputs, device)) {
-        launched = false;
-        break;
-      }
-    }
+    launched = run_entry(entry, tensors, outputs, device);
     Py_END_ALLOW_THREADS;
     if (!launched) {
       PyErr_SetString(PyExc_RuntimeError, "openkernels replay: a recorded launch failed");
       return nullptr;
     }
+    if (entry.grad) attach_node(entry.grad, tensors, outputs, entry.returns, device);
     self->hits++;
     if (!entry.tuple && entry.returns.empty()) Py_RETURN_NONE;  // in place: the launches wrote its inputs
     if (!entry.tuple) return THPVariable_Wrap(outputs[entry.returns[0]]);
@@ -400,87 +604,153 @@ bool int_list(PyObject* seq, std::vector<int64_t>& out) {
   return ok;
 }
 
+// outputs, returns and launches of an entry whose launches take `n_inputs` input tensors;
+// `backward`: returns name one output or -1 (no gradient) per edge.
+bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_seq, size_t n_inputs, bool backward,
+                 Entry& entry) {
+  PyObject* outs = PySequence_Fast(outputs, "outputs");
+  if (!outs) return false;
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(outs); ++i) {
+    PyObject* o = PySequence_Fast_GET_ITEM(outs, i);
+    Output out;
+    int64_t alias, dtype, dev_type, dev_index;
+    ok = PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 6 && as_i64(PyTuple_GET_ITEM(o, 0), alias) &&
+         int_list(PyTuple_GET_ITEM(o, 1), out.sizes) && int_list(PyTuple_GET_ITEM(o, 2), out.strides) &&
+         as_i64(PyTuple_GET_ITEM(o, 3), dtype) && as_i64(PyTuple_GET_ITEM(o, 4), dev_type) &&
+         as_i64(PyTuple_GET_ITEM(o, 5), dev_index);
+    if (!ok) break;
+    out.alias = static_cast<int>(alias);
+    ok = alias < static_cast<int64_t>(n_inputs);
+    out.dtype = static_cast<at::ScalarType>(dtype);
+    out.device = c10::Device(static_cast<c10::DeviceType>(dev_type), static_cast<c10::DeviceIndex>(dev_index));
+    entry.outputs.push_back(std::move(out));
+  }
+  Py_DECREF(outs);
+  std::vector<int64_t> returns;
+  ok = ok && int_list(returns_seq, returns) &&
+       (backward || (entry.tuple ? !returns.empty() : returns.size() <= 1));
+  for (int64_t r : returns) {
+    ok = ok && r >= (backward ? -1 : 0) && r < static_cast<int64_t>(entry.outputs.size());
+    entry.returns.push_back(static_cast<int>(r));
+  }
+  PyObject* launches = ok ? PySequence_Fast(launches_seq, "launches") : nullptr;
+  if (!launches) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed outputs");
+    return false;
+  }
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(launches); ++i) {
+    PyObject* l = PySequence_Fast_GET_ITEM(launches, i);
+    Launch launch{};
+    int64_t is_cuda, fn, warps, ctas, shared, coop, pdl;
+    std::vector<int64_t> grid;
+    ok = PyTuple_Check(l) && PyTuple_GET_SIZE(l) == 9 && as_i64(PyTuple_GET_ITEM(l, 0), is_cuda) &&
+         as_i64(PyTuple_GET_ITEM(l, 1), fn) && int_list(PyTuple_GET_ITEM(l, 2), grid) && grid.size() == 3 &&
+         as_i64(PyTuple_GET_ITEM(l, 3), warps) && as_i64(PyTuple_GET_ITEM(l, 4), ctas) &&
+         as_i64(PyTuple_GET_ITEM(l, 5), shared) && as_i64(PyTuple_GET_ITEM(l, 6), coop) &&
+         as_i64(PyTuple_GET_ITEM(l, 7), pdl);
+    if (!ok) break;
+    launch.cuda = is_cuda != 0;
+    launch.fn = reinterpret_cast<void*>(fn);
+    for (int d = 0; d < 3; ++d) launch.grid[d] = static_cast<unsigned>(grid[d]);
+    launch.num_warps = static_cast<int>(warps);
+    launch.num_ctas = static_cast<int>(ctas);
+    launch.shared = static_cast<int>(shared);
+    launch.cooperative = static_cast<int>(coop);
+    launch.pdl = static_cast<int>(pdl);
+    PyObject* slots = PySequence_Fast(PyTuple_GET_ITEM(l, 8), "slots");
+    if (!slots) {
+      ok = false;
+      break;
+    }
+    for (Py_ssize_t j = 0; ok && j < PySequence_Fast_GET_SIZE(slots); ++j) {
+      std::vector<int64_t> s;
+      ok = int_list(PySequence_Fast_GET_ITEM(slots, j), s) && s.size() == 4;
+      if (!ok) break;
+      const int64_t bound = s[0] == kInput ? static_cast<int64_t>(n_inputs)
+                            : s[0] == kOutput ? static_cast<int64_t>(entry.outputs.size())
+                                              : 1;
+      ok = s[0] >= kConst && s[0] <= kOutput && (s[0] == kConst || (s[1] >= 0 && s[1] < bound));
+      launch.slots.push_back(Slot{static_cast<int>(s[0]), static_cast<int>(s[1]), s[2], static_cast<int>(s[3])});
+    }
+    Py_DECREF(slots);
+    ok = ok && launch.slots.size() <= 64;
+    entry.launches.push_back(std::move(launch));
+  }
+  Py_DECREF(launches);
+  if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed launches");
+  return ok;
+}
+
+// grad: (name, differentiable, edges, saved, grads, backward outputs, backward returns,
+//        backward launches, fallback) as replay.py's `_grad_plan` makes it.
+//   saved: [(kind, index, is_output)]; grads: [(present, sizes, strides, dtype, aligned)]
+std::shared_ptr<GradPlan> parse_grad(PyObject* grad, size_t n_inputs, const Entry& forward) {
+  auto plan = std::make_shared<GradPlan>();
+  if (!PyTuple_Check(grad) || PyTuple_GET_SIZE(grad) != 9 || !PyUnicode_Check(PyTuple_GET_ITEM(grad, 0)) ||
+      !PyCallable_Check(PyTuple_GET_ITEM(grad, 8))) {
+    PyErr_SetString(PyExc_ValueError, "Table.add: malformed grad plan");
+    return nullptr;
+  }
+  plan->name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(grad, 0));
+  std::vector<int64_t> flags, edges;
+  bool ok = int_list(PyTuple_GET_ITEM(grad, 1), flags) && flags.size() == forward.returns.size() &&
+            int_list(PyTuple_GET_ITEM(grad, 2), edges);
+  for (int64_t f : flags) plan->differentiable.push_back(f != 0);
+  for (int64_t e : edges) {
+    ok = ok && e >= 0 && e < static_cast<int64_t>(n_inputs);
+    plan->edges.push_back(static_cast<int>(e));
+  }
+  PyObject* saved = ok ? PySequence_Fast(PyTuple_GET_ITEM(grad, 3), "saved") : nullptr;
+  for (Py_ssize_t i = 0; saved && ok && i < PySequence_Fast_GET_SIZE(saved); ++i) {
+    std::vector<int64_t> s;
+    ok = int_list(PySequence_Fast_GET_ITEM(saved, i), s) && s.size() == 3 && (s[0] == kInput || s[0] == kOutput) &&
+         s[1] >= 0 && s[1] < static_cast<int64_t>(s[0] == kInput ? n_inputs : forward.outputs.size());
+    if (ok) plan->saved.push_back(SavedRef{static_cast<int>(s[0]), static_cast<int>(s[1]), s[2] != 0});
+  }
+  Py_XDECREF(saved);
+  PyObject* grads = ok && saved ? PySequence_Fast(PyTuple_GET_ITEM(grad, 4), "grads") : nullptr;
+  size_t present = 0;
+  for (Py_ssize_t i = 0; grads && ok && i < PySequence_Fast_GET_SIZE(grads); ++i) {
+    PyObject* g = PySequence_Fast_GET_ITEM(grads, i);
+    GradMeta m;
+    int64_t is_present, dtype, aligned;
+    ok = PyTuple_Check(g) && PyTuple_GET_SIZE(g) == 5 && as_i64(PyTuple_GET_ITEM(g, 0), is_present) &&
+         int_list(PyTuple_GET_ITEM(g, 1), m.sizes) && int_list(PyTuple_GET_ITEM(g, 2), m.strides) &&
+         as_i64(PyTuple_GET_ITEM(g, 3), dtype) && as_i64(PyTuple_GET_ITEM(g, 4), aligned);
+    m.present = is_present != 0;
+    m.dtype = static_cast<at::ScalarType>(dtype);
+    m.aligned = aligned != 0;
+    present += m.present;
+    plan->grads.push_back(std::move(m));
+  }
+  Py_XDECREF(grads);
+  ok = ok && grads && plan->grads.size() == forward.returns.size();
+  ok = ok && parse_entry(PyTuple_GET_ITEM(grad, 5), PyTuple_GET_ITEM(grad, 6), PyTuple_GET_ITEM(grad, 7),
+                         plan->saved.size() + present, true, plan->backward) &&
+       plan->backward.returns.size() == plan->edges.size();
+  if (!ok) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed grad plan");
+    return nullptr;
+  }
+  plan->fallback = PyTuple_GET_ITEM(grad, 8);
+  Py_INCREF(plan->fallback);
+  return plan;
+}
+
 PyObject* table_add(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
   try {
+    const char* usage = "Table.add(args, kwargs, outputs, returns, is_tuple, launches, grad=None)";
     CallKey k;
-    const int keyed = call_key(argv, argc, 6, "Table.add(args, kwargs, outputs, returns, is_tuple, launches)", k);
+    const int keyed = call_key(argv, argc == 7 ? 6 : argc, 6, usage, k);
     if (keyed < 0) return nullptr;
     if (keyed == 0 || (k.cuda && !load_driver())) Py_RETURN_FALSE;
-    const std::vector<const at::Tensor*>& tensors = k.tensors;
     auto entry = std::make_shared<Entry>();
     entry->tuple = PyObject_IsTrue(argv[4]) == 1;
-    PyObject* outs = PySequence_Fast(argv[2], "outputs");
-    if (!outs) return nullptr;
-    bool ok = true;
-    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(outs); ++i) {
-      PyObject* o = PySequence_Fast_GET_ITEM(outs, i);
-      Output out;
-      int64_t alias, dtype, dev_type, dev_index;
-      ok = PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 6 && as_i64(PyTuple_GET_ITEM(o, 0), alias) &&
-           int_list(PyTuple_GET_ITEM(o, 1), out.sizes) && int_list(PyTuple_GET_ITEM(o, 2), out.strides) &&
-           as_i64(PyTuple_GET_ITEM(o, 3), dtype) && as_i64(PyTuple_GET_ITEM(o, 4), dev_type) &&
-           as_i64(PyTuple_GET_ITEM(o, 5), dev_index);
-      if (!ok) break;
-      out.alias = static_cast<int>(alias);
-      ok = alias < static_cast<int64_t>(tensors.size());
-      out.dtype = static_cast<at::ScalarType>(dtype);
-      out.device = c10::Device(static_cast<c10::DeviceType>(dev_type), static_cast<c10::DeviceIndex>(dev_index));
-      entry->outputs.push_back(std::move(out));
-    }
-    Py_DECREF(outs);
-    std::vector<int64_t> returns;
-    ok = ok && int_list(argv[3], returns) && (entry->tuple ? !returns.empty() : returns.size() <= 1);
-    for (int64_t r : returns) {
-      ok = ok && r >= 0 && r < static_cast<int64_t>(entry->outputs.size());
-      entry->returns.push_back(static_cast<int>(r));
-    }
-    PyObject* launches = ok ? PySequence_Fast(argv[5], "launches") : nullptr;
-    if (!launches) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed outputs");
-      return nullptr;
-    }
-    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(launches); ++i) {
-      PyObject* l = PySequence_Fast_GET_ITEM(launches, i);
-      Launch launch{};
-      int64_t is_cuda, fn, warps, ctas, shared, coop, pdl;
-      std::vector<int64_t> grid;
-      ok = PyTuple_Check(l) && PyTuple_GET_SIZE(l) == 9 && as_i64(PyTuple_GET_ITEM(l, 0), is_cuda) &&
-           as_i64(PyTuple_GET_ITEM(l, 1), fn) && int_list(PyTuple_GET_ITEM(l, 2), grid) && grid.size() == 3 &&
-           as_i64(PyTuple_GET_ITEM(l, 3), warps) && as_i64(PyTuple_GET_ITEM(l, 4), ctas) &&
-           as_i64(PyTuple_GET_ITEM(l, 5), shared) && as_i64(PyTuple_GET_ITEM(l, 6), coop) &&
-           as_i64(PyTuple_GET_ITEM(l, 7), pdl);
-      if (!ok) break;
-      launch.cuda = is_cuda != 0;
-      launch.fn = reinterpret_cast<void*>(fn);
-      for (int d = 0; d < 3; ++d) launch.grid[d] = static_cast<unsigned>(grid[d]);
-      launch.num_warps = static_cast<int>(warps);
-      launch.num_ctas = static_cast<int>(ctas);
-      launch.shared = static_cast<int>(shared);
-      launch.cooperative = static_cast<int>(coop);
-      launch.pdl = static_cast<int>(pdl);
-      PyObject* slots = PySequence_Fast(PyTuple_GET_ITEM(l, 8), "slots");
-      if (!slots) {
-        ok = false;
-        break;
-      }
-      for (Py_ssize_t j = 0; ok && j < PySequence_Fast_GET_SIZE(slots); ++j) {
-        std::vector<int64_t> s;
-        ok = int_list(PySequence_Fast_GET_ITEM(slots, j), s) && s.size() == 4;
-        if (!ok) break;
-        const int64_t bound = s[0] == kInput ? static_cast<int64_t>(tensors.size())
-                              : s[0] == kOutput ? static_cast<int64_t>(entry->outputs.size())
-                                                : 1;
-        ok = s[0] >= kConst && s[0] <= kOutput && (s[0] == kConst || (s[1] >= 0 && s[1] < bound));
-        launch.slots.push_back(Slot{static_cast<int>(s[0]), static_cast<int>(s[1]), s[2], static_cast<int>(s[3])});
-      }
-      Py_DECREF(slots);
-      ok = ok && launch.slots.size() <= 64;
-      entry->launches.push_back(std::move(launch));
-    }
-    Py_DECREF(launches);
-    if (!ok) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed launches");
-      return nullptr;
+    if (!parse_entry(argv[2], argv[3], argv[5], k.tensors.size(), false, *entry)) return nullptr;
+    if (argc == 7 && argv[6] != Py_None) {
+      entry->grad = parse_grad(argv[6], k.tensors.size(), *entry);
+      if (!entry->grad) return nullptr;
     }
     return store(self, argv[0], argv[1], std::move(k.key), std::move(entry));
   } catch (const std::exception& e) {
