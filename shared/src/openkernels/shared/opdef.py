@@ -34,7 +34,7 @@ import torch
 
 from . import dispatch, replay
 
-__all__ = ["Impl", "OpDef", "BackwardDef", "DefinedOp", "define", "standard_impls"]
+__all__ = ["Impl", "OpDef", "BackwardDef", "DefinedOp", "define", "plain_eager", "standard_impls"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,17 @@ _EAGER_DEVICES = ("cpu", "cuda")  # torch reports ROCm devices as "cuda"
 # Plain tensors: a Parameter is a Tensor to every torch layer below Python (it overrides no
 # torch function); any other subclass takes the library op.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """The call may skip the torch.library layers: every tensor (None skipped) is plain (an
+    exact torch.Tensor or nn.Parameter), the first on the CPU or a CUDA/ROCm device, and
+    torch.compile is not tracing. Autograd is the caller's to check."""
+    return (
+        all(t is None or type(t) in _PLAIN for t in tensors)
+        and tensors[0].device.type in _EAGER_DEVICES
+        and not torch.compiler.is_compiling()
+    )
 
 
 class DefinedOp:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openkernels.shared import replay
+from openkernels.shared import opdef, replay
 from openkernels.shared.outputs import check_out
 
 from . import ops
@@ -53,23 +53,11 @@ def _check(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: st
     check_out(name, out, expected, x.dtype, x, {"x": x}, in_place=() if spec.gated else ("x",))
 
 
-def _eager_fast_path(x: torch.Tensor) -> bool:
-    """Skip the torch.library layer where it adds only overhead: plain eager calls that
-    need no autograd, on a real device (meta/fake tensors take the library op's fake)."""
-    # type() is exact: subclasses (FakeTensor, tensor wrappers) take the library op.
-    return (
-        type(x) is torch.Tensor
-        and not (x.requires_grad and torch.is_grad_enabled())
-        and x.device.type in ("cpu", "cuda")
-        and not torch.compiler.is_compiling()
-    )
-
-
 def _call(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
     _check(name, x, out, approximate)
     extra = (approximate,) if SPECS[name].approximate else ()
     if out is not None:
-        if _eager_fast_path(x):
+        if opdef.plain_eager(x, out):  # out= takes no autograd (checked)
             ops.forward_into(name, x, out, approximate)
         else:
             getattr(torch.ops.openkernels, f"{name}_out")(x, *extra, out=out)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from openkernels.shared import replay
+from openkernels.shared import opdef, replay
 from openkernels.shared.outputs import check_out
 
 from . import ops
@@ -107,15 +107,6 @@ def _check_out(
     check_out(name, out, tuple(x.shape), out_dtype or x.dtype, x, inputs, in_place=("x", "residual"))
 
 
-def _plain_eager(*tensors: torch.Tensor | None) -> bool:
-    """The out= call can skip the library op: plain tensors on a real device, not compiling."""
-    return (
-        all(t is None or type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
-        and tensors[0].device.type in ("cpu", "cuda")
-        and not torch.compiler.is_compiling()
-    )
-
-
 @replay.replayable
 def rms_norm(
     x: torch.Tensor,
@@ -146,7 +137,7 @@ def rms_norm(
     if out is not None:
         _check_out("rms_norm", out, x, residual, out_dtype, prenorm, weight)
         args = (x, weight, residual, float(eps), float(weight_offset), residual_dtype)
-        if _plain_eager(x, weight, residual, out):
+        if opdef.plain_eager(x, weight, residual, out):
             ops.RMS_NORM_OUT.direct(*args, out=out)
         else:
             torch.ops.openkernels.rms_norm_out(*args, out=out)
@@ -183,7 +174,7 @@ def layer_norm(
     if out is not None:
         _check_out("layer_norm", out, x, residual, out_dtype, prenorm, weight, bias)
         args = (x, weight, bias, residual, float(eps), residual_dtype)
-        if _plain_eager(x, weight, bias, residual, out):
+        if opdef.plain_eager(x, weight, bias, residual, out):
             ops.LAYER_NORM_OUT.direct(*args, out=out)
         else:
             torch.ops.openkernels.layer_norm_out(*args, out=out)
