@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from openkernels.shared import cpu_build, dispatch, replay
+from openkernels.shared.testing.threads import run_in_threads
 
 pytestmark = pytest.mark.skipif(not cpu_build.compiler_available(), reason="no C++ compiler")
 
@@ -157,21 +158,50 @@ def test_errors_are_not_recorded(lib):
     assert len(calls) == 2 and replay.stats(affine)["entries"] == 0
 
 
-def test_calls_that_compute_in_torch_are_refused_and_stay_correct(lib):
+def test_cpu_calls_that_compute_in_torch_replay_as_programs(lib):
+    """A CPU body with aten computations replays them through the dispatcher, in order with
+    its launches: views (a kernel pointer into the middle of a tensor included), in-place ops,
+    numbers passed for tensors."""
     calls = []
 
     @replay.replayable
     def shifted(x: torch.Tensor) -> torch.Tensor:
         calls.append(1)
         y = torch.empty_like(x)
-        lib.toy_affine(x.data_ptr(), y.data_ptr(), x.numel(), 1.0, 0.0)
-        return y + 1  # a computation no launch records
+        lib.toy_affine(x.data_ptr(), y.data_ptr(), x.numel(), 2.0, 0.0)
+        z = y + 1  # computed by aten, between two launches
+        tail = z[1:]  # a view: the next launch reads from the middle of z
+        out = torch.empty(x.numel() - 1)
+        lib.toy_affine(tail.data_ptr(), out.data_ptr(), out.numel(), 1.0, 0.5)
+        out.mul_(3)
+        return out
+
+    for _ in range(4):
+        x = torch.randn(6)
+        torch.testing.assert_close(shifted(x), ((x * 2 + 1)[1:] + 0.5) * 3)
+    assert len(calls) == 2
+    assert replay.stats(shifted) == {"entries": 1, "hits": 2, "refused": {}, "programs": 1}
+
+
+def test_programs_refuse_host_reads_and_autograd(lib):
+    @replay.replayable
+    def host_read(x: torch.Tensor) -> torch.Tensor:
+        return x * float(x.sum())  # .item(): a value baked into the next op
+
+    @replay.replayable
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
 
     for _ in range(3):
-        x = torch.randn(6)
-        torch.testing.assert_close(shifted(x), x + 1)
-    assert len(calls) == 3
-    assert replay.stats(shifted)["refused"] == {"aten.add.Tensor": 1}
+        x = torch.randn(4)
+        torch.testing.assert_close(host_read(x), x * x.sum())
+        w = torch.randn(4, requires_grad=True)
+        doubled(w).sum().backward()
+        torch.testing.assert_close(w.grad, torch.full((4,), 2.0))
+    assert list(replay.stats(host_read)["refused"]) == [
+        "aten._local_scalar_dense.default, whose results are not all tensors"
+    ]
+    assert list(replay.stats(doubled)["refused"]) == ["aten.mul.Tensor under autograd"]
 
 
 def test_bodies_that_read_tensor_values_on_the_host_are_refused(lib):
@@ -413,7 +443,7 @@ def test_inputs_that_share_memory_are_keyed_apart(lib):
         torch.testing.assert_close(second(a, b), b)
     x = torch.randn(4)
     torch.testing.assert_close(second(x, x), x)  # replayed: shared again
-    assert len(calls) == 4 and replay.stats(second) == {"entries": 2, "hits": 2, "refused": {}}
+    assert len(calls) == 4 and replay.stats(second) == {"entries": 2, "hits": 2, "refused": {}, "programs": 0}
 
 
 def test_one_off_keys_are_never_recorded(lib):
@@ -421,6 +451,26 @@ def test_one_off_keys_are_never_recorded(lib):
     affine, calls = _affine(lib)
     for n in range(1, 30):
         affine(torch.randn(n))
-    assert replay.stats(affine) == {"entries": 0, "hits": 0, "refused": {}}
+    assert replay.stats(affine) == {"entries": 0, "hits": 0, "refused": {}, "programs": 0}
     affine(torch.randn(7))
     assert replay.stats(affine)["entries"] == 1 and len(calls) == 30
+
+
+def test_threads_replay_one_program_at_once(lib):
+    @replay.replayable
+    def affine_plus(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x)
+        lib.toy_affine(x.data_ptr(), y.data_ptr(), x.numel(), 2.0, 0.0)
+        return (y + x).sum(0)
+
+    for _ in range(2):
+        affine_plus(torch.randn(8, 16))
+
+    def work() -> None:
+        for _ in range(200):
+            x = torch.randn(8, 16)
+            torch.testing.assert_close(affine_plus(x), (3 * x).sum(0))
+
+    assert run_in_threads(work, 4) == []
+    assert replay.entry_kind(affine_plus, torch.randn(8, 16)) == "program"
+    assert replay.stats(affine_plus)["hits"] >= 800

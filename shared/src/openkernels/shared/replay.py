@@ -66,6 +66,7 @@ __all__ = [
     "mode",
     "disabled",
     "stats",
+    "entry_kind",
     "available",
 ]
 
@@ -183,12 +184,18 @@ class _Watch(TorchDispatchMode):
         self.recording = recording
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rec = self.recording
         name = f"{func._opname}.{func._overloadname}"
-        if name not in _VIEWS_AND_ALLOCATIONS:
-            self.recording.refuse(f"aten.{name}")
-        elif name in _ALLOCATIONS and isinstance(out, torch.Tensor):
-            self.recording.allocations.append(out)
+        if rec.steps is not None:  # a CPU call: every op, replayed as a program if one computes
+            rec.steps.append(("aten", func, args, kwargs, out))
+            if name not in _VIEWS_AND_ALLOCATIONS and rec.computes is None:
+                rec.computes = f"aten.{name}"
+        elif name not in _VIEWS_AND_ALLOCATIONS:
+            rec.refuse(f"aten.{name}")
+        if name in _ALLOCATIONS and isinstance(out, torch.Tensor):
+            rec.allocations.append(out)
         return out
 
 
@@ -201,6 +208,11 @@ class _Recording:
         self.cuda = cuda
         self.triton_launches = 0  # counted by Triton's launch hook, whoever launched
         self.functions: list[tuple] = []  # (ctx, outputs, materialize_grads) of each opdef autograd forward
+        # CPU calls: every aten op and kernel launch in order (a call that computes with aten
+        # replays them all, `_program`); computes: the first aten op that is not a view or an
+        # allocation. CUDA calls keep refusing those (an aten launch would wait on nothing).
+        self.steps: list[tuple] | None = None if cuda else []
+        self.computes: str | None = None
 
     def refuse(self, why: str) -> None:
         if self.why_not is None:
@@ -260,6 +272,8 @@ def observe_cpu(
         else:
             slots.append((is_pointer, int(value or 0)))
     rec.launches.append(("cpu", packed, slots))
+    if rec.steps is not None:
+        rec.steps.append(("launch", len(rec.launches) - 1))
 
 
 _FLOAT_PACK = {"fp32": "<f", "f32": "<f", "fp64": "<d", "fp16": "<e"}
@@ -344,6 +358,8 @@ def _entry(rec: _Recording, args: tuple, kwargs: dict, result: Any) -> tuple | s
     the call returns."""
     if rec.why_not:
         return rec.why_not
+    if rec.computes is not None:  # a program (`_program`), not allocations and launches
+        return rec.computes
     if rec.triton_launches != sum(1 for seen in rec.launches if seen[0] == "cuda"):
         return "a Triton kernel launched around openkernels.shared.launch"
     if isinstance(result, torch.Tensor):
@@ -435,6 +451,107 @@ def _build(rec: _Recording, inputs: list[torch.Tensor], returned: list[torch.Ten
     return outputs, returns, launches, buffers
 
 
+def _program(rec: _Recording, inputs: list[torch.Tensor], result: Any) -> tuple | str:
+    """A CPU call that computed with aten ops, as Table.add's arguments: (outputs (none),
+    returns, is_tuple, launches, None, program). The program replays every recorded aten op
+    through the dispatcher and every kernel launch, in order, over a table of values: the
+    call's tensors, then each op's tensor outputs; launch slots and returns index that table.
+    Or why it cannot be replayed."""
+    if rec.why_not:
+        return rec.why_not
+    if isinstance(result, torch.Tensor):
+        returned, is_tuple = [result], False
+    elif type(result) is tuple and result and all(isinstance(t, torch.Tensor) for t in result):
+        returned, is_tuple = list(result), True
+    elif result is None:
+        returned, is_tuple = [], False
+    else:
+        return "a result that is not a tensor or a tuple of tensors"
+    values: list[torch.Tensor] = list(inputs)
+    index: dict[int, int] = {}
+    for i, t in enumerate(inputs):
+        index.setdefault(id(t), i)
+    steps: list[tuple] = []
+    launches: list[tuple] = []
+    for step in rec.steps or ():
+        if step[0] == "launch":
+            slots = _program_slots(rec.launches[step[1]][2], values)
+            if slots is None:
+                return "a kernel pointer that is not a tensor of the call"
+            launches.append((0, rec.launches[step[1]][1], (1, 1, 1), 0, 1, 0, 0, 0, slots))
+            steps.append(("launch", len(launches) - 1))
+            continue
+        _, func, args, kwargs, out = step
+        schema = func._schema
+        name = f"aten.{func._opname}.{func._overloadname}"
+        if any(str(r.type) != "Tensor" for r in schema.returns):
+            return f"{name}, whose results are not all tensors"
+        encoded = []
+        for i, arg in enumerate(schema.arguments):
+            if i < len(args):
+                value = args[i]
+            elif arg.name in kwargs:
+                value = kwargs[arg.name]
+            elif arg.has_default_value():
+                value = arg.default_value
+            else:
+                return f"{name} without its argument {arg.name}"
+            if isinstance(value, (bool, int, float)) and str(arg.type) in ("Tensor", "Tensor?"):
+                item = ("n", value)  # a Python number where a tensor goes: a wrapped number
+            else:
+                item = _program_argument(value, index)
+            if item is None:
+                return f"{name} on a tensor that is neither an argument nor made by the call"
+            encoded.append(item)
+        outputs = []
+        for o in out if isinstance(out, tuple) else (out,):
+            j = index.get(id(o))
+            if j is None:  # a new tensor (an in-place op returns its argument: the same value)
+                j = index[id(o)] = len(values)
+                values.append(o)
+            outputs.append(j)
+        steps.append(("aten", schema.name, schema.overload_name, encoded, outputs))
+    returns = []
+    for t in returned:
+        j = index.get(id(t))
+        if j is None:
+            return "a result the recorded ops did not make"
+        returns.append(j)
+    return [], returns, is_tuple, launches, None, (len(values), steps)
+
+
+def _program_argument(value: Any, index: dict[int, int]) -> tuple | None:
+    """("t", value index), ("tl", [value indices]) or ("o", a constant); None: a tensor that
+    is not a value of the program (a persistent table is a constant)."""
+    if isinstance(value, torch.Tensor):
+        j = index.get(id(value))
+        if j is not None:
+            return ("t", j)
+        return ("o", value) if _PERSISTENT.get(value.data_ptr()) is value else None
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        js = [index.get(id(v)) for v in value]
+        return None if None in js else ("tl", js)
+    return ("o", value)
+
+
+def _program_slots(raw: list, values: list[torch.Tensor]) -> list | None:
+    """A CPU launch's slots over the program's values (a pointer: the first value that starts
+    there, views included), or None."""
+    slots = []
+    for is_pointer, value in raw:
+        if not is_pointer or value == 0:
+            slots.append((0, 0, _signed(value), 8))
+            continue
+        j = next((i for i, t in enumerate(values) if t.data_ptr() == value), None)
+        if j is not None:
+            slots.append((2, j, 0, 8))
+        elif value in _PERSISTENT:
+            slots.append((0, 0, _signed(value), 8))
+        else:
+            return None
+    return slots
+
+
 def _signed(value: int) -> int:
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -463,6 +580,7 @@ class _Replayable:
         self.fn = fn
         self.table: Any = None
         self.refusals: dict[str, int] = {}
+        self.programs = 0  # entries recorded as programs (CPU calls that compute with aten)
 
     def start(self) -> bool:
         if self.table is None:
@@ -478,19 +596,27 @@ class _Replayable:
         rec = _Recording(cuda)
         with _watching(rec):
             result = self.fn(*args, **kwargs)
-        entry = _entry(rec, args, kwargs, result)
-        plan = None
-        if not isinstance(entry, str) and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        plan = program = None
+        if rec.computes is not None:  # a CPU call computing with aten: a program of its ops
+            entry = f"{rec.computes} under autograd" if grad else _program(rec, inputs, result)
+            if not isinstance(entry, str):
+                program = entry[5]
+        else:
+            entry = _entry(rec, args, kwargs, result)
+        if not isinstance(entry, str) and grad and program is None:
             plan = _grad_plan(rec, inputs, result if isinstance(result, tuple) else (result,), entry)
             if isinstance(plan, str):
                 entry = plan
         if cuda and torch.version.hip is not None:
             entry = "a ROCm call (the C side launches through the CUDA driver only)"
-        if not isinstance(entry, str) and not self.table.add(args, kwargs, *entry[:4], plan):
+        if not isinstance(entry, str) and not self.table.add(args, kwargs, *entry[:4], plan, program):
             entry = "no CUDA driver to launch with"  # the key was built for the recording
         if isinstance(entry, str):
             self.refusals[entry] = self.refusals.get(entry, 0) + 1
             self.table.refuse(args, kwargs)
+        elif program is not None:
+            self.programs += 1
         return result
 
 
@@ -627,6 +753,8 @@ def _grad_plan(
         return f"a backward that failed when recorded ({type(error).__name__})"
     if brec.why_not:
         return brec.why_not
+    if brec.computes is not None:  # programs replay without autograd only
+        return f"{brec.computes} in the backward"
     if brec.triton_launches != sum(1 for seen in brec.launches if seen[0] == "cuda"):
         return "a Triton kernel launched around openkernels.shared.launch"
     result = result if type(result) is tuple else (result,)
@@ -705,8 +833,21 @@ def stats(fn: Callable[..., Any]) -> dict[str, Any]:
     """A replayable function's entries, replayed calls and why recordings were refused."""
     r: _Replayable = fn._replay  # type: ignore[attr-defined]
     if r.table is None:
-        return {"entries": 0, "hits": 0, "refused": dict(r.refusals)}
-    return {"entries": r.table.size(), "hits": r.table.hits(), "refused": dict(r.refusals)}
+        return {"entries": 0, "hits": 0, "refused": dict(r.refusals), "programs": r.programs}
+    return {
+        "entries": r.table.size(),
+        "hits": r.table.hits(),
+        "refused": dict(r.refusals),
+        "programs": r.programs,
+    }
+
+
+def entry_kind(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """How a replayable function's call with these arguments replays: "launches"
+    (allocations and kernel launches), "program" (a CPU body's aten ops too), "refused", or
+    None (not recorded yet, or replay unavailable). Tests and diagnostics."""
+    r: _Replayable = fn._replay  # type: ignore[attr-defined]
+    return None if r.table is None else r.table.kind(args, kwargs)
 
 
 def all_stats() -> dict[str, dict[str, Any]]:

@@ -24,6 +24,9 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <ATen/ScalarOps.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <dlfcn.h>
 
@@ -201,6 +204,24 @@ struct Output {
   at::ScalarType dtype;
   c10::Device device{c10::kCPU};
 };
+// A CPU call whose body also computes with aten ops replays as a program: every aten op it
+// ran (views, allocations and computations), called again through the dispatcher, and its
+// kernel launches, in the recorded order, over a table of values (the call's tensors, then
+// each op's tensor outputs). See replay.py, `_program`.
+struct TensorArg {
+  int position;  // in the op's argument stack
+  std::vector<int> values;  // one value index; several for a Tensor[] argument
+  bool list;
+};
+struct Step {
+  bool aten = true;
+  std::optional<c10::OperatorHandle> op;
+  std::vector<c10::IValue> args;  // the stack, tensors left as None
+  std::vector<TensorArg> tensors;
+  std::vector<int> outputs;  // the value index of each returned tensor (-1: not kept)
+  size_t launch = 0;         // a launch step: the entry's launch, its slots over values
+};
+
 struct GradPlan;
 struct Entry {
   std::vector<Output> outputs;  // what the launches use: results and scratch
@@ -209,6 +230,8 @@ struct Entry {
   bool skip = false;            // recorded as not replayable: the Python path runs
   std::vector<Launch> launches;
   std::shared_ptr<GradPlan> grad;  // a call under autograd: the graph node its results get
+  std::vector<Step> program;       // a CPU call with aten computations (empty: none)
+  int n_values = 0;                // the program's value table
 };
 
 // Allocates an entry's outputs (aliases: the inputs themselves) and runs its launches with
@@ -501,6 +524,50 @@ bool run_entry(const Entry& entry, const std::vector<const at::Tensor*>& inputs,
   }
 }
 
+bool run_steps(const Entry& entry, const std::vector<const at::Tensor*>& inputs, std::vector<at::Tensor>& values);
+
+// A program entry's replay; called with the GIL released, as torch's own bindings call ops
+// (a dispatch mode that reaches Python takes it again). Fills `values`; returns "" or why it
+// failed (no exception may leave).
+std::string run_program(const Entry& entry, const std::vector<const at::Tensor*>& inputs,
+                        std::vector<at::Tensor>& values) noexcept {
+  try {
+    return run_steps(entry, inputs, values) ? "" : "openkernels replay: a recorded launch failed";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+bool run_steps(const Entry& entry, const std::vector<const at::Tensor*>& inputs, std::vector<at::Tensor>& values) {
+  values.assign(entry.n_values, at::Tensor());
+  for (size_t i = 0; i < inputs.size(); ++i) values[i] = *inputs[i];
+  const c10::Device cpu(c10::kCPU);
+  for (const Step& step : entry.program) {
+    if (!step.aten) {
+      if (!run_launch(entry.launches[step.launch], inputs, values, cpu)) return false;
+      continue;
+    }
+    torch::jit::Stack stack(step.args);
+    for (const TensorArg& t : step.tensors) {
+      if (!t.list) {
+        stack[t.position] = values[t.values[0]];
+        continue;
+      }
+      c10::List<at::Tensor> list;
+      list.reserve(t.values.size());
+      for (int v : t.values) list.push_back(values[v]);
+      stack[t.position] = std::move(list);
+    }
+    step.op->callBoxed(&stack);
+    for (size_t i = 0; i < step.outputs.size() && i < stack.size(); ++i) {
+      if (step.outputs[i] < 0) continue;
+      if (!stack[i].isTensor()) throw std::runtime_error("openkernels replay: an aten op returned no tensor");
+      values[step.outputs[i]] = stack[i].toTensor();
+    }
+  }
+  return true;
+}
+
 PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
   try {
     CallKey k;
@@ -532,11 +599,13 @@ PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) 
     const c10::Device device = cuda ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice() : c10::Device(c10::kCPU);
     std::vector<at::Tensor> outputs;
     bool launched = true;
+    std::string failure;
     Py_BEGIN_ALLOW_THREADS;  // as ctypes and Triton's launcher do: other threads run meanwhile
-    launched = run_entry(entry, tensors, outputs, device);
+    if (!entry.program.empty()) failure = run_program(entry, tensors, outputs);
+    else launched = run_entry(entry, tensors, outputs, device);
     Py_END_ALLOW_THREADS;
-    if (!launched) {
-      PyErr_SetString(PyExc_RuntimeError, "openkernels replay: a recorded launch failed");
+    if (!launched || !failure.empty()) {
+      PyErr_SetString(PyExc_RuntimeError, failure.empty() ? "openkernels replay: a recorded launch failed" : failure.c_str());
       return nullptr;
     }
     if (entry.grad) attach_node(entry.grad, tensors, outputs, entry.returns, device);
@@ -630,8 +699,10 @@ bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_se
   std::vector<int64_t> returns;
   ok = ok && int_list(returns_seq, returns) &&
        (backward || (entry.tuple ? !returns.empty() : returns.size() <= 1));
+  // A program's returns and launch slots index its value table instead of its outputs.
+  const int64_t n_outputs = entry.n_values ? entry.n_values : static_cast<int64_t>(entry.outputs.size());
   for (int64_t r : returns) {
-    ok = ok && r >= (backward ? -1 : 0) && r < static_cast<int64_t>(entry.outputs.size());
+    ok = ok && r >= (backward ? -1 : 0) && r < n_outputs;
     entry.returns.push_back(static_cast<int>(r));
   }
   PyObject* launches = ok ? PySequence_Fast(launches_seq, "launches") : nullptr;
@@ -668,7 +739,7 @@ bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_se
       ok = int_list(PySequence_Fast_GET_ITEM(slots, j), s) && s.size() == 4;
       if (!ok) break;
       const int64_t bound = s[0] == kInput ? static_cast<int64_t>(n_inputs)
-                            : s[0] == kOutput ? static_cast<int64_t>(entry.outputs.size())
+                            : s[0] == kOutput ? n_outputs
                                               : 1;
       ok = s[0] >= kConst && s[0] <= kOutput && (s[0] == kConst || (s[1] >= 0 && s[1] < bound));
       launch.slots.push_back(Slot{static_cast<int>(s[0]), static_cast<int>(s[1]), s[2], static_cast<int>(s[3])});
@@ -738,20 +809,118 @@ std::shared_ptr<GradPlan> parse_grad(PyObject* grad, size_t n_inputs, const Entr
   return plan;
 }
 
+// program: (n_values, steps); steps: [("aten", "ns::name", "overload", args, outputs) or
+// ("launch", launch index)], args: [("t", value), ("tl", [values]) or ("o", a Python value)]
+// in schema order, outputs: one value index (or -1) per returned tensor.
+bool parse_program(PyObject* steps_seq, Entry& entry) {
+  PyObject* steps = PySequence_Fast(steps_seq, "program steps");
+  if (!steps) return false;
+  bool ok = true;
+  try {
+    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(steps); ++i) {
+      PyObject* s = PySequence_Fast_GET_ITEM(steps, i);
+      ok = PyTuple_Check(s) && PyTuple_GET_SIZE(s) >= 2 && PyUnicode_Check(PyTuple_GET_ITEM(s, 0));
+      if (!ok) break;
+      Step step;
+      if (std::strcmp(PyUnicode_AsUTF8(PyTuple_GET_ITEM(s, 0)), "launch") == 0) {
+        int64_t index;
+        ok = as_i64(PyTuple_GET_ITEM(s, 1), index) && index >= 0 && index < static_cast<int64_t>(entry.launches.size());
+        step.aten = false;
+        step.launch = static_cast<size_t>(index);
+        entry.program.push_back(std::move(step));
+        continue;
+      }
+      ok = PyTuple_GET_SIZE(s) == 5 && PyUnicode_Check(PyTuple_GET_ITEM(s, 1)) && PyUnicode_Check(PyTuple_GET_ITEM(s, 2));
+      if (!ok) break;
+      step.op = c10::Dispatcher::singleton().findSchemaOrThrow(PyUnicode_AsUTF8(PyTuple_GET_ITEM(s, 1)),
+                                                               PyUnicode_AsUTF8(PyTuple_GET_ITEM(s, 2)));
+      const auto& arguments = step.op->schema().arguments();
+      PyObject* args = PySequence_Fast(PyTuple_GET_ITEM(s, 3), "aten arguments");
+      if (!args) return false;
+      ok = PySequence_Fast_GET_SIZE(args) == static_cast<Py_ssize_t>(arguments.size());
+      for (Py_ssize_t a = 0; ok && a < PySequence_Fast_GET_SIZE(args); ++a) {
+        PyObject* arg = PySequence_Fast_GET_ITEM(args, a);
+        ok = PyTuple_Check(arg) && PyTuple_GET_SIZE(arg) == 2 && PyUnicode_Check(PyTuple_GET_ITEM(arg, 0));
+        if (!ok) break;
+        const std::string kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(arg, 0));
+        if (kind == "o") {
+          step.args.push_back(torch::jit::toIValue(PyTuple_GET_ITEM(arg, 1), arguments[a].type()));
+          continue;
+        }
+        if (kind == "n") {  // a Python number passed for a tensor, as torch's own binding wraps it
+          PyObject* number = PyTuple_GET_ITEM(arg, 1);
+          const at::Scalar scalar = PyBool_Check(number) ? at::Scalar(number == Py_True)
+                                    : PyFloat_Check(number) ? at::Scalar(PyFloat_AsDouble(number))
+                                                            : at::Scalar(static_cast<int64_t>(PyLong_AsLongLong(number)));
+          at::Tensor wrapped = c10::scalar_to_tensor(scalar);
+          wrapped.unsafeGetTensorImpl()->set_wrapped_number(true);
+          step.args.emplace_back(std::move(wrapped));
+          continue;
+        }
+        TensorArg t{static_cast<int>(a), {}, kind == "tl"};
+        if (t.list) {
+          std::vector<int64_t> values;
+          ok = int_list(PyTuple_GET_ITEM(arg, 1), values);
+          for (int64_t v : values) t.values.push_back(static_cast<int>(v));
+        } else {
+          int64_t v;
+          ok = kind == "t" && as_i64(PyTuple_GET_ITEM(arg, 1), v);
+          t.values.push_back(static_cast<int>(v));
+        }
+        for (int v : t.values) ok = ok && v >= 0 && v < entry.n_values;
+        step.args.emplace_back();
+        step.tensors.push_back(std::move(t));
+      }
+      Py_DECREF(args);
+      std::vector<int64_t> outputs;
+      ok = ok && int_list(PyTuple_GET_ITEM(s, 4), outputs);
+      for (int64_t o : outputs) {
+        ok = ok && o >= -1 && o < entry.n_values;
+        step.outputs.push_back(static_cast<int>(o));
+      }
+      entry.program.push_back(std::move(step));
+    }
+  } catch (const std::exception& e) {
+    Py_DECREF(steps);
+    PyErr_SetString(PyExc_ValueError, (std::string("Table.add: program: ") + e.what()).c_str());
+    return false;
+  }
+  Py_DECREF(steps);
+  if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed program");
+  return ok;
+}
+
 PyObject* table_add(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
   try {
-    const char* usage = "Table.add(args, kwargs, outputs, returns, is_tuple, launches, grad=None)";
+    const char* usage = "Table.add(args, kwargs, outputs, returns, is_tuple, launches, grad=None, program=None)";
     CallKey k;
-    const int keyed = call_key(argv, argc == 7 ? 6 : argc, 6, usage, k);
-    if (keyed < 0) return nullptr;
+    const int keyed = call_key(argv, argc >= 7 ? 6 : argc, 6, usage, k);
+    if (keyed < 0 || argc > 8) {
+      if (keyed >= 0) PyErr_SetString(PyExc_TypeError, usage);
+      return nullptr;
+    }
     if (keyed == 0 || (k.cuda && !load_driver())) Py_RETURN_FALSE;
     auto entry = std::make_shared<Entry>();
     entry->tuple = PyObject_IsTrue(argv[4]) == 1;
-    if (!parse_entry(argv[2], argv[3], argv[5], k.tensors.size(), false, *entry)) return nullptr;
-    if (argc == 7 && argv[6] != Py_None) {
+    PyObject* program = argc == 8 && argv[7] != Py_None ? argv[7] : nullptr;
+    // A program's launches and returns index its value table, given with the program.
+    size_t n_slots = k.tensors.size();
+    if (program) {
+      int64_t n_values = 0;
+      if (!PyTuple_Check(program) || PyTuple_GET_SIZE(program) != 2 || !as_i64(PyTuple_GET_ITEM(program, 0), n_values) ||
+          n_values < static_cast<int64_t>(k.tensors.size())) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed program");
+        return nullptr;
+      }
+      entry->n_values = static_cast<int>(n_values);
+      n_slots = static_cast<size_t>(n_values);
+    }
+    if (!parse_entry(argv[2], argv[3], argv[5], n_slots, false, *entry)) return nullptr;
+    if (argc >= 7 && argv[6] != Py_None) {
       entry->grad = parse_grad(argv[6], k.tensors.size(), *entry);
       if (!entry->grad) return nullptr;
     }
+    if (program && !parse_program(PyTuple_GET_ITEM(program, 1), *entry)) return nullptr;
     return store(self, argv[0], argv[1], std::move(k.key), std::move(entry));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -782,6 +951,22 @@ PyObject* store(TableObject* self, PyObject* args, PyObject* kwargs, std::vector
     if (kwargs != Py_None) hold_strings(self, kwargs);
     (*self->entries)[std::move(key)] = std::move(entry);
     Py_RETURN_TRUE;
+}
+
+PyObject* table_kind(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  // Table.kind(args, kwargs): "program", "launches", "refused", or None (no entry): tests.
+  try {
+    CallKey k;
+    const int keyed = call_key(argv, argc, 2, "Table.kind(args, kwargs)", k);
+    if (keyed < 0) return nullptr;
+    auto found = keyed ? self->entries->find(k.key) : self->entries->end();
+    if (found == self->entries->end()) Py_RETURN_NONE;
+    const Entry& entry = *found->second;
+    return PyUnicode_FromString(entry.skip ? "refused" : entry.program.empty() ? "launches" : "program");
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
 }
 
 PyObject* table_clear(TableObject* self, PyObject*) {
@@ -822,6 +1007,8 @@ PyMethodDef table_methods[] = {
      "add(args, kwargs, outputs, returns, is_tuple, launches): record a call; False when it has no key"},
     {"refuse", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_refuse)), METH_FASTCALL,
      "refuse(args, kwargs): calls with this key are not replayed"},
+    {"kind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_kind)), METH_FASTCALL,
+     "kind(args, kwargs): the entry of a call's key: 'program', 'launches', 'refused' or None"},
     {"clear", reinterpret_cast<PyCFunction>(table_clear), METH_NOARGS, "forget every entry"},
     {"size", reinterpret_cast<PyCFunction>(table_len), METH_NOARGS, "number of entries"},
     {"hits", reinterpret_cast<PyCFunction>(table_hits), METH_NOARGS, "calls replayed so far"},
