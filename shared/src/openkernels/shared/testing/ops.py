@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, replay
 from ..dispatch import implementations
 from ..platform import device_info, triton_interpreting
 
@@ -68,7 +68,8 @@ def failing_implementation(op: str, name: str, error: Exception) -> Iterator[Non
     impls[index] = dataclasses.replace(original, fn=fail)
     dispatch._SELECTION_CACHE.clear()
     try:
-        yield
+        with replay.disabled():  # a call recorded before the block would replay the real kernel
+            yield
     finally:
         impls[index] = original
         dispatch._SELECTION_CACHE.clear()
