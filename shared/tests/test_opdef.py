@@ -89,7 +89,7 @@ def scale():
     yield _DEFINED[0]
     for op in ("opdef_test_scale", "opdef_test_scale_backward"):
         dispatch._OPS.pop(op, None)
-    dispatch._SELECTION_CACHE.clear()
+    dispatch.changed()
 
 
 @pytest.fixture(autouse=True)
@@ -177,3 +177,29 @@ def test_library_op_passes_opcheck_and_compiles(scale) -> None:
     y.sum().backward()
     torch.testing.assert_close(y, x.detach() ** 2 * 3)
     torch.testing.assert_close(x.grad, 6 * x.detach())
+
+
+def test_a_registry_change_reaches_calls_already_replayed(scale) -> None:
+    """A recorded call replays the implementation chosen then; registering another one
+    (dispatch.changed) makes every replayable forget its recordings."""
+    from openkernels.shared import replay
+
+    x = torch.arange(4.0)
+    for _ in range(4):
+        torch.testing.assert_close(scale(x, 3.0), x * x * 3)
+    runs = len(CALLS)
+
+    def faster(x: torch.Tensor, out: torch.Tensor, factor: float) -> None:
+        CALLS.append("faster fwd")
+        out.copy_(x * x * factor)
+
+    dispatch.register("opdef_test_scale", "faster", faster, backends=("cpu",), priority=30)
+    try:
+        torch.testing.assert_close(scale(x, 3.0), x * x * 3)
+        assert CALLS[runs:] == ["faster fwd"]
+    finally:
+        impls = dispatch._op("opdef_test_scale").impls
+        impls[:] = [i for i in impls if i.name != "faster"]
+        dispatch.changed()
+    if replay.available():
+        assert replay.stats(scale.direct)["hits"] >= 1

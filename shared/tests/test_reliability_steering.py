@@ -30,7 +30,7 @@ def _forget_throwaway_ops():
     yield
     while _MADE:
         dispatch._OPS.pop(_MADE.pop(), None)
-    dispatch._SELECTION_CACHE.clear()
+    dispatch.changed()
 
 
 def _name() -> str:

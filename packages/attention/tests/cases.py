@@ -490,10 +490,10 @@ def recording_implementation(op: str, name: str) -> Iterator[list[tuple]]:
         return original.fn(*args, **kwargs)
 
     impls[index] = dataclasses.replace(original, fn=record)
-    dispatch._SELECTION_CACHE.clear()
+    dispatch.changed()
     try:
         with replay.disabled():  # a replayed call would not run the implementation's Python
             yield calls
     finally:
         impls[index] = original
-        dispatch._SELECTION_CACHE.clear()
+        dispatch.changed()

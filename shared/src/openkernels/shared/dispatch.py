@@ -37,6 +37,7 @@ __all__ = [
     "Implementation",
     "KernelFallbackWarning",
     "UnsupportedError",
+    "changed",
     "define",
     "explain",
     "forbid",
@@ -150,6 +151,7 @@ class _Op:
 
 _OPS: dict[str, _Op] = {}
 _SELECTION_CACHE: dict[tuple, tuple[Implementation, ...]] = {}
+_generation = 0  # bumped by changed(): shared.replay forgets its recorded calls on a change
 _BROKEN: set[tuple[str, str, DispatchKey]] = set()
 _FORCED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("openkernels_forced", default=())
 _FORBIDDEN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
@@ -180,8 +182,17 @@ def register(
     impl = Implementation(op, name, fn, frozenset(backends), priority, supports, interpretable)
     entry.impls.append(impl)
     entry.impls.sort(key=lambda i: -i.priority)
-    _SELECTION_CACHE.clear()
+    changed()
     return impl
+
+
+def changed() -> None:
+    """The registry changed (an implementation registered, replaced or removed): forget
+    every selection made, and every call shared.replay recorded (it compares the
+    generation, a counter this bumps, on each call)."""
+    global _generation
+    _SELECTION_CACHE.clear()
+    _generation += 1
 
 
 def implementations(op: str) -> list[Implementation]:

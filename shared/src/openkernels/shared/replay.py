@@ -581,6 +581,7 @@ class _Replayable:
         self.table: Any = None
         self.refusals: dict[str, int] = {}
         self.programs = 0  # entries recorded as programs (CPU calls that compute with aten)
+        self.generation = dispatch._generation  # the registry its entries were recorded under
 
     def start(self) -> bool:
         if self.table is None:
@@ -814,6 +815,9 @@ def replayable(fn: F) -> F:
         table = r.table
         if table is None and not r.start():
             return fn(*args, **kwargs)
+        if r.generation != dispatch._generation:  # implementations changed since recorded
+            r.table.clear()
+            r.generation = dispatch._generation
         out = r.table.call(args, kwargs)
         if out is _MISS:
             return r.record(args, kwargs)

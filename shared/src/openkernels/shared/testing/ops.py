@@ -66,11 +66,11 @@ def failing_implementation(op: str, name: str, error: Exception) -> Iterator[Non
         raise error
 
     impls[index] = dataclasses.replace(original, fn=fail)
-    dispatch._SELECTION_CACHE.clear()
+    dispatch.changed()
     try:
         with replay.disabled():  # a call recorded before the block would replay the real kernel
             yield
     finally:
         impls[index] = original
-        dispatch._SELECTION_CACHE.clear()
+        dispatch.changed()
         dispatch.reset_failures()
