@@ -35,3 +35,35 @@ def test_forward_backward_replays_as_the_python_path(case: str, dtype: torch.dty
             return [torch.ones_like(outs[0]), None]
 
     check_replayed_backward(K.attention, (make(17, 4), make(23, 2), make(23, 2)), kwargs, grads)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("check", [False, True])
+def test_kvcache_calls_replay_as_the_python_path(check: bool, device: str) -> None:
+    """attention_with_kvcache appends in place and attends: replayed calls (CUDA, check=False)
+    leave the same cache and output as the Python path; checked calls and CPU calls read the
+    lengths on the host and are refused (they run the Python path, still equal)."""
+    from openkernels.shared import replay
+
+    def run(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+
+        def make(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g).to(device=device, dtype=torch.bfloat16)
+
+        k_cache, v_cache = make(2, 64, 2, 32), make(2, 64, 2, 32)
+        lengths = torch.tensor([5, 40], dtype=torch.int32, device=device)
+        out = K.attention_with_kvcache(make(2, 1, 8, 32), k_cache, v_cache, lengths, k_new=make(2, 1, 2, 32),
+                                       v_new=make(2, 1, 2, 32), check=check)  # fmt: skip
+        return out, k_cache, v_cache
+
+    for seed in range(3):  # the second call of a key records, the third replays
+        run(seed)
+    before = replay.stats(K.attention_with_kvcache)["hits"]
+    got = run(7)
+    with replay.disabled():
+        want = run(7)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    replayed = replay.stats(K.attention_with_kvcache)["hits"] > before
+    assert replayed == (device == "cuda" and not check)

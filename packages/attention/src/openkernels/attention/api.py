@@ -566,6 +566,7 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     capacity = kd.shape[1] if block_table is None else block_table.shape[1] * kd.shape[1]
     seqlens = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
     if host_lengths is None and check and not tracing:  # one small device-to-host copy (two when paged)
+        replay.reads_host_values("the checked cache lengths")  # check=False calls replay; these cannot
         rows = None if rotary_cos is None else rotary_cos.shape[0]
         if cache_leftpad is None:
             host_lengths = check_lengths(name, cache_seqlens.tolist(), capacity, seqlen_new, q.shape[1], rows)
@@ -610,6 +611,9 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     return _append_then_attend(append, forward, written, append_args, forward_args)
 
 
+# check=False calls replay from their third on (shared.replay: the planning bound is the
+# cache's capacity, a function of the shapes); checked ones read the lengths on the host.
+@replay.replayable
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor | QuantizedKV,
