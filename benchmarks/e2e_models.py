@@ -9,7 +9,8 @@ prefill: batch 8 x 2048 tokens, forward without cache, logits of the last positi
     generate() computes), against attn_implementation="sdpa".
 decode: batch 1, 32-token prompt, 128 greedy tokens with generate(); ours with int4 weights
     (kernelize(quantize="int4")) and the int4 KV cache (OpenKernelsCache), against the bf16
-    sdpa model with its DynamicCache; also ours with bf16 weights, for attribution.
+    sdpa model with its DynamicCache; also ours with bf16 weights, for attribution. The eager
+    variants run alternated, one generation each per round (medians of 5 rounds).
 train: batch 4 x 2048, forward with labels + backward, mode="training", against sdpa.
 Times are CUDA-event medians of several runs after warm-up; outputs are compared too.
 """
@@ -131,48 +132,69 @@ def _cache(model, kv_format, static=False):
     return kind(model.config, batch_size=1, max_seqlen=256, kv_dtype=kv_format, device="cuda")
 
 
-def decode(model, results: dict, new_tokens: int = 128, compiled: bool = True) -> None:
-    """Eager generate() for every variant; then, with compiled=True, generate()'s own
-    torch.compile + CUDA graphs for static caches (transformers compiles the decode step
-    when the cache is compileable): the bf16 sdpa model with StaticCache and ours with
-    OpenKernelsStaticCache."""
+def decode(model, results: dict, new_tokens: int = 128, compiled: bool = True, rounds: int = 5) -> None:
+    """Eager generate() for every variant, alternated: three copies of the model (sdpa,
+    kernelized, kernelized with int4 weights), two warm-up generations each (the first
+    compiles and records every shape it meets), then `rounds` rounds timing one generation of
+    each variant in turn, so a slow stretch of the host hits every variant alike. Then, with
+    compiled=True, generate()'s own torch.compile + CUDA graphs for static caches
+    (transformers compiles the decode step when the cache is compileable): the bf16 sdpa model
+    with StaticCache and ours with OpenKernelsStaticCache."""
+    import copy
+
     ids = torch.randint(0, LLAMA_1B["vocab_size"], (1, 32), device="cuda")
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
-    def generate(make_cache=None, **extra):
+    def generate(m, make_cache=None, **extra):
         with torch.no_grad():
             cache = None if make_cache is None else make_cache()
-            return model.generate(ids, past_key_values=cache, **kwargs, **extra)
+            return m.generate(ids, past_key_values=cache, **kwargs, **extra)
 
-    entry: dict = dict(prompt=32, new_tokens=new_tokens)
+    entry: dict = dict(prompt=32, new_tokens=new_tokens, rounds=rounds)
     results["decode"] = entry
+    ours_bf16, ours_int4 = copy.deepcopy(model), copy.deepcopy(model)
+    kernelize(ours_bf16)
+    kernelize(ours_int4, quantize="int4")
+    variants = {
+        "sdpa_eager": (model, None),
+        "ours_bf16_eager": (ours_bf16, None),
+        "ours_int4w_int4kv_eager": (ours_int4, lambda: _cache(model, "int4")),
+        "ours_int4w_bf16kv_eager": (ours_int4, lambda: _cache(model, None)),
+    }
+    tokens = {label: generate(m, make) for label, (m, make) in variants.items()}
+    for m, make in variants.values():
+        generate(m, make)
+    times: dict[str, list[float]] = {label: [] for label in variants}
+    for _ in range(rounds):
+        for label, (m, make) in variants.items():
+            times[label].append(timed(lambda m=m, make=make: generate(m, make), 1, warmup=0))
+    for label, ms in times.items():
+        median = statistics.median(ms)
+        entry[f"{label}_ms_per_token"] = median / new_tokens
+        entry[f"{label}_best_ms_per_token"] = min(ms) / new_tokens
+        entry[f"{label}_tok_s"] = new_tokens / median * 1e3
+        if label != "sdpa_eager":
+            entry[f"{label}_same_tokens"] = float((tokens[label] == tokens["sdpa_eager"]).float().mean())
+        print(f"  decode {label}: {new_tokens / median * 1e3:.1f} tok/s (median of {rounds}; best "
+              f"{new_tokens / min(ms) * 1e3:.1f})", flush=True)  # fmt: skip
+    del ours_bf16, ours_int4, variants
+    base = tokens["sdpa_eager"]
 
-    def run(label, make_cache=None, reference=None, **extra):
-        tokens = generate(make_cache, **extra)
-        # Two warm-up generations: the first compiles and records (replay) every shape it meets.
-        ms = timed(lambda: generate(make_cache, **extra), 5, warmup=2)
+    def run(label, make_cache=None, **extra):
+        out = generate(model, make_cache, **extra)
+        ms = timed(lambda: generate(model, make_cache, **extra), 5, warmup=2)
         entry[f"{label}_ms_per_token"] = ms / new_tokens
         entry[f"{label}_tok_s"] = new_tokens / ms * 1e3
-        if reference is not None:
-            entry[f"{label}_same_tokens"] = float((tokens == reference).float().mean())
+        entry[f"{label}_same_tokens"] = float((out == base).float().mean())
         print(f"  decode {label}: {new_tokens / ms * 1e3:.1f} tok/s", flush=True)
-        return tokens
 
-    base = run("sdpa_eager")
-    kernelize(model)
-    run("ours_bf16_eager", reference=base)
-    unkernelize(model)
-    kernelize(model, quantize="int4")
-    run("ours_int4w_int4kv_eager", lambda: _cache(model, "int4"), reference=base)
-    run("ours_int4w_bf16kv_eager", lambda: _cache(model, None), reference=base)
-    unkernelize(model)
     if compiled:
-        run("sdpa_static_compiled", reference=base, cache_implementation="static")
+        run("sdpa_static_compiled", cache_implementation="static")
         kernelize(model, quantize="int4")
-        run("ours_int4w_int4kv_static_compiled", lambda: _cache(model, "int4", static=True), reference=base)
+        run("ours_int4w_int4kv_static_compiled", lambda: _cache(model, "int4", static=True))
         unkernelize(model)
         kernelize(model)
-        run("ours_bf16w_bf16kv_static_compiled", lambda: _cache(model, None, static=True), reference=base)
+        run("ours_bf16w_bf16kv_static_compiled", lambda: _cache(model, None, static=True))
         unkernelize(model)
     sdpa = entry["sdpa_eager_tok_s"]
     for key in [k for k in entry if k.endswith("_tok_s")]:
