@@ -121,6 +121,27 @@ def test_large_offsets_and_constant_rows(device: str, impl: str, rms: bool) -> N
         )
 
 
+@pytest.mark.parametrize("cols", [384, 1000])
+def test_short_rows_far_from_their_first_value(device: str, impl: str, cols: int) -> None:
+    # Short float32 rows are summed in one pass about their first value on the CPU; a first value
+    # far from the row's mean (an outlier, a row that jumps) must not cost the variance its digits.
+    options = Options(rms=False, bias=True)
+    inputs = options.make((7, cols), torch.float32, device)
+    x = inputs["x"].detach().clone()
+    x[1, 0] = 1.0e4  # an outlier first
+    x[2, 1:] = x[2, 1:] * 0.01
+    x[2, 0] = -50.0
+    x[3] = 7.0  # constant
+    x[4, 0] = 1.0e15
+    x[5, 1:] = 1.0e-3 * x[5, 1:]
+    x[5, 0] = 1.0
+    inputs["x"] = x.requires_grad_()
+    with dispatch.force(impl), poisoned_empty():
+        y, h = options.call(inputs, torch.float32)
+        # No conditioning allowance: the rows are summed about their mean, as every other row.
+        check_against_reference(options, inputs, torch.float32, y, h, "rows far from their first value")
+
+
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 def test_empty(device: str, impl: str, rms: bool) -> None:
     options = Options(rms=rms, bias=not rms, residual=True, prenorm=True)

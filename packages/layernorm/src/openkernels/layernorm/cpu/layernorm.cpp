@@ -15,7 +15,9 @@
 // OPENKERNELS_CPU_HUGEPAGES=0 to leave their pages to the system).
 //
 // LayerNorm's variance: per chunk (in L1) the shifted sums about the chunk's rounded mean, merged across
-// chunks in double (Chan et al.): centered, so no cancellation, and no second pass over the row.
+// chunks in double (Chan et al.): centered, so no cancellation, and no second pass over the row. A row
+// of float x read in place (no residual, no conversion) is summed in one pass about its first value
+// instead, and again about its mean when that first value turns out far from it (first_value_stats).
 // dweight / dbias: each thread sums its static block of rows into its own partials (A over 32 rows,
 // then double); the partials are added in thread order. No atomics: the result depends only on the
 // team size.
@@ -214,38 +216,74 @@ OK_INLINE void emit(bool stream, char* dst, int64_t n, int code, F&& f) {
 }
 
 // ---- reductions over one chunk (vectorized: several partial sums), summed across chunks in double ----
+// kLanes independent partial sums (four AVX2 vectors of float): one accumulator would make each pass a
+// chain of dependent vector adds, latency- rather than throughput-bound (a 384-column row: 48 adds of
+// 4 cycles each per pass).
+constexpr int kLanes = 32;
+
+// The sum of the partial sums, pairwise (halving vector adds, not a serial chain of kLanes scalar adds).
+template <class A>
+OK_INLINE A fold(A* acc) {
+  for (int w = kLanes / 2; w >= 1; w /= 2) {
+#pragma omp simd
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  }
+  return acc[0];
+}
 
 template <class A>
 OK_NOINLINE A sum_of(const A* __restrict p, int64_t n) {
+  A acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) acc[j] += p[i + j];
+  }
   A s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += p[i];
-  return s;
+  for (; i < n; ++i) s += p[i];
+  return s + fold(acc);
 }
 
 template <class A>
 OK_NOINLINE A sum_sq(const A* __restrict p, A center, int64_t n) {
+  A acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      const A d = p[i + j] - center;
+      acc[j] += d * d;
+    }
+  }
   A s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) {
+  for (; i < n; ++i) {
     const A d = p[i] - center;
     s += d * d;
   }
-  return s;
+  return s + fold(acc);
 }
 
 // sum(d^2) and sum(d) with d = p - center (the shifted-data sums: exact differences near the center).
 template <class A>
 OK_NOINLINE A centered_sums(const A* __restrict p, A center, int64_t n, A& sum_d) {
+  A sq[kLanes] = {}, lin[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      const A d = p[i + j] - center;
+      sq[j] += d * d;
+      lin[j] += d;
+    }
+  }
   A s = 0, t = 0;
-#pragma omp simd reduction(+ : s, t)
-  for (int64_t i = 0; i < n; ++i) {
+  for (; i < n; ++i) {
     const A d = p[i] - center;
     s += d * d;
     t += d;
   }
-  sum_d = t;
-  return s;
+  sum_d = t + fold(lin);
+  return s + fold(sq);
 }
 
 // Per-thread scratch that outlives the call (no page faults on reuse): slot k of the calling thread.
@@ -359,14 +397,23 @@ AffineFn<A> pick_affine(int code, bool w, bool b, bool bf16_src) {
 // is summed while it is in registers.
 template <bool SQ, class U, class Cvt>
 OK_INLINE float convert_sum(const U* __restrict src, float* __restrict dst, int64_t n, Cvt&& cvt) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = cvt(src[i + j]);
+      dst[i + j] = v;
+      acc[j] += SQ ? v * v : v;
+    }
+  }
   float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) {
+  for (; i < n; ++i) {
     const float v = cvt(src[i]);
     dst[i] = v;
     s += SQ ? v * v : v;
   }
-  return s;
+  return s + fold(acc);
 }
 
 template <bool SQ>
@@ -424,6 +471,29 @@ bool reads_bf16(const Fwd& f) {
   return refetches<A>(f) && f.x_code == kBF16 && f.N > kChunk;
 }
 
+// LayerNorm statistics of a row h[0..N) from its sums about c = h[0], taken in one pass: in, sum_d =
+// sum(h - c) and sum_sq = sum((h - c)^2); out, the mean and N * variance. Sums about a center c lose
+// about (mean - c)^2 / variance of the variance's digits (at most N, as h[0] is one of the values);
+// a row whose first value lies more than 4 standard deviations from its mean (or whose sums are not
+// finite) is summed again about its mean, a second pass over a row that is still in cache.
+template <class A>
+void first_value_stats(const A* h, int64_t N, double& sum_d, double& sum_sq) {
+  A center = h[0];
+  double dc = sum_d / double(N);
+  if (!(dc * dc <= 16.0 * (sum_sq / double(N) - dc * dc))) {
+    center = A(double(center) + dc);
+    sum_d = sum_sq = 0.0;
+    for (int64_t c = 0; c < N; c += kChunk) {
+      A d;
+      sum_sq += double(centered_sums<A>(h + c, center, std::min(kChunk, N - c), d));
+      sum_d += double(d);
+    }
+    dc = sum_d / double(N);
+  }
+  sum_d = double(center) + dc;                          // the mean
+  sum_sq = std::max(0.0, sum_sq - double(N) * dc * dc);  // N * variance
+}
+
 // One row. hb: a row buffer of N (unused when h is x itself), tb: a chunk buffer.
 template <class A>
 void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A* __restrict tb, bool stream_out,
@@ -448,10 +518,20 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
   // and the sum of squares about the chunk's mean, merged across chunks in double (Chan et al.): the
   // variance comes from centered sums without a second pass over the row.
   double s = 0.0, cnt = 0.0, mu = 0.0, m2 = 0.0;
+  // LayerNorm of a row read in place (float x, no residual): one pass from memory, each chunk summed
+  // about the row's first value; see first_value_stats.
+  const bool one_pass = alias && !f.rms && N > 0;
   for (int64_t c = 0; c < N; c += kChunk) {
     const int64_t m = std::min(kChunk, N - c);
     const char* xc = x + c * elem_size(f.x_code);
     const A* hc = refetch ? tb : h + c;
+    if (one_pass) {
+      A sum_d;
+      m2 += double(centered_sums<A>(hc, h[0], m, sum_d));
+      mu += double(sum_d);
+      if (ro) store(f.res_out_code, hc, ro + c * elem_size(f.res_out_code), m, stream_res);
+      continue;
+    }
     double sc;  // sum(h) or sum(h^2) of the chunk
     if (alias) {
       sc = f.rms ? double(sum_sq<A>(hc, A(0), m)) : double(sum_of<A>(hc, m));
@@ -469,6 +549,17 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
     if (ro) store(f.res_out_code, hc, ro + c * elem_size(f.res_out_code), m, stream_res);
     if (f.rms) {
       s += sc;
+    } else if (m == N) {
+      // One chunk (short rows, e.g. 384 columns, with a residual): the centered sums below with the
+      // scalar math in A and no merge. The row's statistics are a serial chain of latencies
+      // (reductions, divides, sqrt): double conversions and divides in it cost as much as a pass.
+      const A inv = A(1) / A(m);
+      const A center = A(sc) * inv;
+      A sum_d;
+      const A ss = centered_sums<A>(hc, center, m, sum_d);
+      const A dc = sum_d * inv;
+      mu = double(center + dc);
+      m2 = double(std::max(A(0), ss - A(m) * dc * dc));
     } else {
       // sum((h - center)^2) = m2_c + m (mean_c - center)^2, with mean_c - center = sum(h - center) / m
       // exactly: the rounded sum(h) only picks the center.
@@ -484,6 +575,7 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
       cnt = n1;
     }
   }
+  if (one_pass) first_value_stats<A>(h, N, mu, m2);
   A mean = 0, var;
   if (f.rms) {
     var = A(s / double(N));  // mean(h^2)
