@@ -68,18 +68,36 @@ def _round_h(x, r, res_out_ptr, HAS_RESIDUAL: tl.constexpr):
 def _tile_stats(h, mask, n_cols, eps, IS_RMS: tl.constexpr):
     """(mean, rstd, xhat) of each row of a [R, C] float32 tile (masked entries 0).
 
-    LayerNorm: deviations d from the first-pass mean; sum d and sum d^2 correct the mean
-    and give var = mean(d^2) - mean(d)^2 exactly;
-    rows with a large mean and a small spread keep their variance (no E[h^2] - E[h]^2)."""
+    LayerNorm, tiles of 32-8192 columns: sum h and sum h^2 in one pass (two independent
+    reductions, where sum h first and then the sums about it took three in a row). The
+    variance from sums about 0 loses about mean^2 / var of its digits, so when a row's mean
+    lies more than 4 standard deviations from 0 (or its sums are not finite) the tile is
+    summed again about its means: rows with a large mean and a small spread keep their
+    variance (no E[h^2] - E[h]^2 cancellation)."""
     if IS_RMS:
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
         return tl.zeros_like(rstd), rstd, h * rstd[:, None]
-    mean = tl.sum(h, axis=1) / n_cols
-    d = tl.where(mask, h - mean[:, None], 0.0)
-    s1, s2 = _sum_pair(d, d * d, 1)
-    shift = s1 / n_cols
-    rstd = tl.rsqrt(tl.maximum(s2 / n_cols - shift * shift, 0.0) + eps)
-    return mean + shift, rstd, (d - shift[:, None]) * rstd[:, None]
+    if h.shape[1] < 32 or h.shape[1] > 8192:
+        # The 16384-column tile (and degenerate ones) would spill with the branch below on
+        # sm_80: the mean first, then the sums about it (three reductions in a row).
+        mean = tl.sum(h, axis=1) / n_cols
+        d = tl.where(mask, h - mean[:, None], 0.0)
+        s1, s2 = _sum_pair(d, d * d, 1)
+        shift = s1 / n_cols
+        rstd = tl.rsqrt(tl.maximum(s2 / n_cols - shift * shift, 0.0) + eps)
+        return mean + shift, rstd, (d - shift[:, None]) * rstd[:, None]
+    s1, s2 = _sum_pair(h, h * h, 1)
+    mean = s1 / n_cols
+    var = s2 / n_cols - mean * mean
+    far = (mean * mean <= 16.0 * var).to(tl.int32)  # 0 where far, or NaN
+    if tl.min(far, axis=0) == 0:
+        d = tl.where(mask, h - mean[:, None], 0.0)
+        d1, d2 = _sum_pair(d, d * d, 1)
+        shift = d1 / n_cols
+        mean += shift
+        var = d2 / n_cols - shift * shift
+    rstd = tl.rsqrt(tl.maximum(var, 0.0) + eps)
+    return mean, rstd, (h - mean[:, None]) * rstd[:, None]
 
 
 @triton.jit
