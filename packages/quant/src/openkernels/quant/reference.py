@@ -104,7 +104,13 @@ _UNIT_ROUNDOFF = {
 
 
 def linear_error_bound(
-    x: Tensor, w: Tensor, ref: Tensor, out_dtype: torch.dtype, *, weight_rounded_to: torch.dtype | None = None
+    x: Tensor,
+    w: Tensor,
+    ref: Tensor,
+    out_dtype: torch.dtype,
+    *,
+    weight_rounded_to: torch.dtype | None = None,
+    abs_sum: Tensor | None = None,
 ) -> Tensor:
     """Elementwise bound on |out - ref| for int4_linear (the kernels' error contract).
 
@@ -114,9 +120,13 @@ def linear_error_bound(
                                        dequantize + matmul path, NF4 levels in the MMA):
                                        K independent roundings, a random walk, 4 sigma
       + 4 sqrt(K) 2^-24 sum_k |x_k w_k| float32 accumulation of K products
+    abs_sum: what the kernel accumulates in place of sum_k |x_k w_k| when its terms are not
+    the products x_k w_k (the CPU GEMV of int4 sums x_k s (q_k) and takes zero * s * sum x off
+    per group: sum_k |x_k| s (|q_k| + |z|)).
     """
     u_out = _UNIT_ROUNDOFF[out_dtype]
     u_w = _UNIT_ROUNDOFF[weight_rounded_to] if weight_rounded_to is not None else 0.0
     rss = ((x * x) @ (w * w).t()).sqrt()
-    abs_sum = x.abs() @ w.abs().t()
+    if abs_sum is None:
+        abs_sum = x.abs() @ w.abs().t()
     return u_out * ref.abs() + 4 * u_w * rss + 4 * w.shape[1] ** 0.5 * 2.0**-24 * abs_sum + 1e-30

@@ -29,6 +29,7 @@
 //    every row of x against (below).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <new>
@@ -181,6 +182,21 @@ struct Decoder {
       w[3] = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)) - z;
     } else {
       (void)z;
+      nf4_block(p, w);
+    }
+  }
+  // int4: the codes themselves (the zero is taken off the sums instead, see gemv_tile).
+  OK_INLINE void codes(const uint8_t* p, v8 w[4]) const {
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    const __m256i m = _mm256_set1_epi32(15);
+    w[0] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(b0, m));
+    w[1] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(b1, m));
+    w[2] = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    w[3] = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  }
+  OK_INLINE void nf4_block(const uint8_t* p, v8 w[4]) const {
+    {
       // In-lane byte lookups build the levels' floats byte by byte, and unpacks put the bytes
       // together: fewer shuffles than 8-entry permutes and blends (1.6x faster, measured).
       const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -205,6 +221,7 @@ struct Decoder {
     for (int i = 0; i < 32; ++i) f[i] = table[code_of(p, column_of(KIND, i))];
     for (int i = 0; i < 4; ++i) w[i] = KIND == kNf4 ? load8(f + 8 * i) : load8(f + 8 * i) - z;
   }
+  OK_INLINE void codes(const uint8_t* p, v8 w[4]) const { block(p, w, splat(0.0f)); }
 #endif
 };
 
@@ -273,8 +290,13 @@ struct Linear {
 
 // out[i, n0 + j] for i < MR (= M), j < NR, from staged rows xp (row stride KP). Scales and zeros are
 // read as passed in (a float32 table of them, written and read back, took 15% of a call at M = 1).
-template <int KIND, int MR, int NR>
-OK_NOINLINE void gemv_tile(const Linear& L, const float* __restrict xp, int64_t n0) {
+// FOLD (int4, every sum of x finite): the products take the codes themselves and the zero comes off
+// each group's sum as zero * sum(x over the group) (xs, per row of x and group): one subtraction per
+// group and output instead of one per code (M=1 4096 x 4096 on the 2-core machine: 17% less time).
+// An infinite x would give inf - inf there, where (code - zero) * inf is +-inf or NaN: such calls
+// subtract per code.
+template <int KIND, int MR, int NR, bool FOLD>
+OK_NOINLINE void gemv_tile(const Linear& L, const float* __restrict xp, const float* __restrict xs, int64_t n0) {
   const Shape& sh = L.sh;
   const Params& p = L.wt.raw;
   const Decoder<KIND> dec(L.wt.nf4);
@@ -285,12 +307,16 @@ OK_NOINLINE void gemv_tile(const Linear& L, const float* __restrict xp, int64_t 
     next[j] = n0 + NR + j < sh.N ? L.wt.row(n0 + NR + j) : nullptr;
   }
   v8 tot[MR][NR] = {};
+  float zsum[MR][NR] = {};  // int4: sum over groups of scale * zero * sum(x over the group)
   for (int64_t g = 0; g < sh.G; ++g) {
     float sc[NR];
     v8 zq[NR];
     for (int j = 0; j < NR; ++j) {
       sc[j] = half(p.s + g * p.s_stride + n0 + j, p.bf16);
-      zq[j] = splat(KIND == kInt4Zeros ? half(p.z + g * p.z_stride + n0 + j, p.bf16) : 8.0f);
+      const float z = KIND == kInt4Zeros ? half(p.z + g * p.z_stride + n0 + j, p.bf16) : 8.0f;
+      zq[j] = splat(z);
+      if constexpr (FOLD)
+        for (int i = 0; i < MR; ++i) zsum[i][j] += sc[j] * z * xs[i * sh.G + g];
     }
     const float* xg = xp + g * sh.GP;
     const int64_t gb = g * (sh.gs / 2);
@@ -307,7 +333,8 @@ OK_NOINLINE void gemv_tile(const Linear& L, const float* __restrict xp, int64_t 
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         v8 w[4];
-        dec.block(bytes[j], w, zq[j]);
+        if constexpr (FOLD) dec.codes(bytes[j], w);
+        else dec.block(bytes[j], w, zq[j]);
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i) {
           const float* xr = xb + i * sh.KP;
@@ -338,30 +365,30 @@ OK_NOINLINE void gemv_tile(const Linear& L, const float* __restrict xp, int64_t 
   }
   for (int i = 0; i < MR; ++i) {
     float y[NR];
-    for (int j = 0; j < NR; ++j) y[j] = hsum(tot[i][j]) + (L.bias ? L.bias[n0 + j] : 0.0f);
+    for (int j = 0; j < NR; ++j) y[j] = hsum(tot[i][j]) - zsum[i][j] + (L.bias ? L.bias[n0 + j] : 0.0f);
     store(L.dtype, L.out, i * sh.N + n0, y, NR);
   }
 }
 
 // Output rows [n0, n0 + rows) (rows <= 4) for every row of x (M <= kGemvMaxM): tiles of 4 rows of W
 // for one row of x, 2 for 2, else 1.
-template <int KIND>
-void gemv_unit(const Linear& L, const float* xp, int64_t n0, int64_t rows) {
+template <int KIND, bool FOLD>
+void gemv_unit(const Linear& L, const float* xp, const float* xs, int64_t n0, int64_t rows) {
   const int64_t M = L.sh.M;
   for (int64_t n = n0; n < n0 + rows;) {
     const int64_t left = n0 + rows - n;
     if (M == 1 && left >= 4) {
-      gemv_tile<KIND, 1, 4>(L, xp, n), n += 4;
+      gemv_tile<KIND, 1, 4, FOLD>(L, xp, xs, n), n += 4;
     } else if (M == 2 && left >= 2) {
-      gemv_tile<KIND, 2, 2>(L, xp, n), n += 2;
+      gemv_tile<KIND, 2, 2, FOLD>(L, xp, xs, n), n += 2;
     } else {
       switch (M) {
-        case 1: gemv_tile<KIND, 1, 1>(L, xp, n); break;
-        case 2: gemv_tile<KIND, 2, 1>(L, xp, n); break;
-        case 3: gemv_tile<KIND, 3, 1>(L, xp, n); break;
-        case 4: gemv_tile<KIND, 4, 1>(L, xp, n); break;
-        case 5: gemv_tile<KIND, 5, 1>(L, xp, n); break;
-        default: gemv_tile<KIND, 6, 1>(L, xp, n); break;
+        case 1: gemv_tile<KIND, 1, 1, FOLD>(L, xp, xs, n); break;
+        case 2: gemv_tile<KIND, 2, 1, FOLD>(L, xp, xs, n); break;
+        case 3: gemv_tile<KIND, 3, 1, FOLD>(L, xp, xs, n); break;
+        case 4: gemv_tile<KIND, 4, 1, FOLD>(L, xp, xs, n); break;
+        case 5: gemv_tile<KIND, 5, 1, FOLD>(L, xp, xs, n); break;
+        default: gemv_tile<KIND, 6, 1, FOLD>(L, xp, xs, n); break;
       }
       n += 1;
     }
@@ -500,16 +527,33 @@ void linear(Linear L, const Params& params, const void* x, int64_t x_stride, int
     const int64_t n_units = (sh.N + 3) / 4;  // 4 rows of W each
     const int64_t chunk = std::max<int64_t>(1, n_units / (8 * threads));
     Floats xp(sh.M * sh.KP);
+    Floats xs(sh.M * sh.G);  // sum of each group of each staged row (int4's zeros, see gemv_tile)
+    bool finite[kGemvMaxM];
 #pragma omp parallel num_threads(threads) if (parallel)
     {
       Floats tmp(L.dtype == kF16 ? sh.K : 0);
 #pragma omp for schedule(static)
-      for (int64_t m = 0; m < sh.M; ++m) stage<KIND>(sh, L.dtype, xb + m * x_stride * elem, tmp.p, xp.p + m * sh.KP);
+      for (int64_t m = 0; m < sh.M; ++m) {
+        float* row = xp.p + m * sh.KP;
+        stage<KIND>(sh, L.dtype, xb + m * x_stride * elem, tmp.p, row);
+        finite[m] = true;
+        for (int64_t g = 0; g < sh.G; ++g) {
+          float t = 0.0f;
+          for (int64_t k = 0; k < sh.GP; ++k) t += row[g * sh.GP + k];
+          xs.p[m * sh.G + g] = t;
+          finite[m] = finite[m] && std::isfinite(t);
+        }
+      }
+      const bool fold = KIND != kNf4 && std::all_of(finite, finite + sh.M, [](bool f) { return f; });
       // Dynamic chunks of consecutive units: a thread that the OS or a busy neighbour holds up
       // leaves its share to the others (on a shared 2-core machine the static split often waited),
       // while each thread still reads runs of rows (and prefetches the next tile of its chunk).
 #pragma omp for schedule(dynamic, chunk)
-      for (int64_t u = 0; u < n_units; ++u) gemv_unit<KIND>(L, xp.p, 4 * u, std::min<int64_t>(4, sh.N - 4 * u));
+      for (int64_t u = 0; u < n_units; ++u) {
+        const int64_t rows = std::min<int64_t>(4, sh.N - 4 * u);
+        if (fold) gemv_unit<KIND, KIND != kNf4>(L, xp.p, xs.p, 4 * u, rows);
+        else gemv_unit<KIND, false>(L, xp.p, xs.p, 4 * u, rows);
+      }
     }
     return;
   }
