@@ -72,3 +72,40 @@ def test_kvcache_calls_replay_as_the_python_path(
         assert torch.equal(a, b)
     replayed = replay.stats(K.attention_with_kvcache)["hits"] > before
     assert replayed == (device == "cuda" and not check)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tables", ["per batch", "shared"])
+def test_rotary_replays_as_the_python_path(tables: str, dtype: torch.dtype, device: str) -> None:
+    """apply_rotary (q and k in one call, two results): forward+backward bit for bit against the
+    Python path; on the CPU the forward replays as a program."""
+    g = torch.Generator().manual_seed(5)
+
+    def make(*shape: int, grad: bool = True) -> torch.Tensor:
+        t = torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+        return t.requires_grad_() if grad else t
+
+    rows = (2, 9, 32) if tables == "per batch" else (9, 32)
+    cos, sin = make(*rows, grad=False), make(*rows, grad=False)
+    check_replayed_backward(K.apply_rotary, (make(2, 9, 4, 64), make(2, 9, 2, 64), cos, sin), {})
+
+    from openkernels.shared import replay
+
+    q, k = make(2, 9, 4, 64, grad=False), make(2, 9, 2, 64, grad=False)
+    cos, sin = (
+        cos[..., :16].contiguous(),
+        sin[..., :16].contiguous(),
+    )  # R = 16 of head_dim 64: a partial rotation
+    for _ in range(3):
+        K.apply_rotary(q, k, cos, sin)
+    before = replay.stats(K.apply_rotary)["hits"]
+    got = K.apply_rotary(q, k, cos, sin)
+    with replay.disabled():
+        want = K.apply_rotary(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if replay.available():  # forward calls replay: launches on GPUs, a program on the CPU
+        assert replay.stats(K.apply_rotary)["hits"] == before + 1
+        assert replay.entry_kind(K.apply_rotary, q, k, cos, sin) == (
+            "program" if device == "cpu" else "launches"
+        )

@@ -700,6 +700,7 @@ def _check_rotary(name: str, q: object, k: object, cos: object, sin: object) -> 
                          f"{cos.requires_grad}, sin.requires_grad is {sin.requires_grad})")  # fmt: skip
 
 
+@replay.replayable
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
