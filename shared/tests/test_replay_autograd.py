@@ -232,3 +232,80 @@ def test_saved_tensor_hooks_pack_and_unpack_the_replayed_saves(mul):
     y.backward(torch.ones(6))
     assert len(packed) == 2 and PYTHON_RUNS == []
     torch.testing.assert_close(x.grad, w.detach())
+
+
+# A CPU op whose bodies compute with aten ops (no kernel library): both replay as programs,
+# the forward's saved intermediate (tanh(x), a non-differentiable result) a value of its own.
+def _tanh_mul_forward(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    PYTHON_RUNS.append("forward")
+    t = torch.tanh(x)
+    return t * w, t
+
+
+def _tanh_mul_backward(grad: torch.Tensor, t: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    PYTHON_RUNS.append("backward")
+    return grad * w * (1 - t * t), grad * t
+
+
+@pytest.fixture(scope="module")
+def tanh_mul():
+    if not replay.available():
+        pytest.skip("the replay extension cannot be built here")
+    if "tanh_mul" not in _STATE:
+        _STATE["tanh_mul"] = opdef.define(
+            _LIB,
+            opdef.OpDef(
+                name="toy_tanh_mul",
+                schema="(Tensor x, Tensor w) -> (Tensor, Tensor)",
+                forward=_tanh_mul_forward,
+                fake=lambda x, w: (torch.empty_like(x), torch.empty_like(x)),
+                tensor_args=(0, 1),
+                backward=opdef.BackwardDef(
+                    schema="(Tensor grad, Tensor t, Tensor w) -> (Tensor, Tensor)",
+                    compute=_tanh_mul_backward,
+                    fake=lambda grad, t, w: (torch.empty_like(t), torch.empty_like(w)),
+                    save=lambda inputs, output: ((output[1], inputs[1]), ()),
+                    grads=lambda run, tensors, values, grads, needs: run(grads[0], *tensors),
+                    non_differentiable=(1,),
+                ),
+            ),
+        )
+    op = _STATE["tanh_mul"]
+
+    @replay.replayable
+    def public(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return op(x, w)[0]
+
+    return public
+
+
+def test_a_cpu_op_computing_with_aten_replays_forward_and_backward_as_programs(tanh_mul):
+    for n in (5, 5, 7, 7):  # two keys, each seen then recorded
+        x, w = torch.randn(n, requires_grad=True), torch.randn(n, requires_grad=True)
+        tanh_mul(x, w).backward(torch.ones(n))
+    assert replay.entry_kind(tanh_mul, x, w) == "program" and not replay.stats(tanh_mul)["refused"]
+    PYTHON_RUNS.clear()
+    for n in (5, 7):
+        x, w = torch.randn(n, requires_grad=True), torch.randn(n, requires_grad=True)
+        y = tanh_mul(x, w)
+        assert y.grad_fn.name() == "Eager_toy_tanh_mulBackward"
+        g = torch.randn(n)
+        y.backward(g, retain_graph=True)
+        t = torch.tanh(x.detach())
+        torch.testing.assert_close(y, t * w.detach())
+        torch.testing.assert_close(x.grad, g * w.detach() * (1 - t * t))
+        torch.testing.assert_close(w.grad, g * t)
+        assert PYTHON_RUNS == []
+        y.backward(torch.randn(2 * n)[::2])  # strided: the Python backward, same graph
+        assert PYTHON_RUNS == ["backward"]
+        PYTHON_RUNS.clear()
+    with torch.no_grad():  # the saved intermediate is checked like any saved tensor
+        x, w = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+        y = tanh_mul(x, w)
+    assert y.grad_fn is None
+    x, w = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+    y = tanh_mul(x, w)
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

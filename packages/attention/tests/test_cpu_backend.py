@@ -234,3 +234,26 @@ def test_supports() -> None:
     for dtype in (F16, BF16, F32, F64):
         assert cpu.supports(dispatch.key_for(torch.empty(1, dtype=dtype))) is None
     assert "int32" in cpu.supports(dispatch.key_for(torch.empty(1, dtype=torch.int32)))
+
+
+def test_results_take_the_kernels_memory_and_keep_the_op_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fp32: the SDPA kernel's out and gradients already have the (B, S, H, D) layout, and are
+    # adopted (sdpa._adopt) instead of copied; the op's results stay contiguous, own their
+    # memory and equal the reference.
+    monkeypatch.setattr(cpu, "FORCE_PATH", "sdpa")
+    adopted: list[bool] = []
+    real = sdpa._adopt
+    monkeypatch.setattr(sdpa, "_adopt", lambda dst, src: adopted.append(dst.stride() == src.stride()) or real(dst, src))
+    import openkernels.attention as K
+
+    q = random_tensor((2, 17, 4, 64), F32).requires_grad_()
+    k, v = (random_tensor((2, 17, 2, 64), F32).requires_grad_() for _ in range(2))
+    with dispatch.force("cpu"):
+        out = K.attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+    assert adopted == [True] * 4
+    for t in (out, q.grad, k.grad, v.grad):
+        assert t.is_contiguous() and t._base is None
+    for t in (q, k, v):
+        assert t.grad.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    check_against_reference(Case(q, k, v, Options(causal=True), None), "cpu", "adopted")

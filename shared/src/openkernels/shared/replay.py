@@ -451,15 +451,18 @@ def _build(rec: _Recording, inputs: list[torch.Tensor], returned: list[torch.Ten
     return outputs, returns, launches, buffers
 
 
-def _program(rec: _Recording, inputs: list[torch.Tensor], result: Any) -> tuple | str:
+def _program(rec: _Recording, inputs: list[torch.Tensor], result: Any, gradients: bool = False) -> tuple | str:
     """A CPU call that computed with aten ops, as Table.add's arguments: (outputs (none),
-    returns, is_tuple, launches, None, program). The program replays every recorded aten op
-    through the dispatcher and every kernel launch, in order, over a table of values: the
-    call's tensors, then each op's tensor outputs; launch slots and returns index that table.
-    Or why it cannot be replayed."""
+    returns, is_tuple, launches, None, program, values). The program replays every recorded
+    aten op through the dispatcher and every kernel launch, in order, over a table of values
+    (`values`: the call's tensors, then each op's tensor outputs); launch slots and returns
+    index that table. `gradients`: a backward's list of gradients, None for no gradient
+    (returned as -1). Or why it cannot be replayed."""
     if rec.why_not:
         return rec.why_not
-    if isinstance(result, torch.Tensor):
+    if gradients:
+        returned, is_tuple = list(result), True
+    elif isinstance(result, torch.Tensor):
         returned, is_tuple = [result], False
     elif type(result) is tuple and result and all(isinstance(t, torch.Tensor) for t in result):
         returned, is_tuple = list(result), True
@@ -513,11 +516,11 @@ def _program(rec: _Recording, inputs: list[torch.Tensor], result: Any) -> tuple 
         steps.append(("aten", schema.name, schema.overload_name, encoded, outputs))
     returns = []
     for t in returned:
-        j = index.get(id(t))
+        j = -1 if t is None and gradients else index.get(id(t))
         if j is None:
             return "a result the recorded ops did not make"
         returns.append(j)
-    return [], returns, is_tuple, launches, None, (len(values), steps)
+    return [], returns, is_tuple, launches, None, (len(values), steps), values
 
 
 def _program_argument(value: Any, index: dict[int, int]) -> tuple | None:
@@ -600,12 +603,12 @@ class _Replayable:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
         plan = program = None
         if rec.computes is not None:  # a CPU call computing with aten: a program of its ops
-            entry = f"{rec.computes} under autograd" if grad else _program(rec, inputs, result)
+            entry = _program(rec, inputs, result)
             if not isinstance(entry, str):
                 program = entry[5]
         else:
             entry = _entry(rec, args, kwargs, result)
-        if not isinstance(entry, str) and grad and program is None:
+        if not isinstance(entry, str) and grad:
             plan = _grad_plan(rec, inputs, result if isinstance(result, tuple) else (result,), entry)
             if isinstance(plan, str):
                 entry = plan
@@ -673,9 +676,10 @@ def _argument_of(node: Any, nr: int, inputs: list[torch.Tensor]) -> int | None:
 
 
 def _saved_ref(
-    t: torch.Tensor, inputs: list[torch.Tensor], buffers: list[torch.Tensor], outputs: list
+    t: torch.Tensor, inputs: list[torch.Tensor], buffers: list[torch.Tensor], outputs: list | None
 ) -> tuple | None:
-    """(1, argument index) or (2, output buffer index) of a tensor the forward saved."""
+    """(1, argument index) or (2, output buffer index) of a tensor the forward saved; a
+    program's buffers are its values (`outputs` None), every one of them made by the call."""
 
     def same(x: torch.Tensor) -> bool:
         return (x.data_ptr() == t.data_ptr() and x.dtype == t.dtype and x.shape == t.shape
@@ -685,7 +689,7 @@ def _saved_ref(
         if x is t or same(x):
             return 1, j
     for i, b in enumerate(buffers):
-        if outputs[i][0] < 0 and same(b):
+        if (outputs is None or outputs[i][0] < 0) and (b is t or same(b)):
             return 2, i
     return None
 
@@ -696,7 +700,10 @@ def _grad_plan(
     """Table.add's `grad` for a call recorded under autograd (None: its results need no graph
     node), or why it cannot be replayed. Records the backward now, on the saved tensors and a
     dense gradient of zeros per differentiable result; the results are thrown away."""
-    outputs, returns, _, _, buffers = entry
+    outputs, returns, _, _, buffers = entry[:5]
+    program = len(entry) > 5
+    if program:  # saved tensors and results index the program's values
+        outputs, buffers = None, entry[6]
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in returned):
         return None
     if len(rec.functions) != 1:
@@ -708,6 +715,8 @@ def _grad_plan(
         i = position.get(id(t))
         if i is None or (t.requires_grad and t.grad_fn is not ctx):
             return "a result under autograd that is not an output of the op's autograd function"
+        if program and t.requires_grad and t._base is not None:
+            return "a differentiable result that is a view"
         differentiable.append(t.requires_grad)
         output_index.append(i)
     edges, edge_args = [], []
@@ -746,30 +755,41 @@ def _grad_plan(
             torch.zeros_like(o) if g is None else g for g, o in zip(function_grads, function_outputs)
         ]
     backward = ctx._forward_cls.backward
+    # The backward reads the very tensor objects listed here (a program finds its inputs by
+    # identity; ctx.saved_tensors may unpack new ones).
+    full: list[torch.Tensor | None] = [None] * len(saved_tensors)
+    for p, t in zip(positions, saved_inputs):
+        full[p] = t
+    saved_ctx = _SavedContext(tuple(full), ctx.values, ctx.needs_input_grad, ctx.steering)
     brec = _Recording(rec.cuda)
     try:
         with _watching(brec), torch.no_grad():
-            result = backward(ctx, *function_grads)
+            result = backward(saved_ctx, *function_grads)
     except Exception as error:  # the recording is refused; the call itself already ran
         return f"a backward that failed when recorded ({type(error).__name__})"
     if brec.why_not:
         return brec.why_not
-    if brec.computes is not None:  # programs replay without autograd only
-        return f"{brec.computes} in the backward"
     if brec.triton_launches != sum(1 for seen in brec.launches if seen[0] == "cuda"):
         return "a Triton kernel launched around openkernels.shared.launch"
     result = result if type(result) is tuple else (result,)
     edge_grads = [result[a] if a < len(result) else None for a in edge_args]
     if any(g is not None and not isinstance(g, torch.Tensor) for g in edge_grads):
         return "a backward result that is not a tensor or None"
-    built = _build(brec, [*saved_inputs, *gradient_inputs], edge_grads)
-    if isinstance(built, str):
-        return built
-    b_outputs, b_returns, b_launches, _ = built
+    b_program = None
+    if brec.computes is not None:  # a CPU backward computing with aten: a program of its ops
+        built = _program(brec, [*saved_inputs, *gradient_inputs], edge_grads, gradients=True)
+        if isinstance(built, str):
+            return built
+        b_outputs, b_returns, _, b_launches, _, b_program, _ = built
+    else:
+        built = _build(brec, [*saved_inputs, *gradient_inputs], edge_grads)
+        if isinstance(built, str):
+            return built
+        b_outputs, b_returns, b_launches, _ = built
     fallback = _python_backward(ctx, backward, len(saved_tensors), positions, output_index,
                                 function_outputs, materialize, edge_args)  # fmt: skip
     return (type(ctx).__name__, [int(d) for d in differentiable], edges, saved, grads, b_outputs, b_returns,
-            b_launches, fallback)  # fmt: skip
+            b_launches, fallback, b_program)  # fmt: skip
 
 
 def _python_backward(ctx: Any, backward: Callable, n_saved: int, positions: list[int], output_index: list[int],

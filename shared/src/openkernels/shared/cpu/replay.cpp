@@ -239,6 +239,10 @@ struct Entry {
 bool run_entry(const Entry& entry, const std::vector<const at::Tensor*>& inputs, std::vector<at::Tensor>& outputs,
                c10::Device device);
 
+// A program entry's replay over `inputs` into `values`: "" or why it failed (no exception leaves).
+std::string run_program(const Entry& entry, const std::vector<const at::Tensor*>& inputs,
+                        std::vector<at::Tensor>& values) noexcept;
+
 // ---- autograd: the node a replayed call under autograd gives its results
 //
 // Recorded from one call of an openkernels autograd.Function (replay.py, `_grad_plan`): which
@@ -247,6 +251,8 @@ bool run_entry(const Entry& entry, const std::vector<const at::Tensor*>& inputs,
 // saved tensors and a dense gradient per differentiable result. A backward whose gradients
 // differ from the recorded ones (missing, other strides or alignment, a double backward)
 // calls the Python backward instead (`fallback`), as the Python path would have run it.
+// A CPU op whose bodies compute with aten ops has programs for both: the forward's saved
+// buffers and results index its value table, the backward is a program of its own.
 struct GradMeta {
   bool present = false;  // the recorded backward took a gradient for this result
   std::vector<int64_t> sizes, strides;
@@ -331,8 +337,12 @@ struct ReplayNode : Node {
     pointers.reserve(inputs.size());
     for (const at::Tensor& t : inputs) pointers.push_back(&t);
     std::vector<at::Tensor> outputs;
-    if (!run_entry(plan.backward, pointers, outputs, device_))
+    if (!plan.backward.program.empty()) {
+      const std::string failure = run_program(plan.backward, pointers, outputs);
+      if (!failure.empty()) throw std::runtime_error(failure);
+    } else if (!run_entry(plan.backward, pointers, outputs, device_)) {
       throw std::runtime_error("openkernels replay: a recorded backward launch failed");
+    }
     variable_list result(plan.edges.size());
     for (size_t e = 0; e < result.size(); ++e)
       if (plan.backward.returns[e] >= 0) result[e] = outputs[plan.backward.returns[e]];
@@ -532,6 +542,10 @@ bool run_steps(const Entry& entry, const std::vector<const at::Tensor*>& inputs,
 std::string run_program(const Entry& entry, const std::vector<const at::Tensor*>& inputs,
                         std::vector<at::Tensor>& values) noexcept {
   try {
+    // Under autograd the bodies ran inside autograd.Function, with grad mode off: the ops
+    // make plain tensors, and the call's node (attach_node) gives the results their graph.
+    std::optional<at::NoGradGuard> no_grad;
+    if (entry.grad) no_grad.emplace();
     return run_steps(entry, inputs, values) ? "" : "openkernels replay: a recorded launch failed";
   } catch (const std::exception& e) {
     return e.what();
@@ -753,12 +767,16 @@ bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_se
   return ok;
 }
 
+bool parse_program(PyObject* steps_seq, Entry& entry);
+
 // grad: (name, differentiable, edges, saved, grads, backward outputs, backward returns,
-//        backward launches, fallback) as replay.py's `_grad_plan` makes it.
-//   saved: [(kind, index, is_output)]; grads: [(present, sizes, strides, dtype, aligned)]
+//        backward launches, fallback, backward program or None) as replay.py's `_grad_plan`
+//        makes it.
+//   saved: [(kind, index, is_output)] (a program forward's kOutput: a value index);
+//   grads: [(present, sizes, strides, dtype, aligned)]
 std::shared_ptr<GradPlan> parse_grad(PyObject* grad, size_t n_inputs, const Entry& forward) {
   auto plan = std::make_shared<GradPlan>();
-  if (!PyTuple_Check(grad) || PyTuple_GET_SIZE(grad) != 9 || !PyUnicode_Check(PyTuple_GET_ITEM(grad, 0)) ||
+  if (!PyTuple_Check(grad) || PyTuple_GET_SIZE(grad) != 10 || !PyUnicode_Check(PyTuple_GET_ITEM(grad, 0)) ||
       !PyCallable_Check(PyTuple_GET_ITEM(grad, 8))) {
     PyErr_SetString(PyExc_ValueError, "Table.add: malformed grad plan");
     return nullptr;
@@ -776,7 +794,10 @@ std::shared_ptr<GradPlan> parse_grad(PyObject* grad, size_t n_inputs, const Entr
   for (Py_ssize_t i = 0; saved && ok && i < PySequence_Fast_GET_SIZE(saved); ++i) {
     std::vector<int64_t> s;
     ok = int_list(PySequence_Fast_GET_ITEM(saved, i), s) && s.size() == 3 && (s[0] == kInput || s[0] == kOutput) &&
-         s[1] >= 0 && s[1] < static_cast<int64_t>(s[0] == kInput ? n_inputs : forward.outputs.size());
+         s[1] >= 0 &&
+         s[1] < static_cast<int64_t>(s[0] == kInput ? n_inputs
+                                     : forward.n_values ? static_cast<size_t>(forward.n_values)
+                                                        : forward.outputs.size());
     if (ok) plan->saved.push_back(SavedRef{static_cast<int>(s[0]), static_cast<int>(s[1]), s[2] != 0});
   }
   Py_XDECREF(saved);
@@ -797,9 +818,20 @@ std::shared_ptr<GradPlan> parse_grad(PyObject* grad, size_t n_inputs, const Entr
   }
   Py_XDECREF(grads);
   ok = ok && grads && plan->grads.size() == forward.returns.size();
+  // A backward program's launches and returns index its value table (the inputs first).
+  PyObject* program = PyTuple_GET_ITEM(grad, 9);
+  size_t n_slots = plan->saved.size() + present;
+  if (ok && program != Py_None) {
+    int64_t n_values = 0;
+    ok = PyTuple_Check(program) && PyTuple_GET_SIZE(program) == 2 && as_i64(PyTuple_GET_ITEM(program, 0), n_values) &&
+         n_values >= static_cast<int64_t>(n_slots);
+    plan->backward.n_values = static_cast<int>(n_values);
+    n_slots = static_cast<size_t>(n_values);
+  }
   ok = ok && parse_entry(PyTuple_GET_ITEM(grad, 5), PyTuple_GET_ITEM(grad, 6), PyTuple_GET_ITEM(grad, 7),
-                         plan->saved.size() + present, true, plan->backward) &&
+                         n_slots, true, plan->backward) &&
        plan->backward.returns.size() == plan->edges.size();
+  ok = ok && (program == Py_None || parse_program(PyTuple_GET_ITEM(program, 1), plan->backward));
   if (!ok) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed grad plan");
     return nullptr;

@@ -51,6 +51,17 @@ def _bhsd(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.transpose(1, 2).to(dtype)
 
 
+def _adopt(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst = src. The kernel allocates its results in the layout of its (transposed) inputs,
+    so a result in the right dtype usually has dst's strides already: dst then takes src's
+    memory (no copy; at B8 H16 S2048 D128 fp32 a copy moves 128 MB). dst is a fresh tensor
+    of ops.py's, never a view."""
+    if dst.dtype == src.dtype and dst.stride() == src.stride() and dst._base is None and dst.storage_offset() == 0:
+        dst.set_(src)
+    else:
+        dst.copy_(src)
+
+
 def _blocks(geo: Geometry, mask_rows: int, needs_mask: bool):
     """(r0, r1, k0, k1) per block of rows: the whole sequence in one block when no mask is
     needed, else blocks of up to _MASK_ELEMENTS // (mask_rows * sk) rows (_WINDOW_ROWS under a
@@ -114,7 +125,7 @@ def forward(q, k, v, out, lse, slopes, *, scale: float, left: int, right: int) -
         mask = None if causal else _mask(geo, slopes, r0, r1, k0, k1, work)
         if (r0, r1, k0, k1) == (0, sq, 0, sk):  # one block (the common case): no slices
             o, row_lse = _FWD(qt, kt, vt, 0.0, causal, attn_mask=mask, scale=scale)
-            out.copy_(o.transpose(1, 2))
+            _adopt(out, o.transpose(1, 2))
             lse.copy_(row_lse)
             continue
         o, row_lse = _FWD(qt[:, :, r0:r1], kt[:, :, k0:k1], vt[:, :, k0:k1], 0.0, causal, attn_mask=mask,
@@ -130,8 +141,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, slopes, *, scale: float, left:
     geo = Geometry(sq, sk, left, right)
     qt, kt, vt = _bhsd(q, work), _bhsd(k, work), _bhsd(v, work)
     ot, dot = _bhsd(out, work), _bhsd(dout, work)
-    # Rows with no visible key: lse 0 as the kernel's forward gives it (exp(-inf - 0) = 0).
-    lse0 = lse.masked_fill(lse == float("-inf"), 0.0)
+    # Rows with no visible key (only leading rows, see Geometry): lse 0 as the kernel's
+    # forward gives it (exp(-inf - 0) = 0).
+    lse0 = lse.masked_fill(lse == float("-inf"), 0.0) if geo.empty_rows() else lse
     slopes = _shared_slopes(slopes)
     causal, blocks = _plan(geo, slopes, hq)
     blocks = list(blocks)
@@ -139,7 +151,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, slopes, *, scale: float, left:
         mask = None if causal else _mask(geo, slopes, 0, sq, 0, sk, work)
         g = _BWD(dot, qt, kt, vt, ot, lse0, 0.0, causal, attn_mask=mask, scale=scale)
         for dst, src in zip((dq, dk, dv), g):
-            dst.copy_(src.transpose(1, 2))
+            _adopt(dst, src.transpose(1, 2))
         return
     # Row blocks: dq per block, dk and dv summed over the blocks in the compute dtype.
     acc = compute_dtype(q.dtype)
