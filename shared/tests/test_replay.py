@@ -202,7 +202,9 @@ def test_programs_refuse_host_reads_and_autograd(lib):
         "aten._local_scalar_dense.default, whose results are not all tensors"
     ]
     # Under autograd only an openkernels op (one autograd function over the arguments) replays.
-    assert list(replay.stats(doubled)["refused"]) == ["a call under autograd that is not one openkernels autograd function"]
+    assert list(replay.stats(doubled)["refused"]) == [
+        "a call under autograd that is not one openkernels autograd function"
+    ]
 
 
 def test_bodies_that_read_tensor_values_on_the_host_are_refused(lib):

@@ -242,7 +242,9 @@ def _tanh_mul_forward(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, t
     return t * w, t
 
 
-def _tanh_mul_backward(grad: torch.Tensor, t: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _tanh_mul_backward(
+    grad: torch.Tensor, t: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     PYTHON_RUNS.append("backward")
     return grad * w * (1 - t * t), grad * t
 

@@ -243,7 +243,9 @@ def test_results_take_the_kernels_memory_and_keep_the_op_contract(monkeypatch: p
     monkeypatch.setattr(cpu, "FORCE_PATH", "sdpa")
     adopted: list[bool] = []
     real = sdpa._adopt
-    monkeypatch.setattr(sdpa, "_adopt", lambda dst, src: adopted.append(dst.stride() == src.stride()) or real(dst, src))
+    monkeypatch.setattr(
+        sdpa, "_adopt", lambda dst, src: adopted.append(dst.stride() == src.stride()) or real(dst, src)
+    )
     import openkernels.attention as K
 
     q = random_tensor((2, 17, 4, 64), F32).requires_grad_()

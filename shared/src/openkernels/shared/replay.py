@@ -451,7 +451,9 @@ def _build(rec: _Recording, inputs: list[torch.Tensor], returned: list[torch.Ten
     return outputs, returns, launches, buffers
 
 
-def _program(rec: _Recording, inputs: list[torch.Tensor], result: Any, gradients: bool = False) -> tuple | str:
+def _program(
+    rec: _Recording, inputs: list[torch.Tensor], result: Any, gradients: bool = False
+) -> tuple | str:
     """A CPU call that computed with aten ops, as Table.add's arguments: (outputs (none),
     returns, is_tuple, launches, None, program, values). The program replays every recorded
     aten op through the dispatcher and every kernel launch, in order, over a table of values

@@ -56,7 +56,12 @@ def _adopt(dst: torch.Tensor, src: torch.Tensor) -> None:
     so a result in the right dtype usually has dst's strides already: dst then takes src's
     memory (no copy; at B8 H16 S2048 D128 fp32 a copy moves 128 MB). dst is a fresh tensor
     of ops.py's, never a view."""
-    if dst.dtype == src.dtype and dst.stride() == src.stride() and dst._base is None and dst.storage_offset() == 0:
+    if (
+        dst.dtype == src.dtype
+        and dst.stride() == src.stride()
+        and dst._base is None
+        and dst.storage_offset() == 0
+    ):
         dst.set_(src)
     else:
         dst.copy_(src)
