@@ -92,3 +92,23 @@ def test_a_replayed_backward_on_a_thread_without_a_cuda_context() -> None:
         x2, w2 = (a.detach().clone().requires_grad_() for a in (t["x"], t["w"]))
         L.rms_norm(x2, w2).backward(g)
     assert torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_missing_gradient_replays_with_zeros(device: str) -> None:
+    # prenorm's residual output unused (`out.sum().backward()`): the node hands the recorded
+    # backward zeros (small tensors) instead of running the op's Python backward; the
+    # gradients equal the Python path's, which skips the term.
+    t = _tensors(device, torch.float32)
+
+    def only_the_output(outs: tuple) -> list:
+        return [torch.ones_like(outs[0]), None]
+
+    def python_backwards() -> int:
+        return sum(s["hits"] + s["entries"] for name, s in replay.all_stats().items() if "_rms_backward" in name)
+
+    kwargs = {"residual": t["r"], "prenorm": True}
+    check_replayed_backward(L.rms_norm, (t["x"], t["w"]), kwargs, grads=only_the_output)
+    before = python_backwards()
+    check_replayed_backward(L.rms_norm, (t["x"], t["w"]), kwargs, grads=only_the_output)
+    assert python_backwards() == before  # (with replay off the bodies are not counted)

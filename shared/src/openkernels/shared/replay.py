@@ -791,7 +791,7 @@ def _grad_plan(
     fallback = _python_backward(ctx, backward, len(saved_tensors), positions, output_index,
                                 function_outputs, materialize, edge_args)  # fmt: skip
     return (type(ctx).__name__, [int(d) for d in differentiable], edges, saved, grads, b_outputs, b_returns,
-            b_launches, fallback, b_program)  # fmt: skip
+            b_launches, fallback, b_program, materialize)  # fmt: skip
 
 
 def _python_backward(ctx: Any, backward: Callable, n_saved: int, positions: list[int], output_index: list[int],

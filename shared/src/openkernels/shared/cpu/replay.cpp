@@ -270,6 +270,7 @@ struct GradPlan {
   std::vector<SavedRef> saved;
   std::vector<GradMeta> grads;  // per returned result
   Entry backward;               // inputs: the saved tensors, then the present gradients
+  bool materialize = true;      // the op's backward takes zeros for a missing gradient
   PyObject* fallback = nullptr;  // (saved: tuple, grads: tuple) -> one gradient or None per edge
   std::string name;
   ~GradPlan() {
@@ -319,7 +320,9 @@ struct ReplayNode : Node {
     for (size_t i = 0; recorded && i < grads.size(); ++i) {
       const GradMeta& m = plan.grads[i];
       at::Tensor g = grads[i];
-      if (!m.present || !g.defined()) {
+      if (m.present && !g.defined() && zeros_stand_in(plan, m)) {
+        g = at::empty_strided(m.sizes, m.strides, at::TensorOptions(m.dtype).device(device_)).zero_();
+      } else if (!m.present || !g.defined()) {
         recorded = !m.present && !g.defined();
         continue;
       }
@@ -352,6 +355,17 @@ struct ReplayNode : Node {
   std::vector<SavedVariable> saved_;
 
  private:
+  // A result whose gradient is missing (`y.sum().backward()` on one of prenorm's two results)
+  // gets zeros where the Python path would compute the same: always for an op whose backward
+  // materializes missing gradients as zeros itself; for the others (which skip the term) when
+  // the zeros are small, where the Python backward costs more than filling and reading them.
+  static bool zeros_stand_in(const GradPlan& plan, const GradMeta& m) {
+    if (plan.materialize) return true;
+    int64_t bytes = c10::elementSize(m.dtype);
+    for (int64_t size : m.sizes) bytes *= size;
+    return bytes <= (int64_t(4) << 20);
+  }
+
   variable_list python_backward(const std::vector<at::Tensor>& inputs, size_t n_saved, const variable_list& grads) {
     pybind11::gil_scoped_acquire gil;
     PyObject* saved = PyTuple_New(static_cast<Py_ssize_t>(n_saved));
@@ -770,13 +784,13 @@ bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_se
 bool parse_program(PyObject* steps_seq, Entry& entry);
 
 // grad: (name, differentiable, edges, saved, grads, backward outputs, backward returns,
-//        backward launches, fallback, backward program or None) as replay.py's `_grad_plan`
-//        makes it.
+//        backward launches, fallback, backward program or None, materialize) as replay.py's
+//        `_grad_plan` makes it.
 //   saved: [(kind, index, is_output)] (a program forward's kOutput: a value index);
 //   grads: [(present, sizes, strides, dtype, aligned)]
 std::shared_ptr<GradPlan> parse_grad(PyObject* grad, size_t n_inputs, const Entry& forward) {
   auto plan = std::make_shared<GradPlan>();
-  if (!PyTuple_Check(grad) || PyTuple_GET_SIZE(grad) != 10 || !PyUnicode_Check(PyTuple_GET_ITEM(grad, 0)) ||
+  if (!PyTuple_Check(grad) || PyTuple_GET_SIZE(grad) != 11 || !PyUnicode_Check(PyTuple_GET_ITEM(grad, 0)) ||
       !PyCallable_Check(PyTuple_GET_ITEM(grad, 8))) {
     PyErr_SetString(PyExc_ValueError, "Table.add: malformed grad plan");
     return nullptr;
@@ -836,6 +850,7 @@ std::shared_ptr<GradPlan> parse_grad(PyObject* grad, size_t n_inputs, const Entr
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Table.add: malformed grad plan");
     return nullptr;
   }
+  plan->materialize = PyObject_IsTrue(PyTuple_GET_ITEM(grad, 10)) == 1;
   plan->fallback = PyTuple_GET_ITEM(grad, 8);
   Py_INCREF(plan->fallback);
   return plan;

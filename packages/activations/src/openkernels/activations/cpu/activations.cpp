@@ -31,38 +31,8 @@ constexpr int64_t kSerialBelow = 32 * 1024;  // elements; smaller calls lose mor
 // the next op reading them from cache gains more than streaming saves (measured from 2 to 16 MB).
 constexpr int64_t kStreamFrom = int64_t(32) << 20;
 
-// min(|x|, c) and x clamped to [-c, c], for c > 0, by an integer min on the magnitude bits: compilers
-// do not turn float selects into min/max (NaN rules) and emit several mask instructions instead.
-// NaN becomes c or +-c; the activations carry NaN through a final product with x.
-OK_INLINE float abs_min(float x, float c) { return from_bits(std::min(bits(x) & 0x7fffffffu, bits(c))); }
-
-OK_INLINE float clamp_abs(float x, float c) { return from_bits((bits(x) & 0x80000000u) | bits(abs_min(x, c))); }
-
-// exp(a + b) for -150 <= a + b <= 89, |b| <= 2, about 1 ulp in the normal range; results below 2^-126
-// flush to 0 and results from about 88.4 on are inf. a + b = n ln2 + r with |r| <= ln2/2 (Cody-Waite: ln2
-// split in two so n ln2_hi is exact); b is added only after n ln2 was taken off a, so a large a with a
-// small correction b loses nothing to rounding. exp(r) = 1 + r + r^2 R(r), R of degree 4 fitted for
-// relative error (3e-9). 2^n is built in the exponent field: n + 127 <= 0 gives 0, n = 128 gives inf.
-OK_INLINE float exp_sum(float a, float b) {
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds (a + b) / ln2 into the low bits
-  float k = std::fma(a + b, 1.44269504f, shifter);
-  float n = k - shifter;
-  float r = std::fma(n, -0.693145751953125f, a) + b;
-  r = std::fma(n, -1.42860682030941723e-6f, r);
-  float p = 0.00138131445f;
-  p = std::fma(p, r, 0.00836941883f);
-  p = std::fma(p, r, 0.0416684568f);
-  p = std::fma(p, r, 0.166665148f);
-  p = std::fma(p, r, 0.499999931f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  int32_t biased = std::max(int32_t(bits(k) - bits(shifter)) + 127, 0);  // n + 127
-  return p * from_bits(uint32_t(biased) << 23);
-}
-
-// exp(x) for any x (NaN gives a number: callers carry NaN themselves).
-// x + (-0) == x for every x, so the compiler drops the additions.
-OK_INLINE float exp_(float x) { return exp_sum(clamp_abs(x, 89.0f), -0.0f); }
+// abs_min, clamp_abs and exp_sum / exp_ come from openkernels_cpu.h (the attention decode kernel
+// uses them too).
 
 // s = sigmoid(z) = 1 / (1 + e), e = exp(-z), and its complement 1 - s = e s, both without cancellation
 // (1 - s would lose all digits for z >> 0). For z << 0, e overflows to inf and s to 0, not NaN.

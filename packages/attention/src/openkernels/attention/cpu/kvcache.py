@@ -1,6 +1,8 @@
-"""CPU backend of attention against a KV cache: each sequence's keys gathered (and
-dequantized) into the query's dtype, then the family's CPU attention (PyTorch's CPU flash
-kernel or the blockwise path) on them. Contract: reference.attention_kvcache_fwd."""
+"""CPU backend of attention against a KV cache. An unquantized cache without rotary in the
+call (what decoding on a CPU runs) goes to the C++ decode kernel (decode.py), one call for
+the batch; the rest gathers each sequence's keys (dequantized) into the query's dtype, then
+runs the family's CPU attention (PyTorch's CPU flash kernel or the blockwise path) on them.
+Contract: reference.attention_kvcache_fwd."""
 
 from __future__ import annotations
 
@@ -10,14 +12,27 @@ from openkernels.shared import replay
 
 from ..kvformat import gather_kv
 from ..reference import rotate
-from . import attn_fwd
+from . import attn_fwd, decode
 
-__all__ = ["attention_kvcache_fwd"]
+__all__ = ["attention_kvcache_fwd", "FORCE_PATH"]
+
+# "decode" or "gather" to pin the path (tests); None: the decode kernel wherever it runs.
+FORCE_PATH: str | None = None
 
 
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
             rotary_interleaved, bits, group_size, leftpad=None, k_residual=None, key_group=0) -> None:  # fmt: skip
+    if FORCE_PATH != "gather":
+        why = decode.why_not(q, k_data, v_data, cache_seqlens, block_table, rotary_cos, bits=bits, key_group=key_group,
+                             leftpad=leftpad)  # fmt: skip
+        if why is None:
+            decode.attend(q, k_data, v_data, out, lse, cache_seqlens, block_table, seqlen_new=seqlen_new, scale=scale,
+                          window_left=window_left, window_right=window_right, alibi_slopes=alibi_slopes,
+                          softcap=softcap, leftpad=leftpad)  # fmt: skip
+            return
+        if FORCE_PATH == "decode":
+            raise ValueError(f"the CPU decode kernel does not run this call: {why}")
     sq = q.shape[1]
     replay.reads_host_values("cache_seqlens")  # values baked into a recording
     offsets = [0] * q.shape[0] if leftpad is None else leftpad.tolist()

@@ -1,0 +1,522 @@
+// Attention of a few query tokens against an unquantized KV cache on the CPU (decode), in one call:
+// the lengths are read here, not on the host, so the whole call replays (shared.replay), and no
+// sequence's keys are gathered into a copy first.
+//
+// Plain C++17 + OpenMP, no torch headers; openkernels.shared.cpu_build compiles it on first use with
+// -O3 -march=native. SIMD through GCC / Clang vector extensions (8 floats), as the quant kernel does.
+//
+// Semantics: reference.attention_kvcache_fwd for bits 16 without rotary. Sequence b has
+// L = cache_seqlens[b] + seqlen_new keys, at slots start .. start + L - 1 of its storage (start =
+// leftpad[b] or 0; a paged cache maps slot s to row s % page of page block_table[b, s / page]).
+// Query row i sits at position p = i + L - Sq (bottom-right aligned) and sees key j when
+// p - left <= j (left >= 0) and j <= p + right (right >= 0). Score = (q . k) scale, then
+// softcap * tanh(score / softcap), minus slope * |p - j|; a row that sees no key gets out 0 and
+// lse -inf. Math in float32; out rounded once to q's dtype; lse natural-log float32.
+// A NaN score (from q or a visible key) makes its row's out and lse NaN, as the reference's
+// softmax does; values are summed for every visible key, so a NaN value reaches the rows that see it.
+//
+// Work: one task per (sequence, KV head, split of the keys); a task takes the query rows of every
+// query head of its group (G = Hq / Hkv heads x Sq tokens), so each key and value row is read and
+// converted once per task. Keys go in blocks of kKeyBlock: scores, an online softmax per row, then
+// the values. Splits (flash-decoding) keep both cores busy when there are fewer tasks than threads
+// times four and the sequences are long; their partial (max, sum, acc) are merged at the end.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "openkernels_cpu.h"
+
+namespace {
+
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+constexpr int64_t kKeyBlock = 64;       // keys per block: a block's K or V rows fit in L1/L2
+constexpr int64_t kSplitKeys = 512;     // fewest keys a split takes
+constexpr int64_t kSerialBelow = 1 << 16;  // multiply-adds; smaller calls lose more to fork/join
+
+typedef float v8 __attribute__((vector_size(32)));
+// The products run kLanes wide: one AVX-512 register where there is one (each instruction does
+// twice the work of an AVX2 one), else 8 floats. head_dim is a multiple of 16.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vec __attribute__((vector_size(4 * kLanes)));
+
+template <typename V>
+OK_INLINE V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+OK_INLINE v8 load8(const float* p) { return load<v8>(p); }
+
+void to_float(const void* src, int dtype, float* __restrict dst, int64_t n) {
+  if (dtype == kF32) {
+    std::memcpy(dst, src, size_t(n) * 4);
+  } else if (dtype == kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_load(s[i]);
+  } else {
+    f16_to_float(static_cast<const uint16_t*>(src), dst, n);
+  }
+}
+
+void from_float(const float* __restrict src, int dtype, void* dst, int64_t n) {
+  if (dtype == kF32) {
+    std::memcpy(dst, src, size_t(n) * 4);
+  } else if (dtype == kBF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = bf16_store(src[i]);
+  } else {
+    float_to_f16(src, static_cast<uint16_t*>(dst), n);
+  }
+}
+
+OK_INLINE float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+#if defined(__AVX512F__)  // else vec is v8
+OK_INLINE float hsum(vec a) {
+  v8 parts[kLanes / 8];
+  std::memcpy(parts, &a, sizeof a);
+  return hsum(parts[0] + parts[1]);
+}
+#endif
+
+// The eight sums of v8 halves of eight accumulators at once: out[i] = sum of a[i]'s lanes (with
+// AVX, three rounds of pairwise adds instead of eight separate reductions).
+OK_INLINE v8 hsum8(const vec* a) {
+  v8 h[8];
+  for (int i = 0; i < 8; ++i) {
+    v8 parts[kLanes / 8];
+    std::memcpy(parts, &a[i], sizeof a[i]);
+    h[i] = parts[0];
+    for (int p = 1; p < kLanes / 8; ++p) h[i] += parts[p];
+  }
+#if defined(__AVX__)
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(__m256(h[0]), __m256(h[1])), _mm256_hadd_ps(__m256(h[2]), __m256(h[3])));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(__m256(h[4]), __m256(h[5])), _mm256_hadd_ps(__m256(h[6]), __m256(h[7])));
+  return v8(_mm256_permute2f128_ps(u0, u1, 0x20)) + v8(_mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+  v8 out;
+  for (int i = 0; i < 8; ++i) out[i] = hsum(h[i]);
+  return out;
+#endif
+}
+
+// s[r * stride + j] = q_r . k_j for NR query rows (q: rows of D floats) and keys j < n (rows of D
+// floats at keys[j]); D a multiple of kLanes. Two keys at a time: 2 NR independent sums hide the FMA latency, and
+// each loaded chunk of a key serves NR rows.
+template <int NR>
+void scores(const float* __restrict q, const float* const* keys, int64_t n, int64_t D, float* __restrict s,
+            int64_t stride) {
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const float* k0 = keys[j];
+    const float* k1 = keys[j + 1];
+    vec a0[NR] = {}, a1[NR] = {};
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const vec x0 = load<vec>(k0 + d), x1 = load<vec>(k1 + d);
+      for (int r = 0; r < NR; ++r) {
+        const vec y = load<vec>(q + r * D + d);
+        a0[r] += y * x0;
+        a1[r] += y * x1;
+      }
+    }
+    if constexpr (NR == 4) {
+      const vec both[8] = {a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]};
+      const v8 sums = hsum8(both);
+      for (int r = 0; r < 4; ++r) {
+        s[r * stride + j] = sums[r];
+        s[r * stride + j + 1] = sums[4 + r];
+      }
+    } else {
+      for (int r = 0; r < NR; ++r) {
+        s[r * stride + j] = hsum(a0[r]);
+        s[r * stride + j + 1] = hsum(a1[r]);
+      }
+    }
+  }
+  if (j < n) {
+    const float* k0 = keys[j];
+    vec a0[NR] = {};
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const vec x0 = load<vec>(k0 + d);
+      for (int r = 0; r < NR; ++r) a0[r] += load<vec>(q + r * D + d) * x0;
+    }
+    for (int r = 0; r < NR; ++r) s[r * stride + j] = hsum(a0[r]);
+  }
+}
+
+// acc[d0 .. d0 + kLanes NV) += sum_j p[j] v_j[...] over keys j < n, the accumulators kept in registers.
+template <int NV>
+OK_INLINE void accumulate_tile(float* __restrict acc, const float* __restrict p, const float* const* values,
+                               int64_t n, int64_t d0) {
+  vec a[NV];
+  for (int t = 0; t < NV; ++t) a[t] = load<vec>(acc + kLanes * t);
+  for (int64_t j = 0; j < n; ++j) {
+    const vec wv = vec{} + p[j];
+    const float* v = values[j] + d0;
+    for (int t = 0; t < NV; ++t) a[t] += wv * load<vec>(v + kLanes * t);
+  }
+  for (int t = 0; t < NV; ++t) std::memcpy(acc + kLanes * t, &a[t], sizeof(vec));
+}
+
+// acc (D floats) += sum_j p[j] v_j (rows of D floats at values[j]); D a multiple of kLanes.
+void accumulate(float* acc, const float* p, const float* const* values, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 8 * kLanes <= D; d += 8 * kLanes) accumulate_tile<8>(acc + d, p, values, n, d);
+  for (; d + 4 * kLanes <= D; d += 4 * kLanes) accumulate_tile<4>(acc + d, p, values, n, d);
+  for (; d + kLanes <= D; d += kLanes) accumulate_tile<1>(acc + d, p, values, n, d);
+}
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// max of x[0 .. n) (-inf when n = 0), and whether one is NaN (the max skips NaN).
+OK_INLINE float max_of(const float* x, int64_t n, bool& has_nan) {
+  v8 m = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
+  v8 nan = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8 v = load8(x + j);
+    nan = (v != v) ? v8{} + 1.0f : nan;
+    m = v > m ? v : m;
+  }
+  float best = kNegInf;
+  for (int t = 0; t < 8; ++t) {
+    best = m[t] > best ? m[t] : best;
+    has_nan |= nan[t] != 0.0f;
+  }
+  for (; j < n; ++j) {
+    has_nan |= x[j] != x[j];
+    best = x[j] > best ? x[j] : best;
+  }
+  return best;
+}
+
+OK_INLINE float sum_of(const float* x, int64_t n) {
+  v8 a = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) a += load8(x + j);
+  float s = hsum(a);
+  for (; j < n; ++j) s += x[j];
+  return s;
+}
+
+struct Side {  // one side (K or V) of the cache
+  const char* data;
+  int64_t s_row, s_token, s_head;  // bytes: per sequence row (or page), per token slot, per head
+};
+
+struct Problem {
+  const char* q;
+  int64_t q_sb, q_ss, q_sh;  // bytes
+  Side k, v;
+  const int32_t* seqlens;
+  const int32_t* block_table;  // (B, cols) or null: a contiguous cache
+  int64_t bt_stride, bt_cols, page, rows;  // page: slots per page (or the capacity); rows: pages (or B)
+  const int32_t* leftpad;
+  const float* slopes;  // (B, Hq) or null
+  int64_t slopes_sb;
+  char* out;  // (B, Sq, Hq, D) contiguous
+  float* lse;  // (B, Hq, Sq) contiguous
+  int64_t B, Sq, Hq, Hkv, D, seqlen_new;
+  float scale, softcap;
+  int64_t left, right;
+  int q_dtype, kv_dtype;
+  int64_t elt_q, elt_kv;  // bytes per element
+
+  int64_t length(int64_t b) const { return int64_t(seqlens[b]) + seqlen_new; }
+  int64_t start(int64_t b) const { return leftpad ? int64_t(leftpad[b]) : 0; }
+  // The address of key/value slot s of sequence b, head h.
+  const char* row(const Side& side, int64_t b, int64_t s, int64_t h) const {
+    int64_t r = b, t = s;
+    if (block_table) {
+      r = block_table[b * bt_stride + s / page];
+      t = s % page;
+    }
+    return side.data + r * side.s_row + t * side.s_token + h * side.s_head;
+  }
+};
+
+// Every sequence's slots inside its storage and every page it reads a real page: else the call is
+// refused (status 2) before anything is read or written.
+bool valid(const Problem& P) {
+  for (int64_t b = 0; b < P.B; ++b) {
+    const int64_t len = P.length(b), start = P.start(b);
+    if (P.seqlens[b] < 0 || len < 0 || start < 0) return false;
+    if (!P.block_table) {
+      if (start + len > P.page) return false;
+      continue;
+    }
+    if (len == 0) continue;
+    const int64_t last_page = (start + len - 1) / P.page;
+    if (last_page >= P.bt_cols) return false;
+    for (int64_t c = start / P.page; c <= last_page; ++c) {
+      const int32_t p = P.block_table[b * P.bt_stride + c];
+      if (p < 0 || p >= P.rows) return false;
+    }
+  }
+  return true;
+}
+
+struct Partial {  // one task's rows: running max, sum of exponentials, unnormalized output
+  float* m;
+  float* l;
+  float* acc;  // (R, D)
+  uint8_t* nan;
+};
+
+struct Scratch {
+  std::vector<float> q, keys, values, scores;  // keys, values: a block's rows converted to float32
+  const float* key_rows[kKeyBlock];  // each key's float32 row: in the cache itself or in `keys`
+  const float* value_rows[kKeyBlock];
+  void size(int64_t R, int64_t D) {
+    q.resize(size_t(R * D));
+    keys.resize(size_t(kKeyBlock * D));
+    values.resize(size_t(kKeyBlock * D));
+    scores.resize(size_t(R * kKeyBlock));
+  }
+};
+
+// The float32 rows of slots s0 .. s0 + n - 1 of one side for head h: float32 caches are read in
+// place (a copy would move the whole cache through memory once more), the others converted into buf.
+void rows_of(const Problem& P, const Side& side, int64_t b, int64_t s0, int64_t h, int64_t n, float* buf,
+             const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* src = P.row(side, b, s0 + j, h);
+    if (P.kv_dtype == kF32) {
+      rows[j] = reinterpret_cast<const float*>(src);
+    } else {
+      to_float(src, P.kv_dtype, buf + j * P.D, P.D);
+      rows[j] = buf + j * P.D;
+    }
+  }
+}
+
+void prefetch_rows(const Problem& P, int64_t b, int64_t s0, int64_t h, int64_t n) {
+  const int64_t bytes = P.D * P.elt_kv;
+  for (int64_t j = 0; j < n; ++j) {
+    const char* k = P.row(P.k, b, s0 + j, h);
+    const char* v = P.row(P.v, b, s0 + j, h);
+    for (int64_t o = 0; o < bytes; o += 64) {
+      __builtin_prefetch(k + o);
+      __builtin_prefetch(v + o);
+    }
+  }
+}
+
+// Keys [k0, k1) of sequence b for the rows of KV head h; `out` starts empty (m -inf, l 0, acc 0).
+void attend(const Problem& P, int64_t b, int64_t h, int64_t k0, int64_t k1, Scratch& S, const Partial& out) {
+  const int64_t G = P.Hq / P.Hkv, R = G * P.Sq, D = P.D, L = P.length(b), start = P.start(b);
+  float* qf = S.q.data();
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < P.Sq; ++i)
+      to_float(P.q + b * P.q_sb + i * P.q_ss + (h * G + g) * P.q_sh, P.q_dtype, qf + (g * P.Sq + i) * D, D);
+  for (int64_t j0 = k0; j0 < k1; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, k1 - j0);
+    // A head's rows are Hkv * D elements apart (often a page or more): the hardware prefetchers do
+    // not follow them, so the next block's rows are asked for while this one computes.
+    prefetch_rows(P, b, start + j0 + n, h, std::min(kKeyBlock, k1 - j0 - n));
+    rows_of(P, P.k, b, start + j0, h, n, S.keys.data(), S.key_rows);
+    float* sc = S.scores.data();
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) scores<4>(qf + r0 * D, S.key_rows, n, D, sc + r0 * kKeyBlock, kKeyBlock);
+    for (; r0 < R; ++r0) scores<1>(qf + r0 * D, S.key_rows, n, D, sc + r0 * kKeyBlock, kKeyBlock);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t g = r / P.Sq, i = r % P.Sq, pos = i + L - P.Sq;
+      const int64_t lo = P.left >= 0 ? pos - P.left : std::numeric_limits<int64_t>::min();
+      const int64_t hi = P.right >= 0 ? pos + P.right : std::numeric_limits<int64_t>::max();
+      const float slope = P.slopes ? P.slopes[b * P.slopes_sb + h * G + g] : 0.0f;
+      float* s = sc + r * kKeyBlock;
+      // The row's visible keys of the block: [jlo, jhi).
+      const int64_t jlo = lo <= j0 ? 0 : std::min(n, lo - j0);
+      const int64_t jhi = hi >= j0 + n - 1 ? n : std::max(jlo, hi - j0 + 1);
+      for (int64_t j = 0; j < jlo; ++j) s[j] = kNegInf;
+      for (int64_t j = jhi; j < n; ++j) s[j] = kNegInf;
+      for (int64_t j = jlo; j < jhi; ++j) s[j] *= P.scale;
+      if (P.softcap > 0)
+        for (int64_t j = jlo; j < jhi; ++j) s[j] = P.softcap * std::tanh(s[j] / P.softcap);
+      if (P.slopes)
+        for (int64_t j = jlo; j < jhi; ++j) s[j] -= slope * float(std::abs(pos - (j0 + j)));
+      bool has_nan = false;
+      const float block_max = max_of(s + jlo, jhi - jlo, has_nan);
+      if (has_nan) out.nan[r] = 1;
+      const float m_new = std::max(out.m[r], block_max);
+      if (m_new == kNegInf) {  // nothing visible yet: p = 0 everywhere
+        for (int64_t j = 0; j < n; ++j) s[j] = 0.0f;
+        continue;
+      }
+      // exp_ of -inf (a hidden key; the old max on the first visible block) is 0.
+      const float alpha = exp_(out.m[r] - m_new);
+      float sum;
+      for (int64_t j = 0; j < n; ++j) s[j] = exp_(s[j] - m_new);
+      sum = sum_of(s, n);
+      out.l[r] = out.l[r] * alpha + sum;
+      out.m[r] = m_new;
+      if (alpha != 1.0f) {
+        float* a = out.acc + r * D;
+        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      }
+    }
+    rows_of(P, P.v, b, start + j0, h, n, S.values.data(), S.value_rows);
+    for (int64_t r = 0; r < R; ++r) accumulate(out.acc + r * D, sc + r * kKeyBlock, S.value_rows, n, D);
+  }
+}
+
+// The keys any row of a task sees: [lo, hi) within [0, L).
+void visible_keys(const Problem& P, int64_t L, int64_t& lo, int64_t& hi) {
+  const int64_t first = L - P.Sq, last = L - 1;  // positions of rows 0 and Sq - 1
+  lo = P.left >= 0 ? std::max<int64_t>(0, first - P.left) : 0;
+  hi = P.right >= 0 ? std::min<int64_t>(L, last + P.right + 1) : L;
+  if (hi < lo) hi = lo;
+}
+
+int run(const Problem& P, int num_threads) {
+  if (!valid(P)) return 2;
+  const int64_t G = P.Hq / P.Hkv, R = G * P.Sq, D = P.D;
+  int64_t max_len = 0, total = 0;
+  for (int64_t b = 0; b < P.B; ++b) {
+    max_len = std::max(max_len, P.length(b));
+    total += P.length(b);
+  }
+  const int64_t units = P.B * P.Hkv;
+  const bool parallel = num_threads > 1 && total * P.Hq * P.Sq * D >= kSerialBelow;
+  const int threads = parallel ? num_threads : 1;
+  int64_t splits = 1;
+  if (units < 4 * threads) splits = std::max<int64_t>(1, std::min((4 * threads + units - 1) / units, max_len / kSplitKeys));
+  const int64_t chunk = std::max<int64_t>(1, (max_len + splits - 1) / splits);
+  const int64_t tasks = units * splits;
+  std::vector<float> m(size_t(tasks * R), kNegInf), l(size_t(tasks * R), 0.0f), acc(size_t(tasks * R * D), 0.0f);
+  std::vector<uint8_t> nan(size_t(tasks * R), 0);
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    Scratch S;
+    S.size(R, D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t unit = t / splits, split = t % splits, b = unit / P.Hkv, h = unit % P.Hkv;
+      int64_t lo, hi;
+      visible_keys(P, P.length(b), lo, hi);
+      lo = std::max(lo, split * chunk);
+      hi = std::min(hi, (split + 1) * chunk);
+      const Partial part{m.data() + t * R, l.data() + t * R, acc.data() + t * R * D, nan.data() + t * R};
+      if (lo < hi) attend(P, b, h, lo, hi, S, part);
+    }
+  }
+  // Merge the splits of each row and write it.
+  std::vector<float> row(static_cast<size_t>(D));
+  for (int64_t unit = 0; unit < units; ++unit) {
+    const int64_t b = unit / P.Hkv, h = unit % P.Hkv;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t g = r / P.Sq, i = r % P.Sq, hq = h * G + g;
+      float M = kNegInf;
+      bool is_nan = false;
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t t = unit * splits + s;
+        M = std::max(M, m[size_t(t * R + r)]);
+        is_nan |= nan[size_t(t * R + r)] != 0;
+      }
+      float total_l = 0.0f;
+      std::fill(row.begin(), row.end(), 0.0f);
+      if (M != kNegInf) {
+        for (int64_t s = 0; s < splits; ++s) {
+          const int64_t t = unit * splits + s;
+          const float ms = m[size_t(t * R + r)];
+          if (ms == kNegInf) continue;
+          const float w = exp_(ms - M);
+          total_l += l[size_t(t * R + r)] * w;
+          const float* a = acc.data() + (t * R + r) * D;
+          for (int64_t d = 0; d < D; ++d) row[size_t(d)] += w * a[d];
+        }
+      }
+      float lse = kNegInf;
+      if (is_nan) {
+        std::fill(row.begin(), row.end(), std::numeric_limits<float>::quiet_NaN());
+        lse = std::numeric_limits<float>::quiet_NaN();
+      } else if (total_l > 0.0f) {
+        const float inv = 1.0f / total_l;
+        for (int64_t d = 0; d < D; ++d) row[size_t(d)] *= inv;
+        lse = M + std::log(total_l);
+      }
+      from_float(row.data(), P.q_dtype, P.out + ((b * P.Sq + i) * P.Hq + hq) * D * P.elt_q, D);
+      P.lse[(b * P.Hq + hq) * P.Sq + i] = lse;
+    }
+  }
+  return 0;
+}
+
+int64_t element_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
+
+}  // namespace
+
+extern "C" {
+
+// head_dim a multiple of 16. Returns 0, 1 (malformed arguments) or 2 (a length, left padding or page outside the cache).
+// Strides in elements; q (B, Sq, Hq, D) and the cache sides have a unit last stride.
+int ok_attention_decode(const void* q, int64_t q_sb, int64_t q_ss, int64_t q_sh, const void* k, int64_t k_sr,
+                        int64_t k_st, int64_t k_sh, const void* v, int64_t v_sr, int64_t v_st, int64_t v_sh,
+                        const int32_t* seqlens, const int32_t* block_table, int64_t bt_stride, int64_t bt_cols,
+                        int64_t page, int64_t rows, const int32_t* leftpad, const float* slopes, int64_t slopes_sb,
+                        void* out, float* lse, int64_t B, int64_t Sq, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t seqlen_new, double scale, double softcap, int64_t left, int64_t right, int q_dtype,
+                        int kv_dtype, int num_threads) {
+  if (B < 0 || Sq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D % 16 || page <= 0 || q_dtype < 0 || q_dtype > 2 ||
+      kv_dtype < 0 || kv_dtype > 2)
+    return 1;
+  Problem P;
+  P.elt_q = element_bytes(q_dtype);
+  P.elt_kv = element_bytes(kv_dtype);
+  P.q = static_cast<const char*>(q);
+  P.q_sb = q_sb * P.elt_q;
+  P.q_ss = q_ss * P.elt_q;
+  P.q_sh = q_sh * P.elt_q;
+  P.k = Side{static_cast<const char*>(k), k_sr * P.elt_kv, k_st * P.elt_kv, k_sh * P.elt_kv};
+  P.v = Side{static_cast<const char*>(v), v_sr * P.elt_kv, v_st * P.elt_kv, v_sh * P.elt_kv};
+  P.seqlens = seqlens;
+  P.block_table = block_table;
+  P.bt_stride = bt_stride;
+  P.bt_cols = bt_cols;
+  P.page = page;
+  P.rows = rows;
+  P.leftpad = leftpad;
+  P.slopes = slopes;
+  P.slopes_sb = slopes_sb;
+  P.out = static_cast<char*>(out);
+  P.lse = lse;
+  P.B = B;
+  P.Sq = Sq;
+  P.Hq = Hq;
+  P.Hkv = Hkv;
+  P.D = D;
+  P.seqlen_new = seqlen_new;
+  P.scale = float(scale);
+  P.softcap = float(softcap);
+  P.left = left;
+  P.right = right;
+  P.q_dtype = q_dtype;
+  P.kv_dtype = kv_dtype;
+  return run(P, num_threads);
+}
+
+// Packed entry: every argument in one 64-bit slot (doubles as their bits), for shared.replay's C side.
+int ok_attention_decode_packed(const int64_t* a) {
+  double scale, softcap;
+  std::memcpy(&scale, &a[29], sizeof scale);
+  std::memcpy(&softcap, &a[30], sizeof softcap);
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_attention_decode(p(0), a[1], a[2], a[3], p(4), a[5], a[6], a[7], p(8), a[9], a[10], a[11],
+                             static_cast<const int32_t*>(p(12)), static_cast<const int32_t*>(p(13)), a[14], a[15],
+                             a[16], a[17], static_cast<const int32_t*>(p(18)), static_cast<const float*>(p(19)), a[20],
+                             p(21), static_cast<float*>(p(22)), a[23], a[24], a[25], a[26], a[27], a[28], scale,
+                             softcap, a[31], a[32], i32(33), i32(34), i32(35));
+}
+
+}  // extern "C"

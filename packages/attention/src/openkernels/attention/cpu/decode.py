@@ -1,0 +1,104 @@
+"""The CPU decode kernel (decode.cpp): attention of a few query tokens against an unquantized
+KV cache in one C++ call, compiled on first use and called through ctypes.
+
+It reads the cache lengths, left paddings and block table itself, so a call reads no tensor
+value on the host (the whole call replays, shared.replay) and gathers no copy of the keys.
+Contract: reference.attention_kvcache_fwd for bits 16 without rotary; `why_not` says which
+calls it takes (the rest keep cpu/kvcache.py's gather path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from openkernels.shared import cpu_build, replay
+
+__all__ = ["why_not", "attend", "MAX_ROWS"]
+
+_SOURCE = pathlib.Path(__file__).with_name("decode.cpp")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Query rows per task (query heads per KV head x query tokens) the kernel keeps in float32
+# scratch; more (a prefill through the cache) runs on the gather path's flash kernel.
+MAX_ROWS = 64
+_lib: Any = None
+
+
+def _load(name: str = "openkernels_attention_decode", extra_flags: Sequence[str] = ()) -> Any:
+    """Compile (or fetch from the cache) and load the kernel, its signature declared."""
+    lib = cpu_build.load_library(_SOURCE, name=name, extra_flags=extra_flags)
+    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    fn = lib.ok_attention_decode
+    fn.argtypes = [p, i64, i64, i64, p, i64, i64, i64, p, i64, i64, i64,  # q, k, v and strides
+                   p, p, i64, i64, i64, i64, p, p, i64,  # lengths, block table, leftpad, slopes
+                   p, p, i64, i64, i64, i64, i64, i64,  # out, lse, B, Sq, Hq, Hkv, D, seqlen_new
+                   f64, f64, i64, i64, i32, i32, i32]  # scale, softcap, window, dtypes, threads  # fmt: skip
+    fn.restype = ctypes.c_int
+    return replay.observe_library(lib, ("ok_attention_decode",))
+
+
+def _library() -> Any:
+    """The kernel, loaded once."""
+    global _lib
+    if _lib is None:
+        _lib = _load()
+    return _lib
+
+
+def _int32(t: torch.Tensor | None, dims: int) -> bool:
+    return t is None or (t.dtype == torch.int32 and t.dim() == dims and (t.numel() <= 1 or t.stride(-1) == 1))
+
+
+def why_not(
+    q, k_data, v_data, cache_seqlens, block_table, rotary_cos, *, bits, key_group, leftpad
+) -> str | None:
+    """None when the kernel runs this call, else why not (the gather path runs it)."""
+    if bits != 16 or k_data.dtype not in _DTYPE_CODES or v_data.dtype != k_data.dtype:
+        return "a quantized cache"
+    if q.dtype not in _DTYPE_CODES:
+        return f"q in {q.dtype}"
+    if rotary_cos is not None:
+        return "rotary in the call"
+    if key_group:
+        return "keys quantized by channel"
+    rows = q.shape[2] // k_data.shape[2] * q.shape[1]
+    if rows > MAX_ROWS:
+        return f"{rows} query rows per KV head (more than {MAX_ROWS})"
+    if q.stride(-1) != 1 or k_data.stride(-1) != 1 or v_data.stride(-1) != 1:
+        return "a head_dim stride other than 1"
+    if not (_int32(cache_seqlens, 1) and _int32(block_table, 2) and _int32(leftpad, 1)):
+        return "lengths, block table or left padding not int32 with a unit last stride"
+    return cpu_build.no_compiler_reason()
+
+
+def attend(q, k_data, v_data, out, lse, cache_seqlens, block_table, *, seqlen_new, scale, window_left,
+           window_right, alibi_slopes, softcap, leftpad) -> None:  # fmt: skip
+    """Write out (B, Sq, Hq, D) and lse (B, Hq, Sq), both contiguous, for a call `why_not`
+    accepts. alibi_slopes: (B, Hq) float32 contiguous or None."""
+    b, sq, hq, d = q.shape
+    hkv = k_data.shape[2]
+    paged = block_table is not None
+    slopes = alibi_slopes
+    status = _library().ok_attention_decode(
+        q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+        k_data.data_ptr(), k_data.stride(0), k_data.stride(1), k_data.stride(2),
+        v_data.data_ptr(), v_data.stride(0), v_data.stride(1), v_data.stride(2),
+        cache_seqlens.data_ptr(), block_table.data_ptr() if paged else None,
+        block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
+        k_data.shape[1], k_data.shape[0], None if leftpad is None else leftpad.data_ptr(),
+        None if slopes is None else slopes.data_ptr(), 0 if slopes is None else slopes.stride(0),
+        out.data_ptr(), lse.data_ptr(), b, sq, hq, hkv, d, seqlen_new,
+        scale, softcap, window_left, window_right, _DTYPE_CODES[q.dtype], _DTYPE_CODES[k_data.dtype],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 2:
+        raise ValueError(
+            "attention_kvcache: a sequence's cache_seqlens (plus the new tokens), cache_leftpad or block_table "
+            "entries point outside the cache (check=True says which)"
+        )
+    if status != 0:  # not reached: the op's checks cover what the kernel rejects
+        raise ValueError(f"attention decode kernel rejected its arguments (status {status})")
