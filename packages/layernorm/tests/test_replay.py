@@ -105,7 +105,9 @@ def test_a_missing_gradient_replays_with_zeros(device: str) -> None:
         return [torch.ones_like(outs[0]), None]
 
     def python_backwards() -> int:
-        return sum(s["hits"] + s["entries"] for name, s in replay.all_stats().items() if "_rms_backward" in name)
+        return sum(
+            s["hits"] + s["entries"] for name, s in replay.all_stats().items() if "_rms_backward" in name
+        )
 
     kwargs = {"residual": t["r"], "prenorm": True}
     check_replayed_backward(L.rms_norm, (t["x"], t["w"]), kwargs, grads=only_the_output)
