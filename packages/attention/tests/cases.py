@@ -141,6 +141,8 @@ def targets():
     params = []
     for device in devices:
         for impl in testable_implementations("attention", device):
+            if impl == "cudnn":  # plain calls only: test_cudnn.py makes its own
+                continue
             marks = [pytest.mark.interpreter] if INTERPRETING else []
             if device != "cpu":
                 marks.append(pytest.mark.gpu)

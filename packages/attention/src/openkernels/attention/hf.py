@@ -5,11 +5,10 @@
 heads_kv, seqlen_k, head_dim) -> (out (batch, seqlen_q, heads_q, head_dim), None). The
 (B, H, S, D) inputs are read through transposed views (no copies). It runs the fused
 kernel when the mask is causal or absent; an explicit attention_mask (padding) or dropout
-goes to torch's SDPA, which takes arbitrary masks. On H100/H200 plain causal or full
-attention (no softcap, no window, equal query and key lengths, head_dim 64 or 128) also goes
-to SDPA: cuDNN's kernel measured faster there (`_sdpa_is_faster`); so does plain float32
-attention on the CPU, where the CPU backend runs the same aten kernel plus a layout copy. A
-dispatch force / forbid turns both off. `register_with_transformers()` makes
+goes to torch's SDPA, which takes arbitrary masks. Plain float32 attention on the CPU also
+goes to SDPA (`_sdpa_is_faster`): the CPU backend runs the same aten kernel behind the op's
+layout views. (On H100/H200, plain attention runs cuDNN's kernel through the attention op's
+own dispatch, `cudnn.py`, for every caller.) A dispatch force / forbid turns the CPU rule off. `register_with_transformers()` makes
 `attn_implementation="openkernels"` available.
 
 With `OpenKernelsCache` (hf_cache.py) the key and value are `CachedKV` handles to a layer's
@@ -31,7 +30,6 @@ visible key) from it on the device. The padding goes on as cache_leftpad.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -103,39 +101,17 @@ def hf_attention_forward(
     return out, None
 
 
-# Where torch's SDPA (cuDNN's fused attention) measured faster than our Triton kernel on plain
-# causal / full attention of equal query and key length: H100/H200 (sm_90), bf16/fp16, head
-# dims 64 and 128 -- forward 0.79-0.91x of cuDNN, forward+backward about 0.75-0.86x
-# (docs/perf.md, "Attention on H200"), and in a Llama-style 1B prefill 7.05 ms vs 5.62 ms.
-# Softcaps, windows, decode against a longer cache and everything else stay ours.
-_SDPA_FASTER_ON = {(9, 0)}
-_SDPA_FASTER_HEAD_DIMS = (64, 128)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _sdpa_is_faster(query, key, is_causal, sliding_window, softcap) -> bool:
-    """(B, H, S, D) query and key: would SDPA beat the fused kernel here (see above)?"""
-    plain = (
-        not softcap
+    """(B, H, S, D) query and key: would SDPA beat the op here? Plain float32 attention on
+    the CPU, where the CPU backend runs the same aten flash kernel behind (B, S, H, D) views.
+    (GPUs: the op's dispatch picks cuDNN itself where it is faster, cudnn.py.)"""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and not softcap
         and not sliding_window
         and (not is_causal or query.shape[2] == key.shape[2])  # SDPA's causal mask is top-left aligned
         and not dispatch.is_steered()  # a forced / forbidden implementation means: use dispatch
-    )
-    if not plain:
-        return False
-    if not query.is_cuda:
-        # The CPU backend runs this same aten flash kernel for plain float32 attention, plus a
-        # copy into the (B, S, H, D) layout; SDPA on the views skips the copy.
-        return query.device.type == "cpu" and query.dtype == torch.float32
-    return (
-        torch.version.hip is None
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and query.shape[-1] in _SDPA_FASTER_HEAD_DIMS
-        and _capability(query.device.index or 0) in _SDPA_FASTER_ON
     )
 
 

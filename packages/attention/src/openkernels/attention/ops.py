@@ -25,6 +25,7 @@ import torch
 
 from openkernels.shared import dispatch, opdef
 
+from . import cudnn
 from .reference import compute_dtype
 
 __all__ = [
@@ -285,13 +286,26 @@ def apply_rotary_backward(
     return _rotary("apply_rotary_backward", grad_q_out, grad_k_out, cos, sin)
 
 
-# Selection depends on the query tensor alone: `dispatch.explain("attention", q)` works.
-def _fwd_key(q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.DispatchKey:
+# Selection depends on the query tensor, and on a GPU on whether the call is plain (cudnn.py:
+# `dispatch.explain("attention", q, k, v, out, lse, None, None, **options)` says so; with q
+# alone it explains a call that is not plain).
+def _fwd_key(q: torch.Tensor, k=None, v=None, out=None, lse=None, cu_seqlens_q=None, *args: object,
+             **kwargs: object) -> dispatch.DispatchKey:  # fmt: skip
+    if q.is_cuda and k is not None and _plain(q, k, v, cu_seqlens_q, kwargs, out):
+        return dispatch.key_for(q, "plain")
     return dispatch.key_for(q)
 
 
-def _bwd_key(dout: torch.Tensor, q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.DispatchKey:
+def _bwd_key(dout: torch.Tensor, q: torch.Tensor, k=None, v=None, out=None, lse=None, dq=None, dk=None, dv=None,
+             cu_seqlens_q=None, *args: object, **kwargs: object) -> dispatch.DispatchKey:  # fmt: skip
+    if q.is_cuda and k is not None and _plain(q, k, v, cu_seqlens_q, kwargs, dout, out, dq, dk, dv):
+        return dispatch.key_for(q, "plain")
     return dispatch.key_for(q)
+
+
+def _plain(q, k, v, cu_seqlens_q, options: dict, *tensors) -> bool:
+    return cudnn.is_plain(q, k, v, cu_seqlens_q, options.get("alibi_slopes"), options.get("softcap", 0.0),
+                          options.get("window_left", -1), options.get("window_right", -1), *tensors)  # fmt: skip
 
 
 def _append_key(k_cache: torch.Tensor, v_cache, k_scale, k_zero, v_scale, v_zero, k_new: torch.Tensor, *args: object,
@@ -329,6 +343,12 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
 def _impls(entry: str, supports, cpu: str | None = "cpu") -> tuple[opdef.Impl, ...]:
     """`cpu`: the family's module with the CPU kernel, None when the op has none of its own."""
     return opdef.standard_impls(_PKG, entry, triton_supports=supports, cpu_supports=_cpu_supports, cpu=cpu)
+
+
+def _with_cudnn(entry: str, supports) -> tuple[opdef.Impl, ...]:
+    """attention's implementations: cuDNN ahead of the Triton kernels where it runs (cudnn.py)."""
+    return (*_impls(entry, _triton_supports), opdef.Impl("cudnn", f"{_PKG}.cudnn:{entry}", ("cuda",), 30,
+                                                         supports))  # fmt: skip
 
 
 # ---- openkernels::attention ------------------------------------------------------------
@@ -369,7 +389,7 @@ ATTENTION = opdef.define(
         forward=forward,
         fake=_attention_fake,
         key=_fwd_key,
-        impls=_impls("attn_fwd", _triton_supports),
+        impls=_with_cudnn("attn_fwd", cudnn.supports),
         tensor_args=(0, 1, 2, 3, 4, 10),
         backward=opdef.BackwardDef(
             schema=f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}) "
@@ -379,7 +399,7 @@ ATTENTION = opdef.define(
             save=_attention_save,
             grads=_attention_grads,
             key=_bwd_key,
-            impls=_impls("attn_bwd", _triton_supports),
+            impls=_with_cudnn("attn_bwd", cudnn.supports_backward),
             non_differentiable=(1,),
         ),
     ),
