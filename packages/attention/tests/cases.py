@@ -58,6 +58,8 @@ from openkernels.shared.testing import (
 HALF = (torch.float16, torch.bfloat16)
 KERNEL_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# attention takes any multiple of 8 up to 256: these run padded tiles (8 -> 16, 40 -> 64, 200 -> 256)
+PADDED_HEAD_DIMS = (8, 40, 200)
 INTERPRETING = triton_interpreting()
 
 # Window sizes that cut into sequences of 17..40 tokens from either side.

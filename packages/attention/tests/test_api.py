@@ -40,8 +40,8 @@ def _cu(values, dtype=torch.int32, device="cpu"):
 # (name, call on (q, k, v) of _dense(), error type, message pattern)
 _DENSE_ERRORS = [
     # head_dim
-    ("head_dim-48", lambda q, k, v: A.attention(q[..., :48], k[..., :48], v[..., :48]), ValueError,
-     r"head_dim 48 is not supported; supported: \(32, 64, 96, 128, 192, 256\)"),
+    ("head_dim-44", lambda q, k, v: A.attention(q[..., :44], k[..., :44], v[..., :44]), ValueError,
+     r"head_dim 44 is not supported; supported: multiples of 8 up to 256"),
     ("head_dim-512", lambda q, k, v: A.attention(*(torch.cat([t] * 8, -1) for t in (q, k, v))), ValueError,
      "head_dim 512 is not supported"),
     ("head_dim-q-vs-k", lambda q, k, v: A.attention(q, k[..., :32], v[..., :32]), ValueError,
@@ -119,8 +119,8 @@ def _varlen(q, k, v, cu_q=(0, 3, 10), cu_k=(0, 7, 14), max_q=7, max_k=7, **kwarg
 _VARLEN_ERRORS = [
     ("rank-q", lambda q, k, v: A.attention_varlen(q, k[0], v[0], _cu([0, 7]), _cu([0, 7]), 7, 7), ValueError,
      r"q must be 3D \(tokens, heads, head_dim\), got shape \(2, 5, 4, 64\)"),
-    ("head_dim", lambda q, k, v: _varlen(q[..., :48], k[..., :48], v[..., :48]), ValueError,
-     "attention_varlen: head_dim 48 is not supported"),
+    ("head_dim", lambda q, k, v: _varlen(q[..., :44], k[..., :44], v[..., :44]), ValueError,
+     "attention_varlen: head_dim 44 is not supported"),
     ("heads", lambda q, k, v: _varlen(q[:, :, :3], k, v), ValueError,
      r"heads_q \(3\) must be a multiple of heads_kv \(2\)"),
     ("dtype", lambda q, k, v: _varlen(q, k, v.half()), TypeError, "must share a dtype"),

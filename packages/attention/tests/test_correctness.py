@@ -16,6 +16,7 @@ from .cases import (
     FEW_OPTIONS,
     HEAD_DIMS,
     INTERPRETING,
+    PADDED_HEAD_DIMS,
     SCALE,
     SOFTCAP,
     WINDOWS,
@@ -141,7 +142,7 @@ def test_odd_sequence_lengths(device: str, impl: str, seqlens: tuple[int, int]) 
         check_against_reference(case, impl)
 
 
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS + PADDED_HEAD_DIMS)
 def test_every_head_dim(device: str, impl: str, head_dim: int) -> None:
     shape = Shape(1, 17, 17, 1, 1, head_dim) if INTERPRETING else Shape(2, 17, 23, 2, 1, head_dim)
     options = Options(causal=True, softcap=SOFTCAP)

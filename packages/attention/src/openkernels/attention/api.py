@@ -52,7 +52,7 @@ def _check_qkv(name: str, q: object, k: object, v: object, dims: int) -> None:
             )
     if q.dtype not in _DTYPES:
         raise TypeError(f"{name}: dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
-    check_qkv_shapes(name, tuple(q.shape), tuple(k.shape), tuple(v.shape), dims, ops.HEAD_DIMS)
+    check_qkv_shapes(name, tuple(q.shape), tuple(k.shape), tuple(v.shape), dims, ops.ATTENTION_HEAD_DIMS)
 
 
 def _check_alibi(name: str, alibi_slopes: object, q: torch.Tensor, n_seqs: int) -> None:
@@ -113,7 +113,7 @@ def attention(
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
     heads_q a multiple of heads_kv (MQA/GQA read the shared K/V heads, no expansion). Any
     strides with a unit head_dim stride run without copies (a transposed (B, H, S, D) view
-    included). head_dim in 32, 64, 96, 128, 192, 256; float16/bfloat16 (float32 on a slower
+    included). head_dim any multiple of 8 up to 256; float16/bfloat16 (float32 on a slower
     path).
     causal: mask keys after each query, aligned bottom-right when seqlen_q != seqlen_k
         (query i sees keys j <= i + seqlen_k - seqlen_q; FlashAttention 2's convention).

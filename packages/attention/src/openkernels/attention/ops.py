@@ -41,13 +41,24 @@ __all__ = [
     "APPLY_ROTARY",
     "KERNEL_DTYPES",
     "HEAD_DIMS",
+    "ATTENTION_HEAD_DIMS",
     "ROTARY_KERNEL_DTYPES",
     "ROTARY_MAX_HEAD_DIM",
 ]
 
 _PKG = "openkernels.attention"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels take
-HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+HEAD_DIMS = (
+    32,
+    64,
+    96,
+    128,
+    192,
+    256,
+)  # the KV cache's and rotary's (their tiles are tuned and checked per dim)
+# attention / attention_varlen: any multiple of 8 up to 256, as FlashAttention-2 takes; the
+# Triton kernels pad head_dim to a power of two (at least 16) and mask the pad.
+ATTENTION_HEAD_DIMS = tuple(range(8, 257, 8))
 ROTARY_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the rotary kernel's (elementwise)
 # Widest head the rotary kernel's tiles are compile-checked for (triton/configs.py
 # ROTARY_AOT_DIMS); wider heads run on the reference.

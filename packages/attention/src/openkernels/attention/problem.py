@@ -121,7 +121,10 @@ def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_di
 
 def check_head_dim(name: str, head_dim: int, head_dims: tuple[int, ...]) -> None:
     if head_dim not in head_dims:
-        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {head_dims}")
+        described = str(head_dims)
+        if head_dims == tuple(range(8, head_dims[-1] + 1, 8)):
+            described = f"multiples of 8 up to {head_dims[-1]}"
+        raise ValueError(f"{name}: head_dim {head_dim} is not supported; supported: {described}")
 
 
 def check_alibi_shape(name: str, shape: tuple[int, ...], heads: int, n_seqs: int) -> None:

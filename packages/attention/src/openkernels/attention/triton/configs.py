@@ -45,8 +45,9 @@ class AttnConfig:
 
 
 def block_d(head_dim: int) -> int:
-    """head_dim padded to a power of two (96 -> 128, 192 -> 256; the pad is masked)."""
-    return 1 << (head_dim - 1).bit_length()
+    """head_dim padded to a power of two of at least 16, a matrix-unit tile's depth (96 -> 128,
+    40 -> 64, 8 -> 16; the pad is masked)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 def preprocess_block_m(head_dim: int) -> int:
@@ -130,9 +131,10 @@ def launch_config(
 
 
 def all_configs(arch: str) -> list[tuple[int, str, bool, AttnConfig]]:
-    """(head_dim, direction, general, config) for every head_dim the API takes: what the
-    compile-only checks build."""
-    dims = (32, 64, 96, 128, 192, 256)
+    """(head_dim, direction, general, config) for every tuned head_dim, and 200 for the padded
+    ones (any multiple of 8 runs the config of the next tuned one): what the compile-only
+    checks build."""
+    dims = (32, 64, 96, 128, 192, 200, 256)
     return [
         (d, direction, general, launch_config(d, torch.bfloat16, arch, direction, general))
         for d in dims
