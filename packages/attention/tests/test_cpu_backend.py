@@ -238,13 +238,13 @@ def test_supports() -> None:
 
 def test_results_take_the_kernels_memory_and_keep_the_op_contract(monkeypatch: pytest.MonkeyPatch) -> None:
     # fp32: the SDPA kernel's out and gradients already have the (B, S, H, D) layout, and are
-    # adopted (sdpa._adopt) instead of copied; the op's results stay contiguous, own their
+    # adopted (adopt.py) instead of copied; the op's results stay contiguous, own their
     # memory and equal the reference.
     monkeypatch.setattr(cpu, "FORCE_PATH", "sdpa")
     adopted: list[bool] = []
-    real = sdpa._adopt
+    real = sdpa.adopt
     monkeypatch.setattr(
-        sdpa, "_adopt", lambda dst, src: adopted.append(dst.stride() == src.stride()) or real(dst, src)
+        sdpa, "adopt", lambda dst, src: adopted.append(dst.stride() == src.stride()) or real(dst, src)
     )
     import openkernels.attention as K
 

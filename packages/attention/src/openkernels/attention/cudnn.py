@@ -37,6 +37,8 @@ import torch
 
 from openkernels.shared import dispatch
 
+from .adopt import adopt
+
 __all__ = ["attn_fwd", "attn_bwd", "supports", "supports_backward", "is_plain", "MIN_SEQLEN", "HEAD_DIMS", "ARCHS",
            "NONDETERMINISTIC_ENV"]  # fmt: skip
 
@@ -99,19 +101,11 @@ def _bhsd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def _adopt(dst: torch.Tensor, src_bshd: torch.Tensor) -> None:
-    """dst = src (both (B, S, H, D)): dst takes src's memory when the layouts agree."""
-    if dst.stride() == src_bshd.stride() and dst._base is None and dst.storage_offset() == 0:
-        dst.set_(src_bshd)
-    else:
-        dst.copy_(src_bshd)
-
-
 def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, scale, window_left,
              window_right, alibi_slopes, softcap) -> None:  # fmt: skip
     """reference.attn_fwd for a plain call (`is_plain`)."""
     res = _FWD(_bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, window_right == 0, False, scale=scale)
-    _adopt(out, _bhsd(res[0]))
+    adopt(out, _bhsd(res[0]))
     lse.copy_(res[1].view(lse.shape))
 
 
@@ -122,4 +116,4 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
     grads = _BWD(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.unsqueeze(-1), seed, seed, None, None,
                  None, q.shape[1], k.shape[1], 0.0, window_right == 0, scale=scale)  # fmt: skip
     for dst, src in zip((dq, dk, dv), grads):
-        _adopt(dst, _bhsd(src))
+        adopt(dst, _bhsd(src))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..adopt import adopt
 from ..reference import compute_dtype
 from .geometry import Geometry
 
@@ -49,22 +50,6 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 def _bhsd(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, S, H, D) -> a (B, H, S, D) view (a converted copy when `dtype` differs)."""
     return t.transpose(1, 2).to(dtype)
-
-
-def _adopt(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst = src. The kernel allocates its results in the layout of its (transposed) inputs,
-    so a result in the right dtype usually has dst's strides already: dst then takes src's
-    memory (no copy; at B8 H16 S2048 D128 fp32 a copy moves 128 MB). dst is a fresh tensor
-    of ops.py's, never a view."""
-    if (
-        dst.dtype == src.dtype
-        and dst.stride() == src.stride()
-        and dst._base is None
-        and dst.storage_offset() == 0
-    ):
-        dst.set_(src)
-    else:
-        dst.copy_(src)
 
 
 def _blocks(geo: Geometry, mask_rows: int, needs_mask: bool):
@@ -130,7 +115,7 @@ def forward(q, k, v, out, lse, slopes, *, scale: float, left: int, right: int) -
         mask = None if causal else _mask(geo, slopes, r0, r1, k0, k1, work)
         if (r0, r1, k0, k1) == (0, sq, 0, sk):  # one block (the common case): no slices
             o, row_lse = _FWD(qt, kt, vt, 0.0, causal, attn_mask=mask, scale=scale)
-            _adopt(out, o.transpose(1, 2))
+            adopt(out, o.transpose(1, 2))
             lse.copy_(row_lse)
             continue
         o, row_lse = _FWD(qt[:, :, r0:r1], kt[:, :, k0:k1], vt[:, :, k0:k1], 0.0, causal, attn_mask=mask,
@@ -156,7 +141,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, slopes, *, scale: float, left:
         mask = None if causal else _mask(geo, slopes, 0, sq, 0, sk, work)
         g = _BWD(dot, qt, kt, vt, ot, lse0, 0.0, causal, attn_mask=mask, scale=scale)
         for dst, src in zip((dq, dk, dv), g):
-            _adopt(dst, src.transpose(1, 2))
+            adopt(dst, src.transpose(1, 2))
         return
     # Row blocks: dq per block, dk and dv summed over the blocks in the compute dtype.
     acc = compute_dtype(q.dtype)
