@@ -110,70 +110,79 @@ OK_INLINE v8 hsum8(const vec* a) {
 #endif
 }
 
+// Keys per step of `scores`: NR x kKeys sums in registers (AVX-512: 16 of its 32; AVX2: 8 of 16).
+constexpr int kKeys = kLanes == 16 ? 4 : 2;
+
 // s[r * stride + j] = q_r . k_j for NR query rows (q: rows of D floats) and keys j < n (rows of D
-// floats at keys[j]); D a multiple of kLanes. Two keys at a time: 2 NR independent sums hide the FMA latency, and
-// each loaded chunk of a key serves NR rows.
+// floats at keys[j]); D a multiple of kLanes. NK keys a step: NR NK independent sums hide the
+// FMA latency, each loaded chunk of a key serves NR rows and each chunk of q NK keys.
+template <int NR, int NK>
+OK_INLINE void score_step(const float* __restrict q, const float* const* keys, int64_t D, float* __restrict s,
+                          int64_t stride) {
+  vec a[NK][NR] = {};
+  for (int64_t d = 0; d < D; d += kLanes) {
+    vec x[NK];
+    for (int c = 0; c < NK; ++c) x[c] = load<vec>(keys[c] + d);
+    for (int r = 0; r < NR; ++r) {
+      const vec y = load<vec>(q + r * D + d);
+      for (int c = 0; c < NK; ++c) a[c][r] += y * x[c];
+    }
+  }
+  if constexpr (NR == 4 && NK % 2 == 0) {
+    for (int c = 0; c < NK; c += 2) {
+      const vec pair[8] = {a[c][0], a[c][1], a[c][2], a[c][3], a[c + 1][0], a[c + 1][1], a[c + 1][2], a[c + 1][3]};
+      const v8 sums = hsum8(pair);
+      for (int r = 0; r < 4; ++r) {
+        s[r * stride + c] = sums[r];
+        s[r * stride + c + 1] = sums[4 + r];
+      }
+    }
+  } else {
+    for (int c = 0; c < NK; ++c)
+      for (int r = 0; r < NR; ++r) s[r * stride + c] = hsum(a[c][r]);
+  }
+}
+
 template <int NR>
 void scores(const float* __restrict q, const float* const* keys, int64_t n, int64_t D, float* __restrict s,
             int64_t stride) {
   int64_t j = 0;
-  for (; j + 2 <= n; j += 2) {
-    const float* k0 = keys[j];
-    const float* k1 = keys[j + 1];
-    vec a0[NR] = {}, a1[NR] = {};
-    for (int64_t d = 0; d < D; d += kLanes) {
-      const vec x0 = load<vec>(k0 + d), x1 = load<vec>(k1 + d);
-      for (int r = 0; r < NR; ++r) {
-        const vec y = load<vec>(q + r * D + d);
-        a0[r] += y * x0;
-        a1[r] += y * x1;
-      }
-    }
-    if constexpr (NR == 4) {
-      const vec both[8] = {a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]};
-      const v8 sums = hsum8(both);
-      for (int r = 0; r < 4; ++r) {
-        s[r * stride + j] = sums[r];
-        s[r * stride + j + 1] = sums[4 + r];
-      }
-    } else {
-      for (int r = 0; r < NR; ++r) {
-        s[r * stride + j] = hsum(a0[r]);
-        s[r * stride + j + 1] = hsum(a1[r]);
-      }
-    }
-  }
-  if (j < n) {
-    const float* k0 = keys[j];
-    vec a0[NR] = {};
-    for (int64_t d = 0; d < D; d += kLanes) {
-      const vec x0 = load<vec>(k0 + d);
-      for (int r = 0; r < NR; ++r) a0[r] += load<vec>(q + r * D + d) * x0;
-    }
-    for (int r = 0; r < NR; ++r) s[r * stride + j] = hsum(a0[r]);
-  }
+  for (; j + kKeys <= n; j += kKeys) score_step<NR, kKeys>(q, keys + j, D, s + j, stride);
+  for (; j < n; ++j) score_step<NR, 1>(q, keys + j, D, s + j, stride);
 }
 
-// acc[d0 .. d0 + kLanes NV) += sum_j p[j] v_j[...] over keys j < n, the accumulators kept in registers.
-template <int NV>
+// Vectors of a row each value load serves: NR rows x kTile accumulators stay in registers
+// (AVX-512: 4 x 4 of its 32; AVX2: 4 x 2 of its 16).
+constexpr int kTile = kLanes == 16 ? 4 : 2;
+
+// acc_r[d0 .. d0 + kLanes NV) += sum_j p_r[j] v_j[...] for NR rows (acc rows D apart, p rows
+// kKeyBlock apart) over keys j < n: each loaded chunk of a value row serves the NR rows.
+template <int NR, int NV>
 OK_INLINE void accumulate_tile(float* __restrict acc, const float* __restrict p, const float* const* values,
-                               int64_t n, int64_t d0) {
-  vec a[NV];
-  for (int t = 0; t < NV; ++t) a[t] = load<vec>(acc + kLanes * t);
+                               int64_t n, int64_t d0, int64_t D) {
+  vec a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NV; ++t) a[r][t] = load<vec>(acc + r * D + d0 + kLanes * t);
   for (int64_t j = 0; j < n; ++j) {
-    const vec wv = vec{} + p[j];
     const float* v = values[j] + d0;
-    for (int t = 0; t < NV; ++t) a[t] += wv * load<vec>(v + kLanes * t);
+    vec x[NV];
+    for (int t = 0; t < NV; ++t) x[t] = load<vec>(v + kLanes * t);
+    for (int r = 0; r < NR; ++r) {
+      const vec w = vec{} + p[r * kKeyBlock + j];
+      for (int t = 0; t < NV; ++t) a[r][t] += w * x[t];
+    }
   }
-  for (int t = 0; t < NV; ++t) std::memcpy(acc + kLanes * t, &a[t], sizeof(vec));
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NV; ++t) std::memcpy(acc + r * D + d0 + kLanes * t, &a[r][t], sizeof(vec));
 }
 
-// acc (D floats) += sum_j p[j] v_j (rows of D floats at values[j]); D a multiple of kLanes.
+// acc rows (D floats each) += sum_j p_r[j] v_j (value rows at values[j]) for NR rows; D a
+// multiple of kLanes.
+template <int NR>
 void accumulate(float* acc, const float* p, const float* const* values, int64_t n, int64_t D) {
   int64_t d = 0;
-  for (; d + 8 * kLanes <= D; d += 8 * kLanes) accumulate_tile<8>(acc + d, p, values, n, d);
-  for (; d + 4 * kLanes <= D; d += 4 * kLanes) accumulate_tile<4>(acc + d, p, values, n, d);
-  for (; d + kLanes <= D; d += kLanes) accumulate_tile<1>(acc + d, p, values, n, d);
+  for (; d + kTile * kLanes <= D; d += kTile * kLanes) accumulate_tile<NR, kTile>(acc, p, values, n, d, D);
+  for (; d + kLanes <= D; d += kLanes) accumulate_tile<NR, 1>(acc, p, values, n, d, D);
 }
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -366,7 +375,9 @@ void attend(const Problem& P, int64_t b, int64_t h, int64_t k0, int64_t k1, Scra
       }
     }
     rows_of(P, P.v, b, start + j0, h, n, S.values.data(), S.value_rows);
-    for (int64_t r = 0; r < R; ++r) accumulate(out.acc + r * D, sc + r * kKeyBlock, S.value_rows, n, D);
+    r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) accumulate<4>(out.acc + r0 * D, sc + r0 * kKeyBlock, S.value_rows, n, D);
+    for (; r0 < R; ++r0) accumulate<1>(out.acc + r0 * D, sc + r0 * kKeyBlock, S.value_rows, n, D);
   }
 }
 
