@@ -48,14 +48,8 @@ __all__ = [
 
 _PKG = "openkernels.attention"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels take
-HEAD_DIMS = (
-    32,
-    64,
-    96,
-    128,
-    192,
-    256,
-)  # the KV cache's and rotary's (their tiles are tuned and checked per dim)
+# The KV cache's and rotary's head dims (their tiles are tuned and checked per dim).
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 # attention / attention_varlen: any multiple of 8 up to 256, as FlashAttention-2 takes; the
 # Triton kernels pad head_dim to a power of two (at least 16) and mask the pad.
 ATTENTION_HEAD_DIMS = tuple(range(8, 257, 8))
