@@ -61,13 +61,13 @@ def is_plain(q, k, v, cu_seqlens_q, alibi_slopes, softcap, window_left, window_r
     q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) with a unit last stride; causal is window (-1, 0)."""
     causal = window_right == 0
     return (
-        cu_seqlens_q is None
+        q.shape[1] >= MIN_SEQLEN  # first: most calls that are not plain are short (decode)
+        and cu_seqlens_q is None
         and alibi_slopes is None
         and softcap == 0
         and window_left == -1
         and window_right in (-1, 0)
         and (not causal or q.shape[1] == k.shape[1])
-        and q.shape[1] >= MIN_SEQLEN
         and q.shape[-1] in HEAD_DIMS
         and q.dtype in _DTYPES
         and all(_aligned(t) for t in (q, k, v, *tensors))
