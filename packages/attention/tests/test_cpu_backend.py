@@ -1,5 +1,6 @@
-"""The CPU backend (openkernels.attention.cpu) on both of its paths: PyTorch's CPU flash kernel
-(cpu/sdpa.py) and the blockwise online softmax (cpu/blockwise.py).
+"""The CPU backend (openkernels.attention.cpu) on each of its paths: PyTorch's CPU flash kernel
+(cpu/sdpa.py), the blockwise online softmax (cpu/blockwise.py) and the C++ kernel of few query
+rows per KV head (cpu/decode.py; the calls it does not take run on the other two).
 
 Each test runs the public functions with the backend forced (dispatch.force("cpu")) and one
 path pinned (cpu.FORCE_PATH; softcap always runs blockwise), checks which path ran, and
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from openkernels.attention import cpu
-from openkernels.attention.cpu import blockwise, sdpa
+from openkernels.attention.cpu import blockwise, decode, sdpa
 from openkernels.shared import dispatch
 from openkernels.shared.testing import random_tensor
 
@@ -47,20 +48,33 @@ class Path:
         self.name = name
         self.ran: list[str] = []
 
+    def expected(self, case: Case) -> list[str]:
+        """The path of the forward and of the backward."""
+        other = "blockwise" if case.options.softcap > 0 or self.name == "blockwise" else "sdpa"
+        if self.name != "decode" or case.varlen:
+            return [other, other]
+        return [
+            "decode" if decode.why_not_dense(case.q, case.k, case.v, b) is None else other
+            for b in (False, True)
+        ]
+
     def check(self, case: Case, msg: str = "") -> None:
-        """check_against_reference on the CPU backend, then: the expected path (and only it) ran."""
+        """check_against_reference on the CPU backend, then: the expected paths (and only they) ran."""
         self.ran.clear()
         check_against_reference(case, "cpu", f"{self.name} {msg}".strip())
-        expected = "blockwise" if case.options.softcap > 0 else self.name
-        assert set(self.ran) == {expected}, f"{case.id}: expected the {expected} path, ran {set(self.ran)}"
+        expected = self.expected(case)
+        ok = set(self.ran) == set(expected) and (self.ran[0], self.ran[-1]) == tuple(expected)
+        assert ok, f"{case.id}: expected the {expected} paths (forward, backward), ran {self.ran}"
 
 
-@pytest.fixture(params=["sdpa", "blockwise"])
+@pytest.fixture(params=["sdpa", "blockwise", "decode"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Path:
     pinned = Path(request.param)
     monkeypatch.setattr(cpu, "FORCE_PATH", request.param)
-    for module, name in ((sdpa, "sdpa"), (blockwise, "blockwise")):
-        for fn in ("forward", "backward"):
+    spied = [(sdpa, "sdpa", ("forward", "backward")), (blockwise, "blockwise", ("forward", "backward")),
+             (decode, "decode", ("attend", "backward_dense"))]  # fmt: skip
+    for module, name, fns in spied:
+        for fn in fns:
             original = getattr(module, fn)
 
             def spy(*args, _original=original, _name=name, **kwargs):
@@ -259,3 +273,32 @@ def test_results_take_the_kernels_memory_and_keep_the_op_contract(monkeypatch: p
     for t in (q, k, v):
         assert t.grad.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
     check_against_reference(Case(q, k, v, Options(causal=True), None), "cpu", "adopted")
+
+
+def test_calls_of_few_rows_per_kv_head_take_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Unpinned: forward and backward of a short call on the C++ kernel; a backward over more
+    # than MAX_BACKWARD_KEYS keys, float64, a head_dim that is not a multiple of 16 and more
+    # than MAX_ROWS rows per KV head on the flash kernel.
+    monkeypatch.setattr(cpu, "FORCE_PATH", None)
+    ran: list[str] = []
+    for module, name, fns in (
+        (sdpa, "sdpa", ("forward", "backward")),
+        (decode, "decode", ("attend", "backward_dense")),
+    ):
+        for fn in fns:
+            original = getattr(module, fn)
+            monkeypatch.setattr(
+                module, fn, lambda *a, _o=original, _n=name, **k: ran.append(_n) or _o(*a, **k)
+            )
+    long_keys = decode.MAX_BACKWARD_KEYS + 1
+    for shape, dtype, expected in (
+        (Shape(2, 16, 16, 4, 2, 64), F32, ["decode", "decode"]),
+        (Shape(1, 1, long_keys, 4, 1, 32), BF16, ["decode", "sdpa"]),
+        (Shape(2, 16, 16, 4, 2, 64), F64, ["sdpa", "sdpa"]),
+        (Shape(2, 16, 16, 4, 2, 40), F32, ["sdpa", "sdpa"]),
+        (Shape(1, 33, 33, 4, 2, 32), F32, ["sdpa", "sdpa"]),
+    ):
+        ran.clear()
+        case = dense_case(shape, Options(causal=True), dtype, "cpu")
+        check_against_reference(case, "cpu", shape.id)
+        assert ran == expected, f"{shape.id} {dtype}: ran {ran}, expected {expected}"

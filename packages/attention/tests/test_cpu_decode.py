@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import openkernels.attention as A
+from openkernels.attention import cpu
 from openkernels.attention.cpu import decode
 from openkernels.attention.cpu import kvcache as cpu_kvcache
 from openkernels.shared import cpu_build, replay
@@ -34,7 +35,10 @@ _DECODE = [pytest.param(s, id=s.name) for s in SCENARIOS + LONG_SCENARIOS if _ta
 
 @pytest.fixture
 def ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Which CPU path ran each attention (the kernel, or the gather path's flash kernel)."""
+    """Which CPU path ran each attention (the kernel, or the gather path's flash kernel). The
+    gather path's dense attention is pinned to the flash kernel: the dense backend's own
+    choice (the decode kernel takes short calls there too) is test_cpu_backend's."""
+    monkeypatch.setattr(cpu, "FORCE_PATH", "sdpa")
     paths: list[str] = []
     real_decode, real_gather = decode.attend, cpu_kvcache.attn_fwd
 

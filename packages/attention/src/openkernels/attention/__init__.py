@@ -10,7 +10,7 @@ from .hf import hf_attention_forward, register_with_transformers
 from .kvcache import KVCache
 from .kvformat import QuantizedKV, dequantize_kv, fp8_scale, quantize_fp8, quantize_kv
 
-__version__ = "0.5.8"
+__version__ = "0.5.9"
 
 __all__ = [
     "attention",

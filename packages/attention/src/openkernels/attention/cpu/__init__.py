@@ -1,5 +1,6 @@
 """CPU backend of the attention family: PyTorch's CPU flash kernel where the options map onto
-it (sdpa.py), a blockwise online softmax in torch ops for the rest (blockwise.py).
+it (sdpa.py), a blockwise online softmax in torch ops for the rest (blockwise.py), and for
+forwards of few query rows per KV head the C++ decode kernel (decode.py), every option included.
 
 Entry points and contract as reference.attn_fwd / attn_bwd (reference.py's docstring): every
 option runs (causal and sliding windows aligned bottom-right, ALiBi, softcap, GQA/MQA, varlen,
@@ -13,13 +14,14 @@ import torch
 
 from openkernels.shared import dispatch, replay
 
-from . import blockwise, sdpa
+from . import blockwise, decode, sdpa
 
 __all__ = ["attn_fwd", "attn_bwd", "supports", "FORCE_PATH"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# "sdpa" or "blockwise" to pin the path (tests); softcap always runs blockwise.
+# "sdpa" or "blockwise" to pin the path (tests; softcap always runs blockwise); "decode" (or
+# None) lets the decode kernel take the forwards and backwards it runs (`_runs_decode`).
 FORCE_PATH: str | None = None
 
 
@@ -54,6 +56,17 @@ def _path(softcap: float) -> str:
     return "sdpa"  # faster in every case measured above
 
 
+def _runs_decode(q, k, v, lse, alibi_slopes, written: tuple, backward: bool = False) -> bool:
+    """A dense call runs on the decode kernel (forward: written = (out,); backward: (dq, dk, dv)):
+    one C++ call replayed whole, where the flash kernel's goes through several aten ops. See
+    decode.why_not_dense."""
+    if FORCE_PATH not in (None, "decode") or not all(t.is_contiguous() for t in (lse, *written)):
+        return False
+    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
+        return False
+    return decode.why_not_dense(q, k, v, backward) is None
+
+
 def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
     """(q rows, k rows, slopes) per group of equal-length sequences: the dense batch at once, or
     each varlen sequence (slices of dim 1 of the (1, T, H, D) tensors)."""
@@ -75,6 +88,11 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max
         opts["softcap"] = softcap
     with torch.no_grad():
         if cu_seqlens_q is None and q.shape[1] and k.shape[1]:  # one batch: no per-sequence slices
+            if _runs_decode(q, k, v, lse, alibi_slopes, (out,)):
+                decode.attend(q, k, v, out, lse, None, None, seqlen_new=k.shape[1], scale=scale,
+                              window_left=window_left, window_right=window_right, alibi_slopes=alibi_slopes,
+                              softcap=softcap, leftpad=None)  # fmt: skip
+                return
             impl.forward(q, k, v, out, lse, alibi_slopes, **opts)
             return
         for rq, rk, slopes in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
@@ -96,6 +114,10 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
         opts["softcap"] = softcap
     with torch.no_grad():
         if cu_seqlens_q is None and q.shape[1] and k.shape[1]:  # one batch: no per-sequence slices
+            if dout.stride(-1) == 1 and _runs_decode(q, k, v, lse, alibi_slopes, (dq, dk, dv), backward=True):
+                decode.backward_dense(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, scale=scale,
+                                      window_left=window_left, window_right=window_right, softcap=softcap)  # fmt: skip
+                return
             impl.backward(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, **opts)
             return
         for rq, rk, slopes in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes):

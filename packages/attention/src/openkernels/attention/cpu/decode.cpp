@@ -6,7 +6,8 @@
 // -O3 -march=native. SIMD through GCC / Clang vector extensions (8 floats), as the quant kernel does.
 //
 // Semantics: reference.attention_kvcache_fwd for bits 16 without rotary. Sequence b has
-// L = cache_seqlens[b] + seqlen_new keys, at slots start .. start + L - 1 of its storage (start =
+// L = cache_seqlens[b] + seqlen_new keys (seqlen_new alone without cache_seqlens: plain attention of
+// a few query rows, cpu/__init__.py), at slots start .. start + L - 1 of its storage (start =
 // leftpad[b] or 0; a paged cache maps slot s to row s % page of page block_table[b, s / page]).
 // Query row i sits at position p = i + L - Sq (bottom-right aligned) and sees key j when
 // p - left <= j (left >= 0) and j <= p + right (right >= 0). Score = (q . k) scale, then
@@ -227,7 +228,7 @@ struct Problem {
   const char* q;
   int64_t q_sb, q_ss, q_sh;  // bytes
   Side k, v;
-  const int32_t* seqlens;
+  const int32_t* seqlens;      // (B,) or null: no cached tokens (plain attention over seqlen_new keys)
   const int32_t* block_table;  // (B, cols) or null: a contiguous cache
   int64_t bt_stride, bt_cols, page, rows;  // page: slots per page (or the capacity); rows: pages (or B)
   const int32_t* leftpad;
@@ -241,7 +242,7 @@ struct Problem {
   int q_dtype, kv_dtype;
   int64_t elt_q, elt_kv;  // bytes per element
 
-  int64_t length(int64_t b) const { return int64_t(seqlens[b]) + seqlen_new; }
+  int64_t length(int64_t b) const { return (seqlens ? int64_t(seqlens[b]) : 0) + seqlen_new; }
   int64_t start(int64_t b) const { return leftpad ? int64_t(leftpad[b]) : 0; }
   // The address of key/value slot s of sequence b, head h.
   const char* row(const Side& side, int64_t b, int64_t s, int64_t h) const {
@@ -259,7 +260,7 @@ struct Problem {
 bool valid(const Problem& P) {
   for (int64_t b = 0; b < P.B; ++b) {
     const int64_t len = P.length(b), start = P.start(b);
-    if (P.seqlens[b] < 0 || len < 0 || start < 0) return false;
+    if ((P.seqlens && P.seqlens[b] < 0) || len < 0 || start < 0) return false;
     if (!P.block_table) {
       if (start + len > P.page) return false;
       continue;
@@ -335,9 +336,17 @@ void attend(const Problem& P, int64_t b, int64_t h, int64_t k0, int64_t k1, Scra
     prefetch_rows(P, b, start + j0 + n, h, std::min(kKeyBlock, k1 - j0 - n));
     rows_of(P, P.k, b, start + j0, h, n, S.keys.data(), S.key_rows);
     float* sc = S.scores.data();
+    // Keys past the last one a group of rows sees (a causal or right window) are not computed:
+    // the mask below overwrites their scores and their p is 0.
+    auto seen = [&](int64_t r0, int64_t nr) {
+      if (P.right < 0) return n;
+      int64_t last = 0;
+      for (int64_t r = r0; r < r0 + nr; ++r) last = std::max(last, r % P.Sq + L - P.Sq + P.right + 1 - j0);
+      return std::max<int64_t>(0, std::min(n, last));
+    };
     int64_t r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) scores<4>(qf + r0 * D, S.key_rows, n, D, sc + r0 * kKeyBlock, kKeyBlock);
-    for (; r0 < R; ++r0) scores<1>(qf + r0 * D, S.key_rows, n, D, sc + r0 * kKeyBlock, kKeyBlock);
+    for (; r0 + 4 <= R; r0 += 4) scores<4>(qf + r0 * D, S.key_rows, seen(r0, 4), D, sc + r0 * kKeyBlock, kKeyBlock);
+    for (; r0 < R; ++r0) scores<1>(qf + r0 * D, S.key_rows, seen(r0, 1), D, sc + r0 * kKeyBlock, kKeyBlock);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t g = r / P.Sq, i = r % P.Sq, pos = i + L - P.Sq;
       const int64_t lo = P.left >= 0 ? pos - P.left : std::numeric_limits<int64_t>::min();
@@ -376,8 +385,8 @@ void attend(const Problem& P, int64_t b, int64_t h, int64_t k0, int64_t k1, Scra
     }
     rows_of(P, P.v, b, start + j0, h, n, S.values.data(), S.value_rows);
     r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) accumulate<4>(out.acc + r0 * D, sc + r0 * kKeyBlock, S.value_rows, n, D);
-    for (; r0 < R; ++r0) accumulate<1>(out.acc + r0 * D, sc + r0 * kKeyBlock, S.value_rows, n, D);
+    for (; r0 + 4 <= R; r0 += 4) accumulate<4>(out.acc + r0 * D, sc + r0 * kKeyBlock, S.value_rows, seen(r0, 4), D);
+    for (; r0 < R; ++r0) accumulate<1>(out.acc + r0 * D, sc + r0 * kKeyBlock, S.value_rows, seen(r0, 1), D);
   }
 }
 
@@ -465,6 +474,146 @@ int run(const Problem& P, int num_threads) {
 
 int64_t element_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
 
+// ---- backward of plain attention with few query rows per KV head (no cache)
+//
+// One task per (sequence, KV head) owns the rows of its query heads (R = G x Sq <= kKeyBlock) and
+// every key of its head, so dk and dv of a key are complete after one pass over the rows: no
+// accumulation across tasks, deterministic. Per block of keys: s = q k^T, dp = dout v^T, p =
+// exp(score - lse), ds = p (dp - Di) (times the softcap's derivative) scale; dq += ds k,
+// dk = ds^T q, dv = p^T dout. Keys no row sees get zero gradients. Math in float32.
+struct Grad {
+  const char *q, *k, *v, *out, *dout;
+  int64_t q_s[3], k_s[3], v_s[3], o_s[3], do_s[3];  // bytes: per sequence, token, head
+  const float* lse;  // (B, Hq, Sq) contiguous
+  const float* slopes;
+  int64_t slopes_sb;
+  char *dq, *dk, *dv;  // (B, Sq, Hq, D) and (B, Sk, Hkv, D) contiguous
+  int64_t B, Sq, Sk, Hq, Hkv, D;
+  float scale, softcap;
+  int64_t left, right;
+  int dtype;
+  int64_t elt;
+
+  const char* at(const char* base, const int64_t* st, int64_t b, int64_t t, int64_t h) const {
+    return base + b * st[0] + t * st[1] + h * st[2];
+  }
+};
+
+struct GradScratch {
+  std::vector<float> q, dout, dq, delta, keys, values, s, dp, dsT, pT, dk, dv;
+  const float* key_rows[kKeyBlock];
+  const float* value_rows[kKeyBlock];
+  const float* q_rows[kKeyBlock];
+  const float* dout_rows[kKeyBlock];
+  void size(int64_t R, int64_t D) {
+    for (auto* v : {&q, &dout, &dq}) v->assign(size_t(R * D), 0.0f);
+    delta.assign(size_t(R), 0.0f);
+    for (auto* v : {&keys, &values, &dk, &dv}) v->assign(size_t(kKeyBlock * D), 0.0f);
+    for (auto* v : {&s, &dp, &dsT, &pT}) v->assign(size_t(kKeyBlock * kKeyBlock), 0.0f);
+  }
+};
+
+void grad_task(const Grad& P, int64_t b, int64_t h, GradScratch& S) {
+  const int64_t G = P.Hq / P.Hkv, R = G * P.Sq, D = P.D, L = P.Sk;
+  std::vector<float> row(static_cast<size_t>(D));
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t g = r / P.Sq, i = r % P.Sq, hq = h * G + g;
+    to_float(P.at(P.q, P.q_s, b, i, hq), P.dtype, S.q.data() + r * D, D);
+    to_float(P.at(P.dout, P.do_s, b, i, hq), P.dtype, S.dout.data() + r * D, D);
+    to_float(P.at(P.out, P.o_s, b, i, hq), P.dtype, row.data(), D);
+    float di = 0.0f;
+    for (int64_t d = 0; d < D; ++d) di += S.dout[size_t(r * D + d)] * row[size_t(d)];
+    S.delta[size_t(r)] = di;
+    S.q_rows[r] = S.q.data() + r * D;
+    S.dout_rows[r] = S.dout.data() + r * D;
+  }
+  std::fill(S.dq.begin(), S.dq.end(), 0.0f);
+  const int64_t first = L - P.Sq;  // position of query row 0 (bottom-right aligned)
+  for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, L - j0);
+    for (int64_t j = 0; j < n; ++j) {
+      to_float(P.at(P.k, P.k_s, b, j0 + j, h), P.dtype, S.keys.data() + j * D, D);
+      to_float(P.at(P.v, P.v_s, b, j0 + j, h), P.dtype, S.values.data() + j * D, D);
+      S.key_rows[j] = S.keys.data() + j * D;
+      S.value_rows[j] = S.values.data() + j * D;
+    }
+    float* s = S.s.data();
+    float* dp = S.dp.data();
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) {
+      scores<4>(S.q.data() + r0 * D, S.key_rows, n, D, s + r0 * kKeyBlock, kKeyBlock);
+      scores<4>(S.dout.data() + r0 * D, S.value_rows, n, D, dp + r0 * kKeyBlock, kKeyBlock);
+    }
+    for (; r0 < R; ++r0) {
+      scores<1>(S.q.data() + r0 * D, S.key_rows, n, D, s + r0 * kKeyBlock, kKeyBlock);
+      scores<1>(S.dout.data() + r0 * D, S.value_rows, n, D, dp + r0 * kKeyBlock, kKeyBlock);
+    }
+    // s becomes ds (rows kKeyBlock apart, for dq), dsT and pT its transposes (for dk, dv).
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t g = r / P.Sq, i = r % P.Sq, pos = first + i, hq = h * G + g;
+      const float lse = P.lse[(b * P.Hq + hq) * P.Sq + i];
+      const float slope = P.slopes ? P.slopes[b * P.slopes_sb + hq] : 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t key = j0 + j;
+        const bool hidden = (P.left >= 0 && key < pos - P.left) || (P.right >= 0 && key > pos + P.right);
+        float p = 0.0f, ds = 0.0f;
+        if (!hidden) {
+          float x = s[r * kKeyBlock + j] * P.scale, deriv = 1.0f;
+          if (P.softcap > 0) {
+            const float t = std::tanh(x / P.softcap);
+            x = P.softcap * t;
+            deriv = 1.0f - t * t;
+          }
+          if (P.slopes) x -= slope * float(std::abs(pos - key));
+          const float z = x - lse;  // NaN (a NaN score or lse) stays NaN
+          p = z != z ? z : exp_(z);
+          ds = p * (dp[r * kKeyBlock + j] - S.delta[size_t(r)]) * deriv * P.scale;
+        }
+        s[r * kKeyBlock + j] = ds;
+        S.dsT[size_t(j * kKeyBlock + r)] = ds;
+        S.pT[size_t(j * kKeyBlock + r)] = p;
+      }
+    }
+    r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) accumulate<4>(S.dq.data() + r0 * D, s + r0 * kKeyBlock, S.key_rows, n, D);
+    for (; r0 < R; ++r0) accumulate<1>(S.dq.data() + r0 * D, s + r0 * kKeyBlock, S.key_rows, n, D);
+    std::fill(S.dk.begin(), S.dk.end(), 0.0f);
+    std::fill(S.dv.begin(), S.dv.end(), 0.0f);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      accumulate<4>(S.dk.data() + j * D, S.dsT.data() + j * kKeyBlock, S.q_rows, R, D);
+      accumulate<4>(S.dv.data() + j * D, S.pT.data() + j * kKeyBlock, S.dout_rows, R, D);
+    }
+    for (; j < n; ++j) {
+      accumulate<1>(S.dk.data() + j * D, S.dsT.data() + j * kKeyBlock, S.q_rows, R, D);
+      accumulate<1>(S.dv.data() + j * D, S.pT.data() + j * kKeyBlock, S.dout_rows, R, D);
+    }
+    for (j = 0; j < n; ++j) {
+      const int64_t off = ((b * P.Sk + j0 + j) * P.Hkv + h) * D * P.elt;
+      from_float(S.dk.data() + j * D, P.dtype, P.dk + off, D);
+      from_float(S.dv.data() + j * D, P.dtype, P.dv + off, D);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t g = r / P.Sq, i = r % P.Sq;
+    from_float(S.dq.data() + r * D, P.dtype, P.dq + ((b * P.Sq + i) * P.Hq + h * G + g) * D * P.elt, D);
+  }
+}
+
+int run_grad(const Grad& P, int num_threads) {
+  const int64_t units = P.B * P.Hkv, R = P.Hq / P.Hkv * P.Sq;
+  const bool parallel = num_threads > 1 && units > 1 && P.B * P.Hq * P.Sq * P.Sk * P.D >= kSerialBelow * 64;
+#pragma omp parallel num_threads(parallel ? num_threads : 1) if (parallel)
+  {
+    GradScratch S;
+    S.size(R, P.D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < units; ++t) grad_task(P, t / P.Hkv, t % P.Hkv, S);
+  }
+  return 0;
+}
+
+
 }  // namespace
 
 extern "C" {
@@ -528,6 +677,65 @@ int ok_attention_decode_packed(const int64_t* a) {
                              a[16], a[17], static_cast<const int32_t*>(p(18)), static_cast<const float*>(p(19)), a[20],
                              p(21), static_cast<float*>(p(22)), a[23], a[24], a[25], a[26], a[27], a[28], scale,
                              softcap, a[31], a[32], i32(33), i32(34), i32(35));
+}
+
+// The backward of plain attention (no cache) with G x Sq <= 64 query rows per KV head, head_dim
+// a multiple of 16: q, k, v, out, dout any strides (elements) with a unit last one; lse (B, Hq, Sq)
+// float32 contiguous; dq, dk, dv contiguous. Returns 0 or 1
+// (malformed arguments).
+int ok_attention_short_backward(const void* q, int64_t q_sb, int64_t q_ss, int64_t q_sh, const void* k, int64_t k_sb,
+                                int64_t k_ss, int64_t k_sh, const void* v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
+                                const void* out, int64_t o_sb, int64_t o_ss, int64_t o_sh, const void* dout,
+                                int64_t do_sb, int64_t do_ss, int64_t do_sh, const float* lse, const float* slopes,
+                                int64_t slopes_sb, void* dq, void* dk, void* dv, int64_t B, int64_t Sq, int64_t Sk,
+                                int64_t Hq, int64_t Hkv, int64_t D, double scale, double softcap, int64_t left,
+                                int64_t right, int dtype, int num_threads) {
+  if (B < 0 || Sq <= 0 || Sk <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D % 16 || dtype < 0 || dtype > 2 ||
+      Hq / Hkv * Sq > kKeyBlock)
+    return 1;
+  Grad P;
+  P.elt = element_bytes(dtype);
+  P.dtype = dtype;
+  auto set = [&P](const void* src, const char*& dst, int64_t* st, int64_t s0, int64_t s1, int64_t s2) {
+    dst = static_cast<const char*>(src);
+    st[0] = s0 * P.elt;
+    st[1] = s1 * P.elt;
+    st[2] = s2 * P.elt;
+  };
+  set(q, P.q, P.q_s, q_sb, q_ss, q_sh);
+  set(k, P.k, P.k_s, k_sb, k_ss, k_sh);
+  set(v, P.v, P.v_s, v_sb, v_ss, v_sh);
+  set(out, P.out, P.o_s, o_sb, o_ss, o_sh);
+  set(dout, P.dout, P.do_s, do_sb, do_ss, do_sh);
+  P.lse = lse;
+  P.slopes = slopes;
+  P.slopes_sb = slopes_sb;
+  P.dq = static_cast<char*>(dq);
+  P.dk = static_cast<char*>(dk);
+  P.dv = static_cast<char*>(dv);
+  P.B = B;
+  P.Sq = Sq;
+  P.Sk = Sk;
+  P.Hq = Hq;
+  P.Hkv = Hkv;
+  P.D = D;
+  P.scale = float(scale);
+  P.softcap = float(softcap);
+  P.left = left;
+  P.right = right;
+  return run_grad(P, num_threads);
+}
+
+int ok_attention_short_backward_packed(const int64_t* a) {
+  double scale, softcap;
+  std::memcpy(&scale, &a[32], sizeof scale);
+  std::memcpy(&softcap, &a[33], sizeof softcap);
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  return ok_attention_short_backward(p(0), a[1], a[2], a[3], p(4), a[5], a[6], a[7], p(8), a[9], a[10], a[11], p(12),
+                                     a[13], a[14], a[15], p(16), a[17], a[18], a[19], static_cast<const float*>(p(20)),
+                                     static_cast<const float*>(p(21)), a[22], p(23), p(24), p(25), a[26], a[27], a[28],
+                                     a[29], a[30], a[31], scale, softcap, a[34], a[35], static_cast<int>(a[36]),
+                                     static_cast<int>(a[37]));
 }
 
 }  // extern "C"

@@ -18,7 +18,7 @@ import torch
 
 from openkernels.shared import cpu_build, replay
 
-__all__ = ["why_not", "attend", "MAX_ROWS"]
+__all__ = ["why_not", "why_not_dense", "attend", "backward_dense", "MAX_ROWS"]
 
 _SOURCE = pathlib.Path(__file__).with_name("decode.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -38,7 +38,29 @@ def _load(name: str = "openkernels_attention_decode", extra_flags: Sequence[str]
                    p, p, i64, i64, i64, i64, i64, i64,  # out, lse, B, Sq, Hq, Hkv, D, seqlen_new
                    f64, f64, i64, i64, i32, i32, i32]  # scale, softcap, window, dtypes, threads  # fmt: skip
     fn.restype = ctypes.c_int
-    return replay.observe_library(lib, ("ok_attention_decode",))
+    fn = lib.ok_attention_short_backward
+    fn.argtypes = [p, i64, i64, i64] * 5 + [
+        p,
+        p,
+        i64,
+        p,
+        p,
+        p,  # q, k, v, out, dout; lse, slopes, dq, dk, dv
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        f64,
+        f64,
+        i64,
+        i64,
+        i32,
+        i32,
+    ]  # B .. D, scale, softcap, window
+    fn.restype = ctypes.c_int
+    return replay.observe_library(lib, ("ok_attention_decode", "ok_attention_short_backward"))
 
 
 def _library() -> Any:
@@ -75,10 +97,38 @@ def why_not(
     return cpu_build.no_compiler_reason()
 
 
+# Most keys the backward kernel takes: one task per (sequence, KV head) walks all of them, and
+# with few rows per task the flash kernel's backward wins on long key sequences (2-core AVX-512
+# VM, fp32, forward+backward ms, this kernel / flash: Sq1 Sk4096 Hq32/Hkv8 D128 23.3 / 13.2;
+# B2 Sq16 Sk1024 Hq16/Hkv4 D64 causal 7.7 / 8.3; B8 Sq=Sk=64 H16 D64 causal 8.8 / 8.8).
+MAX_BACKWARD_KEYS = 1024
+
+
+def why_not_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool = False) -> str | None:
+    """None when the kernel runs plain attention (no cache: every key of k / v, (B, S, H, D)) of
+    these tensors, forward or `backward`, else why not. It takes calls of few query rows per KV
+    head (a decode through `attention`, short sequences): one C++ call replayed whole, where the
+    flash kernel's call goes through several aten ops (host time on the 2-core VM, B1 S16 H4 D64
+    fp32 causal: forward 14.4 us against 28.8 before, forward+backward 80 against 150)."""
+    if q.dtype not in _DTYPE_CODES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k, v in {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[-1] % 16:
+        return f"head_dim {q.shape[-1]} (the kernel takes multiples of 16)"
+    rows = q.shape[2] // k.shape[2] * q.shape[1]
+    if rows > MAX_ROWS:
+        return f"{rows} query rows per KV head (more than {MAX_ROWS})"
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "a head_dim stride other than 1"
+    if backward and k.shape[1] > MAX_BACKWARD_KEYS:
+        return f"{k.shape[1]} keys in a backward (more than {MAX_BACKWARD_KEYS})"
+    return cpu_build.no_compiler_reason()
+
+
 def attend(q, k_data, v_data, out, lse, cache_seqlens, block_table, *, seqlen_new, scale, window_left,
            window_right, alibi_slopes, softcap, leftpad) -> None:  # fmt: skip
     """Write out (B, Sq, Hq, D) and lse (B, Hq, Sq), both contiguous, for a call `why_not`
-    accepts. alibi_slopes: (B, Hq) float32 contiguous or None."""
+    (or `why_not_dense`) accepts. alibi_slopes: (B, Hq) float32 contiguous or None.
+    cache_seqlens None: no cached tokens, each sequence's keys are k_data's first seqlen_new rows."""
     b, sq, hq, d = q.shape
     hkv = k_data.shape[2]
     paged = block_table is not None
@@ -87,7 +137,7 @@ def attend(q, k_data, v_data, out, lse, cache_seqlens, block_table, *, seqlen_ne
         q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
         k_data.data_ptr(), k_data.stride(0), k_data.stride(1), k_data.stride(2),
         v_data.data_ptr(), v_data.stride(0), v_data.stride(1), v_data.stride(2),
-        cache_seqlens.data_ptr(), block_table.data_ptr() if paged else None,
+        None if cache_seqlens is None else cache_seqlens.data_ptr(), block_table.data_ptr() if paged else None,
         block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
         k_data.shape[1], k_data.shape[0], None if leftpad is None else leftpad.data_ptr(),
         None if slopes is None else slopes.data_ptr(), 0 if slopes is None else slopes.stride(0),
@@ -102,3 +152,22 @@ def attend(q, k_data, v_data, out, lse, cache_seqlens, block_table, *, seqlen_ne
         )
     if status != 0:  # not reached: the op's checks cover what the kernel rejects
         raise ValueError(f"attention decode kernel rejected its arguments (status {status})")
+
+
+def backward_dense(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, *, scale, window_left, window_right,
+                   softcap) -> None:  # fmt: skip
+    """Write dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), all contiguous, of plain attention (no
+    cache) for a call `why_not_dense` accepts, from the saved out and lse (B, Hq, Sq) float32
+    contiguous. dout: any strides with a unit last one. One task per (sequence, KV
+    head) owns its keys' gradients: deterministic, no accumulation between tasks."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    slopes = alibi_slopes
+    status = _library().ok_attention_short_backward(
+        *(x for t in (q, k, v, out, dout) for x in (t.data_ptr(), t.stride(0), t.stride(1), t.stride(2))),
+        lse.data_ptr(), None if slopes is None else slopes.data_ptr(), 0 if slopes is None else slopes.stride(0),
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, sq, sk, hq, hkv, d, scale, softcap, window_left,
+        window_right, _DTYPE_CODES[q.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:  # not reached: why_not_dense covers what the kernel rejects
+        raise ValueError(f"attention short backward kernel rejected its arguments (status {status})")
