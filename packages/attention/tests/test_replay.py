@@ -74,12 +74,23 @@ def test_kvcache_calls_replay_as_the_python_path(
     assert replayed == (device == "cuda" and not check)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [*DEVICES, "cpu-torch-ops"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tables", ["per batch", "shared"])
-def test_rotary_replays_as_the_python_path(tables: str, dtype: torch.dtype, device: str) -> None:
+def test_rotary_replays_as_the_python_path(
+    tables: str, dtype: torch.dtype, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """apply_rotary (q and k in one call, two results): forward+backward bit for bit against the
-    Python path; on the CPU the forward replays as a program."""
+    Python path; on the CPU the C++ kernel replays as a launch, the torch ops (no compiler,
+    `cpu.rotary.FORCE_TORCH`) as a program. Each device has its own shapes: an entry recorded
+    on one path keeps replaying it."""
+    from openkernels.attention.cpu import rotary as cpu_rotary
+    from openkernels.shared import cpu_build
+
+    torch_ops = device == "cpu-torch-ops" or (device == "cpu" and cpu_build.no_compiler_reason() is not None)
+    monkeypatch.setattr(cpu_rotary, "FORCE_TORCH", device == "cpu-torch-ops")
+    heads = 3 if device == "cpu-torch-ops" else 4
+    device = "cpu" if device == "cpu-torch-ops" else device
     g = torch.Generator().manual_seed(5)
 
     def make(*shape: int, grad: bool = True) -> torch.Tensor:
@@ -88,11 +99,11 @@ def test_rotary_replays_as_the_python_path(tables: str, dtype: torch.dtype, devi
 
     rows = (2, 9, 32) if tables == "per batch" else (9, 32)
     cos, sin = make(*rows, grad=False), make(*rows, grad=False)
-    check_replayed_backward(K.apply_rotary, (make(2, 9, 4, 64), make(2, 9, 2, 64), cos, sin), {})
+    check_replayed_backward(K.apply_rotary, (make(2, 9, heads, 64), make(2, 9, 2, 64), cos, sin), {})
 
     from openkernels.shared import replay
 
-    q, k = make(2, 9, 4, 64, grad=False), make(2, 9, 2, 64, grad=False)
+    q, k = make(2, 9, heads, 64, grad=False), make(2, 9, 2, 64, grad=False)
     cos, sin = (
         cos[..., :16].contiguous(),
         sin[..., :16].contiguous(),
@@ -104,8 +115,6 @@ def test_rotary_replays_as_the_python_path(tables: str, dtype: torch.dtype, devi
     with replay.disabled():
         want = K.apply_rotary(q, k, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    if replay.available():  # forward calls replay: launches on GPUs, a program on the CPU
+    if replay.available():  # forward calls replay: launches (GPU, C++ kernel) or a program
         assert replay.stats(K.apply_rotary)["hits"] == before + 1
-        assert replay.entry_kind(K.apply_rotary, q, k, cos, sin) == (
-            "program" if device == "cpu" else "launches"
-        )
+        assert replay.entry_kind(K.apply_rotary, q, k, cos, sin) == ("program" if torch_ops else "launches")

@@ -45,6 +45,9 @@ OPS = ("apply_rotary", "apply_rotary_backward")
 OTHER = "cuda:0" if torch.cuda.is_available() else "meta"
 
 
+CPU_TORCH_OPS = "cpu-torch-ops"
+
+
 def _targets():
     """(device, implementation) pairs testable in this process, with marks."""
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -55,6 +58,8 @@ def _targets():
             if device != "cpu":
                 marks.append(pytest.mark.gpu)
             params.append(pytest.param(device, impl, id=f"{device}-{impl}", marks=marks))
+    # The CPU backend's torch ops (where no compiler builds rotary.cpp): `_force` pins them.
+    params.append(pytest.param("cpu", CPU_TORCH_OPS, id=f"cpu-{CPU_TORCH_OPS}"))
     return params
 
 
@@ -62,8 +67,23 @@ TARGETS = _targets()
 _no_interpreter = pytest.mark.skipif(INTERPRETING, reason="runs once, outside the interpreter")
 
 
+@contextlib.contextmanager
 def _force(impl: str):
-    return dispatch.force(*(f"{op}:{impl}" for op in OPS))
+    """Pin `impl` (CPU_TORCH_OPS: the CPU backend without its C++ kernel, replay off so that no
+    entry recorded on the kernel replays)."""
+    if impl != CPU_TORCH_OPS:
+        with dispatch.force(*(f"{op}:{impl}" for op in OPS)):
+            yield
+        return
+    from openkernels.attention.cpu import rotary
+    from openkernels.shared import replay
+
+    saved, rotary.FORCE_TORCH = rotary.FORCE_TORCH, True
+    try:
+        with dispatch.force(*(f"{op}:cpu" for op in OPS)), replay.disabled():
+            yield
+    finally:
+        rotary.FORCE_TORCH = saved
 
 
 @dataclass(frozen=True)
@@ -400,8 +420,8 @@ def test_triton_launch_configs(device: str, impl: str, arch: str) -> None:
 def test_cpu_token_chunks(device: str, impl: str, chunk: int, monkeypatch) -> None:
     # The CPU path works through the tokens in chunks of about CHUNK_ELEMENTS: one token at a
     # time, several with a ragged last chunk, and all at once.
-    if impl != "cpu":
-        pytest.skip("the chunks are the CPU backend's")
+    if impl != CPU_TORCH_OPS:
+        pytest.skip("the chunks are the CPU backend's torch ops'")
     from openkernels.attention.cpu import rotary
 
     monkeypatch.setattr(rotary, "CHUNK_ELEMENTS", chunk)
