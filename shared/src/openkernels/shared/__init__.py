@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any
 
-__version__ = "0.13.0"
+__version__ = "0.13.1"
 
 
 class _CallableModule(types.ModuleType):

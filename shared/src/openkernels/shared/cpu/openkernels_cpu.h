@@ -100,6 +100,30 @@ OK_INLINE uint16_t f16_store(float f) {  // nearest even
   for (; i < n; ++i) dst[i] = f16_store(src[i]);
 }
 
+// ---- rows of a dtype code (0 float32, 1 bfloat16, 2 float16) to and from float32 (attention) ----
+
+inline void row_to_float(const void* src, int dtype, float* __restrict dst, int64_t n) {
+  if (dtype == 0) {
+    std::memcpy(dst, src, size_t(n) * 4);
+  } else if (dtype == 1) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_load(s[i]);
+  } else {
+    f16_to_float(static_cast<const uint16_t*>(src), dst, n);
+  }
+}
+
+inline void row_from_float(const float* __restrict src, int dtype, void* dst, int64_t n) {
+  if (dtype == 0) {
+    std::memcpy(dst, src, size_t(n) * 4);
+  } else if (dtype == 1) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = bf16_store(src[i]);
+  } else {
+    float_to_f16(src, static_cast<uint16_t*>(dst), n);
+  }
+}
+
 // ---- exp (activations, attention decode) ----
 
 // min(|x|, c) and x clamped to [-c, c], for c > 0, by an integer min on the magnitude bits: compilers

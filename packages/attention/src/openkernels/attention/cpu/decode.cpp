@@ -58,27 +58,6 @@ OK_INLINE V load(const float* p) {
 
 OK_INLINE v8 load8(const float* p) { return load<v8>(p); }
 
-void to_float(const void* src, int dtype, float* __restrict dst, int64_t n) {
-  if (dtype == kF32) {
-    std::memcpy(dst, src, size_t(n) * 4);
-  } else if (dtype == kBF16) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_load(s[i]);
-  } else {
-    f16_to_float(static_cast<const uint16_t*>(src), dst, n);
-  }
-}
-
-void from_float(const float* __restrict src, int dtype, void* dst, int64_t n) {
-  if (dtype == kF32) {
-    std::memcpy(dst, src, size_t(n) * 4);
-  } else if (dtype == kBF16) {
-    uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = bf16_store(src[i]);
-  } else {
-    float_to_f16(src, static_cast<uint16_t*>(dst), n);
-  }
-}
 
 OK_INLINE float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
@@ -304,7 +283,7 @@ void rows_of(const Problem& P, const Side& side, int64_t b, int64_t s0, int64_t 
     if (P.kv_dtype == kF32) {
       rows[j] = reinterpret_cast<const float*>(src);
     } else {
-      to_float(src, P.kv_dtype, buf + j * P.D, P.D);
+      row_to_float(src, P.kv_dtype, buf + j * P.D, P.D);
       rows[j] = buf + j * P.D;
     }
   }
@@ -328,7 +307,7 @@ void attend(const Problem& P, int64_t b, int64_t h, int64_t k0, int64_t k1, Scra
   float* qf = S.q.data();
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < P.Sq; ++i)
-      to_float(P.q + b * P.q_sb + i * P.q_ss + (h * G + g) * P.q_sh, P.q_dtype, qf + (g * P.Sq + i) * D, D);
+      row_to_float(P.q + b * P.q_sb + i * P.q_ss + (h * G + g) * P.q_sh, P.q_dtype, qf + (g * P.Sq + i) * D, D);
   for (int64_t j0 = k0; j0 < k1; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, k1 - j0);
     // A head's rows are Hkv * D elements apart (often a page or more): the hardware prefetchers do
@@ -465,7 +444,7 @@ int run(const Problem& P, int num_threads) {
         for (int64_t d = 0; d < D; ++d) row[size_t(d)] *= inv;
         lse = M + std::log(total_l);
       }
-      from_float(row.data(), P.q_dtype, P.out + ((b * P.Sq + i) * P.Hq + hq) * D * P.elt_q, D);
+      row_from_float(row.data(), P.q_dtype, P.out + ((b * P.Sq + i) * P.Hq + hq) * D * P.elt_q, D);
       P.lse[(b * P.Hq + hq) * P.Sq + i] = lse;
     }
   }
@@ -518,9 +497,9 @@ void grad_task(const Grad& P, int64_t b, int64_t h, GradScratch& S) {
   std::vector<float> row(static_cast<size_t>(D));
   for (int64_t r = 0; r < R; ++r) {
     const int64_t g = r / P.Sq, i = r % P.Sq, hq = h * G + g;
-    to_float(P.at(P.q, P.q_s, b, i, hq), P.dtype, S.q.data() + r * D, D);
-    to_float(P.at(P.dout, P.do_s, b, i, hq), P.dtype, S.dout.data() + r * D, D);
-    to_float(P.at(P.out, P.o_s, b, i, hq), P.dtype, row.data(), D);
+    row_to_float(P.at(P.q, P.q_s, b, i, hq), P.dtype, S.q.data() + r * D, D);
+    row_to_float(P.at(P.dout, P.do_s, b, i, hq), P.dtype, S.dout.data() + r * D, D);
+    row_to_float(P.at(P.out, P.o_s, b, i, hq), P.dtype, row.data(), D);
     float di = 0.0f;
     for (int64_t d = 0; d < D; ++d) di += S.dout[size_t(r * D + d)] * row[size_t(d)];
     S.delta[size_t(r)] = di;
@@ -532,8 +511,8 @@ void grad_task(const Grad& P, int64_t b, int64_t h, GradScratch& S) {
   for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, L - j0);
     for (int64_t j = 0; j < n; ++j) {
-      to_float(P.at(P.k, P.k_s, b, j0 + j, h), P.dtype, S.keys.data() + j * D, D);
-      to_float(P.at(P.v, P.v_s, b, j0 + j, h), P.dtype, S.values.data() + j * D, D);
+      row_to_float(P.at(P.k, P.k_s, b, j0 + j, h), P.dtype, S.keys.data() + j * D, D);
+      row_to_float(P.at(P.v, P.v_s, b, j0 + j, h), P.dtype, S.values.data() + j * D, D);
       S.key_rows[j] = S.keys.data() + j * D;
       S.value_rows[j] = S.values.data() + j * D;
     }
@@ -590,13 +569,13 @@ void grad_task(const Grad& P, int64_t b, int64_t h, GradScratch& S) {
     }
     for (j = 0; j < n; ++j) {
       const int64_t off = ((b * P.Sk + j0 + j) * P.Hkv + h) * D * P.elt;
-      from_float(S.dk.data() + j * D, P.dtype, P.dk + off, D);
-      from_float(S.dv.data() + j * D, P.dtype, P.dv + off, D);
+      row_from_float(S.dk.data() + j * D, P.dtype, P.dk + off, D);
+      row_from_float(S.dv.data() + j * D, P.dtype, P.dv + off, D);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
     const int64_t g = r / P.Sq, i = r % P.Sq;
-    from_float(S.dq.data() + r * D, P.dtype, P.dq + ((b * P.Sq + i) * P.Hq + h * G + g) * D * P.elt, D);
+    row_from_float(S.dq.data() + r * D, P.dtype, P.dq + ((b * P.Sq + i) * P.Hq + h * G + g) * D * P.elt, D);
   }
 }
 

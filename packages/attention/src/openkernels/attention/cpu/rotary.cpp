@@ -20,27 +20,6 @@ enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 int64_t element_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
 
-void to_float(const void* src, int dtype, float* __restrict dst, int64_t n) {
-  if (dtype == kF32) {
-    std::memcpy(dst, src, size_t(n) * 4);
-  } else if (dtype == kBF16) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_load(s[i]);
-  } else {
-    f16_to_float(static_cast<const uint16_t*>(src), dst, n);
-  }
-}
-
-void from_float(const float* __restrict src, int dtype, void* dst, int64_t n) {
-  if (dtype == kF32) {
-    std::memcpy(dst, src, size_t(n) * 4);
-  } else if (dtype == kBF16) {
-    uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = bf16_store(src[i]);
-  } else {
-    float_to_f16(src, static_cast<uint16_t*>(dst), n);
-  }
-}
 
 struct Side {  // q or k: (B, S, H, D) input with a unit last stride, contiguous output
   const char* x;
@@ -63,7 +42,7 @@ void rotate_token(const Problem& P, const Side& side, int64_t b, int64_t t, cons
                   std::vector<float>& x, std::vector<float>& y) {
   const int64_t D = P.D, h = P.R / 2, xe = element_bytes(P.x_dtype);
   for (int64_t head = 0; head < side.H; ++head) {
-    to_float(side.x + b * side.sb + t * side.ss + head * side.sh, P.x_dtype, x.data(), D);
+    row_to_float(side.x + b * side.sb + t * side.ss + head * side.sh, P.x_dtype, x.data(), D);
     const float* x1 = x.data();
     const float* x2 = x.data() + h;
     float* y1 = y.data();
@@ -80,7 +59,7 @@ void rotate_token(const Problem& P, const Side& side, int64_t b, int64_t t, cons
       }
     }
     for (int64_t i = P.R; i < D; ++i) y[size_t(i)] = x[size_t(i)];
-    from_float(y.data(), P.x_dtype, side.out + ((b * P.S + t) * side.H + head) * D * xe, D);
+    row_from_float(y.data(), P.x_dtype, side.out + ((b * P.S + t) * side.H + head) * D * xe, D);
   }
 }
 
@@ -93,8 +72,8 @@ int run(const Problem& P, int num_threads) {
 #pragma omp for schedule(static)
     for (int64_t token = 0; token < tokens; ++token) {
       const int64_t b = token / P.S, t = token % P.S;
-      to_float(P.cos + b * P.tb + t * P.ts, P.t_dtype, c.data(), P.R);
-      to_float(P.sin + b * P.tb + t * P.ts, P.t_dtype, s.data(), P.R);
+      row_to_float(P.cos + b * P.tb + t * P.ts, P.t_dtype, c.data(), P.R);
+      row_to_float(P.sin + b * P.tb + t * P.ts, P.t_dtype, s.data(), P.R);
       rotate_token(P, P.q, b, t, c.data(), s.data(), x, y);
       rotate_token(P, P.k, b, t, c.data(), s.data(), x, y);
     }
