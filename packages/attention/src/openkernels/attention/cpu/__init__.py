@@ -1,6 +1,7 @@
 """CPU backend of the attention family: PyTorch's CPU flash kernel where the options map onto
 it (sdpa.py), a blockwise online softmax in torch ops for the rest (blockwise.py), and for
-forwards of few query rows per KV head the C++ decode kernel (decode.py), every option included.
+calls of at most decode.MAX_ROWS query rows per KV head the C++ decode kernel (decode.py),
+forward and backward (the backward up to decode.MAX_BACKWARD_KEYS keys), every option included.
 
 Entry points and contract as reference.attn_fwd / attn_bwd (reference.py's docstring): every
 option runs (causal and sliding windows aligned bottom-right, ALiBi, softcap, GQA/MQA, varlen,
