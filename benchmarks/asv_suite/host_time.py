@@ -248,7 +248,7 @@ class HostTime(_h.Suite):
 
     params = [list(OPS), list(DIRECTIONS), ["ours", "torch"]]
     param_names = ["op", "direction", "contender"]
-    version = "host-time-2"
+    version = "host-time-1"
 
     def applies(self, device_type: str, **params: str) -> bool:
         return not (params["direction"] != "fwd" and params["op"] in FORWARD_ONLY)
