@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from openkernels.attention import bench_kvcache
-from openkernels.shared.bench import copy_ceiling_gbps, format_table, run_cases, write_json
+from openkernels.shared.dev.bench import copy_ceiling_gbps, format_table, run_cases, write_json
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Each family's JAX ops against the same kernels called from PyTorch, and against XLA's
-fusion of the jax.numpy composition, on a GPU (see openkernels.shared.bench_jax).
+fusion of the jax.numpy composition, on a GPU (see openkernels.shared.dev.bench_jax).
 
     python benchmarks/jax_vs_torch.py [family ...] [--quick] [--kernel-time] [--json PATH]
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel-time", action="store_true", help="device time in kernels (torch.profiler)")
     args = parser.parse_args(argv)
 
-    from openkernels.shared.bench_jax import run_jax_cases
+    from openkernels.shared.dev.bench_jax import run_jax_cases
 
     results = []
     for family in args.families:

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from openkernels.quant import bench
-from openkernels.shared.bench import (
+from openkernels.shared.dev.bench import (
     copy_ceiling_gbps,
     format_table,
     matmul_ceiling_tflops,

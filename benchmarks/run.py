@@ -20,7 +20,7 @@ import importlib
 
 import torch
 
-from openkernels.shared.bench import (
+from openkernels.shared.dev.bench import (
     copy_ceiling_gbps,
     format_table,
     matmul_ceiling_tflops,

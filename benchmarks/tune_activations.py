@@ -17,7 +17,7 @@ import triton
 
 from openkernels.activations.spec import Act
 from openkernels.activations.triton import kernels as K
-from openkernels.shared.bench import copy_ceiling_gbps, time_ms
+from openkernels.shared.dev.bench import copy_ceiling_gbps, time_ms
 
 
 def main() -> None:

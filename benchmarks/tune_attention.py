@@ -20,7 +20,7 @@ from openkernels.attention import ops
 from openkernels.attention.triton import attn_bwd, attn_fwd
 from openkernels.attention.triton import kernels as K
 from openkernels.attention.triton.configs import AttnConfig, launch_config
-from openkernels.shared.bench import time_ms
+from openkernels.shared.dev.bench import time_ms
 
 ARCH = "sm_90"  # the lent H200; the sweep reports against its table entries
 DEFAULT_SHAPES = "8x16x2048x128,2x16x8192x128c,1x16x16384x128,8x32x2048x64c,4x16x4096x128c"

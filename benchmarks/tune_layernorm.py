@@ -16,7 +16,7 @@ import torch
 from openkernels.layernorm.bench import GPU_SHAPES, LONG_ROW_SHAPES
 from openkernels.layernorm.triton import norm_bwd, norm_fwd
 from openkernels.layernorm.triton.configs import MAX_TILE_COLS, NormConfig, launch_config
-from openkernels.shared.bench import copy_ceiling_gbps, time_ms
+from openkernels.shared.dev.bench import copy_ceiling_gbps, time_ms
 
 
 def _pow2(n: int) -> int:

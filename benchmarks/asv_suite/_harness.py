@@ -6,7 +6,7 @@ hundreds of processes would cost more than the measurements, so each suite measu
 combination it is asked for once, in `setup_cache` (a single process), and its `track_*`
 benchmarks read the numbers back:
 
-- GPUs: `openkernels.shared.bench.time_ms`, the do_bench median of CUDA-event times; CPUs:
+- GPUs: `openkernels.shared.dev.bench.time_ms`, the do_bench median of CUDA-event times; CPUs:
   its perf_counter median. Input sets rotate past the 60 MB L2 (three times its size).
 - `track_ms`: milliseconds per call, the number regressions are judged on (asv reads a
   larger value as worse); `track_gbps` / `track_tflops`: the same measurement as throughput.
@@ -112,7 +112,7 @@ def _first_call(fn: Any, sets: list[Any], dev: Any) -> None:
 
 def _timed_ms(fn: Any, sets: list[Any], dev: Any) -> float:
     """Milliseconds per call after the first: one call in smoke mode, else `time_ms`."""
-    from openkernels.shared.bench import time_ms
+    from openkernels.shared.dev.bench import time_ms
 
     if smoke():
         start = time.perf_counter()

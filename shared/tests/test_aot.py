@@ -1,4 +1,4 @@
-"""Tests of the ahead-of-time compile checker (openkernels.shared.testing.aot).
+"""Tests of the ahead-of-time compile checker (openkernels.shared.dev.testing.aot).
 
 Every kernel is compiled for all five targets (or those in OPENKERNELS_AOT_TARGETS) with
 no GPU; the known-bad kernels must be reported (spills, shared memory over the limit,
@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 import triton
 import triton.language as tl
 
-from openkernels.shared.testing import aot
-from openkernels.shared.testing.aot import (
+from openkernels.shared.dev.testing import aot
+from openkernels.shared.dev.testing.aot import (
     TARGETS,
     AotCase,
     AotReport,

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from openkernels.shared import bench
-from openkernels.shared.bench import (
+from openkernels.shared.dev import bench
+from openkernels.shared.dev.bench import (
     BenchCase,
     format_table,
     matmul_ceiling_tflops,
@@ -66,7 +66,7 @@ def test_score_flags_errors_and_nan() -> None:
 def test_kernel_times_fill_in_after_the_wall_times(monkeypatch) -> None:
     # The second pass (CUDA only in run_cases) fills kernel_ms for contenders that ran and
     # leaves failed ones and the same-size copy alone; kernel_ms is stubbed: no GPU here.
-    from openkernels.shared import bench
+    from openkernels.shared.dev import bench
 
     calls = []
     monkeypatch.setattr(bench, "kernel_ms", lambda fn, sets, device: calls.append(fn) or 0.25)

@@ -16,8 +16,9 @@ from dataclasses import fields
 import pytest
 import torch
 
-from openkernels.shared import cli, dispatch
-from openkernels.shared.bench import Check, Measurement
+from openkernels.shared import dispatch
+from openkernels.shared.dev import cli
+from openkernels.shared.dev.bench import Check, Measurement
 
 FAMILIES = cli.families()
 pytestmark = pytest.mark.skipif(not FAMILIES, reason="no openkernels family installed")
@@ -245,14 +246,14 @@ def test_bench_reports_a_family_whose_cases_fail(monkeypatch, capsys) -> None:
 
 def test_demo_hands_its_arguments_to_model_demo(monkeypatch, capsys) -> None:
     got = []
-    fake = types.ModuleType("openkernels.shared.model_demo")
+    fake = types.ModuleType("openkernels.shared.dev.model_demo")
     fake.main = lambda argv: got.append(argv) or 7
-    monkeypatch.setitem(sys.modules, "openkernels.shared.model_demo", fake)
+    monkeypatch.setitem(sys.modules, "openkernels.shared.dev.model_demo", fake)
     assert cli.main(["demo", "--model", "tiny", "--help"]) == 7
     assert got == [["--model", "tiny", "--help"]]
-    monkeypatch.setitem(sys.modules, "openkernels.shared.model_demo", None)  # not shipped
+    monkeypatch.setitem(sys.modules, "openkernels.shared.dev.model_demo", None)  # not shipped
     assert cli.main(["demo"]) == 2
-    assert "openkernels.shared.model_demo is missing" in capsys.readouterr().err
+    assert "openkernels.shared.dev.model_demo is missing" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from openkernels.shared import jax as okjax  # noqa: E402
-from openkernels.shared.testing.jax import to_jax, to_torch  # noqa: E402
+from openkernels.shared.dev.testing.jax import to_jax, to_torch  # noqa: E402
 
 
 @triton.jit
@@ -174,7 +174,7 @@ def test_the_pytorch_api_does_not_import_jax() -> None:
                 importlib.import_module(f"openkernels.{family}")
             except ModuleNotFoundError:
                 pass
-        import openkernels.shared.kernelize, openkernels.shared.cli
+        import openkernels.shared.kernelize, openkernels.shared.dev.cli
         print(sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "jaxlib", "jax_triton"))))
         """
     )

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openkernels.shared.layout import as_rows
-from openkernels.shared.platform import device_info
-from openkernels.shared.testing import (
+from openkernels.shared.dev.testing import (
     TOLERANCES,
     assert_close,
     noncontiguous_views,
     poisoned_empty,
     random_tensor,
 )
+from openkernels.shared.layout import as_rows
+from openkernels.shared.platform import device_info
 
 
 def test_as_rows_keeps_views_when_possible() -> None:

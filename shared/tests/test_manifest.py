@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from openkernels.shared import cli, manifest
+from openkernels.shared import manifest
+from openkernels.shared.dev import cli
 from openkernels.shared.kernelize import available_swaps
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

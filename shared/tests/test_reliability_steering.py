@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from openkernels.shared import dispatch
-from openkernels.shared.testing.threads import run_in_threads
+from openkernels.shared.dev.testing.threads import run_in_threads
 
 _counter = itertools.count()
 ALL = ("cuda", "rocm", "cpu")

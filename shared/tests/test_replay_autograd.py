@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from openkernels.shared import cpu_build, opdef, replay
-from openkernels.shared.testing.threads import run_in_threads
+from openkernels.shared.dev.testing.threads import run_in_threads
 
 pytestmark = pytest.mark.skipif(not cpu_build.compiler_available(), reason="no C++ compiler")
 

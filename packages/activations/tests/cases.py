@@ -10,8 +10,8 @@ import torch
 import openkernels.activations as A
 from openkernels.activations import reference as R
 from openkernels.activations.spec import APPROXIMATE, SPECS
+from openkernels.shared.dev.testing import ODD_SIZES, testable_implementations
 from openkernels.shared.platform import triton_interpreting
-from openkernels.shared.testing import ODD_SIZES, testable_implementations
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def _case(
     int_type: str = "i32",
     act_first: bool = True,
 ):
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     signature = {p: _TRITON_DTYPE[dtype] for p in _PTRS[kind]}
     signature.update({i: int_type for i in _INTS[kind]})
@@ -103,7 +103,7 @@ def jax_cases_for(backend: str) -> list:
     """The kernels as the JAX front end compiles them: every integer a constant (JAX shapes
     are static), here for the (rows, cols) of the benchmark and odd shapes, through the
     same launch plan."""
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     out = []
     for kind in _NAMES:
@@ -132,13 +132,13 @@ def jax_cases_for(backend: str) -> list:
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_jax_specializations_compile_clean(vendor: str) -> None:
-    from openkernels.shared.testing.aot import check_vendor
+    from openkernels.shared.dev.testing.aot import check_vendor
 
     check_vendor(jax_cases_for, vendor)
 
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
-    from openkernels.shared.testing.aot import check_vendor
+    from openkernels.shared.dev.testing.aot import check_vendor
 
     check_vendor(cases_for, vendor)

@@ -12,7 +12,7 @@ import openkernels.activations as A
 from openkernels.activations import reference as R
 from openkernels.activations.spec import SPECS
 from openkernels.shared import dispatch
-from openkernels.shared.testing import assert_close, failing_implementation, random_tensor, run_opcheck
+from openkernels.shared.dev.testing import assert_close, failing_implementation, random_tensor, run_opcheck
 
 from .cases import VARIANTS, Variant, variant_params
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from openkernels.activations import bench
-from openkernels.shared.testing import assert_close, random_tensor
+from openkernels.shared.dev.testing import assert_close, random_tensor
 
 from .cases import VARIANTS, Variant
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from openkernels.shared import dispatch
-from openkernels.shared.testing import assert_close, noncontiguous_views, poisoned_empty, random_tensor
+from openkernels.shared.dev.testing import assert_close, noncontiguous_views, poisoned_empty, random_tensor
 
 from .cases import KERNEL_DTYPES, VARIANTS, Variant, shapes, targets, variant_params
 

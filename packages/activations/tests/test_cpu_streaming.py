@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from openkernels.shared import dispatch
-from openkernels.shared.testing import assert_close, poisoned_empty, random_tensor
+from openkernels.shared.dev.testing import assert_close, poisoned_empty, random_tensor
 
 from .cases import Variant
 

@@ -12,8 +12,8 @@ jnp = jax.numpy
 
 import openkernels.activations.jax as AJ  # noqa: E402
 from openkernels.shared import jax as okjax  # noqa: E402
-from openkernels.shared.testing import assert_close, random_tensor  # noqa: E402
-from openkernels.shared.testing.jax import jax_backends, to_jax, to_torch  # noqa: E402
+from openkernels.shared.dev.testing import assert_close, random_tensor  # noqa: E402
+from openkernels.shared.dev.testing.jax import jax_backends, to_jax, to_torch  # noqa: E402
 
 from .cases import KERNEL_DTYPES, Variant, shapes, variant_params  # noqa: E402
 

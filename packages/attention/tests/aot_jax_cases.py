@@ -38,7 +38,7 @@ _ROTARY_CALLS = (
 
 
 def _case(kernel: str, launch: plan.Launch, pointers: dict[str, str], backend: str, label: str, extra=None):
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     stages = launch.num_stages if launch.num_stages is not None else _DEFAULT_STAGES[backend]
     constexprs = {**launch.args, **(extra or {})}

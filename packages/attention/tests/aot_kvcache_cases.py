@@ -55,7 +55,7 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
     16-bit cache. fp8: e4m3 bytes with float32 per-head scales, converted in hardware on
     sm_90 and with bit operations elsewhere (as the launcher picks). key_group: keys by channel
     (their key blocks are the groups), with the residual's pointer."""
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     cfg = configs.kv_config(head_dim, bits, rows, arch, fp8, lean)
     if key_group and key_group % cfg.block_n:  # as the plan: a key block lies in one group
@@ -117,7 +117,7 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
 
 
 def _append_case(head_dim: int, bits: int, group: int | None, leftpad: bool = False, fp8: bool = False):
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     data = "*bf16" if bits == 16 else "*u8"
     scales = "*fp32" if fp8 else "*fp16"
@@ -143,7 +143,7 @@ def _append_case(head_dim: int, bits: int, group: int | None, leftpad: bool = Fa
 
 
 def _append_keys_case(head_dim: int, bits: int, key_group: int):
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     pointers = {"k_new_ptr": "*bf16", "k_ptr": "*u8", "k_scale_ptr": "*fp16", "k_zero_ptr": "*fp16", "res_ptr": "*fp16",
                 "seqlens_ptr": "*i32", "block_table_ptr": "*i32"}  # fmt: skip
@@ -156,7 +156,7 @@ def _append_keys_case(head_dim: int, bits: int, key_group: int):
 
 
 def _combine_case(head_dim: int):
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     signature, attrs = _signature("_attention_kvcache_combine_kernel", {"o_ptr": "*bf16"})
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_SPLITS": 128}

@@ -15,7 +15,7 @@ _STRIDES = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "st
 
 
 def _case(head_dim: int, rot_dim: int, cfg: configs.RotaryConfig, dtype: str, table: str, backward: bool):
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     act, trig = _ACT[dtype], _ACT[table]
     signature = {"q_ptr": act, "k_ptr": act, "cos_ptr": trig, "sin_ptr": trig, "qo_ptr": act, "ko_ptr": act,

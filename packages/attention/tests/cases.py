@@ -46,14 +46,14 @@ import torch
 import openkernels.attention as A
 from openkernels.attention import reference as R
 from openkernels.shared import dispatch, replay
-from openkernels.shared.platform import triton_interpreting
-from openkernels.shared.testing import (
+from openkernels.shared.dev.testing import (
     TOLERANCES,
     assert_close,
     poisoned_empty,
     random_tensor,
     testable_implementations,
 )
+from openkernels.shared.platform import triton_interpreting
 
 HALF = (torch.float16, torch.bfloat16)
 KERNEL_DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -62,7 +62,7 @@ from openkernels.attention.kvformat import (
     unpack_codes,
 )
 from openkernels.shared import dispatch
-from openkernels.shared.testing import TOLERANCES, assert_close, poisoned_empty, random_tensor
+from openkernels.shared.dev.testing import TOLERANCES, assert_close, poisoned_empty, random_tensor
 
 from .cases import assert_attention_close
 

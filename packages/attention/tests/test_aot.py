@@ -49,7 +49,7 @@ def _signature(direction: str, act: str) -> dict[str, str]:
 
 def _case(direction: str, head_dim: int, cfg: configs.AttnConfig, dtype: str, flags: dict, *,
           aligned_seqlens: bool = False):  # fmt: skip
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     kernel = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel"}[
         direction
@@ -72,7 +72,7 @@ def _case(direction: str, head_dim: int, cfg: configs.AttnConfig, dtype: str, fl
 
 
 def _preprocess_case(head_dim: int):
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     signature = {"o_ptr": "*bf16", "do_ptr": "*bf16", "cu_q_ptr": "*i32", "delta_ptr": "*fp32",
                  **_strides("o", "do"), "stride_lb": "i32", "stride_lh": "i32", "seqlen_q": "i32",
@@ -84,7 +84,7 @@ def _preprocess_case(head_dim: int):
 
 
 def _group_sum_case(head_dim: int, group: int):
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     signature = {"part_ptr": "*fp32", "grad_ptr": "*bf16", "stride_gb": "i64", "stride_gs": "i32", "stride_gh": "i32",
                  "seqlen": "i32", "heads_kv": "i32"}  # fmt: skip
@@ -130,7 +130,7 @@ def cases_for(arch: str) -> list:
 def test_kernels_compile_clean_for_every_config(target: str) -> None:
     if triton_interpreting():
         pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+    from openkernels.shared.dev.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
 
     if target not in targets_from_env():
         pytest.skip(f"{target} is not in OPENKERNELS_AOT_TARGETS")

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import openkernels.attention as A
 from openkernels.attention import reference as R
 from openkernels.shared import dispatch
+from openkernels.shared.dev.testing import failing_implementation, random_tensor
 from openkernels.shared.dispatch import DispatchKey
 from openkernels.shared.platform import triton_interpreting
-from openkernels.shared.testing import failing_implementation, random_tensor
 
 from .cases import HEAD_DIMS, Case, Options, assert_attention_close, compare, recording_implementation
 

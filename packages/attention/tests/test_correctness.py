@@ -10,7 +10,7 @@ import torch
 
 import openkernels.attention as A
 from openkernels.shared import dispatch
-from openkernels.shared.testing import assert_close, poisoned_empty, random_tensor, run_opcheck
+from openkernels.shared.dev.testing import assert_close, poisoned_empty, random_tensor, run_opcheck
 
 from .cases import (
     FEW_OPTIONS,

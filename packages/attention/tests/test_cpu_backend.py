@@ -19,7 +19,7 @@ import torch
 from openkernels.attention import cpu
 from openkernels.attention.cpu import blockwise, decode, sdpa
 from openkernels.shared import dispatch
-from openkernels.shared.testing import random_tensor
+from openkernels.shared.dev.testing import random_tensor
 
 from .cases import (
     SCALE,

@@ -16,7 +16,7 @@ from openkernels.attention import cpu
 from openkernels.attention.cpu import decode
 from openkernels.attention.cpu import kvcache as cpu_kvcache
 from openkernels.shared import cpu_build, replay
-from openkernels.shared.testing import random_tensor
+from openkernels.shared.dev.testing import random_tensor
 
 from .kvcache_cases import KVCall, Scenario, build, check_call
 from .test_kvcache import LONG_SCENARIOS, SCENARIOS

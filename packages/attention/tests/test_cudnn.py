@@ -12,7 +12,7 @@ import torch
 import openkernels.attention as A
 from openkernels.attention import cudnn
 from openkernels.shared import dispatch
-from openkernels.shared.testing import random_tensor
+from openkernels.shared.dev.testing import random_tensor
 
 from .cases import Case, Options, Shape, check_against_reference, compare, dense_case, run
 

@@ -20,8 +20,8 @@ import openkernels.attention.jax as AJ  # noqa: E402
 from openkernels.attention import reference as R  # noqa: E402
 from openkernels.shared import dispatch  # noqa: E402
 from openkernels.shared import jax as okjax  # noqa: E402
-from openkernels.shared.testing import assert_close, random_tensor  # noqa: E402
-from openkernels.shared.testing.jax import jax_backends, to_jax, to_torch  # noqa: E402
+from openkernels.shared.dev.testing import assert_close, random_tensor  # noqa: E402
+from openkernels.shared.dev.testing.jax import jax_backends, to_jax, to_torch  # noqa: E402
 
 from .cases import (  # noqa: E402
     FEW_OPTIONS,

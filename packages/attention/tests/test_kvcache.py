@@ -28,7 +28,7 @@ from openkernels.attention.kvformat import (
     unpack_codes,
 )
 from openkernels.shared import dispatch
-from openkernels.shared.testing import (
+from openkernels.shared.dev.testing import (
     assert_close,
     failing_implementation,
     poisoned_empty,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import openkernels.attention as K
-from openkernels.shared.testing.replayed import check_replayed_backward
+from openkernels.shared.dev.testing.replayed import check_replayed_backward
 
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 CASES = {

@@ -25,16 +25,16 @@ import torch
 import openkernels.attention as A
 from openkernels.attention import reference as R
 from openkernels.shared import dispatch
-from openkernels.shared.dispatch import DispatchKey
-from openkernels.shared.platform import triton_interpreting
-from openkernels.shared.testing import (
+from openkernels.shared.dev.testing import (
     assert_close,
     failing_implementation,
     poisoned_empty,
     random_tensor,
     run_opcheck,
 )
-from openkernels.shared.testing import testable_implementations as _testable  # not collected as a test
+from openkernels.shared.dev.testing import testable_implementations as _testable  # not collected as a test
+from openkernels.shared.dispatch import DispatchKey
+from openkernels.shared.platform import triton_interpreting
 
 from .cases import recording_implementation
 

@@ -11,8 +11,8 @@ import torch
 
 import openkernels.layernorm as L
 from openkernels.layernorm import reference as R
+from openkernels.shared.dev.testing import assert_close, random_tensor, testable_implementations
 from openkernels.shared.platform import triton_interpreting
-from openkernels.shared.testing import assert_close, random_tensor, testable_implementations
 
 KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -36,7 +36,7 @@ _BWD_ALL = {"IS_RMS": False, "HAS_WEIGHT": True, "HAS_DH_OUT": True, "WEIGHT_GRA
 
 def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, aligned: bool = True,
           int_type: str = "i32", h_dtype: str | None = None, max_splits: int = 64, even: bool = False):  # fmt: skip
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     act, h = _TRITON_DTYPE[dtype], _TRITON_DTYPE[h_dtype or dtype]
     constexprs = dict(flags)
@@ -137,7 +137,7 @@ def cases_for(backend: str) -> list:
             for c in (_case(direction, cfg, "bf16", every, aligned=False),
                       _case(direction, cfg, "fp32", every, aligned=False, h_dtype="fp32")):  # fmt: skip
                 out[c.label] = c
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     for dtype in ("fp32", "bf16", "fp16"):  # the dweight/dbias reduction, into each parameter dtype
         for even in (False, True):
@@ -155,7 +155,7 @@ def cases_for(backend: str) -> list:
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
-    from openkernels.shared.testing.aot import check_vendor
+    from openkernels.shared.dev.testing.aot import check_vendor
 
     check_vendor(cases_for, vendor)
 
@@ -173,7 +173,7 @@ _JAX_BWD_SHAPES = ((32768, 2048), (8192, 8192), (4096, 16384), (4097, 1000), (77
 
 def _jax_case(launch, dtypes: dict, label: str):
     """An AotCase of a `jax_launch.Launch`: pointers typed by the arrays' roles."""
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     signature = {p: _PTR[dtypes[role]] for p, role in launch.inputs}
     signature.update({p: _PTR[dt] for p, _, dt in launch.outputs})
@@ -222,7 +222,7 @@ def jax_cases_for(vendor: str) -> list:
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_jax_specializations_compile_clean(vendor: str) -> None:
-    from openkernels.shared.testing.aot import check_vendor
+    from openkernels.shared.dev.testing.aot import check_vendor
 
     check_vendor(jax_cases_for, vendor)
 

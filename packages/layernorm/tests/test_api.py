@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import openkernels.layernorm as L
 from openkernels.layernorm import reference as R
 from openkernels.shared import dispatch
+from openkernels.shared.dev.testing import assert_close, failing_implementation, random_tensor, run_opcheck
 from openkernels.shared.platform import triton_interpreting
-from openkernels.shared.testing import assert_close, failing_implementation, random_tensor, run_opcheck
 
 pytestmark = pytest.mark.skipif(triton_interpreting(), reason="API tests run once, outside the interpreter")
 

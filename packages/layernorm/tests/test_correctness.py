@@ -8,8 +8,8 @@ import torch
 
 import openkernels.layernorm as L
 from openkernels.shared import dispatch
+from openkernels.shared.dev.testing import assert_close, noncontiguous_views, poisoned_empty, random_tensor
 from openkernels.shared.platform import triton_interpreting
-from openkernels.shared.testing import assert_close, noncontiguous_views, poisoned_empty, random_tensor
 
 from .cases import (
     KERNEL_DTYPES,

@@ -15,8 +15,8 @@ import torch
 
 from openkernels.layernorm import cpu, reference
 from openkernels.shared import cpu_build
+from openkernels.shared.dev.testing import assert_close, random_tensor
 from openkernels.shared.dispatch import DispatchKey
-from openkernels.shared.testing import assert_close, random_tensor
 
 pytestmark = pytest.mark.skipif(not cpu_build.compiler_available(), reason="no C++ compiler")
 

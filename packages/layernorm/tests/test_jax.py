@@ -15,9 +15,9 @@ import openkernels.layernorm as L  # noqa: E402
 import openkernels.layernorm.jax as LJ  # noqa: E402
 from openkernels.shared import dispatch  # noqa: E402
 from openkernels.shared import jax as okjax  # noqa: E402
+from openkernels.shared.dev.testing import assert_close, random_tensor  # noqa: E402
+from openkernels.shared.dev.testing.jax import jax_backends, to_jax, to_torch  # noqa: E402
 from openkernels.shared.platform import triton_interpreting  # noqa: E402
-from openkernels.shared.testing import assert_close, random_tensor  # noqa: E402
-from openkernels.shared.testing.jax import jax_backends, to_jax, to_torch  # noqa: E402
 
 from .cases import KERNEL_DTYPES, Options, all_options, gradient_term_scale, option_params  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 
 import openkernels.layernorm as L
 from openkernels.shared import replay
-from openkernels.shared.testing.replayed import check_replayed_backward
+from openkernels.shared.dev.testing.replayed import check_replayed_backward
 
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 

@@ -7,8 +7,8 @@ import torch
 
 import openkernels.quant as Q
 from openkernels.quant import reference as R
+from openkernels.shared.dev.testing import testable_implementations
 from openkernels.shared.platform import triton_interpreting
-from openkernels.shared.testing import testable_implementations
 
 # (kind, symmetric) formats; group sizes per format.
 FORMATS = [("int4", False), ("int4", True), ("nf4", True)]

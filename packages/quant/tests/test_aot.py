@@ -34,7 +34,7 @@ def _pointers(
 
 def _linear_case(cfg: configs.LinearConfig, x: str = "bf16", scales: str = "fp16", *, zeros: bool = True,
                  nf4: bool = False, bias: bool = False, split: int = 1, group: int = 128, even_k: bool = True):  # fmt: skip
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     sig = _pointers(x, scales, zeros=zeros, nf4=nf4, bias=bias, out=x, split=split > 1)
     flags = dict(GROUP=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_ZEROS=zeros, NF4=nf4, HAS_BIAS=bias,
@@ -58,7 +58,7 @@ def _linear_case(cfg: configs.LinearConfig, x: str = "bf16", scales: str = "fp16
 
 
 def _helper_cases() -> list:
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     cases = []
     for out in ("bf16", "fp16", "fp32"):
@@ -109,7 +109,7 @@ def _jax_linear_case(family: str, m: int, x: str, scales: str, kind: str, zeros:
                      k: int = 4096, group: int = 128):  # fmt: skip
     """The JAX launch of int4_linear for (M, 4096, k): every integer a constexpr, unread
     inputs the scales, an unsplit launch's scratch None, as openkernels.quant.jax does."""
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     n = _SIZES[0]
     cfg = configs.linear_config(m, n, k, group, family, 132)
@@ -127,7 +127,7 @@ def _jax_linear_case(family: str, m: int, x: str, scales: str, kind: str, zeros:
 
 
 def _jax_dequant_case(out: str, kind: str, zeros: bool):
-    from openkernels.shared.testing.aot import AotCase
+    from openkernels.shared.dev.testing.aot import AotCase
 
     n, k = _SIZES
     p = plan.dequant_plan(n, k, 128, kind, has_zeros=zeros)
@@ -161,7 +161,7 @@ FAMILY_TARGETS = {"hopper": ("sm_90",), "ampere": ("sm_80",), "cdna": ("gfx90a",
 def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
     if triton_interpreting():
         pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+    from openkernels.shared.dev.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
 
     prefix = "sm_" if vendor == "cuda" else "gfx"
     targets = [t for t in targets_from_env() if t.startswith(prefix)]
@@ -183,7 +183,7 @@ def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
 def test_jax_specializations_compile_clean(vendor: str) -> None:
     if triton_interpreting():
         pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    from openkernels.shared.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+    from openkernels.shared.dev.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
 
     prefix = "sm_" if vendor == "cuda" else "gfx"
     targets = [t for t in targets_from_env() if t.startswith(prefix)]

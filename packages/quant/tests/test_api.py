@@ -15,8 +15,8 @@ import openkernels.quant as Q
 import openkernels.shared.dispatch as dispatch
 from openkernels.quant import reference as R
 from openkernels.quant.linear import Int4Linear, load_quantized, quantize_model, save_quantized
+from openkernels.shared.dev.testing import failing_implementation, run_opcheck
 from openkernels.shared.platform import triton_interpreting
-from openkernels.shared.testing import failing_implementation, run_opcheck
 
 from .cases import assert_linear_close, make_weight
 

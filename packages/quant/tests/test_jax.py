@@ -23,9 +23,9 @@ import openkernels.quant.jax as QJ  # noqa: E402
 import openkernels.shared.dispatch as dispatch  # noqa: E402
 from openkernels.quant import reference as R  # noqa: E402
 from openkernels.shared import jax as okjax  # noqa: E402
+from openkernels.shared.dev.testing import assert_close  # noqa: E402
+from openkernels.shared.dev.testing.jax import jax_backends, to_jax, to_torch  # noqa: E402
 from openkernels.shared.platform import triton_interpreting  # noqa: E402
-from openkernels.shared.testing import assert_close  # noqa: E402
-from openkernels.shared.testing.jax import jax_backends, to_jax, to_torch  # noqa: E402
 
 from .cases import FORMATS, assert_linear_close, make_weight, quantize  # noqa: E402
 

@@ -1,7 +1,7 @@
-"""`python -m openkernels.shared ...`: the `openkernels` command (see openkernels.shared.cli)."""
+"""`python -m openkernels.shared ...`: the `openkernels` command (see openkernels.shared.dev.cli)."""
 
 import sys
 
-from .cli import main
+from .dev.cli import main
 
 sys.exit(main())

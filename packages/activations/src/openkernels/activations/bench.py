@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.bench import BenchCase, Check, compiled_peer
-from openkernels.shared.bench import score as _score
+from openkernels.shared.dev.bench import BenchCase, Check, compiled_peer
+from openkernels.shared.dev.bench import score as _score
 
 from . import api, reference
 from .spec import APPROXIMATE, SPECS, Act, act_for
@@ -193,7 +193,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     """Every op, forward and backward, on every implementation usable on `device`, against
     the float64 reference: the demo's and the CLI's self-check."""
     from openkernels.shared import dispatch
-    from openkernels.shared.testing import testable_implementations
+    from openkernels.shared.dev.testing import testable_implementations
 
     device = torch.device(device)
     results = []
@@ -227,11 +227,11 @@ def jax_cases(
     dtype: torch.dtype = torch.bfloat16,
     variants: Sequence[tuple[str, str | None]] = VARIANTS,
 ) -> list:
-    """`JaxCase`s (openkernels.shared.bench_jax): each op forward, and its gradient through
+    """`JaxCase`s (openkernels.shared.dev.bench_jax): each op forward, and its gradient through
     jax.vjp against torch.autograd, on the GPU shapes."""
     import jax
 
-    from openkernels.shared.bench_jax import JaxCase
+    from openkernels.shared.dev.bench_jax import JaxCase
 
     from . import jax as ajax
 

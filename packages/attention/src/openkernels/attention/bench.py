@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.bench import BenchCase, Check, compiled_peer
-from openkernels.shared.bench import score as _score
+from openkernels.shared.dev.bench import BenchCase, Check, compiled_peer
+from openkernels.shared.dev.bench import score as _score
 
 from . import api
 
@@ -275,7 +275,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     implementation that raises fails its checks, with a warning naming the error. The
     rotary embedding's checks (bench_rotary.checks) follow."""
     from openkernels.shared import dispatch
-    from openkernels.shared.testing import testable_implementations, tolerance
+    from openkernels.shared.dev.testing import testable_implementations, tolerance
 
     from . import reference
 
@@ -365,12 +365,12 @@ def jax_cases(
     ops: Sequence[str] = OPS,
     rotary_shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> list:
-    """`JaxCase`s (openkernels.shared.bench_jax): attention causal and full, forward and
+    """`JaxCase`s (openkernels.shared.dev.bench_jax): attention causal and full, forward and
     forward+backward (jax.vjp against torch.autograd: the backward needs the forward's out and
     lse, so the pair is what both sides can time), shapes (batch, heads, seqlen, head_dim)
     with FLOPs as in `flops`; then apply_rotary's on rotary_shapes (bench_rotary.jax_cases,
     default its GPU_SHAPES)."""
-    from openkernels.shared.bench_jax import JaxCase
+    from openkernels.shared.dev.bench_jax import JaxCase
 
     from . import bench_rotary
     from . import jax as attention_jax

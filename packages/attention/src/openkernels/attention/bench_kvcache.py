@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.bench import BenchCase, compiled_peer
+from openkernels.shared.dev.bench import BenchCase, compiled_peer
 
 from .kvcache import KVCache
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from openkernels.shared.bench import BenchCase, Check, compiled_peer
-from openkernels.shared.bench import score as _score
+from openkernels.shared.dev.bench import BenchCase, Check, compiled_peer
+from openkernels.shared.dev.bench import score as _score
 
 from . import api
 
@@ -159,7 +159,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     implementation usable on `device`, against the float64 reference (the CLI's self-check,
     run from bench.checks). The table's tolerance: the kernel rounds once from float32."""
     from openkernels.shared import dispatch
-    from openkernels.shared.testing import testable_implementations
+    from openkernels.shared.dev.testing import testable_implementations
 
     from . import reference
 
@@ -193,12 +193,12 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
 
 
 def jax_cases(*, shapes: Sequence[tuple[int, ...]] = GPU_SHAPES, dtype: torch.dtype = torch.bfloat16) -> list:
-    """`JaxCase`s (openkernels.shared.bench_jax) of apply_rotary: forward, and backward (the
+    """`JaxCase`s (openkernels.shared.dev.bench_jax) of apply_rotary: forward, and backward (the
     library's backward op against jax.vjp of the JAX function; the backward needs only the
     tables, so XLA drops the forward), on (batch, seqlen, heads_q, heads_k, head_dim, rot_dim)."""
     import jax
 
-    from openkernels.shared.bench_jax import JaxCase
+    from openkernels.shared.dev.bench_jax import JaxCase
 
     from . import jax as attention_jax
 

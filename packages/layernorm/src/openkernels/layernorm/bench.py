@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.bench import BenchCase, Check, compiled_peer
-from openkernels.shared.bench import score as _score
+from openkernels.shared.dev.bench import BenchCase, Check, compiled_peer
+from openkernels.shared.dev.bench import score as _score
 
 from . import api
 
@@ -228,11 +228,11 @@ def jax_cases(
     dtype: torch.dtype = torch.bfloat16,
     ops: Sequence[str] = OPS,
 ) -> list:
-    """`JaxCase`s (openkernels.shared.bench_jax): each op forward, and forward+backward
+    """`JaxCase`s (openkernels.shared.dev.bench_jax): each op forward, and forward+backward
     (jax.vjp against torch.autograd; the backward needs the forward's statistics, so the
     pair is what both sides can time) on the GPU shapes. Inputs hold only the present
     tensors: x, w, dy, plus b (layer_norm) or r (add_rms_norm)."""
-    from openkernels.shared.bench_jax import JaxCase
+    from openkernels.shared.dev.bench_jax import JaxCase
 
     out = []
     for op in ops:
@@ -266,7 +266,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     """Each op, forward and backward, on every implementation usable on `device`, against
     the float64 reference: the demo's and the CLI's self-check."""
     from openkernels.shared import dispatch
-    from openkernels.shared.testing import testable_implementations
+    from openkernels.shared.dev.testing import testable_implementations
 
     from . import reference
 
@@ -303,7 +303,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
                 grads = torch.autograd.grad(out, leaves, dy)
             results.append(Check(op, "fwd", impl, dt, *_score(out, ref, dtype)))
             # Gradients compare to the tolerance of their dtype, widened for the 257-row /
-            # 1000-column sums they are (see openkernels.shared.testing.assert_close).
+            # 1000-column sums they are (see openkernels.shared.dev.testing.assert_close).
             worst = max(_score(g, g_ref, dtype)[0] for g, g_ref in zip(grads, ref_grads))
             results.append(Check(op, "bwd", impl, dt, worst, worst <= 1.0))
     return results

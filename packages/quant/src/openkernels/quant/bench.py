@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.bench import BenchCase, Check
-from openkernels.shared.bench import score as _score
+from openkernels.shared.dev.bench import BenchCase, Check
+from openkernels.shared.dev.bench import score as _score
 
 from . import api, reference
 from .format import Int4Weight
@@ -166,7 +166,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     """int4_linear (every kind, the gemv / tiled / dequantize paths) and dequantize_int4 on every
     implementation usable on `device`, against the float64 reference: the self-check."""
     from openkernels.shared import dispatch
-    from openkernels.shared.testing import testable_implementations
+    from openkernels.shared.dev.testing import testable_implementations
 
     device = torch.device(device)
     results = []
@@ -209,11 +209,11 @@ def jax_cases(
     dtype: torch.dtype = torch.bfloat16,
     kinds: Sequence[str] = ("int4",),
 ) -> list:
-    """`JaxCase`s (openkernels.shared.bench_jax): int4_linear forward from JAX against the
+    """`JaxCase`s (openkernels.shared.dev.bench_jax): int4_linear forward from JAX against the
     PyTorch call, on the GPU shapes: decode (M = 1, 16: the split-K tiled kernel), M = 128
     and prefill (M = 2048: dequantize + GEMM). Both sides get the same packed parts; the
     JAX weight is built inside the jitted function (no cost at run time)."""
-    from openkernels.shared.bench_jax import JaxCase
+    from openkernels.shared.dev.bench_jax import JaxCase
 
     from . import jax as qjax
 

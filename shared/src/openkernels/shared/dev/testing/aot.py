@@ -69,7 +69,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-from ..platform import triton_interpreting
+from ...platform import triton_interpreting
 
 __all__ = [
     "check_vendor",
@@ -816,7 +816,7 @@ def check_vendor(cases_for: Callable[[str], Sequence[AotCase]], vendor: str) -> 
     TRITON_INTERPRET and when no target of the vendor is asked for."""
     import pytest
 
-    from ..platform import triton_interpreting
+    from ...platform import triton_interpreting
 
     if triton_interpreting():
         pytest.skip("compile-only checks need TRITON_INTERPRET unset")

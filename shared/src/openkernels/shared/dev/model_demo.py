@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kernelize import kernelize
+from ..kernelize import kernelize
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog near the river bank.",

@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import torch
 
-from . import jax as okjax
+from .. import jax as okjax
 from .bench import L2_BYTES, BenchPoint
 
 __all__ = ["JaxCase", "JaxMeasurement", "run_jax_cases", "format_jax_table", "to_jax"]

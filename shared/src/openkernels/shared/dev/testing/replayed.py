@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import replay
+from ... import replay
 
 __all__ = ["check_replayed_backward"]
 

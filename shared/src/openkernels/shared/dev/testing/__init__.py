@@ -1,7 +1,7 @@
 """Testing utilities shared by every family: tolerances, inputs, comparison, op checks.
 
-The ahead-of-time compile checker lives in `openkernels.shared.testing.aot`; the pytest
-plugin (markers, strict dispatch, fixtures) in `openkernels.shared.testing.plugin`.
+The ahead-of-time compile checker lives in `openkernels.shared.dev.testing.aot`; the pytest
+plugin (markers, strict dispatch, fixtures) in `openkernels.shared.dev.testing.plugin`.
 """
 
 from .compare import TOLERANCES, Tolerance, assert_close, tolerance

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from .. import dispatch, replay
-from ..dispatch import implementations
-from ..platform import device_info, triton_interpreting
+from ... import dispatch, replay
+from ...dispatch import implementations
+from ...platform import device_info, triton_interpreting
 
 __all__ = ["testable_implementations", "run_opcheck", "failing_implementation"]
 

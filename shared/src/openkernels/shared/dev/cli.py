@@ -4,7 +4,7 @@
     openkernels check [family ...] [--device cpu|cuda|all]
     openkernels bench [family ...] [--device cpu|cuda|all] [--quick] [--peers a,b]
                       [--json PATH] [--plot PNG]
-    openkernels demo [args ...]            openkernels.shared.model_demo
+    openkernels demo [args ...]            openkernels.shared.dev.model_demo
 
 `python -m openkernels.shared ...` runs the same. Families are the installed
 openkernels.<name> packages with a bench module; each supplies `checks(device)` (every op on
@@ -33,7 +33,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import __version__, dispatch, manifest
+from .. import __version__, dispatch, manifest
+from ..platform import DeviceInfo, cpu_isa, device_info, triton_interpreting
 from .bench import (
     BenchCase,
     Check,
@@ -44,7 +45,6 @@ from .bench import (
     run_cases,
     write_json,
 )
-from .platform import DeviceInfo, cpu_isa, device_info, triton_interpreting
 
 __all__ = ["main", "families"]
 
@@ -710,7 +710,7 @@ def _parser() -> _Parser:
     )
     bench.set_defaults(func=_bench_cmd)
     sub.add_parser(
-        "demo", help="the model demo (openkernels.shared.model_demo); arguments go to it", add_help=False
+        "demo", help="the model demo (openkernels.shared.dev.model_demo); arguments go to it", add_help=False
     )
     parser.commands = dict(sub.choices)
     return parser

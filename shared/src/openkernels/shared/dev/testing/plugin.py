@@ -1,4 +1,4 @@
-"""pytest plugin of openkernels, opt-in: `-p openkernels.shared.testing.plugin` (the repository's
+"""pytest plugin of openkernels, opt-in: `-p openkernels.shared.dev.testing.plugin` (the repository's
 pytest configuration passes it; installing openkernels-shared registers nothing with pytest).
 
 Markers:
@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from ..platform import triton_available, triton_interpreting
+from ...platform import triton_available, triton_interpreting
 
 _MARKERS = {
     "interpreter": "Triton kernels under TRITON_INTERPRET=1 on CPU tensors",

@@ -90,7 +90,7 @@ class Check:
     """One self-check: an implementation's result against the float64 reference.
 
     error: the largest |ours - ref| / (atol + rtol |ref|) over all elements, with the
-    tolerance table of openkernels.shared.testing; <= 1 passes, NaN never does."""
+    tolerance table of openkernels.shared.dev.testing; <= 1 passes, NaN never does."""
 
     op: str
     direction: str

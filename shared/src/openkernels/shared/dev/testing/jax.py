@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ..jax import _unavailable
+from ...jax import _unavailable
 
 __all__ = ["to_jax", "to_torch", "jax_backends"]
 
