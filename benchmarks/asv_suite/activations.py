@@ -1,7 +1,7 @@
 """asv suite of the activations family: every op at the family's benchmark shapes.
 
 Cases (bytes moved, inputs) come from openkernels.activations.bench, the module behind
-`benchmarks/run.py activations`: 16384x8192 and 4096x4096 on GPUs, 4096x4096 on CPUs;
+`benchmarks/peers/run.py activations`: 16384x8192 and 4096x4096 on GPUs, 4096x4096 on CPUs;
 fwd reads x and writes y, bwd reads dy and x and writes dx (gated ops: x is (rows, 2d)).
 `ActivationsPeers`: the same cases in bfloat16 for the peers (`peer`): the torch eager
 composition, the same under torch.compile, and on GPUs Liger-Kernel where installed (it has

@@ -1,4 +1,4 @@
-"""asv suite: end to end, the Llama-style model of benchmarks/e2e_models.py (Llama 3.2 1B's
+"""asv suite: end to end, the Llama-style model of benchmarks/peers/e2e_models.py (Llama 3.2 1B's
 shape `e2e_models.LLAMA_1B`, random bf16 weights, built by the shape-taking
 `e2e_kv_decode.build`), unmodified (`model` "transformers": transformers' SDPA attention)
 against kernelized ("openkernels": `kernelize(model)`, mode="training" for the training
@@ -34,7 +34,7 @@ from typing import Any
 
 from . import _harness as _h
 
-BENCHMARKS = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent.parent / "peers"
 STEPS = ["prefill", "train", "decode"]
 MODES = ["eager", "compiled"]
 MODELS = ["transformers", "openkernels", "openkernels-int4"]
@@ -43,13 +43,13 @@ RUNS = {"prefill": (2, 5), "train": (2, 5), "decode": (1, 3)}
 
 
 def _script(name: str) -> ModuleType:
-    """benchmarks/<name>.py, imported by its path under its own name: asv puts only this
+    """benchmarks/peers/<name>.py, imported by its path under its own name: asv puts only this
     package on the path, and the scripts import each other by bare name (e2e_kv_decode
     imports e2e_models, which is therefore loaded first)."""
     if name == "e2e_kv_decode":
         _script("e2e_models")
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         try:

@@ -3,7 +3,7 @@ eager equivalent (the bar of the op-layer issue: ours <= 1.0x torch's).
 
 Tiny inputs make every call host-bound, so a number here is the Python, dispatch, checking,
 allocation and launch cost that a user pays on each eager call, whatever the kernel. The
-case table (`cases`) is shared with `benchmarks/host_time.py`, which prints the table and
+case table (`cases`) is shared with `benchmarks/peers/host_time.py`, which prints the table and
 the ratios; this suite keeps the per-commit history (`track_us`, microseconds per call).
 
 Each case is (op, direction, ours, torch): "fwd" calls the op; "fwd+bwd" calls it on inputs

@@ -1,7 +1,7 @@
 """asv suite of the layernorm family: rms_norm, layer_norm and add_rms_norm (rms_norm with a
 residual, prenorm=True), forward and forward+backward.
 
-Cases come from openkernels.layernorm.bench (`benchmarks/run.py layernorm`): the GPU grid
+Cases come from openkernels.layernorm.bench (`benchmarks/peers/run.py layernorm`): the GPU grid
 32768x2048 ... 4096x16384 (the same bytes at four row lengths), 4096x4096 and 16384x1024
 on CPUs. `LayerNormPeers`: the same cases in bfloat16 for the peers (`peer`): torch eager
 (F.rms_norm / F.layer_norm, `x + r` then F.rms_norm for add_rms_norm), the same under

@@ -1,9 +1,9 @@
 """asv suite of the quant family: int4_linear (x @ W^T with a 4-bit weight), int4 and nf4.
 
-Cases come from openkernels.quant.bench (`benchmarks/quant_linear.py`): M = 1, 16, 128 and
+Cases come from openkernels.quant.bench (`benchmarks/peers/quant_linear.py`): M = 1, 16, 128 and
 2048 tokens against (N, K) = 8192x8192 and 28672x8192 weights on GPUs, M = 1, 16, 128 at
 4096x4096 on CPUs. GB/s count the 4-bit weight, its scales and zeros, x and y once (at
-M = 2048 the work is compute-bound: benchmarks/quant_linear.py reports its TFLOP/s).
+M = 2048 the work is compute-bound: benchmarks/peers/quant_linear.py reports its TFLOP/s).
 `Int4LinearPeers`: the same cases in bfloat16 for the peers (`peer`): F.linear with the
 unquantized 16-bit weight (cuBLAS on GPUs), and on GPUs torch's int4 kernel tinygemm
 (aten._weight_int4pack_mm, from our int4 codes; int4 only) where the torch build has it.

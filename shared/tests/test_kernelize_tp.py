@@ -1,6 +1,6 @@
 """kernelize under tensor parallelism: transformers' tp_plan="auto" (DTensor parameters) on
 two CPU processes (gloo) gives the single-process model's logits and greedy tokens. The same
-check on two GPUs over NCCL is benchmarks/tp_kernelize.py."""
+check on two GPUs over NCCL is benchmarks/peers/tp_kernelize.py."""
 
 from __future__ import annotations
 

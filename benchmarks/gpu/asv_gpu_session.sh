@@ -4,7 +4,7 @@
 # (.whl/repo.bundle, made with `git bundle create .whl/repo.bundle main`). Results are
 # copied to $OUT as they are written, so a run cut short still returns what it measured.
 #
-#   bash benchmarks/asv_gpu_session.sh STEP...
+#   bash benchmarks/gpu/asv_gpu_session.sh STEP...
 #     backfill:SECONDS      the kernel commits without results on this machine (lean set,
 #                           forkserver launch), starting none after SECONDS
 #     run:COMMIT            every benchmark that applies here, for one commit (spawn launch)
@@ -18,8 +18,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site ASV_PYTHONPATH=/tmp/site
 # A warm machine keeps /tmp: reuse the clone and the results an earlier call left there.
 if [ ! -d /tmp/repo/.git ]; then git clone -q -b main .whl/repo.bundle /tmp/repo || exit 1; fi
-cp benchmarks/asv_history.py benchmarks/asv_gpu_session.sh /tmp/repo/benchmarks/ 2>/dev/null
+cp benchmarks/asv_history.py /tmp/repo/benchmarks/ 2>/dev/null
+mkdir -p /tmp/repo/benchmarks/gpu /tmp/repo/benchmarks/peers
+cp benchmarks/gpu/asv_gpu_session.sh /tmp/repo/benchmarks/gpu/
 cp -r benchmarks/asv_suite/. /tmp/repo/benchmarks/asv_suite/
+# The e2e suite times these scripts by their path.
+cp benchmarks/peers/e2e_models.py benchmarks/peers/e2e_kv_decode.py /tmp/repo/benchmarks/peers/
 cd /tmp/repo || exit 1
 git config user.email asv@localhost && git config user.name asv
 results=$(python3 -c "import json; print(json.load(open('asv.conf.json'))['results_dir'])")

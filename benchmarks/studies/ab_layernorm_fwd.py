@@ -2,7 +2,7 @@
 each loaded as its own module and timed (triton do_bench, inputs rotated past L2) in one
 process with Liger on the same inputs. How the evict-first finding in docs/perf.md was made.
 
-    python benchmarks/ab_layernorm_fwd.py   (GPU)
+    python benchmarks/studies/ab_layernorm_fwd.py   (GPU)
 
 Variants: current, no_evict (evict-first hints dropped), skip_round (no h rounding round
 trip without a residual), both. Rewrite VARIANTS for the next question.

@@ -1,7 +1,7 @@
 """End-to-end decode of a Llama-style 1B model with every KV-cache format, against transformers'
 SDPA with its own static cache, both compiled the same way (the quantized-KV issue's bar).
 
-    python benchmarks/e2e_kv_decode.py [--batches 1,16] [--prompt 4096] [--new 256]
+    python benchmarks/peers/e2e_kv_decode.py [--batches 1,16] [--prompt 4096] [--new 256]
         [--formats bf16,fp8,int8,int4] [--json PATH] [--eager] [--tiny --device cpu]
 
 Contenders, each through `model.generate()` with greedy decoding on one random prompt batch:

@@ -6,7 +6,7 @@ its per-head scales calibrated on the cache's own keys and values (kvformat.fp8_
 the default scale 1.0. Keys by channel (KIVI): keys quantized per channel over groups of 32 or
 64 tokens (float16 first, as the cache rounds them), values per token over the whole head.
 
-    python benchmarks/kvcache_quant_error.py [TOKENS ...]
+    python benchmarks/studies/kvcache_quant_error.py [TOKENS ...]
 """
 
 from __future__ import annotations

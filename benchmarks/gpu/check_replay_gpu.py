@@ -1,7 +1,7 @@
 """Eager replay on a GPU: every replayable op's replayed CUDA calls against its Python path,
 bitwise, then host time per call (replayed, Python path, torch).
 
-    python benchmarks/check_replay_gpu.py [--calls 2000]
+    python benchmarks/gpu/check_replay_gpu.py [--calls 2000]
 
 For each case: two calls record (a key's second call runs under the recording), then fresh inputs of
 the same shapes go through the replay and through the Python path (`replay.disabled()`);

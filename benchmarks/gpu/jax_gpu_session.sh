@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The JAX front ends on the device machine: GPU tests of the "triton" backend, then
-# benchmarks/jax_vs_torch.py. Carry .whl/jax (jax-triton's wheel); results in $OUT.
-#   bash benchmarks/jax_gpu_session.sh "activations layernorm" [tests,bench,kernel]
+# benchmarks/peers/jax_vs_torch.py. Carry .whl/jax (jax-triton's wheel); results in $OUT.
+#   bash benchmarks/gpu/jax_gpu_session.sh "activations layernorm" [tests,bench,kernel]
 set -uo pipefail
 families=${1:-activations layernorm attention quant}
 steps=${2:-tests,bench}
@@ -19,8 +19,8 @@ if [[ $steps == *tests* ]]; then
     -k "triton or not (jnp or interpret)" 2>&1 | tee "$out/jax_tests.txt" | grep -E "passed|failed|FAILED|Error" | tail -15
 fi
 if [[ $steps == *bench* ]]; then
-  python3 benchmarks/jax_vs_torch.py $families --json "$out/jax_wall.json" 2>&1 | grep -v Warning | tee "$out/jax_wall.txt"
+  python3 benchmarks/peers/jax_vs_torch.py $families --json "$out/jax_wall.json" 2>&1 | grep -v Warning | tee "$out/jax_wall.txt"
 fi
 if [[ $steps == *kernel* ]]; then  # a separate process: the profiler slows later Python launches
-  python3 benchmarks/jax_vs_torch.py $families --kernel-time --json "$out/jax_kernel.json" 2>&1 | grep -v Warning | tee "$out/jax_kernel.txt"
+  python3 benchmarks/peers/jax_vs_torch.py $families --kernel-time --json "$out/jax_kernel.json" 2>&1 | grep -v Warning | tee "$out/jax_kernel.txt"
 fi

@@ -1,17 +1,19 @@
 """Where the time of a Llama-style 1B prefill / training step goes, unmodified vs kernelized
 (torch.profiler CUDA kernel time grouped by kernel name; H200).
 
-    python benchmarks/profile_e2e.py [--part prefill|train] [--top 18]
+    python benchmarks/studies/profile_e2e.py [--part prefill|train] [--top 18]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+# e2e_models lives with the peer benchmarks and is imported by its bare name, as they do.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "peers"))
 from e2e_models import LLAMA_1B, build
 from openkernels.shared.kernelize import kernelize, unkernelize
 

@@ -1,6 +1,6 @@
 """Sweep tile shapes and warps of the activations Triton kernels on a GPU (GB/s vs copy).
 
-    python benchmarks/tune_activations.py [--dtype bfloat16]
+    python benchmarks/tuning/tune_activations.py [--dtype bfloat16]
 
 Prints one row per (shape, config): gated forward for silu and exact gelu, gated backward
 for silu. Used to pick TILE_ELEMENTS / MAX_BLOCK_COLS / num_warps in triton/configs.py

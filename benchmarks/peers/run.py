@@ -1,9 +1,9 @@
 """Run a family's benchmark cases against its peers and print a table (and JSON).
 
-    python benchmarks/run.py activations [--device cuda] [--dtype bfloat16] [--json out.json]
+    python benchmarks/peers/run.py activations [--device cuda] [--dtype bfloat16] [--json out.json]
         [--ops silu_and_mul,gelu_and_mul] [--directions fwd,bwd] [--shapes 16384x8192,4096x4096]
-    python benchmarks/run.py layernorm [--ops rms_norm,add_rms_norm] [--directions fwd,fwd+bwd]
-    python benchmarks/run.py attention [--shapes 8x16x2048x128] [--ops causal,full]
+    python benchmarks/peers/run.py layernorm [--ops rms_norm,add_rms_norm] [--directions fwd,fwd+bwd]
+    python benchmarks/peers/run.py attention [--shapes 8x16x2048x128] [--ops causal,full]
         [--directions fwd,fwd+bwd] [--peers sdpa-flash,sdpa-cudnn,sdpa-efficient,flex]
 
 Shapes are (rows, d) for activations (gated ops read (rows, 2d)) and layernorm, and

@@ -2,7 +2,7 @@
 split or not) against the reference backend on the same cache, for every cache format,
 contiguous and paged, decode and chunked prefill, each option, and long ragged caches.
 
-    python benchmarks/check_kvcache_gpu.py
+    python benchmarks/gpu/check_kvcache_gpu.py
 """
 
 from __future__ import annotations

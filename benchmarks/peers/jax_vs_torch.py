@@ -1,7 +1,7 @@
 """Each family's JAX ops against the same kernels called from PyTorch, and against XLA's
 fusion of the jax.numpy composition, on a GPU (see openkernels.shared.dev.bench_jax).
 
-    python benchmarks/jax_vs_torch.py [family ...] [--quick] [--kernel-time] [--json PATH]
+    python benchmarks/peers/jax_vs_torch.py [family ...] [--quick] [--kernel-time] [--json PATH]
 
 The issue's bar: JAX under jax.jit within 5% of the PyTorch call (jax/torch <= 1.05) and
 faster than the jnp composition (jnp/jax > 1). Needs a GPU build of JAX and jax-triton.

@@ -1,7 +1,7 @@
 """End-to-end speed of a kernelized model against the unmodified transformers model, in one
 process on the same inputs: a Llama-style 1B model (config-built, random bf16 weights).
 
-    python benchmarks/e2e_models.py [--only prefill,decode,train] [--json PATH]
+    python benchmarks/peers/e2e_models.py [--only prefill,decode,train] [--json PATH]
 
 (--only decode-eager: the decode part without its compiled runs.)
 

@@ -2,7 +2,7 @@
 FlexAttention, with the issue's ratios: bf16 GB/s over the measured copy bandwidth,
 quantized and paged times against SDPA and the contiguous bf16 cache.
 
-    python benchmarks/decode_attention.py [--shapes 32x32x8x4096x128] [--formats ours,ours-int4]
+    python benchmarks/peers/decode_attention.py [--shapes 32x32x8x4096x128] [--formats ours,ours-int4]
         [--json out.json] [--kernel-time]
 """
 

@@ -1,6 +1,6 @@
 """Sweep tiles, warps and pipelining depth of the attention Triton kernels on a GPU.
 
-    python benchmarks/tune_attention.py [--directions fwd,bwd] [--shapes 2x16x8192x128c,...] [--rep-ms 50]
+    python benchmarks/tuning/tune_attention.py [--directions fwd,bwd] [--shapes 2x16x8192x128c,...] [--rep-ms 50]
 
 Shapes are BxHxSxD with a trailing 'c' for causal. One row per (shape, direction, config):
 ms and TFLOP/s (forward 4*B*H*S^2*D, halved when causal; the backward counts 2.5x the

@@ -1,6 +1,6 @@
 """Sweep launch configs and split counts of the KV-cache decode kernel on this GPU.
 
-    python benchmarks/tune_kvcache.py [--quick]
+    python benchmarks/tuning/tune_kvcache.py [--quick]
 
 For each shape and cache format: every (block_n, warps, stages) candidate that compiles
 without spills, at several split counts; prints microseconds and GB/s of the bytes the
@@ -8,7 +8,7 @@ format actually reads, against the copy ceiling measured here. Times are CUDA-gr
 (`do_bench_cudagraph`): a decode kernel of 0.1 ms is shorter than the launcher's host path,
 so `do_bench` of the eager call measured the host (every config within noise of the others).
 
-    python benchmarks/tune_kvcache.py --formats int4,fp8 --shapes 32x4096,8x32768 \
+    python benchmarks/tuning/tune_kvcache.py --formats int4,fp8 --shapes 32x4096,8x32768 \
         --blocks 64,128 --warps 4 --stages 2,3 --per-sm 2,4,8
 """
 

@@ -2,7 +2,7 @@
 bitsandbytes NF4 and GemLite, with the issue's ratios: each contender's speed-up over bf16
 at the same (M, N, K), same process, weights rotated past L2.
 
-    python benchmarks/quant_linear.py [--shapes 8192x8192,28672x8192] [--ms 1,16,128,2048]
+    python benchmarks/peers/quant_linear.py [--shapes 8192x8192,28672x8192] [--ms 1,16,128,2048]
         [--kinds int4,nf4] [--peers torch,tinygemm,bnb-nf4,gemlite] [--json out.json] [--kernel-time]
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu_session.sh [family] [steps: tests,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -20,7 +20,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 run() { python3 "$@" 2>&1 | grep -v '^W1130'; }
 if [[ $steps == *tests* ]]; then
   # Triton compiles one kernel per option combination: spread them over the CPU cores.
-  # The JAX tests run apart (benchmarks/jax_gpu_session.sh): each xdist worker that imports
+  # The JAX tests run apart (benchmarks/gpu/jax_gpu_session.sh): each xdist worker that imports
   # JAX takes 75% of the GPU's memory by default, and 12 of them aborted the quant run.
   xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
   XLA_PYTHON_CLIENT_PREALLOCATE=false OPENKERNELS_STRICT=1 python3 -m pytest \
@@ -28,15 +28,15 @@ if [[ $steps == *tests* ]]; then
     -m "not interpreter and not aot" -k "cuda or offsets or 2_to_the_31" \
     2>&1 | tee "$out/tests.txt" | tail -8
 fi
-if [[ $steps == *check* && -f benchmarks/check_${family}_gpu.py ]]; then
-  run "benchmarks/check_${family}_gpu.py" | tee "$out/check.txt" | grep -E "BAD|checks passed"
+if [[ $steps == *check* && -f benchmarks/gpu/check_${family}_gpu.py ]]; then
+  run "benchmarks/gpu/check_${family}_gpu.py" | tee "$out/check.txt" | grep -E "BAD|checks passed"
 fi
-if [[ $steps == *tune* && -f benchmarks/tune_$family.py ]]; then
-  run "benchmarks/tune_$family.py" | tee "$out/tune.txt" | tail -3
+if [[ $steps == *tune* && -f benchmarks/tuning/tune_$family.py ]]; then
+  run "benchmarks/tuning/tune_$family.py" | tee "$out/tune.txt" | tail -3
 fi
 if [[ $steps == *hosttime* ]]; then
   # Every public op's host time per call against torch's, Triton's launch and the direct one.
-  run -m benchmarks.host_time --direct-launch both --json "$out/host_time.json" | tee "$out/host_time.txt"
+  run -m benchmarks.peers.host_time --direct-launch both --json "$out/host_time.json" | tee "$out/host_time.txt"
 fi
 if [[ $steps == *bench* ]]; then
   peers=()
@@ -44,11 +44,11 @@ if [[ $steps == *bench* ]]; then
     # TFLOP/s against the bf16 matmul; every fused SDPA backend forced in turn, FlexAttention.
     peers=(--peers sdpa-flash,sdpa-cudnn,sdpa-efficient,flex)
   fi
-  run benchmarks/run.py "$family" ${peers[@]+"${peers[@]}"} --kernel-time --json "$out/bench_bf16.json" \
+  run benchmarks/peers/run.py "$family" ${peers[@]+"${peers[@]}"} --kernel-time --json "$out/bench_bf16.json" \
     | tee "$out/bench_bf16.txt"
 fi
 if [[ $steps == *long* && $family == layernorm ]]; then
-  run benchmarks/run.py layernorm --shapes 1024x65536,256x262144 --kernel-time --json "$out/bench_long.json" \
+  run benchmarks/peers/run.py layernorm --shapes 1024x65536,256x262144 --kernel-time --json "$out/bench_long.json" \
     | tee "$out/bench_long.txt"
 fi
 if [[ $steps == *dtypes* ]]; then
@@ -62,19 +62,19 @@ if [[ $steps == *dtypes* ]]; then
   fi
   dtypes=float16,float32
   [[ $family == attention ]] && dtypes=float16
-  run benchmarks/run.py "$family" --dtype "$dtypes" "${args[@]}" \
+  run benchmarks/peers/run.py "$family" --dtype "$dtypes" "${args[@]}" \
     --json "$out/bench_f16_f32.json" | tee "$out/bench_f16_f32.txt"
 fi
 if [[ $steps == *decode* && $family == attention ]]; then
-  run benchmarks/decode_attention.py --peers sdpa --formats ours,ours-fp8,ours-int8,ours-int4,ours-int4-keys32 \
+  run benchmarks/peers/decode_attention.py --peers sdpa --formats ours,ours-fp8,ours-int8,ours-int4,ours-int4-keys32 \
     --shapes 32x32x8x4096x128,8x32x8x32768x128,1x32x8x131072x128,1x32x8x4096x128 --kernel-time --rep-ms 30 \
     --json "$out/decode.json" | tee "$out/decode.txt"
-  (cd benchmarks && run e2e_kv_decode.py --reps 1 --json "$out/e2e_kv.json") | tee "$out/e2e_kv.txt" | tail -12
+  (cd benchmarks/peers && run e2e_kv_decode.py --reps 1 --json "$out/e2e_kv.json") | tee "$out/e2e_kv.txt" | tail -12
 fi
 if [[ $steps == *replay* ]]; then
   # Eager replay on CUDA (on by default): replayed calls bitwise against the Python path, then host time.
-  run benchmarks/check_replay_gpu.py | tee "$out/replay.txt" | tail -40
-  run -m benchmarks.host_time --json "$out/host_time_replay.json" | tee "$out/host_time_replay.txt"
+  run benchmarks/gpu/check_replay_gpu.py | tee "$out/replay.txt" | tail -40
+  run -m benchmarks.peers.host_time --json "$out/host_time_replay.json" | tee "$out/host_time_replay.txt"
 fi
 if [[ $steps == *demo* ]]; then
   run -m openkernels.shared check | tee "$out/check.txt" | grep -E "FAIL|checks|passed"

@@ -1,6 +1,6 @@
 """Sweep tiles, warps and the backward grid of the layernorm Triton kernels on a GPU.
 
-    python benchmarks/tune_layernorm.py [--dtype bfloat16] [--shapes 8192x8192,...] [--rep-ms 50]
+    python benchmarks/tuning/tune_layernorm.py [--dtype bfloat16] [--shapes 8192x8192,...] [--rep-ms 50]
 
 One row per (shape, op, direction, config): GB/s and the ratio to the copy ceiling measured
 in the same run, with the config launch_config picks today marked '*'. Used to pick the

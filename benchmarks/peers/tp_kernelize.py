@@ -1,8 +1,8 @@
 """A kernelized Llama-style model under tensor parallelism (transformers' tp_plan, DTensor,
 NCCL) gives the same outputs as on one GPU.
 
-    python benchmarks/tp_kernelize.py prepare DIR          # one GPU: save model + reference
-    torchrun --nproc-per-node 2 benchmarks/tp_kernelize.py run DIR
+    python benchmarks/peers/tp_kernelize.py prepare DIR          # one GPU: save model + reference
+    torchrun --nproc-per-node 2 benchmarks/peers/tp_kernelize.py run DIR
 
 prepare builds a small Llama-style model (random bf16 weights), saves it, and records on
 one GPU the unmodified and the kernelized logits and greedy tokens. run loads it with

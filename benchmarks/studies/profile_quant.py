@@ -1,7 +1,7 @@
 """Run int4_linear a few times at one (M, N, K) for a profiler (ncu) to attach to.
 
     ncu --clock-control none -k regex:int4 --launch-skip 3 --launch-count 1 \\
-        python benchmarks/profile_quant.py --m 1 --n 28672 --k 8192
+        python benchmarks/studies/profile_quant.py --m 1 --n 28672 --k 8192
 """
 
 from __future__ import annotations

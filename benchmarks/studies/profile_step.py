@@ -1,7 +1,7 @@
 """Where the time of one forward+backward step goes: host time per step and per-kernel GPU
 time (torch.profiler), for ours and the peers, on one layernorm shape.
 
-    python benchmarks/profile_step.py [--op rms_norm] [--shape 32768x2048]
+    python benchmarks/studies/profile_step.py [--op rms_norm] [--shape 32768x2048]
 """
 
 from __future__ import annotations

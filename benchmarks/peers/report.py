@@ -1,6 +1,6 @@
-"""Markdown tables from benchmarks/run.py JSON, for docs/perf.md.
+"""Markdown tables from benchmarks/peers/run.py JSON, for docs/perf.md.
 
-    python benchmarks/report.py bench.json [more.json ...]
+    python benchmarks/peers/report.py bench.json [more.json ...]
 
 One row per case: our time and GB/s (TFLOP/s for compute-bound cases such as attention),
 the ratio to the ceiling measured in the same run (device copy, or bf16 matmul), the

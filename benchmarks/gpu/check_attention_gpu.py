@@ -1,7 +1,7 @@
 """Quick GPU check of the attention Triton kernels against the float32 reference: every
 option alone and a few combined, forward, lse and gradients, bf16 and fp16, dense and varlen.
 
-    python benchmarks/check_attention_gpu.py
+    python benchmarks/gpu/check_attention_gpu.py
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ reference on the same cache; the relative L2 error of the bf16 output. Tensor co
 accumulate with IEEE round-to-nearest (published measurements find truncation), and the
 old form measured worse on the H200 than in this model (docs/perf.md).
 
-    python benchmarks/kvcache_factored_precision.py [TOKENS ...]   (default 4096 32768 131072)
+    python benchmarks/studies/kvcache_factored_precision.py [TOKENS ...]   (default 4096 32768 131072)
 """
 
 import sys

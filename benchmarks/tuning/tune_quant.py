@@ -3,7 +3,7 @@ grid, every candidate config of the path the table would pick (and the neighbour
 timed on rotating weights (past L2) through the launcher directly; prints the best few and
 cuBLAS bf16 for scale. Each config is checked against the reference before it is timed.
 
-    python benchmarks/tune_quant.py [--ms 1,16,128,2048] [--shapes 8192x8192,28672x8192] [--top 5]
+    python benchmarks/tuning/tune_quant.py [--ms 1,16,128,2048] [--shapes 8192x8192,28672x8192] [--top 5]
 """
 
 from __future__ import annotations

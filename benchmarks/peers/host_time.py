@@ -1,6 +1,6 @@
 """Host time per call of every public op on tiny inputs, against its closest torch eager op.
 
-    python -m benchmarks.host_time [--device cuda] [--ops rms_norm,attention] [--json PATH]
+    python -m benchmarks.peers.host_time [--device cuda] [--ops rms_norm,attention] [--json PATH]
                                    [--direct-launch both]
 
 Prints one row per (op, direction): our public call and the torch op in microseconds per

@@ -1,0 +1,1 @@
+"""One question each: kernel variants A/B, KV-cache precision, profiles."""

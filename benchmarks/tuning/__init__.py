@@ -1,0 +1,1 @@
+"""Launch-config sweeps whose winners go into the families' triton/configs.py tables."""
