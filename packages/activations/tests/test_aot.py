@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from openkernels.activations.spec import SPECS, Act
-from openkernels.activations.triton import configs
+from openkernels.activations.triton import configs, plan
 
 pytestmark = pytest.mark.aot
 
@@ -114,7 +114,7 @@ def jax_cases_for(backend: str) -> list:
             (127, 1000, "fp32"),
             (7, 13, "bf16"),
         ):
-            cfg, _, even = configs.plan(rows, cols, torch.bfloat16, backend)
+            cfg, _, even = plan.launch_plan(rows, cols, torch.bfloat16, backend)
             width = 2 * cols if gated and kind.endswith("bwd") else cols
             in_width = 2 * cols if gated else cols
             strides = {"stride_x": in_width, "stride_out": width, "stride_dy": cols, "stride_dx": width}

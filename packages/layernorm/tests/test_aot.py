@@ -172,7 +172,7 @@ _JAX_BWD_SHAPES = ((32768, 2048), (8192, 8192), (4096, 16384), (4097, 1000), (77
 
 
 def _jax_case(launch, dtypes: dict, label: str):
-    """An AotCase of a `jax_launch.Launch`: pointers typed by the arrays' roles."""
+    """An AotCase of a `plan.Launch`: pointers typed by the arrays' roles."""
     from openkernels.shared.dev.testing.aot import AotCase
 
     signature = {p: _PTR[dtypes[role]] for p, role in launch.inputs}
@@ -193,7 +193,7 @@ def jax_cases_for(vendor: str) -> list:
     """The launches openkernels.layernorm.jax makes on the benchmark shapes, long and odd
     rows: LayerNorm with every flag and RMSNorm with a residual stream and weight_offset,
     in bf16; fp32 and a float32 residual stream on one shape."""
-    from openkernels.layernorm.triton.jax_launch import bwd_launch, fwd_launch
+    from openkernels.layernorm.triton.plan import bwd_launch, fwd_launch
 
     sm = _SM_COUNT[vendor]
     out = {}

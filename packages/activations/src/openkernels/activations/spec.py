@@ -6,7 +6,7 @@ b = x[..., d:]. `*_and_mul` ops return act(a) * b (activated half first); `mul_a
 a * act(b). Every backend computes in float32 and rounds once to the input dtype.
 
 Adding an activation: an `Act` code and an `OpSpec` here, then the code's formula and
-derivative in reference.py, triton/kernels.py, cpu/activations.cpp and jax.py (jnp), and the
+derivative in reference.py, triton/kernels.py, cpu/activations.cpp and jax/jnp.py, and the
 public function and module in api.py; the JAX functions, the benchmark variants and their
 torch peers follow from this table (docs/adding-a-kernel.md, "Adding an activation").
 """

@@ -1,5 +1,5 @@
 """The norms' argument rules on shapes and Python scalars alone, shared by the PyTorch
-(api.py) and JAX (jax.py) faces; each face checks its own array types and dtypes first."""
+(api.py) and JAX (jax/) faces; each face checks its own array types and dtypes first."""
 
 from __future__ import annotations
 

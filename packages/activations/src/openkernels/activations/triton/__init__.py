@@ -9,19 +9,19 @@ import torch
 from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info
 
-from .configs import plan
 from .kernels import (
     _activation_bwd_kernel,
     _activation_fwd_kernel,
     _gated_activation_bwd_kernel,
     _gated_activation_fwd_kernel,
 )
+from .plan import launch_plan
 
 __all__ = ["unary_fwd", "unary_bwd", "gated_fwd", "gated_bwd"]
 
 
 def _grid(x: torch.Tensor, n_rows: int, n_cols: int):
-    return plan(n_rows, n_cols, x.dtype, _backend(x.device))
+    return launch_plan(n_rows, n_cols, x.dtype, _backend(x.device))
 
 
 @functools.cache

@@ -1,4 +1,5 @@
-"""Launch configs of the activations kernels: one pure function of (shape, dtype, arch).
+"""Launch configs of the activations kernels: one pure function of (shape, dtype, arch);
+plan.py turns one into a launch.
 
 Every kernel here is memory-bound: a program moves one (block_rows, block_cols) tile, and
 the only choices are the tile's shape and the warps that move it.
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LaunchConfig", "launch_config", "plan", "all_configs", "MAX_GRID"]
+__all__ = ["LaunchConfig", "launch_config", "all_configs", "MAX_GRID"]
 
 # Wide rows fill a program by themselves; narrow rows stack several rows per tile.
 MAX_BLOCK_COLS = 2048
@@ -49,17 +50,6 @@ def launch_config(n_rows: int, n_cols: int, dtype: torch.dtype, backend: str) ->
     block_rows = max(1, TILE_ELEMENTS // block_cols)
     warps = 2 if backend == "rocm" else 4  # same 128 threads: AMD wavefronts are 64 wide
     return LaunchConfig(block_rows, block_cols, warps)
-
-
-@functools.cache
-def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backend: str) -> tuple[LaunchConfig, tuple[int], bool]:
-    """Config, 1D grid and EVEN flag of one launch; PyTorch and JAX launch through this."""
-    cfg = launch_config(n_rows, n_cols, dtype, backend)
-    tiles = -(-n_rows // cfg.block_rows) * -(-n_cols // cfg.block_cols)
-    if tiles > MAX_GRID:
-        raise ValueError(f"{n_rows}x{n_cols} needs {tiles} programs, more than one launch takes ({MAX_GRID})")
-    even = n_rows % cfg.block_rows == 0 and n_cols % cfg.block_cols == 0
-    return cfg, (tiles,), even
 
 
 def all_configs(backend: str) -> list[LaunchConfig]:

@@ -12,7 +12,8 @@ from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info
 
 from . import kernels
-from .configs import SUM_BLOCK_C, SUM_BLOCK_P, SUM_WARPS, NormConfig, bwd_plan, fwd_plan
+from .configs import SUM_BLOCK_C, SUM_BLOCK_P, SUM_WARPS, NormConfig
+from .plan import bwd_plan, fwd_plan
 
 __all__ = ["norm_fwd", "norm_bwd"]
 

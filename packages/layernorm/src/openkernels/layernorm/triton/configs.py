@@ -7,9 +7,8 @@ and rows longer still take the looped kernel. Backward: the tile kernel on a per
 grid of programs_per_sm programs per SM, each reducing its rows' dweight/dbias into one
 partial row; the looped kernel past MAX_TILE_COLS.
 
-`fwd_plan` / `bwd_plan` turn a config into one launch (kernel, grid, split count, rows per
-program, shape-derived constexprs); the PyTorch launchers (triton/__init__.py) and the JAX
-ones (triton/jax_launch.py) both launch through them.
+plan.py turns a config into one launch (kernel, grid, split count, rows per program,
+shape-derived constexprs).
 """
 
 from __future__ import annotations
@@ -21,11 +20,7 @@ import torch
 
 __all__ = [
     "NormConfig",
-    "FwdPlan",
-    "BwdPlan",
     "launch_config",
-    "fwd_plan",
-    "bwd_plan",
     "all_configs",
     "MAX_TILE_COLS",
     "MAX_SPLITS",
@@ -75,13 +70,13 @@ class NormConfig:
         return self.mode == "looped"
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 def _warps(elements: int, per_thread: int, vendor: str) -> int:
     lane = 64 if vendor == "rocm" else 32
-    return min(MAX_WARPS[vendor], max(1, _next_pow2(elements // per_thread // lane)))
+    return min(MAX_WARPS[vendor], max(1, next_pow2(elements // per_thread // lane)))
 
 
 @functools.cache
@@ -102,7 +97,7 @@ def launch_config(
     limit = MAX_TILE_COLS[direction] if aligned else MAX_TILE_COLS[direction] // 2
     per_thread = ELEMENTS_PER_THREAD[direction, rms]
     if n_cols <= limit:
-        block_cols = _next_pow2(n_cols)
+        block_cols = next_pow2(n_cols)
         block_rows = max(1, TILE_ELEMENTS[direction, rms] // block_cols)
         if direction == "fwd":
             return NormConfig(block_rows, block_cols, _warps(block_rows * block_cols, per_thread, vendor))
@@ -128,106 +123,6 @@ def launch_config(
     # Looped kernels: 4096-column chunks at 16 per thread (8192-column chunks measured
     # faster, 0.41 vs 0.35 of copy for the RMSNorm backward at 16384, but spilled on sm_80).
     return NormConfig(1, chunk, warps, "looped", max(1, 32 // warps) if direction == "bwd" else 0)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _programs(blocks: int, cfg: NormConfig, sm_count: int) -> int:
-    return blocks if cfg.programs_per_sm == 0 else max(1, min(blocks, sm_count * cfg.programs_per_sm))
-
-
-@dataclass(frozen=True)
-class FwdPlan:
-    """One forward launch. kernel: its name in kernels.py; grid: 1D; splits: programs per
-    row (the split kernel's n_splits and scratch size; 1 otherwise); meta: the constexprs
-    the config and the row length decide (see `constexprs`)."""
-
-    config: NormConfig
-    kernel: str
-    grid: tuple[int]
-    splits: int
-    meta: tuple[tuple[str, int | bool], ...]
-
-    @property
-    def constexprs(self) -> dict[str, int | bool]:
-        return dict(self.meta)
-
-
-@dataclass(frozen=True)
-class BwdPlan:
-    """One backward launch of _norm_bwd_kernel: grid (programs,), each program taking
-    rows_per_program consecutive rows and writing one partial row of dweight/dbias."""
-
-    config: NormConfig
-    grid: tuple[int]
-    rows_per_program: int
-    meta: tuple[tuple[str, int | bool], ...]
-
-    @property
-    def programs(self) -> int:
-        return self.grid[0]
-
-    @property
-    def constexprs(self) -> dict[str, int | bool]:
-        return dict(self.meta)
-
-
-# Plans are cached per shape: bounded, since row counts vary from call to call.
-@functools.lru_cache(maxsize=4096)
-def fwd_plan(
-    n_rows: int,
-    n_cols: int,
-    dtype: torch.dtype,
-    backend: str,
-    aligned: bool,
-    rms: bool,
-    sm_count: int,
-    config: NormConfig | None = None,
-) -> FwdPlan:
-    """The forward launch of an (n_rows, n_cols) problem; PyTorch and JAX launch through this.
-
-    backend: "cuda", "rocm" or "cpu" (the Triton interpreter); sm_count: SMs / CUs of the
-    device (sizes persistent grids); config: overrides `launch_config` (tests)."""
-    cfg = config or launch_config(n_cols, dtype, backend, "fwd", aligned, rms)
-    if cfg.mode == "tile":
-        blocks = _cdiv(n_rows, cfg.block_rows)
-        meta = dict(EVEN_C=n_cols == cfg.block_cols, PERSISTENT=cfg.programs_per_sm > 0,
-                    PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols)  # fmt: skip
-        return FwdPlan(cfg, "_norm_fwd_kernel", (_programs(blocks, cfg, sm_count),), 1, tuple(meta.items()))
-    if cfg.mode == "split":
-        splits = _cdiv(n_cols, cfg.block_cols)
-        if splits > MAX_SPLITS or (splits > 1 and backend == "cpu"):
-            # Its programs wait for each other: more than fit at once (or the interpreter,
-            # which runs them one by one) would never finish.
-            raise ValueError(f"the split kernel cannot run {splits} splits per row on backend {backend!r}")
-        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=_next_pow2(splits))
-        return FwdPlan(cfg, "_norm_fwd_split_kernel", (n_rows * splits,), splits, tuple(meta.items()))
-    return FwdPlan(cfg, "_norm_fwd_looped_kernel", (n_rows,), 1, (("BLOCK_C", cfg.block_cols),))
-
-
-@functools.lru_cache(maxsize=4096)
-def bwd_plan(
-    n_rows: int,
-    n_cols: int,
-    dtype: torch.dtype,
-    backend: str,
-    aligned: bool,
-    rms: bool,
-    sm_count: int,
-    config: NormConfig | None = None,
-) -> BwdPlan:
-    """The backward launch of an (n_rows, n_cols) problem (arguments as in `fwd_plan`)."""
-    cfg = config or launch_config(n_cols, dtype, backend, "bwd", aligned, rms)
-    # Every program gets at least one row, so every partial row is written.
-    rows_per_program = _cdiv(n_rows, _programs(n_rows, cfg, sm_count))
-    if not cfg.looped:
-        rows_per_program = _cdiv(rows_per_program, cfg.block_rows) * cfg.block_rows
-    programs = _cdiv(n_rows, rows_per_program)
-    meta = dict(LOOPED=cfg.looped, EVEN_C=n_cols == cfg.block_cols, PREFETCH=cfg.prefetch,
-                BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols)  # fmt: skip
-    return BwdPlan(cfg, (programs,), rows_per_program, tuple(meta.items()))
 
 
 def all_configs(backend: str, direction: str) -> list[NormConfig]:

@@ -1,24 +1,126 @@
-"""The layernorm kernels' launches as JAX makes them, described without JAX.
+"""Launch plans of the layernorm kernels: kernel, grid, split count, rows per program and
+every constexpr of one launch, as a pure function of the problem's shape and options.
 
-openkernels.layernorm.jax launches these through `openkernels.shared.jax.launch`, and
-tests/test_aot.py compiles the same descriptions for GPUs this machine lacks. Under JAX
-every array is contiguous (row stride = n_cols) and every integer and float argument is a
-compile-time constant; the kernel, config and grid come from the same plans as the
-PyTorch launchers (`configs.fwd_plan` / `configs.bwd_plan`).
-
-Absent arrays are stand-ins the kernel's flags keep it from touching: an input slot takes
-another input (as the PyTorch launchers do), an output slot a one-element array.
+`fwd_plan` / `bwd_plan` are what the PyTorch launchers (triton/__init__.py) launch;
+`fwd_launch` / `bwd_launch` describe, without JAX, the whole launch JAX makes from them
+(jax/launch.py launches these through `openkernels.shared.jax.launch`, and tests/test_aot.py
+compiles the same descriptions for GPUs this machine lacks). Under JAX every array is
+contiguous (row stride = n_cols) and every integer and float argument is a compile-time
+constant. Absent arrays are stand-ins the kernel's flags keep it from touching: an input slot
+takes another input (as the PyTorch launchers do), an output slot a one-element array.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from .configs import bwd_plan, fwd_plan
+from .configs import MAX_SPLITS, NormConfig, launch_config, next_pow2
 
-__all__ = ["Launch", "fwd_launch", "bwd_launch"]
+__all__ = ["FwdPlan", "BwdPlan", "fwd_plan", "bwd_plan", "Launch", "fwd_launch", "bwd_launch"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _programs(blocks: int, cfg: NormConfig, sm_count: int) -> int:
+    return blocks if cfg.programs_per_sm == 0 else max(1, min(blocks, sm_count * cfg.programs_per_sm))
+
+
+@dataclass(frozen=True)
+class FwdPlan:
+    """One forward launch. kernel: its name in kernels.py; grid: 1D; splits: programs per
+    row (the split kernel's n_splits and scratch size; 1 otherwise); meta: the constexprs
+    the config and the row length decide (see `constexprs`)."""
+
+    config: NormConfig
+    kernel: str
+    grid: tuple[int]
+    splits: int
+    meta: tuple[tuple[str, int | bool], ...]
+
+    @property
+    def constexprs(self) -> dict[str, int | bool]:
+        return dict(self.meta)
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    """One backward launch of _norm_bwd_kernel: grid (programs,), each program taking
+    rows_per_program consecutive rows and writing one partial row of dweight/dbias."""
+
+    config: NormConfig
+    grid: tuple[int]
+    rows_per_program: int
+    meta: tuple[tuple[str, int | bool], ...]
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0]
+
+    @property
+    def constexprs(self) -> dict[str, int | bool]:
+        return dict(self.meta)
+
+
+# Plans are cached per shape: bounded, since row counts vary from call to call.
+@functools.lru_cache(maxsize=4096)
+def fwd_plan(
+    n_rows: int,
+    n_cols: int,
+    dtype: torch.dtype,
+    backend: str,
+    aligned: bool,
+    rms: bool,
+    sm_count: int,
+    config: NormConfig | None = None,
+) -> FwdPlan:
+    """The forward launch of an (n_rows, n_cols) problem; PyTorch and JAX launch through this.
+
+    backend: "cuda", "rocm" or "cpu" (the Triton interpreter); sm_count: SMs / CUs of the
+    device (sizes persistent grids); config: overrides `launch_config` (tests)."""
+    cfg = config or launch_config(n_cols, dtype, backend, "fwd", aligned, rms)
+    if cfg.mode == "tile":
+        blocks = _cdiv(n_rows, cfg.block_rows)
+        meta = dict(EVEN_C=n_cols == cfg.block_cols, PERSISTENT=cfg.programs_per_sm > 0,
+                    PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols)  # fmt: skip
+        return FwdPlan(cfg, "_norm_fwd_kernel", (_programs(blocks, cfg, sm_count),), 1, tuple(meta.items()))
+    if cfg.mode == "split":
+        splits = _cdiv(n_cols, cfg.block_cols)
+        if splits > MAX_SPLITS or (splits > 1 and backend == "cpu"):
+            # Its programs wait for each other: more than fit at once (or the interpreter,
+            # which runs them one by one) would never finish.
+            raise ValueError(f"the split kernel cannot run {splits} splits per row on backend {backend!r}")
+        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits))
+        return FwdPlan(cfg, "_norm_fwd_split_kernel", (n_rows * splits,), splits, tuple(meta.items()))
+    return FwdPlan(cfg, "_norm_fwd_looped_kernel", (n_rows,), 1, (("BLOCK_C", cfg.block_cols),))
+
+
+@functools.lru_cache(maxsize=4096)
+def bwd_plan(
+    n_rows: int,
+    n_cols: int,
+    dtype: torch.dtype,
+    backend: str,
+    aligned: bool,
+    rms: bool,
+    sm_count: int,
+    config: NormConfig | None = None,
+) -> BwdPlan:
+    """The backward launch of an (n_rows, n_cols) problem (arguments as in `fwd_plan`)."""
+    cfg = config or launch_config(n_cols, dtype, backend, "bwd", aligned, rms)
+    # Every program gets at least one row, so every partial row is written.
+    rows_per_program = _cdiv(n_rows, _programs(n_rows, cfg, sm_count))
+    if not cfg.looped:
+        rows_per_program = _cdiv(rows_per_program, cfg.block_rows) * cfg.block_rows
+    programs = _cdiv(n_rows, rows_per_program)
+    meta = dict(LOOPED=cfg.looped, EVEN_C=n_cols == cfg.block_cols, PREFETCH=cfg.prefetch,
+                BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols)  # fmt: skip
+    return BwdPlan(cfg, (programs,), rows_per_program, tuple(meta.items()))
+
 
 _STATS = "float32"
 

@@ -9,7 +9,7 @@ Both ops work under ``jax.jit`` and differentiate in x, weight, bias and residua
 
 Against the PyTorch API (openkernels.layernorm.api):
 
-* out_dtype and residual_dtype are JAX dtypes (``jnp.float32``, ``"float32"``, ...).
+* out_dtype and residual_dtype are JAX dtypes (``jax.numpy.float32``, ``"float32"``, ...).
 * eps and weight_offset must be Python numbers, not traced values: the kernels take them
   as compile-time constants (JAX passes every non-array argument that way).
 * No nn.Module classes, no device checks (JAX places arrays) and no strided views (JAX
@@ -31,17 +31,22 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from openkernels.shared import jax as okjax
 
-from .problem import check_shapes_and_scalars
+from ..problem import check_shapes_and_scalars
+
+# jax.numpy goes by its full name here: in this package, jnp is the submodule jnp.py.
+from . import jnp as jnp_backend
+from . import launch
 
 __all__ = ["rms_norm", "layer_norm"]
 
-_HALF_AND_FLOAT = tuple(jnp.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
-_F64 = jnp.dtype(jnp.float64)
+_HALF_AND_FLOAT = tuple(
+    jax.numpy.dtype(d) for d in (jax.numpy.float16, jax.numpy.bfloat16, jax.numpy.float32)
+)
+_F64 = jax.numpy.dtype(jax.numpy.float64)
 _DTYPES = (*_HALF_AND_FLOAT, _F64)
 
 
@@ -55,25 +60,25 @@ class _Spec:
     eps: float
     weight_offset: float
     prenorm: bool
-    out_dtype: jnp.dtype
-    h_dtype: jnp.dtype
-    x_dtype: jnp.dtype
-    residual_dtype: jnp.dtype | None
-    bias_dtype: jnp.dtype | None
+    out_dtype: jax.numpy.dtype
+    h_dtype: jax.numpy.dtype
+    x_dtype: jax.numpy.dtype
+    residual_dtype: jax.numpy.dtype | None
+    bias_dtype: jax.numpy.dtype | None
     backend: str
 
 
 # ---- argument checks (the PyTorch API's messages, for JAX arrays) -----------------------
 
 
-def _dtype_arg(name: str, what: str, dtype: Any, allowed: tuple) -> jnp.dtype | None:
+def _dtype_arg(name: str, what: str, dtype: Any, allowed: tuple) -> jax.numpy.dtype | None:
     if dtype is None:
         return None
     try:
-        resolved = jnp.dtype(dtype)
+        resolved = jax.numpy.dtype(dtype)
     except TypeError:
         resolved = None
-    if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+    if resolved is None or not jax.numpy.issubdtype(resolved, jax.numpy.floating):
         raise TypeError(f"{name}: {what} must be a floating JAX dtype or None, got {dtype!r}")
     if resolved not in allowed:
         names = ", ".join(d.name for d in allowed)
@@ -84,7 +89,7 @@ def _dtype_arg(name: str, what: str, dtype: Any, allowed: tuple) -> jnp.dtype | 
 def _check(
     name: str, x: Any, weight: Any, bias: Any, residual: Any, eps: Any, weight_offset: Any,
     out_dtype: Any, residual_dtype: Any,
-) -> tuple[jnp.dtype, jnp.dtype]:  # fmt: skip
+) -> tuple[jax.numpy.dtype, jax.numpy.dtype]:  # fmt: skip
     """Raise TypeError / ValueError for bad arguments; returns (out dtype, h dtype)."""
     okjax.check_array(name, "x", x, _DTYPES)
     # Mixed precision within {fp16, bf16, fp32}; float64 only all the way.
@@ -106,134 +111,12 @@ def _check(
     return out, h or (residual.dtype if residual is not None else x.dtype)
 
 
-# ---- jax.numpy composition, mirroring reference.py ---------------------------------------
-
-
-def _jnp_forward(spec: _Spec, x, weight, bias, residual, store: bool):
-    """(y, h or None, mean or None, rstd); statistics of shape x.shape[:-1]."""
-    acc = _F64 if x.dtype == _F64 else jnp.dtype(jnp.float32)
-    h = x.astype(acc) if residual is None else x.astype(acc) + residual.astype(acc)
-    h = h.astype(spec.h_dtype)
-    hc = h.astype(acc)
-    if spec.rms:
-        mean = None
-        rstd = jax.lax.rsqrt(jnp.mean(hc * hc, axis=-1) + spec.eps)
-        y = hc * rstd[..., None]
-    else:
-        mean = jnp.mean(hc, axis=-1)
-        centered = hc - mean[..., None]
-        rstd = jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1) + spec.eps)
-        y = centered * rstd[..., None]
-    if weight is not None:
-        y = y * (weight.astype(acc) + spec.weight_offset)
-    if bias is not None:
-        y = y + bias.astype(acc)
-    return y.astype(spec.out_dtype), h if store else None, mean, rstd
-
-
-def _jnp_backward(spec: _Spec, dy, dh_out, h, weight, mean, rstd, weight_grad: bool, bias_grad: bool):
-    """(dh in h's dtype, dweight, dbias in the statistics dtype); see reference.norm_bwd."""
-    acc = rstd.dtype
-    g, r = dy.astype(acc), rstd[..., None]
-    hc = h.astype(acc)
-    xhat = (hc if mean is None else hc - mean[..., None]) * r
-    wg = g if weight is None else g * (weight.astype(acc) + spec.weight_offset)
-    inner = wg - xhat * jnp.mean(wg * xhat, axis=-1, keepdims=True)
-    if not spec.rms:
-        inner = inner - jnp.mean(wg, axis=-1, keepdims=True)
-    dh = r * inner
-    if dh_out is not None:
-        dh = dh + dh_out.astype(acc)
-    rows = tuple(range(h.ndim - 1))
-    dw = jnp.sum(g * xhat, axis=rows) if weight_grad else None
-    db = jnp.sum(g, axis=rows) if bias_grad else None
-    return dh.astype(h.dtype), dw, db
-
-
-# ---- Triton launches: the kernels and launch plans of the PyTorch path -------------------
-
-
-@functools.cache
-def _gpu_sm_count() -> int:
-    # Only the size of the persistent grids depends on it; 132 (H100/H200) where the
-    # device does not say.
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
-def _target() -> tuple[str, int]:
-    """(vendor, SM count) the launch plans are made for."""
-    if okjax.backend() == "triton":
-        return okjax.gpu_vendor(), _gpu_sm_count()
-    return "cpu", 4  # the interpreter, planned as the PyTorch launchers plan CPU tensors
-
-
-def _run(launch, arrays: dict) -> dict:
-    """Launch a `jax_launch.Launch` on the arrays named by its input roles; returns its
-    outputs by pointer name."""
-    from .triton import kernels
-
-    outputs = {p: jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for p, shape, dt in launch.outputs}
-    results = okjax.launch(
-        getattr(kernels, launch.kernel),
-        grid=launch.grid,
-        inputs={p: arrays[role] for p, role in launch.inputs},
-        outputs=outputs,
-        constants=dict(launch.constants),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-        zeroed=launch.zeroed,
-    )
-    return dict(zip(outputs, results))
-
-
-def _triton_forward(spec: _Spec, x, weight, bias, residual, store: bool):
-    from .triton.jax_launch import fwd_launch
-
-    x2, n_rows, n_cols = okjax.row_view(x)
-    vendor, sm_count = _target()
-    launch = fwd_launch(
-        n_rows, n_cols, dtype=x.dtype.name, out_dtype=spec.out_dtype.name, h_dtype=spec.h_dtype.name,
-        rms=spec.rms, has_residual=residual is not None, store_residual=store, has_weight=weight is not None,
-        has_bias=bias is not None, eps=spec.eps, weight_offset=spec.weight_offset, vendor=vendor,
-        sm_count=sm_count,
-    )  # fmt: skip
-    arrays = {"x": x2, "residual": None if residual is None else residual.reshape(n_rows, n_cols),
-              "weight": weight, "bias": bias}  # fmt: skip
-    out = _run(launch, arrays)
-    stats = x.shape[:-1]
-    h = out["res_out_ptr"].reshape(x.shape) if store else None
-    mean = None if spec.rms else out["mean_ptr"].reshape(stats)
-    return out["out_ptr"].reshape(x.shape), h, mean, out["rstd_ptr"].reshape(stats)
-
-
-def _triton_backward(spec: _Spec, dy, dh_out, h, weight, mean, rstd, weight_grad: bool, bias_grad: bool):
-    from .triton.jax_launch import bwd_launch
-
-    h2, n_rows, n_cols = okjax.row_view(h)
-    vendor, sm_count = _target()
-    launch = bwd_launch(
-        n_rows, n_cols, h_dtype=h.dtype.name, rms=spec.rms, has_weight=weight is not None,
-        has_dh_out=dh_out is not None, weight_grad=weight_grad, bias_grad=bias_grad,
-        weight_offset=spec.weight_offset, vendor=vendor, sm_count=sm_count,
-    )  # fmt: skip
-    arrays = {
-        "dy": dy.reshape(n_rows, n_cols), "h": h2, "weight": weight, "rstd": rstd.reshape(n_rows),
-        "mean": None if mean is None else mean.reshape(n_rows),
-        "dh_out": None if dh_out is None else dh_out.reshape(n_rows, n_cols),
-    }  # fmt: skip
-    out = _run(launch, arrays)
-    # A fixed-order sum of the per-program partial rows, as the PyTorch launcher does.
-    dw = jnp.sum(out["dw_part_ptr"], axis=0) if weight_grad else None
-    db = jnp.sum(out["db_part_ptr"], axis=0) if bias_grad else None
-    return out["dh_ptr"].reshape(h.shape), dw, db
-
-
 def _kernels_apply(spec: _Spec, x: jax.Array) -> bool:
     return spec.backend != "jnp" and x.dtype != _F64 and x.size > 0
 
 
 def _forward(spec: _Spec, x, weight, bias, residual, store: bool):
-    impl = _triton_forward if _kernels_apply(spec, x) else _jnp_forward
+    impl = launch.forward if _kernels_apply(spec, x) else jnp_backend.forward
     return impl(spec, x, weight, bias, residual, store)
 
 
@@ -274,9 +157,9 @@ def _norm_bwd(spec: _Spec, saved, cotangents):
     if isinstance(dh_out, SymbolicZero):
         dh_out = None
     if isinstance(dy, SymbolicZero):
-        dy = jnp.zeros(h.shape, spec.out_dtype)
+        dy = jax.numpy.zeros(h.shape, spec.out_dtype)
     with okjax.use_backend(spec.backend):
-        impl = _triton_backward if _kernels_apply(spec, h) else _jnp_backward
+        impl = launch.backward if _kernels_apply(spec, h) else jnp_backend.backward
         dh, dw, db = impl(spec, dy, dh_out, h, weight, mean, rstd, wanted.weight, wanted.bias)
     # None: a zero cotangent (an argument that is not differentiated, or absent).
     return (
