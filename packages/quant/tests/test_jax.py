@@ -425,7 +425,7 @@ def test_scale_rounding_matches_a_torch_cast(dtype) -> None:
     """The quantizer's scale rounding (kept by XLA on GPUs, where a convert pair may be
     dropped) equals torch's float32 -> dtype -> float32 cast: normals, subnormals, ties,
     overflow to inf."""
-    from openkernels.quant.jax_quantize import _round_to
+    from openkernels.quant.jax.quantize import _round_to
 
     gen = torch.Generator().manual_seed(3)
     x = torch.exp(torch.empty(200_000).uniform_(-25.0, 14.0, generator=gen))

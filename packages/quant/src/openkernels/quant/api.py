@@ -12,32 +12,28 @@ from torch import Tensor
 
 from openkernels.shared import replay
 
-from . import ops
+from . import ops, problem
 from .format import Int4Weight
 
 __all__ = ["int4_linear", "dequantize_int4", "linear_parts"]
 
-_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _check_call(x: Tensor, qweight: Tensor, bias: Tensor | None) -> None:
+    """problem.py's rules on x and bias, plus what is PyTorch's own: tensors, one device."""
     if not isinstance(x, Tensor):
         raise TypeError(f"int4_linear: x must be a tensor, got {type(x).__name__}")
-    if x.dtype not in _X_DTYPES:
-        raise TypeError(f"int4_linear: x must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    problem.check_x_dtype("int4_linear: x", _dtype_name(x.dtype), x.dtype)
+    bias_part = problem.Part(tuple(bias.shape), _dtype_name(bias.dtype)) if isinstance(bias, Tensor) else bias
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    if x.dim() == 0 or x.shape[-1] != k:
-        raise ValueError(
-            f"int4_linear: x has shape {tuple(x.shape)}, its last dimension must be in_features {k}"
-        )
+    problem.check_linear_call(tuple(x.shape), bias_part, n, k, noun="tensor")
     if x.device != qweight.device:
         raise ValueError(f"int4_linear: x is on {x.device}, the weight on {qweight.device}")
-    if bias is not None:
-        if not isinstance(bias, Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (n,):
-            raise ValueError(f"int4_linear: bias must be a float tensor of shape ({n},), got "
-                             f"{getattr(bias, 'shape', bias)} {getattr(bias, 'dtype', '')}")  # fmt: skip
-        if bias.device != x.device:
-            raise ValueError(f"int4_linear: bias is on {bias.device}, x on {x.device}")
+    if bias is not None and bias.device != x.device:
+        raise ValueError(f"int4_linear: bias is on {bias.device}, x on {x.device}")
 
 
 @replay.replayable
@@ -84,8 +80,8 @@ def dequantize_int4(weight: Int4Weight, dtype: torch.dtype = torch.float32) -> T
     column order (act-order perm undone)."""
     if not isinstance(weight, Int4Weight):
         raise TypeError(f"dequantize_int4: weight must be an Int4Weight, got {type(weight).__name__}")
-    if dtype not in _X_DTYPES:
-        raise TypeError(f"dequantize_int4: dtype must be float16, bfloat16, float32 or float64, got {dtype}")
+    name = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
+    problem.check_x_dtype("dequantize_int4: dtype", name, dtype)
     w = ops.dequantize(weight.qweight, weight.scales, weight.zeros, weight.group_size, weight.kind, dtype)
     if weight.perm is not None:
         restored = torch.empty_like(w)

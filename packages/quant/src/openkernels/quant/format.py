@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 KINDS = problem.KINDS
-SCALE_DTYPES = (torch.float16, torch.bfloat16)
+SCALE_DTYPES = tuple(getattr(torch, name) for name in problem.SCALE_DTYPES)
 
 # The 16 NF4 levels (normal-float 4-bit, QLoRA / bitsandbytes): quantiles of a standard
 # normal scaled to [-1, 1], with an exact zero.

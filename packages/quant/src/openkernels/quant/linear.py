@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from . import problem
 from .api import linear_parts
 from .format import KINDS, Int4Weight, check_parts, check_scale_values
-from .quantize import quantize_int4, quantize_nf4, resolve_group_size
+from .quantize import quantize_int4, quantize_nf4
 
 __all__ = ["Int4Linear", "QuantizeReport", "quantize_model", "save_quantized", "load_quantized"]
 
@@ -48,7 +49,7 @@ class Int4Linear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        group_size = resolve_group_size(group_size, in_features)
+        group_size = problem.resolve_group_size(group_size, in_features)
         self.in_features, self.out_features = in_features, out_features
         self.group_size, self.kind = group_size, kind
         groups = in_features // group_size if group_size else 0
@@ -240,7 +241,7 @@ def _skip_reason(name: str, module: nn.Linear, skip: tuple[str, ...], group_size
     k = module.in_features
     if k % 2:
         return f"in_features {k} is odd"
-    g = resolve_group_size(group_size, k)
+    g = problem.resolve_group_size(group_size, k)
     if k % g:
         return f"group_size {g} does not divide in_features {k}"
     return None

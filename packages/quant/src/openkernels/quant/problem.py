@@ -1,7 +1,9 @@
-"""The 4-bit weight's layout rules on shapes and dtype names alone (this family's framework-neutral
-problem module, as in every family), shared by the PyTorch
-(format.py) and JAX (jax_format.py) faces: each face describes its arrays as `Part`s and
-adds only what is its own (array types, devices).
+"""The quant family's rules on shapes, dtype names and options alone (its framework-neutral
+problem module, as in every family), shared by the PyTorch (format.py, api.py) and JAX
+(jax/format.py, jax/__init__.py) faces: each face describes its arrays as `Part`s and adds
+only what is its own (array types, devices).
+
+The 4-bit weight:
 
     qweight  (N, K // 2) uint8, two codes per byte
     scales   (K // group_size, N) float16 or bfloat16
@@ -13,10 +15,23 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["KINDS", "SCALE_DTYPES", "Part", "check_parts", "Int4Shape"]
+__all__ = [
+    "KINDS",
+    "SCALE_DTYPES",
+    "X_DTYPES",
+    "Part",
+    "check_parts",
+    "check_x_dtype",
+    "check_linear_call",
+    "resolve_group_size",
+    "check_quantize_options",
+    "clip_ratios",
+    "Int4Shape",
+]
 
 KINDS = ("int4", "nf4")
 SCALE_DTYPES = ("float16", "bfloat16")
+X_DTYPES = ("float16", "bfloat16", "float32", "float64")  # activations and dequantized weights
 
 
 class Part(NamedTuple):
@@ -77,6 +92,65 @@ def check_parts(
             f"{tuple(perm.shape)} {perm.dtype}"
         )
     return k
+
+
+def check_x_dtype(what: str, dtype: str | None, shown: object) -> None:
+    """Raise TypeError unless `dtype` (a name) is one of X_DTYPES. what: "int4_linear: x",
+    "dequantize_int4: dtype"; shown: the dtype as the face prints it."""
+    if dtype not in X_DTYPES:
+        raise TypeError(f"{what} must be float16, bfloat16, float32 or float64, got {shown}")
+
+
+def check_linear_call(
+    x_shape: tuple[int, ...], bias: Part | object | None, out_features: int, in_features: int, *, noun: str
+) -> None:
+    """int4_linear's rules on x (..., K) and bias (N,): raise ValueError naming the argument.
+    bias: a Part, None, or what the caller passed when it is not an array of the face (noun:
+    "tensor" or "jax.Array")."""
+    n, k = out_features, in_features
+    if len(x_shape) == 0 or x_shape[-1] != k:
+        raise ValueError(
+            f"int4_linear: x has shape {tuple(x_shape)}, its last dimension must be in_features {k}"
+        )
+    if bias is None:
+        return
+    if not isinstance(bias, Part) or not _is_float(bias.dtype) or tuple(bias.shape) != (n,):
+        got = f"{tuple(bias.shape)} {bias.dtype}" if isinstance(bias, Part) else type(bias).__name__
+        raise ValueError(f"int4_linear: bias must be a float {noun} of shape ({n},), got {got}")
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
+def resolve_group_size(group_size: int | None, in_features: int) -> int:
+    """None or -1 means one group per row (the whole of K)."""
+    return in_features if group_size in (None, -1) else group_size
+
+
+def check_quantize_options(
+    in_features: int, group_size: int, search: object, grid: int, min_ratio: float
+) -> None:
+    """quantize_int4 / quantize_nf4's rules on their options (group_size resolved): raise
+    ValueError naming the option."""
+    k = in_features
+    if k % 2:
+        raise ValueError(f"in_features {k} must be even: two 4-bit codes are packed per byte")
+    if group_size not in (32, 64, 128, k) or k % group_size:
+        raise ValueError(
+            f"group_size {group_size} must be 32, 64, 128 or None (whole row) and divide in_features {k}"
+        )
+    if search not in (None, "clip"):
+        raise ValueError(f"search must be None or 'clip', got {search!r}")
+    if not 0 < min_ratio <= 1 or grid < 1:
+        raise ValueError(f"min_ratio must be in (0, 1] and grid >= 1, got {min_ratio}, {grid}")
+
+
+def clip_ratios(search: str | None, grid: int, min_ratio: float) -> list[float]:
+    """The clip ratios a quantizer tries, 1.0 (round to nearest) first; with search="clip",
+    `grid` steps down to min_ratio."""
+    steps = 1 if search is None else grid + 1
+    return [1.0 - (1.0 - min_ratio) * i / grid for i in range(steps)]
 
 
 class Int4Shape:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import problem
 from .format import KINDS, SCALE_DTYPES, Int4Weight, nf4_values
 
-__all__ = ["quantize_int4", "quantize_nf4", "pack_codes", "resolve_group_size"]
+__all__ = ["quantize_int4", "quantize_nf4", "pack_codes"]
 
 _CHUNK_ELEMENTS = 1 << 24  # rows per pass are chosen so float32 temporaries stay ~64 MB each
 
@@ -32,31 +33,12 @@ def pack_codes(codes: Tensor) -> Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
-def resolve_group_size(group_size: int | None, in_features: int) -> int:
-    """None or -1 means one group per row (the whole of K)."""
-    return in_features if group_size in (None, -1) else group_size
-
-
-def _check_weight(weight: Tensor, group_size: int, scale_dtype: torch.dtype, search: str | None) -> None:
-    if not isinstance(weight, Tensor) or weight.dim() != 2:
-        raise ValueError(
-            f"weight must be a 2D tensor (out_features, in_features), got {getattr(weight, 'shape', weight)}"
-        )
+def _check_weight(weight: Tensor, scale_dtype: torch.dtype) -> None:
+    """What is PyTorch's own in the argument checks (problem.check_quantize_options has the rest)."""
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a float tensor, got {weight.dtype}")
-    k = weight.shape[1]
-    if k % 2:
-        raise ValueError(f"in_features {k} must be even: two 4-bit codes are packed per byte")
-    if group_size not in (32, 64, 128, k) or k % group_size:
-        raise ValueError(
-            f"group_size {group_size} must be 32, 64, 128 or None (whole row) and divide in_features {k}"
-        )
     if scale_dtype not in SCALE_DTYPES:
         raise TypeError(f"scale_dtype must be torch.float16 or torch.bfloat16, got {scale_dtype}")
-    if search not in (None, "clip"):
-        raise ValueError(f"search must be None or 'clip', got {search!r}")
-    if weight.numel() and not torch.isfinite(weight).all():
-        raise ValueError("weight contains NaN or infinity")
 
 
 def _fit(w: Tensor, kind: str, symmetric: bool, ratio: float, scale_dtype: torch.dtype):
@@ -108,12 +90,13 @@ def _quantize(
             f"weight must be a 2D tensor (out_features, in_features), got {getattr(weight, 'shape', weight)}"
         )
     n, k = weight.shape
-    group_size = resolve_group_size(group_size, k)
-    _check_weight(weight, group_size, scale_dtype, search)
-    if not 0 < min_ratio <= 1 or grid < 1:
-        raise ValueError(f"min_ratio must be in (0, 1] and grid >= 1, got {min_ratio}, {grid}")
+    group_size = problem.resolve_group_size(group_size, k)
+    _check_weight(weight, scale_dtype)
+    problem.check_quantize_options(k, group_size, search, grid, min_ratio)
+    if weight.numel() and not torch.isfinite(weight).all():
+        raise ValueError("weight contains NaN or infinity")
     groups = k // group_size
-    ratios = [1.0] if search is None else [1.0 - (1.0 - min_ratio) * i / grid for i in range(grid + 1)]
+    ratios = problem.clip_ratios(search, grid, min_ratio)
     qweight = torch.empty((n, k // 2), dtype=torch.uint8, device=weight.device)
     scales = torch.empty((groups, n), dtype=scale_dtype, device=weight.device)
     zeros = None if kind == "nf4" or symmetric else torch.empty_like(scales)

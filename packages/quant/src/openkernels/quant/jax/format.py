@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import format as torch_format
-from . import problem
+from .. import format as torch_format
+from .. import problem
 
 __all__ = ["Int4Weight", "from_torch", "SCALE_DTYPES"]
 
-SCALE_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+SCALE_DTYPES = tuple(jnp.dtype(name) for name in problem.SCALE_DTYPES)
 
 
 def _check_parts(qweight: Any, scales: Any, zeros: Any, group_size: Any, kind: Any, perm: Any) -> None:

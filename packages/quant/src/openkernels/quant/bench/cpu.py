@@ -1,7 +1,7 @@
 """CPU timing of the fused 4-bit linear (cpu/int4_linear.cpp) against dense PyTorch matmuls.
 
-    python -m openkernels.quant.bench_cpu [--m 1 16 128] [--n 4096] [--k 4096] [--group-size 128]
-                                          [--kind int4|int4-sym|nf4] [--rep-ms 1000]
+    python -m openkernels.quant.bench.cpu [--m 1 16 128] [--n 4096] [--k 4096] [--group-size 128]
+                                           [--kind int4|int4-sym|nf4] [--rep-ms 1000]
 
 For each activation dtype (bfloat16, float32) and M, prints the median milliseconds of
   ours       cpu.int4_linear_fwd on the packed weight (N, K // 2 bytes),
@@ -50,9 +50,9 @@ def measure(
 ) -> dict[str, float]:
     """Median milliseconds of each contender for x (m, k) in `dtype` against a random (n, k) weight:
     ours, dense_bf16, dense_fp32, and deq_mm (the faster of its two routes)."""
-    from . import cpu
-    from .quantize import quantize_int4, quantize_nf4
-    from .reference import dequantize_int4_ref
+    from .. import cpu
+    from ..quantize import quantize_int4, quantize_nf4
+    from ..reference import dequantize_int4_ref
 
     weight = torch.randn(n, k) * 0.02
     if kind == "nf4":
@@ -95,7 +95,7 @@ def measure(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m openkernels.quant.bench_cpu", description=__doc__.split("\n")[0]
+        prog="python -m openkernels.quant.bench.cpu", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--n", type=int, default=4096)

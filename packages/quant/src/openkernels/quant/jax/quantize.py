@@ -18,8 +18,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .format import NF4_VALUES
-from .jax_format import SCALE_DTYPES, Int4Weight
+from .. import problem
+from ..format import NF4_VALUES
+from .format import SCALE_DTYPES, Int4Weight
 
 __all__ = ["quantize_int4", "quantize_nf4"]
 
@@ -101,7 +102,7 @@ def _quantize_rows(w: jax.Array, ratios: jax.Array, group_size: int, kind: str, 
 
 
 def _check(weight, group_size, scale_dtype, search: str | None, grid: int, min_ratio: float) -> int:
-    """quantize.py's argument checks; returns the resolved group size."""
+    """problem.check_quantize_options, plus what is JAX's own; returns the resolved group size."""
     if isinstance(weight, jax.core.Tracer):
         raise TypeError("quantize: runs eagerly (it checks the weight's values), not under jax.jit")
     if not isinstance(weight, jax.Array) or weight.ndim != 2:
@@ -110,20 +111,10 @@ def _check(weight, group_size, scale_dtype, search: str | None, grid: int, min_r
         )
     if not jnp.issubdtype(weight.dtype, jnp.floating):
         raise TypeError(f"weight must be a float array, got {weight.dtype}")
-    k = weight.shape[1]
-    if k % 2:
-        raise ValueError(f"in_features {k} must be even: two 4-bit codes are packed per byte")
-    group_size = k if group_size in (None, -1) else group_size
-    if group_size not in (32, 64, 128, k) or k % group_size:
-        raise ValueError(
-            f"group_size {group_size} must be 32, 64, 128 or None (whole row) and divide in_features {k}"
-        )
     if jnp.dtype(scale_dtype) not in SCALE_DTYPES:
         raise TypeError(f"scale_dtype must be jnp.float16 or jnp.bfloat16, got {scale_dtype}")
-    if search not in (None, "clip"):
-        raise ValueError(f"search must be None or 'clip', got {search!r}")
-    if not 0 < min_ratio <= 1 or grid < 1:
-        raise ValueError(f"min_ratio must be in (0, 1] and grid >= 1, got {min_ratio}, {grid}")
+    group_size = problem.resolve_group_size(group_size, weight.shape[1])
+    problem.check_quantize_options(weight.shape[1], group_size, search, grid, min_ratio)
     if weight.size and not bool(jnp.isfinite(weight).all()):
         raise ValueError("weight contains NaN or infinity")
     return group_size
@@ -132,9 +123,8 @@ def _check(weight, group_size, scale_dtype, search: str | None, grid: int, min_r
 def _quantize(weight, group_size, kind, symmetric, search, scale_dtype, grid, min_ratio) -> Int4Weight:
     group_size = _check(weight, group_size, scale_dtype, search, grid, min_ratio)
     scale_dtype = jnp.dtype(scale_dtype)
-    steps = 1 if search is None else grid + 1
     # Ratios in float32, as torch rounds a Python scalar multiplying a float32 tensor.
-    ratios = jnp.asarray([1.0 - (1.0 - min_ratio) * i / grid for i in range(steps)], jnp.float32)
+    ratios = jnp.asarray(problem.clip_ratios(search, grid, min_ratio), jnp.float32)
     n, k = weight.shape
     rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
     parts = [

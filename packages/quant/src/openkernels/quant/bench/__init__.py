@@ -6,8 +6,9 @@ same x and a weight quantized from the same W in its own format:
   "tinygemm"    torch's int4 kernel (aten._weight_int4pack_mm), from our int4 codes
   "bnb-nf4"     bitsandbytes NF4, blocksize 64 (if installed)
   "gemlite"     GemLite's Triton int4 GEMM/GEMV, group 128 (if installed)
-Small M is memory-bound (GB/s of the weight bytes read once, ratio to the copy ceiling);
-from M >= 128 the case also counts FLOPs. Nothing runs at import.
+(peers.py sets each up). Small M is memory-bound (GB/s of the weight bytes read once, ratio
+to the copy ceiling); from M >= 128 the case also counts FLOPs. Nothing runs at import.
+cpu.py times the CPU kernel against dense matmuls (python -m openkernels.quant.bench.cpu).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch.nn.functional as F
 from openkernels.shared.dev.bench import BenchCase, Check
 from openkernels.shared.dev.bench import score as _score
 
-from . import api, reference
-from .format import Int4Weight
-from .quantize import quantize_int4, quantize_nf4
+from .. import api, reference
+from ..quantize import quantize_int4, quantize_nf4
+from .peers import available, run_bnb, run_gemlite, run_tinygemm, setup_bnb, setup_gemlite, setup_tinygemm
 
 __all__ = ["GPU_SHAPES", "CPU_SHAPES", "GPU_MS", "CPU_MS", "cases", "checks", "jax_cases", "PEERS"]
 
@@ -49,77 +50,6 @@ def _make(
         return {"x": torch.randn(m, k, device=device, dtype=dtype), "w": w, "q": q}
 
     return make
-
-
-def _tinygemm_setup(s: dict) -> dict:
-    """torch's tinygemm layout from our asymmetric int4 codes: W = (q - 8) * s + zero, so
-    zero = (8 - z) * s; codes packed high nibble first, then tiled by the op."""
-    q: Int4Weight = s["q"]
-    packed = ((q.qweight & 0xF) << 4) | (q.qweight >> 4)
-    tiled = torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), 8)
-    scale = q.scales.to(torch.bfloat16)
-    zero = ((8 - q.zeros.float()) * q.scales.float()).to(torch.bfloat16)
-    return {
-        "x": s["x"],
-        "tiled": tiled,
-        "sz": torch.stack((scale, zero), dim=-1).contiguous(),
-        "group": q.group_size,
-    }
-
-
-def _tinygemm(s: dict) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm(s["x"], s["tiled"], s["group"], s["sz"])
-
-
-def _bnb_setup(s: dict) -> dict:
-    import bitsandbytes.functional as bf
-
-    packed, state = bf.quantize_4bit(s["w"], blocksize=64, quant_type="nf4")
-    return {"x": s["x"], "packed": packed, "state": state}
-
-
-def _bnb(s: dict) -> torch.Tensor:
-    import bitsandbytes as bnb
-
-    return bnb.matmul_4bit(s["x"], s["packed"].t(), quant_state=s["state"])
-
-
-_gemlite_ready = False
-
-
-def _gemlite_setup(s: dict) -> dict:
-    """GemLite's A16W4 layer from our int4 codes (its HQQ-style INT format has the same
-    W = (q - zero) * scale). GemLite ships tuned configs by GPU name and has none for the H200:
-    its H100 table is loaded instead of autotuning in the timed process."""
-    global _gemlite_ready
-    import os
-
-    import gemlite
-    from gemlite.helper import A16W4_HQQ_INT
-
-    if not _gemlite_ready:
-        name = torch.cuda.get_device_properties(0).name.lower()
-        if "h200" in name:
-            gemlite.load_config(os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json"))
-        _gemlite_ready = True
-    q: Int4Weight = s["q"]
-    codes = reference.unpack_codes(q.qweight).to(torch.uint8)
-    dtype = s["x"].dtype
-    layer = A16W4_HQQ_INT(device=str(q.device), dtype=dtype).from_weights(
-        codes, q.scales.t().contiguous().to(dtype), q.zeros.t().contiguous().to(dtype)
-    )
-    return {"x": s["x"], "layer": layer}
-
-
-def _gemlite(s: dict) -> torch.Tensor:
-    return s["layer"](s["x"])
-
-
-def _available(peer: str) -> bool:
-    import importlib.util
-
-    module = {"bnb-nf4": "bitsandbytes", "gemlite": "gemlite"}.get(peer)
-    return module is None or importlib.util.find_spec(module) is not None
 
 
 def cases(
@@ -150,11 +80,11 @@ def cases(
                 if "torch" in peers:
                     contenders["torch"] = lambda s: F.linear(s["x"], s["w"])
                 if gpu and kind == "int4" and "tinygemm" in peers and dtype == torch.bfloat16:
-                    contenders["tinygemm"], setup["tinygemm"] = _tinygemm, _tinygemm_setup
-                if gpu and "bnb-nf4" in peers and _available("bnb-nf4"):
-                    contenders["bnb-nf4"], setup["bnb-nf4"] = _bnb, _bnb_setup
-                if gpu and kind == "int4" and "gemlite" in peers and _available("gemlite"):
-                    contenders["gemlite"], setup["gemlite"] = _gemlite, _gemlite_setup
+                    contenders["tinygemm"], setup["tinygemm"] = run_tinygemm, setup_tinygemm
+                if gpu and "bnb-nf4" in peers and available("bnb-nf4"):
+                    contenders["bnb-nf4"], setup["bnb-nf4"] = run_bnb, setup_bnb
+                if gpu and kind == "int4" and "gemlite" in peers and available("gemlite"):
+                    contenders["gemlite"], setup["gemlite"] = run_gemlite, setup_gemlite
                 nbytes = weight_bytes(n, k, g) + 2 * m * (k + n)
                 flops = 2 * m * n * k if m >= COMPUTE_BOUND_M else 0
                 out.append(BenchCase("quant", f"int4_linear[{kind}]", "fwd", (m, n, k), dtype, nbytes,
@@ -215,7 +145,7 @@ def jax_cases(
     JAX weight is built inside the jitted function (no cost at run time)."""
     from openkernels.shared.dev.bench_jax import JaxCase
 
-    from . import jax as qjax
+    from .. import jax as qjax
 
     out = []
     for kind in kinds:
