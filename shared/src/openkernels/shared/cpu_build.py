@@ -33,7 +33,8 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import Any
 
 try:
     import fcntl
@@ -44,9 +45,11 @@ __all__ = [
     "BASE_FLAGS",
     "INCLUDE_DIR",
     "CpuBuildError",
+    "KernelLibrary",
     "cache_root",
     "compiler",
     "compiler_available",
+    "dtype_support",
     "load_library",
     "no_compiler_reason",
 ]
@@ -424,3 +427,50 @@ def load_library(source: pathlib.Path, *, name: str, extra_flags: Sequence[str] 
             _failed[key] = str(error) if isinstance(error, CpuBuildError) else f"building {name}: {error}"
             raise CpuBuildError(_failed[key]) from error
         return lib
+
+
+class KernelLibrary:
+    """A family's C++ kernels: `source` compiled and loaded on the first call, each kernel's
+    argument types declared (every kernel returns an int status), the library seen by replay
+    recordings (`openkernels.shared.replay.observe_library`). Calling it returns the library.
+
+    signatures: kernel name -> ctypes argument types, in order. A CpuBuildError is raised at
+    the call, and again at every later call (load_library does not retry a failed build).
+    """
+
+    def __init__(
+        self,
+        source: pathlib.Path,
+        *,
+        name: str,
+        signatures: Mapping[str, Sequence[Any]],
+        extra_flags: Sequence[str] = (),
+    ) -> None:
+        self.source, self.name, self.extra_flags = pathlib.Path(source), name, tuple(extra_flags)
+        self.signatures = {kernel: list(argtypes) for kernel, argtypes in signatures.items()}
+        self._lib: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Any:
+        if self._lib is None:
+            from . import replay  # replay builds its own library through this module
+
+            with self._lock:
+                if self._lib is None:
+                    lib = load_library(self.source, name=self.name, extra_flags=self.extra_flags)
+                    for kernel, argtypes in self.signatures.items():
+                        fn = getattr(lib, kernel)
+                        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                    self._lib = replay.observe_library(lib, tuple(self.signatures))
+        return self._lib
+
+
+def dtype_support(dtype: Any, supported: Collection[Any]) -> str | None:
+    """A C++ backend's dispatch predicate on one dtype: None when `dtype` (a torch.dtype) is one
+    of `supported` and a compiler is there, else why not (float64 goes to the reference)."""
+    if dtype not in supported:
+        if str(dtype) == "torch.float64":
+            return "float64 runs on the reference implementation"
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        return f"{dtype} is not supported ({names})"
+    return no_compiler_reason()

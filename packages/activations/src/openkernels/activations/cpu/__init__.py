@@ -8,47 +8,33 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from openkernels.shared import cpu_build, replay
+from openkernels.shared import cpu_build
 from openkernels.shared.dispatch import DispatchKey
 
 __all__ = ["gated_bwd", "gated_fwd", "supports", "unary_bwd", "unary_fwd"]
 
 _SOURCE = pathlib.Path(__file__).with_name("activations.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_lib: Any = None  # the library, its kernels seen by replay recordings
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_library = cpu_build.KernelLibrary(
+    _SOURCE,
+    name="openkernels_activations",
+    signatures={
+        "ok_unary_fwd": [_P, _I64, _P, _I64, _I64, _I32, _I32, _I32],
+        "ok_unary_bwd": [_P, _I64, _P, _I64, _P, _I64, _I64, _I32, _I32, _I32],
+        "ok_gated_fwd": [_P, _I64, _P, _I64, _I64, _I32, _I32, _I32, _I32],
+        "ok_gated_bwd": [_P, _I64, _P, _I64, _P, _I64, _I64, _I32, _I32, _I32, _I32],
+    },
+)
 
 
 def supports(key: DispatchKey) -> str | None:
     """Dispatch predicate: None when these kernels can run `key`, else why not."""
-    if key.dtype not in _DTYPE_CODES:
-        if key.dtype == torch.float64:
-            return "float64 runs on the reference implementation"
-        return f"{key.dtype} is not supported (float32, bfloat16, float16)"
-    return cpu_build.no_compiler_reason()
-
-
-def _library() -> Any:
-    """Compile (or fetch from the cache) and load the kernels; declare their signatures once."""
-    global _lib
-    if _lib is None:
-        lib = cpu_build.load_library(_SOURCE, name="openkernels_activations")
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        signatures = {
-            "ok_unary_fwd": [p, i64, p, i64, i64, i32, i32, i32],
-            "ok_unary_bwd": [p, i64, p, i64, p, i64, i64, i32, i32, i32],
-            "ok_gated_fwd": [p, i64, p, i64, i64, i32, i32, i32, i32],
-            "ok_gated_bwd": [p, i64, p, i64, p, i64, i64, i32, i32, i32, i32],
-        }
-        for fn_name, argtypes in signatures.items():
-            fn = getattr(lib, fn_name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        _lib = replay.observe_library(lib, tuple(signatures))
-    return _lib
+    return cpu_build.dtype_support(key.dtype, _DTYPE_CODES)
 
 
 def _check(out: Tensor, rows: int, n_out: int, *inputs: tuple[Tensor, int]) -> int:

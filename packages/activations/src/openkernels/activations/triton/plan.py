@@ -14,7 +14,9 @@ __all__ = ["launch_plan"]
 
 
 @functools.cache
-def launch_plan(n_rows: int, n_cols: int, dtype: torch.dtype, backend: str) -> tuple[LaunchConfig, tuple[int], bool]:
+def launch_plan(
+    n_rows: int, n_cols: int, dtype: torch.dtype, backend: str
+) -> tuple[LaunchConfig, tuple[int], bool]:
     """Config, 1D grid and EVEN flag of one launch; PyTorch and JAX launch through this."""
     cfg = launch_config(n_rows, n_cols, dtype, backend)
     tiles = -(-n_rows // cfg.block_rows) * -(-n_cols // cfg.block_cols)

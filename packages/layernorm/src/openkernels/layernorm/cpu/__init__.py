@@ -12,12 +12,11 @@ from __future__ import annotations
 import ctypes
 import math
 import pathlib
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from openkernels.shared import cpu_build, replay
+from openkernels.shared import cpu_build
 from openkernels.shared.dispatch import DispatchKey
 
 __all__ = ["norm_bwd", "norm_fwd", "supports"]
@@ -25,31 +24,17 @@ __all__ = ["norm_bwd", "norm_fwd", "supports"]
 _SOURCE = pathlib.Path(__file__).with_name("layernorm.cpp")
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _NARROW = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes of the float32 path
-_lib: Any = None  # the library, its kernels seen by replay recordings
+_P, _I64, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+_SIGNATURES = {
+    "ok_norm_fwd": [_P, _I64, _I32, _P, _I64, _I32, _P, _P, _P, _I32, _P, _I32, _P, _P, _I32, _I64, _I64, _F64, _I32, _I32],
+    "ok_norm_bwd": [_P, _I64, _I32, _P, _I64, _I32, _P, _P, _P, _P, _I64, _I32, _P, _I32, _P, _P, _I64, _I64, _I32, _I32, _I32],
+}  # fmt: skip
+_library = cpu_build.KernelLibrary(_SOURCE, name="openkernels_layernorm", signatures=_SIGNATURES)
 
 
 def supports(key: DispatchKey) -> str | None:
     """Dispatch predicate: None when these kernels can run `key`, else why not."""
-    if key.dtype not in _CODES:
-        return f"{key.dtype} is not supported (float32, bfloat16, float16, float64)"
-    return cpu_build.no_compiler_reason()
-
-
-def _library() -> Any:
-    """Compile (or fetch from the cache) and load the kernels; declare their signatures once."""
-    global _lib
-    if _lib is None:
-        lib = cpu_build.load_library(_SOURCE, name="openkernels_layernorm")
-        p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
-        lib.ok_norm_fwd.argtypes = [
-            p, i64, i32, p, i64, i32, p, p, p, i32, p, i32, p, p, i32, i64, i64, f64, i32, i32,
-        ]  # fmt: skip
-        lib.ok_norm_bwd.argtypes = [
-            p, i64, i32, p, i64, i32, p, p, p, p, i64, i32, p, i32, p, p, i64, i64, i32, i32, i32,
-        ]  # fmt: skip
-        lib.ok_norm_fwd.restype = lib.ok_norm_bwd.restype = ctypes.c_int
-        _lib = replay.observe_library(lib, ("ok_norm_fwd", "ok_norm_bwd"))
-    return _lib
+    return cpu_build.dtype_support(key.dtype, _CODES)
 
 
 def _code(t: Tensor, name: str, wide: bool) -> int:
