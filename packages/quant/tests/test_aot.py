@@ -13,13 +13,11 @@ from __future__ import annotations
 import pytest
 
 from openkernels.quant.triton import configs, plan
-from openkernels.shared.platform import triton_interpreting
 
 pytestmark = pytest.mark.aot
 
 _KERNELS = "openkernels.quant.triton.kernels"
 _T = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
-FAMILIES = {"cuda": ("hopper", "ampere"), "rocm": ("cdna",)}
 
 
 def _pointers(
@@ -159,43 +157,13 @@ FAMILY_TARGETS = {"hopper": ("sm_90",), "ampere": ("sm_80",), "cdna": ("gfx90a",
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
-    if triton_interpreting():
-        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    from openkernels.shared.dev.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+    from openkernels.shared.dev.testing.aot import check_vendor
 
-    prefix = "sm_" if vendor == "cuda" else "gfx"
-    targets = [t for t in targets_from_env() if t.startswith(prefix)]
-    if not targets:
-        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
-    reports, expected = [], 0
-    for family in FAMILIES[vendor]:
-        family_targets = [t for t in targets if t in FAMILY_TARGETS[family]]
-        if family_targets:
-            cases = cases_for(family)
-            reports += check_cases(cases, family_targets)
-            expected += len(cases) * len(family_targets)
-    print(format_reports(reports))
-    assert_clean(reports)
-    assert reports and len(reports) == expected
+    check_vendor(cases_for, vendor, target_groups=FAMILY_TARGETS)
 
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_jax_specializations_compile_clean(vendor: str) -> None:
-    if triton_interpreting():
-        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    from openkernels.shared.dev.testing.aot import assert_clean, check_cases, format_reports, targets_from_env
+    from openkernels.shared.dev.testing.aot import check_vendor
 
-    prefix = "sm_" if vendor == "cuda" else "gfx"
-    targets = [t for t in targets_from_env() if t.startswith(prefix)]
-    reports, expected = [], 0
-    for family in FAMILIES[vendor]:
-        family_targets = [t for t in targets if t in FAMILY_TARGETS[family]]
-        if family_targets:
-            cases = jax_cases_for(family)
-            reports += check_cases(cases, family_targets)
-            expected += len(cases) * len(family_targets)
-    if not reports:
-        pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
-    print(format_reports(reports))
-    assert_clean(reports)
-    assert len(reports) == expected
+    check_vendor(jax_cases_for, vendor, target_groups=FAMILY_TARGETS)

@@ -181,6 +181,25 @@ def _finish(
     return Int4Weight(qweight.contiguous(), scales.contiguous(), zeros, group_size, "int4", perm)
 
 
+def _group_size(where: str, qzeros: Tensor, scales: Tensor, k: int, k_source: str = "") -> int:
+    """K // G, G from the scales (G, N): checks that qzeros is (G, N // 8), that G divides K
+    (`k_source` says where K came from) and that the groups hold an even count of columns."""
+    groups, n = scales.shape
+    if tuple(qzeros.shape) != (groups, n // _PACK):
+        raise ValueError(
+            f"{where}: qzeros has shape {tuple(qzeros.shape)}, expected (G, N // 8) = ({groups}, {n // _PACK}) "
+            f"from scales {tuple(scales.shape)}"
+        )
+    if groups == 0 or k % groups:
+        raise ValueError(
+            f"{where}: scales has G = {groups} groups, which must divide in_features K = {k}{k_source}"
+        )
+    group_size = k // groups
+    if group_size % 2:
+        raise ValueError(f"{where}: group_size K // G = {group_size} must be even (two codes per byte)")
+    return group_size
+
+
 def from_gptq(
     qweight: Tensor,
     qzeros: Tensor,
@@ -238,19 +257,7 @@ def from_gptq(
         raise ValueError(
             f"{where}: out_features N = {n} must be a multiple of 8 (qzeros packs 8 columns per int32)"
         )
-    if tuple(qzeros.shape) != (groups, n // _PACK):
-        raise ValueError(
-            f"{where}: qzeros has shape {tuple(qzeros.shape)}, expected (G, N // 8) = ({groups}, {n // _PACK}) "
-            f"from scales {tuple(scales.shape)}"
-        )
-    if groups == 0 or k % groups:
-        raise ValueError(
-            f"{where}: scales has G = {groups} groups, which must divide in_features K = {k} "
-            f"(8 * qweight.shape[0])"
-        )
-    group_size = k // groups
-    if group_size % 2:
-        raise ValueError(f"{where}: group_size K // G = {group_size} must be even (two codes per byte)")
+    group_size = _group_size(where, qzeros, scales, k, " (8 * qweight.shape[0])")
     if g_idx is not None:
         if not isinstance(g_idx, Tensor) or g_idx.dtype not in (torch.int32, torch.int64):
             got = g_idx.dtype if isinstance(g_idx, Tensor) else type(g_idx).__name__
@@ -305,7 +312,7 @@ def from_awq(qweight: Tensor, qzeros: Tensor, scales: Tensor) -> Int4Weight:
     _check_int32_2d(qzeros, "qzeros", "(G, N // 8)", where)
     _check_scales(scales, where)
     k, words = qweight.shape
-    groups, n = scales.shape
+    n = scales.shape[1]
     if k == 0 or words == 0:
         raise ValueError(f"{where}: qweight has shape {tuple(qweight.shape)}; K and N must be positive")
     if n % _PACK:
@@ -318,21 +325,13 @@ def from_awq(qweight: Tensor, qzeros: Tensor, scales: Tensor) -> Int4Weight:
             f"{where}: qweight has shape {tuple(qweight.shape)}, expected (K, N // 8) with N = {n} from "
             f"scales {tuple(scales.shape)}, i.e. {n // _PACK} int32 per row"
         )
-    if tuple(qzeros.shape) != (groups, n // _PACK):
-        raise ValueError(
-            f"{where}: qzeros has shape {tuple(qzeros.shape)}, expected (G, N // 8) = ({groups}, {n // _PACK}) "
-            f"from scales {tuple(scales.shape)}"
-        )
-    if groups == 0 or k % groups:
-        raise ValueError(f"{where}: scales has G = {groups} groups, which must divide in_features K = {k}")
-    if (k // groups) % 2:
-        raise ValueError(f"{where}: group_size K // G = {k // groups} must be even (two codes per byte)")
+    group_size = _group_size(where, qzeros, scales, k)
     _check_devices(where, qweight=qweight, qzeros=qzeros, scales=scales)
 
     shifts = _shifts(AWQ_REVERSE_ORDER, qweight.device)
     codes = _unpack_along_cols(qweight, shifts)  # (K, N)
     zeros = _unpack_along_cols(qzeros, shifts)  # (G, N)
-    return _finish(codes, scales, zeros, k // groups, False, None, where)
+    return _finish(codes, scales, zeros, group_size, False, None, where)
 
 
 def _get(state_dict: Mapping[str, Tensor], prefix: str, name: str, required: bool = True) -> Tensor | None:

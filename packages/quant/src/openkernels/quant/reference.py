@@ -76,22 +76,14 @@ def int4_linear_ref(
     return y.to(x.dtype)
 
 
-def dequantize_int4_fwd(
-    qweight: Tensor, scales: Tensor, zeros: Tensor | None, out: Tensor, group_size: int, kind: str
-) -> None:
+# The backend contract's entries (module docstring gives the arguments' shapes and dtypes).
+
+
+def dequantize_int4_fwd(qweight, scales, zeros, out: Tensor, group_size: int, kind: str) -> None:
     out.copy_(dequantize_int4_ref(qweight, scales, zeros, group_size, kind, out.dtype))
 
 
-def int4_linear_fwd(
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor | None,
-    bias: Tensor | None,
-    out: Tensor,
-    group_size: int,
-    kind: str,
-) -> None:
+def int4_linear_fwd(x, qweight, scales, zeros, bias, out: Tensor, group_size: int, kind: str) -> None:
     out.copy_(int4_linear_ref(x, qweight, scales, zeros, group_size, kind, bias))
 
 

@@ -809,11 +809,20 @@ def assert_clean(reports: Sequence[AotReport]) -> None:
         raise AssertionError(f"{len(failed)} of {len(reports)} AOT checks failed:\n" + "\n".join(lines))
 
 
-def check_vendor(cases_for: Callable[[str], Sequence[AotCase]], vendor: str) -> None:
+def check_vendor(
+    cases_for: Callable[[str], Sequence[AotCase]],
+    vendor: str,
+    *,
+    target_groups: Mapping[str, Sequence[str]] | None = None,
+) -> None:
     """A family's AOT test for one vendor ("cuda" or "rocm"): compile `cases_for(vendor)`
     for that vendor's targets in OPENKERNELS_AOT_TARGETS, print the reports, and fail on a
     spill, scratch, shared memory over the chip's limit or a missing compile. Skips under
-    TRITON_INTERPRET and when no target of the vendor is asked for."""
+    TRITON_INTERPRET and when no target of the vendor is asked for.
+
+    target_groups: where cases suit only some targets (configs tuned per arch family), the
+    targets of each group by name, {"hopper": ("sm_90",), ...}: `cases_for(group)` then
+    compiles for the asked targets of its group alone, and a group none is asked for is left out."""
     import pytest
 
     from ...platform import triton_interpreting
@@ -822,10 +831,16 @@ def check_vendor(cases_for: Callable[[str], Sequence[AotCase]], vendor: str) -> 
         pytest.skip("compile-only checks need TRITON_INTERPRET unset")
     prefix = "sm_" if vendor == "cuda" else "gfx"
     targets = [t for t in targets_from_env() if t.startswith(prefix)]
-    if not targets:
+    own_targets = {vendor: targets} if target_groups is None else target_groups
+    groups = {group: [t for t in targets if t in own] for group, own in own_targets.items()}
+    if not any(groups.values()):
         pytest.skip(f"no {vendor} targets in OPENKERNELS_AOT_TARGETS")
-    cases = list(cases_for(vendor))
-    reports = check_cases(cases, targets)
+    reports, expected = [], 0
+    for group, group_targets in groups.items():
+        if group_targets:
+            cases = list(cases_for(group))
+            reports += check_cases(cases, group_targets)
+            expected += len(cases) * len(group_targets)
     print(format_reports(reports))
     assert_clean(reports)
-    assert len(reports) == len(cases) * len(targets)
+    assert len(reports) == expected
