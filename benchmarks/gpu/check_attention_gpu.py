@@ -10,16 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import openkernels.attention as A
+from _compare import relative_error
 from openkernels.attention import reference as R
 from openkernels.shared import dispatch
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if torch.isnan(a).any():
-        return float("nan")
-    both_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
-    return float(((a - b).abs() / (1 + b.abs())).masked_fill(both_inf, 0).max())
 
 
 def check(b=2, sq=300, sk=300, hq=8, hkv=2, d=128, dtype=torch.bfloat16, varlen=None, **kw) -> bool:
@@ -46,7 +39,7 @@ def check(b=2, sq=300, sk=300, hq=8, hkv=2, d=128, dtype=torch.bfloat16, varlen=
     else:
         ro, rl = R.attention_ref(*leaves, return_lse=True, **kw)
     rg = torch.autograd.grad(ro, leaves, do.float())
-    errs = [_err(o, ro), _err(lse, rl)] + [_err(g, r) for g, r in zip(grads, rg)]
+    errs = [relative_error(x, ref) for x, ref in [(o, ro), (lse, rl), *zip(grads, rg)]]
     tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
     peer = ""
     if not varlen and set(kw) <= {"causal", "softmax_scale"}:
@@ -57,7 +50,7 @@ def check(b=2, sq=300, sk=300, hq=8, hkv=2, d=128, dtype=torch.bfloat16, varlen=
             po = F.scaled_dot_product_attention(qt, kt, vt, is_causal=kw.get("causal", False) and sq == sk,
                                                 scale=kw.get("softmax_scale"), enable_gqa=hq != hkv)  # fmt: skip
             pg = torch.autograd.grad(po, (qt, kt, vt), do.transpose(1, 2))
-        perrs = [_err(po.transpose(1, 2), ro)] + [_err(g.transpose(1, 2), r) for g, r in zip(pg, rg)]
+        perrs = [relative_error(x.transpose(1, 2), ref) for x, ref in [(po, ro), *zip(pg, rg)]]
         peer = " | sdpa-flash out {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}".format(*perrs)
         if sq == sk:
             ours = [errs[0], *errs[2:]]

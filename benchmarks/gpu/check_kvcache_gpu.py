@@ -13,19 +13,12 @@ import time
 import torch
 
 import openkernels.attention as A
+from _compare import relative_error
 from openkernels.attention.kvformat import unpack_codes
 from openkernels.attention.triton import kvcache as launcher
 from openkernels.shared import dispatch
 
 DEV = "cuda"
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if torch.isnan(a).any():
-        return float("nan")
-    both_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
-    return float(((a - b).abs() / (1 + b.abs())).masked_fill(both_inf, 0).max())
 
 
 def _rotary(rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +64,7 @@ def check(lengths, sq=1, hq=32, hkv=8, d=128, kv_dtype=torch.bfloat16, group=Non
             launcher.FORCE_SPLITS = None
     (o, lse), (ro, rl) = outs
     same_cache = _same_cache(caches[0], caches[1])
-    e = max(_err(o, ro), _err(lse, rl))
+    e = max(relative_error(o, ro), relative_error(lse, rl))
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     ok = e <= tol and same_cache
     label = (f"lens={lengths if len(lengths) < 5 else f'{len(lengths)}x~{max(lengths)}'} sq={sq} h={hq}/{hkv} d={d} "

@@ -8,34 +8,28 @@ quantized and paged times against SDPA and the contiguous bf16 cache.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+import _cli
 from openkernels.attention import bench_kvcache
-from openkernels.shared.dev.bench import copy_ceiling_gbps, format_table, run_cases, write_json
+from openkernels.shared.dev.bench import copy_ceiling_gbps, write_json
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = _cli.parser()
     parser.add_argument("--shapes", default="")
     parser.add_argument("--formats", default="")
     parser.add_argument("--peers", default="sdpa,flex")
-    parser.add_argument("--rep-ms", type=float, default=100.0)
-    parser.add_argument("--json", default="")
-    parser.add_argument("--kernel-time", action="store_true")
+    _cli.add_run_options(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
-    kwargs = {"peers": [p for p in args.peers.split(",") if p]}
+    kwargs = {"peers": _cli.names(args.peers)}
     if args.shapes:
-        kwargs["shapes"] = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        kwargs["shapes"] = _cli.shapes(args.shapes)
     if args.formats:
         kwargs["formats"] = args.formats.split(",")
     ceiling = copy_ceiling_gbps(device)
-    results = run_cases(bench_kvcache.cases(device, **kwargs), device, ceiling_gbps=ceiling, rep_ms=args.rep_ms,
-                        kernel_time=args.kernel_time)  # fmt: skip
-    print(format_table(results, ceiling_gbps=ceiling))
+    results = _cli.run_and_print(bench_kvcache.cases(device, **kwargs), device, args, ceiling_gbps=ceiling)
     by_shape: dict[tuple, dict[str, float]] = {}
     for m in results:
         by_shape.setdefault(m.shape, {})[m.contender] = m.ms

@@ -8,42 +8,32 @@ at the same (M, N, K), same process, weights rotated past L2.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+import _cli
 from openkernels.quant import bench
-from openkernels.shared.dev.bench import (
-    copy_ceiling_gbps,
-    format_table,
-    matmul_ceiling_tflops,
-    run_cases,
-    write_json,
-)
+from openkernels.shared.dev.bench import copy_ceiling_gbps, matmul_ceiling_tflops, write_json
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = _cli.parser()
     parser.add_argument("--shapes", default="")
     parser.add_argument("--ms", default="")
     parser.add_argument("--kinds", default="int4")
     parser.add_argument("--peers", default=",".join(bench.PEERS))
-    parser.add_argument("--rep-ms", type=float, default=100.0)
-    parser.add_argument("--json", default="")
-    parser.add_argument("--kernel-time", action="store_true")
+    _cli.add_run_options(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
-    kwargs = {"peers": [p for p in args.peers.split(",") if p], "kinds": args.kinds.split(",")}
+    kwargs = {"peers": _cli.names(args.peers), "kinds": args.kinds.split(",")}
     if args.shapes:
-        kwargs["shapes"] = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        kwargs["shapes"] = _cli.shapes(args.shapes)
     if args.ms:
         kwargs["ms"] = [int(m) for m in args.ms.split(",")]
     gbps = copy_ceiling_gbps(device)
     tflops = matmul_ceiling_tflops(device)
-    results = run_cases(bench.cases(device, **kwargs), device, ceiling_gbps=gbps, ceiling_tflops=tflops,
-                        rep_ms=args.rep_ms, kernel_time=args.kernel_time)  # fmt: skip
-    print(format_table(results, ceiling_gbps=gbps, ceiling_tflops=tflops))
+    results = _cli.run_and_print(
+        bench.cases(device, **kwargs), device, args, ceiling_gbps=gbps, ceiling_tflops=tflops
+    )
     by_case: dict[tuple, dict[str, tuple[float, float]]] = {}
     for m in results:
         if not m.error:

@@ -15,24 +15,17 @@ importable.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
 import torch
 
-from openkernels.shared.dev.bench import (
-    copy_ceiling_gbps,
-    format_table,
-    matmul_ceiling_tflops,
-    run_cases,
-    write_json,
-)
+import _cli
+from openkernels.shared.dev.bench import copy_ceiling_gbps, matmul_ceiling_tflops, write_json
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = _cli.parser()
     parser.add_argument("family")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--ops", default="")
     parser.add_argument("--directions", default="", help="default: the family's (fwd,bwd / fwd,fwd+bwd)")
@@ -43,16 +36,14 @@ def main() -> None:
         help="default: the family's (torch,torch.compile,liger; attention: "
         "sdpa-flash,sdpa-cudnn,sdpa-efficient,flex on GPUs, sdpa,flex on CPUs)",
     )
-    parser.add_argument("--rep-ms", type=float, default=100.0)
-    parser.add_argument("--json", default="")
-    parser.add_argument("--kernel-time", action="store_true", help="also report device time in kernels")
+    _cli.add_run_options(parser)
     args = parser.parse_args()
 
     bench = importlib.import_module(f"openkernels.{args.family}.bench")
     device = torch.device(args.device)
     kwargs = {"dtypes": [getattr(torch, d) for d in args.dtype.split(",")]}
     if args.peers:
-        kwargs["peers"] = [p for p in args.peers.split(",") if p]
+        kwargs["peers"] = _cli.names(args.peers)
     if args.directions:
         kwargs["directions"] = args.directions.split(",")
     if args.ops:
@@ -62,7 +53,7 @@ def main() -> None:
         else:
             kwargs["ops"] = wanted
     if args.shapes:
-        kwargs["shapes"] = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+        kwargs["shapes"] = _cli.shapes(args.shapes)
     cases = bench.cases(device, **kwargs)
     # Each ceiling only where some case is measured against it.
     ceilings = {}
@@ -70,8 +61,7 @@ def main() -> None:
         ceilings["ceiling_gbps"] = copy_ceiling_gbps(device)
     if any(c.flops for c in cases):
         ceilings["ceiling_tflops"] = matmul_ceiling_tflops(device)
-    results = run_cases(cases, device, rep_ms=args.rep_ms, kernel_time=args.kernel_time, **ceilings)
-    print(format_table(results, **ceilings), flush=True)
+    results = _cli.run_and_print(cases, device, args, **ceilings)
     if args.json:
         write_json(results, args.json, **ceilings, device=str(device), torch=torch.__version__)
 
