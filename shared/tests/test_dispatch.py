@@ -183,3 +183,31 @@ def test_snapshot_carries_force_to_another_thread() -> None:
     thread.start()
     thread.join()
     assert results == {"plain": "fast", "snapshot": "reference"}
+
+
+def test_force_first_tries_the_inner_block_first() -> None:
+    op, _ = _fresh_op(("fast", ("cpu",), 10, None), ("reference", ALL, 0, None))
+    x = torch.ones(2)
+    with dispatch.force("reference"), dispatch.force(f"{op}:fast"):
+        assert dispatch.run(op, x) == "reference"  # force: the enclosing block's entries first
+    with dispatch.force("reference"), dispatch.force_first(f"{op}:fast"):
+        assert dispatch.run(op, x) == "fast"
+        assert dispatch.steering(op) == (["fast", "reference"], [])
+    with dispatch.forbid("fast"):
+        assert dispatch.steering(op) == ([], ["fast"])
+
+
+def test_the_jax_face_answers_the_shared_names() -> None:
+    """The JAX backends are declared in dispatch (no JAX imported for that): "reference"
+    selects "jnp", "triton" the Triton kernels by jax-triton or the interpreter."""
+    assert dispatch.selected_by(dispatch.JAX, "triton") == ["triton", "interpret"]
+    assert dispatch.selected_by(dispatch.JAX, "reference") == ["jnp"]
+    assert dispatch.selected_by(dispatch.JAX, "jax:interpret") == ["interpret"]
+    assert dispatch.selected_by(dispatch.JAX, "cpu") == []  # a name of the PyTorch face only
+    with pytest.raises(dispatch.UnsupportedError, match="jax has no implementation named 'cpu'"):
+        dispatch.selected_by(dispatch.JAX, "jax:cpu")
+    assert dispatch.JAX not in dispatch._OPS  # the registry of PyTorch ops stays theirs
+    interpret = next(i for i in dispatch.implementations(dispatch.JAX) if i.name == "interpret")
+    key = dispatch.DispatchKey(dispatch.JAX, "cpu", None, frozenset({"interpreter"}))
+    assert str(key) == "jax/cpu [interpreter]"
+    assert interpret.rejection(key) == "runs only when forced"

@@ -11,6 +11,13 @@ environment variables when selection first reads them (the op's family may be im
 after the block is entered); an unknown name first imports the installed families, so a
 name of a family not imported yet is accepted.
 
+The JAX face (openkernels.shared.jax) chooses one backend for all its ops when a function
+is traced; its backends ("triton", "interpret", "jnp") are declared here as the
+implementations of the front end "jax" and selected by the same code under the same
+steering: a bare entry steers both faces ("reference" is also JAX's "jnp", "triton" also
+its "interpret" under TRITON_INTERPRET=1), "jax:name" the JAX face only, and
+`explain("jax")` says which backend runs and why.
+
 A kernel that raises while compiling or launching is skipped for that key with one
 warning and the next implementation runs, unless OPENKERNELS_STRICT=1 (the test suites
 set it) or the implementation was forced, in which case the error propagates.
@@ -20,11 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -33,6 +41,7 @@ import torch
 from .platform import device_info, triton_available, triton_interpreting
 
 __all__ = [
+    "JAX",
     "DispatchKey",
     "Implementation",
     "KernelFallbackWarning",
@@ -42,6 +51,7 @@ __all__ = [
     "explain",
     "forbid",
     "force",
+    "force_first",
     "implementations",
     "is_steered",
     "key_for",
@@ -49,7 +59,9 @@ __all__ = [
     "register",
     "run",
     "select",
+    "selected_by",
     "snapshot",
+    "steering",
     "Steering",
     "strict",
     "triton_supports",
@@ -62,6 +74,8 @@ STRICT_ENV = "OPENKERNELS_STRICT"
 # The implementation names every family uses (docs/adding-a-kernel.md), valid before any
 # family is imported: force("reference") in a process that imported only openkernels.shared.
 STANDARD_NAMES = ("triton", "cpu", "reference")
+# The JAX face's name in entries ("jax:jnp") and in select / explain.
+JAX = "jax"
 
 
 class UnsupportedError(ValueError):
@@ -78,12 +92,13 @@ class DispatchKey(NamedTuple):
 
     backend: str
     arch: str
-    dtype: torch.dtype
+    dtype: torch.dtype | None  # None: a choice that does not depend on it (the JAX face's)
     features: frozenset[str] = frozenset()
 
     def __str__(self) -> str:
         feats = ",".join(sorted(self.features)) or "-"
-        return f"{self.backend}/{self.arch} {str(self.dtype).removeprefix('torch.')} [{feats}]"
+        dtype = "" if self.dtype is None else f" {str(self.dtype).removeprefix('torch.')}"
+        return f"{self.backend}/{self.arch}{dtype} [{feats}]"
 
 
 Predicate = Callable[[DispatchKey], "str | None"]
@@ -97,6 +112,8 @@ class Implementation:
     supports: returns None when it can run a key, else the reason it cannot.
     interpretable: a Triton kernel that may also run on CPU tensors under
         TRITON_INTERPRET=1, but only when forced by name (tests do that).
+    aliases: other entry names that select it (JAX's "jnp" answers "reference" too).
+    forced_only: never picked unless forced (JAX's "interpret").
     """
 
     op: str
@@ -106,8 +123,16 @@ class Implementation:
     priority: int = 0
     supports: Predicate | None = None
     interpretable: bool = False
+    aliases: frozenset[str] = frozenset()
+    forced_only: bool = False
+
+    def answers(self, name: str) -> bool:
+        """Whether an entry naming `name` selects this implementation."""
+        return name == self.name or name in self.aliases
 
     def rejection(self, key: DispatchKey, *, forced: bool = False) -> str | None:
+        if self.forced_only and not forced:
+            return "runs only when forced"
         on_interpreter = forced and self.interpretable and key.backend == "cpu" and triton_interpreting()
         if key.backend not in self.backends and not on_interpreter:
             return f"runs on {'/'.join(sorted(self.backends))}, not {key.backend}"
@@ -158,6 +183,33 @@ _FORBIDDEN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     "openkernels_forbidden", default=()
 )
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("openkernels_strict", default=False)
+
+
+_JAX_RULES = lazy("openkernels.shared.jax:unavailable")  # (backend, key) -> why not, or None
+
+
+def _jax_backend(name: str, priority: int, *, rules: bool = True, **options: Any) -> Implementation:
+    """One JAX backend: run("jax") returns its name (the face launches it itself); its rules
+    live in openkernels.shared.jax, imported at the first selection, not here."""
+    supports = functools.partial(_JAX_RULES, name) if rules else None
+    return Implementation(JAX, name, lambda: name, frozenset({JAX}), priority, supports, **options)
+
+
+# Front ends that choose one backend for all their ops, kept out of _OPS (the CLI and tests
+# walk that as the PyTorch ops). Declared here, so that their names are valid in a process
+# that never imported JAX (OPENKERNELS_FORCE=jnp set for a program with both faces).
+_FACES: dict[str, _Op] = {
+    JAX: _Op(
+        key_fn=lazy("openkernels.shared.jax:dispatch_key"),
+        impls=[
+            _jax_backend("triton", 20),
+            # The Triton kernels under TRITON_INTERPRET=1, as a forced "triton" runs on CPU
+            # tensors in PyTorch; never the default.
+            _jax_backend("interpret", 10, aliases=frozenset({"triton"}), forced_only=True),
+            _jax_backend("jnp", 0, rules=False, aliases=frozenset({"reference"})),
+        ],
+    )
+}
 
 
 def define(op: str, key_fn: Callable[..., DispatchKey]) -> None:
@@ -227,15 +279,19 @@ def _parse(spec: str) -> tuple[str, ...]:
 
 
 def _names_for(op: str, specs: tuple[str, ...], impls: list[Implementation]) -> list[str]:
-    """Entries are "name" (every op that has such an implementation) or "op:name"; every
+    """The implementations of `op` the entries select, in entry order then priority order.
+    Entries are "name" (every op that has such an implementation) or "op:name"; every
     entry has passed _check_specs, so one that names nothing here is for other ops."""
-    known = {i.name for i in impls}
-    names = []
+    names: list[str] = []
     for spec in specs:
         scope, sep, name = spec.rpartition(":")
-        if (not sep or scope == op) and name in known:
-            names.append(name)
+        if not sep or scope == op:
+            names += [i.name for i in impls if i.answers(name) and i.name not in names]
     return names
+
+
+def _known_names(entries: Iterable[_Op]) -> set[str]:
+    return {n for entry in entries for i in entry.impls for n in (i.name, *i.aliases)}
 
 
 _CHECKED: set[tuple[str, ...]] = set()  # entry tuples that named only registered things
@@ -263,14 +319,15 @@ def _unknown(spec: str) -> str | None:
     """What in entry `spec` ("name" or "op:name") is registered nowhere, or None."""
     scope, sep, name = spec.rpartition(":")
     if not sep:
-        known = {*STANDARD_NAMES, *(i.name for entry in _OPS.values() for i in entry.impls)}
+        known = {*STANDARD_NAMES, *_known_names(_OPS.values()), *_known_names(_FACES.values())}
         if name in known:
             return None
         return f"unknown implementation {name!r} (known: {', '.join(sorted(known))})"
-    entry = _OPS.get(scope)
+    entry = _OPS.get(scope) or _FACES.get(scope)
     if entry is None:
-        return f"unknown op {scope!r} in {spec!r} (known ops: {', '.join(sorted(_OPS))})"
-    known = {i.name for i in entry.impls}
+        ops = ", ".join(sorted(_OPS))
+        return f"unknown op {scope!r} in {spec!r} (known ops: {ops}; front ends: {', '.join(_FACES)})"
+    known = _known_names([entry])
     if name in known:
         return None
     return f"{spec!r}, but {scope} has no implementation named {name!r} (known: {', '.join(sorted(known))})"
@@ -291,10 +348,10 @@ def _check_specs(specs: tuple[str, ...], source: str) -> None:
 
 
 def _op(op: str) -> _Op:
-    try:
-        return _OPS[op]
-    except KeyError:
-        raise UnsupportedError(f"unknown op {op!r}; registered: {sorted(_OPS)}") from None
+    entry = _OPS.get(op) or _FACES.get(op)
+    if entry is None:
+        raise UnsupportedError(f"unknown op {op!r}; registered: {sorted(_OPS)}, front ends: {sorted(_FACES)}")
+    return entry
 
 
 def _steering() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -309,11 +366,26 @@ def _steering() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return steering[0], steering[1]
 
 
+@functools.lru_cache(maxsize=64)
+def _steers_ops(specs: tuple[str, ...], generation: int) -> bool:
+    """Whether any entry may steer a PyTorch op: all but the ones only a front end knows
+    ("jax:jnp", "jnp", "interpret": a use_backend block leaves the PyTorch face as it is).
+    generation: the registry's, so that a family registered later is seen."""
+    op_names = {*STANDARD_NAMES, *_known_names(_OPS.values())}
+    face_only = _known_names(_FACES.values()) - op_names
+    for spec in specs:
+        scope, sep, name = spec.rpartition(":")
+        if scope not in _FACES if sep else name not in face_only:
+            return True
+    return False
+
+
 def is_steered() -> bool:
-    """True while any force / forbid is in effect (environment or context managers): callers
-    that would pick a non-openkernels path on their own (hf.py's SDPA route) stand back."""
+    """True while any force / forbid that may steer a PyTorch op is in effect (environment
+    or context managers): callers that would pick a non-openkernels path on their own
+    (hf.py's SDPA route) stand back."""
     forced, forbidden = _steering()
-    return bool(forced or forbidden)
+    return _steers_ops(forced + forbidden, _generation)
 
 
 # os.environ.get costs ~1-2 us (it encodes the name and decodes the value); selection reads
@@ -330,13 +402,19 @@ def _steering_state() -> tuple:
 
 
 def unsteered() -> bool:
-    """True when no force / forbid is in effect (cheap: the replay of recorded calls asks on
-    every call, since a recorded call holds the implementation picked without steering)."""
-    if _FORCED.get() or _FORBIDDEN.get():
+    """True when no force / forbid that may steer a PyTorch op is in effect (cheap: the
+    replay of recorded calls asks on every call, since a recorded call holds the
+    implementation picked without steering)."""
+    blocks = _FORCED.get() + _FORBIDDEN.get()
+    if blocks and _steers_ops(blocks, _generation):
         return False
     if _RAW_ENV is not None:
-        return not _RAW_ENV.get(_FORCE_KEY) and not _RAW_ENV.get(_FORBID_KEY)
-    return not os.environ.get(FORCE_ENV) and not os.environ.get(FORBID_ENV)
+        if not _RAW_ENV.get(_FORCE_KEY) and not _RAW_ENV.get(_FORBID_KEY):
+            return True
+    elif not os.environ.get(FORCE_ENV) and not os.environ.get(FORBID_ENV):
+        return True
+    from_env = _parse(os.environ.get(FORCE_ENV, "")) + _parse(os.environ.get(FORBID_ENV, ""))
+    return not _steers_ops(from_env, _generation)
 
 
 def _reasons(op: str, key: DispatchKey, forced: list[str], forbidden: list[str]) -> list[str]:
@@ -352,16 +430,28 @@ def _reasons(op: str, key: DispatchKey, forced: list[str], forbidden: list[str])
     return lines
 
 
+def steering(op: str) -> tuple[list[str], list[str]]:
+    """The implementations of `op` forced (in the order they are tried) and forbidden now."""
+    forced_specs, forbidden_specs = _steering()
+    impls = _op(op).impls
+    return _names_for(op, forced_specs, impls), _names_for(op, forbidden_specs, impls)
+
+
+def selected_by(op: str, entry: str, *, source: str = "dispatch.selected_by()") -> list[str]:
+    """The implementations of `op` that `entry` ("name" or "op:name") selects, best first;
+    UnsupportedError, worded as for force(), when it names nothing registered."""
+    _check_specs((entry,), source)
+    return _names_for(op, (entry,), _op(op).impls)
+
+
 def select(op: str, key: DispatchKey) -> tuple[Implementation, ...]:
     """Usable implementations of `op` for `key`, in the order they will be tried."""
     cache_key = (op, key, _steering_state())
     hit = _SELECTION_CACHE.get(cache_key)
     if hit is not None:
         return hit
-    forced_specs, forbidden_specs = _steering()
     impls = _op(op).impls
-    forced = _names_for(op, forced_specs, impls)
-    forbidden = _names_for(op, forbidden_specs, impls)
+    forced, forbidden = steering(op)
     if forced:
         by_name = {i.name: i for i in impls}
         chosen = tuple(
@@ -400,7 +490,7 @@ def run(op: str, *args: Any, **kwargs: Any) -> Any:
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            forced = bool(_names_for(op, _steering()[0], entry.impls))
+            forced = bool(steering(op)[0])
             if is_strict() or forced or position == len(chosen) - 1:
                 raise
             _BROKEN.add((op, impl.name, key))
@@ -419,9 +509,7 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     if entry.key_fn is None:
         raise UnsupportedError(f"{op}: no key function defined")
     key = entry.key_fn(*args, **kwargs)
-    forced_specs, forbidden_specs = _steering()
-    forced = _names_for(op, forced_specs, entry.impls)
-    forbidden = _names_for(op, forbidden_specs, entry.impls)
+    forced, forbidden = steering(op)
     try:
         chosen = select(op, key)
         head = f"{op} on {key}: runs {chosen[0].name!r}"
@@ -445,12 +533,14 @@ def _set(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
 
 
 def _checked_now(specs: tuple[str, ...], manager: str) -> tuple[str, ...]:
-    """Type-check the entries and check bare names now; "op:name" entries are checked when
-    selection first reads them, since the op's family may be imported inside the block."""
+    """Type-check the entries and check bare names and front-end entries ("jax:jnp") now;
+    "op:name" entries are checked when selection first reads them, since the op's family
+    may be imported inside the block."""
     for spec in specs:
         if not isinstance(spec, str):
             raise TypeError(f"dispatch.{manager}: entries are strings ('name' or 'op:name'), got {spec!r}")
-    _check_specs(tuple(s for s in specs if ":" not in s), f"dispatch.{manager}()")
+    now = tuple(s for s in specs if ":" not in s or s.rpartition(":")[0] in _FACES)
+    _check_specs(now, f"dispatch.{manager}()")
     return specs
 
 
@@ -460,6 +550,14 @@ def force(*specs: str) -> contextlib.AbstractContextManager[None]:
     backward of a torch.compile'd graph on CUDA, which autograd runs on its own thread
     (docs/dispatch.md: run it with torch.autograd.set_multithreading_enabled(False))."""
     return _set(_FORCED, _FORCED.get() + _checked_now(specs, "force"))
+
+
+def force_first(*specs: str) -> contextlib.AbstractContextManager[None]:
+    """As `force`, but these entries are tried before those of the enclosing blocks: the
+    innermost block wins (`openkernels.shared.jax.use_backend(name)` is
+    `force_first("jax:<name>")`, so a JAX backward re-entering its forward's backend wins
+    over the caller's blocks)."""
+    return _set(_FORCED, _checked_now(specs, "force_first") + _FORCED.get())
 
 
 def forbid(*specs: str) -> contextlib.AbstractContextManager[None]:

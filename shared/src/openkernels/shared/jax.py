@@ -17,7 +17,14 @@ per shape and dtype, so a later `use_backend` does not change a compiled functio
 
 Default: ``"triton"`` when JAX's default backend is a GPU and jax-triton imports,
 otherwise ``"jnp"`` (with one warning when a GPU is present but jax-triton is not).
-`use_backend` overrides it for the calls traced inside its block.
+
+The choice is made by `openkernels.shared.dispatch`, where these backends are declared as
+the implementations of the front end "jax" (the rules of each live here, in
+`unavailable`), so the PyTorch face's overrides steer both: OPENKERNELS_FORCE /
+OPENKERNELS_FORBID and `dispatch.force` / `dispatch.forbid`, with bare names ("reference"
+runs "jnp", "triton" runs "triton", or "interpret" under TRITON_INTERPRET=1) or "jax:name"
+for the JAX face only. `use_backend(name)` is `dispatch.force_first("jax:<name>")`, and
+`explain()` says which backend runs and why.
 
 Launch convention: jax-triton passes a kernel its array inputs, then its outputs, then
 everything else by keyword as compile-time constants. Shapes are static under JAX, so
@@ -30,7 +37,6 @@ pointers, then its output pointers; `launch` checks that.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import math
 import os
@@ -43,10 +49,15 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from . import dispatch
+
 __all__ = [
     "BACKENDS",
     "backend",
     "use_backend",
+    "explain",
+    "dispatch_key",
+    "unavailable",
     "gpu_vendor",
     "launch",
     "torch_dtype",
@@ -56,25 +67,24 @@ __all__ = [
 
 BACKENDS = ("triton", "interpret", "jnp")
 
-_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("openkernels_jax_backend", default=None)
-
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Run the JAX ops traced inside this block on backend `name` ("triton", "interpret",
-    "jnp"). Raises ValueError for another name, and RuntimeError on entry when that backend
+    "jnp", or "reference" for "jnp"): `dispatch.force_first("jax:<name>")`, ahead of the
+    enclosing `dispatch.force` blocks and OPENKERNELS_FORCE (a forbidden backend stays
+    forbidden). Raises UnsupportedError (a ValueError) for a name the JAX face does not
+    know, worded as `dispatch.force` words it, and RuntimeError on entry when that backend
     cannot run here (no GPU or jax-triton for "triton", no TRITON_INTERPRET=1 for
     "interpret")."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown JAX backend {name!r}; choose one of {BACKENDS}")
-    reason = _unavailable(name)
+    selected = dispatch.selected_by(dispatch.JAX, f"{dispatch.JAX}:{name}", source="use_backend()")
+    # "triton" here is jax-triton only: in a force entry it also runs the interpreter.
+    target = name if name in selected else selected[0]
+    reason = unavailable(target)
     if reason:
-        raise RuntimeError(f"JAX backend {name!r} cannot run here: {reason}")
-    token = _FORCED.set(name)
-    try:
+        raise RuntimeError(f"JAX backend {target!r} cannot run here: {reason}")
+    with dispatch.force_first(f"{dispatch.JAX}:{target}"):
         yield
-    finally:
-        _FORCED.reset(token)
 
 
 def _interpreting() -> bool:
@@ -105,14 +115,32 @@ def _jax_triton():
     return jax_triton
 
 
-def _unavailable(name: str) -> str | None:
-    if name == "jnp":
-        return None
-    if name == "interpret":
-        return None if _interpreting() else "start the process with TRITON_INTERPRET=1"
-    if not _on_gpu():
-        return f"JAX's default backend is {jax.default_backend()!r}, not a GPU"
+def dispatch_key() -> dispatch.DispatchKey:
+    """What the backend choice depends on, as dispatch caches it: JAX's platform ("gpu" for
+    CUDA and ROCm, else JAX's name for it), TRITON_INTERPRET and, on a GPU, whether
+    jax-triton imports."""
+    platform = "gpu" if _on_gpu() else jax.default_backend()
+    features = []
     if _interpreting():
+        features.append("interpreter")
+    elif platform == "gpu" and not isinstance(_jax_triton(), str):
+        features.append("jax-triton")
+    return dispatch.DispatchKey(dispatch.JAX, platform, None, frozenset(features))
+
+
+def unavailable(backend: str, key: dispatch.DispatchKey | None = None) -> str | None:
+    """Why JAX backend `backend` cannot run under `key` (default: `dispatch_key()`, here and
+    now), or None: the predicate of the JAX face's implementations in dispatch."""
+    if key is None:
+        key = dispatch_key()
+    if backend == "jnp":
+        return None
+    interpreting = "interpreter" in key.features
+    if backend == "interpret":
+        return None if interpreting else "start the process with TRITON_INTERPRET=1"
+    if key.arch != "gpu":
+        return f"JAX's default backend is {key.arch!r}, not a GPU"
+    if interpreting:
         return "TRITON_INTERPRET=1 is set, so Triton kernels are interpreter objects"
     module = _jax_triton()
     return module if isinstance(module, str) else None
@@ -129,17 +157,22 @@ def _warn_no_triton(reason: str) -> None:
 
 
 def backend() -> str:
-    """The backend the JAX ops traced now run on (see the module docstring)."""
-    forced = _FORCED.get()
-    if forced is not None:
-        return forced
-    if not _on_gpu():
-        return "jnp"
-    reason = _unavailable("triton")
-    if reason:
-        _warn_no_triton(reason)
-        return "jnp"
-    return "triton"
+    """The backend the JAX ops traced now run on: "triton", "interpret" or "jnp" (see the
+    module docstring). Raises dispatch.UnsupportedError when the steering leaves none that
+    can run here (OPENKERNELS_FORCE=triton off a GPU, say), as a PyTorch op does."""
+    key = dispatch_key()
+    name = dispatch.select(dispatch.JAX, key)[0].name
+    if name == "jnp" and key.arch == "gpu" and not dispatch.steering(dispatch.JAX)[0]:
+        reason = unavailable("triton", key)
+        if reason:
+            _warn_no_triton(reason)
+    return name
+
+
+def explain() -> str:
+    """Which backend the JAX ops traced now run on and why each other one is not used
+    (`dispatch.explain("jax")`)."""
+    return dispatch.explain(dispatch.JAX)
 
 
 @functools.cache

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ...jax import _unavailable
+from ...jax import unavailable
 
 __all__ = ["to_jax", "to_torch", "jax_backends"]
 
@@ -40,8 +40,8 @@ def jax_backends() -> list:
     TRITON_INTERPRET=1 (marked `interpreter`), "triton" on a GPU build of JAX with
     jax-triton (marked `gpu`)."""
     params = [pytest.param("jnp", id="jnp")]
-    if _unavailable("interpret") is None:
+    if unavailable("interpret") is None:
         params.append(pytest.param("interpret", id="interpret", marks=pytest.mark.interpreter))
-    if _unavailable("triton") is None:
+    if unavailable("triton") is None:
         params.append(pytest.param("triton", id="triton", marks=pytest.mark.gpu))
     return params
