@@ -22,23 +22,14 @@ from openkernels.shared import jax as okjax  # noqa: E402
 _counter = itertools.count()
 ALL = ("cuda", "rocm", "cpu")
 OFF_GPU = pytest.mark.skipif(okjax._on_gpu(), reason="checks the choice off a GPU")
-_MADE: list[str] = []
 
 
-@pytest.fixture(autouse=True)
-def _forget_throwaway_ops():
-    """The CLI's tests walk every registered op: they must not meet these."""
-    yield
-    while _MADE:
-        dispatch._OPS.pop(_MADE.pop(), None)
-    dispatch.changed()
-
-
-def _torch_op() -> str:
+def _torch_op(monkeypatch: pytest.MonkeyPatch) -> str:
     """A throwaway PyTorch op whose implementations return their own names: "fast" on the
-    CPU (picked by default), "reference" everywhere."""
+    CPU (picked by default), "reference" everywhere. Taken out of dispatch after the test
+    (the CLI's tests walk every registered op)."""
     op = f"faces_op_{next(_counter)}"
-    _MADE.append(op)
+    monkeypatch.setitem(dispatch._OPS, op, dispatch._Op())
     dispatch.define(op, lambda x: dispatch.key_for(x))
     dispatch.register(op, "fast", lambda x: "fast", backends=("cpu",), priority=10)
     dispatch.register(op, "reference", lambda x: "reference", backends=ALL)
@@ -47,7 +38,7 @@ def _torch_op() -> str:
 
 @OFF_GPU
 def test_one_force_steers_a_torch_op_and_the_jax_face(monkeypatch: pytest.MonkeyPatch) -> None:
-    op, x = _torch_op(), torch.ones(2)
+    op, x = _torch_op(monkeypatch), torch.ones(2)
     assert (dispatch.run(op, x), okjax.backend()) == ("fast", "jnp")
     with dispatch.force("reference"):  # PyTorch's reference, JAX's jnp composition
         assert (dispatch.run(op, x), okjax.backend()) == ("reference", "jnp")
@@ -92,7 +83,7 @@ def test_force_triton_runs_both_faces_on_the_interpreter(monkeypatch: pytest.Mon
 
 
 def test_a_bad_name_is_rejected_by_both_faces(monkeypatch: pytest.MonkeyPatch) -> None:
-    op, x = _torch_op(), torch.ones(2)
+    op, x = _torch_op(monkeypatch), torch.ones(2)
     with pytest.raises(dispatch.UnsupportedError, match="unknown implementation 'refrence'"):
         dispatch.force("refrence")
     with pytest.raises(dispatch.UnsupportedError, match="jax has no implementation named 'refrence'"):
@@ -107,7 +98,7 @@ def test_a_bad_name_is_rejected_by_both_faces(monkeypatch: pytest.MonkeyPatch) -
 
 @OFF_GPU
 def test_names_of_one_face_leave_the_other_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    op, x = _torch_op(), torch.ones(2)
+    op, x = _torch_op(monkeypatch), torch.ones(2)
     for only_jax in ("jnp", "jax:jnp", "jax:reference"):
         with dispatch.force(only_jax):
             assert dispatch.run(op, x) == "fast"
