@@ -63,7 +63,7 @@ def _path(backend: str, m: int, n: int, k: int, group: int) -> str:
     if backend == "jnp":
         return "jnp"
     with okjax.use_backend(backend):
-        return QJ._config(m, n, k, group).path
+        return QJ.launch.config(m, n, k, group).path
 
 
 def _torch_impl(backend: str) -> str:
