@@ -36,6 +36,12 @@ class Variant:
     def ref(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(R, f"{self.op}_ref")(x, *self.args())
 
+    def grad_ref(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        """The reference's gradient with respect to x, in float64."""
+        x64 = x.detach().to(torch.float64).requires_grad_()
+        (grad,) = torch.autograd.grad(self.ref(x64), x64, grad_out.to(torch.float64))
+        return grad
+
     @property
     def library_op(self):
         return getattr(torch.ops.openkernels, self.op).default

@@ -14,12 +14,6 @@ from .cases import KERNEL_DTYPES, VARIANTS, Variant, shapes, targets, variant_pa
 pytestmark = pytest.mark.parametrize(("device", "impl"), targets())
 
 
-def _grad_ref(variant: Variant, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    x64 = x.detach().to(torch.float64).requires_grad_()
-    (grad,) = torch.autograd.grad(variant.ref(x64), x64, grad_out.to(torch.float64))
-    return grad
-
-
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("variant", variant_params())
 def test_forward(device: str, impl: str, variant: Variant, dtype: torch.dtype) -> None:
@@ -41,7 +35,7 @@ def test_backward(device: str, impl: str, variant: Variant, dtype: torch.dtype) 
             grad_out = random_tensor(tuple(out.shape), dtype, device)
             (grad,) = torch.autograd.grad(out, x, grad_out)
         assert grad.dtype == dtype and grad.shape == x.shape
-        assert_close(grad, _grad_ref(variant, x, grad_out), dtype=dtype, msg=f"{variant.id} {shape}")
+        assert_close(grad, variant.grad_ref(x, grad_out), dtype=dtype, msg=f"{variant.id} {shape}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -57,7 +51,7 @@ def test_noncontiguous_views(device: str, impl: str, variant: Variant, dtype: to
             )
             (grad,) = torch.autograd.grad(out, x, grad_out)
         assert_close(out, variant.ref(x.detach().to(torch.float64)), dtype=dtype, msg=f"{layout} fwd")
-        assert_close(grad, _grad_ref(variant, x, grad_out), dtype=dtype, msg=f"{layout} bwd")
+        assert_close(grad, variant.grad_ref(x, grad_out), dtype=dtype, msg=f"{layout} bwd")
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
@@ -75,7 +69,7 @@ def test_nan_and_large_values(device: str, impl: str, variant: Variant, dtype: t
     ref = variant.ref(x.detach().to(torch.float64)).to(dtype)
     assert torch.equal(torch.isnan(out), torch.isnan(ref)), f"NaN pattern {out} vs {ref}"
     assert_close(out, ref.to(torch.float64), dtype=dtype)
-    grad_ref = _grad_ref(variant, x, grad_out).to(dtype)
+    grad_ref = variant.grad_ref(x, grad_out).to(dtype)
     assert torch.equal(torch.isnan(grad), torch.isnan(grad_ref)), f"NaN pattern {grad} vs {grad_ref}"
     assert_close(grad, grad_ref.to(torch.float64), dtype=dtype)
 

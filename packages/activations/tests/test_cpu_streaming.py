@@ -20,12 +20,6 @@ STREAM_FROM = 32 << 20  # bytes of output, as kStreamFrom
 DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16")]
 
 
-def _grad_ref(variant: Variant, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    x64 = x.detach().to(torch.float64).requires_grad_()
-    (grad,) = torch.autograd.grad(variant.ref(x64), x64, grad_out.to(torch.float64))
-    return grad
-
-
 def _rows_over_threshold(d: int, dtype: torch.dtype) -> int:
     return STREAM_FROM // (d * dtype.itemsize) + 1
 
@@ -35,7 +29,7 @@ def _check(variant: Variant, run, x: torch.Tensor, grad_out: torch.Tensor, dtype
     out, grad = run(x, grad_out)
     some = slice(None, None, 7)
     assert_close(out[some], variant.ref(x[some].to(torch.float64)), dtype=dtype, msg="fwd")
-    assert_close(grad[some], _grad_ref(variant, x[some], grad_out[some]), dtype=dtype, msg="bwd")
+    assert_close(grad[some], variant.grad_ref(x[some], grad_out[some]), dtype=dtype, msg="bwd")
     step = x.shape[0] // 4 + 1
     parts = [run(x[i : i + step], grad_out[i : i + step]) for i in range(0, x.shape[0], step)]
     assert torch.equal(out, torch.cat([p[0] for p in parts])), "fwd differs from ordinary stores"

@@ -27,10 +27,21 @@ def _nan(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.full(shape, math.nan, dtype=dtype)
 
 
-def _input(M: int, N: int, dtype: torch.dtype, pad: int = 0) -> torch.Tensor:
-    """(M, N) with row stride N + pad (a slice of a wider tensor) when pad > 0."""
+def _input(M: int, N: int, dtype: torch.dtype | None, pad: int = 0) -> torch.Tensor | None:
+    """(M, N) with row stride N + pad (a slice of a wider tensor) when pad > 0; None for no dtype."""
+    if dtype is None:
+        return None
     t = random_tensor((M, N + pad), dtype)
     return t[:, :N] if pad else t
+
+
+def _param(N: int, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """A weight or bias (N,), or None for no dtype."""
+    return None if dtype is None else random_tensor((N,), dtype)
+
+
+def _f64(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(F64)
 
 
 def _sum_scale(rows: int) -> float:
@@ -58,7 +69,7 @@ def _fwd64(h, weight, bias, *, eps, weight_offset, rms):
     out, rstd = _nan((M, N), F64), _nan((M,), F64)
     mean = None if rms else _nan((M,), F64)
     reference.norm_fwd(
-        h.to(F64), None, None if weight is None else weight.to(F64), None if bias is None else bias.to(F64),
+        h.to(F64), None, _f64(weight), _f64(bias),
         out, None, mean, rstd, eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=F64,
     )  # fmt: skip
     return out, mean, rstd
@@ -102,9 +113,7 @@ def test_forward(shape, rms, xd, rd, hd, store_h, od, wd, bd, offset, pad):
     acc = reference.stats_dtype(xd)
     eps = 1e-6 if rms else 1e-5
     x = _input(M, N, xd, pad)
-    residual = None if rd is None else _input(M, N, rd, pad)
-    weight = None if wd is None else random_tensor((N,), wd)
-    bias = None if bd is None else random_tensor((N,), bd)
+    residual, weight, bias = _input(M, N, rd, pad), _param(N, wd), _param(N, bd)
     out, rstd = _nan((M, N), od), _nan((M,), acc)
     residual_out = _nan((M, N), hd) if store_h else None
     mean = None if rms else _nan((M,), acc)
@@ -153,8 +162,7 @@ def test_backward(shape, rms, dyd, hd, dhd, dod, wd, want_dw, want_db, offset, p
     acc = reference.stats_dtype(hd)
     h = _input(M, N, hd, pad)
     dy = _input(M, N, dyd, pad)
-    dh_out = None if dod is None else _input(M, N, dod, pad)
-    weight = None if wd is None else random_tensor((N,), wd)
+    dh_out, weight = _input(M, N, dod, pad), _param(N, wd)
     _, mean64, rstd64 = _fwd64(h, None, None, eps=1e-5, weight_offset=0.0, rms=rms)
     mean = None if mean64 is None else mean64.to(acc)  # what a forward saves
     rstd = rstd64.to(acc)
@@ -165,9 +173,8 @@ def test_backward(shape, rms, dyd, hd, dhd, dod, wd, want_dw, want_db, offset, p
 
     dh64, dw64, db64 = _nan((M, N), F64), _nan((N,), F64), _nan((N,), F64)
     reference.norm_bwd(
-        dy.to(F64), h.to(F64), None if weight is None else weight.to(F64),
-        None if mean is None else mean.to(F64), rstd.to(F64), None if dh_out is None else dh_out.to(F64),
-        dh64, dw64, db64, weight_offset=offset, rms=rms,
+        dy.to(F64), h.to(F64), _f64(weight), _f64(mean), rstd.to(F64), _f64(dh_out), dh64, dw64, db64,
+        weight_offset=offset, rms=rms,
     )  # fmt: skip
     assert_close(dh, dh64, dtype=dhd, msg="dh")
     if dweight is not None:

@@ -14,7 +14,7 @@ from openkernels.shared import opdef, replay
 from openkernels.shared.outputs import check_out
 
 from . import ops
-from .spec import APPROXIMATE as _APPROXIMATE
+from .problem import check_approximate, check_shape, out_shape
 from .spec import SPECS
 
 # The functions are named by the op table (spec.SPECS); the modules after them.
@@ -38,19 +38,14 @@ def _check(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: st
         raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{name}: x has dtype {x.dtype}; supported: float16, bfloat16, float32, float64")
-    if approximate not in _APPROXIMATE:
-        raise ValueError(f"{name}: approximate must be 'none' or 'tanh', got {approximate!r}")
-    spec = SPECS[name]
-    if spec.gated and (x.dim() == 0 or x.shape[-1] % 2):
-        raise ValueError(
-            f"{name}: x must have an even last dim (..., 2*d) holding the two halves, got shape {tuple(x.shape)}"
-        )
+    check_approximate(name, approximate)
+    check_shape(name, tuple(x.shape))
     if out is None:
         return
-    expected = (*x.shape[:-1], x.shape[-1] // 2) if spec.gated else tuple(x.shape)
     # In place (out=x) is safe for an elementwise op: each element is read before it is
     # written, by the same thread. A gated op reads two elements per one it writes.
-    check_out(name, out, expected, x.dtype, x, {"x": x}, in_place=() if spec.gated else ("x",))
+    in_place = () if SPECS[name].gated else ("x",)
+    check_out(name, out, out_shape(name, tuple(x.shape)), x.dtype, x, {"x": x}, in_place=in_place)
 
 
 def _call(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
@@ -127,10 +122,7 @@ class _Approximated(nn.Module):
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
-        if approximate not in _APPROXIMATE:
-            raise ValueError(
-                f"{type(self).__name__}: approximate must be 'none' or 'tanh', got {approximate!r}"
-            )
+        check_approximate(type(self).__name__, approximate)
         self.approximate = approximate
 
     def extra_repr(self) -> str:

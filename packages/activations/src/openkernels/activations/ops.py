@@ -20,6 +20,10 @@ import torch
 from openkernels.shared import dispatch, opdef
 from openkernels.shared.layout import as_rows
 
+# The CPU backend's dispatch predicate; importing it compiles nothing (the library
+# builds on its first call).
+from .cpu import supports as _cpu_supports
+from .problem import out_shape
 from .spec import SPECS, OpSpec, act_for
 
 __all__ = ["forward", "forward_into", "backward", "KERNEL_DTYPES", "OPS"]
@@ -31,10 +35,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
 # (op, approximate) -> Act code as an int, looked up once per call.
 _ACT_CODES = {(name, a): int(act_for(spec, a)) for name, spec in SPECS.items() for a in ("none", "tanh")}
-
-
-def _out_shape(spec: OpSpec, x: torch.Tensor) -> tuple[int, ...]:
-    return (*x.shape[:-1], x.shape[-1] // 2) if spec.gated else tuple(x.shape)
 
 
 # Selection depends on x alone, so `dispatch.explain("silu_and_mul", x)` works with the
@@ -57,7 +57,7 @@ def forward_into(name: str, x: torch.Tensor, out: torch.Tensor, approximate: str
 
 
 def forward(name: str, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    out = x.new_empty(_out_shape(SPECS[name], x))
+    out = x.new_empty(out_shape(name, tuple(x.shape)))
     forward_into(name, x, out, approximate)
     return out
 
@@ -87,12 +87,6 @@ def _triton_supports(key: dispatch.DispatchKey) -> str | None:
     return dispatch.triton_supports(key)
 
 
-def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
-    from .cpu import supports  # imports no compiler; the library builds on first call
-
-    return supports(key)
-
-
 def _define(spec: OpSpec) -> opdef.DefinedOp:
     """openkernels::<op> (with autograd and <op>_backward) and openkernels::<op>_out."""
     name = spec.name
@@ -116,7 +110,7 @@ def _define(spec: OpSpec) -> opdef.DefinedOp:
             name=name,
             schema=f"(Tensor x{approx}) -> Tensor",
             forward=fwd,
-            fake=lambda x, approximate="none": x.new_empty(_out_shape(spec, x)),
+            fake=lambda x, approximate="none": x.new_empty(out_shape(name, tuple(x.shape))),
             key=_fwd_key,
             impls=_impls(spec, "fwd"),
             backward=opdef.BackwardDef(

@@ -58,12 +58,14 @@ def torch_composition(op: str) -> Callable[..., Any]:
     return add_rms_norm
 
 
-def _ours(op: str) -> Callable[..., Any]:
+def _ours(op: str, face: Any = api) -> Callable[..., Any]:
+    """Our op on the cases' (x, w, b, r), through `face`: the PyTorch API, or the JAX face
+    (openkernels.layernorm.jax, same functions and arguments) on JAX arrays."""
     if op == "rms_norm":
-        return lambda x, w, b, r: api.rms_norm(x, w, EPS)
+        return lambda x, w, b, r: face.rms_norm(x, w, EPS)
     if op == "layer_norm":
-        return lambda x, w, b, r: api.layer_norm(x, w, b, EPS)
-    return lambda x, w, b, r: api.rms_norm(x, w, EPS, residual=r, prenorm=True)
+        return lambda x, w, b, r: face.layer_norm(x, w, b, EPS)
+    return lambda x, w, b, r: face.rms_norm(x, w, EPS, residual=r, prenorm=True)
 
 
 def _liger(op: str) -> Callable[..., Any] | None:
@@ -179,11 +181,7 @@ def _jax_ours(op: str) -> Callable[..., Any]:
     """`_ours` on JAX arrays (openkernels.layernorm.jax)."""
     from . import jax as ljax
 
-    if op == "rms_norm":
-        return lambda x, w, b, r: ljax.rms_norm(x, w, EPS)
-    if op == "layer_norm":
-        return lambda x, w, b, r: ljax.layer_norm(x, w, b, EPS)
-    return lambda x, w, b, r: ljax.rms_norm(x, w, EPS, residual=r, prenorm=True)
+    return _ours(op, ljax)
 
 
 def _first(out: Any) -> Any:

@@ -29,6 +29,9 @@ import torch
 from openkernels.shared import dispatch, opdef
 from openkernels.shared.layout import as_rows
 
+# The CPU backend's dispatch predicate; importing it compiles nothing (the library
+# builds on its first call).
+from .cpu import supports as _cpu_supports
 from .reference import stats_dtype
 
 __all__ = [
@@ -174,12 +177,6 @@ def _triton_supports(key: dispatch.DispatchKey) -> str | None:
     if key.dtype not in KERNEL_DTYPES:
         return f"dtype {key.dtype} runs on the reference implementation"
     return dispatch.triton_supports(key)
-
-
-def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
-    from .cpu import supports  # imports no compiler; the library builds on first call
-
-    return supports(key)
 
 
 def _impls(entry: str) -> tuple[opdef.Impl, ...]:

@@ -50,8 +50,9 @@ def _normalize(
     eps: float,
     weight_offset: float,
     rms: bool,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(y, mean or None, rstd) of h over its last dim, all in the compute dtype (statistics
+    keep that dim)."""
     hc = h.to(stats_dtype(h.dtype))
     acc = hc.dtype
     mean, rstd = _statistics(hc, eps, rms)
@@ -60,12 +61,12 @@ def _normalize(
         y = y * (weight.to(acc) + weight_offset)
     if bias is not None:
         y = y + bias.to(acc)
-    return y.to(out_dtype)
+    return y, mean, rstd
 
 
 def _norm_ref(x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype, residual_dtype, rms):
     h = _residual_stream(x, residual, residual_dtype)
-    y = _normalize(h, weight, bias, eps, weight_offset, rms, out_dtype or x.dtype)
+    y = _normalize(h, weight, bias, eps, weight_offset, rms)[0].to(out_dtype or x.dtype)
     return (y, h) if prenorm else y
 
 
@@ -118,20 +119,13 @@ def norm_fwd(
     rms: bool,
     h_dtype: torch.dtype,
 ) -> None:
-    acc = stats_dtype(x.dtype)
     h = _residual_stream(x, residual, h_dtype)
     if residual_out is not None:
         residual_out.copy_(h)
-    hc = h.to(acc)
-    mu, r = _statistics(hc, eps, rms)
+    y, mu, r = _normalize(h, weight, bias, eps, weight_offset, rms)
     rstd.copy_(r.squeeze(-1))
     if mean is not None:
         mean.copy_(mu.squeeze(-1))
-    y = (hc if mu is None else hc - mu) * r
-    if weight is not None:
-        y = y * (weight.to(acc) + weight_offset)
-    if bias is not None:
-        y = y + bias.to(acc)
     out.copy_(y)
 
 

@@ -25,7 +25,7 @@ import jax
 from openkernels.shared import jax as okjax
 
 from .. import api as _api
-from ..spec import APPROXIMATE as _APPROXIMATE
+from ..problem import check_approximate, check_shape
 from ..spec import SPECS, Act, OpSpec, act_for
 
 # jax.numpy goes by its full name here: in this package, jnp is the submodule jnp.py.
@@ -74,13 +74,9 @@ _apply.defvjp(_apply_fwd, _apply_bwd)
 
 def _call(name: str, x: jax.Array, approximate: str = "none") -> jax.Array:
     okjax.check_array(name, "x", x, _DTYPES)
-    if approximate not in _APPROXIMATE:
-        raise ValueError(f"{name}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    check_approximate(name, approximate)
+    check_shape(name, tuple(x.shape))
     spec = SPECS[name]
-    if spec.gated and (x.ndim == 0 or x.shape[-1] % 2):
-        raise ValueError(
-            f"{name}: x must have an even last dim (..., 2*d) holding the two halves, got shape {tuple(x.shape)}"
-        )
     return _apply(x, act_for(spec, approximate), spec.gated, spec.act_first, okjax.backend())
 
 

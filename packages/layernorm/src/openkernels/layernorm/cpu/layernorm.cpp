@@ -352,6 +352,29 @@ bool should_stream(void* base, int code, int64_t rows, int64_t cols) {
 template <class A>
 using AffineFn = void (*)(const void*, const A*, const A*, A, A, char*, int64_t, bool, int);
 
+// Run-time choices of compile-time instances: `make` gets each flag (or the output dtype code)
+// as a std::integral_constant and returns the instance for it; every choice is one such call.
+template <class Make>
+auto pick_flags(bool a, bool b, Make make) {
+  using T = std::true_type;
+  using F = std::false_type;
+  if (a && b) return make(T{}, T{});
+  if (a) return make(T{}, F{});
+  if (b) return make(F{}, T{});
+  return make(F{}, F{});
+}
+
+// The output conversion: specialized per dtype code on the float path, generic (kAny) on double.
+template <class A, class Make>
+auto pick_code(int code, Make make) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (code == kF32) return make(std::integral_constant<int, kF32>{});
+    if (code == kBF16) return make(std::integral_constant<int, kBF16>{});
+    return make(std::integral_constant<int, kF16>{});
+  }
+  return make(std::integral_constant<int, kAny>{});
+}
+
 // out = (h - mean) * rstd [* w] [+ b], converted to out's dtype.
 template <class A, class S, int D, bool W, bool B>
 OK_NOINLINE void affine(const void* hv, const A* __restrict w, const A* __restrict b, A mean, A rstd, char* out,
@@ -367,22 +390,13 @@ OK_NOINLINE void affine(const void* hv, const A* __restrict w, const A* __restri
   });
 }
 
-template <class A, class S, int D>
-AffineFn<A> pick_affine(bool w, bool b) {
-  if (w && b) return affine<A, S, D, true, true>;
-  if (w) return affine<A, S, D, true, false>;
-  if (b) return affine<A, S, D, false, true>;
-  return affine<A, S, D, false, false>;
-}
-
 template <class A, class S>
 AffineFn<A> pick_affine(int code, bool w, bool b) {
-  if constexpr (std::is_same_v<A, float>) {
-    if (code == kF32) return pick_affine<A, S, kF32>(w, b);
-    if (code == kBF16) return pick_affine<A, S, kBF16>(w, b);
-    return pick_affine<A, S, kF16>(w, b);
-  }
-  return pick_affine<A, S, kAny>(w, b);
+  return pick_code<A>(code, [&](auto d) {
+    return pick_flags(w, b, [](auto W, auto B) -> AffineFn<A> {
+      return affine<A, S, decltype(d)::value, decltype(W)::value, decltype(B)::value>;
+    });
+  });
 }
 
 template <class A>
@@ -686,22 +700,13 @@ OK_NOINLINE void bwd_grad(const A* __restrict xh, const A* __restrict dy, const 
   });
 }
 
-template <class A, int D>
-GradFn<A> pick_grad(bool w, bool add) {
-  if (w && add) return bwd_grad<A, D, true, true>;
-  if (w) return bwd_grad<A, D, true, false>;
-  if (add) return bwd_grad<A, D, false, true>;
-  return bwd_grad<A, D, false, false>;
-}
-
 template <class A>
 GradFn<A> pick_grad(int code, bool w, bool add) {
-  if constexpr (std::is_same_v<A, float>) {
-    if (code == kF32) return pick_grad<A, kF32>(w, add);
-    if (code == kBF16) return pick_grad<A, kBF16>(w, add);
-    return pick_grad<A, kF16>(w, add);
-  }
-  return pick_grad<A, kAny>(w, add);
+  return pick_code<A>(code, [&](auto d) {
+    return pick_flags(w, add, [](auto W, auto ADD) -> GradFn<A> {
+      return bwd_grad<A, decltype(d)::value, decltype(W)::value, decltype(ADD)::value>;
+    });
+  });
 }
 
 struct Scratch {
@@ -759,10 +764,9 @@ using BwdRow = void (*)(const Bwd&, GradFn<A>, int64_t, const Scratch&, bool);
 
 template <class A, bool W>
 BwdRow<A> pick_row(bool dw, bool db) {
-  if (dw && db) return bwd_row<A, W, true, true>;
-  if (dw) return bwd_row<A, W, true, false>;
-  if (db) return bwd_row<A, W, false, true>;
-  return bwd_row<A, W, false, false>;
+  return pick_flags(dw, db, [](auto DW, auto DB) -> BwdRow<A> {
+    return bwd_row<A, W, decltype(DW)::value, decltype(DB)::value>;
+  });
 }
 
 template <class A>
