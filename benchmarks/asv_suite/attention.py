@@ -7,7 +7,7 @@
 - `Decode`: one query per sequence against a KV cache (openkernels.attention.bench_kvcache,
   GQA 32/8, head_dim 128), per cache format; GB/s count the 16-bit cache's bytes for every
   format, so a quantized cache can pass the copy ceiling.
-- `Rotary`: apply_rotary to q and k, forward and backward (openkernels.attention.bench_rotary).
+- `Rotary`: apply_rotary to q and k, forward and backward (openkernels.attention.rotary.bench).
 - `AttentionPeers` / `DecodePeers`: the same cases in bfloat16 for the peers (`peer`): on GPUs
   SDPA with one backend forced (flash: FlashAttention-2's kernel; efficient: xFormers'
   memory-efficient kernel; cuDNN's) and FlashAttention-4 (flash_attn.cute) where it
@@ -157,7 +157,7 @@ class Rotary(_h.Suite, _h.GBps):
         return self.measure_all()
 
     def build(self, dev: Any, direction: str, shape: str, dtype: str, backend: str) -> Any:
-        from openkernels.attention import bench_rotary
+        from openkernels.attention.rotary import bench as bench_rotary
 
         cases = bench_rotary.cases(
             dev,

@@ -17,7 +17,7 @@ from openkernels.attention.triton import plan
 
 _KERNELS = "openkernels.attention.triton.kernels"
 _KVCACHE = "openkernels.attention.triton.kvcache_kernels"
-_ROTARY = "openkernels.attention.triton.rotary_kernels:_apply_rotary_kernel"
+_ROTARY = "openkernels.attention.rotary.triton.kernels:_apply_rotary_kernel"
 # num_stages of the launches left to Triton's default (jax_kernels._DEFAULT_STAGES).
 _DEFAULT_STAGES = {"cuda": 3, "hip": 2}
 

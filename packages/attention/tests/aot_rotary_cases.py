@@ -1,4 +1,4 @@
-"""Ahead-of-time compile cases of the rotary kernel (rotary_kernels.py), checked by test_aot.py
+"""Ahead-of-time compile cases of the rotary kernel (rotary/triton/kernels.py), checked by test_aot.py
 for sm_80, sm_90, gfx90a, gfx942, gfx950: every config `rotary_config` picks over
 configs.ROTARY_AOT_DIMS x ROTARY_AOT_HEADS, forward in bf16 with bf16 tables (what
 transformers passes); per head_dim the backward, and fp16 / fp32 inputs with float32 tables
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from openkernels.attention.triton import configs
 
-_KERNEL = "openkernels.attention.triton.rotary_kernels:_apply_rotary_kernel"
+_KERNEL = "openkernels.attention.rotary.triton.kernels:_apply_rotary_kernel"
 _ACT = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 _STRIDES = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_cb",
             "stride_cs", "stride_sb", "stride_ss")  # fmt: skip

@@ -17,7 +17,7 @@ jnp = jax.numpy
 
 import openkernels.attention as A  # noqa: E402
 import openkernels.attention.jax as AJ  # noqa: E402
-from openkernels.attention import reference as R  # noqa: E402
+from openkernels.attention.rotary import reference as RR  # noqa: E402
 from openkernels.shared import dispatch  # noqa: E402
 from openkernels.shared import jax as okjax  # noqa: E402
 from openkernels.shared.dev.testing import assert_close, random_tensor  # noqa: E402
@@ -347,7 +347,7 @@ def test_rotary_matches_reference(backend: str, shape: tuple, dtype: torch.dtype
 
         out, grads = fwd_bwd(*(to_jax(t) for t in (q, k, gq, gk)))
     leaves = [t.double().requires_grad_() for t in (q, k)]
-    ref = R.apply_rotary_ref(*leaves, cos.double(), sin.double())
+    ref = RR.apply_rotary_ref(*leaves, cos.double(), sin.double())
     ref_grads = torch.autograd.grad(ref, leaves, (gq.double(), gk.double()))
     magnitude = max(_largest(q, k), 1.0) * _largest(cos, sin) * 2
     for name, got, want in zip(("q_out", "k_out"), out, ref):
@@ -371,12 +371,12 @@ def test_rotary_table_dtypes_and_jax_grad(backend: str, dtype: torch.dtype, tabl
             return jnp.sum(a.astype(jnp.float32)) + 2 * jnp.sum(b.astype(jnp.float32))
 
         dq, dk = jax.jit(jax.grad(loss, argnums=(0, 1)))(args[0], args[1])
-    ref = R.apply_rotary_ref(q.double(), k.double(), cos.double(), sin.double())
+    ref = RR.apply_rotary_ref(q.double(), k.double(), cos.double(), sin.double())
     magnitude = max(_largest(q, k), 1.0) * _largest(cos, sin) * 2
     for name, got, want in zip(("q_out", "k_out"), out, ref):
         _rotary_check(to_torch(got), want, dtype, magnitude, name)
     leaves = [t.double().requires_grad_() for t in (q, k)]
-    ref_q, ref_k = R.apply_rotary_ref(*leaves, cos.double(), sin.double())
+    ref_q, ref_k = RR.apply_rotary_ref(*leaves, cos.double(), sin.double())
     expected = torch.autograd.grad(ref_q.sum() + 2 * ref_k.sum(), leaves)
     for name, got, want in zip(("dq", "dk"), (dq, dk), expected):
         _rotary_check(to_torch(got), want, dtype, 2 * _largest(cos, sin) * 2, name)
@@ -391,7 +391,7 @@ def test_rotary_empty_and_wide_heads(backend: str) -> None:
         # head_dim above the kernel's widest tile: the jax.numpy composition
         q = random_tensor((1, 3, 1, 520), BF16)
         wide = AJ.apply_rotary(to_jax(q), to_jax(q), cos, sin)
-    ref = R.apply_rotary_ref(
+    ref = RR.apply_rotary_ref(
         q.double(), q.double(), torch.ones(3, 8, dtype=F64), torch.zeros(3, 8, dtype=F64)
     )
     _rotary_check(to_torch(wide[0]), ref[0], BF16, _largest(q), "wide head")

@@ -84,7 +84,7 @@ def test_rotary_replays_as_the_python_path(
     Python path; on the CPU the C++ kernel replays as a launch, the torch ops (no compiler,
     `cpu.rotary.FORCE_TORCH`) as a program. Each device has its own shapes: an entry recorded
     on one path keeps replaying it."""
-    from openkernels.attention.cpu import rotary as cpu_rotary
+    from openkernels.attention.rotary import cpu as cpu_rotary
     from openkernels.shared import cpu_build
 
     torch_ops = device == "cpu-torch-ops" or (device == "cpu" and cpu_build.no_compiler_reason() is not None)

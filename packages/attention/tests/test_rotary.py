@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import openkernels.attention as A
-from openkernels.attention import reference as R
+from openkernels.attention.rotary import reference as R
 from openkernels.shared import dispatch
 from openkernels.shared.dev.testing import (
     assert_close,
@@ -75,7 +75,7 @@ def _force(impl: str):
         with dispatch.force(*(f"{op}:{impl}" for op in OPS)):
             yield
         return
-    from openkernels.attention.cpu import rotary
+    from openkernels.attention.rotary import cpu as rotary
     from openkernels.shared import replay
 
     saved, rotary.FORCE_TORCH = rotary.FORCE_TORCH, True
@@ -394,7 +394,7 @@ def test_triton_launch_configs(device: str, impl: str, arch: str) -> None:
     # loops of several steps: forward and backward against the reference.
     if impl != "triton":
         pytest.skip("the launch configs are the Triton kernel's")
-    from openkernels.attention.triton import rotary as launcher
+    from openkernels.attention.rotary import triton as launcher
     from openkernels.attention.triton.configs import RotaryConfig, rotary_config
 
     for shape in (Shape(3, 7, 5, 3, 64, 64), Shape(1, 5, 2, 1, 80, 32), Shape(1, 17, 1, 1, 64, 32, "one")):
@@ -422,7 +422,7 @@ def test_cpu_token_chunks(device: str, impl: str, chunk: int, monkeypatch) -> No
     # time, several with a ragged last chunk, and all at once.
     if impl != CPU_TORCH_OPS:
         pytest.skip("the chunks are the CPU backend's torch ops'")
-    from openkernels.attention.cpu import rotary
+    from openkernels.attention.rotary import cpu as rotary
 
     monkeypatch.setattr(rotary, "CHUNK_ELEMENTS", chunk)
     for shape in (Shape(2, 33, 3, 1, 96, 48, "one"), Shape(1, 7, 2, 2, 64, 64)):
@@ -585,10 +585,10 @@ def test_explain_names_the_choice() -> None:
 
 
 def test_rotary_max_head_dim_is_compile_checked() -> None:
-    from openkernels.attention import ops
+    from openkernels.attention.rotary import ops
     from openkernels.attention.triton import configs
 
-    assert max(d for d, _ in configs.ROTARY_AOT_DIMS) == ops.ROTARY_MAX_HEAD_DIM
+    assert max(d for d, _ in configs.ROTARY_AOT_DIMS) == ops.MAX_HEAD_DIM
 
 
 @_no_interpreter

@@ -5,12 +5,13 @@ Backends: Triton (CUDA and ROCm), CPU, reference.
 """
 
 from . import ops as _ops  # registers the torch.library ops and dispatch entries
-from .api import apply_rotary, attention, attention_varlen, attention_with_kvcache
+from .api import attention, attention_varlen, attention_with_kvcache
 from .hf import hf_attention_forward, register_with_transformers
 from .kvcache import KVCache
 from .kvformat import QuantizedKV, dequantize_kv, fp8_scale, quantize_fp8, quantize_kv
+from .rotary.api import apply_rotary
 
-__version__ = "0.5.9"
+__version__ = "0.6.0"
 
 __all__ = [
     "attention",

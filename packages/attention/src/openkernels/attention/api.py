@@ -3,11 +3,10 @@
 attention(q, k, v):        q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> (B, Sq, Hq, D)
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
                            q (Tq, Hq, D), k, v (Tk, Hkv, D) packed -> (Tq, Hq, D)
-apply_rotary(q, k, cos, sin): q (B, S, Hq, D), k (B, S, Hk, D), cos, sin (B or 1, S, R) or
-                           (S, R) -> (q_out, k_out), GPT-NeoX rotary embedding
 Dtypes: float16 and bfloat16 run the fused kernels; float32 (and float64) run the CPU
 path or the reference (`dispatch.explain("attention", q)` says which). Semantics (masks
-aligned bottom-right, softcap, ALiBi, empty rows, rotary) are in reference.py.
+aligned bottom-right, softcap, ALiBi, empty rows, rotary) are in reference.py;
+apply_rotary lives in rotary/.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from . import ops, problem
 from .kvformat import BITS, FP8, KEY_GROUPS, QuantizedKV, code_width
 from .problem import check_lengths, check_options, check_qkv_shapes
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "apply_rotary"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -678,47 +677,3 @@ def attention_with_kvcache(
                              window, alibi_slopes, softcap, rotary_cos, rotary_sin, rotary_interleaved, None,
                              check=check, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)  # fmt: skip
     return (out, lse) if return_lse else out
-
-
-# ---- rotary position embedding -----------------------------------------------------------
-
-
-def _part(t: torch.Tensor) -> problem.Part:
-    return problem.Part(tuple(t.shape), str(t.dtype).removeprefix("torch."))
-
-
-def _check_rotary(name: str, q: object, k: object, cos: object, sin: object) -> None:
-    for what, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-    problem.check_rotary(name, *(_part(t) for t in (q, k, cos, sin)))
-    for what, t in (("k", k), ("cos", cos), ("sin", sin)):
-        if t.device != q.device:
-            raise ValueError(f"{name}: {what} is on {t.device} but q is on {q.device}")
-    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-        raise ValueError(f"{name}: cos and sin get no gradient; pass them detached (cos.requires_grad is "
-                         f"{cos.requires_grad}, sin.requires_grad is {sin.requires_grad})")  # fmt: skip
-
-
-@replay.replayable
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary position embedding of q and k, GPT-NeoX "rotate half" convention (what
-    transformers' `apply_rotary_pos_emb` computes for Llama-style models), q and k in one
-    kernel launch.
-
-    q: (batch, seqlen, heads_q, head_dim), k: (batch, seqlen, heads_k, head_dim), any strides
-    with a unit head_dim stride (views of a fused qkv projection run without copies);
-    float16, bfloat16, float32 (float64 on the reference). cos, sin: (batch, seqlen, R),
-    (1, seqlen, R) or (seqlen, R) (broadcast over the batch and the heads), any float dtype,
-    R even and <= head_dim. With h = R / 2, c1 = cos[..., :h], c2 = cos[..., h:], s1, s2
-    likewise, x1 = x[..., :h], x2 = x[..., h:R]:
-        out[..., :h] = x1 c1 - x2 s1;  out[..., h:R] = x2 c2 + x1 s2;  out[..., R:] = x[..., R:]
-    computed in float32 and rounded once to q's dtype.
-    Returns (q_out, k_out): new contiguous tensors of q's and k's shapes. Differentiable in q
-    and k; cos and sin get no gradient (passing ones that require grad is an error).
-    """
-    name = "apply_rotary"
-    _check_rotary(name, q, k, cos, sin)
-    return ops.APPLY_ROTARY(q, k, cos, sin)

@@ -319,7 +319,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
             ]
             worst = float("nan") if any(e != e for e in errors) else max(errors)
             results.append(Check(name, "bwd", impl, dt, worst, worst <= 1.0))
-    from .bench_rotary import checks as rotary_checks
+    from .rotary.bench import checks as rotary_checks
 
     return results + rotary_checks(device, dtype)
 
@@ -372,8 +372,8 @@ def jax_cases(
     default its GPU_SHAPES)."""
     from openkernels.shared.dev.bench_jax import JaxCase
 
-    from . import bench_rotary
     from . import jax as attention_jax
+    from .rotary import bench as bench_rotary
 
     out = []
     for shape in shapes:

@@ -30,15 +30,15 @@ import jax.numpy as jnp
 from openkernels.shared import jax as okjax
 
 from . import jax_jnp
-from .jax_checks import check_alibi, check_cu_seqlens, check_qkv, check_rotary
+from .jax_checks import check_alibi, check_cu_seqlens, check_qkv
 from .jax_kvcache import attention_with_kvcache
-from .ops import KERNEL_DTYPES, ROTARY_KERNEL_DTYPES, ROTARY_MAX_HEAD_DIM
+from .ops import KERNEL_DTYPES
 from .problem import Problem, check_options, check_same_n_seqs, resolve_scale
+from .rotary.jax import apply_rotary
 
 __all__ = ["attention", "attention_varlen", "apply_rotary", "attention_with_kvcache"]
 
 _KERNEL_DTYPES = tuple(jnp.dtype(str(d).removeprefix("torch.")) for d in KERNEL_DTYPES)
-_ROTARY_KERNEL_DTYPES = tuple(jnp.dtype(str(d).removeprefix("torch.")) for d in ROTARY_KERNEL_DTYPES)
 
 
 # ---- attention: one custom_vjp for dense and varlen calls --------------------------------
@@ -196,61 +196,3 @@ def attention_varlen(
     slopes = _slopes(alibi_slopes, n_seqs, q.shape[1])
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, _Static(problem, okjax.backend()))
     return (out, lse) if return_lse else out
-
-
-# ---- rotary position embedding -----------------------------------------------------------
-
-
-def _rotate(x_q, x_k, cos, sin, backend: str, backward: bool):
-    """(out_q, out_k): the rotation, or its transpose, on the kernel or in jax.numpy."""
-    if x_q.shape[0] * x_q.shape[1] == 0:
-        return jnp.zeros(x_q.shape, x_q.dtype), jnp.zeros(x_k.shape, x_k.dtype)
-    if (
-        backend != "jnp"
-        and jnp.dtype(x_q.dtype) in _ROTARY_KERNEL_DTYPES
-        and x_q.shape[-1] <= ROTARY_MAX_HEAD_DIM
-    ):
-        from . import jax_kernels
-
-        return jax_kernels.rotary(x_q, x_k, cos, sin, backward)
-    return jax_jnp.rotate_half(x_q, cos, sin, backward), jax_jnp.rotate_half(x_k, cos, sin, backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _rotary(q, k, cos, sin, backend: str):
-    return _rotate(q, k, cos, sin, backend, False)
-
-
-def _rotary_fwd(q, k, cos, sin, backend: str):
-    if cos.perturbed or sin.perturbed:
-        raise ValueError("apply_rotary: cos and sin get no gradient; pass them through jax.lax.stop_gradient")
-    return _rotate(q.value, k.value, cos.value, sin.value, backend, False), (cos.value, sin.value)
-
-
-def _rotary_bwd(backend: str, residuals, cotangents):
-    cos, sin = residuals
-    zero = jax.custom_derivatives.SymbolicZero
-    g_q, g_k = (jnp.zeros(g.shape, g.dtype) if isinstance(g, zero) else g for g in cotangents)
-    with okjax.use_backend(backend):
-        grad_q, grad_k = _rotate(g_q, g_k, cos, sin, backend, True)
-    return grad_q, grad_k, None, None
-
-
-_rotary.defvjp(_rotary_fwd, _rotary_bwd, symbolic_zeros=True)
-
-
-def apply_rotary(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Rotary position embedding of q and k, GPT-NeoX "rotate half" convention, q and k in
-    one kernel launch.
-
-    q: (batch, seqlen, heads_q, head_dim), k: (batch, seqlen, heads_k, head_dim); float16,
-    bfloat16, float32 (kernel), float64 (jax.numpy, with x64). cos, sin: (batch, seqlen, R),
-    (1, seqlen, R) or (seqlen, R), any float dtype, R even and <= head_dim. With h = R / 2,
-    c1 = cos[..., :h], c2 = cos[..., h:], s1, s2 likewise, x1 = x[..., :h], x2 = x[..., h:R]:
-        out[..., :h] = x1 c1 - x2 s1;  out[..., h:R] = x2 c2 + x1 s2;  out[..., R:] = x[..., R:]
-    computed in float32 and rounded once to q's dtype.
-    Returns (q_out, k_out) of q's and k's shapes. Differentiable in q and k; cos and sin get
-    no gradient (differentiating with respect to them raises ValueError).
-    """
-    check_rotary("apply_rotary", q, k, cos, sin)
-    return _rotary(q, k, cos, sin, okjax.backend())

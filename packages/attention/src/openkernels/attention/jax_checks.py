@@ -13,7 +13,7 @@ from . import problem
 from .ops import HEAD_DIMS
 from .problem import check_lengths, check_qkv_shapes
 
-__all__ = ["check_qkv", "check_alibi", "check_cu_seqlens", "check_rotary", "concrete", "DTYPES"]
+__all__ = ["check_qkv", "check_alibi", "check_cu_seqlens", "concrete", "DTYPES"]
 
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
@@ -64,13 +64,6 @@ def check_cu_seqlens(name: str, what: str, cu: object, tokens: int, max_seqlen: 
     if values is None:
         return  # under jax.jit: the caller vouches for the values (as for any index array)
     problem.check_cu_values(name, what, values.tolist(), tokens, max_seqlen)
-
-
-def check_rotary(name: str, q: object, k: object, cos: object, sin: object) -> None:
-    for what, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, jax.Array):
-            raise TypeError(f"{name}: {what} must be a jax.Array, got {type(t).__name__}")
-    problem.check_rotary(name, *(problem.Part(tuple(t.shape), str(t.dtype)) for t in (q, k, cos, sin)))
 
 
 _CACHE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)

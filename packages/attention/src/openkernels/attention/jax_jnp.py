@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from .problem import Problem
 
-__all__ = ["compute_dtype", "attention_fwd", "attention_bwd", "rotate_half"]
+__all__ = ["compute_dtype", "attention_fwd", "attention_bwd"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -165,24 +165,6 @@ def attention_bwd(dout, dlse, q, k, v, cu_q, cu_k, slopes, p: Problem):
     dq, dk, dv = _dense_bwd(_pad(dout, iq, vq), dlse_pad, _pad(q, iq, vq), _pad(k, ik, vk), _pad(v, ik, vk),
                             slopes, p, lq, lk)  # fmt: skip
     return dq[seq_q, pos_q], dk[seq_k, pos_k], dv[seq_k, pos_k]
-
-
-# ---- rotary ------------------------------------------------------------------------------
-
-
-def rotate_half(x, cos, sin, transpose: bool):
-    """reference.py's _rotate_half: x (B, S, H, D) by cos, sin (Bc, S, R) or (S, R), or its
-    transpose (the backward), in the compute dtype, rounded to x's dtype."""
-    acc = compute_dtype(x.dtype)
-    half = cos.shape[-1] // 2
-    c, s = cos.astype(acc)[..., None, :], sin.astype(acc)[..., None, :]  # broadcast over heads
-    c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
-    if transpose:
-        s1, s2 = -s2, -s1
-    xf = x.astype(acc)
-    x1, x2 = xf[..., :half], xf[..., half : 2 * half]
-    out = jnp.concatenate((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, xf[..., 2 * half :]), axis=-1)
-    return out.astype(x.dtype)
 
 
 # ---- attention against a KV cache ------------------------------------------------------

@@ -21,9 +21,8 @@ from openkernels.shared import jax as okjax
 from .triton import kernels as K
 from .triton import kvcache_kernels as KV
 from .triton import plan
-from .triton.rotary_kernels import _apply_rotary_kernel
 
-__all__ = ["arch", "attention_fwd", "attention_bwd", "rotary", "attention_kvcache"]
+__all__ = ["arch", "attention_fwd", "attention_bwd", "attention_kvcache"]
 
 # num_stages of the launches PyTorch leaves to Triton's default (plan.Launch.num_stages None).
 _DEFAULT_STAGES = {"cuda": 3, "rocm": 2, "cpu": 1}
@@ -114,18 +113,6 @@ def attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, p: plan.Pro
     dq_out = {"dq_ptr": jax.ShapeDtypeStruct(q.shape, q.dtype)}
     (dq,) = _run(K._attn_bwd_dq_kernel, launches.dq, inputs, dq_out)
     return dq, dk, dv
-
-
-def rotary(x_q, x_k, cos, sin, backward: bool):
-    """`_apply_rotary_kernel` on x_q (B, S, Hq, D), x_k (B, S, Hk, D) with cos, sin (Bc, S, R)
-    or (S, R): (out_q, out_k), the rotation or (backward) its transpose."""
-    if cos.ndim == 2:
-        cos, sin = cos[None], sin[None]
-    launch = plan.contiguous_rotary(tuple(x_q.shape), x_k.shape[2], tuple(cos.shape), backward, arch())
-    inputs = {"q_ptr": x_q, "k_ptr": x_k, "cos_ptr": cos, "sin_ptr": sin}
-    outputs = {"qo_ptr": jax.ShapeDtypeStruct(x_q.shape, x_q.dtype),
-               "ko_ptr": jax.ShapeDtypeStruct(x_k.shape, x_k.dtype)}  # fmt: skip
-    return _run(_apply_rotary_kernel, launch, inputs, outputs)
 
 
 def _sm_count() -> int:

@@ -57,7 +57,7 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """(batch, seqlen, heads, head_dim) q and k rotated; the fused kernel when this family
     has it, else transformers' formula."""
     try:
-        from .api import apply_rotary
+        from .rotary.api import apply_rotary
     except ImportError:
         apply_rotary = None
     if apply_rotary is not None:

@@ -2,4 +2,4 @@
 
 from openkernels.shared.manifest import FamilyManifest
 
-MANIFEST = FamilyManifest.standard("attention", bench=("bench", "bench_kvcache", "bench_rotary"))
+MANIFEST = FamilyManifest.standard("attention", bench=("bench", "bench_kvcache", "rotary.bench"))

@@ -13,10 +13,7 @@ gradients are contiguous, in the input dtype; lse is float32 (float64 for float6
 Causal is window_right = 0; -1 is an unbounded side. ALiBi slopes are not differentiated.
 The backend contract (attn_fwd / attn_bwd on 4D views) is in reference.py.
 
-  openkernels::apply_rotary(q, k, cos, sin) -> (q_out, k_out)
-  openkernels::apply_rotary_backward(grad_q_out, grad_k_out, cos, sin) -> (grad_q, grad_k)
-q (B, S, Hq, D), k (B, S, Hk, D); cos, sin (B or 1, S, R) or (S, R). Outputs contiguous, each
-in its input's dtype; cos and sin get no gradient. Contract: reference.py (rotary section).
+The rotary ops (openkernels::apply_rotary) are in rotary/ops.py.
 """
 
 from __future__ import annotations
@@ -33,30 +30,21 @@ __all__ = [
     "backward",
     "kvcache_append",
     "kvcache_forward",
-    "apply_rotary_forward",
-    "apply_rotary_backward",
     "ATTENTION",
     "KVCACHE_APPEND",
     "ATTENTION_KVCACHE",
-    "APPLY_ROTARY",
     "KERNEL_DTYPES",
     "HEAD_DIMS",
     "ATTENTION_HEAD_DIMS",
-    "ROTARY_KERNEL_DTYPES",
-    "ROTARY_MAX_HEAD_DIM",
 ]
 
 _PKG = "openkernels.attention"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels take
-# The KV cache's and rotary's head dims (their tiles are tuned and checked per dim).
+# The KV cache's head dims (their tiles are tuned and checked per dim).
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 # attention / attention_varlen: any multiple of 8 up to 256, as FlashAttention-2 takes; the
 # Triton kernels pad head_dim to a power of two (at least 16) and mask the pad.
 ATTENTION_HEAD_DIMS = tuple(range(8, 257, 8))
-ROTARY_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the rotary kernel's (elementwise)
-# Widest head the rotary kernel's tiles are compile-checked for (triton/configs.py
-# ROTARY_AOT_DIMS); wider heads run on the reference.
-ROTARY_MAX_HEAD_DIM = 512
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
 _OPTIONS = (
@@ -70,7 +58,7 @@ _CACHE = "Tensor? k_scale, Tensor? k_zero, Tensor? v_scale, Tensor? v_zero"
 _ROTARY = "Tensor? rotary_cos, Tensor? rotary_sin"
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
+def unit_last(t: torch.Tensor) -> torch.Tensor:
     """Kernels index any strides but need unit stride along head_dim."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
@@ -110,7 +98,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the best backend; returns (out, lse)."""
     varlen = cu_seqlens_q is not None
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=compute_dtype(q.dtype), device=q.device)
     if out.numel() == 0:
@@ -156,7 +144,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_q, grad_k, grad_v), contiguous, in the inputs' dtype."""
     varlen = cu_seqlens_q is not None
-    q, k, v, out, grad_out = (_unit_last(t) for t in (q, k, v, out, grad_out))
+    q, k, v, out, grad_out = (unit_last(t) for t in (q, k, v, out, grad_out))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -212,7 +200,7 @@ def kvcache_append(
     if k_new.numel() == 0:
         return
     dispatch.run(
-        "kvcache_append", k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, _unit_last(k_new), _unit_last(v_new),
+        "kvcache_append", k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, unit_last(k_new), unit_last(v_new),
         cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved=rotary_interleaved, bits=bits,
         group_size=group_size, leftpad=cache_leftpad, k_residual=k_residual, key_group=key_group,
     )  # fmt: skip
@@ -246,7 +234,7 @@ def kvcache_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, Hq, D) against the cache (the append already done); returns
     out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) float32."""
-    q = _unit_last(q)
+    q = unit_last(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device)
     if out.numel() == 0:
@@ -260,35 +248,6 @@ def kvcache_forward(
         k_residual=k_residual, key_group=key_group,
     )  # fmt: skip
     return out, lse
-
-
-def _rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin as (Bc, S, R) with a unit last stride: the backends' layout."""
-    if cos.dim() == 2:
-        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    return _unit_last(cos), _unit_last(sin)
-
-
-def _rotary(op: str, x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    out_q = torch.empty(x_q.shape, dtype=x_q.dtype, device=x_q.device)
-    out_k = torch.empty(x_k.shape, dtype=x_k.dtype, device=x_k.device)
-    if out_q.numel() or out_k.numel():
-        dispatch.run(op, _unit_last(x_q), _unit_last(x_k), *_rotary_tables(cos, sin), out_q, out_k)
-    return out_q, out_k
-
-
-def apply_rotary_forward(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_out, k_out), new contiguous tensors, with the best backend."""
-    return _rotary("apply_rotary", q, k, cos, sin)
-
-
-def apply_rotary_backward(
-    grad_q_out: torch.Tensor, grad_k_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_q, grad_k): the transposed rotation of the output gradients."""
-    return _rotary("apply_rotary_backward", grad_q_out, grad_k_out, cos, sin)
 
 
 # Selection depends on the query tensor, and on a GPU on whether the call is plain (cudnn.py:
@@ -318,28 +277,13 @@ def _append_key(k_cache: torch.Tensor, v_cache, k_scale, k_zero, v_scale, v_zero
     return dispatch.key_for(k_new)
 
 
-def _rotary_key(x_q: torch.Tensor, *args: object, **kwargs: object) -> dispatch.DispatchKey:
-    """q (or its gradient) decides; `dispatch.explain("apply_rotary", q)` works."""
-    if x_q.shape[-1] > ROTARY_MAX_HEAD_DIM:
-        return dispatch.key_for(x_q, "wide-head")
-    return dispatch.key_for(x_q)
-
-
-def _rotary_triton_supports(key: dispatch.DispatchKey) -> str | None:
-    if key.dtype not in ROTARY_KERNEL_DTYPES:
-        return f"dtype {key.dtype}: the rotary kernel takes float16, bfloat16 and float32"
-    if "wide-head" in key.features:
-        return f"head_dim above {ROTARY_MAX_HEAD_DIM}: the kernel's tiles are checked up to that"
-    return dispatch.triton_supports(key)
-
-
 def _triton_supports(key: dispatch.DispatchKey) -> str | None:
     if key.dtype not in KERNEL_DTYPES:
         return f"dtype {key.dtype}: the Triton kernels take float16 and bfloat16 (float32 runs a slower path)"
     return dispatch.triton_supports(key)
 
 
-def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
+def cpu_supports(key: dispatch.DispatchKey) -> str | None:
     from .cpu import supports
 
     return supports(key)
@@ -347,7 +291,7 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
 
 def _impls(entry: str, supports, cpu: str | None = "cpu") -> tuple[opdef.Impl, ...]:
     """`cpu`: the family's module with the CPU kernel, None when the op has none of its own."""
-    return opdef.standard_impls(_PKG, entry, triton_supports=supports, cpu_supports=_cpu_supports, cpu=cpu)
+    return opdef.standard_impls(_PKG, entry, triton_supports=supports, cpu_supports=cpu_supports, cpu=cpu)
 
 
 def _with_cudnn(entry: str, supports) -> tuple[opdef.Impl, ...]:
@@ -450,53 +394,5 @@ ATTENTION_KVCACHE = opdef.define(
         key=_fwd_key,
         impls=_impls("attention_kvcache_fwd", _triton_supports, cpu="cpu.kvcache"),
         tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 21, 22),
-    ),
-)
-
-
-# ---- openkernels::apply_rotary / apply_rotary_backward -------------------------------------
-
-
-def _no_table_grad(name: str, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    if cos.requires_grad or sin.requires_grad:
-        raise ValueError(f"{name}: cos and sin get no gradient; pass them detached (cos.requires_grad is "
-                         f"{cos.requires_grad}, sin.requires_grad is {sin.requires_grad})")  # fmt: skip
-
-
-def _rotary_fake(q, k, cos, sin):
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
-
-
-def _rotary_save(inputs: tuple, output: tuple) -> tuple[tuple, tuple]:
-    _q, _k, cos, sin = inputs
-    _no_table_grad("openkernels::apply_rotary", cos, sin)
-    return (cos, sin), ()
-
-
-def _rotary_grads(run, tensors: tuple, values: tuple, grad_outputs: tuple, needs: tuple[bool, ...]) -> tuple:
-    cos, sin = tensors
-    grad_q, grad_k = run(grad_outputs[0], grad_outputs[1], cos, sin)
-    return grad_q, grad_k, None, None
-
-
-APPLY_ROTARY = opdef.define(
-    _LIB,
-    opdef.OpDef(
-        name="apply_rotary",
-        schema="(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
-        forward=apply_rotary_forward,
-        fake=_rotary_fake,
-        key=_rotary_key,
-        impls=_impls("apply_rotary_fwd", _rotary_triton_supports, cpu="cpu.rotary"),
-        tensor_args=(0, 1, 2, 3),
-        backward=opdef.BackwardDef(
-            schema="(Tensor grad_q_out, Tensor grad_k_out, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
-            compute=apply_rotary_backward,
-            fake=lambda grad_q_out, grad_k_out, cos, sin: _rotary_fake(grad_q_out, grad_k_out, cos, sin),
-            save=_rotary_save,
-            grads=_rotary_grads,
-            key=_rotary_key,
-            impls=_impls("apply_rotary_bwd", _rotary_triton_supports, cpu="cpu.rotary"),
-        ),
     ),
 )

@@ -13,7 +13,6 @@ from typing import NamedTuple
 __all__ = [
     "Problem",
     "KVProblem",
-    "Part",
     "check_alibi_shape",
     "check_cache_heads",
     "check_cu_values",
@@ -23,7 +22,6 @@ __all__ = [
     "check_options",
     "check_page_size",
     "check_qkv_shapes",
-    "check_rotary",
     "check_rotary_dim",
     "check_same_n_seqs",
     "resolve_scale",
@@ -265,43 +263,3 @@ def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int,
             raise ValueError(f"{name}: rotary positions {cached + seqlen_new - seqlen_q}..{cached + seqlen_new - 1} of "
                              f"sequence {b} are outside rotary_cos's {rotary_rows} rows")  # fmt: skip
     return [n + seqlen_new for n in lengths]
-
-
-ROTARY_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-class Part(NamedTuple):
-    """An array's shape and dtype name ("bfloat16", ...)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-
-def check_rotary(name: str, q: Part, k: Part, cos: Part, sin: Part) -> None:
-    """apply_rotary's q, k (batch, seqlen, heads, head_dim) and cos, sin ((batch or 1,)
-    seqlen, rotary_dim): ValueError / TypeError naming the argument."""
-    for what, t in (("q", q), ("k", k)):
-        if len(t.shape) != 4:
-            raise ValueError(
-                f"{name}: {what} must be 4D (batch, seqlen, heads, head_dim), got shape {t.shape}"
-            )
-    for what, t in (("q", q), ("cos", cos), ("sin", sin)):
-        if t.dtype not in ROTARY_DTYPES:
-            raise TypeError(f"{name}: {what} has dtype {t.dtype}; supported: {', '.join(ROTARY_DTYPES)}")
-    if k.dtype != q.dtype:
-        raise TypeError(f"{name}: q and k must share a dtype, got q {q.dtype} and k {k.dtype}")
-    batch, seqlen, _, head_dim = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (batch, seqlen, head_dim):
-        raise ValueError(
-            f"{name}: q and k must share batch, seqlen and head_dim, got q {q.shape} and k {k.shape}"
-        )
-    if cos.shape != sin.shape:
-        raise ValueError(f"{name}: cos and sin must have one shape, got {cos.shape} and {sin.shape}")
-    dims = len(cos.shape)
-    if dims not in (2, 3) or cos.shape[-2] != seqlen or (dims == 3 and cos.shape[0] not in (1, batch)):
-        raise ValueError(f"{name}: cos and sin must be ({batch} or 1, {seqlen}, rotary_dim) or ({seqlen}, rotary_dim) "
-                         f"for q of shape {q.shape}, got {cos.shape}")  # fmt: skip
-    rot_dim = cos.shape[-1]
-    if rot_dim % 2 or not 2 <= rot_dim <= head_dim:
-        raise ValueError(f"{name}: rotary_dim (cos.shape[-1] = {rot_dim}) must be even and in 2..head_dim "
-                         f"({head_dim})")  # fmt: skip

@@ -20,15 +20,12 @@ from .kernels import (
     _attn_fwd_kernel,
 )
 from .kvcache import attention_kvcache_fwd, kvcache_append_fwd
-from .rotary import apply_rotary_bwd, apply_rotary_fwd
 
 __all__ = [
     "attn_fwd",
     "attn_bwd",
     "kvcache_append_fwd",
     "attention_kvcache_fwd",
-    "apply_rotary_fwd",
-    "apply_rotary_bwd",
 ]
 
 

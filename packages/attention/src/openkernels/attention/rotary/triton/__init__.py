@@ -1,4 +1,4 @@
-"""Triton launchers of the rotary position embedding (contract: reference.py, apply_rotary_fwd
+"""Triton launchers of the rotary position embedding (contract: rotary/reference.py, apply_rotary_fwd
 and apply_rotary_bwd)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from openkernels.shared.launch import launch as direct_launch
 from openkernels.shared.platform import device_info
 
-from . import plan
-from .configs import RotaryConfig
-from .rotary_kernels import _apply_rotary_kernel
+from ...triton import plan
+from ...triton.configs import RotaryConfig
+from .kernels import _apply_rotary_kernel
 
 __all__ = ["apply_rotary_fwd", "apply_rotary_bwd"]
 

@@ -200,7 +200,7 @@ def jax_cases(*, shapes: Sequence[tuple[int, ...]] = GPU_SHAPES, dtype: torch.dt
 
     from openkernels.shared.dev.bench_jax import JaxCase
 
-    from . import jax as attention_jax
+    from .. import jax as attention_jax
 
     def make_for(shape: tuple[int, ...]) -> Callable[[torch.device], dict]:
         b, s, hq, hk, d, r = shape
