@@ -32,13 +32,12 @@ from openkernels.shared import jax as okjax
 from . import jax_jnp
 from .jax_checks import check_alibi, check_cu_seqlens, check_qkv
 from .jax_kvcache import attention_with_kvcache
-from .ops import KERNEL_DTYPES
-from .problem import Problem, check_options, check_same_n_seqs, resolve_scale
+from .problem import KERNEL_DTYPES, Problem, check_options, check_same_n_seqs, resolve_scale
 from .rotary.jax import apply_rotary
 
 __all__ = ["attention", "attention_varlen", "apply_rotary", "attention_with_kvcache"]
 
-_KERNEL_DTYPES = tuple(jnp.dtype(str(d).removeprefix("torch.")) for d in KERNEL_DTYPES)
+_KERNEL_DTYPES = tuple(jnp.dtype(name) for name in KERNEL_DTYPES)
 
 
 # ---- attention: one custom_vjp for dense and varlen calls --------------------------------

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import problem
-from .ops import HEAD_DIMS
-from .problem import check_lengths, check_qkv_shapes
+from .problem import HEAD_DIMS, check_lengths, check_qkv_shapes
 
 __all__ = ["check_qkv", "check_alibi", "check_cu_seqlens", "concrete", "DTYPES"]
 

@@ -23,11 +23,11 @@ from .jax_checks import (
     check_per_sequence,
     check_rows_and_padding,
 )
-from .problem import KVProblem, Problem, check_options, resolve_scale
+from .problem import KERNEL_DTYPES, KVProblem, Problem, check_options, resolve_scale
 
 __all__ = ["attention_with_kvcache"]
 
-_KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_KERNEL_DTYPES = tuple(jnp.dtype(name) for name in KERNEL_DTYPES)
 
 
 def _attend(

@@ -22,7 +22,8 @@ import torch
 
 from openkernels.shared import dispatch, opdef
 
-from . import cudnn
+from . import cudnn, problem
+from .problem import ATTENTION_HEAD_DIMS, HEAD_DIMS
 from .reference import compute_dtype
 
 __all__ = [
@@ -39,12 +40,7 @@ __all__ = [
 ]
 
 _PKG = "openkernels.attention"
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels take
-# The KV cache's head dims (their tiles are tuned and checked per dim).
-HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-# attention / attention_varlen: any multiple of 8 up to 256, as FlashAttention-2 takes; the
-# Triton kernels pad head_dim to a power of two (at least 16) and mask the pad.
-ATTENTION_HEAD_DIMS = tuple(range(8, 257, 8))
+KERNEL_DTYPES = tuple(getattr(torch, name) for name in problem.KERNEL_DTYPES)  # what the Triton kernels take
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
 _OPTIONS = (

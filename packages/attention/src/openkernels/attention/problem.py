@@ -11,6 +11,9 @@ import numbers
 from typing import NamedTuple
 
 __all__ = [
+    "KERNEL_DTYPES",
+    "HEAD_DIMS",
+    "ATTENTION_HEAD_DIMS",
     "Problem",
     "KVProblem",
     "check_alibi_shape",
@@ -26,6 +29,14 @@ __all__ = [
     "check_same_n_seqs",
     "resolve_scale",
 ]
+
+
+KERNEL_DTYPES = ("float16", "bfloat16")  # what the Triton attention and KV-cache kernels take
+# The KV cache's head dims (its tiles are tuned and checked per dim).
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# attention / attention_varlen: any multiple of 8 up to 256, as FlashAttention-2 takes; the
+# Triton kernels pad head_dim to a power of two (at least 16) and mask the pad.
+ATTENTION_HEAD_DIMS = tuple(range(8, 257, 8))
 
 
 class Problem(NamedTuple):
