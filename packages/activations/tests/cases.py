@@ -10,7 +10,8 @@ import torch
 import openkernels.activations as A
 from openkernels.activations import reference as R
 from openkernels.activations.spec import APPROXIMATE, SPECS
-from openkernels.shared.dev.testing import ODD_SIZES, testable_implementations
+from openkernels.shared.dev import testing
+from openkernels.shared.dev.testing import ODD_SIZES
 from openkernels.shared.platform import triton_interpreting
 
 
@@ -62,16 +63,8 @@ def variant_params():
 
 
 def targets():
-    """(device, implementation) pairs testable in this process, with marks."""
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    params = []
-    for device in devices:
-        for impl in testable_implementations("silu", device):
-            marks = [pytest.mark.interpreter] if triton_interpreting() else []
-            if device != "cpu":
-                marks.append(pytest.mark.gpu)
-            params.append(pytest.param(device, impl, id=f"{device}-{impl}", marks=marks))
-    return params
+    """(device, implementation) params of every test that runs all implementations."""
+    return testing.targets("silu")
 
 
 def shapes(gated: bool) -> list[tuple[int, ...]]:

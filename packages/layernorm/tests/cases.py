@@ -11,7 +11,8 @@ import torch
 
 import openkernels.layernorm as L
 from openkernels.layernorm import reference as R
-from openkernels.shared.dev.testing import assert_close, random_tensor, testable_implementations
+from openkernels.shared.dev import testing
+from openkernels.shared.dev.testing import assert_close, random_tensor
 from openkernels.shared.platform import triton_interpreting
 
 KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -122,16 +123,8 @@ def option_params(options: list[Options]) -> list:
 
 
 def targets():
-    """(device, implementation) pairs testable in this process, with marks."""
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    params = []
-    for device in devices:
-        for impl in testable_implementations("rms_norm", device):
-            marks = [pytest.mark.interpreter] if triton_interpreting() else []
-            if device != "cpu":
-                marks.append(pytest.mark.gpu)
-            params.append(pytest.param(device, impl, id=f"{device}-{impl}", marks=marks))
-    return params
+    """(device, implementation) params of every test that runs all implementations."""
+    return testing.targets("rms_norm")
 
 
 def shapes(device: str) -> list[tuple[int, ...]]:

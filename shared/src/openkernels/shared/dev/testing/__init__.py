@@ -6,7 +6,7 @@ plugin (markers, strict dispatch, fixtures) in `openkernels.shared.dev.testing.p
 
 from .compare import TOLERANCES, Tolerance, assert_close, tolerance
 from .inputs import ODD_SIZES, noncontiguous_views, poisoned_empty, random_tensor
-from .ops import failing_implementation, run_opcheck, testable_implementations
+from .ops import failing_implementation, run_opcheck, targets, testable_implementations
 
 __all__ = [
     "ODD_SIZES",
@@ -18,6 +18,7 @@ __all__ = [
     "poisoned_empty",
     "random_tensor",
     "run_opcheck",
+    "targets",
     "testable_implementations",
     "tolerance",
 ]

@@ -13,7 +13,7 @@ from ... import dispatch, replay
 from ...dispatch import implementations
 from ...platform import device_info, triton_interpreting
 
-__all__ = ["testable_implementations", "run_opcheck", "failing_implementation"]
+__all__ = ["testable_implementations", "targets", "run_opcheck", "failing_implementation"]
 
 
 def testable_implementations(op: str, device: torch.device | str = "cpu") -> list[str]:
@@ -31,6 +31,25 @@ def testable_implementations(op: str, device: torch.device | str = "cpu") -> lis
         elif backend in impl.backends:
             names.append(impl.name)
     return names
+
+
+def targets(op: str, *, skip: Sequence[str] = ()) -> list[Any]:
+    """pytest params (device, implementation) of `op` testable in this process, with marks:
+    `interpreter` under TRITON_INTERPRET=1, `gpu` off the CPU; ids "<device>-<impl>". The CPU
+    always, CUDA when there is one; `skip`: implementations a test file covers elsewhere."""
+    import pytest  # a test-time dependency: only the tests call this
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    params = []
+    for device in devices:
+        for impl in testable_implementations(op, device):
+            if impl in skip:
+                continue
+            marks = [pytest.mark.interpreter] if triton_interpreting() else []
+            if device != "cpu":
+                marks.append(pytest.mark.gpu)
+            params.append(pytest.param(device, impl, id=f"{device}-{impl}", marks=marks))
+    return params
 
 
 # Backward checks on ops whose backward is another library op; the rest compare schemas,
