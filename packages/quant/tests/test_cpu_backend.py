@@ -353,7 +353,10 @@ def test_checker_catches_layout_mistakes() -> None:
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 flags")
 def test_portable_decoder(monkeypatch) -> None:
     """The plain-C++ decoder (what aarch64 and pre-AVX2 x86 compile) gives the same results."""
-    monkeypatch.setattr(cpu, "_lib", cpu._load("openkernels_quant_portable", ("-mno-avx2",)))
+    portable = cpu_build.KernelLibrary(
+        cpu._SOURCE, name="openkernels_quant_portable", signatures=cpu._SIGNATURES, extra_flags=("-mno-avx2",)
+    )
+    monkeypatch.setattr(cpu, "_library", portable)
     for kind, zeros in (("int4", True), ("int4", False), ("nf4", False)):
         for m, k, gs in ((1, 200, 200), (3, 256, 64), (17, 96, 32)):
             parts = _parts(45, k, gs, kind, zeros)

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from openkernels.shared import cpu_build, replay
+from openkernels.shared import cpu_build
 from openkernels.shared.dispatch import DispatchKey
 
 from ..format import KINDS, SCALE_DTYPES, nf4_values
@@ -34,41 +32,20 @@ __all__ = ["dequantize_int4_fwd", "int4_linear_fwd", "supports"]
 _SOURCE = pathlib.Path(__file__).with_name("int4_linear.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INT4_ZEROS, _INT4_SYMMETRIC, _NF4 = 0, 1, 2
-_lib: Any = None  # the library, its kernels seen by replay recordings
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    # x, x_stride, q, q_stride, s, s_stride, z, z_stride, s_bf16, nf4, bias, out,
+    # M, N, K, group_size, dtype, kind, threads
+    "ok_int4_linear": [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I32, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32],
+    # q, q_stride, s, s_stride, z, z_stride, s_bf16, nf4, out, N, K, group_size, dtype, kind, threads
+    "ok_int4_dequantize": [_P, _I64, _P, _I64, _P, _I64, _I32, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
+}  # fmt: skip
+_library = cpu_build.KernelLibrary(_SOURCE, name="openkernels_quant", signatures=_SIGNATURES)
 
 
 def supports(key: DispatchKey) -> str | None:
     """Dispatch predicate: None when these kernels can run `key`, else why not."""
-    if key.dtype not in _DTYPE_CODES:
-        if key.dtype == torch.float64:
-            return "float64 runs on the reference implementation"
-        return f"{key.dtype} is not supported (float32, bfloat16, float16)"
-    return cpu_build.no_compiler_reason()
-
-
-def _load(name: str = "openkernels_quant", extra_flags: Sequence[str] = ()) -> Any:
-    """Compile (or fetch from the cache) and load the kernels, with their signatures declared."""
-    lib = cpu_build.load_library(_SOURCE, name=name, extra_flags=extra_flags)
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    signatures = {
-        # x, x_stride, q, q_stride, s, s_stride, z, z_stride, s_bf16, nf4, bias, out,
-        # M, N, K, group_size, dtype, kind, threads
-        "ok_int4_linear": [p, i64, p, i64, p, i64, p, i64, i32, p, p, p, i64, i64, i64, i64, i32, i32, i32],
-        # q, q_stride, s, s_stride, z, z_stride, s_bf16, nf4, out, N, K, group_size, dtype, kind, threads
-        "ok_int4_dequantize": [p, i64, p, i64, p, i64, i32, p, p, i64, i64, i64, i32, i32, i32],
-    }
-    for fn_name, argtypes in signatures.items():
-        fn = getattr(lib, fn_name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return replay.observe_library(lib, tuple(signatures))
-
-
-def _library() -> Any:
-    """The kernels, loaded once."""
-    global _lib
-    if _lib is None:
-        _lib = _load()
-    return _lib
+    return cpu_build.dtype_support(key.dtype, _DTYPE_CODES)
 
 
 def _unit_columns(t: Tensor) -> bool:
@@ -124,16 +101,7 @@ def _status(status: int) -> None:
         raise ValueError(f"int4 kernel rejected its arguments (status {status})")
 
 
-def int4_linear_fwd(
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor | None,
-    bias: Tensor | None,
-    out: Tensor,
-    group_size: int,
-    kind: str,
-) -> None:
+def int4_linear_fwd(x, qweight, scales, zeros, bias, out: Tensor, group_size: int, kind: str) -> None:
     """out = x @ W^T (+ bias), W dequantized from (qweight, scales, zeros) as format.py says.
 
     x (M, K) float32 / bfloat16 / float16 with unit column stride; qweight (N, K // 2) uint8;
