@@ -93,6 +93,13 @@ def only_case(cases: Sequence[Any]) -> Any:
     return cases[0]
 
 
+def grid_case(bench: Any, dev: Any, shape: str, dtype: str, smoke_shape: tuple[int, ...], **grid: Any) -> Any:
+    """The one case of a family's `bench.cases(dev, shapes=, dtypes=, **grid)` for one asv
+    parameter set: `shape` ("AxB...") or `smoke_shape` in smoke mode, `dtype` by name."""
+    shapes = [smoke_shape if smoke() else parse_shape(shape)]
+    return only_case(bench.cases(dev, shapes=shapes, dtypes=[torch_dtype(dtype)], **grid))
+
+
 def _input_sets(case: Any, contender: str, dev: Any) -> list[Any]:
     """Enough input sets to stream three L2s' worth of bytes between reuses."""
     count = 1 if smoke() else max(1, min(MAX_INPUT_SETS, math.ceil(3 * L2_BYTES / max(case.bytes, 1))))

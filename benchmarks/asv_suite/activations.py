@@ -63,12 +63,7 @@ def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list
     from openkernels.activations import bench
 
     name, _, approximate = op.partition("[")
-    cases = bench.cases(
-        dev,
-        shapes=[SMOKE_SHAPE if _h.smoke() else _h.parse_shape(shape)],
-        dtypes=[_h.torch_dtype(dtype)],
-        variants=[(name, approximate.rstrip("]") or None)],
-        directions=[direction],
-        peers=peers,
+    variants = [(name, approximate.rstrip("]") or None)]
+    return _h.grid_case(
+        bench, dev, shape, dtype, SMOKE_SHAPE, variants=variants, directions=[direction], peers=peers
     )
-    return _h.only_case(cases)

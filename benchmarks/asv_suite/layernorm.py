@@ -36,15 +36,7 @@ def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list
     """The one case of openkernels.layernorm.bench for these parameters (tiny in smoke mode)."""
     from openkernels.layernorm import bench
 
-    cases = bench.cases(
-        dev,
-        shapes=[SMOKE_SHAPE if _h.smoke() else _h.parse_shape(shape)],
-        dtypes=[_h.torch_dtype(dtype)],
-        ops=[op],
-        directions=[direction],
-        peers=peers,
-    )
-    return _h.only_case(cases)
+    return _h.grid_case(bench, dev, shape, dtype, SMOKE_SHAPE, ops=[op], directions=[direction], peers=peers)
 
 
 class LayerNormPeers(_h.PeerSuite, _h.GBps):
