@@ -37,16 +37,10 @@ extern "C" int toy_nopack(const float* x, float* y, int64_t n) {
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    if not replay.available():
-        pytest.skip("the replay extension cannot be built here")
-    source = tmp_path_factory.mktemp("toy") / "toy.cpp"
-    source.write_text(_SOURCE)
-    raw = cpu_build.load_library(source, name="openkernels_toy_replay")
+def lib(toy_library):
     p, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    raw.toy_affine.argtypes = [p, p, i64, f64, f64]
-    raw.toy_nopack.argtypes = [p, p, i64]
-    return replay.observe_library(raw, ("toy_affine", "toy_nopack"))
+    signatures = {"toy_affine": [p, p, i64, f64, f64], "toy_nopack": [p, p, i64]}
+    return toy_library(_SOURCE, "openkernels_toy_replay", signatures)
 
 
 @pytest.fixture(autouse=True)

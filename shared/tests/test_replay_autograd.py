@@ -55,15 +55,9 @@ def _grads(run, tensors, values, grads, needs):
 
 
 @pytest.fixture(scope="module")
-def mul(tmp_path_factory):
-    if not replay.available():
-        pytest.skip("the replay extension cannot be built here")
-    source = tmp_path_factory.mktemp("toy") / "toy_mul.cpp"
-    source.write_text(_SOURCE)
-    raw = cpu_build.load_library(source, name="openkernels_toy_replay_grad")
+def mul(toy_library):
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    raw.toy_mul.argtypes = [p, p, p, i64]
-    _STATE["kernels"] = replay.observe_library(raw, ("toy_mul",))
+    _STATE["kernels"] = toy_library(_SOURCE, "openkernels_toy_replay_grad", {"toy_mul": [p, p, p, i64]})
     if "op" not in _STATE:  # the torch.library op lives as long as the process
         _STATE["op"] = opdef.define(
             _LIB,
