@@ -23,9 +23,7 @@ warm-up, the device waited for around each.
 from __future__ import annotations
 
 import importlib.util
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,25 +77,6 @@ def sizes(device_type: str) -> Sizes:
     if device_type == "cuda":
         return Sizes(e2e_models.LLAMA_1B, (8, 2048), (4, 2048), (1, 32, 128))
     return Sizes(tiny, (2, 128), (2, 128), (1, 32, 16))
-
-
-def _sync(dev: Any) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def median_ms(fn: Callable[[], Any], dev: Any, runs: int) -> float:
-    """Median wall milliseconds of `runs` calls, the device waited for around each."""
-    times = []
-    for _ in range(runs):
-        _sync(dev)
-        start = time.perf_counter()
-        fn()
-        _sync(dev)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _prefill(model: Any, ids: Any) -> Callable[[], Any]:
@@ -210,7 +189,7 @@ class E2E(_h.Suite):
                 fn()
             if mode == "compiled" and _graphs() == graphs:
                 raise RuntimeError("generate() compiled no graph: the run would time eager decoding")
-            ms = median_ms(fn, dev, runs)
+            ms = _script("e2e_kv_decode").median_seconds(fn, dev, runs) * 1e3
         finally:
             if mode == "compiled":
                 torch._dynamo.reset()  # the compiled graphs hold this model's weights

@@ -55,7 +55,7 @@ def build(shape: dict, device: torch.device):
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def _generate(model, ids, new: int, cache, eager: bool, **extra):
@@ -71,7 +71,9 @@ def _generate(model, ids, new: int, cache, eager: bool, **extra):
         return model.generate(ids, **kwargs, **extra)
 
 
-def _seconds(fn, device: torch.device, reps: int) -> float:
+def median_seconds(fn, device: torch.device, reps: int) -> float:
+    """Median wall seconds of `reps` calls, the device waited for around each (the asv e2e
+    suite times its steps with this too)."""
     times = []
     for _ in range(reps):
         _sync(device)
@@ -109,8 +111,8 @@ def run(model, batch: int, prompt: int, new: int, formats: list[str], eager: boo
 
         out = call(new)  # warm-up: compiles, captures the graphs
         call(1)
-        total = _seconds(lambda: call(new), device, reps)
-        first = _seconds(lambda: call(1), device, reps)
+        total = median_seconds(lambda: call(new), device, reps)
+        first = median_seconds(lambda: call(1), device, reps)
         decode_s = max(total - first, 1e-9)
         tokens = out.sequences[:, prompt:]
         logits0 = out.logits[0].float()
