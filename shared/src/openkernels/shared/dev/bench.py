@@ -37,6 +37,7 @@ __all__ = [
     "stream_buffer_bytes",
     "matmul_ceiling_tflops",
     "time_ms",
+    "timed",
     "kernel_ms",
     "compiled_peer",
     "run_cases",
@@ -153,15 +154,13 @@ def time_ms(
     fn: Callable[[dict[str, Any]], Any],
     input_sets: Sequence[dict[str, Any]],
     device: torch.device,
-    *,
-    warmup_ms: float = 25.0,
-    rep_ms: float = 100.0,
+    **options: float,
 ) -> float:
-    """Median milliseconds of fn over rotating input sets."""
-    return _timed(fn, input_sets, device, warmup_ms=warmup_ms, rep_ms=rep_ms)[0]
+    """Median milliseconds of fn over rotating input sets (options: warmup_ms, rep_ms of `timed`)."""
+    return timed(fn, input_sets, device, **options)[0]
 
 
-def _timed(
+def timed(
     fn: Callable[[dict[str, Any]], Any],
     input_sets: Sequence[dict[str, Any]],
     device: torch.device,
@@ -411,7 +410,7 @@ def run_cases(
             try:
                 if name in case.setup:
                     prepared = [case.setup[name](s) for s in sets]
-                ms, spread = _timed(fn, prepared, device, rep_ms=rep_ms)
+                ms, spread = timed(fn, prepared, device, rep_ms=rep_ms)
                 error = ""
             except Exception as exc:  # a peer that cannot run this case is reported, not fatal
                 ms, spread, error = float("nan"), 0.0, f"{type(exc).__name__}: {str(exc)[:120]}"
