@@ -15,20 +15,7 @@ from openkernels.shared.outputs import check_out
 
 from . import ops
 from .problem import check_approximate, check_shape, out_shape
-from .spec import SPECS
-
-# The functions are named by the op table (spec.SPECS); the modules after them.
-__all__ = [
-    *SPECS,
-    "Silu",
-    "Gelu",
-    "GeluQuick",
-    "ReluSquared",
-    "SiluAndMul",
-    "GeluAndMul",
-    "MulAndSilu",
-    "Glu",
-]
+from .spec import SPECS, OpSpec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -110,13 +97,6 @@ def glu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     return _call("glu", x, out)
 
 
-class Silu(nn.Module):
-    """Module form of `silu`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu(x)
-
-
 class _Approximated(nn.Module):
     """Base of the GELU modules: validates and shows `approximate` ("none" or "tanh")."""
 
@@ -129,50 +109,37 @@ class _Approximated(nn.Module):
         return f"approximate={self.approximate!r}"
 
 
-class Gelu(_Approximated):
-    """Module form of `gelu`; approximate is "none" (erf) or "tanh"."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gelu(x, self.approximate)
+def module_name(op: str) -> str:
+    """The nn.Module of op `op`: its name in CamelCase (silu_and_mul -> SiluAndMul)."""
+    return "".join(part.capitalize() for part in op.split("_"))
 
 
-class GeluQuick(nn.Module):
-    """Module form of `gelu_quick`."""
+def _module(spec: OpSpec) -> type[nn.Module]:
+    """The module form of one op of the table: forward(x) calls the function (with the
+    module's `approximate` for the GELU ops)."""
+    fn = globals()[spec.name]
+    if spec.approximate:
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gelu_quick(x)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return fn(x, self.approximate)
 
+    else:
 
-class ReluSquared(nn.Module):
-    """Module form of `relu_squared`."""
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return fn(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return relu_squared(x)
-
-
-class SiluAndMul(nn.Module):
-    """Module form of `silu_and_mul`: (..., 2d) -> (..., d)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
-
-
-class GeluAndMul(_Approximated):
-    """Module form of `gelu_and_mul`: (..., 2d) -> (..., d)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gelu_and_mul(x, self.approximate)
+    name = module_name(spec.name)
+    doc = f"Module form of `{spec.name}`" + (": (..., 2d) -> (..., d)" if spec.gated else "")
+    doc += '; approximate is "none" (erf) or "tanh".' if spec.approximate else "."
+    base = _Approximated if spec.approximate else nn.Module
+    return type(
+        name, (base,), {"__module__": __name__, "__qualname__": name, "__doc__": doc, "forward": forward}
+    )
 
 
-class MulAndSilu(nn.Module):
-    """Module form of `mul_and_silu`: (..., 2d) -> (..., d)."""
+# op name -> its module (Silu, Gelu, GeluQuick, ..., Glu), made from the op table.
+MODULES: dict[str, type[nn.Module]] = {name: _module(spec) for name, spec in SPECS.items()}
+globals().update({cls.__name__: cls for cls in MODULES.values()})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mul_and_silu(x)
-
-
-class Glu(nn.Module):
-    """Module form of `glu`: (..., 2d) -> (..., d), as torch.nn.GLU(dim=-1)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return glu(x)
+# The functions and modules are named by the op table (spec.SPECS).
+__all__ = [*SPECS, *(cls.__name__ for cls in MODULES.values())]
