@@ -5,7 +5,8 @@ Backends: Triton (CUDA and ROCm), CPU (C++), reference.
 """
 
 from . import ops as _ops  # registers the torch.library ops and dispatch entries
-from .api import dequantize_int4, int4_linear
+from . import problem as _problem
+from .api import *  # noqa: F403 - the op table's functions (problem.OPS), and linear_parts
 from .checkpoints import from_awq, from_gptq, load_awq_state_dict, load_gptq_state_dict
 from .format import NF4_VALUES, Int4Weight
 from .linear import Int4Linear, QuantizeReport, load_quantized, quantize_model, save_quantized
@@ -18,8 +19,7 @@ __all__ = [
     "NF4_VALUES",
     "quantize_int4",
     "quantize_nf4",
-    "dequantize_int4",
-    "int4_linear",
+    *_problem.OPS,  # the op table's functions
     "Int4Linear",
     "QuantizeReport",
     "quantize_model",
@@ -31,4 +31,4 @@ __all__ = [
     "load_awq_state_dict",
 ]
 
-del _ops
+del _ops, _problem

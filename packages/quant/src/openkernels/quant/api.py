@@ -15,7 +15,8 @@ from openkernels.shared import replay
 from . import ops, problem
 from .format import Int4Weight
 
-__all__ = ["int4_linear", "dequantize_int4", "linear_parts"]
+# The public functions are named by the op table (problem.OPS); linear_parts is Int4Linear's.
+__all__ = [*problem.OPS, "linear_parts"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

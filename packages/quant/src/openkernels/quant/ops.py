@@ -22,24 +22,20 @@ from torch import Tensor
 
 from openkernels.shared import dispatch, opdef
 
-__all__ = ["forward", "dequantize", "INT4_LINEAR", "DEQUANTIZE_INT4", "KERNEL_DTYPES"]
+from . import problem
+
+__all__ = ["forward", "dequantize", "INT4_LINEAR", "DEQUANTIZE_INT4", "KERNEL_DTYPES", "OPS"]
 
 _PKG = "openkernels.quant"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # activations the Triton kernels take
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
+_LINEAR, _DEQUANTIZE = problem.OPS  # the op table's names (problem.OPS)
 
 
-def forward(
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor | None,
-    bias: Tensor | None,
-    group_size: int,
-    kind: str,
-) -> Tensor:
-    """x (..., K) @ W^T + bias -> (..., N) in x's dtype, by the best backend."""
+def forward(x: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str) -> Tensor:
+    """x (..., K) @ W^T + bias -> (..., N) in x's dtype, by the best backend (the weight's
+    parts as format.py lays them out; zeros and bias may be None)."""
     n, k = qweight.shape[0], x.shape[-1]
     flat = x.dim() == 2 and x.stride(1) == 1  # the common case: no reshape, no view (host time)
     rows = x if flat else x.reshape(-1, k)
@@ -47,7 +43,7 @@ def forward(
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0] and n:
-        dispatch.run("int4_linear", rows, qweight, scales, zeros, bias, out, group_size, kind)
+        dispatch.run(_LINEAR, rows, qweight, scales, zeros, bias, out, group_size, kind)
     return out if flat else out.view(*x.shape[:-1], n)
 
 
@@ -57,7 +53,7 @@ def dequantize(
     """The weight (N, K) in `dtype`, by the best backend."""
     out = torch.empty((qweight.shape[0], 2 * qweight.shape[1]), dtype=dtype, device=qweight.device)
     if out.numel():
-        dispatch.run("dequantize_int4", qweight, scales, zeros, out, group_size, kind)
+        dispatch.run(_DEQUANTIZE, qweight, scales, zeros, out, group_size, kind)
     return out
 
 
@@ -158,14 +154,14 @@ def _linear_grads(run, tensors: tuple, values: tuple, grad_outputs: tuple, needs
 INT4_LINEAR = opdef.define(
     _LIB,
     opdef.OpDef(
-        name="int4_linear",
+        name=_LINEAR,
         schema="(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, str kind) "
         "-> Tensor",
         forward=forward,
         library_forward=_library_forward,
         fake=_linear_fake,
         key=_linear_key,
-        impls=_impls("int4_linear", _triton_linear_supports),
+        impls=_impls(_LINEAR, _triton_linear_supports),
         tensor_args=(0, 1, 2, 3, 4),
         backward=opdef.BackwardDef(
             schema="(Tensor grad_out, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, "
@@ -182,13 +178,17 @@ INT4_LINEAR = opdef.define(
 DEQUANTIZE_INT4 = opdef.define(
     _LIB,
     opdef.OpDef(
-        name="dequantize_int4",
+        name=_DEQUANTIZE,
         schema="(Tensor qweight, Tensor scales, Tensor? zeros, int group_size, str kind, ScalarType dtype) -> Tensor",
         forward=dequantize,
         fake=lambda qweight, scales, zeros, group_size, kind, dtype: qweight.new_empty(
             (qweight.shape[0], 2 * qweight.shape[1]), dtype=dtype
         ),
         key=_dequantize_key,
-        impls=_impls("dequantize_int4", _triton_dequantize_supports),
+        impls=_impls(_DEQUANTIZE, _triton_dequantize_supports),
     ),
 )
+
+
+# op name -> its callable (eager fast paths, library op otherwise): every op of problem.OPS
+OPS: dict[str, opdef.DefinedOp] = {_LINEAR: INT4_LINEAR, _DEQUANTIZE: DEQUANTIZE_INT4}

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = [
+    "OPS",
     "KINDS",
     "SCALE_DTYPES",
     "X_DTYPES",
@@ -29,6 +30,9 @@ __all__ = [
     "Int4Shape",
 ]
 
+# The op table: each op's public function (api.py, jax/), its library op openkernels::<op>
+# and its reference <op>_ref (reference.py); benchmark variants are the weight kinds below.
+OPS = ("int4_linear", "dequantize_int4")
 KINDS = ("int4", "nf4")
 SCALE_DTYPES = ("float16", "bfloat16")
 X_DTYPES = ("float16", "bfloat16", "float32", "float64")  # activations and dequantized weights

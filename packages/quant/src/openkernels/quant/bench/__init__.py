@@ -23,6 +23,7 @@ from openkernels.shared.dev.bench import BenchCase, Check
 from openkernels.shared.dev.bench import score as _score
 
 from .. import api, reference
+from ..problem import KINDS
 from ..quantize import quantize_int4, quantize_nf4
 from .peers import available, run_bnb, run_gemlite, run_tinygemm, setup_bnb, setup_gemlite, setup_tinygemm
 
@@ -101,7 +102,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     device = torch.device(device)
     results = []
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for kind in ("int4", "nf4"):
+    for kind in KINDS:
         w = torch.randn(300, 512, generator=gen) * 0.02
         q = (quantize_nf4(w) if kind == "nf4" else quantize_int4(w)).to(device)
         w64 = reference.dequantize_int4_ref(q.qweight, q.scales, q.zeros, q.group_size, kind, torch.float64)

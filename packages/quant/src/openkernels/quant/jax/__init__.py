@@ -39,7 +39,8 @@ from .quantize import quantize_int4, quantize_nf4
 if TYPE_CHECKING:  # the triton package imports Triton: only where a launch needs it
     from ..triton.configs import LinearConfig
 
-__all__ = ["Int4Weight", "from_torch", "quantize_int4", "quantize_nf4", "int4_linear", "dequantize_int4"]
+# The ops are named by the op table (problem.OPS); the weight and its quantizers beside them.
+__all__ = ["Int4Weight", "from_torch", "quantize_int4", "quantize_nf4", *problem.OPS]
 
 _X_DTYPES = tuple(jax.numpy.dtype(name) for name in problem.X_DTYPES)
 _KERNEL_DTYPES = (jax.numpy.dtype("float16"), jax.numpy.dtype("bfloat16"))  # activations the kernels take
