@@ -13,6 +13,7 @@ jnp = jax.numpy
 
 import openkernels.layernorm as L  # noqa: E402
 import openkernels.layernorm.jax as LJ  # noqa: E402
+from openkernels.layernorm.problem import BENCH_OPS, NORMS  # noqa: E402
 from openkernels.shared import dispatch  # noqa: E402
 from openkernels.shared import jax as okjax  # noqa: E402
 from openkernels.shared.dev.testing import assert_close, random_tensor  # noqa: E402
@@ -283,9 +284,7 @@ def test_benchmark_cases_run(backend: str) -> None:
     from openkernels.layernorm.bench import jax_cases
 
     cases = jax_cases(shapes=((5, 64),), dtype=torch.float32)
-    assert {(c.op, c.direction) for c in cases} == {
-        (op, d) for op in ("rms_norm", "layer_norm", "add_rms_norm") for d in ("fwd", "fwd+bwd")
-    }
+    assert {(c.op, c.direction) for c in cases} == {(op, d) for op in BENCH_OPS for d in ("fwd", "fwd+bwd")}
     for case in cases:
         s = case.make_inputs(torch.device("cpu"))
         with okjax.use_backend(backend):
@@ -303,7 +302,7 @@ def test_pytorch_api_names_match(backend: str) -> None:
     # arrays are immutable: there is nothing to write into).
     import inspect
 
-    for name in ("rms_norm", "layer_norm"):
+    for name in NORMS:
         ours, theirs = inspect.signature(getattr(LJ, name)), inspect.signature(getattr(L, name))
         assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == [
             (p.name, p.kind, p.default) for p in theirs.parameters.values() if p.name != "out"

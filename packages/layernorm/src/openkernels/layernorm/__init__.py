@@ -3,11 +3,12 @@
 Backends: Triton (CUDA and ROCm), fused C++ (CPU, compiled on first use), reference.
 """
 
+from . import api as _api
 from . import ops as _ops  # registers the torch.library ops and dispatch entries
-from .api import AddLayerNorm, AddRMSNorm, LayerNorm, RMSNorm, layer_norm, rms_norm
+from .api import *  # noqa: F403 - the public API is api.__all__ (named by problem.NORMS)
 
 __version__ = "0.6.0"
 
-__all__ = ["AddLayerNorm", "AddRMSNorm", "LayerNorm", "RMSNorm", "layer_norm", "rms_norm"]
+__all__ = _api.__all__
 
-del _ops
+del _ops, _api

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,12 +18,16 @@ from openkernels.shared import opdef, replay
 from openkernels.shared.outputs import check_out
 
 from . import ops
-from .problem import check_shapes_and_scalars
+from .problem import DTYPES, HALF_AND_FLOAT, MODULES, NORMS, check_arrays
 
-__all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "AddRMSNorm", "AddLayerNorm"]
+# The functions and modules are named by the op table (problem.NORMS).
+__all__ = [*NORMS, *MODULES]
 
-_HALF_AND_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPE_NAMES = "float16, bfloat16, float32 (or float64 throughout)"
+# problem.py's dtype names <-> torch dtypes
+_NAME = {getattr(torch, name): name for name in DTYPES}
+# problem.check_arrays' allowed dtype names -> torch dtypes
+_ALLOWED = {names: tuple(getattr(torch, n) for n in names) for names in (HALF_AND_FLOAT, ("float64",))}
 
 
 def _check_tensor(name: str, what: str, t: object, x: torch.Tensor, allowed: tuple) -> None:
@@ -58,27 +63,18 @@ def _check(
 ) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (*_HALF_AND_FLOAT, torch.float64):
+    if x.dtype not in _NAME:
         raise TypeError(f"{name}: x has dtype {x.dtype}; supported: {_DTYPE_NAMES}")
-    # Mixed precision within {fp16, bf16, fp32}; float64 only all the way (tests, gradcheck).
-    allowed = (torch.float64,) if x.dtype == torch.float64 else _HALF_AND_FLOAT
-    for what, t in (("weight", weight), ("bias", bias), ("residual", residual)):
-        if t is not None:
-            _check_tensor(name, what, t, x, allowed)
-    check_shapes_and_scalars(
-        name,
-        tuple(x.shape),
-        {"weight": _shape(weight), "bias": _shape(bias)},
-        _shape(residual),
-        eps,
-        weight_offset,
-    )
+
+    def check_tensor(what: str, t: object, names: tuple[str, ...]) -> None:
+        _check_tensor(name, what, t, x, _ALLOWED[names])
+
+    arrays = (weight, bias, residual)
+    allowed = _ALLOWED[
+        check_arrays(name, tuple(x.shape), _NAME[x.dtype], arrays, eps, weight_offset, check_tensor)
+    ]
     _check_dtype_arg(name, "out_dtype", out_dtype, allowed)
     _check_dtype_arg(name, "residual_dtype", residual_dtype, allowed)
-
-
-def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
-    return None if t is None else tuple(t.shape)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -257,28 +253,22 @@ class LayerNorm(nn.LayerNorm):
         return layer_norm(flat, w, b, self.eps).view(x.shape)
 
 
-class AddRMSNorm(RMSNorm):
+class _ResidualAdd(nn.Module):
+    """Base of the fused residual-add modules: the norm's parameters, plus the keyword
+    residual_dtype, the dtype of the residual stream h = x + residual they return (default:
+    residual's dtype, or x's when residual is None)."""
+
+    def __init__(self, *args: Any, residual_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.residual_dtype = residual_dtype
+
+
+class AddRMSNorm(_ResidualAdd, RMSNorm):
     """Fused residual add + RMSNorm: forward(x, residual) returns (rms_norm(x + residual), x + residual).
 
-    The second output is the residual stream for the next block, in residual_dtype (default:
-    residual's dtype, or x's when residual is None). Same parameters as RMSNorm.
+    The second output is the residual stream for the next block, in residual_dtype. Same
+    parameters as RMSNorm, plus the keyword residual_dtype.
     """
-
-    def __init__(
-        self,
-        normalized_shape: int | Sequence[int],
-        eps: float | None = None,
-        elementwise_affine: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        weight_offset: float = 0.0,
-        residual_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            normalized_shape, eps, elementwise_affine, device, dtype, weight_offset=weight_offset
-        )
-        self.residual_dtype = residual_dtype
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -290,25 +280,11 @@ class AddRMSNorm(RMSNorm):
         return y.view(x.shape), h.view(x.shape)
 
 
-class AddLayerNorm(LayerNorm):
+class AddLayerNorm(_ResidualAdd, LayerNorm):
     """Fused residual add + LayerNorm: forward(x, residual) returns (layer_norm(x + residual), x + residual).
 
-    Same parameters as LayerNorm, plus residual_dtype as in AddRMSNorm.
+    Same parameters as LayerNorm, plus the keyword residual_dtype as in AddRMSNorm.
     """
-
-    def __init__(
-        self,
-        normalized_shape: int | Sequence[int],
-        eps: float = 1e-5,
-        elementwise_affine: bool = True,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        residual_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
-        self.residual_dtype = residual_dtype
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, residual: torch.Tensor | None = None

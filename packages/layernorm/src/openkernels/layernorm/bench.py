@@ -24,6 +24,7 @@ from openkernels.shared.dev.bench import BenchCase, Check, compiled_peer
 from openkernels.shared.dev.bench import score as _score
 
 from . import api
+from .problem import BENCH_OPS, norm_name
 
 __all__ = [
     "GPU_SHAPES",
@@ -40,7 +41,7 @@ __all__ = [
 GPU_SHAPES = ((32768, 2048), (16384, 4096), (8192, 8192), (4096, 16384))
 LONG_ROW_SHAPES = ((1024, 65536), (256, 262144))
 CPU_SHAPES = ((4096, 4096), (16384, 1024))
-OPS = ("rms_norm", "layer_norm", "add_rms_norm")
+OPS = BENCH_OPS
 EPS = 1e-6
 
 
@@ -288,7 +289,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
         else:
             ref = reference.layer_norm_ref(x64, w64, leaves64[2], EPS)
         ref_grads = torch.autograd.grad(ref, leaves64, dy.double())
-        name = "rms_norm" if rms else "layer_norm"
+        name = norm_name(rms)
         for impl in testable_implementations(name, device):
             leaves = [t.detach().to(dtype).requires_grad_() for t in leaves64]
             with dispatch.force(f"{name}:{impl}", f"{name}_backward:{impl}"):

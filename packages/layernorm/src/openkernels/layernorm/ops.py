@@ -32,6 +32,7 @@ from openkernels.shared.layout import as_rows
 # The CPU backend's dispatch predicate; importing it compiles nothing (the library
 # builds on its first call).
 from .cpu import supports as _cpu_supports
+from .problem import NORMS, NormSpec, norm_name
 from .reference import stats_dtype
 
 __all__ = [
@@ -48,7 +49,6 @@ __all__ = [
 _PKG = "openkernels.layernorm"
 # Dtypes the Triton kernels take; the CPU kernels take float64 too (gradcheck).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-OPS = ("rms_norm", "layer_norm")
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
 
@@ -83,28 +83,20 @@ def _fwd_outputs(x, residual, store_residual, out_dtype, residual_dtype, rms, ou
 
 
 def forward(
-    rms: bool,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    eps: float,
-    weight_offset: float,
-    store_residual: bool,
-    out_dtype: torch.dtype | None,
-    residual_dtype: torch.dtype | None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Run the best backend; returns (out, residual_out or None, mean or None, rstd). out: the
-    tensor to write the result into (contiguous, x's shape; x or residual itself is allowed:
-    every backend reads an element before it writes it), else a new one."""
+    rms: bool, x, weight, bias, residual, eps: float, weight_offset: float, store_residual: bool, out_dtype,
+    residual_dtype, out=None,
+) -> tuple:  # fmt: skip
+    """Run the best backend on the library op's arguments (the module docstring's schemas;
+    bias is None for RMSNorm); returns (out, residual_out or None, mean or None, rstd). out:
+    the tensor to write the result into (contiguous, x's shape; x or residual itself is
+    allowed: every backend reads an element before it writes it), else a new one."""
     out, residual_out, mean, rstd = _fwd_outputs(
         x, residual, store_residual, out_dtype, residual_dtype, rms, out
     )
     if x.numel() == 0:
         return out, residual_out, mean, rstd
     dispatch.run(
-        "rms_norm" if rms else "layer_norm",
+        norm_name(rms),
         as_rows(x),
         None if residual is None else as_rows(residual),
         weight,
@@ -122,18 +114,11 @@ def forward(
 
 
 def backward(
-    rms: bool,
-    grad_out: torch.Tensor,
-    grad_residual_out: torch.Tensor | None,
-    h: torch.Tensor,
-    weight: torch.Tensor | None,
-    mean: torch.Tensor | None,
-    rstd: torch.Tensor,
-    weight_offset: float,
-    weight_grad: bool,
+    rms: bool, grad_out, grad_residual_out, h, weight, mean, rstd, weight_offset: float, weight_grad: bool,
     bias_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(grad_h in h's dtype, grad_weight or None, grad_bias or None)."""
+) -> tuple:  # fmt: skip
+    """(grad_h in h's dtype, grad_weight or None, grad_bias or None), on the backward ops'
+    arguments (the module docstring's schemas; mean is None for RMSNorm)."""
     grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     n = h.shape[-1]
     # The parameters' gradients in their final dtype: backends sum in float32 (or float64)
@@ -147,7 +132,7 @@ def backward(
                 t.zero_()
     else:
         dispatch.run(
-            "rms_norm_backward" if rms else "layer_norm_backward",
+            f"{norm_name(rms)}_backward",
             as_rows(grad_out),
             as_rows(h),
             weight,
@@ -287,33 +272,6 @@ def _rms_grads(run, tensors: tuple, values: tuple, grad_outputs: tuple, needs: t
     return grad_x, grad_w if weight_grad else None, grad_res, None, None, None, None, None
 
 
-RMS_NORM = opdef.define(
-    _LIB,
-    opdef.OpDef(
-        name="rms_norm",
-        schema="(Tensor x, Tensor? weight, Tensor? residual, float eps, float weight_offset, bool store_residual, "
-        "ScalarType? out_dtype, ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor)",
-        forward=_rms_forward,
-        fake=_rms_fake,
-        key=_fwd_key,
-        impls=_impls("norm_fwd"),
-        tensor_args=(0, 1, 2),
-        backward=opdef.BackwardDef(
-            schema="(Tensor grad_out, Tensor? grad_residual_out, Tensor h, Tensor? weight, Tensor rstd, "
-            "float weight_offset, bool weight_grad) -> (Tensor, Tensor)",
-            compute=_rms_backward,
-            fake=_rms_backward_fake,
-            save=_rms_save,
-            grads=_rms_grads,
-            key=_bwd_key,
-            impls=_impls("norm_bwd"),
-            non_differentiable=(2,),
-            materialize_grads=False,
-        ),
-    ),
-)
-
-
 # ---- openkernels::layer_norm ---------------------------------------------------------
 
 
@@ -367,33 +325,6 @@ def _ln_grads(run, tensors: tuple, values: tuple, grad_outputs: tuple, needs: tu
     return grad_x, grad_w if weight_grad else None, grad_b, grad_res, None, None, None, None
 
 
-LAYER_NORM = opdef.define(
-    _LIB,
-    opdef.OpDef(
-        name="layer_norm",
-        schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool store_residual, "
-        "ScalarType? out_dtype, ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor, Tensor)",
-        forward=_ln_forward,
-        fake=_ln_fake,
-        key=_fwd_key,
-        impls=_impls("norm_fwd"),
-        tensor_args=(0, 1, 2, 3),
-        backward=opdef.BackwardDef(
-            schema="(Tensor grad_out, Tensor? grad_residual_out, Tensor h, Tensor? weight, Tensor mean, "
-            "Tensor rstd, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)",
-            compute=_ln_backward,
-            fake=_ln_backward_fake,
-            save=_ln_save,
-            grads=_ln_grads,
-            key=_bwd_key,
-            impls=_impls("norm_bwd"),
-            non_differentiable=(2, 3),
-            materialize_grads=False,
-        ),
-    ),
-)
-
-
 # ---- openkernels::rms_norm_out / layer_norm_out: the result into a given tensor --------
 
 
@@ -405,25 +336,56 @@ def _ln_out(x, weight, bias, residual, eps, residual_dtype, *, out) -> None:
     forward(False, x, weight, bias, residual, eps, 0.0, False, out.dtype, residual_dtype, out)
 
 
-# No autograd (the public call refuses out= when a gradient is wanted); the eager calls run
-# _rms_out / _ln_out directly, the library ops serve torch.compile and tensor subclasses.
-RMS_NORM_OUT = opdef.define(
-    _LIB,
-    opdef.OpDef(
-        name="rms_norm_out",
-        schema="(Tensor x, Tensor? weight, Tensor? residual, float eps, float weight_offset, "
-        "ScalarType? residual_dtype, *, Tensor(a!) out) -> ()",
-        forward=_rms_out,
-        fake=lambda *args, out: None,
-    ),
-)
-LAYER_NORM_OUT = opdef.define(
-    _LIB,
-    opdef.OpDef(
-        name="layer_norm_out",
-        schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, ScalarType? residual_dtype, "
-        "*, Tensor(a!) out) -> ()",
-        forward=_ln_out,
-        fake=lambda *args, out: None,
-    ),
-)
+# ---- the library ops, one declaration per norm of the op table ----------------------------
+
+
+def _schemas(rms: bool) -> tuple[str, str, str, int]:
+    """(op, backward op, _out op) schemas of RMSNorm (rms) or LayerNorm, and the op's number
+    of tensor inputs. RMSNorm takes weight_offset; LayerNorm takes a bias, returns the mean
+    beside rstd, and its backward returns the bias gradient."""
+    bias, offset = ("", ", float weight_offset") if rms else (", Tensor? bias", "")
+    inputs = f"Tensor x, Tensor? weight{bias}, Tensor? residual, float eps{offset}"
+    stats = "Tensor rstd" if rms else "Tensor mean, Tensor rstd"
+    param_grads = "bool weight_grad" if rms else "bool weight_grad, bool bias_grad"
+    outputs = ", Tensor" * stats.count("Tensor")
+    op = f"({inputs}, bool store_residual, ScalarType? out_dtype, ScalarType? residual_dtype) -> (Tensor, Tensor{outputs})"
+    backward = (f"(Tensor grad_out, Tensor? grad_residual_out, Tensor h, Tensor? weight, {stats}{offset}, {param_grads}) "
+                f"-> (Tensor{', Tensor' * param_grads.count('bool')})")  # fmt: skip
+    out = f"({inputs}, ScalarType? residual_dtype, *, Tensor(a!) out) -> ()"
+    return op, backward, out, inputs.count("Tensor")
+
+
+# NormSpec.rms -> the functions behind that norm's ops: forward, fake, backward, backward fake,
+# save, grads, _out
+_FUNCTIONS = {
+    True: (_rms_forward, _rms_fake, _rms_backward, _rms_backward_fake, _rms_save, _rms_grads, _rms_out),
+    False: (_ln_forward, _ln_fake, _ln_backward, _ln_backward_fake, _ln_save, _ln_grads, _ln_out),
+}
+
+
+def _define(spec: NormSpec) -> tuple[opdef.DefinedOp, opdef.DefinedOp]:
+    """openkernels::<name> (with autograd and <name>_backward) and openkernels::<name>_out.
+
+    The _out op has no autograd (the public call refuses out= when a gradient is wanted); eager
+    calls run its forward directly, the library op serves torch.compile and tensor subclasses.
+    The statistics (outputs 2 on) carry no gradient."""
+    schema, backward_schema, out_schema, n_tensors = _schemas(spec.rms)
+    forward, fake, backward, backward_fake, save, grads, out = _FUNCTIONS[spec.rms]
+    n_stats = 1 if spec.rms else 2
+    bwd = opdef.BackwardDef(
+        schema=backward_schema, compute=backward, fake=backward_fake, save=save, grads=grads, key=_bwd_key,
+        impls=_impls("norm_bwd"), non_differentiable=tuple(range(2, 2 + n_stats)), materialize_grads=False,
+    )  # fmt: skip
+    op = opdef.OpDef(name=spec.name, schema=schema, forward=forward, fake=fake, key=_fwd_key, impls=_impls("norm_fwd"),
+                     tensor_args=tuple(range(n_tensors)), backward=bwd)  # fmt: skip
+    out_op = opdef.OpDef(
+        name=f"{spec.name}_out", schema=out_schema, forward=out, fake=lambda *args, out: None
+    )
+    return opdef.define(_LIB, op), opdef.define(_LIB, out_op)
+
+
+# op name -> (its callable, its _out op's): every norm of problem.NORMS
+OPS: dict[str, tuple[opdef.DefinedOp, opdef.DefinedOp]] = {
+    name: _define(spec) for name, spec in NORMS.items()
+}
+(RMS_NORM, RMS_NORM_OUT), (LAYER_NORM, LAYER_NORM_OUT) = OPS[norm_name(True)], OPS[norm_name(False)]

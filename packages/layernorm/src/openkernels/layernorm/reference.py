@@ -43,16 +43,9 @@ def _statistics(h: torch.Tensor, eps: float, rms: bool) -> tuple[torch.Tensor | 
     return mean, torch.rsqrt(var + eps)
 
 
-def _normalize(
-    h: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    weight_offset: float,
-    rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(y, mean or None, rstd) of h over its last dim, all in the compute dtype (statistics
-    keep that dim)."""
+def _normalize(h, weight, bias, eps: float, weight_offset: float, rms: bool) -> tuple:
+    """(y, mean or None, rstd) of h (..., N) over its last dim, with weight and bias (N,) or
+    None, all in the compute dtype (statistics keep that dim)."""
     hc = h.to(stats_dtype(h.dtype))
     acc = hc.dtype
     mean, rstd = _statistics(hc, eps, rms)
@@ -100,24 +93,12 @@ def layer_norm_ref(
     return _norm_ref(x, weight, bias, eps, residual, prenorm, 0.0, out_dtype, residual_dtype, False)
 
 
-# Backend entry points (contract in ops.py): 2D inputs with unit column stride, outputs
-# preallocated and contiguous.
+# Backend entry points: ops.py's docstring gives the arguments' shapes and dtypes (2D inputs
+# with unit column stride, outputs preallocated and contiguous).
 
 
 def norm_fwd(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    residual_out: torch.Tensor | None,
-    mean: torch.Tensor | None,
-    rstd: torch.Tensor,
-    *,
-    eps: float,
-    weight_offset: float,
-    rms: bool,
-    h_dtype: torch.dtype,
+    x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype
 ) -> None:
     h = _residual_stream(x, residual, h_dtype)
     if residual_out is not None:
@@ -129,20 +110,7 @@ def norm_fwd(
     out.copy_(y)
 
 
-def norm_bwd(
-    dy: torch.Tensor,
-    h: torch.Tensor,
-    weight: torch.Tensor | None,
-    mean: torch.Tensor | None,
-    rstd: torch.Tensor,
-    dh_out: torch.Tensor | None,
-    dh: torch.Tensor,
-    dweight: torch.Tensor | None,
-    dbias: torch.Tensor | None,
-    *,
-    weight_offset: float,
-    rms: bool,
-) -> None:
+def norm_bwd(dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias, *, weight_offset, rms) -> None:
     """dh = d(norm)/dh applied to dy, plus dh_out; dweight = sum(dy * xhat); dbias = sum(dy).
 
     With xhat = (h - mean) * rstd and g = dy * (w + weight_offset):

@@ -35,19 +35,15 @@ from jax.custom_derivatives import SymbolicZero
 
 from openkernels.shared import jax as okjax
 
-from ..problem import check_shapes_and_scalars
+from ..problem import DTYPES, NORMS, check_arrays
 
 # jax.numpy goes by its full name here: in this package, jnp is the submodule jnp.py.
 from . import jnp as jnp_backend
 from . import launch
 
-__all__ = ["rms_norm", "layer_norm"]
+__all__ = [*NORMS]
 
-_HALF_AND_FLOAT = tuple(
-    jax.numpy.dtype(d) for d in (jax.numpy.float16, jax.numpy.bfloat16, jax.numpy.float32)
-)
 _F64 = jax.numpy.dtype(jax.numpy.float64)
-_DTYPES = (*_HALF_AND_FLOAT, _F64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +76,10 @@ def _dtype_arg(name: str, what: str, dtype: Any, allowed: tuple) -> jax.numpy.dt
         resolved = None
     if resolved is None or not jax.numpy.issubdtype(resolved, jax.numpy.floating):
         raise TypeError(f"{name}: {what} must be a floating JAX dtype or None, got {dtype!r}")
-    if resolved not in allowed:
-        names = ", ".join(d.name for d in allowed)
-        raise TypeError(f"{name}: {what}={resolved.name} is not supported here; allowed: {names}")
+    if resolved.name not in allowed:
+        raise TypeError(
+            f"{name}: {what}={resolved.name} is not supported here; allowed: {', '.join(allowed)}"
+        )
     return resolved
 
 
@@ -91,21 +88,13 @@ def _check(
     out_dtype: Any, residual_dtype: Any,
 ) -> tuple[jax.numpy.dtype, jax.numpy.dtype]:  # fmt: skip
     """Raise TypeError / ValueError for bad arguments; returns (out dtype, h dtype)."""
-    okjax.check_array(name, "x", x, _DTYPES)
-    # Mixed precision within {fp16, bf16, fp32}; float64 only all the way.
-    allowed = (_F64,) if x.dtype == _F64 else _HALF_AND_FLOAT
-    for what, t in (("weight", weight), ("bias", bias), ("residual", residual)):
-        if t is not None:
-            okjax.check_array(name, what, t, allowed)
-    shape = lambda t: None if t is None else tuple(t.shape)  # noqa: E731
-    check_shapes_and_scalars(
-        name,
-        tuple(x.shape),
-        {"weight": shape(weight), "bias": shape(bias)},
-        shape(residual),
-        eps,
-        weight_offset,
-    )
+    okjax.check_array(name, "x", x, DTYPES)
+
+    def check_array(what: str, t: Any, names: tuple[str, ...]) -> None:
+        okjax.check_array(name, what, t, names)
+
+    arrays = (weight, bias, residual)
+    allowed = check_arrays(name, tuple(x.shape), x.dtype.name, arrays, eps, weight_offset, check_array)
     out = _dtype_arg(name, "out_dtype", out_dtype, allowed) or x.dtype
     h = _dtype_arg(name, "residual_dtype", residual_dtype, allowed)
     return out, h or (residual.dtype if residual is not None else x.dtype)

@@ -1,7 +1,7 @@
 """Launch plans of the layernorm kernels: kernel, grid, split count, rows per program and
 every constexpr of one launch, as a pure function of the problem's shape and options.
 
-`fwd_plan` / `bwd_plan` are what the PyTorch launchers (triton/__init__.py) launch;
+`plan("fwd" | "bwd", ...)` is what the PyTorch launchers (triton/__init__.py) launch;
 `fwd_launch` / `bwd_launch` describe, without JAX, the whole launch JAX makes from them
 (jax/launch.py launches these through `openkernels.shared.jax.launch`, and tests/test_aot.py
 compiles the same descriptions for GPUs this machine lacks). Under JAX every array is
@@ -19,7 +19,7 @@ import torch
 
 from .configs import MAX_SPLITS, NormConfig, launch_config, next_pow2
 
-__all__ = ["FwdPlan", "BwdPlan", "fwd_plan", "bwd_plan", "Launch", "fwd_launch", "bwd_launch"]
+__all__ = ["FwdPlan", "BwdPlan", "plan", "Launch", "fwd_launch", "bwd_launch"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -68,7 +68,8 @@ class BwdPlan:
 
 # Plans are cached per shape: bounded, since row counts vary from call to call.
 @functools.lru_cache(maxsize=4096)
-def fwd_plan(
+def plan(
+    direction: str,
     n_rows: int,
     n_cols: int,
     dtype: torch.dtype,
@@ -77,12 +78,19 @@ def fwd_plan(
     rms: bool,
     sm_count: int,
     config: NormConfig | None = None,
-) -> FwdPlan:
-    """The forward launch of an (n_rows, n_cols) problem; PyTorch and JAX launch through this.
+) -> FwdPlan | BwdPlan:
+    """The launch of an (n_rows, n_cols) problem in `direction` ("fwd" or "bwd"); PyTorch
+    and JAX launch through this.
 
     backend: "cuda", "rocm" or "cpu" (the Triton interpreter); sm_count: SMs / CUs of the
     device (sizes persistent grids); config: overrides `launch_config` (tests)."""
-    cfg = config or launch_config(n_cols, dtype, backend, "fwd", aligned, rms)
+    cfg = config or launch_config(n_cols, dtype, backend, direction, aligned, rms)
+    if direction == "bwd":
+        return _bwd_plan(cfg, n_rows, n_cols, sm_count)
+    return _fwd_plan(cfg, n_rows, n_cols, backend, sm_count)
+
+
+def _fwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, backend: str, sm_count: int) -> FwdPlan:
     if cfg.mode == "tile":
         blocks = _cdiv(n_rows, cfg.block_rows)
         meta = dict(EVEN_C=n_cols == cfg.block_cols, PERSISTENT=cfg.programs_per_sm > 0,
@@ -99,19 +107,7 @@ def fwd_plan(
     return FwdPlan(cfg, "_norm_fwd_looped_kernel", (n_rows,), 1, (("BLOCK_C", cfg.block_cols),))
 
 
-@functools.lru_cache(maxsize=4096)
-def bwd_plan(
-    n_rows: int,
-    n_cols: int,
-    dtype: torch.dtype,
-    backend: str,
-    aligned: bool,
-    rms: bool,
-    sm_count: int,
-    config: NormConfig | None = None,
-) -> BwdPlan:
-    """The backward launch of an (n_rows, n_cols) problem (arguments as in `fwd_plan`)."""
-    cfg = config or launch_config(n_cols, dtype, backend, "bwd", aligned, rms)
+def _bwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, sm_count: int) -> BwdPlan:
     # Every program gets at least one row, so every partial row is written.
     rows_per_program = _cdiv(n_rows, _programs(n_rows, cfg, sm_count))
     if not cfg.looped:
@@ -171,7 +167,7 @@ def fwd_launch(
     "bfloat16"). Outputs: out (n_rows, n_cols) out_dtype; res_out (n_rows, n_cols) h_dtype
     when store_residual; mean, rstd (n_rows,) float32 (mean for LayerNorm only).
     vendor: "cuda", "rocm" or "cpu" (the Triton interpreter)."""
-    plan = fwd_plan(n_rows, n_cols, getattr(torch, dtype), vendor, _aligned(n_cols), rms, sm_count)
+    lp = plan("fwd", n_rows, n_cols, getattr(torch, dtype), vendor, _aligned(n_cols), rms, sm_count)
     rows = (n_rows, n_cols)
     inputs = (
         ("x_ptr", "x"),
@@ -191,17 +187,17 @@ def fwd_launch(
         stride_out=n_cols, stride_res_out=n_cols if store_residual else 0,
         eps=float(eps), weight_offset=float(weight_offset),
         IS_RMS=rms, HAS_RESIDUAL=has_residual, STORE_RESIDUAL=store_residual,
-        HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, **plan.constexprs,
+        HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, **lp.constexprs,
     )  # fmt: skip
     zeroed: tuple[str, ...] = ()
-    if plan.config.mode == "split":
+    if lp.config.mode == "split":
         # Scratch of the split kernel: partial statistics, and per-row arrival counters
         # that must start at zero (the PyTorch launcher zeroes them too).
-        outputs += [("part_ptr", (n_rows * plan.splits * 2,), _STATS), ("arrived_ptr", (n_rows,), "int32")]
-        constants["n_splits"] = plan.splits
+        outputs += [("part_ptr", (n_rows * lp.splits * 2,), _STATS), ("arrived_ptr", (n_rows,), "int32")]
+        constants["n_splits"] = lp.splits
         zeroed = ("arrived_ptr",)
-    cfg = plan.config
-    return Launch(plan.kernel, plan.grid, inputs, tuple(outputs), tuple(constants.items()), cfg.num_warps,
+    cfg = lp.config
+    return Launch(lp.kernel, lp.grid, inputs, tuple(outputs), tuple(constants.items()), cfg.num_warps,
                   cfg.num_stages, zeroed)  # fmt: skip
 
 
@@ -222,8 +218,8 @@ def bwd_launch(
     """The backward launch on h (n_rows, n_cols) of h_dtype. Outputs: dh (n_rows, n_cols)
     h_dtype; dw_part, db_part (programs, n_cols) float32 partial sums over each program's
     rows, to be summed over axis 0 (one-element stand-ins when not wanted)."""
-    plan = bwd_plan(n_rows, n_cols, getattr(torch, h_dtype), vendor, _aligned(n_cols), rms, sm_count)
-    parts = (plan.programs, n_cols)
+    lp = plan("bwd", n_rows, n_cols, getattr(torch, h_dtype), vendor, _aligned(n_cols), rms, sm_count)
+    parts = (lp.programs, n_cols)
     inputs = (
         ("dy_ptr", "dy"),
         ("h_ptr", "h"),
@@ -240,10 +236,10 @@ def bwd_launch(
     constants: dict[str, int | float | bool] = dict(
         n_rows=n_rows, n_cols=n_cols, stride_dy=n_cols, stride_h=n_cols,
         stride_dh_out=n_cols if has_dh_out else 0, stride_dh=n_cols,
-        rows_per_program=plan.rows_per_program, weight_offset=float(weight_offset),
+        rows_per_program=lp.rows_per_program, weight_offset=float(weight_offset),
         IS_RMS=rms, HAS_WEIGHT=has_weight, HAS_DH_OUT=has_dh_out, WEIGHT_GRAD=weight_grad,
-        BIAS_GRAD=bias_grad, **plan.constexprs,
+        BIAS_GRAD=bias_grad, **lp.constexprs,
     )  # fmt: skip
-    cfg = plan.config
-    return Launch("_norm_bwd_kernel", plan.grid, inputs, outputs, tuple(constants.items()), cfg.num_warps,
+    cfg = lp.config
+    return Launch("_norm_bwd_kernel", lp.grid, inputs, outputs, tuple(constants.items()), cfg.num_warps,
                   cfg.num_stages)  # fmt: skip
