@@ -596,11 +596,24 @@ bool run_steps(const Entry& entry, const std::vector<const at::Tensor*>& inputs,
   return true;
 }
 
-PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
+// The methods that take a call's (args, kwargs): body(key, keyed) with the call's key (keyed: 1, or 0
+// when the call has none), after call_key's checks (their error: nullptr); a C++ exception from
+// either becomes a RuntimeError.
+template <class Body>
+PyObject* with_call_key(PyObject* const* argv, Py_ssize_t argc, const char* usage, Body&& body) {
   try {
     CallKey k;
-    const int keyed = call_key(argv, argc, 2, "Table.call(args: tuple, kwargs: dict | None)", k);
+    const int keyed = call_key(argv, argc, 2, usage, k);
     if (keyed < 0) return nullptr;
+    return body(k, keyed);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  return with_call_key(argv, argc, "Table.call(args: tuple, kwargs: dict | None)", [&](CallKey& k, int keyed) -> PyObject* {
     if (keyed == 0 || (k.cuda && !allow_cuda)) {
       Py_INCREF(skip_sentinel);
       return skip_sentinel;
@@ -645,10 +658,7 @@ PyObject* table_call(TableObject* self, PyObject* const* argv, Py_ssize_t argc) 
     for (size_t i = 0; i < entry.returns.size(); ++i)
       PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), THPVariable_Wrap(outputs[entry.returns[i]]));
     return result;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  });
 }
 
 PyObject* store(TableObject* self, PyObject* args, PyObject* kwargs, std::vector<int64_t>&& key,
@@ -977,18 +987,12 @@ PyObject* table_add(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
 
 PyObject* table_refuse(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
   // Table.refuse(args, kwargs): calls with this key take the Python path from now on.
-  try {
-    CallKey k;
-    const int keyed = call_key(argv, argc, 2, "Table.refuse(args, kwargs)", k);
-    if (keyed < 0) return nullptr;
+  return with_call_key(argv, argc, "Table.refuse(args, kwargs)", [&](CallKey& k, int keyed) -> PyObject* {
     if (keyed == 0) Py_RETURN_FALSE;
     auto entry = std::make_shared<Entry>();
     entry->skip = true;
     return store(self, argv[0], argv[1], std::move(k.key), std::move(entry));
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  });
 }
 
 PyObject* store(TableObject* self, PyObject* args, PyObject* kwargs, std::vector<int64_t>&& key,
@@ -1002,18 +1006,12 @@ PyObject* store(TableObject* self, PyObject* args, PyObject* kwargs, std::vector
 
 PyObject* table_kind(TableObject* self, PyObject* const* argv, Py_ssize_t argc) {
   // Table.kind(args, kwargs): "program", "launches", "refused", or None (no entry): tests.
-  try {
-    CallKey k;
-    const int keyed = call_key(argv, argc, 2, "Table.kind(args, kwargs)", k);
-    if (keyed < 0) return nullptr;
+  return with_call_key(argv, argc, "Table.kind(args, kwargs)", [&](CallKey& k, int keyed) -> PyObject* {
     auto found = keyed ? self->entries->find(k.key) : self->entries->end();
     if (found == self->entries->end()) Py_RETURN_NONE;
     const Entry& entry = *found->second;
     return PyUnicode_FromString(entry.skip ? "refused" : entry.program.empty() ? "launches" : "program");
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  });
 }
 
 PyObject* table_clear(TableObject* self, PyObject*) {
@@ -1065,19 +1063,13 @@ PyTypeObject table_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyObject* key_of(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   // The key of a call as a tuple of ints, or None (tests).
-  CallKey k;
-  try {
-    const int keyed = call_key(argv, argc, 2, "key(args, kwargs)", k);
-    if (keyed < 0) return nullptr;
+  return with_call_key(argv, argc, "key(args, kwargs)", [&](CallKey& k, int keyed) -> PyObject* {
     if (keyed == 0) Py_RETURN_NONE;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  const std::vector<int64_t>& key = k.key;
-  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(key.size()));
-  for (size_t i = 0; i < key.size(); ++i) PyTuple_SET_ITEM(out, i, PyLong_FromLongLong(key[i]));
-  return out;
+    const std::vector<int64_t>& key = k.key;
+    PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(key.size()));
+    for (size_t i = 0; i < key.size(); ++i) PyTuple_SET_ITEM(out, i, PyLong_FromLongLong(key[i]));
+    return out;
+  });
 }
 
 PyObject* set_cuda(PyObject*, PyObject* flag) {
