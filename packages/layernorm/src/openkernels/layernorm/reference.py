@@ -57,25 +57,22 @@ def _normalize(h, weight, bias, eps: float, weight_offset: float, rms: bool) -> 
     return y, mean, rstd
 
 
-def _norm_ref(x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype, residual_dtype, rms):
+def _norm_ref(
+    x, weight, bias, eps, *, rms: bool, residual=None, prenorm=False, weight_offset=0.0, out_dtype=None,
+    residual_dtype=None,
+):  # fmt: skip
     h = _residual_stream(x, residual, residual_dtype)
     y = _normalize(h, weight, bias, eps, weight_offset, rms)[0].to(out_dtype or x.dtype)
     return (y, h) if prenorm else y
 
 
 def rms_norm_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    *,
-    residual: torch.Tensor | None = None,
-    prenorm: bool = False,
-    weight_offset: float = 0.0,
-    out_dtype: torch.dtype | None = None,
-    residual_dtype: torch.dtype | None = None,
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, **options: object
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim under the casting contract above (differentiable)."""
-    return _norm_ref(x, weight, None, eps, residual, prenorm, weight_offset, out_dtype, residual_dtype, True)
+    """RMSNorm over the last dim under the casting contract above (differentiable). options,
+    by keyword: residual, prenorm, weight_offset, out_dtype, residual_dtype, as in
+    `openkernels.layernorm.rms_norm`."""
+    return _norm_ref(x, weight, None, eps, rms=True, **options)
 
 
 def layer_norm_ref(
@@ -83,14 +80,12 @@ def layer_norm_ref(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
-    *,
-    residual: torch.Tensor | None = None,
-    prenorm: bool = False,
-    out_dtype: torch.dtype | None = None,
-    residual_dtype: torch.dtype | None = None,
+    **options: object,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """LayerNorm over the last dim under the casting contract above (differentiable)."""
-    return _norm_ref(x, weight, bias, eps, residual, prenorm, 0.0, out_dtype, residual_dtype, False)
+    """LayerNorm over the last dim under the casting contract above (differentiable). options,
+    by keyword: residual, prenorm, out_dtype, residual_dtype, as in
+    `openkernels.layernorm.layer_norm` (a weight_offset is a TypeError)."""
+    return _norm_ref(x, weight, bias, eps, rms=False, weight_offset=0.0, **options)
 
 
 # Backend entry points: ops.py's docstring gives the arguments' shapes and dtypes (2D inputs

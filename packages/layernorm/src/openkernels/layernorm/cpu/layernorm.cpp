@@ -244,28 +244,10 @@ OK_NOINLINE A sum_of(const A* __restrict p, int64_t n) {
   return s + fold(acc);
 }
 
-template <class A>
-OK_NOINLINE A sum_sq(const A* __restrict p, A center, int64_t n) {
-  A acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-    for (int j = 0; j < kLanes; ++j) {
-      const A d = p[i + j] - center;
-      acc[j] += d * d;
-    }
-  }
-  A s = 0;
-  for (; i < n; ++i) {
-    const A d = p[i] - center;
-    s += d * d;
-  }
-  return s + fold(acc);
-}
-
-// sum(d^2) and sum(d) with d = p - center (the shifted-data sums: exact differences near the center).
-template <class A>
-OK_NOINLINE A centered_sums(const A* __restrict p, A center, int64_t n, A& sum_d) {
+// sum(d^2) with d = p - center, and with kLinear sum(d) too, into *sum_d (the shifted-data sums: exact
+// differences near the center). One loop for both: without kLinear the linear sums compile away.
+template <class A, bool kLinear = true>
+OK_NOINLINE A centered_sums(const A* __restrict p, A center, int64_t n, A* sum_d) {
   A sq[kLanes] = {}, lin[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -273,18 +255,24 @@ OK_NOINLINE A centered_sums(const A* __restrict p, A center, int64_t n, A& sum_d
     for (int j = 0; j < kLanes; ++j) {
       const A d = p[i + j] - center;
       sq[j] += d * d;
-      lin[j] += d;
+      if constexpr (kLinear) lin[j] += d;
     }
   }
   A s = 0, t = 0;
   for (; i < n; ++i) {
     const A d = p[i] - center;
     s += d * d;
-    t += d;
+    if constexpr (kLinear) t += d;
   }
-  sum_d = t + fold(lin);
+  if constexpr (kLinear) *sum_d = t + fold(lin);
   return s + fold(sq);
 }
+
+template <class A>
+OK_INLINE A sum_sq(const A* __restrict p, A center, int64_t n) {
+  return centered_sums<A, false>(p, center, n, nullptr);
+}
+
 
 // Per-thread scratch that outlives the call (no page faults on reuse): slot k of the calling thread.
 template <class T>
@@ -499,7 +487,7 @@ void first_value_stats(const A* h, int64_t N, double& sum_d, double& sum_sq) {
     sum_d = sum_sq = 0.0;
     for (int64_t c = 0; c < N; c += kChunk) {
       A d;
-      sum_sq += double(centered_sums<A>(h + c, center, std::min(kChunk, N - c), d));
+      sum_sq += double(centered_sums<A>(h + c, center, std::min(kChunk, N - c), &d));
       sum_d += double(d);
     }
     dc = sum_d / double(N);
@@ -541,7 +529,7 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
     const A* hc = refetch ? tb : h + c;
     if (one_pass) {
       A sum_d;
-      m2 += double(centered_sums<A>(hc, h[0], m, sum_d));
+      m2 += double(centered_sums<A>(hc, h[0], m, &sum_d));
       mu += double(sum_d);
       if (ro) store(f.res_out_code, hc, ro + c * elem_size(f.res_out_code), m, stream_res);
       continue;
@@ -570,7 +558,7 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
       const A inv = A(1) / A(m);
       const A center = A(sc) * inv;
       A sum_d;
-      const A ss = centered_sums<A>(hc, center, m, sum_d);
+      const A ss = centered_sums<A>(hc, center, m, &sum_d);
       const A dc = sum_d * inv;
       mu = double(center + dc);
       m2 = double(std::max(A(0), ss - A(m) * dc * dc));
@@ -579,7 +567,7 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
       // exactly: the rounded sum(h) only picks the center.
       const A center = A(sc / double(m));
       A sum_d;
-      const double ss = double(centered_sums<A>(hc, center, m, sum_d));
+      const double ss = double(centered_sums<A>(hc, center, m, &sum_d));
       const double dc = double(sum_d) / double(m);
       const double mean_c = double(center) + dc;
       const double m2_c = std::max(0.0, ss - double(m) * dc * dc);
