@@ -273,7 +273,6 @@ OK_INLINE A sum_sq(const A* __restrict p, A center, int64_t n) {
   return centered_sums<A, false>(p, center, n, nullptr);
 }
 
-
 // Per-thread scratch that outlives the call (no page faults on reuse): slot k of the calling thread.
 template <class T>
 T* scratch(int slot, int64_t n) {
@@ -284,21 +283,14 @@ T* scratch(int slot, int64_t n) {
   return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
 }
 
-OK_INLINE int team_size() {
+// The OpenMP team's size and this thread's place in it (one thread, 0, without OpenMP).
 #if defined(_OPENMP)
-  return omp_get_num_threads();
+OK_INLINE int team_size() { return omp_get_num_threads(); }
+OK_INLINE int thread_id() { return omp_get_thread_num(); }
 #else
-  return 1;
+OK_INLINE int team_size() { return 1; }
+OK_INLINE int thread_id() { return 0; }
 #endif
-}
-
-OK_INLINE int thread_id() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
 
 // A large output whose pages were never touched (glibc serves large allocations with fresh mmap pages)
 // costs one page fault per 4 KiB on first store, each zeroing its page: on this kind of machine that
