@@ -42,7 +42,7 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 SELECT_ENV = "OPENKERNELS_ASV_SELECT"
@@ -206,6 +206,8 @@ class Suite:
     # Shapes per device kind, for suites with a "shape" parameter (its values are the union).
     gpu_shapes: Sequence[str] = ()
     cpu_shapes: Sequence[str] = ()
+    # Parameter values measured on GPUs alone ({name: values}; quant: M = 2048).
+    gpu_only: Mapping[str, Sequence[str]] = {}
 
     def build(self, dev: Any, **params: str) -> Any:
         raise NotImplementedError
@@ -230,6 +232,13 @@ class Suite:
             "reference": ("bfloat16",) if gpu else ("bfloat16", "float32"),
         }
         if dtype not in allowed[backend]:
+            return False
+        return self.on_grid(device_type, params)
+
+    def on_grid(self, device_type: str, params: Mapping[str, str]) -> bool:
+        """The family's shapes for this kind of device, and `gpu_only` values on GPUs alone."""
+        gpu = device_type == "cuda"
+        if not gpu and any(params.get(name) in values for name, values in self.gpu_only.items()):
             return False
         shapes = self.gpu_shapes if gpu else self.cpu_shapes
         return "shape" not in params or params["shape"] in shapes
@@ -321,8 +330,7 @@ class PeerSuite(Suite):
         """The peer runs on this kind of device, bfloat16, and the family's shapes for it."""
         if not self.runs_on(device_type, params["peer"]) or params["dtype"] not in PEER_DTYPES:
             return False
-        shapes = self.gpu_shapes if device_type == "cuda" else self.cpu_shapes
-        return "shape" not in params or params["shape"] in shapes
+        return self.on_grid(device_type, params)
 
     def measure(self, dev: Any, params: dict[str, str]) -> dict[str, Any]:
         peer = params["peer"]

@@ -19,14 +19,12 @@ from . import _harness as _h
 class Int4Linear(_h.Suite, _h.GBps):
     gpu_shapes = ["8192x8192", "28672x8192"]
     cpu_shapes = ["4096x4096"]
+    gpu_only = {"m": ["2048"]}  # dequantize, then the vendor GEMM: a GPU path; CPUs stop at M = 128
     params = [["int4", "nf4"], ["1", "16", "128", "2048"], gpu_shapes + cpu_shapes, _h.DTYPES, _h.BACKENDS]
     param_names = ["kind", "m", "shape", "dtype", "backend"]
 
     def setup_cache(self) -> dict:
         return self.measure_all()
-
-    def applies(self, device_type: str, **params: str) -> bool:
-        return super().applies(device_type, **params) and _m_applies(device_type, params["m"])
 
     def build(self, dev: Any, kind: str, m: str, shape: str, dtype: str, backend: str) -> Any:
         return _case(dev, kind, m, shape, dtype, peers=[])
@@ -35,6 +33,7 @@ class Int4Linear(_h.Suite, _h.GBps):
 class Int4LinearPeers(_h.PeerSuite, _h.GBps):
     gpu_shapes = Int4Linear.gpu_shapes
     cpu_shapes = Int4Linear.cpu_shapes
+    gpu_only = Int4Linear.gpu_only
     # name in the report: contender of openkernels.quant.bench
     peers = {"F.linear (16-bit weight)": "torch", "tinygemm (torch int4)": "tinygemm"}
     peer_devices = {"tinygemm (torch int4)": ("cuda",)}
@@ -50,16 +49,8 @@ class Int4LinearPeers(_h.PeerSuite, _h.GBps):
     def setup_cache(self) -> dict:
         return self.measure_all()
 
-    def applies(self, device_type: str, **params: str) -> bool:
-        return super().applies(device_type, **params) and _m_applies(device_type, params["m"])
-
     def build(self, dev: Any, kind: str, m: str, shape: str, dtype: str, peer: str) -> Any:
         return _case(dev, kind, m, shape, dtype, peers=[self.peers[peer]])
-
-
-def _m_applies(device_type: str, m: str) -> bool:
-    # M = 2048 (dequantize, then the vendor GEMM) is a GPU path; CPUs stop at M = 128.
-    return device_type == "cuda" or m != "2048"
 
 
 def _case(dev: Any, kind: str, m: str, shape: str, dtype: str, peers: list[str]) -> Any:
