@@ -27,7 +27,7 @@ extern "C" int toy_mul_packed(const int64_t* s) {
 """
 
 _LIB = torch.library.Library("openkernels_replay_grad_test", "DEF")
-_STATE: dict = {}  # "kernels": the observed toy library; "op": the defined op
+_STATE: dict = {}  # "kernels": the observed toy library; by their names: the defined ops
 PYTHON_RUNS: list[str] = []  # which Python body ran: "public", "forward", "backward"
 
 
@@ -54,29 +54,31 @@ def _grads(run, tensors, values, grads, needs):
     return (gx if needs[0] else None, gw if needs[1] else None)
 
 
+def _toy_op(name: str, schema: str, forward, fake, backward: opdef.BackwardDef) -> opdef.DefinedOp:
+    """openkernels::<name> of (x, w), both tensors, defined on its first use: a torch.library op
+    lives as long as the process, and the module's fixtures may be set up again."""
+    if name not in _STATE:
+        op = opdef.OpDef(
+            name=name, schema=schema, forward=forward, fake=fake, tensor_args=(0, 1), backward=backward
+        )
+        _STATE[name] = opdef.define(_LIB, op)
+    return _STATE[name]
+
+
 @pytest.fixture(scope="module")
 def mul(toy_library):
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     _STATE["kernels"] = toy_library(_SOURCE, "openkernels_toy_replay_grad", {"toy_mul": [p, p, p, i64]})
-    if "op" not in _STATE:  # the torch.library op lives as long as the process
-        _STATE["op"] = opdef.define(
-            _LIB,
-            opdef.OpDef(
-                name="toy_mul",
-                schema="(Tensor x, Tensor w) -> Tensor",
-                forward=_forward,
-                fake=lambda x, w: torch.empty_like(x),
-                tensor_args=(0, 1),
-                backward=opdef.BackwardDef(
-                    schema="(Tensor grad, Tensor x, Tensor w, bool want_x, bool want_w) -> (Tensor, Tensor)",
-                    compute=_backward,
-                    fake=lambda grad, x, w, want_x, want_w: (torch.empty_like(x), torch.empty_like(w)),
-                    save=lambda inputs, output: ((inputs[0], inputs[1]), ()),
-                    grads=_grads,
-                ),
-            ),
-        )
-    op = _STATE["op"]
+    backward = opdef.BackwardDef(
+        schema="(Tensor grad, Tensor x, Tensor w, bool want_x, bool want_w) -> (Tensor, Tensor)",
+        compute=_backward,
+        fake=lambda grad, x, w, want_x, want_w: (torch.empty_like(x), torch.empty_like(w)),
+        save=lambda inputs, output: ((inputs[0], inputs[1]), ()),
+        grads=_grads,
+    )
+    op = _toy_op(
+        "toy_mul", "(Tensor x, Tensor w) -> Tensor", _forward, lambda x, w: torch.empty_like(x), backward
+    )
 
     @replay.replayable
     def public(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -247,26 +249,18 @@ def _tanh_mul_backward(
 def tanh_mul():
     if not replay.available():
         pytest.skip("the replay extension cannot be built here")
-    if "tanh_mul" not in _STATE:
-        _STATE["tanh_mul"] = opdef.define(
-            _LIB,
-            opdef.OpDef(
-                name="toy_tanh_mul",
-                schema="(Tensor x, Tensor w) -> (Tensor, Tensor)",
-                forward=_tanh_mul_forward,
-                fake=lambda x, w: (torch.empty_like(x), torch.empty_like(x)),
-                tensor_args=(0, 1),
-                backward=opdef.BackwardDef(
-                    schema="(Tensor grad, Tensor t, Tensor w) -> (Tensor, Tensor)",
-                    compute=_tanh_mul_backward,
-                    fake=lambda grad, t, w: (torch.empty_like(t), torch.empty_like(w)),
-                    save=lambda inputs, output: ((output[1], inputs[1]), ()),
-                    grads=lambda run, tensors, values, grads, needs: run(grads[0], *tensors),
-                    non_differentiable=(1,),
-                ),
-            ),
-        )
-    op = _STATE["tanh_mul"]
+    backward = opdef.BackwardDef(
+        schema="(Tensor grad, Tensor t, Tensor w) -> (Tensor, Tensor)",
+        compute=_tanh_mul_backward,
+        fake=lambda grad, t, w: (torch.empty_like(t), torch.empty_like(w)),
+        save=lambda inputs, output: ((output[1], inputs[1]), ()),
+        grads=lambda run, tensors, values, grads, needs: run(grads[0], *tensors),
+        non_differentiable=(1,),
+    )
+    fake = lambda x, w: (torch.empty_like(x), torch.empty_like(x))  # noqa: E731
+    op = _toy_op(
+        "toy_tanh_mul", "(Tensor x, Tensor w) -> (Tensor, Tensor)", _tanh_mul_forward, fake, backward
+    )
 
     @replay.replayable
     def public(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
