@@ -4,7 +4,7 @@ BenchCase as ours, on ours' input sets (the case's "ours" setup), forward or
 forward+backward like the case's other contenders. A library that does not import raises
 PeerUnavailableError: asv records the peer as n/a.
 
-(Move these into openkernels.attention.bench / openkernels.layernorm.bench once those modules
+(Move these into openkernels.attention.core.bench / openkernels.layernorm.bench once those modules
 take them; the suites then ask the bench module for them by name.)
 """
 

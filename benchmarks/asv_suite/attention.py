@@ -2,9 +2,9 @@
 
 - `Attention`: causal and full attention, forward and forward+backward, in TFLOP/s with the
   family's FLOP count (4·B·H·S²·D forward, halved when causal; fwd+bwd 3.5x). Shapes
-  (batch x heads x seqlen x head_dim) from openkernels.attention.bench: head_dim 128 at the
+  (batch x heads x seqlen x head_dim) from openkernels.attention.core.bench: head_dim 128 at the
   grid's shortest and longest sequences and head_dim 64 on GPUs, 2x8x1024x64 on CPUs.
-- `Decode`: one query per sequence against a KV cache (openkernels.attention.bench_kvcache,
+- `Decode`: one query per sequence against a KV cache (openkernels.attention.kvcache.bench,
   GQA 32/8, head_dim 128), per cache format; GB/s count the 16-bit cache's bytes for every
   format, so a quantized cache can pass the copy ceiling.
 - `Rotary`: apply_rotary to q and k, forward and backward (openkernels.attention.rotary.bench).
@@ -37,8 +37,8 @@ class Attention(_h.Suite, _h.TFLOPs):
 
 
 def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list[str]) -> Any:
-    """The one case of openkernels.attention.bench for these parameters (tiny in smoke mode)."""
-    from openkernels.attention import bench
+    """The one case of openkernels.attention.core.bench for these parameters (tiny in smoke mode)."""
+    from openkernels.attention.core import bench
 
     cases = bench.cases(
         dev,
@@ -51,7 +51,7 @@ def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list
     return _h.only_case(cases)
 
 
-# Peers by their name in the report: the contender of openkernels.attention.bench (SDPA with
+# Peers by their name in the report: the contender of openkernels.attention.core.bench (SDPA with
 # one backend forced by sdpa_kernel; "sdpa": torch's own choice) or of _peers.
 ATTENTION_PEERS = {
     "FlashAttention-2 (SDPA flash)": "sdpa-flash",
@@ -108,7 +108,7 @@ class Decode(_h.Suite, _h.GBps):
         return FORMATS[params["cache"]]
 
     def build(self, dev: Any, cache: str, shape: str, dtype: str, backend: str) -> Any:
-        from openkernels.attention import bench_kvcache
+        from openkernels.attention.kvcache import bench as bench_kvcache
 
         cases = bench_kvcache.cases(
             dev,
@@ -134,7 +134,7 @@ class DecodePeers(_h.PeerSuite, _h.GBps):
         return self.measure_all()
 
     def build(self, dev: Any, shape: str, dtype: str, peer: str) -> Any:
-        from openkernels.attention import bench_kvcache
+        from openkernels.attention.kvcache import bench as bench_kvcache
 
         cases = bench_kvcache.cases(
             dev,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import openkernels.attention as A
 from _compare import relative_error
-from openkernels.attention import reference as R
+from openkernels.attention.core import reference as R
 from openkernels.shared import dispatch
 
 

@@ -14,8 +14,8 @@ import torch
 
 import openkernels.attention as A
 from _compare import relative_error
-from openkernels.attention.kvformat import unpack_codes
-from openkernels.attention.triton import kvcache as launcher
+from openkernels.attention.kvcache import triton as launcher
+from openkernels.attention.kvcache.format import unpack_codes
 from openkernels.shared import dispatch
 
 DEV = "cuda"

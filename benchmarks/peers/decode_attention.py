@@ -1,4 +1,4 @@
-"""Decode against a KV cache (openkernels.attention.bench_kvcache) next to SDPA and
+"""Decode against a KV cache (openkernels.attention.kvcache.bench) next to SDPA and
 FlexAttention, with the issue's ratios: bf16 GB/s over the measured copy bandwidth,
 quantized and paged times against SDPA and the contiguous bf16 cache.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import _cli
-from openkernels.attention import bench_kvcache
+from openkernels.attention.kvcache import bench as bench_kvcache
 from openkernels.shared.dev.bench import copy_ceiling_gbps, write_json
 
 

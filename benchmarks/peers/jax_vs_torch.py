@@ -10,7 +10,6 @@ faster than the jnp composition (jnp/jax > 1). Needs a GPU build of JAX and jax-
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 
@@ -31,8 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     for family in args.families:
-        bench = importlib.import_module(f"openkernels.{family}.bench")
-        cases = bench.jax_cases()
+        from openkernels.shared import manifest
+
+        modules = manifest.families()[family].bench_modules()
+        cases = [c for m in modules if hasattr(m, "jax_cases") for c in m.jax_cases()]
         cases = [c for c in cases if args.only in c.label]
         if args.quick and cases:
             first = cases[0].shape

@@ -39,7 +39,10 @@ def main() -> None:
     _cli.add_run_options(parser)
     args = parser.parse_args()
 
-    bench = importlib.import_module(f"openkernels.{args.family}.bench")
+    from openkernels.shared import manifest
+
+    headline = manifest.families()[args.family].bench[0]  # "bench", or attention's "core.bench"
+    bench = importlib.import_module(f"openkernels.{args.family}.{headline}")
     device = torch.device(args.device)
     kwargs = {"dtypes": [getattr(torch, d) for d in args.dtype.split(",")]}
     if args.peers:

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from openkernels.attention.kvformat import quantize_kv, unpack_codes
+from openkernels.attention.kvcache.format import quantize_kv, unpack_codes
 
 torch.manual_seed(0)
 D, G, BN = 128, 4, 64

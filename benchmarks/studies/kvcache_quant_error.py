@@ -2,7 +2,7 @@
 reference attention on the bf16 cache against the same on the dequantized cache, for random
 normal activations and for keys with outlier channels (the table in
 docs/ops/attention-kvcache.md), at 4096 cached tokens (batch 4) and 131072 (batch 1). fp8 with
-its per-head scales calibrated on the cache's own keys and values (kvformat.fp8_scale) and with
+its per-head scales calibrated on the cache's own keys and values (format.fp8_scale) and with
 the default scale 1.0. Keys by channel (KIVI): keys quantized per channel over groups of 32 or
 64 tokens (float16 first, as the cache rounds them), values per token over the whole head.
 
@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from openkernels.attention import reference as R
-from openkernels.attention.kvformat import (
+from openkernels.attention.core import reference as R
+from openkernels.attention.kvcache.format import (
     QuantizedKV,
     dequantize_kv,
     fp8_scale,

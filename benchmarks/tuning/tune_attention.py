@@ -16,10 +16,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from openkernels.attention import ops
-from openkernels.attention.triton import attn_bwd, attn_fwd
-from openkernels.attention.triton import kernels as K
-from openkernels.attention.triton.configs import AttnConfig, launch_config
+from openkernels.attention.core import ops
+from openkernels.attention.core.triton import attn_bwd, attn_fwd
+from openkernels.attention.core.triton import kernels as K
+from openkernels.attention.core.triton.configs import AttnConfig, launch_config
 from openkernels.shared.dev.bench import time_ms
 
 ARCH = "sm_90"  # the lent H200; the sweep reports against its table entries

@@ -21,8 +21,8 @@ import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
 from openkernels.attention import KVCache, QuantizedKV
-from openkernels.attention.triton import kvcache as launcher
-from openkernels.attention.triton.configs import AttnConfig
+from openkernels.attention.core.triton.configs import AttnConfig
+from openkernels.attention.kvcache import triton as launcher
 from openkernels.shared.dev.bench import copy_ceiling_gbps
 
 SHAPES = "32x4096,8x32768,1x131072"  # batch x cached tokens, GQA 32/8, head_dim 128

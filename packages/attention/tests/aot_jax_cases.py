@@ -2,7 +2,7 @@
 test_aot.py for sm_80, sm_90, gfx90a, gfx942, gfx950: jax-triton passes every integer and
 float argument (sizes, strides, scales, windows) as a compile-time constant, so these
 specializations differ from the PyTorch ones (known loop bounds and offsets). The cases come
-from the launch plans JAX uses (triton/plan.py, contiguous operands): the benchmark's fast
+from the launch plans JAX uses (core/, kvcache/ and rotary/ triton/plan.py, contiguous operands): the benchmark's fast
 path (causal, D128) and general calls with every flag (varlen, windows, ALiBi, softcap, GQA,
 a padded head_dim), forward and the three backward kernels, attention against a 16-bit KV
 cache (decode; paged chunked prefill with split keys and their combine), and the rotary
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from openkernels.attention.triton import plan
+from openkernels.attention.core.triton import plan
+from openkernels.attention.kvcache.triton import plan as kv_plan
+from openkernels.attention.rotary.triton import plan as rotary_plan
 
-_KERNELS = "openkernels.attention.triton.kernels"
-_KVCACHE = "openkernels.attention.triton.kvcache_kernels"
+_KERNELS = "openkernels.attention.core.triton.kernels"
+_KVCACHE = "openkernels.attention.kvcache.triton.kernels"
 _ROTARY = "openkernels.attention.rotary.triton.kernels:_apply_rotary_kernel"
-# num_stages of the launches left to Triton's default (jax_kernels._DEFAULT_STAGES).
+# num_stages of the launches left to Triton's default (core/jax/launch.py's _DEFAULT_STAGES).
 _DEFAULT_STAGES = {"cuda": 3, "hip": 2}
 
 # (label, problem, tokens_q, tokens_k): tokens only matter for varlen (lse's head stride).
@@ -73,7 +75,7 @@ def _attention_cases(arch: str, backend: str) -> list:
 
 # (label, problem, capacity per sequence or page count): decode on a contiguous cache, and
 # chunked prefill on a paged cache with every flag (its keys split: float32 partials).
-_KV = plan.KVProblem
+_KV = kv_plan.KVProblem
 _KV_CALLS = (
     (
         "kv-decode-d128",
@@ -93,7 +95,7 @@ def _kvcache_cases(arch: str, backend: str) -> list:
     for label, p, lead in _KV_CALLS:
         q = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)
         side = plan.contiguous((lead, p.page_size or 4096, p.heads_kv, p.head_dim), False)
-        kv = plan.kvcache(p, arch, 132, (plan.contiguous(q, False), side, side, (0, 0, 0)), plan.contiguous(q, False),
+        kv = kv_plan.kvcache(p, arch, 132, (plan.contiguous(q, False), side, side, (0, 0, 0)), plan.contiguous(q, False),
                           (p.heads_q * p.seqlen_q, p.seqlen_q, 1), (8192 // 16 if p.page_size else 0, p.rot_half),
                           backend == "cuda")  # fmt: skip
         dst = "*bf16" if kv.combine is None else "*fp32"
@@ -113,7 +115,7 @@ def _rotary_cases(arch: str, backend: str) -> list:
     out = []
     for label, shape_q, heads_k, table in _ROTARY_CALLS:
         for backward in (False, True):
-            launch = plan.contiguous_rotary(shape_q, heads_k, table, backward, arch)
+            launch = rotary_plan.contiguous_rotary(shape_q, heads_k, table, backward, arch)
             pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
                         "qo_ptr": "*bf16", "ko_ptr": "*bf16"}  # fmt: skip
             out.append(_case(_ROTARY, launch, pointers, backend, f"{label}{'-bwd' if backward else ''}"))

@@ -1,4 +1,4 @@
-"""Ahead-of-time compile cases of the KV-cache kernels (kvcache_kernels.py), checked by
+"""Ahead-of-time compile cases of the KV-cache kernels (kvcache/triton/kernels.py), checked by
 test_aot.py for sm_80, sm_90, gfx90a, gfx942, gfx950: every config `kv_config` picks
 (decode and chunked prefill) at its heaviest variant, for each cache format."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-from openkernels.attention.triton import configs
-from openkernels.attention.triton.configs import kv_append_keys_warps
+from openkernels.attention.kvcache.triton import configs
+from openkernels.attention.kvcache.triton.configs import kv_append_keys_warps
 
-_KERNELS = "openkernels.attention.triton.kvcache_kernels"
+_KERNELS = "openkernels.attention.kvcache.triton.kernels"
 _FLOATS = ("qk_scale", "cap_scale", "cap_out")
 # (bits, group): 16-bit, then int8 and int4 with one group per head and with groups of 32
 # (the gathered scale tile is the register-heavy case); fp8 (bits 8 with FP8) apart below.

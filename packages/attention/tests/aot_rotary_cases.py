@@ -6,7 +6,7 @@ on its largest tile (registers depend on the tile shapes, the flag and the dtype
 
 from __future__ import annotations
 
-from openkernels.attention.triton import configs
+from openkernels.attention.rotary.triton import configs
 
 _KERNEL = "openkernels.attention.rotary.triton.kernels:_apply_rotary_kernel"
 _ACT = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}

@@ -44,7 +44,7 @@ import pytest
 import torch
 
 import openkernels.attention as A
-from openkernels.attention import reference as R
+from openkernels.attention.core import reference as R
 from openkernels.shared import dispatch, replay
 from openkernels.shared.dev.testing import (
     TOLERANCES,

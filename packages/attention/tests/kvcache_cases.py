@@ -9,7 +9,7 @@ its output and fails the comparison.
 
 `check_call` runs one call under an implementation and checks
   - the append: the slots at cache_seqlens[b] .. + seqlen_new hold k_new / v_new (rotated,
-    quantized as kvformat.quantize_kv does: scale and zero equal, codes equal but rarely one
+    quantized as format.quantize_kv does: scale and zero equal, codes equal but rarely one
     apart), every other slot of every cache tensor is bitwise unchanged;
   - the attention: out and lse against the float64 reference (reference.attention_ref) on the
     cache the call left (dequantized in float32, as the semantics in reference.py read it).
@@ -50,8 +50,9 @@ from dataclasses import dataclass
 import torch
 
 import openkernels.attention as A
-from openkernels.attention import reference as R
-from openkernels.attention.kvformat import (
+from openkernels.attention.core import reference as R
+from openkernels.attention.kvcache import reference as KR
+from openkernels.attention.kvcache.format import (
     QuantizedKV,
     fp8_scale,
     gather_sequence,
@@ -410,7 +411,7 @@ def check_append(call: KVCall, before: list[torch.Tensor], *, fma: bool, msg: st
         touched[idx] = True
         k = call.k_new[b].to(F32)
         if rotated:
-            k = R.rotate(k, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
+            k = KR.rotate(k, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
         sides = [("k", k, call.k_cache, fma and rotated), ("v", call.v_new[b], call.v_cache, False)]
         if call.key_group:  # the keys' own check, below
             sides = sides[1:]
@@ -430,13 +431,13 @@ def check_append(call: KVCall, before: list[torch.Tensor], *, fma: bool, msg: st
                     if fuzzy
                     else torch.equal(got.view(torch.uint8), want.view(torch.uint8))
                 )
-                assert ok, f"{where} differs from kvformat.quantize_fp8's"
+                assert ok, f"{where} differs from format.quantize_fp8's"
                 continue
             want = quantize_unchecked(x, call.bits, call.group)
             for part in ("scale", "zero"):
                 got_p, want_p = getattr(side, part)[idx], getattr(want, part)
                 ok = ulp_apart(got_p, want_p, 1) if fuzzy else torch.equal(got_p, want_p)
-                assert ok, f"{where}: {part} differs from kvformat.quantize_kv's"
+                assert ok, f"{where}: {part} differs from format.quantize_kv's"
             codes = unpack_codes(side.data[idx], call.bits).int()
             diff = (codes - unpack_codes(want.data, call.bits).int()).abs()
             # A code may land one apart where (x - zero) / scale sits within a float32 ulp of
@@ -475,7 +476,7 @@ def _check_keys_by_channel(call: KVCall, before: list[torch.Tensor], after: list
         pos = torch.arange(start, end, device=data1.device)
         k = call.k_new[b].to(F32)
         if call.rotary_cos is not None:
-            k = R.rotate(k, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
+            k = KR.rotate(k, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
         k = k.to(torch.float16)
         for first in range(start // g * g, end, g):
             last = min(first + g, end)
@@ -498,7 +499,7 @@ def _check_keys_by_channel(call: KVCall, before: list[torch.Tensor], after: list
             )
             for part, got, want in (("scale", scale1[at], sc), ("zero", zero1[at], zr)):
                 ok = ulp_apart(got, want, 1) if fma else torch.equal(raw_bits(got), raw_bits(want))
-                assert ok, f"{where}: {part} differs from kvformat.quantize_channels'"
+                assert ok, f"{where}: {part} differs from format.quantize_channels'"
             diff = (unpack_codes(data1[idx], bits).int() - unpack_codes(codes, bits).int()).abs()
             assert int(diff.max()) <= 1, f"{where}: codes {int(diff.max())} apart from quantize_channels'"
             assert int((diff > 0).sum()) <= 1 + diff.numel() // 256, (
@@ -520,7 +521,7 @@ def query(call: KVCall, b: int, length: int, *, rounded: bool = True) -> torch.T
     if call.rotary_cos is None:
         return q
     pos = torch.arange(length - q.shape[0], length, device=q.device)
-    q = R.rotate(q, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
+    q = KR.rotate(q, pos, call.rotary_cos, call.rotary_sin, call.rotary_interleaved)
     return q.to(call.q.dtype) if rounded else q
 
 

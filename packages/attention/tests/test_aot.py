@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from openkernels.attention.triton import configs
+from openkernels.attention.core.triton import configs
 from openkernels.shared.platform import triton_interpreting
 
 from .aot_jax_cases import cases_for as jax_cases_for
@@ -17,7 +17,7 @@ from .aot_rotary_cases import cases_for as rotary_cases_for
 
 pytestmark = pytest.mark.aot
 
-_KERNELS = "openkernels.attention.triton.kernels"
+_KERNELS = "openkernels.attention.core.triton.kernels"
 _ACT = {"bf16": "*bf16", "fp16": "*fp16"}
 _FLAGS = ("IS_VARLEN", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_ALIBI", "HAS_SOFTCAP")
 _NONE = dict.fromkeys(_FLAGS, False)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import openkernels.attention as A
-from openkernels.attention import reference as R
+from openkernels.attention.core import reference as R
 from openkernels.shared import dispatch
 from openkernels.shared.dev.testing import failing_implementation, random_tensor
 from openkernels.shared.dispatch import DispatchKey
@@ -153,9 +153,9 @@ _VARLEN_ERRORS = [
     ("max_seqlen-k-below", lambda q, k, v: _varlen(q, k, v, max_k=1), ValueError,
      r"max_seqlen 1 is below the longest sequence \(7\) in cu_seqlens_k"),
     ("max_seqlen-negative", lambda q, k, v: _varlen(q, k, v, max_q=-1), ValueError,
-     "max_seqlen for cu_seqlens_q must be an int >= 0, got -1"),
+     "max_seqlen for cu_seqlens_q must be a Python int >= 0, got -1"),
     ("max_seqlen-float", lambda q, k, v: _varlen(q, k, v, max_k=7.0), ValueError,
-     "max_seqlen for cu_seqlens_k must be an int >= 0, got 7.0"),
+     "max_seqlen for cu_seqlens_k must be a Python int >= 0, got 7.0"),
     ("alibi-seqs", lambda q, k, v: _varlen(q, k, v, alibi_slopes=torch.ones(3, 4)), ValueError,
      r"alibi_slopes must have shape \(4,\) or \(2, 4\)"),
     ("window", lambda q, k, v: _varlen(q, k, v, window=(0, -3)), ValueError, "attention_varlen: window must"),

@@ -1,4 +1,4 @@
-"""The CPU backend (openkernels.attention.cpu) on each of its paths: PyTorch's CPU flash kernel
+"""The CPU backend (openkernels.attention.core.cpu) on each of its paths: PyTorch's CPU flash kernel
 (cpu/sdpa.py), the blockwise online softmax (cpu/blockwise.py) and the C++ kernel of few query
 rows per KV head (cpu/decode.py; the calls it does not take run on the other two).
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openkernels.attention import cpu
-from openkernels.attention.cpu import blockwise, decode, sdpa
+from openkernels.attention.core import cpu
+from openkernels.attention.core.cpu import blockwise, decode, sdpa
 from openkernels.shared import dispatch
 from openkernels.shared.dev.testing import random_tensor
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import openkernels.attention as A
-from openkernels.attention import cpu
-from openkernels.attention.cpu import decode
-from openkernels.attention.cpu import kvcache as cpu_kvcache
+from openkernels.attention.core import cpu
+from openkernels.attention.core.cpu import decode
+from openkernels.attention.kvcache import cpu as cpu_kvcache
 from openkernels.shared import cpu_build, replay
 from openkernels.shared.dev.testing import random_tensor
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import openkernels.attention as A
-from openkernels.attention import cudnn
+from openkernels.attention.core import cudnn
 from openkernels.shared import dispatch
 from openkernels.shared.dev.testing import random_tensor
 

@@ -41,9 +41,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 import openkernels.attention as A  # noqa: E402
-from openkernels.attention import cpu  # noqa: E402
-from openkernels.attention.kvcache import KVCache  # noqa: E402
-from openkernels.attention.kvformat import FP8, QuantizedKV, dequantize_kv, quantize_fp8, quantize_kv  # noqa: E402
+from openkernels.attention.core import cpu  # noqa: E402
+from openkernels.attention.kvcache.cache import KVCache  # noqa: E402
+from openkernels.attention.kvcache.format import FP8, QuantizedKV, dequantize_kv, quantize_fp8, quantize_kv  # noqa: E402
 
 BATCH, PROMPT, NEW = 2, 11, 20
 LAYERS = 2

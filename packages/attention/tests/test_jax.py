@@ -559,7 +559,7 @@ def test_kvcache_matches_reference(backend: str, scenario: Scenario) -> None:
 
 def test_kvcache_split_keys(backend: str, monkeypatch) -> None:
     # Forced splits: float32 partials merged by the combine kernel (some splits empty).
-    from openkernels.attention.triton import kvcache as launcher
+    from openkernels.attention.kvcache import triton as launcher
 
     monkeypatch.setattr(launcher, "FORCE_SPLITS", 3)
     call = build(Scenario("split", (50, 0, 70), seqlen_q=2, heads=(4, 1), alibi="heads"), "cpu")
@@ -570,7 +570,7 @@ def test_kvcache_split_keys(backend: str, monkeypatch) -> None:
 def test_kvcache_gives_the_pytorch_kernels_bits(backend: str, monkeypatch) -> None:
     if backend != "interpret":
         pytest.skip("the kernel backends only")
-    from openkernels.attention.triton import kvcache as launcher
+    from openkernels.attention.kvcache import triton as launcher
 
     for splits in (None, 3):
         monkeypatch.setattr(launcher, "FORCE_SPLITS", splits)
@@ -659,7 +659,7 @@ def test_bad_kvcache_inputs(backend: str, monkeypatch) -> None:
     lens = jnp.array([3, 7], jnp.int32)
     new = jnp.ones((2, 1, 1, 64), jnp.bfloat16)
     paged = jnp.ones((2, 16, 1, 64), jnp.bfloat16)
-    from openkernels.attention.kvformat import quantize_kv
+    from openkernels.attention.kvcache.format import quantize_kv
 
     quantized = quantize_kv(torch.ones(2, 8, 1, 64), 8)
     bad = [
@@ -701,9 +701,12 @@ def test_pytorch_api_names_match(backend: str) -> None:
 
 
 def test_benchmark_cases_run(backend: str) -> None:
-    from openkernels.attention.bench import jax_cases
+    from openkernels.attention.core.bench import jax_cases
+    from openkernels.attention.rotary.bench import jax_cases as rotary_jax_cases
 
-    cases = jax_cases(shapes=((1, 2, 16, 32),), dtype=F32, rotary_shapes=((1, 5, 2, 1, 64, 32),))
+    cases = jax_cases(shapes=((1, 2, 16, 32),), dtype=F32) + rotary_jax_cases(
+        shapes=((1, 5, 2, 1, 64, 32),), dtype=F32
+    )
     assert {(c.op, c.direction) for c in cases} == {
         (op, d) for op in ("causal", "full") for d in ("fwd", "fwd+bwd")
     } | {("apply_rotary", d) for d in ("fwd", "bwd")}

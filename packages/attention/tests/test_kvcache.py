@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import openkernels.attention as A
-from openkernels.attention import reference as R
-from openkernels.attention.kvformat import (
+from openkernels.attention.core import reference as R
+from openkernels.attention.kvcache import api as kvcache_api
+from openkernels.attention.kvcache import reference as KR
+from openkernels.attention.kvcache.format import (
     FP8,
     QuantizedKV,
     dequantize_kv,
@@ -201,8 +203,8 @@ def test_triton_forced_splits(device: str, impl: str, scenario: Scenario, monkey
     # every split empty. The public path runs too, with the module's FORCE_SPLITS.
     if impl != "triton":
         pytest.skip("the split path is the Triton kernel's")
-    from openkernels.attention.triton import kvcache as launcher
-    from openkernels.attention.triton.configs import AttnConfig
+    from openkernels.attention.core.triton.configs import AttnConfig
+    from openkernels.attention.kvcache import triton as launcher
 
     call = build(scenario, device)
     check_call(call, impl, device)  # the default plan (and the append done)
@@ -251,14 +253,14 @@ _CACHE_KINDS = [
 
 def _history_check(cache: A.KVCache, keys: list, values: list, msg: str, *, fma: bool, rotary=None) -> None:
     """cache.dequantize(b) holds the history (keys rotated at their positions when rotary):
-    exactly for a 16-bit cache, within one code step (scale) of kvformat's quantization for
+    exactly for a 16-bit cache, within one code step (scale) of format.py's quantization for
     int8/int4. fma: a GPU's fused rotation may round the other way (kvcache_cases.py)."""
     for b in range(cache.batch_size):
         k, v = cache.dequantize(b)
         hk, hv = torch.cat([x[b] for x in keys]).float(), torch.cat([x[b] for x in values]).float()
         if rotary is not None:
             cos, sin, interleaved = rotary
-            hk = R.rotate(hk, torch.arange(hk.shape[0], device=hk.device), cos, sin, interleaved)
+            hk = KR.rotate(hk, torch.arange(hk.shape[0], device=hk.device), cos, sin, interleaved)
         assert k.shape == hk.shape == v.shape, f"{msg}: dequantize({b}) has shape {tuple(k.shape)}"
         for what, got, want in (("k", k, hk), ("v", v, hv)):
             slack = 2.0**-7 * want.abs() if fma and what == "k" else 0.0
@@ -1112,24 +1114,24 @@ def test_unchecked_call_reads_no_lengths(monkeypatch) -> None:
     def no_host_copy(*args, **kwargs):
         raise AssertionError("the lengths were read on the host")
 
-    monkeypatch.setattr(A.api, "check_lengths", no_host_copy)
-    monkeypatch.setattr(A.api, "check_block_table", no_host_copy)
+    monkeypatch.setattr(kvcache_api, "check_lengths", no_host_copy)
+    monkeypatch.setattr(kvcache_api, "check_block_table", no_host_copy)
     got = call.call(check=False)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(TypeError, match="check must be a bool"):
         call.call(check=1)
 
 
-# ---- append quantization against kvformat ------------------------------------------------
+# ---- append quantization against format.py ------------------------------------------------
 
 
 @pytest.mark.parametrize(("device", "impl"), TARGETS)
 @pytest.mark.parametrize(
     "fmt", [(8, None), (8, 32), (4, None), (4, 32)], ids=["int8", "int8-g32", "int4", "int4-g32"]
 )
-def test_append_quantizes_like_kvformat(device: str, impl: str, fmt) -> None:
+def test_append_quantizes_like_format(device: str, impl: str, fmt) -> None:
     # Many tokens at once, ranges from tiny to large and constant groups (scale 0): the
-    # appended codes are kvformat's (except, rarely, one apart), scale and zero exactly.
+    # appended codes are format.py's (except, rarely, one apart), scale and zero exactly.
     bits, group = fmt
     n = 20 if INTERPRETING else 200
     call = build(_S("append", (3, 0), seqlen_q=n, fmt="int8", capacity=n + 3), device)
@@ -1139,7 +1141,7 @@ def test_append_quantizes_like_kvformat(device: str, impl: str, fmt) -> None:
     call.k_new = (call.k_new.float() * scales).to(BF16)
     call.v_new = call.v_new.clone()
     call.v_new[:, ::3] = 1.5  # constant tokens: scale 0, every code 0
-    check_call(call, impl, device, "wide ranges")  # the append against kvformat, and the attention
+    check_call(call, impl, device, "wide ranges")  # the append against format.py, and the attention
     stored = call.v_cache.data[0, 3 : 3 + n : 3]
     assert (unpack_codes(stored, bits) == 0).all() and (call.v_cache.scale[0, 3 : 3 + n : 3] == 0).all()
 
@@ -1197,7 +1199,7 @@ def test_fp8_decode_reads_every_byte(device: str, impl: str, native: bool, monke
     kernel: the bit operations every chip runs and the hardware convert of sm_89+."""
     if impl != "triton":
         pytest.skip("the kernel's conversion; the other backends convert with torch")
-    from openkernels.attention.triton import kvcache as launcher
+    from openkernels.attention.kvcache import triton as launcher
 
     if native and not (device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)):
         pytest.skip("the hardware e4m3 convert needs CUDA sm_89+")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from openkernels.attention.triton import plan
-from openkernels.attention.triton.configs import kv_config, kv_splits, lean_decode, lean_pays
+from openkernels.attention.kvcache.triton import plan
+from openkernels.attention.kvcache.triton.configs import kv_config, kv_splits, lean_decode, lean_pays
 
 
 @pytest.mark.parametrize(

@@ -395,7 +395,7 @@ def test_triton_launch_configs(device: str, impl: str, arch: str) -> None:
     if impl != "triton":
         pytest.skip("the launch configs are the Triton kernel's")
     from openkernels.attention.rotary import triton as launcher
-    from openkernels.attention.triton.configs import RotaryConfig, rotary_config
+    from openkernels.attention.rotary.triton.configs import RotaryConfig, rotary_config
 
     for shape in (Shape(3, 7, 5, 3, 64, 64), Shape(1, 5, 2, 1, 80, 32), Shape(1, 17, 1, 1, 64, 32, "one")):
         cfg = (
@@ -586,7 +586,7 @@ def test_explain_names_the_choice() -> None:
 
 def test_rotary_max_head_dim_is_compile_checked() -> None:
     from openkernels.attention.rotary import ops
-    from openkernels.attention.triton import configs
+    from openkernels.attention.rotary.triton import configs
 
     assert max(d for d, _ in configs.ROTARY_AOT_DIMS) == ops.MAX_HEAD_DIM
 

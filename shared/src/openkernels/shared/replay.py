@@ -30,7 +30,7 @@ create_graph=True, runs the op's Python backward from that node (docs/replay.md)
 
 OPENKERNELS_REPLAY: "1" / "all" (default) replays calls on CPU and CUDA tensors (Triton
 kernels launched with cuLaunchKernelEx, as Triton's own launcher does; checked bitwise
-against the Python path on the H200 by benchmarks/check_replay_gpu.py); "cpu" only on CPU
+against the Python path on the H200 by benchmarks/gpu/check_replay_gpu.py); "cpu" only on CPU
 tensors; "0" turns replay off. A replayed Triton launch does not call Triton's launch hooks
 (profilers): turn replay off to profile.
 """

@@ -1,6 +1,6 @@
 """Benchmark cases of the activations family: shape grid, peers and byte counts.
 
-Used by benchmarks/run.py (tables and JSON), the asv suite and the demo. Peers: the
+Used by benchmarks/peers/run.py (tables and JSON), the asv suite and the demo. Peers: the
 torch eager composition a user would write, the same under torch.compile(dynamic=False),
 and Liger-Kernel where it has the op (SwiGLU = silu_and_mul, GEGLU = gelu_and_mul tanh).
 The variants and the torch peers follow from the op table (spec.SPECS): a new op needs no

@@ -11,7 +11,7 @@ layout views. (On H100/H200, plain attention runs cuDNN's kernel through the att
 own dispatch, `cudnn.py`, for every caller.) A dispatch force / forbid turns the CPU rule off. `register_with_transformers()` makes
 `attn_implementation="openkernels"` available.
 
-With `OpenKernelsCache` (hf_cache.py) the key and value are `CachedKV` handles to a layer's
+With `OpenKernelsCache` (kvcache/hf.py) the key and value are `CachedKV` handles to a layer's
 openkernels KV cache (16-bit, int8 or int4), the new tokens already appended: the queries
 attend to it with `KVCache.attend` (attention_with_kvcache). That path is inference only and
 takes no mask beyond the causal / sliding-window one it applies itself and a left padding
@@ -37,9 +37,10 @@ import torch.nn.functional as F
 
 from openkernels.shared import dispatch
 
-from .api import attention, attention_with_kvcache
-from .hf_cache import CachedKV, StaticCachedKV
-from .kvformat import QuantizedKV
+from .core.api import attention
+from .kvcache.api import attention_with_kvcache
+from .kvcache.format import QuantizedKV
+from .kvcache.hf import CachedKV, StaticCachedKV
 
 __all__ = ["hf_attention_forward", "register_with_transformers", "NAME"]
 

@@ -2,4 +2,4 @@
 
 from openkernels.shared.manifest import FamilyManifest
 
-MANIFEST = FamilyManifest.standard("attention", bench=("bench", "bench_kvcache", "rotary.bench"))
+MANIFEST = FamilyManifest.standard("attention", bench=("core.bench", "kvcache.bench", "rotary.bench"))

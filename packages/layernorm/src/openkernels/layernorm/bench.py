@@ -1,6 +1,6 @@
 """Benchmark cases of the layernorm family: shape grid, peers and byte counts.
 
-Used by benchmarks/run.py (tables and JSON), the asv suite and the demo. Ops:
+Used by benchmarks/peers/run.py (tables and JSON), the asv suite and the demo. Ops:
   rms_norm, layer_norm      y = norm(x) * w (+ b)
   add_rms_norm              y, h = rms_norm(x + r), x + r   (prenorm, fused residual)
 Directions: "fwd", and "fwd+bwd" (forward, then gradients of x and the parameters).

@@ -61,7 +61,8 @@ def families() -> list[str]:
 
 
 def _bench(family: str) -> ModuleType:
-    return importlib.import_module(f"openkernels.{family}.bench")
+    """The family's headline bench module: the first its manifest names."""
+    return importlib.import_module(f"openkernels.{family}.{manifest.families()[family].bench[0]}")
 
 
 class _UsageError(Exception):
@@ -252,7 +253,7 @@ def _representative_calls(
     """For every op of the chosen families, the arguments of a representative call on
     `device` and where they come from: the first call the op gets in its family's
     `checks(device)`; for ops no check reaches, in the first benchmark case of a bench
-    module, those without checks first (the attention KV-cache ops: bench_kvcache).
+    module, those without checks first (the attention KV-cache ops: kvcache.bench).
     Everything runs on the reference implementations."""
     owner = {op: _owner(entry.key_fn) for op, entry in dispatch._OPS.items()}
     source: dict[str, str] = {}
@@ -413,7 +414,9 @@ def _check(args: argparse.Namespace) -> int:
             for family in chosen:
                 progress.start(f"{family} on {device}")
                 try:
-                    checks = _bench(family).checks(device)
+                    checks = [
+                        c for m in _bench_modules(family) if hasattr(m, "checks") for c in m.checks(device)
+                    ]
                 except Exception as error:  # a family whose checks crash fails, the rest still run
                     errors[str(device), family] = f"{type(error).__name__}: {error}"
                     checks = [Check(f"({family} checks raised)", "-", "-", "-", float("nan"), False)]

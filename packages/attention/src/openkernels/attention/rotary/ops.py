@@ -12,7 +12,7 @@ import torch
 
 from openkernels.shared import dispatch, opdef
 
-from ..ops import cpu_supports, unit_last
+from ..core.ops import cpu_supports, unit_last
 from . import problem
 
 __all__ = ["apply_rotary_forward", "apply_rotary_backward", "APPLY_ROTARY", "KERNEL_DTYPES", "MAX_HEAD_DIM"]

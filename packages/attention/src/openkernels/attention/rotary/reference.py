@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference import compute_dtype
+from ..core.reference import compute_dtype
 
 __all__ = ["apply_rotary_ref", "apply_rotary_fwd", "apply_rotary_bwd"]
 

@@ -65,7 +65,7 @@ def cases(
     peers: Sequence[str] = PEERS,
 ) -> list[BenchCase]:
     """One case per (kind, dtype, M, N, K): ours plus the installed peers, on the same inputs.
-    `ops` (benchmarks/run.py's --ops) picks kinds: "int4", "nf4"."""
+    `ops` (benchmarks/peers/run.py's --ops) picks kinds: "int4", "nf4"."""
     device = torch.device(device)
     kinds = tuple(ops) if ops else kinds
     gpu = device.type == "cuda"

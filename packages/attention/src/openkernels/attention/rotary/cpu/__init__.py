@@ -29,7 +29,7 @@ import torch
 
 from openkernels.shared import cpu_build, replay
 
-from ...reference import compute_dtype
+from ...core.reference import compute_dtype
 
 __all__ = ["apply_rotary_fwd", "apply_rotary_bwd", "CHUNK_ELEMENTS", "FORCE_TORCH"]
 

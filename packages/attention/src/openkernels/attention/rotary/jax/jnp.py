@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ...jax_jnp import compute_dtype
+from ...core.jax.jnp import compute_dtype
 
 __all__ = ["rotate_half"]
 

@@ -1,12 +1,12 @@
 """The rotary kernel (rotary/triton/kernels.py) launched from JAX, through the family's
-jax-triton runner (jax_kernels.py)."""
+jax-triton runner (core/jax/launch.py)."""
 
 from __future__ import annotations
 
 import jax
 
-from ...jax_kernels import _run, arch
-from ...triton import plan
+from ...core.jax.launch import arch, run_kernel
+from ..triton import plan
 from ..triton.kernels import _apply_rotary_kernel
 
 __all__ = ["rotary"]
@@ -21,4 +21,4 @@ def rotary(x_q, x_k, cos, sin, backward: bool):
     inputs = {"q_ptr": x_q, "k_ptr": x_k, "cos_ptr": cos, "sin_ptr": sin}
     outputs = {"qo_ptr": jax.ShapeDtypeStruct(x_q.shape, x_q.dtype),
                "ko_ptr": jax.ShapeDtypeStruct(x_k.shape, x_k.dtype)}  # fmt: skip
-    return _run(_apply_rotary_kernel, launch, inputs, outputs)
+    return run_kernel(_apply_rotary_kernel, launch, inputs, outputs)

@@ -8,8 +8,8 @@ import torch
 from openkernels.shared.launch import launch as direct_launch
 from openkernels.shared.platform import device_info
 
-from ...triton import plan
-from ...triton.configs import RotaryConfig
+from . import plan
+from .configs import RotaryConfig
 from .kernels import _apply_rotary_kernel
 
 __all__ = ["apply_rotary_fwd", "apply_rotary_bwd"]

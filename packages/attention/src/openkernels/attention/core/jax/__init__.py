@@ -1,17 +1,14 @@
-"""The attention ops on JAX arrays: same names, shapes, options and math as the PyTorch API
-(api.py; semantics in reference.py).
+"""attention and attention_varlen on JAX arrays: same names, shapes, options, checks and math
+as the PyTorch API (../api.py; the checks are ../problem.py's, semantics in ../reference.py).
+The family's JAX face (openkernels.attention.jax) adds apply_rotary and attention_with_kvcache.
 
     attention(q, k, v):        q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> (B, Sq, Hq, D) [, lse (B, Hq, Sq)]
     attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
                                q (Tq, Hq, D), k, v (Tk, Hkv, D) packed -> (Tq, Hq, D) [, lse (Hq, Tq)]
-    apply_rotary(q, k, cos, sin): q (B, S, Hq, D), k (B, S, Hk, D), cos, sin (B or 1, S, R) or
-                               (S, R) -> (q_out, k_out), GPT-NeoX rotary embedding
-    attention_with_kvcache:    see its docstring (functional: returns the updated caches).
 
-Every op works under ``jax.jit`` and differentiates through ``jax.custom_vjp`` with the
-family's backward kernels (attention: in q, k, v and through lse as well; rotary: in q, k).
-ALiBi slopes, cos and sin get no gradient: differentiating with respect to them raises
-ValueError (wrap them in ``jax.lax.stop_gradient``). There is no ``out=``.
+Both work under ``jax.jit`` and differentiate through ``jax.custom_vjp`` with the backward
+kernels (in q, k, v and through lse as well). ALiBi slopes get no gradient: differentiating
+with respect to them raises ValueError (wrap them in ``jax.lax.stop_gradient``).
 
 Backends (`openkernels.shared.jax`, fixed when a call is traced; the backward runs on the
 forward's): float16 / bfloat16 run the Triton kernels (jax-triton on GPUs, the interpreter in
@@ -25,19 +22,35 @@ import functools
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from openkernels.shared import jax as okjax
 
-from . import jax_jnp
-from .jax_checks import check_alibi, check_cu_seqlens, check_qkv
-from .jax_kvcache import attention_with_kvcache
-from .problem import KERNEL_DTYPES, Problem, check_options, check_same_n_seqs, resolve_scale
-from .rotary.jax import apply_rotary
+from ..problem import HEAD_DIMS, KERNEL_DTYPES, ArrayKind, Problem, check_dense_call, check_varlen_call
 
-__all__ = ["attention", "attention_varlen", "apply_rotary", "attention_with_kvcache"]
+# jax.numpy goes by its full name here: in this package, jnp is the submodule jnp.py.
+from . import jnp as jnp_backend
 
-_KERNEL_DTYPES = tuple(jnp.dtype(name) for name in KERNEL_DTYPES)
+__all__ = ["attention", "attention_varlen", "JAX", "concrete"]
+
+_KERNEL_DTYPES = tuple(jax.numpy.dtype(name) for name in KERNEL_DTYPES)
+
+
+def concrete(x: jax.Array) -> np.ndarray | None:
+    """x's values when they are known now (not while tracing): one device-to-host copy."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _host_values(x: jax.Array) -> list | None:
+    values = concrete(x)
+    return None if values is None else values.tolist()
+
+
+_F = jax.numpy
+JAX = ArrayKind("jax.Array", jax.Array, (_F.float16, _F.bfloat16, _F.float32, _F.float64), _F.float32, _F.int32,
+                False, _host_values)  # fmt: skip
 
 
 # ---- attention: one custom_vjp for dense and varlen calls --------------------------------
@@ -52,30 +65,30 @@ class _Static:
 
 
 def _kernels(static: _Static, dtype) -> bool:
-    return static.backend != "jnp" and jnp.dtype(dtype) in _KERNEL_DTYPES
+    return static.backend != "jnp" and jax.numpy.dtype(dtype) in _KERNEL_DTYPES
 
 
 def _forward(q, k, v, cu_q, cu_k, slopes, static: _Static):
     p = static.problem
-    acc = jax_jnp.compute_dtype(q.dtype)
+    acc = jnp_backend.compute_dtype(q.dtype)
     lse_shape = (q.shape[1], q.shape[0]) if p.varlen else (q.shape[0], q.shape[2], q.shape[1])
     if q.size == 0 or k.shape[-3] == 0:  # nothing to compute, or no keys: every row is empty
-        return jnp.zeros(q.shape, q.dtype), jnp.full(lse_shape, -jnp.inf, acc)
+        return jax.numpy.zeros(q.shape, q.dtype), jax.numpy.full(lse_shape, -jax.numpy.inf, acc)
     if _kernels(static, q.dtype):
-        from . import jax_kernels
+        from . import launch
 
-        return jax_kernels.attention_fwd(q, k, v, cu_q, cu_k, slopes, p)
-    return jax_jnp.attention_fwd(q, k, v, cu_q, cu_k, slopes, p)
+        return launch.attention_fwd(q, k, v, cu_q, cu_k, slopes, p)
+    return jnp_backend.attention_fwd(q, k, v, cu_q, cu_k, slopes, p)
 
 
 def _backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static: _Static):
     if q.size == 0 or k.shape[-3] == 0:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+        return jax.numpy.zeros_like(q), jax.numpy.zeros_like(k), jax.numpy.zeros_like(v)
     if _kernels(static, q.dtype):
-        from . import jax_kernels
+        from . import launch
 
-        return jax_kernels.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static.problem)
-    return jax_jnp.attention_bwd(dout, dlse, q, k, v, cu_q, cu_k, slopes, static.problem)
+        return launch.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static.problem)
+    return jnp_backend.attention_bwd(dout, dlse, q, k, v, cu_q, cu_k, slopes, static.problem)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -101,7 +114,7 @@ def _attention_bwd(static: _Static, residuals, cotangents):
     dout, dlse = cotangents
     zero = jax.custom_derivatives.SymbolicZero
     if isinstance(dout, zero):
-        dout = jnp.zeros(out.shape, out.dtype)
+        dout = jax.numpy.zeros(out.shape, out.dtype)
     dlse = None if isinstance(dlse, zero) else dlse
     with okjax.use_backend(static.backend):  # the backward runs on the forward's backend
         dq, dk, dv = _backward(dout.astype(out.dtype), dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static)
@@ -113,7 +126,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 def _slopes(alibi_slopes: jax.Array | None, n_seqs: int, heads: int) -> jax.Array | None:
     """(n_seqs, heads) float32: the kernels' layout."""
-    return None if alibi_slopes is None else jnp.broadcast_to(alibi_slopes, (n_seqs, heads))
+    return None if alibi_slopes is None else jax.numpy.broadcast_to(alibi_slopes, (n_seqs, heads))
 
 
 def attention(
@@ -142,11 +155,8 @@ def attention(
     Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype [, lse]. Differentiable in
     q, k, v (and through lse: d lse / d score = the attention probabilities).
     """
-    name = "attention"
-    check_qkv(name, q, k, v, 4)
-    left, right = check_options(name, causal, softmax_scale, window, softcap)
-    check_alibi(name, alibi_slopes, q.shape[2], q.shape[0])
-    scale = resolve_scale(q.shape[-1], softmax_scale)
+    left, right, scale = check_dense_call("attention", JAX, q, k, v, HEAD_DIMS, causal, softmax_scale, window,
+                                          alibi_slopes, softcap)  # fmt: skip
     problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], False, scale, left,
                       right, alibi_slopes is not None, float(softcap))  # fmt: skip
     slopes = _slopes(alibi_slopes, q.shape[0], q.shape[2])
@@ -181,15 +191,10 @@ def attention_varlen(
     sequence; alibi_slopes (heads_q,) or (n_seqs, heads_q).
     Returns out (total_q, heads_q, head_dim) [, lse (heads_q, total_q)].
     """
-    name = "attention_varlen"
-    check_qkv(name, q, k, v, 3)
-    check_cu_seqlens(name, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-    check_cu_seqlens(name, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    check_same_n_seqs(name, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
-    left, right = check_options(name, causal, softmax_scale, window, softcap)
+    left, right, scale = check_varlen_call("attention_varlen", JAX, q, k, v, HEAD_DIMS, cu_seqlens_q, cu_seqlens_k,
+                                           max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, alibi_slopes,
+                                           softcap)  # fmt: skip
     n_seqs = cu_seqlens_q.shape[0] - 1
-    check_alibi(name, alibi_slopes, q.shape[1], n_seqs)
-    scale = resolve_scale(q.shape[-1], softmax_scale)
     problem = Problem(n_seqs, int(max_seqlen_q), int(max_seqlen_k), q.shape[1], k.shape[1], q.shape[2], True, scale,
                       left, right, alibi_slopes is not None, float(softcap))  # fmt: skip
     slopes = _slopes(alibi_slopes, n_seqs, q.shape[1])

@@ -1,6 +1,7 @@
-"""The attention family's Triton kernels launched on JAX arrays (backends "triton" and
-"interpret" of `openkernels.attention.jax`), through the launch plans the PyTorch launchers
-use (triton/plan.py): the same kernels, configs and argument values.
+"""The attention kernels launched on JAX arrays (backends "triton" and "interpret" of
+`openkernels.attention.jax`), through the launch plans the PyTorch launchers use
+(../triton/plan.py): the same kernels, configs and argument values. The KV-cache and rotary
+launches (../../kvcache/jax/launch.py, ../../rotary/jax/launch.py) use the helpers here.
 
 JAX arrays are contiguous, so every stride follows from a shape (plan.contiguous_launches),
 and jax-triton passes every integer and float argument as a compile-time constant (the AOT
@@ -18,11 +19,10 @@ import jax.numpy as jnp
 
 from openkernels.shared import jax as okjax
 
-from .triton import kernels as K
-from .triton import kvcache_kernels as KV
-from .triton import plan
+from ..triton import kernels as K
+from ..triton import plan
 
-__all__ = ["arch", "attention_fwd", "attention_bwd", "attention_kvcache"]
+__all__ = ["arch", "attention_fwd", "attention_bwd", "optional_pointers", "run_kernel"]
 
 # num_stages of the launches PyTorch leaves to Triton's default (plan.Launch.num_stages None).
 _DEFAULT_STAGES = {"cuda": 3, "rocm": 2, "cpu": 1}
@@ -56,7 +56,7 @@ def _stages(launch: plan.Launch) -> int:
     return _DEFAULT_STAGES[okjax.gpu_vendor()]
 
 
-def _optional(inputs: dict, **pointers: Any) -> None:
+def optional_pointers(inputs: dict, **pointers: Any) -> None:
     """Absent optional pointers (cu_seqlens of dense calls, no ALiBi, no block table or rotary
     tables) become one-element dummies: jax-triton binds arrays to the leading parameters by
     position, so a pointer between two inputs cannot be a constant None; the kernels read
@@ -68,7 +68,7 @@ def _optional(inputs: dict, **pointers: Any) -> None:
         inputs[name] = jnp.zeros((1,), dummies[name]) if value is None else value
 
 
-def _run(kernel, launch: plan.Launch, inputs: dict, outputs: dict, extra: dict | None = None):
+def run_kernel(kernel, launch: plan.Launch, inputs: dict, outputs: dict, extra: dict | None = None):
     return okjax.launch(kernel, grid=launch.grid, inputs=inputs, outputs=outputs,
                         constants={**launch.args, **(extra or {})}, num_warps=launch.num_warps,
                         num_stages=_stages(launch))  # fmt: skip
@@ -83,12 +83,12 @@ def attention_fwd(q, k, v, cu_q, cu_k, slopes, p: plan.Problem):
     slopes: (n_seqs, Hq) float32 or None."""
     launches = _launches(q, k, p)
     inputs = {"q_ptr": q, "k_ptr": k, "v_ptr": v}
-    _optional(inputs, cu_q_ptr=cu_q, cu_k_ptr=cu_k, slopes_ptr=slopes)
+    optional_pointers(inputs, cu_q_ptr=cu_q, cu_k_ptr=cu_k, slopes_ptr=slopes)
     outputs = {"o_ptr": jax.ShapeDtypeStruct(q.shape, q.dtype),
                "lse_ptr": jax.ShapeDtypeStruct(launches.lse_shape, jnp.float32)}  # fmt: skip
     # Tensor descriptors (USE_TMA) need a device allocator jax-triton does not set up; no
     # config turns them on today.
-    return _run(K._attn_fwd_kernel, launches.fwd, inputs, outputs, {"USE_TMA": False})
+    return run_kernel(K._attn_fwd_kernel, launches.fwd, inputs, outputs, {"USE_TMA": False})
 
 
 def attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, p: plan.Problem):
@@ -97,75 +97,19 @@ def attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, p: plan.Pro
     launches = _launches(q, k, p)
     f32 = jnp.float32
     pre_inputs = {"o_ptr": out, "do_ptr": dout}
-    _optional(pre_inputs, cu_q_ptr=cu_q)
+    optional_pointers(pre_inputs, cu_q_ptr=cu_q)
     delta_out = {"delta_ptr": jax.ShapeDtypeStruct(launches.lse_shape, f32)}
-    (delta,) = _run(K._attn_bwd_preprocess_kernel, launches.preprocess, pre_inputs, delta_out)
+    (delta,) = run_kernel(K._attn_bwd_preprocess_kernel, launches.preprocess, pre_inputs, delta_out)
     if dlse is not None:  # dS = P (dP - delta + dlse): the lse's cotangent joins the row term
         delta = delta - dlse.astype(f32)
     inputs = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "do_ptr": dout, "lse_ptr": lse, "delta_ptr": delta}
-    _optional(inputs, cu_q_ptr=cu_q, cu_k_ptr=cu_k, slopes_ptr=slopes)
+    optional_pointers(inputs, cu_q_ptr=cu_q, cu_k_ptr=cu_k, slopes_ptr=slopes)
     # GQA: float32 per-query-head dK/dV shares, summed over each group after the kernel.
     part = jax.ShapeDtypeStruct(launches.dk_shape, k.dtype if p.group == 1 else f32)
-    dk, dv = _run(K._attn_bwd_dkdv_kernel, launches.dkdv, inputs, {"dk_ptr": part, "dv_ptr": part})
+    dk, dv = run_kernel(K._attn_bwd_dkdv_kernel, launches.dkdv, inputs, {"dk_ptr": part, "dv_ptr": part})
     if p.group > 1:
         grouped = (*k.shape[:-2], p.heads_kv, p.group, p.head_dim)
         dk, dv = (x.reshape(grouped).sum(axis=-2).astype(k.dtype) for x in (dk, dv))
     dq_out = {"dq_ptr": jax.ShapeDtypeStruct(q.shape, q.dtype)}
-    (dq,) = _run(K._attn_bwd_dq_kernel, launches.dq, inputs, dq_out)
+    (dq,) = run_kernel(K._attn_bwd_dq_kernel, launches.dq, inputs, dq_out)
     return dq, dk, dv
-
-
-def _sm_count() -> int:
-    """SMs (CUs) of the GPU, for the split plan; 4 under the interpreter, as PyTorch's CPU
-    launches assume (the split path then runs in tests)."""
-    if okjax.backend() != "triton":
-        return 4
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
-def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, p: plan.KVProblem,
-                      leftpad=None):  # fmt: skip
-    """out (like q), lse (B, Hq, Sq) float32 from `_attention_kvcache_fwd_kernel` (and the
-    combine kernel when the keys are split) on a 16-bit cache, contiguous or paged; cos, sin
-    (rows, R / 2) or None; slopes (B, Hq) float32 or None."""
-    from .triton import kvcache as launcher  # its FORCE_SPLITS pins the splits of both front ends
-
-    lse_shape = (p.batch, p.heads_q, p.seqlen_q)
-    side = plan.contiguous(k_cache.shape, False)
-    kv = plan.kvcache(
-        p, arch(), _sm_count(), (plan.contiguous(q.shape, False), side, side, (0, 0, 0)),
-        plan.contiguous(q.shape, False), (p.heads_q * p.seqlen_q, p.seqlen_q, 1),
-        (0 if block_table is None else block_table.shape[1], 0 if cos is None else cos.shape[1]),
-        okjax.backend() == "triton" and okjax.gpu_vendor() == "cuda", False, None, launcher.FORCE_SPLITS,
-    )  # fmt: skip
-    dummy16 = jnp.zeros((1,), jnp.float16)  # the scales of a quantized cache: not read at 16 bits
-    inputs = {"q_ptr": q, "k_ptr": k_cache, "v_ptr": v_cache, "k_scale_ptr": dummy16, "k_zero_ptr": dummy16,
-              "v_scale_ptr": dummy16, "v_zero_ptr": dummy16, "seqlens_ptr": cache_seqlens}  # fmt: skip
-    _optional(
-        inputs,
-        block_table_ptr=block_table,
-        cos_ptr=cos,
-        sin_ptr=sin,
-        slopes_ptr=slopes,
-        leftpad_ptr=leftpad,
-        res_ptr=None,
-    )
-    if kv.combine is None:
-        outputs = {
-            "o_ptr": jax.ShapeDtypeStruct(q.shape, q.dtype),
-            "lse_ptr": jax.ShapeDtypeStruct(lse_shape, jnp.float32),
-        }
-        return _run(KV._attention_kvcache_fwd_kernel, kv.main, inputs, outputs)
-    partial = {"o_ptr": jax.ShapeDtypeStruct(kv.partial_out, jnp.float32),
-               "lse_ptr": jax.ShapeDtypeStruct(kv.partial_lse, jnp.float32)}  # fmt: skip
-    part_o, part_lse = _run(KV._attention_kvcache_fwd_kernel, kv.main, inputs, partial)
-    outputs = {
-        "o_ptr": jax.ShapeDtypeStruct(q.shape, q.dtype),
-        "lse_ptr": jax.ShapeDtypeStruct(lse_shape, jnp.float32),
-    }
-    return _run(
-        KV._attention_kvcache_combine_kernel,
-        kv.combine,
-        {"part_o_ptr": part_o, "part_lse_ptr": part_lse},
-        outputs,
-    )

@@ -11,10 +11,11 @@ import triton
 from openkernels.shared.launch import PreparedLaunch, launch, prepare
 from openkernels.shared.platform import device_info
 
-from ..kvformat import FP8
+from ...core.triton.configs import AttnConfig, block_d
+from ..format import FP8
 from . import plan
-from .configs import AttnConfig, block_d, kv_append_block_t, kv_append_keys_warps
-from .kvcache_kernels import (
+from .configs import kv_append_block_t, kv_append_keys_warps
+from .kernels import (
     _attention_kvcache_combine_kernel,
     _attention_kvcache_fwd_kernel,
     _kvcache_append_fwd_kernel,

@@ -1,6 +1,8 @@
-"""Benchmark cases of the attention family: shape grid, peers and FLOP counts.
+"""Benchmark cases of attention and attention_varlen: shape grid, peers and FLOP counts.
 
-Used by benchmarks/run.py (tables and JSON), the asv suite and the demo. Attention is
+Used by `openkernels bench` and benchmarks/peers/run.py (tables and JSON), the asv suite and
+the demo, through the family's manifest (the KV cache's and rotary's are ../kvcache/bench.py
+and ../rotary/bench.py). Attention is
 compute-bound: cases carry FLOPs and report TFLOP/s against a bf16 matmul measured in the
 same run.
 Shapes: (batch, heads, seqlen, head_dim), self-attention (seqlen_q = seqlen_k), heads_q =
@@ -272,8 +274,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
     written in plain torch ops in `dtype` (the criterion of FlashAttention's own tests: a
     fused kernel rounds P and dS to the dtype before its matmuls, and its outputs are sums
     of up to S rounded terms, so the table's elementwise atol does not apply). An
-    implementation that raises fails its checks, with a warning naming the error. The
-    rotary embedding's checks (bench_rotary.checks) follow."""
+    implementation that raises fails its checks, with a warning naming the error."""
     from openkernels.shared import dispatch
     from openkernels.shared.dev.testing import testable_implementations, tolerance
 
@@ -319,9 +320,7 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
             ]
             worst = float("nan") if any(e != e for e in errors) else max(errors)
             results.append(Check(name, "bwd", impl, dt, worst, worst <= 1.0))
-    from .rotary.bench import checks as rotary_checks
-
-    return results + rotary_checks(device, dtype)
+    return results
 
 
 def _attention_inputs(shape: tuple[int, int, int, int], dtype: torch.dtype) -> Callable[[torch.device], dict]:
@@ -347,12 +346,10 @@ def _torch_fwd_bwd(causal: bool) -> Callable[[dict], Any]:
 def _jax_fwd_bwd(causal: bool) -> Callable[[dict], Any]:
     import jax
 
-    from . import jax as attention_jax
+    from ..jax import attention as jax_attention
 
     def step(s: dict) -> Any:
-        _, vjp = jax.vjp(
-            lambda q, k, v: attention_jax.attention(q, k, v, causal=causal), s["q"], s["k"], s["v"]
-        )
+        _, vjp = jax.vjp(lambda q, k, v: jax_attention(q, k, v, causal=causal), s["q"], s["k"], s["v"])
         return vjp(s["dout"])
 
     return step
@@ -363,17 +360,14 @@ def jax_cases(
     shapes: Sequence[tuple[int, int, int, int]] = JAX_SHAPES,
     dtype: torch.dtype = torch.bfloat16,
     ops: Sequence[str] = OPS,
-    rotary_shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> list:
     """`JaxCase`s (openkernels.shared.dev.bench_jax): attention causal and full, forward and
     forward+backward (jax.vjp against torch.autograd: the backward needs the forward's out and
     lse, so the pair is what both sides can time), shapes (batch, heads, seqlen, head_dim)
-    with FLOPs as in `flops`; then apply_rotary's on rotary_shapes (bench_rotary.jax_cases,
-    default its GPU_SHAPES)."""
+    with FLOPs as in `flops` (apply_rotary's are ../rotary/bench.py's)."""
     from openkernels.shared.dev.bench_jax import JaxCase
 
-    from . import jax as attention_jax
-    from .rotary import bench as bench_rotary
+    from ..jax import attention as jax_attention
 
     out = []
     for shape in shapes:
@@ -384,7 +378,7 @@ def jax_cases(
             pairs = {
                 "fwd": (
                     _ours(causal),
-                    lambda t, c=causal: attention_jax.attention(t["q"], t["k"], t["v"], causal=c),
+                    lambda t, c=causal: jax_attention(t["q"], t["k"], t["v"], causal=c),
                 ),
                 "fwd+bwd": (_torch_fwd_bwd(causal), _jax_fwd_bwd(causal)),
             }
@@ -393,4 +387,4 @@ def jax_cases(
                 out.append(JaxCase("attention", op, direction, tuple(shape), dtype, tensors * b * h * s * d * size,
                                    _attention_inputs(shape, dtype), torch_fn, jax_fn,
                                    flops=flops(shape, op, direction)))  # fmt: skip
-    return out + bench_rotary.jax_cases(shapes=rotary_shapes or bench_rotary.GPU_SHAPES, dtype=dtype)
+    return out

@@ -1,181 +1,27 @@
-"""Public functions of the attention family, with argument checks.
+"""attention_with_kvcache: attention against a KV cache, with argument checks.
 
-attention(q, k, v):        q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> (B, Sq, Hq, D)
-attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-                           q (Tq, Hq, D), k, v (Tk, Hkv, D) packed -> (Tq, Hq, D)
-Dtypes: float16 and bfloat16 run the fused kernels; float32 (and float64) run the CPU
-path or the reference (`dispatch.explain("attention", q)` says which). Semantics (masks
-aligned bottom-right, softcap, ALiBi, empty rows, rotary) are in reference.py;
-apply_rotary lives in rotary/.
+attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=, v_new=, ...):
+    q (B, Sq, Hq, D) against each sequence's cached keys and values (plus k_new / v_new
+    appended in place first); the cache contiguous (B, S_cap, Hkv, D) or paged, 16-bit or
+    quantized (QuantizedKV: int8, int4, fp8; format.py). Semantics in reference.py.
 """
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import torch
 
 from openkernels.shared import dispatch, replay
 
+from ..core.api import TORCH, _cached
+from ..core.problem import check_alibi, check_options
 from . import ops, problem
-from .kvformat import BITS, FP8, KEY_GROUPS, QuantizedKV, code_width
-from .problem import check_lengths, check_options, check_qkv_shapes
+from .format import BITS, FP8, KEY_GROUPS, QuantizedKV, code_width
+from .problem import check_lengths
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
+__all__ = ["attention_with_kvcache"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check_options(name, causal, softmax_scale, window, softcap) -> tuple[int, int]:
-    """(window_left, window_right) after checking the scalar options (problem.check_options);
-    plain Python values (the usual call) are checked once per combination, never while
-    torch.compile traces (dynamo would turn the cache lookup into guards)."""
-    return check_options(
-        name, causal, softmax_scale, window, softcap, cached=not torch.compiler.is_compiling()
-    )
-
-
-def _check_qkv(name: str, q: object, k: object, v: object, dims: int) -> None:
-    layout = "(batch, seqlen, heads, head_dim)" if dims == 4 else "(tokens, heads, head_dim)"
-    for what, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != dims:
-            raise ValueError(f"{name}: {what} must be {dims}D {layout}, got shape {tuple(t.shape)}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: q, k, v must share a dtype, got q {q.dtype} and {what} {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(
-                f"{name}: q, k, v must be on one device, got q on {q.device} and {what} on {t.device}"
-            )
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"{name}: dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
-    check_qkv_shapes(name, tuple(q.shape), tuple(k.shape), tuple(v.shape), dims, ops.ATTENTION_HEAD_DIMS)
-
-
-def _check_alibi(name: str, alibi_slopes: object, q: torch.Tensor, n_seqs: int) -> None:
-    if alibi_slopes is None:
-        return
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(
-            f"{name}: alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}"
-        )
-    if alibi_slopes.dtype != torch.float32:
-        raise TypeError(f"{name}: alibi_slopes must be float32, got {alibi_slopes.dtype}")
-    if alibi_slopes.device != q.device:
-        raise ValueError(f"{name}: alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
-    problem.check_alibi_shape(name, tuple(alibi_slopes.shape), q.shape[-2], n_seqs)
-
-
-def _check_cu_seqlens(
-    name: str, what: str, cu: object, q: torch.Tensor, tokens: int, max_seqlen: object
-) -> None:
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name}: {what} must be int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 1:
-        raise ValueError(f"{name}: {what} must be 1D (n_seqs + 1,), got shape {tuple(cu.shape)}")
-    if cu.device != q.device:
-        raise ValueError(f"{name}: {what} is on {cu.device} but q is on {q.device}")
-    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool) or max_seqlen < 0:
-        raise ValueError(f"{name}: max_seqlen for {what} must be an int >= 0, got {max_seqlen!r}")
-    if torch.compiler.is_compiling() or cu.device.type == "meta":
-        return  # values are not known while tracing (or on meta tensors)
-    # One small device-to-host copy: a wrong cu_seqlens would read or write out of bounds.
-    problem.check_cu_values(name, what, cu.tolist(), tokens, max_seqlen)
-
-
-def _run(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
-    """The cheapest path that is still correct (opdef picks it): the op's body for plain eager
-    tensors, one autograd.Function when gradients are needed, else the library op
-    (torch.compile, tensor subclasses, meta tensors)."""
-    return ops.ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
-
-
-@replay.replayable
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Fused scaled dot-product attention (FlashAttention-style, never materializes scores).
-
-    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
-    heads_q a multiple of heads_kv (MQA/GQA read the shared K/V heads, no expansion). Any
-    strides with a unit head_dim stride run without copies (a transposed (B, H, S, D) view
-    included). head_dim any multiple of 8 up to 256; float16/bfloat16 (float32 on a slower
-    path).
-    causal: mask keys after each query, aligned bottom-right when seqlen_q != seqlen_k
-        (query i sees keys j <= i + seqlen_k - seqlen_q; FlashAttention 2's convention).
-    softmax_scale: default 1 / sqrt(head_dim).
-    window: (left, right) sliding window around i + seqlen_k - seqlen_q; -1 = unbounded.
-    alibi_slopes: float32 (heads_q,) or (batch, heads_q); adds -slope * |distance|.
-    softcap: > 0 caps scores with softcap * tanh(s / softcap) (Gemma 2).
-    return_lse: also return the float32 logsumexp (batch, heads_q, seqlen_q); rows that see
-        no key give output 0 and lse -inf.
-    Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype [, lse]. Differentiable in
-    q, k, v; the backward is deterministic.
-    """
-    name = "attention"
-    _check_qkv(name, q, k, v, 4)
-    left, right = _check_options(name, causal, softmax_scale, window, softcap)
-    _check_alibi(name, alibi_slopes, q, q.shape[0])
-    scale = problem.resolve_scale(q.shape[-1], softmax_scale)
-    out, lse = _run(
-        q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, alibi_slopes, float(softcap)
-    )
-    return (out, lse) if return_lse else out
-
-
-def attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`attention` over packed sequences of different lengths.
-
-    q: (total_q, heads_q, head_dim), k, v: (total_k, heads_kv, head_dim); sequence i is
-    rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of
-    k and v. `cu_seqlens_*`: int32 (n_seqs + 1,), starting at 0, non-decreasing (empty
-    sequences allowed); `max_seqlen_*`: at least the longest sequence (checked: one small
-    device-to-host copy per call). Options as in `attention`, applied per sequence (causal
-    aligned bottom-right within each); alibi_slopes (heads_q,) or (n_seqs, heads_q).
-    Returns out (total_q, heads_q, head_dim) [, lse (heads_q, total_q)].
-    """
-    name = "attention_varlen"
-    _check_qkv(name, q, k, v, 3)
-    _check_cu_seqlens(name, "cu_seqlens_q", cu_seqlens_q, q, q.shape[0], max_seqlen_q)
-    _check_cu_seqlens(name, "cu_seqlens_k", cu_seqlens_k, q, k.shape[0], max_seqlen_k)
-    problem.check_same_n_seqs(name, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
-    left, right = _check_options(name, causal, softmax_scale, window, softcap)
-    _check_alibi(name, alibi_slopes, q, cu_seqlens_q.shape[0] - 1)
-    scale = problem.resolve_scale(q.shape[-1], softmax_scale)
-    out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, left, right,
-                    alibi_slopes, float(softcap))  # fmt: skip
-    return (out, lse) if return_lse else out
-
-
-# ---- attention against a KV cache --------------------------------------------------------
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -240,7 +86,7 @@ def _check_token_scales(name: str, what: str, side: QuantizedKV, lead: tuple, gr
 
 def _channel_keys_format(name: str, k_cache: QuantizedKV, v_cache: QuantizedKV,
                          q: torch.Tensor) -> tuple[int, int]:  # fmt: skip
-    """(bits, the values' group_size) of a cache with keys by channel (kvformat.py): int8/int4
+    """(bits, the values' group_size) of a cache with keys by channel (format.py): int8/int4
     codes on both sides; the keys' scale and zero float16 (lead0, lead1 // key_group, Hkv, D),
     their residual float16 (batch, key_group, Hkv, D); the values per token."""
     head_dim, group = q.shape[-1], k_cache.key_group
@@ -329,7 +175,7 @@ def _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block
     if q.dtype not in _CACHE_DTYPES:
         raise TypeError(f"{name}: q's dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
     batch, seqlen_q, _, head_dim = q.shape
-    problem.check_head_dim(name, head_dim, ops.HEAD_DIMS)
+    problem.check_head_dim(name, head_dim, problem.HEAD_DIMS)
     bits, group = cache_format or _cache_format(name, k_cache, v_cache, q)
     kd, vd = _cache_data(k_cache), _cache_data(v_cache)
     if kd.dim() != 4 or kd.shape != vd.shape:
@@ -522,8 +368,8 @@ def _kvcache_plan(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_
         _check_per_sequence(name, "cache_leftpad", cache_leftpad, batch, q.device)
     bits, group = _check_kvcache(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos,
                                  rotary_sin, cache_format, rows_indexed=cache_batch_idx is not None)  # fmt: skip
-    left, right = _check_options(name, causal, softmax_scale, window, softcap)
-    _check_alibi(name, alibi_slopes, q, q.shape[0])
+    left, right = check_options(name, causal, softmax_scale, window, softcap, _cached())
+    check_alibi(name, TORCH, alibi_slopes, q, q.shape[2], q.shape[0])
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"{name}: rotary_interleaved must be a bool, got {rotary_interleaved!r}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -639,7 +485,7 @@ def attention_with_kvcache(
 
     q: (batch, seqlen_q, heads_q, head_dim) float16/bfloat16 (float32 on the CPU path or the
     reference). k_cache, v_cache: the cache, either tensors in q's dtype or `QuantizedKV`
-    (int8 / int4 codes with float16 per-group scale and zero, kvformat.py), laid out
+    (int8 / int4 codes with float16 per-group scale and zero, format.py), laid out
     contiguous (batch, capacity, heads_kv, head_dim) or paged (num_pages, page_size,
     heads_kv, head_dim) with `block_table` (batch, max_pages) int32 (page_size a multiple of
     16). heads_q a multiple of heads_kv (GQA/MQA). `KVCache` builds and owns all of this.

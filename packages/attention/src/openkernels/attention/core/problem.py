@@ -1,42 +1,66 @@
-"""The sizes and options of one attention call as the kernels see them: plain data, shared by
-the launch plans (triton/plan.py) and the JAX front end's jax.numpy path (which must not
-need triton). NamedTuples, hashable: the launch plans are cached on them, and the PyTorch
-launchers build one per call (a frozen dataclass costs microseconds more)."""
+"""The sizes and options of one attention call as the kernels see them, and the argument
+checks of both front ends: plain data, shared by the launch plans (triton/plan.py), the
+PyTorch API (api.py) and the JAX face (jax/), which must not need torch or triton.
+NamedTuples, hashable: the launch plans are cached on them, and the PyTorch launchers build
+one per call (a frozen dataclass costs microseconds more).
+
+The checks take a front end's arrays through an `ArrayKind` (what its array type, dtypes
+and devices are), so one function checks a torch.Tensor and a jax.Array alike, with the same
+messages."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 import numbers
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 __all__ = [
+    "ArrayKind",
+    "check_qkv",
+    "check_alibi",
+    "check_cu_seqlens",
+    "check_dense_call",
+    "check_varlen_call",
     "KERNEL_DTYPES",
     "HEAD_DIMS",
     "ATTENTION_HEAD_DIMS",
     "Problem",
-    "KVProblem",
     "check_alibi_shape",
-    "check_cache_heads",
     "check_cu_values",
     "check_head_dim",
-    "check_lengths",
-    "check_new_tokens",
     "check_options",
-    "check_page_size",
     "check_qkv_shapes",
-    "check_rotary_dim",
     "check_same_n_seqs",
     "resolve_scale",
 ]
 
 
 KERNEL_DTYPES = ("float16", "bfloat16")  # what the Triton attention and KV-cache kernels take
-# The KV cache's head dims (its tiles are tuned and checked per dim).
+# The KV cache's and the JAX face's head dims (their tiles are tuned and checked per dim).
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 # attention / attention_varlen: any multiple of 8 up to 256, as FlashAttention-2 takes; the
 # Triton kernels pad head_dim to a power of two (at least 16) and mask the pad.
 ATTENTION_HEAD_DIMS = tuple(range(8, 257, 8))
+
+
+class ArrayKind(NamedTuple):
+    """How one front end's arrays look to the shared checks.
+
+    name: the array type as messages spell it ("torch.Tensor"); array: that type; floats:
+    attention's input dtypes (the front end's dtype objects); float32, int32: its dtypes of
+    those names; devices: whether arrays carry a device the call's arrays must share;
+    host_values(array) -> the values as a list, or None when they are not known now (while
+    a compiler traces): one small device-to-host copy."""
+
+    name: str
+    array: type
+    floats: tuple
+    float32: Any
+    int32: Any
+    devices: bool
+    host_values: Callable[[Any], list | None]
 
 
 class Problem(NamedTuple):
@@ -76,39 +100,6 @@ class Problem(NamedTuple):
         )
 
 
-class KVProblem(NamedTuple):
-    """One attention_kvcache call: q (batch, seqlen_q, heads_q, head_dim) against a cache of
-    `bits` (16, 8, 4) with `group_size`; seqlen_new tokens just appended; max_seqlen_k bounds
-    every sequence's keys (plans the splits); page_size 0: contiguous cache; rot_half 0: no
-    rotary (else the rotated half width, interleaved pairs or halves); leftpad: each sequence's
-    tokens start at a per-sequence slot offset (cache_leftpad); row_table: page_size 0 with a
-    one-column block table naming each sequence's row (cache_batch_idx); fp8: bits 8 are
-    float8_e4m3fn values with a scale per KV head (kvformat.py), not int8 codes; key_group:
-    keys quantized by channel over groups of that many tokens (0: per token)."""
-
-    batch: int
-    seqlen_q: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    bits: int
-    group_size: int
-    seqlen_new: int
-    max_seqlen_k: int
-    scale: float
-    window_left: int
-    window_right: int
-    alibi: bool
-    softcap: float
-    page_size: int
-    rot_half: int
-    interleaved: bool
-    leftpad: bool = False
-    row_table: bool = False
-    fp8: bool = False
-    key_group: int = 0
-
-
 def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_dims: tuple[int, ...]) -> None:
     """The shape rules of q, k, v (both front ends): k and v alike, one batch, one head_dim
     out of `head_dims`, heads_q a multiple of heads_kv. Shapes as tuples; ranks already
@@ -126,6 +117,87 @@ def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_di
         raise ValueError(
             f"{name}: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for MQA/GQA"
         )
+
+
+def check_qkv(
+    name: str, kind: ArrayKind, q: Any, k: Any, v: Any, dims: int, head_dims: tuple[int, ...]
+) -> None:
+    """q, k, v: arrays of `kind`, of rank `dims` (4 dense, 3 packed), one dtype out of
+    kind.floats (and one device), shapes as check_qkv_shapes says."""
+    layout = "(batch, seqlen, heads, head_dim)" if dims == 4 else "(tokens, heads, head_dim)"
+    for what, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, kind.array):
+            raise TypeError(f"{name}: {what} must be a {kind.name}, got {type(t).__name__}")
+        if t.ndim != dims:
+            raise ValueError(f"{name}: {what} must be {dims}D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: q, k, v must share a dtype, got q {q.dtype} and {what} {t.dtype}")
+        if kind.devices and t.device != q.device:
+            raise ValueError(
+                f"{name}: q, k, v must be on one device, got q on {q.device} and {what} on {t.device}"
+            )
+    if q.dtype not in kind.floats:
+        raise TypeError(f"{name}: dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
+    check_qkv_shapes(name, tuple(q.shape), tuple(k.shape), tuple(v.shape), dims, head_dims)
+
+
+def check_alibi(name: str, kind: ArrayKind, alibi_slopes: Any, q: Any, heads: int, n_seqs: int) -> None:
+    """alibi_slopes: None, or a float32 array of `kind` on q's device, (heads,) or (n_seqs, heads)."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, kind.array):
+        raise TypeError(
+            f"{name}: alibi_slopes must be a {kind.name} or None, got {type(alibi_slopes).__name__}"
+        )
+    if alibi_slopes.dtype != kind.float32:
+        raise TypeError(f"{name}: alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if kind.devices and alibi_slopes.device != q.device:
+        raise ValueError(f"{name}: alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
+    check_alibi_shape(name, tuple(alibi_slopes.shape), heads, n_seqs)
+
+
+def check_cu_seqlens(
+    name: str, kind: ArrayKind, what: str, cu: Any, q: Any, tokens: int, max_seqlen: object
+) -> None:
+    """cu_seqlens_q / cu_seqlens_k: an int32 (n_seqs + 1,) array of `kind` on q's device, and
+    max_seqlen a Python int; the values (when known now) as check_cu_values says."""
+    if not isinstance(cu, kind.array):
+        raise TypeError(f"{name}: {what} must be a {kind.name}, got {type(cu).__name__}")
+    if cu.dtype != kind.int32:
+        raise TypeError(f"{name}: {what} must be int32, got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name}: {what} must be 1D (n_seqs + 1,), got shape {tuple(cu.shape)}")
+    if kind.devices and cu.device != q.device:
+        raise ValueError(f"{name}: {what} is on {cu.device} but q is on {q.device}")
+    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+        raise ValueError(f"{name}: max_seqlen for {what} must be a Python int >= 0, got {max_seqlen!r}")
+    values = kind.host_values(cu)
+    if values is not None:  # unknown while tracing: the caller vouches (as for any index array)
+        check_cu_values(name, what, values, tokens, max_seqlen)
+
+
+def check_dense_call(name: str, kind: ArrayKind, q: Any, k: Any, v: Any, head_dims: tuple[int, ...], causal: object,
+                     softmax_scale: object, window: object, alibi_slopes: Any, softcap: object,
+                     cached: bool = True) -> tuple[int, int, float]:  # fmt: skip
+    """Every check of an `attention` call; returns (window_left, window_right, scale)."""
+    check_qkv(name, kind, q, k, v, 4, head_dims)
+    left, right = check_options(name, causal, softmax_scale, window, softcap, cached)
+    check_alibi(name, kind, alibi_slopes, q, q.shape[2], q.shape[0])
+    return left, right, resolve_scale(q.shape[-1], softmax_scale)
+
+
+def check_varlen_call(name: str, kind: ArrayKind, q: Any, k: Any, v: Any, head_dims: tuple[int, ...], cu_seqlens_q: Any,
+                      cu_seqlens_k: Any, max_seqlen_q: object, max_seqlen_k: object, causal: object,
+                      softmax_scale: object, window: object, alibi_slopes: Any, softcap: object,
+                      cached: bool = True) -> tuple[int, int, float]:  # fmt: skip
+    """Every check of an `attention_varlen` call; returns (window_left, window_right, scale)."""
+    check_qkv(name, kind, q, k, v, 3, head_dims)
+    check_cu_seqlens(name, kind, "cu_seqlens_q", cu_seqlens_q, q, q.shape[0], max_seqlen_q)
+    check_cu_seqlens(name, kind, "cu_seqlens_k", cu_seqlens_k, q, k.shape[0], max_seqlen_k)
+    check_same_n_seqs(name, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
+    left, right = check_options(name, causal, softmax_scale, window, softcap, cached)
+    check_alibi(name, kind, alibi_slopes, q, q.shape[1], cu_seqlens_q.shape[0] - 1)
+    return left, right, resolve_scale(q.shape[-1], softmax_scale)
 
 
 def check_head_dim(name: str, head_dim: int, head_dims: tuple[int, ...]) -> None:
@@ -168,41 +240,6 @@ def check_same_n_seqs(name: str, cu_q_len: int, cu_k_len: int) -> None:
 def resolve_scale(head_dim: int, softmax_scale: float | None) -> float:
     """The softmax scale of a call: 1 / sqrt(head_dim) unless given."""
     return head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
-
-
-def check_cache_heads(name: str, q: tuple[int, ...], cache: tuple[int, ...], cache_head_dim: bool,
-                      paged: bool, rows_indexed: bool) -> None:  # fmt: skip
-    """q (batch, seqlen_q, heads_q, head_dim) against a 4D cache (rows or pages, slots,
-    heads_kv, head_dim or its code width): cache_head_dim says whether cache[3] is head_dim
-    (not for quantized codes); a contiguous cache has q's batch of rows unless rows_indexed."""
-    batch, _, heads_q, head_dim = q
-    heads_kv = cache[2]
-    if cache_head_dim and cache[3] != head_dim:
-        raise ValueError(f"{name}: q has head_dim {head_dim} but the cache has {cache[3]}")
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(
-            f"{name}: heads_q ({heads_q}) must be a multiple of the cache's heads_kv ({heads_kv})"
-        )
-    if not paged and cache[0] != batch and not rows_indexed:
-        raise ValueError(f"{name}: the cache has batch {cache[0]} but q has {batch}")
-
-
-def check_page_size(name: str, page: int) -> None:
-    if page % 16:
-        raise ValueError(f"{name}: the page size (k_cache.shape[1] = {page}) must be a multiple of 16")
-
-
-def check_new_tokens(name: str, what: str, got: tuple[int, ...] | str, want: tuple[int, ...]) -> None:
-    """k_new / v_new: `got` is the array's shape, or its type's name when it is no array."""
-    if got != want:
-        raise ValueError(f"{name}: {what} must have shape {want} (one new token per query), got {got}")
-
-
-def check_rotary_dim(name: str, half: int, head_dim: int) -> None:
-    """rotary_cos / rotary_sin of `half` columns rotate 2 * half of head_dim's elements."""
-    if not 1 <= 2 * half <= head_dim:
-        raise ValueError(f"{name}: rotary_dim (2 x rotary_cos.shape[1] = {2 * half}) must be "
-                         f"in 2..head_dim ({head_dim})")  # fmt: skip
 
 
 def _finite(x) -> bool:
@@ -258,19 +295,3 @@ def _check_options_now(name, causal, softmax_scale, window, softcap) -> tuple[in
         raise ValueError(f"{name}: softcap must be a finite float >= 0 (0: off), got {softcap!r}")
     left, right = int(window[0]), int(window[1])
     return left, 0 if causal else right
-
-
-def check_lengths(name: str, lengths: list[int], capacity: int, seqlen_new: int, seqlen_q: int,
-                  rotary_rows: int | None) -> list[int]:  # fmt: skip
-    """Host lengths before the append against the capacity (and the rotary table); returns
-    the lengths after the append."""
-    for b, cached in enumerate(lengths):
-        if cached < 0 or cached + seqlen_new > capacity:
-            raise ValueError(f"{name}: cache_seqlens[{b}] = {cached} plus {seqlen_new} new tokens is outside the "
-                             f"cache's capacity of {capacity} tokens")  # fmt: skip
-        if rotary_rows is not None and (
-            cached + seqlen_new - seqlen_q < 0 or cached + seqlen_new > rotary_rows
-        ):
-            raise ValueError(f"{name}: rotary positions {cached + seqlen_new - seqlen_q}..{cached + seqlen_new - 1} of "
-                             f"sequence {b} are outside rotary_cos's {rotary_rows} rows")  # fmt: skip
-    return [n + seqlen_new for n in lengths]

@@ -13,7 +13,9 @@ gradients are contiguous, in the input dtype; lse is float32 (float64 for float6
 Causal is window_right = 0; -1 is an unbounded side. ALiBi slopes are not differentiated.
 The backend contract (attn_fwd / attn_bwd on 4D views) is in reference.py.
 
-The rotary ops (openkernels::apply_rotary) are in rotary/ops.py.
+The KV-cache ops (openkernels::kvcache_append, openkernels::attention_kvcache) are in
+../kvcache/ops.py, the rotary ops (openkernels::apply_rotary) in ../rotary/ops.py; both use
+this module's helpers (unit_last, alibi_layout, the supports predicates).
 """
 
 from __future__ import annotations
@@ -29,17 +31,17 @@ from .reference import compute_dtype
 __all__ = [
     "forward",
     "backward",
-    "kvcache_append",
-    "kvcache_forward",
     "ATTENTION",
-    "KVCACHE_APPEND",
-    "ATTENTION_KVCACHE",
+    "unit_last",
+    "alibi_layout",
+    "triton_supports",
+    "cpu_supports",
     "KERNEL_DTYPES",
     "HEAD_DIMS",
     "ATTENTION_HEAD_DIMS",
 ]
 
-_PKG = "openkernels.attention"
+_PKG = "openkernels.attention.core"
 KERNEL_DTYPES = tuple(getattr(torch, name) for name in problem.KERNEL_DTYPES)  # what the Triton kernels take
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
@@ -47,11 +49,6 @@ _OPTIONS = (
     "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
     "int window_left, int window_right, Tensor? alibi_slopes, float softcap"
 )
-# Attention against a KV cache (inference only: no autograd). A cache side is data plus, for
-# int8/int4 (bits 8/4), float16 scale and zero (kvformat.py); block_table pages it; keys by
-# channel add k_residual and key_group.
-_CACHE = "Tensor? k_scale, Tensor? k_zero, Tensor? v_scale, Tensor? v_zero"
-_ROTARY = "Tensor? rotary_cos, Tensor? rotary_sin"
 
 
 def unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -67,7 +64,7 @@ def _as_4d(t: torch.Tensor, varlen: bool) -> torch.Tensor:
     return t.unsqueeze(0) if varlen else t
 
 
-def _slopes(alibi_slopes: torch.Tensor | None, n_seqs: int, heads: int) -> torch.Tensor | None:
+def alibi_layout(alibi_slopes: torch.Tensor | None, n_seqs: int, heads: int) -> torch.Tensor | None:
     """(n_seqs, heads) float32 contiguous, the backends' layout."""
     if alibi_slopes is None:
         return None
@@ -115,7 +112,7 @@ def forward(
         scale=softmax_scale,
         window_left=window_left,
         window_right=window_right,
-        alibi_slopes=_slopes(alibi_slopes, _n_seqs(q, cu_seqlens_q), q.shape[-2]),
+        alibi_slopes=alibi_layout(alibi_slopes, _n_seqs(q, cu_seqlens_q), q.shape[-2]),
         softcap=softcap,
     )
     return out, lse
@@ -164,90 +161,12 @@ def backward(
         scale=softmax_scale,
         window_left=window_left,
         window_right=window_right,
-        alibi_slopes=_slopes(alibi_slopes, _n_seqs(q, cu_seqlens_q), q.shape[-2]),
+        alibi_slopes=alibi_layout(alibi_slopes, _n_seqs(q, cu_seqlens_q), q.shape[-2]),
         softcap=softcap,
     )
     return dq, dk, dv
 
 
-def kvcache_append(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    k_zero: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    v_zero: torch.Tensor | None,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    block_table: torch.Tensor | None,
-    rotary_cos: torch.Tensor | None,
-    rotary_sin: torch.Tensor | None,
-    rotary_interleaved: bool,
-    bits: int,
-    group_size: int,
-    cache_leftpad: torch.Tensor | None = None,
-    k_residual: torch.Tensor | None = None,
-    key_group: int = 0,
-) -> None:
-    """Write k_new/v_new (B, Sn, Hkv, D) into the cache at cache_seqlens (in place), from slot
-    cache_leftpad[b] of sequence b's storage on (reference.py); key_group > 0: keys by
-    channel, with k_residual (kvformat.py)."""
-    if k_new.numel() == 0:
-        return
-    dispatch.run(
-        "kvcache_append", k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, unit_last(k_new), unit_last(v_new),
-        cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved=rotary_interleaved, bits=bits,
-        group_size=group_size, leftpad=cache_leftpad, k_residual=k_residual, key_group=key_group,
-    )  # fmt: skip
-
-
-def kvcache_forward(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    k_zero: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    v_zero: torch.Tensor | None,
-    cache_seqlens: torch.Tensor,
-    block_table: torch.Tensor | None,
-    rotary_cos: torch.Tensor | None,
-    rotary_sin: torch.Tensor | None,
-    seqlen_new: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    alibi_slopes: torch.Tensor | None,
-    softcap: float,
-    rotary_interleaved: bool,
-    bits: int,
-    group_size: int,
-    cache_leftpad: torch.Tensor | None = None,
-    k_residual: torch.Tensor | None = None,
-    key_group: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (B, Sq, Hq, D) against the cache (the append already done); returns
-    out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) float32."""
-    q = unit_last(q)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    dispatch.run(
-        "attention_kvcache", q, k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens,
-        block_table, rotary_cos, rotary_sin, seqlen_new=seqlen_new, max_seqlen_k=max_seqlen_k,
-        scale=softmax_scale, window_left=window_left, window_right=window_right,
-        alibi_slopes=_slopes(alibi_slopes, q.shape[0], q.shape[2]), softcap=softcap,
-        rotary_interleaved=rotary_interleaved, bits=bits, group_size=group_size, leftpad=cache_leftpad,
-        k_residual=k_residual, key_group=key_group,
-    )  # fmt: skip
-    return out, lse
-
-
-# Selection depends on the query tensor, and on a GPU on whether the call is plain (cudnn.py:
-# `dispatch.explain("attention", q, k, v, out, lse, None, None, **options)` says so; with q
 # alone it explains a call that is not plain).
 def _fwd_key(q: torch.Tensor, k=None, v=None, out=None, lse=None, cu_seqlens_q=None, *args: object,
              **kwargs: object) -> dispatch.DispatchKey:  # fmt: skip
@@ -268,12 +187,7 @@ def _plain(q, k, v, cu_seqlens_q, options: dict, *tensors) -> bool:
                           options.get("window_left", -1), options.get("window_right", -1), *tensors)  # fmt: skip
 
 
-def _append_key(k_cache: torch.Tensor, v_cache, k_scale, k_zero, v_scale, v_zero, k_new: torch.Tensor, *args: object,
-                **kwargs: object) -> dispatch.DispatchKey:  # fmt: skip
-    return dispatch.key_for(k_new)
-
-
-def _triton_supports(key: dispatch.DispatchKey) -> str | None:
+def triton_supports(key: dispatch.DispatchKey) -> str | None:
     if key.dtype not in KERNEL_DTYPES:
         return f"dtype {key.dtype}: the Triton kernels take float16 and bfloat16 (float32 runs a slower path)"
     return dispatch.triton_supports(key)
@@ -292,7 +206,7 @@ def _impls(entry: str, supports, cpu: str | None = "cpu") -> tuple[opdef.Impl, .
 
 def _with_cudnn(entry: str, supports) -> tuple[opdef.Impl, ...]:
     """attention's implementations: cuDNN ahead of the Triton kernels where it runs (cudnn.py)."""
-    return (*_impls(entry, _triton_supports), opdef.Impl("cudnn", f"{_PKG}.cudnn:{entry}", ("cuda",), 30,
+    return (*_impls(entry, triton_supports), opdef.Impl("cudnn", f"{_PKG}.cudnn:{entry}", ("cuda",), 30,
                                                          supports))  # fmt: skip
 
 
@@ -347,48 +261,5 @@ ATTENTION = opdef.define(
             impls=_with_cudnn("attn_bwd", cudnn.supports_backward),
             non_differentiable=(1,),
         ),
-    ),
-)
-
-
-# ---- openkernels::kvcache_append / attention_kvcache -------------------------------------
-
-
-def _attention_kvcache_fake(q, *args):
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return out, torch.empty(
-        (q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device
-    )
-
-
-# The cache ops: append has no CPU kernel of its own (the reference's indexed writes are it).
-KVCACHE_APPEND = opdef.define(
-    _LIB,
-    opdef.OpDef(
-        name="kvcache_append",
-        schema="(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? k_zero, "
-        "Tensor(e!)? v_scale, Tensor(f!)? v_zero, Tensor k_new, Tensor v_new, Tensor cache_seqlens, "
-        f"Tensor? block_table, {_ROTARY}, bool rotary_interleaved, int bits, int group_size, "
-        "Tensor? cache_leftpad=None, Tensor(g!)? k_residual=None, int key_group=0) -> ()",
-        forward=kvcache_append,
-        fake=lambda *args: None,
-        key=_append_key,
-        impls=_impls("kvcache_append_fwd", _triton_supports, cpu=None),
-        tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 16),
-    ),
-)
-ATTENTION_KVCACHE = opdef.define(
-    _LIB,
-    opdef.OpDef(
-        name="attention_kvcache",
-        schema=f"(Tensor q, Tensor k_cache, Tensor v_cache, {_CACHE}, Tensor cache_seqlens, Tensor? block_table, "
-        f"{_ROTARY}, int seqlen_new, int max_seqlen_k, float softmax_scale, int window_left, int window_right, "
-        "Tensor? alibi_slopes, float softcap, bool rotary_interleaved, int bits, int group_size, "
-        "Tensor? cache_leftpad=None, Tensor? k_residual=None, int key_group=0) -> (Tensor, Tensor)",
-        forward=kvcache_forward,
-        fake=_attention_kvcache_fake,
-        key=_fwd_key,
-        impls=_impls("attention_kvcache_fwd", _triton_supports, cpu="cpu.kvcache"),
-        tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 21, 22),
     ),
 )

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from openkernels.shared.dev.bench import BenchCase, compiled_peer
 
-from .kvcache import KVCache
+from .cache import KVCache
 
 __all__ = ["GPU_SHAPES", "CPU_SHAPES", "FORMATS", "PEERS", "cases", "kv_bytes"]
 

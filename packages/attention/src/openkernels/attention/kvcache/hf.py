@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from .kvcache import KVCache
-from .kvformat import QuantizedKV
+from .cache import KVCache
+from .format import QuantizedKV
 
 __all__ = [  # noqa: F822 (the Cache classes: __getattr__)
     "CachedKV",
@@ -304,7 +304,7 @@ def _build_classes() -> dict[str, type]:
         max_seqlen: tokens per sequence, prompt plus generated (storage is allocated for all of
             them on the first forward).
         kv_dtype: None (the model's dtype, stored as is), "int8" or "int4" (codes with a float16
-            scale and zero per token, head and group of `group_size` elements; see kvformat.py),
+            scale and zero per token, head and group of `group_size` elements; see format.py),
             or "fp8" (float8_e4m3fn with the uncalibrated per-head scale 1.0: values beyond 448
             saturate; for calibrated scales build the layers' `KVCache`s yourself).
         group_size: 32, 64, 128 or None (the whole head), for int8/int4.
@@ -312,7 +312,7 @@ def _build_classes() -> dict[str, type]:
             groups of that many tokens (KIVI; see KVCache); not with left-padded batches, and
             not in OpenKernelsStaticCache.
         device: where the storage lives (default: the keys' device).
-        Needs attn_implementation="openkernels" (`register_with_transformers()`); see hf_cache.py
+        Needs attn_implementation="openkernels" (`register_with_transformers()`); see kvcache/hf.py
         for the limits.
         """
 
@@ -433,7 +433,7 @@ def _build_classes() -> dict[str, type]:
 
         Arguments as `OpenKernelsCache`'s: config, batch_size, max_seqlen (the prompt plus every
         generated token; not checked while compiling), kv_dtype (None, "int8", "int4", "fp8"),
-        group_size, device. Needs attn_implementation="openkernels"; left padding only (see hf_cache.py).
+        group_size, device. Needs attn_implementation="openkernels"; left padding only (see kvcache/hf.py).
         """
 
         layer_class = OpenKernelsStaticLayer

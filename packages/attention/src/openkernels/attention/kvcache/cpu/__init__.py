@@ -10,9 +10,9 @@ import torch
 
 from openkernels.shared import replay
 
-from ..kvformat import gather_kv
+from ...core.cpu import attn_fwd, decode
+from ..format import gather_kv
 from ..reference import rotate
-from . import attn_fwd, decode
 
 __all__ = ["attention_kvcache_fwd", "FORCE_PATH"]
 

@@ -19,13 +19,10 @@ from .kernels import (
     _attn_bwd_preprocess_kernel,
     _attn_fwd_kernel,
 )
-from .kvcache import attention_kvcache_fwd, kvcache_append_fwd
 
 __all__ = [
     "attn_fwd",
     "attn_bwd",
-    "kvcache_append_fwd",
-    "attention_kvcache_fwd",
 ]
 
 

@@ -1,8 +1,8 @@
 """Triton kernels of attention against a KV cache (decode and chunked prefill).
 
 Cache formats (16-bit, int8, int4 with float16 per-group scale and zero, fp8 e4m3 with a
-float32 scale per head) are in kvformat.py; the kernels take fp8 data as its bytes (uint8);
-the semantics (append positions, bottom-right alignment, rotary) in reference.py.
+float32 scale per head) are in ../format.py; the kernels take fp8 data as its bytes (uint8);
+the semantics (append positions, bottom-right alignment, rotary) in ../reference.py.
 
 - `_kvcache_append_fwd_kernel`: rotary on the new keys, quantization (per token, head and
   group) and the write into contiguous or paged storage, K and V in one launch.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _log2_scores, _segments, _softmax_step
+from ...core.triton.kernels import _log2_scores, _segments, _softmax_step
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -105,7 +105,7 @@ def _kvcache_append_fwd_kernel(
         mask = valid[:, None] & (offs[None, :] < HEAD_DIM)
         tl.store(k_rows[:, None] + offs[None, :], k.to(k_ptr.dtype.element_ty), mask=mask)
         tl.store(v_rows[:, None] + offs[None, :], v.to(v_ptr.dtype.element_ty), mask=mask)
-    elif FP8:  # the head's fixed scale; x / scale as kvformat.quantize_fp8 divides
+    elif FP8:  # the head's fixed scale; x / scale as format.quantize_fp8 divides
         mask = valid[:, None] & (offs[None, :] < HEAD_DIM)
         k_s = tl.load(k_scale_ptr + h * stride_sh)
         v_s = tl.load(v_scale_ptr + h * stride_sh)
@@ -121,7 +121,7 @@ def _kvcache_append_fwd_kernel(
 
 @triton.jit
 def _scale_zero(lo, hi, LEVELS: tl.constexpr):
-    """float16 scale and zero of a range lo..hi over 2^bits - 1 levels (kvformat.py's
+    """float16 scale and zero of a range lo..hi over 2^bits - 1 levels (format.py's
     expressions), and the float32 reciprocal of the scale (0 where the scale is 0)."""
     scale = tl.math.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
     s32 = scale.to(tl.float32)
@@ -137,7 +137,7 @@ def _kvcache_append_keys_by_channel_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KEY_GROUP: tl.constexpr, BITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
-    """Keys by channel (kvformat.py): one program per (group of KEY_GROUP positions the append
+    """Keys by channel (format.py): one program per (group of KEY_GROUP positions the append
     touches, sequence and KV head). The group's keys, earlier ones from the residual and new
     ones rotated and rounded to float16, are quantized per channel when the append fills the
     group (codes to their slots, scale and zero to the group's row); else the new keys go to
@@ -192,7 +192,7 @@ def _kvcache_append_keys_by_channel_kernel(
 @triton.jit
 def _quantize_store(x, data_rows, scale_rows, zero_rows, valid, offs, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """Quantize float32 rows x (BLOCK_T, BLOCK_D) per group (kvformat.py's expressions) and
+    """Quantize float32 rows x (BLOCK_T, BLOCK_D) per group (format.py's expressions) and
     store codes, scales and zeros."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     in_dim = offs[None, :] < HEAD_DIM
@@ -228,7 +228,7 @@ def _quantize_store(x, data_rows, scale_rows, zero_rows, valid, offs, HEAD_DIM: 
 @triton.jit
 def _fp8_encode(y):
     """float32 -> float8_e4m3fn bytes (uint8), rounded to nearest even and saturated at +-448
-    as torch's conversion of kvformat.quantize_fp8 does, in integer operations (sm_80 and
+    as torch's conversion of format.quantize_fp8 does, in integer operations (sm_80 and
     AMD's fnuz chips have no e4m3fn convert). Normal results round float32's mantissa to 3
     bits in place, the carry running into the exponent; below 2^-6 the result is a multiple
     of 2^-9 (a subnormal, or 2^-6 itself)."""

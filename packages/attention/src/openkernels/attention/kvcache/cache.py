@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import ops, problem
 from .api import (
     KVCallPlan,
     _cache_format,
@@ -14,7 +14,7 @@ from .api import (
     check_lengths,
     check_rotary_tables,
 )
-from .kvformat import FP8, KEY_GROUPS, QuantizedKV, code_width, gather_sequence
+from .format import FP8, KEY_GROUPS, QuantizedKV, code_width, gather_sequence
 
 __all__ = ["KVCache"]
 
@@ -74,7 +74,7 @@ class KVCache:
         size (contiguous: the capacity is rounded up to one). Keeps int4 usable on keys with
         outlier channels; values stay per token (`group_size`).
     k_scale, v_scale: fp8 only: the per-head scales, a float or a (heads_kv,) tensor, fixed for
-        the cache's life (default 1.0, as vLLM's uncalibrated default; kvformat.fp8_scale
+        the cache's life (default 1.0, as vLLM's uncalibrated default; format.fp8_scale
         derives them from sample keys and values). Values beyond 448 * scale saturate.
     page_size: None for one block per sequence (batch_size, max_seqlen, heads_kv, head_dim), or
         a multiple of 16 for paged storage (num_pages, page_size, heads_kv, head_dim) with a
@@ -107,8 +107,8 @@ class KVCache:
         for what, n in (("batch_size", batch_size), ("max_seqlen", max_seqlen), ("heads_kv", heads_kv)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"KVCache: {what} must be a positive int, got {n!r}")
-        if head_dim not in ops.HEAD_DIMS:
-            raise ValueError(f"KVCache: head_dim {head_dim} is not supported; supported: {ops.HEAD_DIMS}")
+        if head_dim not in problem.HEAD_DIMS:
+            raise ValueError(f"KVCache: head_dim {head_dim} is not supported; supported: {problem.HEAD_DIMS}")
         if kv_dtype == FP8:
             kv_dtype = "fp8"
         if kv_dtype not in (torch.float16, torch.bfloat16, torch.float32, *_KV_DTYPES):

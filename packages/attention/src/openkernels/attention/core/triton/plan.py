@@ -1,0 +1,228 @@
+"""Launch plans of the attention kernels: grid, config and every argument of one launch but
+its pointers, as a pure function of the call's sizes, strides and options (the KV-cache and
+rotary plans, ../../kvcache/triton/plan.py and ../../rotary/triton/plan.py, build on the
+`Launch`, `Strides` and helpers here).
+
+The PyTorch launchers (__init__.py), the JAX launches (../jax/launch.py) and the JAX compile
+checks (tests/aot_jax_cases.py) all go through these, so both front ends run the same kernels with the same configs and values. JAX
+passes every entry of `Launch.args` as a compile-time constant, PyTorch as ordinary
+arguments (Triton specializes the integers on divisibility by 16 and on the value 1).
+Plans are cached: every argument is hashable (strides are tuples, in the kernel's order).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..problem import Problem
+from .configs import AttnConfig, block_d, launch_config, preprocess_block_m
+
+__all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "cdiv", "stride_args", "fwd", "preprocess", "dkdv",
+           "dq", "contiguous", "lse_layout", "Contiguous", "contiguous_launches"]  # fmt: skip
+
+LOG2E = 1.0 / math.log(2.0)
+# Threads of the backward's delta pass (memory-bound, fixed).
+_PREPROCESS_WARPS = 4
+
+Strides = tuple[int, int, int]
+"""(batch, sequence, head) strides of a (B, S, H, D) operand (head_dim's stride is 1);
+varlen calls pack every sequence on the sequence axis of a batch of one: batch stride 0."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """grid, launch options and `args`: every kernel argument but the pointers, by name (a
+    plain dict, cheap to ** at every launch; read-only: the callers of a cached plan share
+    it). num_stages None: the Triton backend's default (kernels without a pipelined loop,
+    launched so from PyTorch)."""
+
+    grid: tuple[int, ...]
+    num_warps: int
+    num_stages: int | None
+    args: Mapping[str, Any]
+    config: object | None = None  # the config the plan chose: AttnConfig, or the rotary plan's RotaryConfig
+
+
+def _flags(p: Problem) -> dict[str, Any]:
+    return {
+        "HEAD_DIM": p.head_dim,
+        "BLOCK_D": block_d(p.head_dim),
+        "IS_VARLEN": p.varlen,
+        "HAS_WINDOW_LEFT": p.window_left >= 0,
+        "HAS_WINDOW_RIGHT": p.window_right >= 0,
+        "HAS_ALIBI": p.alibi,
+        "HAS_SOFTCAP": p.softcap > 0,
+    }
+
+
+def aligned(*strides: tuple[int, ...]) -> bool:
+    """Every stride given (head_dim's left out) is a multiple of 16."""
+    return all(st % 16 == 0 for group in strides for st in group)
+
+
+def scales(scale: float, softcap: float) -> tuple[float, float, float]:
+    """(qk_scale, cap_scale, cap_out): log2-unit score = qk * qk_scale, or with a softcap
+    softcap * tanh(qk * scale / softcap) * log2(e) = tanh(qk * cap_scale) * cap_out."""
+    if softcap > 0:
+        return scale * LOG2E, scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0, 0.0
+
+
+def stride_args(names: tuple[str, ...], values: tuple[Strides, ...]) -> dict[str, int]:
+    out = {}
+    for name, (sb, ss, sh) in zip(names, values, strict=True):
+        out[f"stride_{name}b"], out[f"stride_{name}s"], out[f"stride_{name}h"] = sb, ss, sh
+    return out
+
+
+def _sizes(p: Problem, lse_strides: tuple[int, int]) -> dict[str, Any]:
+    return {"stride_lb": lse_strides[0], "stride_lh": lse_strides[1], "seqlen_q": p.seqlen_q,
+            "seqlen_k": p.seqlen_k, "heads_q": p.heads_q, "group": p.group}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def fwd(
+    p: Problem,
+    arch: str,
+    dtype: torch.dtype,
+    strides: tuple[Strides, Strides, Strides, Strides],
+    lse_strides: tuple[int, int],
+    config: AttnConfig | None = None,
+) -> Launch:
+    """`_attn_fwd_kernel`: strides of (q, k, v, out); lse_strides (batch, head) of lse. The
+    caller adds USE_TMA (PyTorch decides it from the tensors' addresses)."""
+    cfg = config or launch_config(p.head_dim, dtype, arch, "fwd", p.general(aligned(*strides)))
+    qk_scale, cap_scale, cap_out = scales(p.scale, p.softcap)
+    args = {
+        **stride_args(("q", "k", "v", "o"), strides), **_sizes(p, lse_strides), "qk_scale": qk_scale,
+        "cap_scale": cap_scale, "cap_out": cap_out, "window_left": p.window_left, "window_right": p.window_right,
+        **_flags(p), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+    }  # fmt: skip
+    grid = (cdiv(p.seqlen_q, cfg.block_m), p.n_seqs * p.heads_q)
+    return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
+
+
+@functools.lru_cache(maxsize=4096)
+def preprocess(p: Problem, strides: tuple[Strides, Strides], lse_strides: tuple[int, int]) -> Launch:
+    """`_attn_bwd_preprocess_kernel` (delta = rowsum(o * do)): strides of (out, dout);
+    delta is laid out as lse."""
+    block_m = preprocess_block_m(p.head_dim)
+    args = {
+        **stride_args(("o", "do"), strides), "stride_lb": lse_strides[0], "stride_lh": lse_strides[1],
+        "seqlen_q": p.seqlen_q, "heads_q": p.heads_q, "HEAD_DIM": p.head_dim, "BLOCK_D": block_d(p.head_dim),
+        "BLOCK_M": block_m, "IS_VARLEN": p.varlen,
+    }  # fmt: skip
+    return Launch((cdiv(p.seqlen_q, block_m), p.n_seqs * p.heads_q), _PREPROCESS_WARPS, None, args)
+
+
+def _bwd_args(p: Problem, names: tuple[str, ...], strides: tuple[Strides, ...], lse_strides, cfg) -> dict:
+    qk_scale, cap_scale, cap_out = scales(p.scale, p.softcap)
+    return {
+        **stride_args(names, strides), **_sizes(p, lse_strides), "qk_scale": qk_scale, "sm_scale": p.scale,
+        "cap_scale": cap_scale, "cap_out": cap_out, "window_left": p.window_left, "window_right": p.window_right,
+        **_flags(p), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+    }  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def dkdv(
+    p: Problem,
+    arch: str,
+    dtype: torch.dtype,
+    strides: tuple[Strides, ...],
+    lse_strides: tuple[int, int],
+    strides_aligned: bool,
+    config: AttnConfig | None = None,
+) -> Launch:
+    """`_attn_bwd_dkdv_kernel`: strides of (q, k, v, dout, dk, dv), dk / dv being the
+    per-query-head float32 buffers under GQA; strides_aligned: every operand of the backward
+    (dout, q, k, v, dq, dk, dv) has strides that are multiples of 16 (picks the config, the
+    same for dkdv and dq)."""
+    cfg = config or launch_config(p.head_dim, dtype, arch, "dkdv", p.general(strides_aligned))
+    args = _bwd_args(p, ("q", "k", "v", "do", "dk", "dv"), strides, lse_strides, cfg)
+    grid = (cdiv(p.seqlen_k, cfg.block_n), p.n_seqs * p.heads_q)
+    return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
+
+
+@functools.lru_cache(maxsize=4096)
+def dq(
+    p: Problem,
+    arch: str,
+    dtype: torch.dtype,
+    strides: tuple[Strides, ...],
+    lse_strides: tuple[int, int],
+    strides_aligned: bool,
+    config: AttnConfig | None = None,
+) -> Launch:
+    """`_attn_bwd_dq_kernel`: strides of (q, k, v, dout, dq); strides_aligned as in `dkdv`."""
+    cfg = config or launch_config(p.head_dim, dtype, arch, "dq", p.general(strides_aligned))
+    args = _bwd_args(p, ("q", "k", "v", "do", "dq"), strides, lse_strides, cfg)
+    grid = (cdiv(p.seqlen_q, cfg.block_m), p.n_seqs * p.heads_q)
+    return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
+
+
+# ---- contiguous operands (JAX arrays) -----------------------------------------------------
+
+
+def contiguous(shape: tuple[int, ...], varlen: bool) -> Strides:
+    """Strides of a contiguous (B, S, H, D), or of packed (T, H, D) as a batch of one."""
+    if varlen:
+        _, heads, dim = shape
+        return 0, heads * dim, dim
+    _, seq, heads, dim = shape
+    return seq * heads * dim, heads * dim, dim
+
+
+def lse_layout(p: Problem, tokens_q: int) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """lse's shape and (batch, head) strides: (B, Hq, Sq), or (Hq, Tq) as (1, Hq, Tq)."""
+    if p.varlen:
+        return (p.heads_q, tokens_q), (0, tokens_q)
+    return (p.n_seqs, p.heads_q, p.seqlen_q), (p.heads_q * p.seqlen_q, p.seqlen_q)
+
+
+@dataclass(frozen=True)
+class Contiguous:
+    """The launches of one call on contiguous operands; dk_shape: the dkdv kernel's outputs
+    (float32 with one head per query head under GQA, else k's shape and dtype)."""
+
+    fwd: Launch
+    preprocess: Launch
+    dkdv: Launch
+    dq: Launch
+    lse_shape: tuple[int, ...]
+    dk_shape: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def contiguous_launches(
+    p: Problem, arch: str, dtype: torch.dtype, tokens_q: int, tokens_k: int
+) -> Contiguous:
+    """Every launch of a call whose operands are contiguous (what JAX passes): q (B, Sq, Hq,
+    D) or packed (tokens_q, Hq, D), k and v likewise with tokens_k."""
+    if p.varlen:
+        q_shape, k_shape = (tokens_q, p.heads_q, p.head_dim), (tokens_k, p.heads_kv, p.head_dim)
+    else:
+        q_shape = (p.n_seqs, p.seqlen_q, p.heads_q, p.head_dim)
+        k_shape = (p.n_seqs, p.seqlen_k, p.heads_kv, p.head_dim)
+    dk_shape = (*k_shape[:-2], p.heads_q, p.head_dim) if p.group > 1 else k_shape
+    sq, sk, sdk = contiguous(q_shape, p.varlen), contiguous(k_shape, p.varlen), contiguous(dk_shape, p.varlen)
+    lse_shape, lse_strides = lse_layout(p, tokens_q)
+    strides_aligned = aligned(sq, sk)  # dout, dq like q; dk, dv like k
+    return Contiguous(
+        fwd=fwd(p, arch, dtype, (sq, sk, sk, sq), lse_strides),
+        preprocess=preprocess(p, (sq, sq), lse_strides),
+        dkdv=dkdv(p, arch, dtype, (sq, sk, sk, sq, sdk, sdk), lse_strides, strides_aligned),
+        dq=dq(p, arch, dtype, (sq, sk, sk, sq, sq), lse_strides, strides_aligned),
+        lse_shape=lse_shape,
+        dk_shape=dk_shape,
+    )
