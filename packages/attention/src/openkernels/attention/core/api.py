@@ -39,10 +39,12 @@ def _cached() -> bool:
     return not torch.compiler.is_compiling()
 
 
-def _run(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
+def _run(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap, sinks):
     """The cheapest path that is still correct (opdef picks it): the op's body for plain eager
     tensors, one autograd.Function when gradients are needed, else the library op
-    (torch.compile, tensor subclasses, meta tensors)."""
+    (torch.compile, tensor subclasses, meta tensors). Sinks fold into its output (ops.py)."""
+    if sinks is not None:
+        return ops.with_sinks(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap, sinks)
     return ops.ATTENTION(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
 
 
@@ -57,6 +59,7 @@ def attention(
     window: tuple[int, int] = (-1, -1),
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused scaled dot-product attention (FlashAttention-style, never materializes scores).
@@ -72,15 +75,17 @@ def attention(
     window: (left, right) sliding window around i + seqlen_k - seqlen_q; -1 = unbounded.
     alibi_slopes: float32 (heads_q,) or (batch, heads_q); adds -slope * |distance|.
     softcap: > 0 caps scores with softcap * tanh(s / softcap) (Gemma 2).
+    sinks: float32 (heads_q,), learnable attention sinks (gpt-oss): one logit per query head
+        that every row's softmax also normalizes over, with a zero value; differentiable.
     return_lse: also return the float32 logsumexp (batch, heads_q, seqlen_q); rows that see
         no key give output 0 and lse -inf.
     Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype [, lse]. Differentiable in
     q, k, v; the backward is deterministic.
     """
     left, right, scale = problem.check_dense_call("attention", TORCH, q, k, v, problem.ATTENTION_HEAD_DIMS, causal,
-                                                  softmax_scale, window, alibi_slopes, softcap, _cached())  # fmt: skip
+                                                  softmax_scale, window, alibi_slopes, softcap, sinks, _cached())  # fmt: skip
     out, lse = _run(
-        q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, alibi_slopes, float(softcap)
+        q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, alibi_slopes, float(softcap), sinks
     )
     return (out, lse) if return_lse else out
 
@@ -99,6 +104,7 @@ def attention_varlen(
     window: tuple[int, int] = (-1, -1),
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`attention` over packed sequences of different lengths.
@@ -113,8 +119,8 @@ def attention_varlen(
     """
     left, right, scale = problem.check_varlen_call(
         "attention_varlen", TORCH, q, k, v, problem.ATTENTION_HEAD_DIMS, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, causal, softmax_scale, window, alibi_slopes, softcap, _cached(),
+        max_seqlen_k, causal, softmax_scale, window, alibi_slopes, softcap, sinks, _cached(),
     )  # fmt: skip
     out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, left, right,
-                    alibi_slopes, float(softcap))  # fmt: skip
+                    alibi_slopes, float(softcap), sinks)  # fmt: skip
     return (out, lse) if return_lse else out

@@ -32,6 +32,8 @@ __all__ = [
     "forward",
     "backward",
     "ATTENTION",
+    "with_sinks",
+    "fold_sinks",
     "unit_last",
     "alibi_layout",
     "triton_supports",
@@ -263,3 +265,66 @@ ATTENTION = opdef.define(
         ),
     ),
 )
+
+
+# ---- learnable sinks: folded around the op ---------------------------------------------
+# A sink is one more key per query head, logit sinks[h] and value 0 (reference.py). With L
+# the row's logsumexp over its keys and share = sigmoid(L - sink), the sink's complement:
+# out' = out * share, L' = logaddexp(L, sink), so every backend's kernels serve unchanged.
+# The backward is the op's own on (dout * share, out', L): its probabilities are the plain
+# ones, P = exp(s - L), and its delta rowsum(dout * share * out') = share^2 rowsum(dout *
+# out), which makes dS = P (share dout.v - share^2 delta) = P' (dout.v - rowsum(dout * out'))
+# with P' = share P, the softmax over keys and sink; whether a backend takes P from L or
+# from the scores, and its delta from the out it is given. d sink = -sum over rows of
+# (1 - share) rowsum(dout * out').
+
+
+def _per_head(sinks: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """sinks (H,) laid out as lse: (B, H, S) dense, (H, T) varlen."""
+    return sinks[:, None] if varlen else sinks[None, :, None]
+
+
+def _per_row(x: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """lse-shaped x as out's rows: (B, S, H, 1) dense, (T, H, 1) varlen."""
+    return (x.transpose(0, 1) if varlen else x.transpose(1, 2)).unsqueeze(-1)
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, varlen: bool):
+    """(out', lse', share) of a call with sinks from (out, lse) of the call without them;
+    share = sigmoid(lse - sink) (lse's layout, float32), the keys' part of each row."""
+    sink = _per_head(sinks, varlen)
+    share = torch.sigmoid(lse - sink)
+    folded = out.float() * _per_row(share, varlen)
+    return folded.to(out.dtype), torch.logaddexp(lse, sink), share
+
+
+class _WithSinks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
+        out, plain_lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
+        out, lse, share = fold_sinks(out, plain_lse, sinks, cu_q is not None)
+        ctx.save_for_backward(q, k, v, out, plain_lse, share, cu_q, cu_k, alibi)
+        ctx.options = (max_q, max_k, scale, left, right, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, plain_lse, share, cu_q, cu_k, alibi = ctx.saved_tensors
+        max_q, max_k, scale, left, right, softcap = ctx.options
+        varlen = cu_q is not None
+        dout = torch.zeros_like(out) if dout is None else dout
+        scaled = (dout.float() * _per_row(share, varlen)).to(out.dtype)
+        dq, dk, dv = backward(scaled, q, k, v, out, plain_lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi,
+                              softcap)  # fmt: skip
+        delta = (dout.float() * out.float()).sum(-1)  # (B, S, H) or (T, H)
+        delta = delta.transpose(0, 1) if varlen else delta.transpose(1, 2)  # as lse
+        dsink = -((1 - share) * delta)
+        dsink = dsink.sum(dim=1) if varlen else dsink.sum(dim=(0, 2))
+        return dq, dk, dv, dsink, *(None,) * 9
+
+
+def with_sinks(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap, sinks):
+    """openkernels::attention with learnable sinks (float32 (heads_q,)): (out, lse) of the
+    softmax over the keys and the sink; differentiable in q, k, v and sinks."""
+    return _WithSinks.apply(q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)

@@ -20,6 +20,7 @@ __all__ = [
     "ArrayKind",
     "check_qkv",
     "check_alibi",
+    "check_sinks",
     "check_cu_seqlens",
     "check_dense_call",
     "check_varlen_call",
@@ -156,6 +157,23 @@ def check_alibi(name: str, kind: ArrayKind, alibi_slopes: Any, q: Any, heads: in
     check_alibi_shape(name, tuple(alibi_slopes.shape), heads, n_seqs)
 
 
+def check_sinks(name: str, kind: ArrayKind, sinks: Any, q: Any, heads: int) -> None:
+    """sinks: None, or a float32 (heads,) array of `kind` on q's device: one learnable logit
+    per query head, an extra key with a zero value in every row's softmax (reference.py)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, kind.array):
+        raise TypeError(f"{name}: sinks must be a {kind.name} or None, got {type(sinks).__name__}")
+    if sinks.dtype != kind.float32:
+        raise TypeError(f"{name}: sinks must be float32, got {sinks.dtype}")
+    if kind.devices and sinks.device != q.device:
+        raise ValueError(f"{name}: sinks is on {sinks.device} but q is on {q.device}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"{name}: sinks must have shape ({heads},) (one per query head), got {tuple(sinks.shape)}"
+        )
+
+
 def check_cu_seqlens(
     name: str, kind: ArrayKind, what: str, cu: Any, q: Any, tokens: int, max_seqlen: object
 ) -> None:
@@ -177,18 +195,19 @@ def check_cu_seqlens(
 
 
 def check_dense_call(name: str, kind: ArrayKind, q: Any, k: Any, v: Any, head_dims: tuple[int, ...], causal: object,
-                     softmax_scale: object, window: object, alibi_slopes: Any, softcap: object,
+                     softmax_scale: object, window: object, alibi_slopes: Any, softcap: object, sinks: Any = None,
                      cached: bool = True) -> tuple[int, int, float]:  # fmt: skip
     """Every check of an `attention` call; returns (window_left, window_right, scale)."""
     check_qkv(name, kind, q, k, v, 4, head_dims)
     left, right = check_options(name, causal, softmax_scale, window, softcap, cached)
     check_alibi(name, kind, alibi_slopes, q, q.shape[2], q.shape[0])
+    check_sinks(name, kind, sinks, q, q.shape[2])
     return left, right, resolve_scale(q.shape[-1], softmax_scale)
 
 
 def check_varlen_call(name: str, kind: ArrayKind, q: Any, k: Any, v: Any, head_dims: tuple[int, ...], cu_seqlens_q: Any,
                       cu_seqlens_k: Any, max_seqlen_q: object, max_seqlen_k: object, causal: object,
-                      softmax_scale: object, window: object, alibi_slopes: Any, softcap: object,
+                      softmax_scale: object, window: object, alibi_slopes: Any, softcap: object, sinks: Any = None,
                       cached: bool = True) -> tuple[int, int, float]:  # fmt: skip
     """Every check of an `attention_varlen` call; returns (window_left, window_right, scale)."""
     check_qkv(name, kind, q, k, v, 3, head_dims)
@@ -197,6 +216,7 @@ def check_varlen_call(name: str, kind: ArrayKind, q: Any, k: Any, v: Any, head_d
     check_same_n_seqs(name, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
     left, right = check_options(name, causal, softmax_scale, window, softcap, cached)
     check_alibi(name, kind, alibi_slopes, q, q.shape[1], cu_seqlens_q.shape[0] - 1)
+    check_sinks(name, kind, sinks, q, q.shape[1])
     return left, right, resolve_scale(q.shape[-1], softmax_scale)
 
 

@@ -87,14 +87,22 @@ def _attend_one(
     softcap: float,
     rows: torch.Tensor,
     sq: int,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. q: (H, R, D) (rows `rows` of its sq queries), k, v: (H, Sk, D) in the
-    compute dtype, heads already matched; slopes: (H,) or None. Returns (o (H, R, D), lse (H, R))."""
+    compute dtype, heads already matched; slopes, sinks: (H,) or None. Returns (o (H, R, D),
+    lse (H, R))."""
     sk = k.shape[1]
-    if sk == 0:  # no keys: every row is empty
-        return q.new_zeros(q.shape) + 0 * q, q.new_full(q.shape[:-1], float("-inf"))
+    if sk == 0:  # no keys: every row is empty (but for its sink)
+        empty = (
+            q.new_full(q.shape[:-1], float("-inf")) if sinks is None else sinks[:, None].expand(q.shape[:-1])
+        )
+        return q.new_zeros(q.shape) + 0 * q, empty
     s, _ = _scores(q, k, slopes, scale=scale, window_left=window_left, window_right=window_right,
                    softcap=softcap, rows=rows, sq=sq)  # fmt: skip
+    if sinks is not None:  # one more key per head: logit sinks[h], value 0
+        s = torch.cat((s, sinks[:, None, None].expand(*s.shape[:-1], 1)), dim=-1)
+        v = torch.cat((v, v.new_zeros(v.shape[0], 1, v.shape[2])), dim=1)
     # Softmax is shift-invariant, so the row max is detached; a row with no visible key has
     # max -inf: shifted by 0 instead, its terms are exp(-inf) = 0 (no NaN, in autograd too).
     row_max = s.detach().amax(dim=-1, keepdim=True)
@@ -106,8 +114,9 @@ def _attend_one(
     return torch.matmul(p, v), lse
 
 
-def attend(q, k, v, slopes, *, scale, window_left, window_right, softcap):
-    """One sequence, all rows: q (Sq, Hq, D), k, v (Sk, Hkv, D) -> o (Sq, Hq, D), lse (Hq, Sq)."""
+def attend(q, k, v, slopes, *, scale, window_left, window_right, softcap, sinks=None):
+    """One sequence, all rows: q (Sq, Hq, D), k, v (Sk, Hkv, D) -> o (Sq, Hq, D), lse (Hq, Sq);
+    sinks: (Hq,) learnable sink logits (see attention_ref) or None."""
     acc = compute_dtype(q.dtype)
     sq, hq, _ = q.shape
     sk, hkv, _ = k.shape
@@ -122,6 +131,7 @@ def attend(q, k, v, slopes, *, scale, window_left, window_right, softcap):
         o, lse = _attend_one(
             qh[:, start : start + chunk], kh, vh, sl, scale=scale, window_left=window_left,
             window_right=window_right, softcap=softcap, rows=rows, sq=sq,
+            sinks=None if sinks is None else sinks.to(acc),
         )  # fmt: skip
         outs.append(o)
         lses.append(lse)
@@ -130,15 +140,17 @@ def attend(q, k, v, slopes, *, scale, window_left, window_right, softcap):
     return torch.cat(outs, dim=1).transpose(0, 1), torch.cat(lses, dim=1)
 
 
-def _attend_grads(q, k, v, dout, slopes, *, scale, window_left, window_right, softcap):
-    """Gradients of `_attend` for one sequence with keys: q, dout (Sq, Hq, D), k, v (Sk, Hkv, D)
-    -> dq, dk, dv in the compute dtype. Explicit, not autograd: attn_bwd also runs inside the
+def _attend_grads(q, k, v, out, dout, slopes, *, scale, window_left, window_right, softcap):
+    """Gradients of `_attend` for one sequence with keys: q, out, dout (Sq, Hq, D), k, v (Sk,
+    Hkv, D) -> dq, dk, dv in the compute dtype; delta = rowsum(dout * out) from the out given,
+    as the kernels take it (learnable sinks, ops.py, hand it a scaled one). Explicit, not autograd: attn_bwd also runs inside the
     library op (torch.compile, opcheck), below the Autograd dispatch key, where autograd
     records nothing."""
     acc = compute_dtype(q.dtype)
     sq, hq, _ = q.shape
     sk, hkv, _ = k.shape
     qh, doh = q.to(acc).transpose(0, 1), dout.to(acc).transpose(0, 1)
+    delta = (doh * out.to(acc).transpose(0, 1)).sum(dim=-1, keepdim=True)  # (Hq, Sq, 1)
     kh = k.to(acc).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
     vh = v.to(acc).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
     sl = None if slopes is None else slopes.to(acc)
@@ -154,7 +166,7 @@ def _attend_grads(q, k, v, dout, slopes, *, scale, window_left, window_right, so
         total = e.sum(dim=-1, keepdim=True)
         p = e / total.masked_fill(total == 0, 1.0)  # rows with no visible key: 0
         dp = torch.matmul(doh[:, r], vh.transpose(-1, -2))
-        ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))  # sum_j p_ij dp_ij = dout_i . o_i
+        ds = p * (dp - delta[:, r])
         if t is not None:
             ds = ds * (1 - t * t)  # d(softcap * tanh(x / softcap)) / dx
         dv += torch.matmul(p.transpose(-1, -2), doh[:, r])
@@ -188,17 +200,20 @@ def attention_ref(
     window: tuple[int, int] = (-1, -1),
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference of `attention`: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> o (B, Sq, Hq, D) in
     the compute dtype (float32, float64 for float64 inputs) [, lse (B, Hq, Sq)].
-    Differentiable (autograd through plain torch ops)."""
+    sinks: (Hq,) learnable sinks (gpt-oss): every row's softmax also normalizes over one more
+    key of logit sinks[h] and value 0, so o shrinks by the sink's share and lse includes it.
+    Differentiable (autograd through plain torch ops, sinks included)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     left, right = _window(causal, window)
     outs, lses = [], []
     for b in range(q.shape[0]):
         o, lse = attend(q[b], k[b], v[b], _slopes_for(alibi_slopes, b), scale=scale, window_left=left,
-                         window_right=right, softcap=softcap)  # fmt: skip
+                         window_right=right, softcap=softcap, sinks=sinks)  # fmt: skip
         outs.append(o)
         lses.append(lse)
     acc = compute_dtype(q.dtype)
@@ -221,6 +236,7 @@ def attention_varlen_ref(
     window: tuple[int, int] = (-1, -1),
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference of `attention_varlen`: packed q (Tq, Hq, D), k, v (Tk, Hkv, D), sequence i
@@ -233,7 +249,7 @@ def attention_varlen_ref(
     for i in range(len(cq) - 1):
         o, lse = attend(
             q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], _slopes_for(alibi_slopes, i),
-            scale=scale, window_left=left, window_right=right, softcap=softcap,
+            scale=scale, window_left=left, window_right=right, softcap=softcap, sinks=sinks,
         )  # fmt: skip
         outs.append(o)
         lses.append(lse)
@@ -278,6 +294,6 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
         if q[b, rq].shape[0] == 0 or k[b, rk].shape[0] == 0:
             continue
         slopes = _slopes_for(alibi_slopes, seq)
-        grads = _attend_grads(q[b, rq], k[b, rk], v[b, rk], dout[b, rq], slopes, **opts)
+        grads = _attend_grads(q[b, rq], k[b, rk], v[b, rk], out[b, rq], dout[b, rq], slopes, **opts)
         for dst, g in zip((dq[b, rq], dk[b, rk], dv[b, rk]), grads):
             dst.copy_(g)

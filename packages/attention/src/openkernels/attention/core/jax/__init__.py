@@ -81,44 +81,84 @@ def _forward(q, k, v, cu_q, cu_k, slopes, static: _Static):
     return jnp_backend.attention_fwd(q, k, v, cu_q, cu_k, slopes, p)
 
 
-def _backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static: _Static):
+def _backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static: _Static, folded: bool = False):
+    """folded: out and lse carry learnable sinks (the jax.numpy path then takes its
+    probabilities from lse; the kernels always do)."""
     if q.size == 0 or k.shape[-3] == 0:
         return jax.numpy.zeros_like(q), jax.numpy.zeros_like(k), jax.numpy.zeros_like(v)
     if _kernels(static, q.dtype):
         from . import launch
 
         return launch.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static.problem)
-    return jnp_backend.attention_bwd(dout, dlse, q, k, v, cu_q, cu_k, slopes, static.problem)
+    return jnp_backend.attention_bwd(
+        dout, dlse, q, k, v, cu_q, cu_k, slopes, static.problem, lse if folded else None
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, cu_q, cu_k, slopes, static: _Static):
-    return _forward(q, k, v, cu_q, cu_k, slopes, static)
+def _lse_layout(sinks: jax.Array, varlen: bool) -> jax.Array:
+    """sinks (H,) laid out as lse: (B, H, S) dense, (H, T) varlen."""
+    return sinks[:, None] if varlen else sinks[None, :, None]
+
+
+def _as_rows(x: jax.Array, varlen: bool) -> jax.Array:
+    """lse-shaped x as out's rows: (B, S, H, 1) dense, (T, H, 1) varlen."""
+    return (x.T if varlen else jax.numpy.transpose(x, (0, 2, 1)))[..., None]
+
+
+def _fold_sinks(out, lse, sinks, varlen: bool):
+    """(out', lse') with learnable sinks, as ../ops.py folds them: out * sigmoid(lse - sink),
+    logaddexp(lse, sink)."""
+    sink = _lse_layout(sinks.astype(lse.dtype), varlen)
+    share = _as_rows(jax.nn.sigmoid(lse - sink), varlen)
+    return (out.astype(lse.dtype) * share).astype(out.dtype), jax.numpy.logaddexp(lse, sink)
+
+
+def _forward_with_sinks(q, k, v, cu_q, cu_k, slopes, sinks, static: _Static):
+    out, lse = _forward(q, k, v, cu_q, cu_k, slopes, static)
+    return (out, lse) if sinks is None else _fold_sinks(out, lse, sinks, static.problem.varlen)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, cu_q, cu_k, slopes, sinks, static: _Static):
+    return _forward_with_sinks(q, k, v, cu_q, cu_k, slopes, sinks, static)
 
 
 def _value(x):
     return None if x is None else x.value
 
 
-def _attention_fwd(q, k, v, cu_q, cu_k, slopes, static: _Static):
+def _attention_fwd(q, k, v, cu_q, cu_k, slopes, sinks, static: _Static):
     # symbolic_zeros: the primals come wrapped, with whether each is differentiated.
     if slopes is not None and slopes.perturbed:
         raise ValueError("attention: alibi_slopes gets no gradient; pass jax.lax.stop_gradient(alibi_slopes)")
-    q, k, v, cu_q, cu_k, slopes = (_value(x) for x in (q, k, v, cu_q, cu_k, slopes))
-    out, lse = _forward(q, k, v, cu_q, cu_k, slopes, static)
-    return (out, lse), (q, k, v, out, lse, cu_q, cu_k, slopes)
+    q, k, v, cu_q, cu_k, slopes, sinks = (_value(x) for x in (q, k, v, cu_q, cu_k, slopes, sinks))
+    out, lse = _forward_with_sinks(q, k, v, cu_q, cu_k, slopes, sinks, static)
+    return (out, lse), (q, k, v, out, lse, cu_q, cu_k, slopes, sinks)
+
+
+def _sinks_grad(dout, dlse, out, lse, sinks, varlen: bool):
+    """d sinks: the sink's probability exp(sink - lse') times (dlse - rowsum(dout * out')),
+    summed over every row of its head (../ops.py derives it)."""
+    delta = (dout.astype(lse.dtype) * out.astype(lse.dtype)).sum(-1)  # (B, S, H) or (T, H)
+    delta = delta.T if varlen else jax.numpy.transpose(delta, (0, 2, 1))
+    upstream = -delta if dlse is None else dlse - delta
+    grad = jax.numpy.exp(_lse_layout(sinks.astype(lse.dtype), varlen) - lse) * upstream
+    return grad.sum(axis=1 if varlen else (0, 2)).astype(sinks.dtype)
 
 
 def _attention_bwd(static: _Static, residuals, cotangents):
-    q, k, v, out, lse, cu_q, cu_k, slopes = residuals
+    q, k, v, out, lse, cu_q, cu_k, slopes, sinks = residuals
     dout, dlse = cotangents
     zero = jax.custom_derivatives.SymbolicZero
     if isinstance(dout, zero):
         dout = jax.numpy.zeros(out.shape, out.dtype)
     dlse = None if isinstance(dlse, zero) else dlse
     with okjax.use_backend(static.backend):  # the backward runs on the forward's backend
-        dq, dk, dv = _backward(dout.astype(out.dtype), dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static)
-    return dq, dk, dv, None, None, None
+        dq, dk, dv = _backward(
+            dout.astype(out.dtype), dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static, sinks is not None
+        )
+    dsinks = None if sinks is None else _sinks_grad(dout, dlse, out, lse, sinks, static.problem.varlen)
+    return dq, dk, dv, None, None, None, dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -139,6 +179,7 @@ def attention(
     window: tuple[int, int] = (-1, -1),
     alibi_slopes: jax.Array | None = None,
     softcap: float = 0.0,
+    sinks: jax.Array | None = None,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-style on the kernel backends).
@@ -150,17 +191,18 @@ def attention(
     softmax_scale: default 1 / sqrt(head_dim). window: (left, right) sliding window, -1 =
     unbounded. alibi_slopes: float32 (heads_q,) or (batch, heads_q). softcap: > 0 caps
     scores with softcap * tanh(s / softcap). Options are Python values (static under jit).
+    sinks: float32 (heads_q,) learnable sink logits, differentiable (as the PyTorch function).
     return_lse: also return the logsumexp (batch, heads_q, seqlen_q), float32 (float64 for
     float64 inputs); rows that see no key give output 0 and lse -inf.
     Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype [, lse]. Differentiable in
     q, k, v (and through lse: d lse / d score = the attention probabilities).
     """
     left, right, scale = check_dense_call("attention", JAX, q, k, v, HEAD_DIMS, causal, softmax_scale, window,
-                                          alibi_slopes, softcap)  # fmt: skip
+                                          alibi_slopes, softcap, sinks)  # fmt: skip
     problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], False, scale, left,
                       right, alibi_slopes is not None, float(softcap))  # fmt: skip
     slopes = _slopes(alibi_slopes, q.shape[0], q.shape[2])
-    out, lse = _attention(q, k, v, None, None, slopes, _Static(problem, okjax.backend()))
+    out, lse = _attention(q, k, v, None, None, slopes, sinks, _Static(problem, okjax.backend()))
     return (out, lse) if return_lse else out
 
 
@@ -178,6 +220,7 @@ def attention_varlen(
     window: tuple[int, int] = (-1, -1),
     alibi_slopes: jax.Array | None = None,
     softcap: float = 0.0,
+    sinks: jax.Array | None = None,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`attention` over packed sequences of different lengths.
@@ -193,10 +236,12 @@ def attention_varlen(
     """
     left, right, scale = check_varlen_call("attention_varlen", JAX, q, k, v, HEAD_DIMS, cu_seqlens_q, cu_seqlens_k,
                                            max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, alibi_slopes,
-                                           softcap)  # fmt: skip
+                                           softcap, sinks)  # fmt: skip
     n_seqs = cu_seqlens_q.shape[0] - 1
     problem = Problem(n_seqs, int(max_seqlen_q), int(max_seqlen_k), q.shape[1], k.shape[1], q.shape[2], True, scale,
                       left, right, alibi_slopes is not None, float(softcap))  # fmt: skip
     slopes = _slopes(alibi_slopes, n_seqs, q.shape[1])
-    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, _Static(problem, okjax.backend()))
+    out, lse = _attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, sinks, _Static(problem, okjax.backend())
+    )
     return (out, lse) if return_lse else out

@@ -78,16 +78,21 @@ def dense_fwd(q, k, v, slopes, p: Problem, len_q, len_k):
     return out.reshape(q.shape).astype(q.dtype), lse.reshape(n, hq, sq)
 
 
-def dense_bwd(dout, dlse, q, k, v, slopes, p: Problem, len_q, len_k):
+def dense_bwd(dout, dlse, q, k, v, slopes, p: Problem, len_q, len_k, lse=None):
     """Gradients of `dense_fwd` (reference.py's _attend_grads), dlse (N, Hq, Sq) or None
-    included: d lse_i / d s_ij = P_ij. Returns dq, dk, dv in the inputs' dtype."""
+    included: d lse_i / d s_ij = P_ij. lse (N, Hq, Sq): the forward's, when it is not the
+    scores' own (learnable sinks fold into it): P = exp(s - lse). Returns dq, dk, dv in the
+    inputs' dtype."""
     acc = compute_dtype(q.dtype)
     n, sq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
     qg = q.reshape(n, sq, hkv, g, d)
     s, t, visible = _scores(qg, k, slopes, p, len_q, len_k)
-    probs, _ = _probabilities(s)
+    if lse is None:
+        probs, _ = _probabilities(s)
+    else:
+        probs = jnp.where(visible, jnp.exp(s - lse.astype(acc).reshape(n, hkv, g, sq, 1)), 0.0)
     dog = dout.astype(acc).reshape(n, sq, hkv, g, d)
     kf, vf = k.astype(acc), v.astype(acc)
     dp = jnp.einsum("nqhgd,nkhd->nhgqk", dog, vf, precision=_HIGHEST)
@@ -150,18 +155,18 @@ def attention_fwd(q, k, v, cu_q, cu_k, slopes, p: Problem):
     return out[seq, pos], lse[seq, :, pos].T
 
 
-def attention_bwd(dout, dlse, q, k, v, cu_q, cu_k, slopes, p: Problem):
+def attention_bwd(dout, dlse, q, k, v, cu_q, cu_k, slopes, p: Problem, lse=None):
     """(dq, dk, dv) of `attention_fwd` for cotangents dout (like out) and dlse (like lse, or
-    None)."""
+    None); lse: the forward's when it is not the scores' own (dense_bwd)."""
     if not p.varlen:
         n = q.shape[0]
-        return dense_bwd(dout, dlse, q, k, v, slopes, p, _full(n, q.shape[1]), _full(n, k.shape[1]))
+        return dense_bwd(dout, dlse, q, k, v, slopes, p, _full(n, q.shape[1]), _full(n, k.shape[1]), lse)
     (iq, vq, lq), (ik, vk, lk), (seq_q, pos_q), (seq_k, pos_k) = _varlen_layout(
         cu_q, cu_k, p, q.shape[0], k.shape[0]
     )
-    dlse_pad = None
-    if dlse is not None:  # (Hq, Tq) -> (n, Hq, max_q)
-        dlse_pad = jnp.moveaxis(_pad(dlse.T, iq, vq), 1, 2)
+    dlse_pad, lse_pad = (
+        None if x is None else jnp.moveaxis(_pad(x.T, iq, vq), 1, 2) for x in (dlse, lse)
+    )  # (Hq, Tq) -> (n, Hq, max_q)
     dq, dk, dv = dense_bwd(_pad(dout, iq, vq), dlse_pad, _pad(q, iq, vq), _pad(k, ik, vk), _pad(v, ik, vk),
-                            slopes, p, lq, lk)  # fmt: skip
+                            slopes, p, lq, lk, lse_pad)  # fmt: skip
     return dq[seq_q, pos_q], dk[seq_k, pos_k], dv[seq_k, pos_k]
