@@ -50,8 +50,8 @@ def _call(fn, q, k, v, sinks, shape, **extra):
     options = dict(causal=causal, window=window, sinks=sinks, return_lse=True, **extra)
     if not varlen:
         return fn(q, k, v, **options)
-    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32)
-    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32)
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
     packed = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     varlen_fn = A.attention_varlen if fn is A.attention else R.attention_varlen_ref
     return varlen_fn(*packed, cu_q, cu_k, sq, sk, **options)
