@@ -47,54 +47,31 @@ def _call(name: str, x: torch.Tensor, out: torch.Tensor | None, approximate: str
     return ops.OPS[name](x, *extra)  # the op picks its path: eager, eager autograd or library
 
 
-@replay.replayable
-def silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x * sigmoid(x), elementwise. Any shape; returns x's shape and dtype."""
-    return _call("silu", x, out)
+def _function(spec: OpSpec):
+    """The public function of one op of the table: f(x, *, out=None), or f(x, approximate="none",
+    *, out=None) for the GELU ops; replayable, its docstring the table's."""
+    name = spec.name
+    if spec.approximate:
+
+        def fn(
+            x: torch.Tensor, approximate: str = "none", *, out: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            return _call(name, x, out, approximate)
+
+    else:
+
+        def fn(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+            return _call(name, x, out)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__module__ = __name__
+    fn.__doc__ = spec.doc
+    return replay.replayable(fn)
 
 
-@replay.replayable
-def gelu(x: torch.Tensor, approximate: str = "none", *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """GELU: x * Phi(x) ("none", exact erf) or its tanh approximation ("tanh")."""
-    return _call("gelu", x, out, approximate)
-
-
-@replay.replayable
-def gelu_quick(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x * sigmoid(1.702 x), elementwise."""
-    return _call("gelu_quick", x, out)
-
-
-@replay.replayable
-def relu_squared(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """max(x, 0)^2, elementwise."""
-    return _call("relu_squared", x, out)
-
-
-@replay.replayable
-def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x[..., :d]) * x[..., d:] for x of shape (..., 2d); returns (..., d)."""
-    return _call("silu_and_mul", x, out)
-
-
-@replay.replayable
-def gelu_and_mul(
-    x: torch.Tensor, approximate: str = "none", *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """gelu(x[..., :d], approximate) * x[..., d:] for x of shape (..., 2d); returns (..., d)."""
-    return _call("gelu_and_mul", x, out, approximate)
-
-
-@replay.replayable
-def mul_and_silu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x[..., :d] * silu(x[..., d:]) for x of shape (..., 2d); returns (..., d)."""
-    return _call("mul_and_silu", x, out)
-
-
-@replay.replayable
-def glu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x[..., :d] * sigmoid(x[..., d:]) for x of shape (..., 2d); returns (..., d): GLU over the last dim."""
-    return _call("glu", x, out)
+# op name -> its function (silu, gelu, ..., glu), made from the op table.
+FUNCTIONS = {name: _function(spec) for name, spec in SPECS.items()}
+globals().update(FUNCTIONS)
 
 
 class _Approximated(nn.Module):
@@ -117,7 +94,7 @@ def module_name(op: str) -> str:
 def _module(spec: OpSpec) -> type[nn.Module]:
     """The module form of one op of the table: forward(x) calls the function (with the
     module's `approximate` for the GELU ops)."""
-    fn = globals()[spec.name]
+    fn = FUNCTIONS[spec.name]
     if spec.approximate:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:

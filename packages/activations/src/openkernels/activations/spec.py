@@ -43,19 +43,66 @@ class OpSpec:
     # approximate= for the GELU ops): the benchmarks' eager peer. None: the activation's
     # torch form, times the other half for gated ops (bench.torch_composition).
     torch_peer: str | None = None
+    # The public function's docstring (api.py makes the function from this table).
+    doc: str = ""
 
 
 SPECS: dict[str, OpSpec] = {
     s.name: s
     for s in (
-        OpSpec("silu", gated=False, act=Act.SILU),
-        OpSpec("gelu", gated=False, approximate=True, act=Act.GELU),
-        OpSpec("gelu_quick", gated=False, act=Act.GELU_QUICK),
-        OpSpec("relu_squared", gated=False, act=Act.RELU_SQUARED),
-        OpSpec("silu_and_mul", gated=True, act=Act.SILU),
-        OpSpec("gelu_and_mul", gated=True, approximate=True, act=Act.GELU),
-        OpSpec("mul_and_silu", gated=True, act_first=False, act=Act.SILU),
-        OpSpec("glu", gated=True, act_first=False, act=Act.SIGMOID, torch_peer="glu"),
+        OpSpec(
+            "silu",
+            gated=False,
+            act=Act.SILU,
+            doc="x * sigmoid(x), elementwise. Any shape; returns x's shape and dtype.",
+        ),
+        OpSpec(
+            "gelu",
+            gated=False,
+            approximate=True,
+            act=Act.GELU,
+            doc='GELU: x * Phi(x) ("none", exact erf) or its tanh approximation ("tanh").',
+        ),
+        OpSpec(
+            "gelu_quick",
+            gated=False,
+            act=Act.GELU_QUICK,
+            doc="x * sigmoid(1.702 x), elementwise.",
+        ),
+        OpSpec(
+            "relu_squared",
+            gated=False,
+            act=Act.RELU_SQUARED,
+            doc="max(x, 0)^2, elementwise.",
+        ),
+        OpSpec(
+            "silu_and_mul",
+            gated=True,
+            act=Act.SILU,
+            doc="silu(x[..., :d]) * x[..., d:] for x of shape (..., 2d); returns (..., d).",
+        ),
+        OpSpec(
+            "gelu_and_mul",
+            gated=True,
+            approximate=True,
+            act=Act.GELU,
+            doc="gelu(x[..., :d], approximate) * x[..., d:] for x of shape (..., 2d); returns (..., d).",
+        ),
+        OpSpec(
+            "mul_and_silu",
+            gated=True,
+            act_first=False,
+            act=Act.SILU,
+            doc="x[..., :d] * silu(x[..., d:]) for x of shape (..., 2d); returns (..., d).",
+        ),
+        OpSpec(
+            "glu",
+            gated=True,
+            act_first=False,
+            act=Act.SIGMOID,
+            torch_peer="glu",
+            doc="x[..., :d] * sigmoid(x[..., d:]) for x of shape (..., 2d); returns (..., d): GLU over the last dim.",
+        ),
     )
 }
 
