@@ -47,64 +47,22 @@ class OpSpec:
     doc: str = ""
 
 
+# One row per op (a table: kept one line each).
+# fmt: off
 SPECS: dict[str, OpSpec] = {
     s.name: s
     for s in (
-        OpSpec(
-            "silu",
-            gated=False,
-            act=Act.SILU,
-            doc="x * sigmoid(x), elementwise. Any shape; returns x's shape and dtype.",
-        ),
-        OpSpec(
-            "gelu",
-            gated=False,
-            approximate=True,
-            act=Act.GELU,
-            doc='GELU: x * Phi(x) ("none", exact erf) or its tanh approximation ("tanh").',
-        ),
-        OpSpec(
-            "gelu_quick",
-            gated=False,
-            act=Act.GELU_QUICK,
-            doc="x * sigmoid(1.702 x), elementwise.",
-        ),
-        OpSpec(
-            "relu_squared",
-            gated=False,
-            act=Act.RELU_SQUARED,
-            doc="max(x, 0)^2, elementwise.",
-        ),
-        OpSpec(
-            "silu_and_mul",
-            gated=True,
-            act=Act.SILU,
-            doc="silu(x[..., :d]) * x[..., d:] for x of shape (..., 2d); returns (..., d).",
-        ),
-        OpSpec(
-            "gelu_and_mul",
-            gated=True,
-            approximate=True,
-            act=Act.GELU,
-            doc="gelu(x[..., :d], approximate) * x[..., d:] for x of shape (..., 2d); returns (..., d).",
-        ),
-        OpSpec(
-            "mul_and_silu",
-            gated=True,
-            act_first=False,
-            act=Act.SILU,
-            doc="x[..., :d] * silu(x[..., d:]) for x of shape (..., 2d); returns (..., d).",
-        ),
-        OpSpec(
-            "glu",
-            gated=True,
-            act_first=False,
-            act=Act.SIGMOID,
-            torch_peer="glu",
-            doc="x[..., :d] * sigmoid(x[..., d:]) for x of shape (..., 2d); returns (..., d): GLU over the last dim.",
-        ),
+        OpSpec("silu", gated=False, act=Act.SILU, doc="x * sigmoid(x), elementwise. Any shape; returns x's shape and dtype."),
+        OpSpec("gelu", gated=False, approximate=True, act=Act.GELU, doc='GELU: x * Phi(x) ("none", exact erf) or its tanh approximation ("tanh").'),
+        OpSpec("gelu_quick", gated=False, act=Act.GELU_QUICK, doc="x * sigmoid(1.702 x), elementwise."),
+        OpSpec("relu_squared", gated=False, act=Act.RELU_SQUARED, doc="max(x, 0)^2, elementwise."),
+        OpSpec("silu_and_mul", gated=True, act=Act.SILU, doc="silu(x[..., :d]) * x[..., d:] for x of shape (..., 2d); returns (..., d)."),
+        OpSpec("gelu_and_mul", gated=True, approximate=True, act=Act.GELU, doc="gelu(x[..., :d], approximate) * x[..., d:] for x of shape (..., 2d); returns (..., d)."),
+        OpSpec("mul_and_silu", gated=True, act_first=False, act=Act.SILU, doc="x[..., :d] * silu(x[..., d:]) for x of shape (..., 2d); returns (..., d)."),
+        OpSpec("glu", gated=True, act_first=False, act=Act.SIGMOID, torch_peer="glu", doc="x[..., :d] * sigmoid(x[..., d:]) for x of shape (..., 2d); returns (..., d): GLU over the last dim."),
     )
 }
+# fmt: on
 
 
 def act_for(spec: OpSpec, approximate: str = "none") -> Act:
