@@ -246,6 +246,18 @@ def test_bfloat16_logits_within_transformers_own_bf16_error(models, bits: int) -
 # ---- cache behaviour ---------------------------------------------------------------------
 
 
+def _check_reuse_after_reset(model, cache, p, t, first: torch.Tensor, *, too_many: int) -> None:
+    """What a reset cache must do, dynamic or static: the prompt and 3 tokens run again give
+    `first` (their logits before the reset), a token dropped by crop(-1) is written over by the
+    next one, and `too_many` more tokens are refused for the capacity."""
+    assert torch.equal(_logits(model, cache, p, t[:, :3]), first)  # reused from scratch
+    cache.crop(-1)
+    again = _logits(model, cache, t[:, 2:3], t[:, :0])
+    assert torch.equal(again[:, 0], first[:, -1])
+    with pytest.raises(ValueError, match="capacity"):
+        _logits(model, cache, torch.ones(BATCH, too_many, dtype=torch.long), t[:, :0])
+
+
 def test_seq_length_reset_crop_and_reuse(models) -> None:
     model, p, t = models["ours"], models["prompt"], models["tokens"]
     cache = A.OpenKernelsCache(model.config, BATCH, 40, kv_dtype="int8")
@@ -259,12 +271,7 @@ def test_seq_length_reset_crop_and_reuse(models) -> None:
     assert cache.get_seq_length() == PROMPT + 1
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes > 0  # storage kept
-    assert torch.equal(_logits(model, cache, p, t[:, :3]), first)  # reused from scratch
-    cache.crop(-1)  # a dropped token is written over by the next one
-    again = _logits(model, cache, t[:, 2:3], t[:, :0])
-    assert torch.equal(again[:, 0], first[:, -1])
-    with pytest.raises(ValueError, match="capacity"):
-        _logits(model, cache, torch.ones(BATCH, 40, dtype=torch.long), t[:, :0])
+    _check_reuse_after_reset(model, cache, p, t, first, too_many=40)
 
 
 def test_several_new_tokens_against_a_filled_cache(models) -> None:
@@ -562,14 +569,8 @@ def test_static_seq_length_reset_crop(models) -> None:
     assert [layer.k_cache.data.data_ptr() for layer in cache.layers] + [
         cache.get_seq_length().data_ptr()
     ] == storage  # ... at the same addresses
-    assert torch.equal(_logits(model, cache, p, t[:, :3]), first)  # reused from scratch
-    cache.crop(-1)  # a dropped token is written over by the next one
-    again = _logits(model, cache, t[:, 2:3], t[:, :0])
-    assert torch.equal(again[:, 0], first[:, -1])
-    # Eager calls check the capacity before anything changes.
-    with pytest.raises(ValueError, match="capacity"):
-        _logits(model, cache, torch.ones(BATCH, 30, dtype=torch.long), t[:, :0])
-    assert int(cache.get_seq_length()) == PROMPT + 3
+    _check_reuse_after_reset(model, cache, p, t, first, too_many=30)
+    assert int(cache.get_seq_length()) == PROMPT + 3  # the eager call checked the capacity first
 
 
 def test_static_left_padded_batch_gives_transformers_tokens(models) -> None:
