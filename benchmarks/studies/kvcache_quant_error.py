@@ -16,25 +16,16 @@ import sys
 import torch
 
 from openkernels.attention.core import reference as R
+from openkernels.attention.kvcache import reference as KR
 from openkernels.attention.kvcache.format import (
     QuantizedKV,
     dequantize_kv,
     fp8_scale,
-    quantize_channels,
     quantize_fp8,
     quantize_kv,
-    unpack_codes,
 )
 
 Hq, Hk, D = 32, 8, 128
-
-
-def _keys_by_channel(k: torch.Tensor, bits: int, g: int) -> torch.Tensor:
-    """k (B, S, H, D) through the keys-by-channel format (S a multiple of g), float32."""
-    groups = k.to(torch.float16).unflatten(1, (-1, g))  # (B, S / g, g, H, D)
-    codes, scale, zero = quantize_channels(groups, bits)
-    x = unpack_codes(codes, bits).float() * scale.float().unsqueeze(-3) + zero.float().unsqueeze(-3)
-    return x.flatten(1, 2)
 
 
 def run(kind: str, S: int) -> list[str]:
@@ -59,7 +50,7 @@ def run(kind: str, S: int) -> list[str]:
         rows.append(f"| {kind} | {S} | int{bits} | {g or 'head'} | {rel:.2e} | {mx:.2e} |")
     for bits in (8, 4):
         for g in (32, 64):
-            kq = _keys_by_channel(kb, bits, g)
+            kq, _ = KR.keys_by_channel(kb, bits, g)  # S a multiple of g
             vq = dequantize_kv(quantize_kv(vb, bits, None))
             o = R.attention_ref(q.bfloat16().float(), kq, vq, causal=True)
             rel = ((o - ref).norm() / ref.norm()).item()

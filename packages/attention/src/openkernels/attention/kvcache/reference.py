@@ -39,9 +39,9 @@ import torch
 from openkernels.shared import replay
 
 from ..core.reference import attend, compute_dtype
-from .format import FP8, gather_kv, quantize_channels, quantize_fp8, quantize_unchecked
+from .format import FP8, gather_kv, quantize_channels, quantize_fp8, quantize_unchecked, unpack_codes
 
-__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "rotate"]
+__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "keys_by_channel", "rotate"]
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
@@ -119,6 +119,18 @@ def _append_keys_by_channel(
         else:
             at = (int(block_table[b, first // page]), first % page // g)
         k_scale[at], k_zero[at] = sc, zr
+
+
+def keys_by_channel(k: torch.Tensor, bits: int, key_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys k (..., S, Hkv, D), S a multiple of key_group, as a cache quantized by channel holds
+    their full groups: rounded to float16, each group quantized as _append_keys_by_channel does,
+    read back as code * scale + zero in float32. Returns (keys, code step), both (..., S, Hkv, D):
+    what the tests check a cache's keys against and what the error studies measure, in one place."""
+    groups = k.to(torch.float16).unflatten(-3, (-1, key_group))  # (..., S / g, g, Hkv, D)
+    codes, scale, zero = quantize_channels(groups, bits)
+    scale, zero = scale.to(torch.float32).unsqueeze(-3), zero.to(torch.float32).unsqueeze(-3)
+    keys = unpack_codes(codes, bits).to(torch.float32) * scale + zero
+    return keys.flatten(-4, -3), scale.expand_as(keys).flatten(-4, -3)
 
 
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
