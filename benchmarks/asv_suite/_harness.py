@@ -184,10 +184,10 @@ def _free(dev: Any) -> None:
 
 class Suite:
     """Base of every suite. A suite sets `params` and `param_names` (`dtype` then `backend`
-    last), defines `build(dev, **params)` returning the family's BenchCase for one
-    combination (or raising NotApplicableError), and defines its own two-line `setup_cache`
-    calling `measure_all`: asv keys the cache by the module and line of that function, so
-    a shared one would hand every suite the first suite's numbers.
+    last), sets `case` or defines `build(dev, **params)` returning the family's BenchCase
+    for one combination (or raising NotApplicableError), and defines its own two-line
+    `setup_cache` calling `measure_all`: asv keys the cache by the module and line of that
+    function, so a shared one would hand every suite the first suite's numbers.
 
     asv skips names that start with "_", so `from . import _harness` keeps this class out
     of discovery; mix in `GBps` and/or `TFLOPs` for throughput beside `track_ms`.
@@ -209,8 +209,17 @@ class Suite:
     # Parameter values measured on GPUs alone ({name: values}; quant: M = 2048).
     gpu_only: Mapping[str, Sequence[str]] = {}
 
+    # The suite module's function of one case, `case(dev, **params, peers=[...])`, taking every
+    # parameter but `backend` / `peer` by name; set as `case = staticmethod(_case)`, it gives
+    # the suite its `build` (ours alone; PeerSuite: the one peer beside ours).
+    case: Any = None
+
     def build(self, dev: Any, **params: str) -> Any:
-        raise NotImplementedError
+        """The family's case for one combination: `case` without peers, else the suite's own."""
+        if self.case is None:
+            raise NotImplementedError
+        del params["backend"]
+        return self.case(dev, **params, peers=[])
 
     def contender(self, **params: str) -> str:
         """The name of our contender in the case (the decode cases name it by cache format)."""
@@ -308,8 +317,8 @@ class PeerSuite(Suite):
 
     A subclass sets `peers` ({name in the report: the bench module's contender name}) and,
     for peers that run on one kind of device only, `peer_devices`; its params end with
-    PEER_DTYPES and the peer names (param names `dtype`, `peer`), its `build` returns the
-    case holding that contender. No backend is forced: a peer does not go through
+    PEER_DTYPES and the peer names (param names `dtype`, `peer`), its `case` or `build`
+    returns the case holding that contender. No backend is forced: a peer does not go through
     openkernels' dispatch. A peer that is not installed (the case has no such contender),
     does not run on this kind of device, or fails to prepare its inputs or on its first
     call is n/a (PeerUnavailableError): the suite never fails because of a peer, and never
@@ -322,6 +331,13 @@ class PeerSuite(Suite):
 
     def contender(self, **params: str) -> str:
         return self.peers[params["peer"]]
+
+    def build(self, dev: Any, **params: str) -> Any:
+        """`case` with the peer's contender beside ours; a peer that needs more has its own."""
+        if self.case is None:
+            raise NotImplementedError
+        peers = [self.peers[params.pop("peer")]]
+        return self.case(dev, **params, peers=peers)
 
     def runs_on(self, device_type: str, peer: str) -> bool:
         return device_type in self.peer_devices.get(peer, DEVICE_TYPES)

@@ -29,17 +29,26 @@ VARIANTS = [
 SMOKE_SHAPE = (64, 256)
 
 
+def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list[str]) -> Any:
+    """The family's one case for these parameters, with `peers` beside ours."""
+    from openkernels.activations import bench
+
+    name, _, approximate = op.partition("[")
+    variants = [(name, approximate.rstrip("]") or None)]
+    return _h.grid_case(
+        bench, dev, shape, dtype, SMOKE_SHAPE, variants=variants, directions=[direction], peers=peers
+    )
+
+
 class Activations(_h.Suite, _h.GBps):
     gpu_shapes = ["16384x8192", "4096x4096"]
     cpu_shapes = ["4096x4096"]
     params = [VARIANTS, ["fwd", "bwd"], gpu_shapes, _h.DTYPES, _h.BACKENDS]
     param_names = ["op", "direction", "shape", "dtype", "backend"]
+    case = staticmethod(_case)
 
     def setup_cache(self) -> dict:
         return self.measure_all()
-
-    def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, backend: str) -> Any:
-        return _case(dev, op, direction, shape, dtype, peers=[])
 
 
 class ActivationsPeers(_h.PeerSuite, _h.GBps):
@@ -50,20 +59,7 @@ class ActivationsPeers(_h.PeerSuite, _h.GBps):
     peer_devices = {"Liger": ("cuda",)}
     params = [VARIANTS, ["fwd", "bwd"], gpu_shapes, _h.PEER_DTYPES, list(peers)]
     param_names = ["op", "direction", "shape", "dtype", "peer"]
+    case = staticmethod(_case)
 
     def setup_cache(self) -> dict:
         return self.measure_all()
-
-    def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, peer: str) -> Any:
-        return _case(dev, op, direction, shape, dtype, peers=[self.peers[peer]])
-
-
-def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list[str]) -> Any:
-    """The family's one case for these parameters, with `peers` beside ours."""
-    from openkernels.activations import bench
-
-    name, _, approximate = op.partition("[")
-    variants = [(name, approximate.rstrip("]") or None)]
-    return _h.grid_case(
-        bench, dev, shape, dtype, SMOKE_SHAPE, variants=variants, directions=[direction], peers=peers
-    )

@@ -23,19 +23,6 @@ from . import _harness as _h
 from . import _peers
 
 
-class Attention(_h.Suite, _h.TFLOPs):
-    gpu_shapes = ["8x16x2048x128", "1x16x16384x128", "8x32x2048x64"]
-    cpu_shapes = ["2x8x1024x64"]
-    params = [["causal", "full"], ["fwd", "fwd+bwd"], gpu_shapes + cpu_shapes, _h.DTYPES, _h.BACKENDS]
-    param_names = ["op", "direction", "shape", "dtype", "backend"]
-
-    def setup_cache(self) -> dict:
-        return self.measure_all()
-
-    def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, backend: str) -> Any:
-        return _case(dev, op, direction, shape, dtype, peers=[])
-
-
 def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list[str]) -> Any:
     """The one case of openkernels.attention.core.bench for these parameters (tiny in smoke mode)."""
     from openkernels.attention.core import bench
@@ -49,6 +36,17 @@ def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list
         peers=peers,
     )
     return _h.only_case(cases)
+
+
+class Attention(_h.Suite, _h.TFLOPs):
+    gpu_shapes = ["8x16x2048x128", "1x16x16384x128", "8x32x2048x64"]
+    cpu_shapes = ["2x8x1024x64"]
+    params = [["causal", "full"], ["fwd", "fwd+bwd"], gpu_shapes + cpu_shapes, _h.DTYPES, _h.BACKENDS]
+    param_names = ["op", "direction", "shape", "dtype", "backend"]
+    case = staticmethod(_case)
+
+    def setup_cache(self) -> dict:
+        return self.measure_all()
 
 
 # Peers by their name in the report: the contender of openkernels.attention.core.bench (SDPA with

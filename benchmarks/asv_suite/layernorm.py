@@ -18,25 +18,23 @@ from . import _peers
 SMOKE_SHAPE = (64, 256)
 
 
+def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list[str]) -> Any:
+    """The one case of openkernels.layernorm.bench for these parameters (tiny in smoke mode)."""
+    from openkernels.layernorm import bench
+
+    return _h.grid_case(bench, dev, shape, dtype, SMOKE_SHAPE, ops=[op], directions=[direction], peers=peers)
+
+
 class LayerNorm(_h.Suite, _h.GBps):
     gpu_shapes = ["32768x2048", "16384x4096", "8192x8192", "4096x16384"]
     cpu_shapes = ["4096x4096", "16384x1024"]
     params = [["rms_norm", "layer_norm", "add_rms_norm"], ["fwd", "fwd+bwd"], gpu_shapes + cpu_shapes,
               _h.DTYPES, _h.BACKENDS]  # fmt: skip
     param_names = ["op", "direction", "shape", "dtype", "backend"]
+    case = staticmethod(_case)
 
     def setup_cache(self) -> dict:
         return self.measure_all()
-
-    def build(self, dev: Any, op: str, direction: str, shape: str, dtype: str, backend: str) -> Any:
-        return _case(dev, op, direction, shape, dtype, peers=[])
-
-
-def _case(dev: Any, op: str, direction: str, shape: str, dtype: str, peers: list[str]) -> Any:
-    """The one case of openkernels.layernorm.bench for these parameters (tiny in smoke mode)."""
-    from openkernels.layernorm import bench
-
-    return _h.grid_case(bench, dev, shape, dtype, SMOKE_SHAPE, ops=[op], directions=[direction], peers=peers)
 
 
 class LayerNormPeers(_h.PeerSuite, _h.GBps):

@@ -16,18 +16,29 @@ from typing import Any
 from . import _harness as _h
 
 
+def _case(dev: Any, kind: str, m: str, shape: str, dtype: str, peers: list[str]) -> Any:
+    """The family's one case for these parameters, with `peers` beside ours."""
+    from openkernels.quant import bench
+
+    size = dict(shapes=[(128, 256) if _h.smoke() else _h.parse_shape(shape)], ms=[int(m)], kinds=[kind],
+                peers=peers)  # fmt: skip
+    try:
+        cases = bench.cases(dev, dtypes=[_h.torch_dtype(dtype)], **size)
+    except TypeError:  # the family's first commits took one dtype
+        cases = bench.cases(dev, dtype=_h.torch_dtype(dtype), **size)
+    return _h.only_case(cases)
+
+
 class Int4Linear(_h.Suite, _h.GBps):
     gpu_shapes = ["8192x8192", "28672x8192"]
     cpu_shapes = ["4096x4096"]
     gpu_only = {"m": ["2048"]}  # dequantize, then the vendor GEMM: a GPU path; CPUs stop at M = 128
     params = [["int4", "nf4"], ["1", "16", "128", "2048"], gpu_shapes + cpu_shapes, _h.DTYPES, _h.BACKENDS]
     param_names = ["kind", "m", "shape", "dtype", "backend"]
+    case = staticmethod(_case)
 
     def setup_cache(self) -> dict:
         return self.measure_all()
-
-    def build(self, dev: Any, kind: str, m: str, shape: str, dtype: str, backend: str) -> Any:
-        return _case(dev, kind, m, shape, dtype, peers=[])
 
 
 class Int4LinearPeers(_h.PeerSuite, _h.GBps):
@@ -45,22 +56,7 @@ class Int4LinearPeers(_h.PeerSuite, _h.GBps):
         list(peers),
     ]
     param_names = ["kind", "m", "shape", "dtype", "peer"]
+    case = staticmethod(_case)
 
     def setup_cache(self) -> dict:
         return self.measure_all()
-
-    def build(self, dev: Any, kind: str, m: str, shape: str, dtype: str, peer: str) -> Any:
-        return _case(dev, kind, m, shape, dtype, peers=[self.peers[peer]])
-
-
-def _case(dev: Any, kind: str, m: str, shape: str, dtype: str, peers: list[str]) -> Any:
-    """The family's one case for these parameters, with `peers` beside ours."""
-    from openkernels.quant import bench
-
-    size = dict(shapes=[(128, 256) if _h.smoke() else _h.parse_shape(shape)], ms=[int(m)], kinds=[kind],
-                peers=peers)  # fmt: skip
-    try:
-        cases = bench.cases(dev, dtypes=[_h.torch_dtype(dtype)], **size)
-    except TypeError:  # the family's first commits took one dtype
-        cases = bench.cases(dev, dtype=_h.torch_dtype(dtype), **size)
-    return _h.only_case(cases)
