@@ -317,8 +317,9 @@ class PeerSuite(Suite):
 
     A subclass sets `peers` ({name in the report: the bench module's contender name}) and,
     for peers that run on one kind of device only, `peer_devices`; its params end with
-    PEER_DTYPES and the peer names (param names `dtype`, `peer`), its `case` or `build`
-    returns the case holding that contender. No backend is forced: a peer does not go through
+    PEER_DTYPES and the peer names (param names `dtype`, `peer`), given or taken over from
+    its family's suite (`family=`), its `case` or `build` returns the case holding that
+    contender. No backend is forced: a peer does not go through
     openkernels' dispatch. A peer that is not installed (the case has no such contender),
     does not run on this kind of device, or fails to prepare its inputs or on its first
     call is n/a (PeerUnavailableError): the suite never fails because of a peer, and never
@@ -328,6 +329,19 @@ class PeerSuite(Suite):
     peers: dict[str, str] = {}
     lean = False
     peer_devices: dict[str, tuple[str, ...]] = {}
+
+    def __init_subclass__(cls, family: type[Suite] | None = None, **kwargs: Any) -> None:
+        """`class XPeers(PeerSuite, family=X)`: the peers are timed on X's grid. Its shapes per
+        kind of device, GPU-only values and every parameter before `dtype` are taken over
+        rather than copied into each peer suite, so the two cannot drift apart."""
+        super().__init_subclass__(**kwargs)
+        if family is None:
+            return
+        if family.param_names[-2:] != ["dtype", "backend"]:
+            raise TypeError(f"{family.__name__}'s parameters do not end with dtype, backend")
+        cls.gpu_shapes, cls.cpu_shapes, cls.gpu_only = family.gpu_shapes, family.cpu_shapes, family.gpu_only
+        cls.params = [*family.params[:-2], PEER_DTYPES, list(cls.peers)]
+        cls.param_names = [*family.param_names[:-2], "dtype", "peer"]
 
     def contender(self, **params: str) -> str:
         return self.peers[params["peer"]]

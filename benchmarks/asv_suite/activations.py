@@ -51,14 +51,10 @@ class Activations(_h.Suite, _h.GBps):
         return self.measure_all()
 
 
-class ActivationsPeers(_h.PeerSuite, _h.GBps):
-    gpu_shapes = Activations.gpu_shapes
-    cpu_shapes = Activations.cpu_shapes
+class ActivationsPeers(_h.PeerSuite, _h.GBps, family=Activations):
     # name in the report: contender of openkernels.activations.bench
     peers = {"torch eager": "torch", "torch.compile": "torch.compile", "Liger": "liger"}
     peer_devices = {"Liger": ("cuda",)}
-    params = [VARIANTS, ["fwd", "bwd"], gpu_shapes, _h.PEER_DTYPES, list(peers)]
-    param_names = ["op", "direction", "shape", "dtype", "peer"]
     case = staticmethod(_case)
 
     def setup_cache(self) -> dict:

@@ -62,16 +62,12 @@ GPU_ONLY = ("cuda",)
 CPU_ONLY = ("cpu",)
 
 
-class AttentionPeers(_h.PeerSuite, _h.TFLOPs):
+class AttentionPeers(_h.PeerSuite, _h.TFLOPs, family=Attention):
     """`Attention`'s cases for the peers. SDPA's named backends are NVIDIA's kernels (the
     names would be wrong on ROCm: n/a there); plain SDPA on CPUs, where those do not exist."""
 
-    gpu_shapes = Attention.gpu_shapes
-    cpu_shapes = Attention.cpu_shapes
     peers = ATTENTION_PEERS
     peer_devices = {name: GPU_ONLY for name in ATTENTION_PEERS} | {"SDPA": CPU_ONLY}
-    params = [["causal", "full"], ["fwd", "fwd+bwd"], gpu_shapes + cpu_shapes, _h.PEER_DTYPES, list(peers)]
-    param_names = ["op", "direction", "shape", "dtype", "peer"]
 
     def setup_cache(self) -> dict:
         return self.measure_all()

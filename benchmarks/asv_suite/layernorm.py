@@ -37,9 +37,7 @@ class LayerNorm(_h.Suite, _h.GBps):
         return self.measure_all()
 
 
-class LayerNormPeers(_h.PeerSuite, _h.GBps):
-    gpu_shapes = LayerNorm.gpu_shapes
-    cpu_shapes = LayerNorm.cpu_shapes
+class LayerNormPeers(_h.PeerSuite, _h.GBps, family=LayerNorm):
     # name in the report: contender of openkernels.layernorm.bench (QuACK: of _peers)
     peers = {
         "torch eager": "torch",
@@ -48,9 +46,6 @@ class LayerNormPeers(_h.PeerSuite, _h.GBps):
         "QuACK": _peers.QUACK,
     }
     peer_devices = {"Liger": ("cuda",), "QuACK": ("cuda",)}
-    params = [["rms_norm", "layer_norm", "add_rms_norm"], ["fwd", "fwd+bwd"], gpu_shapes + cpu_shapes,
-              _h.PEER_DTYPES, list(peers)]  # fmt: skip
-    param_names = ["op", "direction", "shape", "dtype", "peer"]
 
     def setup_cache(self) -> dict:
         return self.measure_all()

@@ -41,21 +41,10 @@ class Int4Linear(_h.Suite, _h.GBps):
         return self.measure_all()
 
 
-class Int4LinearPeers(_h.PeerSuite, _h.GBps):
-    gpu_shapes = Int4Linear.gpu_shapes
-    cpu_shapes = Int4Linear.cpu_shapes
-    gpu_only = Int4Linear.gpu_only
+class Int4LinearPeers(_h.PeerSuite, _h.GBps, family=Int4Linear):
     # name in the report: contender of openkernels.quant.bench
     peers = {"F.linear (16-bit weight)": "torch", "tinygemm (torch int4)": "tinygemm"}
     peer_devices = {"tinygemm (torch int4)": ("cuda",)}
-    params = [
-        ["int4", "nf4"],
-        ["1", "16", "128", "2048"],
-        gpu_shapes + cpu_shapes,
-        _h.PEER_DTYPES,
-        list(peers),
-    ]
-    param_names = ["kind", "m", "shape", "dtype", "peer"]
     case = staticmethod(_case)
 
     def setup_cache(self) -> dict:
