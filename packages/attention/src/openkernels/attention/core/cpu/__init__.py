@@ -11,6 +11,8 @@ for float64). Dense calls run the whole batch at once; varlen calls one sequence
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from openkernels.shared import dispatch, replay
@@ -68,6 +70,23 @@ def _runs_decode(q, k, v, lse, alibi_slopes, written: tuple, backward: bool = Fa
     return decode.why_not_dense(q, k, v, backward) is None
 
 
+def _implementation(
+    scale: float, window_left: int, window_right: int, softcap: float
+) -> tuple[ModuleType, dict[str, float]]:
+    """The module that runs a call the decode kernel does not take (`_path`) and its keyword
+    options (only blockwise takes softcap): one rule for attn_fwd and attn_bwd, so the two choose alike."""
+    impl = blockwise if _path(softcap) == "blockwise" else sdpa
+    opts: dict[str, float] = dict(scale=scale, left=window_left, right=window_right)
+    if impl is blockwise:
+        opts["softcap"] = softcap
+    return impl, opts
+
+
+def _one_batch(q, k, cu_seqlens_q) -> bool:
+    """A dense call with queries and keys runs as one batch: no per-sequence slices."""
+    return cu_seqlens_q is None and bool(q.shape[1]) and bool(k.shape[1])
+
+
 def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
     """(q rows, k rows, slopes) per group of equal-length sequences: the dense batch at once, or
     each varlen sequence (slices of dim 1 of the (1, T, H, D) tensors)."""
@@ -83,12 +102,9 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
 
 def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, scale, window_left,
              window_right, alibi_slopes, softcap) -> None:  # fmt: skip
-    impl = blockwise if _path(softcap) == "blockwise" else sdpa
-    opts = dict(scale=scale, left=window_left, right=window_right)
-    if impl is blockwise:
-        opts["softcap"] = softcap
+    impl, opts = _implementation(scale, window_left, window_right, softcap)
     with torch.no_grad():
-        if cu_seqlens_q is None and q.shape[1] and k.shape[1]:  # one batch: no per-sequence slices
+        if _one_batch(q, k, cu_seqlens_q):
             if _runs_decode(q, k, v, lse, alibi_slopes, (out,)):
                 decode.attend(q, k, v, out, lse, None, None, seqlen_new=k.shape[1], scale=scale,
                               window_left=window_left, window_right=window_right, alibi_slopes=alibi_slopes,
@@ -109,12 +125,9 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
              scale, window_left, window_right, alibi_slopes, softcap) -> None:  # fmt: skip
-    impl = blockwise if _path(softcap) == "blockwise" else sdpa
-    opts = dict(scale=scale, left=window_left, right=window_right)
-    if impl is blockwise:
-        opts["softcap"] = softcap
+    impl, opts = _implementation(scale, window_left, window_right, softcap)
     with torch.no_grad():
-        if cu_seqlens_q is None and q.shape[1] and k.shape[1]:  # one batch: no per-sequence slices
+        if _one_batch(q, k, cu_seqlens_q):
             if dout.stride(-1) == 1 and _runs_decode(q, k, v, lse, alibi_slopes, (dq, dk, dv), backward=True):
                 decode.backward_dense(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, scale=scale,
                                       window_left=window_left, window_right=window_right, softcap=softcap)  # fmt: skip

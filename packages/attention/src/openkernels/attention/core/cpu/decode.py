@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from openkernels.shared import cpu_build, replay
+from openkernels.shared import cpu_build
 
 __all__ = ["why_not", "why_not_dense", "attend", "backward_dense", "MAX_ROWS"]
 
@@ -25,50 +25,32 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Query rows per task (query heads per KV head x query tokens) the kernel keeps in float32
 # scratch; more (a prefill through the cache) runs on the gather path's flash kernel.
 MAX_ROWS = 64
-_lib: Any = None
+_P, _I64, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+_SIGNATURES = {
+    "ok_attention_decode": [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64,  # q, k, v and strides
+                            _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64,  # lengths, block table, leftpad, slopes
+                            _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,  # out, lse, B, Sq, Hq, Hkv, D, seqlen_new
+                            _F64, _F64, _I64, _I64, _I32, _I32, _I32],  # scale, softcap, window, dtypes, threads
+    # q, k, v, out, dout and strides; lse, slopes, dq, dk, dv; B .. D, scale, softcap, window, dtype, threads
+    "ok_attention_short_backward": [_P, _I64, _I64, _I64] * 5 + [_P, _P, _I64, _P, _P, _P, *[_I64] * 6, _F64, _F64,
+                                                                 _I64, _I64, _I32, _I32],
+}  # fmt: skip
 
 
-def _load(name: str = "openkernels_attention_decode", extra_flags: Sequence[str] = ()) -> Any:
-    """Compile (or fetch from the cache) and load the kernel, its signature declared."""
-    lib = cpu_build.load_library(_SOURCE, name=name, extra_flags=extra_flags)
-    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
-    fn = lib.ok_attention_decode
-    fn.argtypes = [p, i64, i64, i64, p, i64, i64, i64, p, i64, i64, i64,  # q, k, v and strides
-                   p, p, i64, i64, i64, i64, p, p, i64,  # lengths, block table, leftpad, slopes
-                   p, p, i64, i64, i64, i64, i64, i64,  # out, lse, B, Sq, Hq, Hkv, D, seqlen_new
-                   f64, f64, i64, i64, i32, i32, i32]  # scale, softcap, window, dtypes, threads  # fmt: skip
-    fn.restype = ctypes.c_int
-    fn = lib.ok_attention_short_backward
-    fn.argtypes = [p, i64, i64, i64] * 5 + [
-        p,
-        p,
-        i64,
-        p,
-        p,
-        p,  # q, k, v, out, dout; lse, slopes, dq, dk, dv
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        f64,
-        f64,
-        i64,
-        i64,
-        i32,
-        i32,
-    ]  # B .. D, scale, softcap, window
-    fn.restype = ctypes.c_int
-    return replay.observe_library(lib, ("ok_attention_decode", "ok_attention_short_backward"))
+def _load(
+    name: str = "openkernels_attention_decode", extra_flags: Sequence[str] = ()
+) -> cpu_build.KernelLibrary:
+    """decode.cpp's kernels, built with `extra_flags` under the cache name `name` on first call
+    (tests swap in narrower builds as `_lib`)."""
+    return cpu_build.KernelLibrary(_SOURCE, name=name, signatures=_SIGNATURES, extra_flags=extra_flags)
+
+
+_lib = _load()
 
 
 def _library() -> Any:
-    """The kernel, loaded once."""
-    global _lib
-    if _lib is None:
-        _lib = _load()
-    return _lib
+    """The loaded kernels: `_lib` looked up at each call, so a test's replacement takes effect."""
+    return _lib()
 
 
 def _int32(t: torch.Tensor | None, dims: int) -> bool:

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
-from typing import Any
 
 import torch
 
-from openkernels.shared import cpu_build, replay
+from openkernels.shared import cpu_build
 
 from ...core.reference import compute_dtype
 
@@ -37,33 +36,14 @@ _SOURCE = pathlib.Path(__file__).with_name("rotary.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # True: the torch ops even where the C++ kernel runs (tests).
 FORCE_TORCH = False
-_lib: Any = None
-
-
-def _library() -> Any:
-    """The C++ kernel, compiled (or fetched from the cache) and loaded once."""
-    global _lib
-    if _lib is None:
-        lib = cpu_build.load_library(_SOURCE, name="openkernels_attention_rotary")
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn = lib.ok_rotary
-        fn.argtypes = [p, i64, i64, i64, i64, p] * 2 + [
-            p,
-            p,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            i32,
-            i32,
-            i32,
-            i32,
-        ]
-        fn.restype = ctypes.c_int
-        _lib = replay.observe_library(lib, ("ok_rotary",))
-    return _lib
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    # q then k: data, strides (sequence, token, head), heads, out; cos, sin, table strides, B, S, D, R,
+    # x dtype, table dtype, transpose, threads
+    "ok_rotary": [_P, _I64, _I64, _I64, _I64, _P] * 2 + [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _I32,
+                                                       _I32, _I32],
+}  # fmt: skip
+_library = cpu_build.KernelLibrary(_SOURCE, name="openkernels_attention_rotary", signatures=_SIGNATURES)
 
 
 def _kernel_runs(x_q, x_k, cos, sin, out_q, out_k) -> bool:
