@@ -203,7 +203,17 @@ struct Side {  // one side (K or V) of the cache
   int64_t s_row, s_token, s_head;  // bytes: per sequence row (or page), per token slot, per head
 };
 
-struct Problem {
+// What the decode kernel and the short backward both take: shapes, ALiBi slopes, scale, softcap
+// and window. One struct, so both entry points fill it in one statement, alike.
+struct AttentionArgs {
+  const float* slopes;  // (B, Hq) or null
+  int64_t slopes_sb;
+  int64_t B, Sq, Hq, Hkv, D;
+  float scale, softcap;
+  int64_t left, right;
+};
+
+struct Problem : AttentionArgs {
   const char* q;
   int64_t q_sb, q_ss, q_sh;  // bytes
   Side k, v;
@@ -211,13 +221,9 @@ struct Problem {
   const int32_t* block_table;  // (B, cols) or null: a contiguous cache
   int64_t bt_stride, bt_cols, page, rows;  // page: slots per page (or the capacity); rows: pages (or B)
   const int32_t* leftpad;
-  const float* slopes;  // (B, Hq) or null
-  int64_t slopes_sb;
   char* out;  // (B, Sq, Hq, D) contiguous
   float* lse;  // (B, Hq, Sq) contiguous
-  int64_t B, Sq, Hq, Hkv, D, seqlen_new;
-  float scale, softcap;
-  int64_t left, right;
+  int64_t seqlen_new;
   int q_dtype, kv_dtype;
   int64_t elt_q, elt_kv;  // bytes per element
 
@@ -460,16 +466,12 @@ int64_t element_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
 // accumulation across tasks, deterministic. Per block of keys: s = q k^T, dp = dout v^T, p =
 // exp(score - lse), ds = p (dp - Di) (times the softcap's derivative) scale; dq += ds k,
 // dk = ds^T q, dv = p^T dout. Keys no row sees get zero gradients. Math in float32.
-struct Grad {
+struct Grad : AttentionArgs {
   const char *q, *k, *v, *out, *dout;
   int64_t q_s[3], k_s[3], v_s[3], o_s[3], do_s[3];  // bytes: per sequence, token, head
   const float* lse;  // (B, Hq, Sq) contiguous
-  const float* slopes;
-  int64_t slopes_sb;
   char *dq, *dk, *dv;  // (B, Sq, Hq, D) and (B, Sk, Hkv, D) contiguous
-  int64_t B, Sq, Sk, Hq, Hkv, D;
-  float scale, softcap;
-  int64_t left, right;
+  int64_t Sk;
   int dtype;
   int64_t elt;
 
@@ -592,6 +594,19 @@ int run_grad(const Grad& P, int num_threads) {
   return 0;
 }
 
+// The slots of a packed call (shared.replay's C side: every argument in one 64-bit slot, doubles
+// as their bits), read back as the entry point's argument types; both packed entries use it.
+struct PackedArgs {
+  const int64_t* a;
+  template <class T = void>
+  T* ptr(int i) const { return reinterpret_cast<T*>(a[i]); }
+  int i32(int i) const { return static_cast<int>(a[i]); }
+  double f64(int i) const {
+    double x;
+    std::memcpy(&x, &a[i], sizeof x);
+    return x;
+  }
+};
 
 }  // namespace
 
@@ -610,6 +625,8 @@ int ok_attention_decode(const void* q, int64_t q_sb, int64_t q_ss, int64_t q_sh,
       kv_dtype < 0 || kv_dtype > 2)
     return 1;
   Problem P;
+  static_cast<AttentionArgs&>(P) =
+      AttentionArgs{slopes, slopes_sb, B, Sq, Hq, Hkv, D, float(scale), float(softcap), left, right};
   P.elt_q = element_bytes(q_dtype);
   P.elt_kv = element_bytes(kv_dtype);
   P.q = static_cast<const char*>(q);
@@ -625,20 +642,9 @@ int ok_attention_decode(const void* q, int64_t q_sb, int64_t q_ss, int64_t q_sh,
   P.page = page;
   P.rows = rows;
   P.leftpad = leftpad;
-  P.slopes = slopes;
-  P.slopes_sb = slopes_sb;
   P.out = static_cast<char*>(out);
   P.lse = lse;
-  P.B = B;
-  P.Sq = Sq;
-  P.Hq = Hq;
-  P.Hkv = Hkv;
-  P.D = D;
   P.seqlen_new = seqlen_new;
-  P.scale = float(scale);
-  P.softcap = float(softcap);
-  P.left = left;
-  P.right = right;
   P.q_dtype = q_dtype;
   P.kv_dtype = kv_dtype;
   return run(P, num_threads);
@@ -646,16 +652,12 @@ int ok_attention_decode(const void* q, int64_t q_sb, int64_t q_ss, int64_t q_sh,
 
 // Packed entry: every argument in one 64-bit slot (doubles as their bits), for shared.replay's C side.
 int ok_attention_decode_packed(const int64_t* a) {
-  double scale, softcap;
-  std::memcpy(&scale, &a[29], sizeof scale);
-  std::memcpy(&softcap, &a[30], sizeof softcap);
-  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
-  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_attention_decode(p(0), a[1], a[2], a[3], p(4), a[5], a[6], a[7], p(8), a[9], a[10], a[11],
-                             static_cast<const int32_t*>(p(12)), static_cast<const int32_t*>(p(13)), a[14], a[15],
-                             a[16], a[17], static_cast<const int32_t*>(p(18)), static_cast<const float*>(p(19)), a[20],
-                             p(21), static_cast<float*>(p(22)), a[23], a[24], a[25], a[26], a[27], a[28], scale,
-                             softcap, a[31], a[32], i32(33), i32(34), i32(35));
+  const PackedArgs s{a};
+  return ok_attention_decode(s.ptr(0), a[1], a[2], a[3], s.ptr(4), a[5], a[6], a[7], s.ptr(8), a[9], a[10], a[11],
+                             s.ptr<const int32_t>(12), s.ptr<const int32_t>(13), a[14], a[15], a[16], a[17],
+                             s.ptr<const int32_t>(18), s.ptr<const float>(19), a[20], s.ptr(21), s.ptr<float>(22),
+                             a[23], a[24], a[25], a[26], a[27], a[28], s.f64(29), s.f64(30), a[31], a[32], s.i32(33),
+                             s.i32(34), s.i32(35));
 }
 
 // The backward of plain attention (no cache) with G x Sq <= 64 query rows per KV head, head_dim
@@ -673,6 +675,8 @@ int ok_attention_short_backward(const void* q, int64_t q_sb, int64_t q_ss, int64
       Hq / Hkv * Sq > kKeyBlock)
     return 1;
   Grad P;
+  static_cast<AttentionArgs&>(P) =
+      AttentionArgs{slopes, slopes_sb, B, Sq, Hq, Hkv, D, float(scale), float(softcap), left, right};
   P.elt = element_bytes(dtype);
   P.dtype = dtype;
   auto set = [&P](const void* src, const char*& dst, int64_t* st, int64_t s0, int64_t s1, int64_t s2) {
@@ -687,34 +691,20 @@ int ok_attention_short_backward(const void* q, int64_t q_sb, int64_t q_ss, int64
   set(out, P.out, P.o_s, o_sb, o_ss, o_sh);
   set(dout, P.dout, P.do_s, do_sb, do_ss, do_sh);
   P.lse = lse;
-  P.slopes = slopes;
-  P.slopes_sb = slopes_sb;
   P.dq = static_cast<char*>(dq);
   P.dk = static_cast<char*>(dk);
   P.dv = static_cast<char*>(dv);
-  P.B = B;
-  P.Sq = Sq;
   P.Sk = Sk;
-  P.Hq = Hq;
-  P.Hkv = Hkv;
-  P.D = D;
-  P.scale = float(scale);
-  P.softcap = float(softcap);
-  P.left = left;
-  P.right = right;
   return run_grad(P, num_threads);
 }
 
 int ok_attention_short_backward_packed(const int64_t* a) {
-  double scale, softcap;
-  std::memcpy(&scale, &a[32], sizeof scale);
-  std::memcpy(&softcap, &a[33], sizeof softcap);
-  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
-  return ok_attention_short_backward(p(0), a[1], a[2], a[3], p(4), a[5], a[6], a[7], p(8), a[9], a[10], a[11], p(12),
-                                     a[13], a[14], a[15], p(16), a[17], a[18], a[19], static_cast<const float*>(p(20)),
-                                     static_cast<const float*>(p(21)), a[22], p(23), p(24), p(25), a[26], a[27], a[28],
-                                     a[29], a[30], a[31], scale, softcap, a[34], a[35], static_cast<int>(a[36]),
-                                     static_cast<int>(a[37]));
+  const PackedArgs s{a};
+  return ok_attention_short_backward(s.ptr(0), a[1], a[2], a[3], s.ptr(4), a[5], a[6], a[7], s.ptr(8), a[9], a[10],
+                                     a[11], s.ptr(12), a[13], a[14], a[15], s.ptr(16), a[17], a[18], a[19],
+                                     s.ptr<const float>(20), s.ptr<const float>(21), a[22], s.ptr(23), s.ptr(24),
+                                     s.ptr(25), a[26], a[27], a[28], a[29], a[30], a[31], s.f64(32), s.f64(33), a[34],
+                                     a[35], s.i32(36), s.i32(37));
 }
 
 }  // extern "C"
