@@ -48,6 +48,7 @@ are subnormal (steps of 2^-9 * scale). The Triton append rounds the same way, bi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -296,17 +297,14 @@ def gather_kv(
     length: int,
     block_table: torch.Tensor | None,
     *,
-    bits: int,
-    group_size: int,
-    dtype: torch.dtype,
-    start: int = 0,
     k_residual: torch.Tensor | None = None,
     key_group: int = 0,
+    **layout: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gather_sequence of both sides, each given as (data, scale, zero): (keys, values);
-    k_residual, key_group: keys quantized by channel."""
-    k = gather_sequence(*k_parts, b, length, block_table, bits=bits, group_size=group_size, dtype=dtype,
-                        start=start, residual=k_residual, key_group=key_group)  # fmt: skip
-    v = gather_sequence(*v_parts, b, length, block_table, bits=bits, group_size=group_size, dtype=dtype,
-                        start=start)  # fmt: skip
+    layout: gather_sequence's bits, group_size, dtype and start, the same for both sides
+    (passed on as they are, so the two signatures cannot drift apart); k_residual,
+    key_group: keys quantized by channel."""
+    k = gather_sequence(*k_parts, b, length, block_table, residual=k_residual, key_group=key_group, **layout)
+    v = gather_sequence(*v_parts, b, length, block_table, **layout)
     return k, v

@@ -171,13 +171,13 @@ def attn_bwd(
     common = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=dout, lse_ptr=lse, delta_ptr=delta, cu_q_ptr=cu_seqlens_q,
                   cu_k_ptr=cu_seqlens_k, slopes_ptr=alibi_slopes)  # fmt: skip
     base = tuple(_bshd(t, varlen) for t in (q, k, v, dout))
-    kv = plan.dkdv(p, arch, q.dtype, (*base, _bshd(dk_part, varlen), _bshd(dv_part, varlen)), lse_strides,
-                   strides_aligned, dkdv_cfg)  # fmt: skip
+    kv = plan.bwd("dkdv", p, arch, q.dtype, (*base, _bshd(dk_part, varlen), _bshd(dv_part, varlen)), lse_strides,
+                  strides_aligned, dkdv_cfg)  # fmt: skip
     direct_launch(_attn_bwd_dkdv_kernel, kv.grid, **common, dk_ptr=dk_part, dv_ptr=dv_part, num_warps=kv.num_warps,
                                    num_stages=kv.num_stages, **kv.args)  # fmt: skip
     if p.group > 1:
         for part, grad in ((dk_part, dk), (dv_part, dv)):
             _group_sum(part, grad, p, varlen)
-    qd = plan.dq(p, arch, q.dtype, (*base, _bshd(dq, varlen)), lse_strides, strides_aligned, dq_cfg)
+    qd = plan.bwd("dq", p, arch, q.dtype, (*base, _bshd(dq, varlen)), lse_strides, strides_aligned, dq_cfg)
     direct_launch(_attn_bwd_dq_kernel, qd.grid, **common, dq_ptr=dq, num_warps=qd.num_warps, num_stages=qd.num_stages,
                                  **qd.args)  # fmt: skip

@@ -29,22 +29,31 @@ def _tanh(x):
 
 
 @triton.jit
+def _load_rows(ptrs, row_ok, cols, MASK_ROWS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Tile at ptrs (rows, BLOCK_W) whose columns are `cols`: zeros where row_ok (rows, 1) is
+    false (when MASK_ROWS) and past WIDTH; no mask at all for full blocks of power-of-two
+    widths. Shared by the attention tiles and the KV-cache kernels' code tiles, so both
+    keep the same mask-free fast path."""
+    if MASK_ROWS:
+        if BLOCK_W == WIDTH:
+            tile = tl.load(ptrs, mask=row_ok, other=0)
+        else:
+            tile = tl.load(ptrs, mask=row_ok & (cols[None, :] < WIDTH), other=0)
+    else:
+        if BLOCK_W == WIDTH:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=cols[None, :] < WIDTH, other=0)
+    return tile
+
+
+@triton.jit
 def _load_tile(base, idx, stride, offs_d, limit, MASK_IDX: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr):  # fmt: skip
     """Rows `idx` of a (seq, head_dim) slice as (len(idx), BLOCK_D), zeros past `limit` (when
     MASK_IDX) and past HEAD_DIM; no mask at all for full blocks of power-of-two head dims."""
-    ptrs = base + idx[:, None] * stride + offs_d[None, :]
-    if MASK_IDX:
-        if BLOCK_D == HEAD_DIM:
-            tile = tl.load(ptrs, mask=idx[:, None] < limit, other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=(idx[:, None] < limit) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    else:
-        if BLOCK_D == HEAD_DIM:
-            tile = tl.load(ptrs)
-        else:
-            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return tile
+    return _load_rows(base + idx[:, None] * stride + offs_d[None, :], idx[:, None] < limit, offs_d, MASK_IDX,
+                      HEAD_DIM, BLOCK_D)  # fmt: skip
 
 
 @triton.jit
@@ -88,6 +97,22 @@ def _sequence(cu_q_ptr, cu_k_ptr, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr
         k_start = q_start
         sk = seqlen_k
     return q_start, sq, k_start, sk
+
+
+@triton.jit
+def _row_block(
+    cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, heads_q, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr
+):
+    """Where a program of the forward or dQ kernel works: (b, h, q_start, seqlen_q, k_start,
+    seqlen_k, m0) for BLOCK_M query rows from m0 of (sequence b, query head h) = program axis
+    1. Causal work grows with the row block, so program 0 takes the last one: the heaviest
+    blocks start first. The caller returns when m0 >= seqlen_q."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    q_start, sq, k_start, sk = _sequence(cu_q_ptr, cu_k_ptr, b, seqlen_q, seqlen_k, IS_VARLEN)
+    return b, h, q_start, sq, k_start, sk, pid_m * BLOCK_M
 
 
 @triton.jit
@@ -150,6 +175,35 @@ def _segments(
 
 
 @triton.jit
+def _key_sweep(
+    m0, rows, sq, sk, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+):  # fmt: skip
+    """How the BLOCK_M query rows from m0 (rows) of the forward and dQ kernels go over the sk
+    keys of a sequence with sq queries: _segments' (a, b, c, end), and the arguments their
+    block loops (_fwd_blocks, _dq_blocks) take after start and stop, from the row index to
+    offs_d."""
+    diag = sk - sq
+    a, b_full, c_full, end = _segments(
+        m0, m0 + BLOCK_M - 1, sk, diag, window_left, window_right, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT
+    )
+    opts = (
+        rows,
+        sk,
+        diag,
+        window_left,
+        window_right,
+        slope_log2,
+        qk_scale,
+        cap_scale,
+        cap_out,
+        offs_n,
+        offs_d,
+    )
+    return a, b_full, c_full, end, opts
+
+
+@triton.jit
 def _softmax_step(s, m_i, l_i, MASK: tl.constexpr):
     """One block of the online softmax over log2-unit scores s (rows, keys): returns the
     block's probabilities relative to the new row max, the factor that rescales what was
@@ -196,13 +250,8 @@ def _attn_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (sequence, query head)."""
-    # Causal work grows with the row block: the heaviest blocks start first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads_q
-    h = bh % heads_q
-    q_start, sq, k_start, sk = _sequence(cu_q_ptr, cu_k_ptr, b, seqlen_q, seqlen_k, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
+    b, h, q_start, sq, k_start, sk, m0 = _row_block(cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, heads_q, BLOCK_M,
+                                                    IS_VARLEN)  # fmt: skip
     if m0 >= sq:
         return
     hk = h // group
@@ -218,29 +267,16 @@ def _attn_fwd_kernel(
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
-    diag = sk - sq
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    a, b_full, c_full, end = _segments(
-        m0, m0 + BLOCK_M - 1, sk, diag, window_left, window_right, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT
-    )
+    a, b_full, c_full, end, opts = _key_sweep(
+        m0, rows, sq, sk, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,
+        BLOCK_M, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+    )  # fmt: skip
     k_src = _kv_source(k_base, sk, stride_ks, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
     v_src = _kv_source(v_base, sk, stride_vs, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
     args = (k_src, v_src, stride_ks, stride_vs)
-    opts = (
-        rows,
-        sk,
-        diag,
-        window_left,
-        window_right,
-        slope_log2,
-        qk_scale,
-        cap_scale,
-        cap_out,
-        offs_n,
-        offs_d,
-    )
     # A sliding window runs one masked loop: three loops' scalars spilled on AMD and the
     # window is narrow. Otherwise the blocks every row sees in full skip the mask.
     if HAS_WINDOW_LEFT:
@@ -464,12 +500,8 @@ def _attn_bwd_dq_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One program: dQ of BLOCK_M query rows of one (sequence, query head)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads_q
-    h = bh % heads_q
-    q_start, sq, k_start, sk = _sequence(cu_q_ptr, cu_k_ptr, b, seqlen_q, seqlen_k, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
+    b, h, q_start, sq, k_start, sk, m0 = _row_block(cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, heads_q, BLOCK_M,
+                                                    IS_VARLEN)  # fmt: skip
     if m0 >= sq:
         return
     hk = h // group
@@ -493,25 +525,12 @@ def _attn_bwd_dq_kernel(
         slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
     k_base = k_ptr + b.to(tl.int64) * stride_kb + k_row0 * stride_ks + hk * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + k_row0 * stride_vs + hk * stride_vh
-    diag = sk - sq
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    a, b_full, c_full, end = _segments(
-        m0, m0 + BLOCK_M - 1, sk, diag, window_left, window_right, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT
-    )
+    a, b_full, c_full, end, opts = _key_sweep(
+        m0, rows, sq, sk, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,
+        BLOCK_M, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+    )  # fmt: skip
     args = (q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs)
-    opts = (
-        rows,
-        sk,
-        diag,
-        window_left,
-        window_right,
-        slope_log2,
-        qk_scale,
-        cap_scale,
-        cap_out,
-        offs_n,
-        offs_d,
-    )
     if HAS_WINDOW_LEFT:  # a sliding window: one masked loop (as the forward)
         dq = _dq_blocks(dq, *args, a, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW_LEFT,
                         HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip

@@ -23,8 +23,8 @@ import torch
 from ..problem import Problem
 from .configs import AttnConfig, block_d, launch_config, preprocess_block_m
 
-__all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "cdiv", "stride_args", "fwd", "preprocess", "dkdv",
-           "dq", "contiguous", "lse_layout", "Contiguous", "contiguous_launches"]  # fmt: skip
+__all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "cdiv", "stride_args", "fwd", "preprocess", "bwd",
+           "contiguous", "lse_layout", "Contiguous", "contiguous_launches"]  # fmt: skip
 
 LOG2E = 1.0 / math.log(2.0)
 # Threads of the backward's delta pass (memory-bound, fixed).
@@ -125,50 +125,37 @@ def preprocess(p: Problem, strides: tuple[Strides, Strides], lse_strides: tuple[
     return Launch((cdiv(p.seqlen_q, block_m), p.n_seqs * p.heads_q), _PREPROCESS_WARPS, None, args)
 
 
-def _bwd_args(p: Problem, names: tuple[str, ...], strides: tuple[Strides, ...], lse_strides, cfg) -> dict:
+# The backward's two kernels: their output operands and the axis a program owns one block
+# of (dK/dV: keys, dQ: query rows).
+_BWD_OUTPUTS = {"dkdv": ("dk", "dv"), "dq": ("dq",)}
+
+
+@functools.lru_cache(maxsize=4096)
+def bwd(
+    kernel: str,
+    p: Problem,
+    arch: str,
+    dtype: torch.dtype,
+    strides: tuple[Strides, ...],
+    lse_strides: tuple[int, int],
+    strides_aligned: bool,
+    config: AttnConfig | None = None,
+) -> Launch:
+    """`_attn_bwd_dkdv_kernel` (kernel "dkdv": strides of (q, k, v, dout, dk, dv), dk / dv
+    being the per-query-head float32 buffers under GQA) or `_attn_bwd_dq_kernel` ("dq":
+    strides of (q, k, v, dout, dq)); strides_aligned: every operand of the backward (dout, q,
+    k, v, dq, dk, dv) has strides that are multiples of 16 (picks the config, the same for
+    both kernels)."""
+    cfg = config or launch_config(p.head_dim, dtype, arch, kernel, p.general(strides_aligned))
     qk_scale, cap_scale, cap_out = scales(p.scale, p.softcap)
-    return {
-        **stride_args(names, strides), **_sizes(p, lse_strides), "qk_scale": qk_scale, "sm_scale": p.scale,
-        "cap_scale": cap_scale, "cap_out": cap_out, "window_left": p.window_left, "window_right": p.window_right,
-        **_flags(p), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+    args = {
+        **stride_args(("q", "k", "v", "do", *_BWD_OUTPUTS[kernel]), strides), **_sizes(p, lse_strides),
+        "qk_scale": qk_scale, "sm_scale": p.scale, "cap_scale": cap_scale, "cap_out": cap_out,
+        "window_left": p.window_left, "window_right": p.window_right, **_flags(p), "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
     }  # fmt: skip
-
-
-@functools.lru_cache(maxsize=4096)
-def dkdv(
-    p: Problem,
-    arch: str,
-    dtype: torch.dtype,
-    strides: tuple[Strides, ...],
-    lse_strides: tuple[int, int],
-    strides_aligned: bool,
-    config: AttnConfig | None = None,
-) -> Launch:
-    """`_attn_bwd_dkdv_kernel`: strides of (q, k, v, dout, dk, dv), dk / dv being the
-    per-query-head float32 buffers under GQA; strides_aligned: every operand of the backward
-    (dout, q, k, v, dq, dk, dv) has strides that are multiples of 16 (picks the config, the
-    same for dkdv and dq)."""
-    cfg = config or launch_config(p.head_dim, dtype, arch, "dkdv", p.general(strides_aligned))
-    args = _bwd_args(p, ("q", "k", "v", "do", "dk", "dv"), strides, lse_strides, cfg)
-    grid = (cdiv(p.seqlen_k, cfg.block_n), p.n_seqs * p.heads_q)
-    return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
-
-
-@functools.lru_cache(maxsize=4096)
-def dq(
-    p: Problem,
-    arch: str,
-    dtype: torch.dtype,
-    strides: tuple[Strides, ...],
-    lse_strides: tuple[int, int],
-    strides_aligned: bool,
-    config: AttnConfig | None = None,
-) -> Launch:
-    """`_attn_bwd_dq_kernel`: strides of (q, k, v, dout, dq); strides_aligned as in `dkdv`."""
-    cfg = config or launch_config(p.head_dim, dtype, arch, "dq", p.general(strides_aligned))
-    args = _bwd_args(p, ("q", "k", "v", "do", "dq"), strides, lse_strides, cfg)
-    grid = (cdiv(p.seqlen_q, cfg.block_m), p.n_seqs * p.heads_q)
-    return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
+    blocks = cdiv(p.seqlen_k, cfg.block_n) if kernel == "dkdv" else cdiv(p.seqlen_q, cfg.block_m)
+    return Launch((blocks, p.n_seqs * p.heads_q), cfg.num_warps, cfg.num_stages, args, cfg)
 
 
 # ---- contiguous operands (JAX arrays) -----------------------------------------------------
@@ -221,8 +208,8 @@ def contiguous_launches(
     return Contiguous(
         fwd=fwd(p, arch, dtype, (sq, sk, sk, sq), lse_strides),
         preprocess=preprocess(p, (sq, sq), lse_strides),
-        dkdv=dkdv(p, arch, dtype, (sq, sk, sk, sq, sdk, sdk), lse_strides, strides_aligned),
-        dq=dq(p, arch, dtype, (sq, sk, sk, sq, sq), lse_strides, strides_aligned),
+        dkdv=bwd("dkdv", p, arch, dtype, (sq, sk, sk, sq, sdk, sdk), lse_strides, strides_aligned),
+        dq=bwd("dq", p, arch, dtype, (sq, sk, sk, sq, sq), lse_strides, strides_aligned),
         lse_shape=lse_shape,
         dk_shape=dk_shape,
     )

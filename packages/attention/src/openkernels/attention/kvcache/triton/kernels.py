@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...core.triton.kernels import _log2_scores, _segments, _softmax_step
+from ...core.triton.kernels import _load_rows, _log2_scores, _segments, _softmax_step
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -340,18 +340,7 @@ def _apply_scale(x, sc, zr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GATHER:
 @triton.jit
 def _load_codes(rows, cols, mask_n, MASK: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
     """Tile (BLOCK_N, BLOCK_W) of a cache side's data, zeros past the sequence and WIDTH."""
-    ptrs = rows[:, None] + cols[None, :]
-    if MASK:
-        if BLOCK_W == WIDTH:
-            tile = tl.load(ptrs, mask=mask_n[:, None], other=0)
-        else:
-            tile = tl.load(ptrs, mask=mask_n[:, None] & (cols[None, :] < WIDTH), other=0)
-    else:
-        if BLOCK_W == WIDTH:
-            tile = tl.load(ptrs)
-        else:
-            tile = tl.load(ptrs, mask=cols[None, :] < WIDTH, other=0)
-    return tile
+    return _load_rows(rows[:, None] + cols[None, :], mask_n[:, None], cols, MASK, WIDTH, BLOCK_W)
 
 
 @triton.jit
