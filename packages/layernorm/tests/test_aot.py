@@ -5,6 +5,7 @@ no register spills, no scratch, shared memory within the chip's limit."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -35,7 +36,8 @@ _BWD_ALL = {"IS_RMS": False, "HAS_WEIGHT": True, "HAS_DH_OUT": True, "WEIGHT_GRA
 
 
 def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, aligned: bool = True,
-          int_type: str = "i32", h_dtype: str | None = None, max_splits: int = 64, even: bool = False):  # fmt: skip
+          int_type: str = "i32", h_dtype: str | None = None, max_splits: int = 64, even: bool = False,
+          narrow: bool = False):  # fmt: skip
     from openkernels.shared.dev.testing.aot import AotCase
 
     act, h = _TRITON_DTYPE[dtype], _TRITON_DTYPE[h_dtype or dtype]
@@ -53,7 +55,7 @@ def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, a
         if cfg.mode == "split":
             ptrs.update(part_ptr="*fp32", arrived_ptr="*i32")
             ints = (*ints, "n_splits")
-            constexprs["MAX_SPLITS"] = max_splits
+            constexprs.update(MAX_SPLITS=max_splits, NARROW=narrow)  # NARROW: PTX, CUDA only
     else:
         kernel = "_norm_bwd_kernel"
         ptrs = {"dy_ptr": act, "h_ptr": h, "w_ptr": act, "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
@@ -102,29 +104,30 @@ def cases_for(backend: str) -> list:
     kernels, every flag on, in bf16 and fp32; each flag alone on the widest config of each
     kernel; fp16 and a float32 residual stream there; odd-shape (unaligned) and int64-argument
     specializations; the split kernel for 1..64 splits."""
+    case = functools.partial(_case, narrow=backend == "cuda")  # as plan.py sets it
     out = {}
     for direction, every in (("fwd", _FWD_ALL), ("bwd", _BWD_ALL)):
         all_cfgs = configs.all_configs(backend, direction)
         tiles = [c for c in all_cfgs if c.mode == "tile"]
         for cfg in all_cfgs:
             for dtype in ("bf16", "fp32"):
-                c = _case(direction, cfg, dtype, every)
+                c = case(direction, cfg, dtype, every)
                 out[c.label] = c
             if cfg.mode == "tile":  # n_cols == BLOCK_C: the unmasked specialization
-                c = _case(direction, cfg, "bf16", every, even=True)
+                c = case(direction, cfg, "bf16", every, even=True)
                 out[c.label] = c
         widest = [max(tiles, key=lambda c: c.block_cols)]
         widest += [next(c for c in all_cfgs if c.mode == mode) for mode in ("split", "looped") if
                    any(c.mode == mode for c in all_cfgs)]  # fmt: skip
         for cfg in widest:
             for flags in _flag_variants(direction):
-                c = _case(direction, cfg, "bf16", flags)
+                c = case(direction, cfg, "bf16", flags)
                 out[c.label] = c
             for c in (
-                _case(direction, cfg, "fp16", every),
-                _case(direction, cfg, "bf16", every, h_dtype="fp32"),
-                _case(direction, cfg, "bf16", every, int_type="i64"),
-                *([_case(direction, cfg, "bf16", every, aligned=False)] if cfg.mode != "tile" else []),
+                case(direction, cfg, "fp16", every),
+                case(direction, cfg, "bf16", every, h_dtype="fp32"),
+                case(direction, cfg, "bf16", every, int_type="i64"),
+                *([case(direction, cfg, "bf16", every, aligned=False)] if cfg.mode != "tile" else []),
             ):
                 out[c.label] = c
         # Unaligned rows (odd widths or strides) leave the tile at half the width.
@@ -134,8 +137,8 @@ def cases_for(backend: str) -> list:
         # The backward's tile is picked with prefetching at some widths and without at others.
         for prefetch in (False, True) if direction == "bwd" else (False,):
             cfg = _with_prefetch(unaligned_tile, prefetch)
-            for c in (_case(direction, cfg, "bf16", every, aligned=False),
-                      _case(direction, cfg, "fp32", every, aligned=False, h_dtype="fp32")):  # fmt: skip
+            for c in (case(direction, cfg, "bf16", every, aligned=False),
+                      case(direction, cfg, "fp32", every, aligned=False, h_dtype="fp32")):  # fmt: skip
                 out[c.label] = c
     from openkernels.shared.dev.testing.aot import AotCase
 
@@ -148,7 +151,7 @@ def cases_for(backend: str) -> list:
             out[c.label] = c
     split = next(c for c in configs.all_configs(backend, "fwd") if c.mode == "split")
     for max_splits in (1, 2, 4, 8, 16, 32):
-        c = _case("fwd", split, "bf16", _FWD_ALL, max_splits=max_splits)
+        c = case("fwd", split, "bf16", _FWD_ALL, max_splits=max_splits)
         out[c.label] = c
     return list(out.values())
 

@@ -5,8 +5,9 @@ Used by benchmarks/peers/run.py (tables and JSON), the asv suite and the demo. O
   add_rms_norm              y, h = rms_norm(x + r), x + r   (prenorm, fused residual)
 Directions: "fwd", and "fwd+bwd" (forward, then gradients of x and the parameters).
 Peers: torch eager (F.rms_norm / F.layer_norm; for add_rms_norm the unfused `x + r` then
-F.rms_norm), the same under torch.compile(dynamic=False), and Liger-Kernel
-(LigerRMSNormFunction, LigerLayerNormFunction, LigerFusedAddRMSNormFunction).
+F.rms_norm), the same under torch.compile(dynamic=False), Liger-Kernel
+(LigerRMSNormFunction, LigerLayerNormFunction, LigerFusedAddRMSNormFunction) and QuACK
+(`quack.rmsnorm`, rms_norm and add_rms_norm; GPUs where it imports).
 Bytes: fwd reads x and writes y (add_rms_norm also reads r and writes h); fwd+bwd counts
 x, y, dy and dx once each (add_rms_norm: x, r, y, h, dy, dx), the convention of the peer
 numbers in DESIGN.md.
@@ -86,6 +87,20 @@ def _liger(op: str) -> Callable[..., Any] | None:
         return None
 
 
+def _quack(op: str) -> Callable[..., Any] | None:
+    """QuACK's RMSNorm (CuTe DSL, differentiable; thread-block clusters on Hopper). Its
+    LayerNorm has no backward through autograd: no peer for layer_norm."""
+    if op == "layer_norm":
+        return None
+    try:
+        import quack
+    except Exception:  # ImportError, or a CUDA / CuTe DSL mismatch raised at import
+        return None
+    if op == "rms_norm":
+        return lambda x, w, b, r: quack.rmsnorm(x, w, eps=EPS)
+    return lambda x, w, b, r: quack.rmsnorm(x, w, residual=r, eps=EPS, prenorm=True)
+
+
 def _bytes(op: str, rows: int, n: int, dtype: torch.dtype, direction: str) -> int:
     size = torch.finfo(dtype).bits // 8
     units = {("fwd", False): 2, ("fwd", True): 4, ("fwd+bwd", False): 4, ("fwd+bwd", True): 6}
@@ -122,7 +137,7 @@ def cases(
     dtypes: Sequence[torch.dtype] = (torch.bfloat16,),
     ops: Sequence[str] = OPS,
     directions: Sequence[str] = ("fwd", "fwd+bwd"),
-    peers: Sequence[str] = ("torch", "torch.compile", "liger"),
+    peers: Sequence[str] = ("torch", "torch.compile", "liger", "quack"),
 ) -> list[BenchCase]:
     """Benchmark cases for `device` (the GPU grid on CUDA/ROCm, CPU shapes on CPU)."""
     device = torch.device(device)
@@ -138,9 +153,10 @@ def cases(
             contenders_fns["torch"] = composed
         if "torch.compile" in peers:
             contenders_fns["torch.compile"] = compiled_peer(composed)
-        liger = _liger(op) if "liger" in peers and device.type == "cuda" else None
-        if liger is not None:
-            contenders_fns["liger"] = liger
+        for name, load in (("liger", _liger), ("quack", _quack)):
+            fn = load(op) if name in peers and device.type == "cuda" else None
+            if fn is not None:
+                contenders_fns[name] = fn
         for rows, n in shapes:
             for dtype in dtypes:
 

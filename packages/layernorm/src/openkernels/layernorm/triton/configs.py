@@ -38,6 +38,7 @@ MAX_SPLITS = 64
 # columns per program (enough programs at 2048 columns), warps.
 SUM_BLOCK_P, SUM_BLOCK_C, SUM_WARPS = 32, 128, 4
 LOOPED_COLS = 4096
+SPLIT_COLS = 8192  # the split kernel's chunk per program (doubled for the longest rows)
 # Elements each thread holds, by (direction, norm), and how many rows a tile stacks.
 # Measured on H200, bf16, 64M-element grids (docs/perf.md): the RMSNorm forward ran best at
 # 16 per thread (4096 cols: 0.879 of copy at 8 warps vs 0.871 at 4), LayerNorm's at 32
@@ -114,10 +115,15 @@ def launch_config(
             return NormConfig(1, block_cols, warps, "tile", max(1, 2 * lane_warps // warps))
         return NormConfig(block_rows, block_cols, warps, "tile", max(1, lane_warps // warps), prefetch=True)
     if direction == "fwd" and backend in ("cuda", "rocm"):
-        chunk = 16384 if rms else 8192
-        chunk = chunk if aligned else chunk // 2
+        # 8192-column chunks, 16384 past 64 of them (1M columns). H200, bf16, 65536-1048576
+        # columns (docs/perf.md): RMSNorm best at 64 per thread (0.74-0.76 of copy at 8192 x
+        # 4 warps against 0.66 for the 16384 x 16 it replaced), LayerNorm at 8 warps.
+        base = SPLIT_COLS if aligned else SPLIT_COLS // 2
+        chunk = base if -(-n_cols // base) <= MAX_SPLITS else 2 * base
         if -(-n_cols // chunk) <= MAX_SPLITS:
-            return NormConfig(1, chunk, _warps(chunk, 32, vendor), "split")
+            # Unaligned rows hold an address per element: 32 per thread, as before.
+            per_thread = 32 if not aligned or (not rms and chunk == base) else 64
+            return NormConfig(1, chunk, _warps(chunk, per_thread, vendor), "split")
     chunk = LOOPED_COLS if aligned else LOOPED_COLS // 2
     warps = _warps(chunk, 16, vendor)
     # Looped kernels: 4096-column chunks at 16 per thread (8192-column chunks measured
@@ -131,5 +137,6 @@ def all_configs(backend: str, direction: str) -> list[NormConfig]:
     for rms in (True, False):
         for k in range(0, 21):
             seen.add(launch_config(1 << k, torch.float32, backend, direction, True, rms))
-        seen.add(launch_config(MAX_SPLITS * 16384 + 1, torch.float32, backend, direction, True, rms))
+        for n_cols in (MAX_SPLITS * SPLIT_COLS + 1, 2 * MAX_SPLITS * SPLIT_COLS + 1):  # doubled chunk, looped
+            seen.add(launch_config(n_cols, torch.float32, backend, direction, True, rms))
     return sorted(seen, key=lambda c: (c.mode, c.block_cols, c.block_rows, c.num_warps))
