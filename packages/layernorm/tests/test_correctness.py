@@ -221,6 +221,31 @@ def _kernel_paths(device: str) -> list:
 
 
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_nan_spreads_on_every_forward_path(device: str, impl: str, rms: bool) -> None:
+    """Each forward kernel and launch option: a NaN makes its whole row NaN and no other.
+    (The split kernel's variance clamp once dropped the NaN on CUDA, whose max returns the
+    other operand: RMSNorm rows came out finite. The interpreter's max keeps NaN either way,
+    so the test bites on GPUs.)"""
+    if impl != "triton":
+        pytest.skip("launch configs belong to the Triton kernels")
+    from openkernels.layernorm import triton as T
+
+    for direction, cfg, (m, n) in _kernel_paths(device):
+        if direction != "fwd":
+            continue
+        x = random_tensor((m, n), torch.bfloat16, device)
+        x[1, n - 2] = float("nan")
+        w = random_tensor((n,), torch.bfloat16, device)
+        b = None if rms else random_tensor((n,), torch.bfloat16, device)
+        out, rstd = torch.empty(m, n, dtype=torch.bfloat16, device=device), torch.empty(m, device=device)
+        mean = None if rms else torch.empty(m, device=device)
+        T.norm_fwd(x, None, w, b, out, None, mean, rstd, eps=1e-6, weight_offset=0.0, rms=rms,
+                   h_dtype=torch.bfloat16, config=cfg)  # fmt: skip
+        assert torch.isnan(out[1]).all(), f"{cfg}: a NaN in a row must make the whole row NaN"
+        assert torch.isfinite(out[[0, *range(2, m)]]).all(), f"{cfg}: the NaN spread to other rows"
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 def test_every_kernel_path(device: str, impl: str, rms: bool) -> None:
     if impl != "triton":
         pytest.skip("launch configs belong to the Triton kernels")
