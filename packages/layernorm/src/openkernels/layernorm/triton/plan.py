@@ -102,8 +102,10 @@ def _fwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, backend: str, sm_count:
             # Its programs wait for each other: more than fit at once (or the interpreter,
             # which runs them one by one) would never finish.
             raise ValueError(f"the split kernel cannot run {splits} splits per row on backend {backend!r}")
-        # NARROW: the kernel's 16-bit register holding, through PTX (CUDA only).
-        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits), NARROW=backend == "cuda")
+        # NARROW: the kernel's 16-bit register holding, through PTX (CUDA only), on chunks of
+        # at least one 16-byte vector per thread (its register copy moves pairs of elements).
+        narrow = backend == "cuda" and cfg.block_cols >= 8 * 32 * cfg.num_warps
+        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits), NARROW=narrow)
         return FwdPlan(cfg, "_norm_fwd_split_kernel", (n_rows * splits,), splits, tuple(meta.items()))
     return FwdPlan(cfg, "_norm_fwd_looped_kernel", (n_rows,), 1, (("BLOCK_C", cfg.block_cols),))
 
