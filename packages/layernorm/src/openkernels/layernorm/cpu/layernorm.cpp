@@ -553,9 +553,9 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
       bool rounded = false;
       if (rc && f.x_code == kAcc && f.res_code == kAcc) {
         add_rows<A>(reinterpret_cast<const A*>(xc), reinterpret_cast<const A*>(rc), hb + c, m);
-      } else if (std::is_same_v<A, float> && rc && f.x_code == kBF16 && f.res_code == kBF16 && f.h_code == kBF16) {
-        add_rows_bf16(reinterpret_cast<const uint16_t*>(xc), reinterpret_cast<const uint16_t*>(rc),
-                      reinterpret_cast<float*>(hb + c), m);
+      } else if (rc && f.x_code == kBF16 && f.res_code == kBF16 && f.h_code == kBF16 && std::is_same_v<A, float>) {
+        if constexpr (std::is_same_v<A, float>) add_rows_bf16(reinterpret_cast<const uint16_t*>(xc),
+                                                               reinterpret_cast<const uint16_t*>(rc), hb + c, m);
         rounded = true;
       } else {
         load(f.x_code, xc, hb + c, m);

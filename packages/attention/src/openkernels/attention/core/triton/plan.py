@@ -125,8 +125,8 @@ def preprocess(p: Problem, strides: tuple[Strides, Strides], lse_strides: tuple[
     return Launch((cdiv(p.seqlen_q, block_m), p.n_seqs * p.heads_q), _PREPROCESS_WARPS, None, args)
 
 
-# The backward's two kernels: their output operands and the axis a program owns one block
-# of (dK/dV: keys, dQ: query rows).
+# The backward's two kernels and their output operands (a dK/dV program owns a block of keys,
+# a dQ program a block of query rows: see `bwd`'s grid).
 _BWD_OUTPUTS = {"dkdv": ("dk", "dv"), "dq": ("dq",)}
 
 
