@@ -54,7 +54,7 @@ def rounds_weight(impl: str, kind: str, m: int, n: int, k: int, group: int, devi
         return False
     from openkernels.quant.triton import config_for
 
-    path = config_for(m, n, k, group, torch.device(device)).path
+    path = config_for(m, n, k, group, torch.device(device), kind).path
     return path == "dequant" or (kind == "nf4" and path == "tiled")
 
 

@@ -38,8 +38,9 @@ def _linear_case(cfg: configs.LinearConfig, x: str = "bf16", scales: str = "fp16
     flags = dict(GROUP=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_ZEROS=zeros, NF4=nf4, HAS_BIAS=bias,
                  SPLIT_K=split, EVEN_K=even_k)  # fmt: skip
     if cfg.path == "gemv":
-        ints = ("N", "K", "k_per_split", "stride_qn", "stride_sg")
+        ints = ("N", "K", "k_per_split", "stride_qn", "stride_sg", "magic")
         kernel = "_int4_linear_gemv_fwd_kernel"
+        flags["BLOCK_K"] = min(cfg.block_k, group)  # as plan.linear_plan: a GEMV step inside one group
     else:
         ints = ("M", "N", "K", "k_per_split", "stride_xm", "stride_qn", "stride_sg", "stride_om")
         kernel = "_int4_linear_fwd_kernel"

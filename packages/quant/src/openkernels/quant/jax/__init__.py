@@ -60,7 +60,7 @@ def _forward(x2, qweight, scales, zeros, bias, group_size: int, kind: str, confi
     (m, k), n = x2.shape, qweight.shape[0]
     if okjax.backend() == "jnp" or x2.dtype not in _KERNEL_DTYPES or m * n * k == 0:
         return jnp_backend.linear(x2, qweight, scales, zeros, bias, group_size, kind)
-    cfg = config or launch.config(m, n, k, group_size)
+    cfg = config or launch.config(m, n, k, group_size, kind)
     if cfg.path != "dequant":
         return launch.linear(x2, qweight, scales, zeros, bias, group_size, kind, cfg)
     # Large M: W in x's dtype once, then XLA's GEMM (torch.mm / addmm on the PyTorch path).

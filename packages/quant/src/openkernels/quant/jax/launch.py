@@ -31,16 +31,17 @@ def _gpu_family() -> tuple[str, int]:
     return arch_family(okjax.gpu_vendor(), arch), int(getattr(device, "core_count", 0) or 132)
 
 
-def config(m: int, n: int, k: int, group_size: int) -> LinearConfig:
-    """The launch config of the tables for this shape on the current backend."""
+def config(m: int, n: int, k: int, group_size: int, kind: str = "int4") -> LinearConfig:
+    """The launch config of the tables for this shape on the current backend (JAX arrays are
+    contiguous and aligned: the codes can always be read as words)."""
     from ..triton import config_for
     from ..triton.configs import linear_config
 
     if okjax.backend() == "interpret":  # what the PyTorch launcher picks under the interpreter
         import torch
 
-        return config_for(m, n, k, group_size, torch.device("cpu"))
-    return linear_config(m, n, k, group_size, *_gpu_family())
+        return config_for(m, n, k, group_size, torch.device("cpu"), kind)
+    return linear_config(m, n, k, group_size, *_gpu_family(), kind)
 
 
 def _launch(plan: Any, arrays: dict, outputs: dict, ints: dict, zeroed: tuple = ()) -> tuple:

@@ -34,8 +34,10 @@ def _family(device: torch.device) -> str:
 
 
 @functools.cache
-def config_for(m: int, n: int, k: int, group: int, device: torch.device) -> LinearConfig:
-    return linear_config(m, n, k, group, _family(device), _sm_count(device))
+def config_for(
+    m: int, n: int, k: int, group: int, device: torch.device, kind: str = "int4", words: bool = True
+) -> LinearConfig:
+    return linear_config(m, n, k, group, _family(device), _sm_count(device), kind, words)
 
 
 def _lut(kind: str, scales: Tensor) -> Tensor:
@@ -142,13 +144,20 @@ def int4_linear_fwd(
     m, k = x.shape
     n = qweight.shape[0]
     qw_stride, s_stride = qweight.stride(0), scales.stride(0)
+    # The GEMV reads the codes as 32-bit words: rows 4-byte aligned (stride and address).
+    words = qw_stride % 4 == 0 and qweight.data_ptr() % 4 == 0
     key = (m, n, k, group_size, kind, x.dtype, scales.dtype, zeros is None, None if bias is None else bias.dtype,
-           x.stride(0), out.stride(0), qw_stride, s_stride, x.get_device(), config)  # fmt: skip
+           x.stride(0), out.stride(0), qw_stride, s_stride, x.get_device(), config, words)  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _MAX_PLANS:  # many distinct M (ragged prefill batches): start over
             _plans.clear()
-        cfg = config or config_for(m, n, k, group_size, x.device)
+        if config is not None and config.path == "gemv" and not words:
+            raise ValueError(
+                "int4_linear_fwd: the gemv config reads the codes as 32-bit words and needs qweight rows "
+                f"4-byte aligned (row stride {qw_stride} bytes, address {qweight.data_ptr():#x})"
+            )
+        cfg = config or config_for(m, n, k, group_size, x.device, kind, words)
         if cfg.path == "dequant":
             _dequantize_then_matmul(x, qweight, scales, zeros, bias, out, group_size, kind)
             return

@@ -2,7 +2,8 @@
 family), shared by the launchers, the tuning sweep (benchmarks) and the compile-only checks.
 
 Three paths, picked by M:
-  "gemv"     M == 1: _int4_linear_gemv_fwd_kernel, CUDA cores, memory-bound.
+  "gemv"     M == 1, int4 on CUDA: _int4_linear_gemv_fwd_kernel, CUDA cores on the codes read
+             as 32-bit words (K % 8 == 0 and 4-byte aligned rows of codes).
   "tiled"    2 <= M < DEQUANT_MIN_M: _int4_linear_fwd_kernel, tensor cores on the unpacked
              codes; the weight streams once per band of BLOCK_M rows.
   "dequant"  M >= DEQUANT_MIN_M: W is dequantized once into a scratch (N, K) 16-bit buffer and
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["LinearConfig", "linear_config", "all_configs", "DEQUANT_MIN_M", "arch_family",
-           "dequant_block", "kernel_group"]  # fmt: skip
+           "dequant_block", "kernel_group", "gemv_split"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,34 @@ def dequant_block(group: int, k: int) -> tuple[int, int, int]:
     return 64, 256, 8
 
 
-def linear_config(m: int, n: int, k: int, group: int, family: str, sms: int) -> LinearConfig:
-    """The config for an (M, K) x (K, N) product with groups of `group` columns."""
+def gemv_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """K splits of the GEMV: about 4 programs per SM (a power of two, at most 16 and at most one
+    per BLOCK_K step)."""
+    split = 1
+    while split < 16 and split * 2 * -(-n // block_n) <= 4 * sms and split * 2 * block_k <= k:
+        split *= 2
+    return split
+
+
+def linear_config(
+    m: int, n: int, k: int, group: int, family: str, sms: int, kind: str = "int4", words: bool = True
+) -> LinearConfig:
+    """The config for an (M, K) x (K, N) product with groups of `group` columns. words: the
+    codes can be read as 32-bit words (K % 8 == 0, rows of codes 4-byte aligned), which the
+    gemv path needs."""
     if m >= DEQUANT_MIN_M.get(family, 512):
         return LinearConfig("dequant")
+    if m == 1 and kind == "int4" and words and k % 8 == 0 and family in ("hopper", "ampere"):
+        # H200, bf16, group 128 (.gpu sweep in docs/perf.md): 128-row tiles at 8 warps, ~4
+        # programs per SM, were best or within 3% at 2048-28672 x 2048-8192 (8192x8192 20.2 us
+        # against 26.5 for the tiled kernel; 28672x8192 59.9 against 76.6). Measured on Hopper
+        # only; Ampere shares the CUDA-core code path. CDNA keeps the tiled kernel (unmeasured).
+        block_k = min(128, kernel_group(group, k))
+        return LinearConfig("gemv", 1, 128, block_k, 8, 1, gemv_split(n, k, 128, block_k, sms))
     if m <= 64:
-        # Hopper, bf16, group 128 (benchmarks/tune_quant.py, docs/perf.md): M=1 and M=16 both
-        # ran best as 16 x 64 x 128 tiles, 4 warps, 3 stages, K split 4 ways (8192x8192 M=1:
-        # 25.7 us in a CUDA graph vs 29.7 for the best CUDA-core GEMV; 28672x8192 M=16:
-        # 77 us vs 110 at split 2). The GEMV kernel stays selectable (config=) for sweeps.
+        # Hopper, bf16, group 128 (benchmarks/tune_quant.py, docs/perf.md): M=16 (and M=1
+        # before the word-reading GEMV) ran best as 16 x 64 x 128 tiles, 4 warps, 3 stages, K
+        # split 4 ways (28672x8192 M=16: 77 us vs 110 at split 2).
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_k = _block_k(group, k, 128)
         split = max(1, min(4, -(-k // block_k)))
@@ -105,6 +125,7 @@ def all_configs(family: str) -> list[LinearConfig]:
     seen: dict[LinearConfig, None] = {}
     for m in (1, 2, 16, 17, 32, 64, 65, 128, 256):
         for group in (32, 64, 128, 4096):
-            cfg = linear_config(m, 4096, 4096, group, family, 132)
-            seen[LinearConfig(**{**cfg.__dict__, "split_k": 1})] = None
+            for kind in ("int4", "nf4") if m == 1 else ("int4",):
+                cfg = linear_config(m, 4096, 4096, group, family, 132, kind)
+                seen[LinearConfig(**{**cfg.__dict__, "split_k": 1})] = None
     return list(seen)

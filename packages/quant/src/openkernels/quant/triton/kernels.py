@@ -10,8 +10,8 @@ applied per group *after* the products:
     sum_k v[q_k] * s * x_k    = s * sum_k v[q_k] x_k           (nf4, v = NF4 levels)
 so a scale costs one float32 multiply per group and output, not one per weight.
 
-_int4_linear_gemv_fwd_kernel  M == 1 (decode): CUDA-core dot products, BLOCK_N rows x
-    BLOCK_K columns of W per step; a block may span several groups (SUB = min(GROUP, BLOCK_K)).
+_int4_linear_gemv_fwd_kernel  M == 1 (decode): CUDA-core dot products on the codes read as
+    32-bit words, BLOCK_N rows x BLOCK_K columns of W per step, inside one group.
 _int4_linear_fwd_kernel       M >= 2: tensor-core tiles computed transposed,
     out^T (BLOCK_N, BLOCK_M) = W (BLOCK_N, BLOCK_K) @ x^T (BLOCK_K, BLOCK_M), so the weight
     (unpacked in registers) is the left operand and tiny M pads the small side of the MMA;
@@ -79,70 +79,108 @@ def _finish_split(acc, bias, ws_ptr, split_stride, counter_ptr, tile, split, off
 
 
 @triton.jit
+def _word_columns(x_ptrs, in_k, EVEN_K: tl.constexpr):
+    """x at x_ptrs + p for p = 0..7 (the column nibble p of each word holds), each (1, WORDS)
+    float32; columns of words past K (in_k False) read 0."""
+    if EVEN_K:
+        return (tl.load(x_ptrs).to(tl.float32)[None, :], tl.load(x_ptrs + 1).to(tl.float32)[None, :],
+                tl.load(x_ptrs + 2).to(tl.float32)[None, :], tl.load(x_ptrs + 3).to(tl.float32)[None, :],
+                tl.load(x_ptrs + 4).to(tl.float32)[None, :], tl.load(x_ptrs + 5).to(tl.float32)[None, :],
+                tl.load(x_ptrs + 6).to(tl.float32)[None, :], tl.load(x_ptrs + 7).to(tl.float32)[None, :])  # fmt: skip
+    return (tl.load(x_ptrs, mask=in_k, other=0.0).to(tl.float32)[None, :],
+            tl.load(x_ptrs + 1, mask=in_k, other=0.0).to(tl.float32)[None, :],
+            tl.load(x_ptrs + 2, mask=in_k, other=0.0).to(tl.float32)[None, :],
+            tl.load(x_ptrs + 3, mask=in_k, other=0.0).to(tl.float32)[None, :],
+            tl.load(x_ptrs + 4, mask=in_k, other=0.0).to(tl.float32)[None, :],
+            tl.load(x_ptrs + 5, mask=in_k, other=0.0).to(tl.float32)[None, :],
+            tl.load(x_ptrs + 6, mask=in_k, other=0.0).to(tl.float32)[None, :],
+            tl.load(x_ptrs + 7, mask=in_k, other=0.0).to(tl.float32)[None, :])  # fmt: skip
+
+
+@triton.jit
 def _int4_linear_gemv_fwd_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
-    N, K, k_per_split, stride_qn, stride_sg,
+    N, K, k_per_split, stride_qn, stride_sg, magic,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ZEROS: tl.constexpr, NF4: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """One output row: out[n] = sum_k W[n, k] x[k] (+ bias[n]); x (K,), out (N,). Program
-    (pid_n, split) covers rows pid_n*BLOCK_N.. and K range [split * k_per_split, + k_per_split);
-    with SPLIT_K > 1, ws (SPLIT_K, N) float32 and counter (tiles,) int32 (zeros) finish it."""
-    SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
-    GROUPS: tl.constexpr = BLOCK_K // SUB
-    HALF: tl.constexpr = BLOCK_K // 2
+    (pid_n, split) covers rows pid_n*BLOCK_N.. and K range [split * k_per_split, + k_per_split)
+    in steps of BLOCK_K columns inside one group (BLOCK_K divides GROUP); with SPLIT_K > 1, ws
+    (SPLIT_K, N) float32 and counter (tiles,) int32 (zeros) finish it.
+
+    The codes are read as 32-bit words (K % 8 == 0, stride_qn % 4 == 0, a 4-byte aligned
+    qweight): word j of a row holds columns 8j..8j+7, nibble p at bits 4p..4p+3, so nibble p of
+    every word pairs with x[8j + p]. A (BLOCK_N, BLOCK_K // 8) tile of words is one 16-byte load
+    per thread and row. `magic` is 0x43000000 (the bits of 128.0) passed at run time, so that
+    (word & mask) | magic is one LOP3 with the magic in a register (two ops with two
+    immediates); the products stay in float32 in a (BLOCK_N, WORDS) accumulator that is
+    reduced across threads once, after the loop."""
+    WORDS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_j = tl.arange(0, HALF)
-    offs_x = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, GROUPS)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    offs_w = tl.arange(0, WORDS)
+    row_ptrs = qw_ptr.to(tl.pointer_type(tl.uint32)) + offs_n[:, None] * (stride_qn // 4) + offs_w[None, :]
+    # Nibble e (bits 4e..4e+3, e <= 4) OR'd into the bits of 2^(23 - 4e) reads 2^(23 - 4e) + q
+    # exactly (the nibble is the low mantissa bits of that float); nibbles 5-7 are read from
+    # word >> 12 at e = 2, 3, 4. One float32 subtraction of 2^(23 - 4e) + zero leaves q - zero.
+    m4 = tl.cast(magic, tl.uint32)  # 128.0 (a constexpr where JAX launches: every integer is one)
+    m3 = m4 + 0x02000000  # 2048.0
+    m2 = m4 + 0x04000000  # 32768.0
+    m1 = m4 + 0x06000000  # 524288.0
+    m0 = m4 + 0x08000000  # 8388608.0
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k in range(k_start, k_end, BLOCK_K):
-        cols = k // 2 + offs_j
+        # (k // BLOCK_K) * WORDS, not k // 8: keeps the offset's divisibility visible (16-byte loads)
+        word0 = (k // BLOCK_K) * WORDS
         if EVEN_K:
-            mask_w = mask_n[:, None]
-            x = tl.load(x_ptr + k + offs_x)
+            in_k = offs_w >= 0
+            words = tl.load(row_ptrs + word0, mask=mask_n[:, None], other=0)
         else:
-            mask_w = mask_n[:, None] & (2 * cols < k_end)[None, :]
-            x = tl.load(x_ptr + k + offs_x, mask=k + offs_x < k_end, other=0.0)
-        # Contiguous (vectorized) load of x, split into the columns the low / high nibbles hold.
-        x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), (HALF, 2)))
-        packed = tl.load(qw_ptr + offs_n[:, None] * stride_qn + cols[None, :], mask=mask_w, other=0)
-        g = (k + offs_g * SUB) // GROUP
-        s_off = g[None, :] * stride_sg + offs_n[:, None]  # (BLOCK_N, GROUPS)
-        scale = tl.load(s_ptr + s_off, mask=mask_n[:, None], other=0.0).to(tl.float32)
+            in_k = k + offs_w * 8 < k_end
+            words = tl.load(row_ptrs + word0, mask=mask_n[:, None] & in_k[None, :], other=0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(x_ptr + k + offs_w * 8, in_k, EVEN_K)
+        g = k // GROUP
+        scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         if NF4:
-            low, high = _unpack_pairs(packed, NF4, lut_ptr)
-            low = tl.reshape(low, (BLOCK_N, GROUPS, SUB // 2))
-            high = tl.reshape(high, (BLOCK_N, GROUPS, SUB // 2))
+            part = tl.load(lut_ptr + (words & 0xF)) * x0
+            part += tl.load(lut_ptr + ((words >> 4) & 0xF)) * x1
+            part += tl.load(lut_ptr + ((words >> 8) & 0xF)) * x2
+            part += tl.load(lut_ptr + ((words >> 12) & 0xF)) * x3
+            part += tl.load(lut_ptr + ((words >> 16) & 0xF)) * x4
+            part += tl.load(lut_ptr + ((words >> 20) & 0xF)) * x5
+            part += tl.load(lut_ptr + ((words >> 24) & 0xF)) * x6
+            part += tl.load(lut_ptr + (words >> 28)) * x7
         else:
             if HAS_ZEROS:
-                zero = tl.load(z_ptr + s_off, mask=mask_n[:, None], other=0.0).to(tl.float32)
+                zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
             else:
-                zero = tl.full((BLOCK_N, GROUPS), 8.0, tl.float32)
-            # 2^23 + q from the mantissa, minus (2^23 + zero): q - zero, exact, no conversion.
-            offset = (zero + 8388608.0)[:, :, None]
-            low = ((packed & 0xF).to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
-            high = ((packed >> 4).to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
-            low = tl.reshape(low, (BLOCK_N, GROUPS, SUB // 2)) - offset
-            high = tl.reshape(high, (BLOCK_N, GROUPS, SUB // 2)) - offset
-        x_even = tl.reshape(x_even, (GROUPS, SUB // 2))[None, :, :]
-        x_odd = tl.reshape(x_odd, (GROUPS, SUB // 2))[None, :, :]
-        part = tl.sum(low * x_even + high * x_odd, axis=2)  # (BLOCK_N, GROUPS)
-        acc += tl.sum(scale * part, axis=1)
+                zero = tl.full((BLOCK_N, 1), 8.0, tl.float32)
+            high = words >> 12
+            o2, o3, o4 = zero + 32768.0, zero + 2048.0, zero + 128.0
+            part = (((words & 0xF) | m0).to(tl.float32, bitcast=True) - (zero + 8388608.0)) * x0
+            part += (((words & 0xF0) | m1).to(tl.float32, bitcast=True) - (zero + 524288.0)) * x1
+            part += (((words & 0xF00) | m2).to(tl.float32, bitcast=True) - o2) * x2
+            part += (((words & 0xF000) | m3).to(tl.float32, bitcast=True) - o3) * x3
+            part += (((words & 0xF0000) | m4).to(tl.float32, bitcast=True) - o4) * x4
+            part += (((high & 0xF00) | m2).to(tl.float32, bitcast=True) - o2) * x5
+            part += (((high & 0xF000) | m3).to(tl.float32, bitcast=True) - o3) * x6
+            part += (((high & 0xF0000) | m4).to(tl.float32, bitcast=True) - o4) * x7
+        acc += scale * part
+    total = tl.sum(acc, axis=1)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if SPLIT_K == 1:
-        tl.store(out_ptr + offs_n, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask_n)
+        tl.store(out_ptr + offs_n, (total + bias).to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
         _finish_split(
-            acc, bias, ws_ptr, N, counter_ptr, pid_n, split, offs_n, mask_n, out_ptr + offs_n, SPLIT_K
+            total, bias, ws_ptr, N, counter_ptr, pid_n, split, offs_n, mask_n, out_ptr + offs_n, SPLIT_K
         )
 
 

@@ -16,7 +16,7 @@ Pointers a launch does not read (the kernels guard every use behind a constexpr 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .configs import LinearConfig, dequant_block, kernel_group
@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 GEMV_KERNEL = "_int4_linear_gemv_fwd_kernel"
+# The bits of 128.0: the GEMV kernel's `magic` argument (an argument, not a constant, so that
+# the compiler keeps it in a register; kernels.py says why).
+GEMV_MAGIC = 0x43000000
 TILED_KERNEL = "_int4_linear_fwd_kernel"
 DEQUANT_KERNEL = "_dequantize_int4_fwd_kernel"
 
@@ -85,7 +88,7 @@ class LinearPlan:
         the gemv kernel takes one row and no row strides of x and out)."""
         if self.gemv:
             return {"N": self.n, "K": self.k, "k_per_split": self.per_split, "stride_qn": stride_qn,
-                    "stride_sg": stride_sg}  # fmt: skip
+                    "stride_sg": stride_sg, "magic": GEMV_MAGIC}  # fmt: skip
         return {"M": self.m, "N": self.n, "K": self.k, "k_per_split": self.per_split, "stride_xm": stride_xm,
                 "stride_qn": stride_qn, "stride_sg": stride_sg, "stride_om": stride_om}  # fmt: skip
 
@@ -120,8 +123,15 @@ def linear_plan(
     interpreter runs bfloat16, which it cannot bitcast)."""
     if cfg.path not in ("gemv", "tiled"):
         raise ValueError(f"linear_plan: the {cfg.path!r} path launches no int4_linear kernel")
-    per_split, splits = k_per_split(k, cfg)
     gemv = cfg.path == "gemv"
+    if gemv:
+        if k % 8:
+            raise ValueError(
+                f"linear_plan: the gemv path reads 32-bit words of codes and needs K % 8 == 0, got K={k}"
+            )
+        # A GEMV step lies inside one group.
+        cfg = replace(cfg, block_k=min(cfg.block_k, kernel_group(group_size, k)))
+    per_split, splits = k_per_split(k, cfg)
     tiles_n = _cdiv(n, cfg.block_n)
     tiles = tiles_n if gemv else tiles_n * _cdiv(m, cfg.block_m)
     nf4, group, even_k = kind == "nf4", kernel_group(group_size, k), k % cfg.block_k == 0
