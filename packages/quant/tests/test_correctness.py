@@ -177,9 +177,19 @@ def test_config_table_paths() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERP, reason="needs a CUDA device")
-def test_cuda_graph_replay_and_split_k_reuse() -> None:
+@pytest.mark.parametrize("reserved", [False, True], ids=["temporaries", "reserved"])
+def test_cuda_graph_replay_and_split_k_reuse(reserved) -> None:
     """Decode runs layers in CUDA graphs: the split-K scratch and counters must survive capture
-    and repeated replays (each replay leaves the counters at 0 for the next)."""
+    and repeated replays (each replay leaves the counters at 0 for the next). reserved: the
+    capture uses the scratch reserve_graph_scratch made (its partials, NaN before, get
+    written), not temporaries."""
+    from openkernels.quant import triton as QT
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    QT._graph_scratch.pop(device.index, None)
+    if reserved:
+        QT.reserve_graph_scratch(device)
+        QT._graph_scratch[device.index][0].fill_(float("nan"))
     gen = torch.Generator().manual_seed(7)
     weight = Q.quantize_int4(make_weight(512, 1024, generator=gen), 128).to("cuda")
     x = torch.randn(1, 1024, generator=gen).to("cuda", torch.bfloat16)
@@ -197,6 +207,11 @@ def test_cuda_graph_replay_and_split_k_reuse() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_linear_close(out, x, weight, None, w_rounded=False, msg="graph replay")
+    if reserved:
+        ws, counters = QT._graph_scratch[device.index]
+        assert not torch.isnan(ws[:512]).all(), "the capture did not use the reserved scratch"
+        assert int(counters.abs().sum()) == 0, "counters not reset"
+    QT._graph_scratch.pop(device.index, None)
 
 
 @pytest.mark.parametrize(("device", "impl"), targets())

@@ -12,7 +12,7 @@ from torch import nn
 
 from openkernels.shared.kernelize import KernelizeContext, ModelPatch
 
-from .linear import quantize_model
+from .linear import Int4Linear, quantize_model
 
 __all__ = ["replacements"]
 
@@ -42,8 +42,21 @@ def _quantize(model: nn.Module, ctx: KernelizeContext) -> Callable[[], None] | N
     ctx.report.patched["quant.quantize_model"] = (
         f"{len(report.quantized)} layers, {report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB"
     )
+    _reserve_graph_scratch(model)
 
     return lambda: _restore(model, {name: originals[name] for name in report.quantized})
+
+
+def _reserve_graph_scratch(model: nn.Module) -> None:
+    """Decode steps run in compiled graphs / CUDA graphs: reserve their split-K scratch now,
+    outside any graph, on each CUDA device that holds a quantized layer (else every launch
+    there allocates and zeroes its own)."""
+    devices = {b.device for m in model.modules() if isinstance(m, Int4Linear) for b in m.buffers()}
+    for device in devices:
+        if device.type == "cuda":
+            from .triton import reserve_graph_scratch
+
+            reserve_graph_scratch(device)
 
 
 def _restore(model: nn.Module, originals: dict[str, nn.Module]) -> None:

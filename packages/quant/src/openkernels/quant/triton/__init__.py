@@ -17,7 +17,7 @@ from .configs import LinearConfig, arch_family, linear_config
 from .kernels import _dequantize_int4_fwd_kernel, _int4_linear_fwd_kernel, _int4_linear_gemv_fwd_kernel
 from .plan import dequant_plan, linear_plan
 
-__all__ = ["int4_linear_fwd", "dequantize_int4_fwd", "config_for"]
+__all__ = ["int4_linear_fwd", "dequantize_int4_fwd", "config_for", "reserve_graph_scratch"]
 
 
 @functools.cache
@@ -54,13 +54,40 @@ def _current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index) if device_index >= 0 else 0
 
 
+# Split-K scratch for launches inside torch.compile graphs and CUDA-graph captures, per device,
+# made outside them by reserve_graph_scratch (kernelize(quantize=...) calls it). One buffer
+# for every such launch of the device: they must run one after another (one stream, as
+# CUDA-graph trees replay), which the kernels' self-resetting counters then make safe.
+_graph_scratch: dict[int, tuple[Tensor, Tensor]] = {}
+
+
+def reserve_graph_scratch(device: torch.device, partials: int = 1 << 20, tiles: int = 4096) -> None:
+    """Make (or grow) the split-K scratch that launches inside compiled graphs and CUDA-graph
+    captures on `device` use: `partials` float32 and `tiles` int32 counters (the default
+    covers every M=1 launch up to 65536 output features). Without it such launches allocate
+    and zero temporaries each call (a fill kernel per launch in the graph). No-op on a
+    non-CUDA device or while capturing."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ws, counters = _graph_scratch.get(index, (None, None))
+    if ws is None or ws.numel() < partials:
+        ws = replay.persistent(torch.empty(partials, dtype=torch.float32, device=device))
+    if counters is None or counters.numel() < tiles:
+        counters = replay.persistent(torch.zeros(tiles, dtype=torch.int32, device=device))
+    _graph_scratch[index] = (ws, counters)
+
+
 def _split_scratch(device: torch.device, partials: int, tiles: int) -> tuple[Tensor, Tensor]:
     index = device.index if device.type == "cuda" else -1
     if index >= 0 and (LIBRARY_CALL.get() or torch.cuda.is_current_stream_capturing()):
-        # Inside torch.compile graphs or a CUDA-graph capture: temporaries (the zeroing is
-        # captured and replays). A cached buffer made there would live on in the graph's
-        # private pool, which CUDA-graph trees reject ("tensors in the cudagraph pool not
-        # tracked as outputs").
+        # Inside torch.compile graphs or a CUDA-graph capture: the reserved scratch, or
+        # temporaries (the zeroing is captured and replays). A cached buffer made here would
+        # live on in the graph's private pool, which CUDA-graph trees reject ("tensors in the
+        # cudagraph pool not tracked as outputs").
+        held = _graph_scratch.get(index)
+        if held is not None and held[0].numel() >= partials and held[1].numel() >= tiles:
+            return held
         return (torch.empty(partials, dtype=torch.float32, device=device),
                 torch.zeros(tiles, dtype=torch.int32, device=device))  # fmt: skip
     key = (index, _current_stream(index))

@@ -1,0 +1,182 @@
+"""One decode step of a Llama-style 1B model captured in a CUDA graph: int4 weights against
+bf16 weights, with Python's generate loop out of the timing (the 4-bit linear issue's
+end-to-end bar).
+
+    python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile]
+        [--json PATH] [--tiny --device cpu]
+
+Variants, each a copy of the same random-weight model:
+  sdpa          transformers' own model (attn_implementation="sdpa", bf16 weights) with its
+                StaticCache
+  ours-bf16     kernelize(model) with OpenKernelsStaticCache (bf16 KV)
+  ours-int4     kernelize(model, quantize="int4") with OpenKernelsStaticCache (bf16 KV)
+Each cache is filled by a prefill of `context - 1` tokens; the step is a 1-token forward
+(batch 1) captured once in a CUDA graph and replayed `reps` times per timing (a cache that
+keeps its length on the device appends one token per replay, so the context grows by a few
+hundred tokens over the run; one that keeps it on the host rewrites one slot). Reported: milliseconds per step (median of 5
+timings of `reps` replays), the ratios, and the largest |logit difference| of each variant's
+step against sdpa's relative to sdpa's largest |logit|. A variant whose capture fails is
+timed eagerly instead, and says so. --tiny runs a 2-layer model (a smoke test, CPU too,
+where every variant is timed eagerly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from e2e_kv_decode import TINY, build
+from e2e_models import LLAMA_1B
+from openkernels.shared.kernelize import kernelize
+
+
+def _caches(model, variant: str, slots: int, device: torch.device):
+    if variant == "sdpa":
+        from transformers import StaticCache
+
+        return StaticCache(config=model.config, max_cache_len=slots)
+    from openkernels.attention import OpenKernelsStaticCache
+
+    return OpenKernelsStaticCache(model.config, batch_size=1, max_seqlen=slots, kv_dtype=None, device=device)
+
+
+def _step_runner(model, cache, context: int, device: torch.device, compiled: bool = False):
+    """Prefill context - 1 tokens into `cache`; return the step function (compiled: through
+    torch.compile(mode="reduce-overhead", fullgraph=True), as generate() compiles a decode step
+    for a static cache: CUDA graphs by cudagraph trees)."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(1, model.config.vocab_size, (1, context), generator=gen).to(device)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+    token = ids[:, -1:].clone()
+    forward = (
+        torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False) if compiled else model
+    )
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            return forward(input_ids=token, past_key_values=cache, use_cache=True).logits
+
+    return step
+
+
+def _time(fn, reps: int, device: torch.device) -> float:
+    """Median milliseconds of one fn() over 5 timings of `reps` calls."""
+    times = []
+    for _ in range(5):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / reps)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def _graphed(step, device: torch.device):
+    """(replay function, the graph's logits) or raise when the step cannot be captured."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    first: list[str] = []  # the op that broke the capture (the context's exit reports only that one did)
+    try:
+        with torch.cuda.graph(graph):
+            try:
+                logits = step()
+            except Exception:
+                first.append(traceback.format_exc(limit=-6))
+                raise
+    except Exception as error:
+        raise RuntimeError(first[0] if first else str(error)) from error
+    return graph.replay, logits
+
+
+def run(shape: dict, device: torch.device, context: int, reps: int, mode: str = "graph") -> dict:
+    base = build(shape, device)
+    results: dict = {"context": context, "reps": reps, "device": str(device), "mode": mode}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
+    logits: dict[str, torch.Tensor] = {}
+    for variant in ("sdpa", "ours-bf16", "ours-int4"):
+        model = copy.deepcopy(base)
+        if variant == "ours-bf16":
+            kernelize(model)
+        elif variant == "ours-int4":
+            kernelize(model, quantize="int4")
+        # Room for every step timed: a cache that counts its length on the device moves one
+        # slot per replay (the context grows by at most ~6 * reps + 8 tokens).
+        cache = _caches(model, variant, context + 8 * reps + 64, device)
+        step = _step_runner(model, cache, context, device, compiled=mode == "compile")
+        logits[variant] = step().float().clone()  # the first step, at position context - 1
+        how, fn = "eager" if mode != "compile" else "torch.compile reduce-overhead", step
+        if mode == "compile":
+            for _ in range(3):  # cudagraph trees record on the first calls
+                step()
+        elif device.type == "cuda":
+            try:
+                fn = _graphed(step, device)[0]
+                fn()
+                how = "cuda graph"
+            except Exception as error:  # timed eagerly instead, and reported
+                how = f"eager (capture failed: {str(error)[-1500:]})"
+                torch.cuda.synchronize(device)
+                fn = step
+        ms = _time(fn, reps, device)
+        results[variant] = {"ms_per_step": ms, "timed": how}
+        print(f"  {variant}: {ms:.3f} ms per step ({how})", flush=True)
+        del model, step, fn, cache
+    ref = logits["sdpa"]
+    for variant in ("ours-bf16", "ours-int4"):
+        results[variant]["max_logit_diff_vs_sdpa"] = float(
+            (logits[variant] - ref).abs().max() / ref.abs().max()
+        )
+    bf16, int4 = results["ours-bf16"]["ms_per_step"], results["ours-int4"]["ms_per_step"]
+    results["int4_x_ours_bf16"] = bf16 / int4
+    results["int4_x_sdpa"] = results["sdpa"]["ms_per_step"] / int4
+    results["ours_bf16_x_sdpa"] = results["sdpa"]["ms_per_step"] / bf16
+    print(f"  int4 weights: {results['int4_x_ours_bf16']:.2f}x ours bf16, {results['int4_x_sdpa']:.2f}x sdpa; "
+          f"ours bf16 {results['ours_bf16_x_sdpa']:.2f}x sdpa", flush=True)  # fmt: skip
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
+    parser.add_argument("--mode", choices=("graph", "compile"), default="graph",
+                        help="graph: capture the eager step in a CUDA graph (eager where that fails); compile: "
+                        "torch.compile(mode='reduce-overhead') as generate() does for static caches")  # fmt: skip
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    results = run(
+        TINY if args.tiny else LLAMA_1B, torch.device(args.device), args.context, args.reps, args.mode
+    )
+    print(json.dumps(results, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
