@@ -162,7 +162,8 @@ def test_config_table_paths() -> None:
     from openkernels.quant.triton.configs import linear_config
 
     assert linear_config(1, 8192, 8192, 128, "hopper", 132).path == "gemv"
-    assert linear_config(1, 8192, 8192, 128, "hopper", 132, "nf4").path == "tiled"
+    assert linear_config(1, 8192, 8192, 64, "hopper", 132, "nf4").path == "gemv"
+    assert linear_config(1, 8192, 8192, 64, "hopper", 132, "nf4").split_k == 16
     assert linear_config(1, 8192, 8192, 128, "hopper", 132, words=False).path == "tiled"
     assert linear_config(1, 8192, 8196, 128, "hopper", 132).path == "tiled"  # K % 8 != 0
     assert linear_config(1, 8192, 8192, 128, "cdna", 304).path == "tiled"

@@ -2,8 +2,8 @@
 family), shared by the launchers, the tuning sweep (benchmarks) and the compile-only checks.
 
 Three paths, picked by M:
-  "gemv"     M == 1, int4 on CUDA: _int4_linear_gemv_fwd_kernel, CUDA cores on the codes read
-             as 32-bit words (K % 8 == 0 and 4-byte aligned rows of codes).
+  "gemv"     M == 1 on CUDA: _int4_linear_gemv_fwd_kernel, CUDA cores on the codes read as
+             32-bit words (K % 8 == 0 and 4-byte aligned rows of codes and x).
   "tiled"    2 <= M < DEQUANT_MIN_M: _int4_linear_fwd_kernel, tensor cores on the unpacked
              codes; the weight streams once per band of BLOCK_M rows.
   "dequant"  M >= DEQUANT_MIN_M: W is dequantized once into a scratch (N, K) 16-bit buffer and
@@ -87,17 +87,20 @@ def linear_config(
     m: int, n: int, k: int, group: int, family: str, sms: int, kind: str = "int4", words: bool = True
 ) -> LinearConfig:
     """The config for an (M, K) x (K, N) product with groups of `group` columns. words: the
-    codes can be read as 32-bit words (K % 8 == 0, rows of codes 4-byte aligned), which the
+    codes and x can be read as 32-bit words (K % 8 == 0, their rows 4-byte aligned), which the
     gemv path needs."""
     if m >= DEQUANT_MIN_M.get(family, 512):
         return LinearConfig("dequant")
-    if m == 1 and kind == "int4" and words and k % 8 == 0 and family in ("hopper", "ampere"):
+    if m == 1 and words and k % 8 == 0 and family in ("hopper", "ampere"):
         # H200, bf16, group 128 (.gpu sweep in docs/perf.md): 128-row tiles at 8 warps, ~4
         # programs per SM, were best or within 3% at 2048-28672 x 2048-8192 (8192x8192 20.2 us
-        # against 26.5 for the tiled kernel; 28672x8192 59.9 against 76.6). Measured on Hopper
-        # only; Ampere shares the CUDA-core code path. CDNA keeps the tiled kernel (unmeasured).
+        # against 26.5 for the tiled kernel; 28672x8192 59.9 against 76.6). NF4 gathers its
+        # levels from an L1-cached table and runs best split 16 ways (group 64: 8192x8192 56.0
+        # us against 136.3 for the tiled kernel, 28672x8192 177.6 against 455.8). Measured on
+        # Hopper only; Ampere shares the CUDA-core code path. CDNA keeps the tiled kernel.
         block_k = min(128, kernel_group(group, k))
-        return LinearConfig("gemv", 1, 128, block_k, 8, 1, gemv_split(n, k, 128, block_k, sms))
+        split = min(16, k // block_k) if kind == "nf4" else gemv_split(n, k, 128, block_k, sms)
+        return LinearConfig("gemv", 1, 128, block_k, 8, 1, max(1, split))
     if m <= 64:
         # Hopper, bf16, group 128 (benchmarks/tune_quant.py, docs/perf.md): M=16 (and M=1
         # before the word-reading GEMV) ran best as 16 x 64 x 128 tiles, 4 warps, 3 stages, K
