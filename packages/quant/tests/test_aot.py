@@ -97,6 +97,12 @@ def cases_for(family: str) -> list:
             cfg = configs.linear_config(m, 4096, k, group, family, 132)
             c = _linear_case(cfg, group=configs.kernel_group(group, k), even_k=k % cfg.block_k == 0)
             out[c.label] = c
+    # The GEMV on every family: the table picks it on CUDA only, a forced config runs it anywhere.
+    gemv = configs.LinearConfig("gemv", 1, 128, 128, 8, 1)
+    for zeros, nf4 in ((True, False), (False, True)):
+        for split in (1, 4):
+            c = _linear_case(gemv, zeros=zeros, nf4=nf4, split=split)
+            out[c.label] = c
     out.update({c.label: c for c in _helper_cases()})
     return list(out.values())
 
