@@ -522,6 +522,35 @@ def test_static_decode_under_torch_compile_inductor(models) -> None:
     _compiled_decode(models, "inductor", 8)  # ~20 s of inductor compile on one CPU core
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [16, 4])
+def test_static_decode_step_captures_in_a_cuda_graph(models, bits: int) -> None:
+    """An eager decode step captured by torch.cuda.graph (no torch.compile): no host read of
+    the cache length while capturing, the length advancing on the device at each replay, and
+    the logits of the uncaptured eager loop, step by step."""
+    steps = 6
+    ours = copy.deepcopy(models["ours"]).to("cuda", torch.bfloat16)
+    p, t = models["prompt"].cuda(), models["tokens"][:, :steps].cuda()
+    want = _logits(ours, _static(ours, bits, max_seqlen=PROMPT + steps), p, t)
+    cache = _static(ours, bits, max_seqlen=PROMPT + steps)
+    token = t[:, :1].clone()
+    with torch.no_grad():
+        rows = [ours(p, use_cache=True, **{CACHE_KW: cache}).logits.float()]
+        rows.append(ours(token, use_cache=True, **{CACHE_KW: cache}).logits.float())  # step 1 eagerly
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # recorded, not run: the length stays at PROMPT + 1
+            logits = ours(token, use_cache=True, **{CACHE_KW: cache}).logits
+    for i in range(1, steps):
+        token.copy_(t[:, i : i + 1])
+        graph.replay()
+        rows.append(logits.float().clone())
+        assert [int(layer.get_seq_length()) for layer in cache.layers] == [PROMPT + i + 1] * LAYERS
+    got = torch.cat(rows, 1)
+    err = _step_errors(got, want, float(want.abs().max()))
+    assert (err <= 1e-5).all(), f"int{bits}: {err.tolist()}"
+
+
 def test_static_generate_auto_compiles(models) -> None:
     # generate() compiles the decode step by itself for a compileable cache (on CUDA; asked to
     # compile on every device here): the same tokens as eager, one graph.

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from openkernels.shared import dispatch
 
 from .core.api import attention
-from .kvcache.api import attention_with_kvcache
+from .kvcache.api import attention_with_kvcache, graph_capturing
 from .kvcache.format import QuantizedKV
 from .kvcache.hf import CachedKV, StaticCachedKV
 
@@ -159,12 +159,14 @@ def _attend_static(
     passed on as cache_leftpad (computed on the device while compiling, where the mask is
     trusted to be transformers' causal one with a left padding; checked with one host read
     in eager calls). A prefill brings the padding itself, so its keys are appended first and
-    attended after (cache_leftpad counts cached tokens); a decode step does both in one call."""
+    attended after (cache_leftpad counts cached tokens); a decode step does both in one call.
+    Inside a CUDA-graph capture, as while compiling: no host reads, the mask trusted."""
     _check_handle("OpenKernelsStaticCache", query, key, value, dropout, key.k_new.shape[2])
     layer = key.layer
     pad = None
+    tracing = torch.compiler.is_compiling() or graph_capturing(query)  # no host reads
     if attention_mask is not None:
-        if torch.compiler.is_compiling():
+        if tracing:
             pad = _leftpad_of(attention_mask)
         else:
             pad = _check_cache_mask(attention_mask, query.shape[2], layer.max_seqlen, is_causal, sliding_window,
@@ -183,7 +185,7 @@ def _attend_static(
     # cache_leftpad counts cached tokens (a mask that hides every key gives the capacity).
     pad = torch.minimum(pad, seqlens)
     return attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, seqlens, k_new=k_new,
-                                  v_new=v_new, cache_leftpad=pad, check=not torch.compiler.is_compiling(),
+                                  v_new=v_new, cache_leftpad=pad, check=not tracing,
                                   **options)  # fmt: skip
 
 

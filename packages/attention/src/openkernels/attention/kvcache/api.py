@@ -26,6 +26,13 @@ __all__ = ["attention_with_kvcache"]
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def graph_capturing(t: torch.Tensor) -> bool:
+    """A CUDA-graph capture is under way on the current stream of t's (CUDA) device: host reads
+    of device values are not allowed, so calls skip the checks that need them, as when
+    compiling."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) -> tuple[int, int]:
     """(bits, group_size) of a cache given as two tensors or two QuantizedKV; checks that the
     two sides agree and each is well formed."""
@@ -404,7 +411,7 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     quant, key_group, k_residual = plan.quant, plan.key_group, plan.k_residual
     kd, vd = _cache_data(k_cache), _cache_data(v_cache)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
-    tracing = torch.compiler.is_compiling() or q.device.type == "meta"
+    tracing = torch.compiler.is_compiling() or q.device.type == "meta" or graph_capturing(q)
     label = None
     if cache_batch_idx is not None:
         block_table, label = cache_batch_idx[:, None], (lambda b, i: f"cache_batch_idx[{b}]")
