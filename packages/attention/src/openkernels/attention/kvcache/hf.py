@@ -330,7 +330,7 @@ def _build_classes() -> dict[str, type]:
         `QuantizedKV` for int8/int4/fp8, allocated as `KVCache` allocates them) on the first `update`,
         and `cumulative_length`, a device int32 0-d tensor: the tokens every sequence holds. The
         storage and the length keep their addresses (torch._dynamo.mark_static_address), and every
-        change to them is in place, so CUDA graphs can replay a compiled decode step."""
+        change to them is in place, so CUDA graphs can replay a compiled or captured decode step."""
 
         cache_name = "OpenKernelsStaticCache"
         is_compileable = True
