@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceInfo", "device_info", "triton_available", "triton_interpreting", "cpu_isa"]
+__all__ = [
+    "DeviceInfo",
+    "device_info",
+    "triton_available",
+    "triton_interpreting",
+    "graph_capturing",
+    "cpu_isa",
+]
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,13 @@ def triton_interpreting() -> bool:
 
     Read once per process, as Triton itself decides it when kernels are decorated."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def graph_capturing(device: torch.device) -> bool:
+    """True while a CUDA-graph capture is under way on `device`'s current stream (a CUDA
+    device): host reads of device values and allocations meant to outlive the call are not
+    allowed then, so launchers skip such checks and caches, as while compiling."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @functools.cache

@@ -36,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from openkernels.shared import dispatch
+from openkernels.shared.platform import graph_capturing
 
 from .core.api import attention
-from .kvcache.api import attention_with_kvcache, graph_capturing
+from .kvcache.api import attention_with_kvcache
 from .kvcache.format import QuantizedKV
 from .kvcache.hf import CachedKV, StaticCachedKV
 
@@ -164,7 +165,7 @@ def _attend_static(
     _check_handle("OpenKernelsStaticCache", query, key, value, dropout, key.k_new.shape[2])
     layer = key.layer
     pad = None
-    tracing = torch.compiler.is_compiling() or graph_capturing(query)  # no host reads
+    tracing = torch.compiler.is_compiling() or graph_capturing(query.device)  # no host reads
     if attention_mask is not None:
         if tracing:
             pad = _leftpad_of(attention_mask)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from openkernels.shared import dispatch, replay
+from openkernels.shared.platform import graph_capturing
 
 from ..core.api import TORCH, _cached
 from ..core.problem import check_alibi, check_options
@@ -24,13 +25,6 @@ __all__ = ["attention_with_kvcache"]
 
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def graph_capturing(t: torch.Tensor) -> bool:
-    """A CUDA-graph capture is under way on the current stream of t's (CUDA) device: host reads
-    of device values are not allowed, so calls skip the checks that need them, as when
-    compiling."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _cache_format(name: str, k_cache: object, v_cache: object, q: torch.Tensor) -> tuple[int, int]:
@@ -411,7 +405,9 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     quant, key_group, k_residual = plan.quant, plan.key_group, plan.k_residual
     kd, vd = _cache_data(k_cache), _cache_data(v_cache)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
-    tracing = torch.compiler.is_compiling() or q.device.type == "meta" or graph_capturing(q)
+    tracing = (
+        torch.compiler.is_compiling() or q.device.type == "meta" or graph_capturing(q.device)
+    )  # no host reads
     label = None
     if cache_batch_idx is not None:
         block_table, label = cache_batch_idx[:, None], (lambda b, i: f"cache_batch_idx[{b}]")

@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from .api import graph_capturing
+from openkernels.shared.platform import graph_capturing
+
 from .cache import KVCache
 from .format import QuantizedKV
 
@@ -387,7 +388,7 @@ def _build_classes() -> dict[str, type]:
             if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
                 raise RuntimeError("OpenKernelsStaticCache is for inference: run under torch.no_grad()")
             new = key_states.shape[-2]
-            if not (torch.compiler.is_compiling() or graph_capturing(key_states)):
+            if not (torch.compiler.is_compiling() or graph_capturing(key_states.device)):
                 # eager: one small device-to-host read, before any change
                 held = int(self.cumulative_length)
                 if held + new > self.max_seqlen:

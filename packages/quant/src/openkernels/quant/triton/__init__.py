@@ -9,7 +9,7 @@ from torch import Tensor
 
 from openkernels.shared import replay
 from openkernels.shared.launch import launch
-from openkernels.shared.platform import device_info, triton_interpreting
+from openkernels.shared.platform import device_info, graph_capturing, triton_interpreting
 
 from ..format import nf4_values
 from ..ops import LIBRARY_CALL
@@ -67,7 +67,7 @@ def reserve_graph_scratch(device: torch.device, partials: int = 1 << 20, tiles: 
     covers every M=1 launch up to 65536 output features). Without it such launches allocate
     and zero temporaries each call (a fill kernel per launch in the graph). No-op on a
     non-CUDA device or while capturing."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or graph_capturing(device):
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     ws, counters = _graph_scratch.get(index, (None, None))
@@ -80,7 +80,7 @@ def reserve_graph_scratch(device: torch.device, partials: int = 1 << 20, tiles: 
 
 def _split_scratch(device: torch.device, partials: int, tiles: int) -> tuple[Tensor, Tensor]:
     index = device.index if device.type == "cuda" else -1
-    if index >= 0 and (LIBRARY_CALL.get() or torch.cuda.is_current_stream_capturing()):
+    if index >= 0 and (LIBRARY_CALL.get() or graph_capturing(device)):
         # Inside torch.compile graphs or a CUDA-graph capture: the reserved scratch, or
         # temporaries (the zeroing is captured and replays). A cached buffer made here would
         # live on in the graph's private pool, which CUDA-graph trees reject ("tensors in the
