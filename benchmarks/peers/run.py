@@ -4,7 +4,7 @@
         [--ops silu_and_mul,gelu_and_mul] [--directions fwd,bwd] [--shapes 16384x8192,4096x4096]
     python benchmarks/peers/run.py layernorm [--ops rms_norm,add_rms_norm] [--directions fwd,fwd+bwd]
     python benchmarks/peers/run.py attention [--shapes 8x16x2048x128] [--ops causal,full]
-        [--directions fwd,fwd+bwd] [--peers sdpa-flash,sdpa-cudnn,sdpa-efficient,flex]
+        [--directions fwd,fwd+bwd] [--peers sdpa-flash,sdpa-cudnn,sdpa-efficient,flex] [--dropout 0.1]
 
 Shapes are (rows, d) for activations (gated ops read (rows, 2d)) and layernorm, and
 (batch, heads, seqlen, head_dim) for attention. Memory-bound cases print GB/s against the
@@ -36,6 +36,7 @@ def main() -> None:
         help="default: the family's (torch,torch.compile,liger; attention: "
         "sdpa-flash,sdpa-cudnn,sdpa-efficient,flex on GPUs, sdpa,flex on CPUs)",
     )
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention: every contender's dropout_p")
     _cli.add_run_options(parser)
     args = parser.parse_args()
 
@@ -57,6 +58,8 @@ def main() -> None:
             kwargs["ops"] = wanted
     if args.shapes:
         kwargs["shapes"] = _cli.shapes(args.shapes)
+    if args.dropout:
+        kwargs["dropout"] = args.dropout
     cases = bench.cases(device, **kwargs)
     # Each ceiling only where some case is measured against it.
     ceilings = {}

@@ -56,7 +56,7 @@ def _attention_cases(arch: str, backend: str) -> list:
             tokens_q, tokens_k = p.n_seqs * p.seqlen_q, p.n_seqs * p.seqlen_k
         launches = plan.contiguous_launches(p, arch, torch.bfloat16, tokens_q, tokens_k)
         part = act if p.group == 1 else f32
-        opt = {"cu_q_ptr": i32, "cu_k_ptr": i32, "slopes_ptr": f32}  # dummies when absent
+        opt = {"cu_q_ptr": i32, "cu_k_ptr": i32, "slopes_ptr": f32, "seed_ptr": i32}  # dummies when absent
         base = {"q_ptr": act, "k_ptr": act, "v_ptr": act}
         grads_in = {**base, "do_ptr": act, "lse_ptr": f32, "delta_ptr": f32, **opt}
         out += [

@@ -77,6 +77,7 @@ class Options:
     alibi: str | None = None  # None, "heads": (heads_q,) slopes, "batch": (batch or n_seqs, heads_q)
     softcap: float = 0.0
     softmax_scale: float | None = None
+    dropout: float = 0.0  # dropout_p; the seed comes from the case (Case.seed)
 
     @property
     def id(self) -> str:
@@ -90,6 +91,8 @@ class Options:
             parts.append(f"cap{self.softcap:g}")
         if self.softmax_scale is not None:
             parts.append(f"scale{self.softmax_scale:g}")
+        if self.dropout:
+            parts.append(f"drop{self.dropout:g}")
         return "-".join(parts) or "plain"
 
     def scale(self, head_dim: int) -> float:
@@ -201,6 +204,8 @@ class Case:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    seed: int = 20261204  # of the generator the dropout seed is drawn from (Options.dropout)
+    seed_words: torch.Tensor | None = None  # the Philox key itself, when another front end drew it (JAX)
 
     @property
     def varlen(self) -> bool:
@@ -220,13 +225,29 @@ class Case:
 
     def kwargs(self) -> dict:
         o = self.options
-        return dict(causal=o.causal, softmax_scale=o.softmax_scale, window=o.window,
-                    alibi_slopes=self.alibi_slopes, softcap=o.softcap)  # fmt: skip
+        kw = dict(causal=o.causal, softmax_scale=o.softmax_scale, window=o.window, alibi_slopes=self.alibi_slopes,
+                  softcap=o.softcap)  # fmt: skip
+        if o.dropout:
+            kw["dropout_p"] = o.dropout
+        return kw
+
+    def generator(self) -> torch.Generator:
+        """A generator in the state the call draws its dropout seed from."""
+        return torch.Generator(device=self.q.device).manual_seed(self.seed)
+
+    def dropout_seed(self) -> torch.Tensor:
+        """The seed `attention` draws from `generator()` (api._dropout_seed), for the reference."""
+        if self.seed_words is not None:
+            return self.seed_words
+        return torch.randint(-(2**31), 2**31, (2,), dtype=torch.int32, device=self.q.device,
+                             generator=self.generator())  # fmt: skip
 
     def call(self, q=None, k=None, v=None, **overrides):
         """The public function with return_lse=True -> (out, lse)."""
         q, k, v = (self.q if q is None else q), (self.k if k is None else k), (self.v if v is None else v)
         kw = {**self.kwargs(), **overrides}
+        if kw.get("dropout_p"):
+            kw.setdefault("generator", self.generator())
         if self.varlen:
             return A.attention_varlen(q, k, v, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q,
                                       self.max_seqlen_k, return_lse=True, **kw)  # fmt: skip
@@ -235,6 +256,8 @@ class Case:
     def reference(self, q, k, v, **overrides):
         """The reference (in the compute dtype of q: float64 for float64 copies) -> (out, lse)."""
         kw = {**self.kwargs(), **overrides}
+        if kw.get("dropout_p"):
+            kw.setdefault("dropout_seed", self.dropout_seed())
         if self.varlen:
             return R.attention_varlen_ref(
                 q, k, v, self.cu_seqlens_q, self.cu_seqlens_k, return_lse=True, **kw
@@ -247,8 +270,9 @@ class Case:
         left, right = o.window[0], 0 if o.causal else o.window[1]
         max_q = self.max_seqlen_q if self.varlen else self.q.shape[1]
         max_k = self.max_seqlen_k if self.varlen else self.k.shape[1]
+        seed = self.dropout_seed() if o.dropout else None
         return (self.cu_seqlens_q, self.cu_seqlens_k, max_q, max_k, self.scale, left, right, self.alibi_slopes,
-                o.softcap)  # fmt: skip
+                o.softcap, o.dropout, seed)  # fmt: skip
 
 
 def dense_case(shape: Shape, options: Options, dtype: torch.dtype, device: str, *, grad: bool = True,
@@ -328,6 +352,7 @@ def probabilities(case: Case, q64: torch.Tensor, k64: torch.Tensor) -> torch.Ten
     its output for V = identity (rows with no visible key are 0)."""
     kw = case.kwargs()
     kw.pop("alibi_slopes")
+    kw.pop("dropout_p", None)  # the softmax's own; _magnitudes bounds dropout's scaling
 
     def dense(q, k, slopes):  # q (B, Sq, Hq, D), k (B, Sk, Hkv, D) -> (B, Sq, Hq, Sk)
         sk, hkv = k.shape[1], k.shape[2]
@@ -365,10 +390,12 @@ def _magnitudes(case, P, q, k, v, out_ref, out, dout) -> dict[str, tuple[float, 
     def top(t):  # NaN inputs (the NaN test) give NaN in their rows: the finite rows set the scale
         return float(t.nan_to_num(0.0, 0.0, 0.0).max()) if t.numel() else 0.0
 
-    m = {"out": (top(torch.einsum("bqhk,bkhd->bqhd", P, vx.abs())), 0.0)}
+    # Dropout scales each kept probability by 1 / (1 - p): bound every term by that factor.
+    factor = 1.0 / (1.0 - case.options.dropout)
+    m = {"out": (top(torch.einsum("bqhk,bkhd->bqhd", P * factor, vx.abs())), 0.0)}
     if dout is None:
         return m
-    m["dv"] = (top(per_kv_head(torch.einsum("bqhk,bqhd->bkhd", P, dout.abs()))), 0.0)
+    m["dv"] = (top(per_kv_head(torch.einsum("bqhk,bqhd->bkhd", P * factor, dout.abs()))), 0.0)
     dP = torch.einsum("bqhd,bkhd->bqhk", dout, vx)
     D = (dout * out_ref).sum(-1, keepdim=True)
     # The kernel's D_i = dout_i . out_i uses its own output: off by exactly dout_i . (out_i -
@@ -379,7 +406,7 @@ def _magnitudes(case, P, q, k, v, out_ref, out, dout) -> dict[str, tuple[float, 
     if case.options.softcap:  # the cap's derivative 1 - tanh^2 scales dS (and its errors)
         raw = case.scale * torch.einsum("bqhd,bkhd->bqhk", q, kx)
         P = P * (1 - torch.tanh(raw / case.options.softcap) ** 2)
-    dS = P * (dP - D).abs()
+    dS = P * (dP - D).abs() if factor == 1.0 else P * (dP.abs() * factor + D.abs())
     # D_i's error shifts row i of dS by P_ij dD_i: in dq_i that is dD_i (P K)_i exactly. (2x:
     # a margin on an error that is known, not bounded.)
     m["dq"] = (

@@ -7,6 +7,7 @@ the kernels as JAX compiles them (every integer a constant) from aot_jax_cases.p
 from __future__ import annotations
 
 import pytest
+import torch
 
 from openkernels.attention.core.triton import configs
 from openkernels.shared.platform import triton_interpreting
@@ -19,11 +20,12 @@ pytestmark = pytest.mark.aot
 
 _KERNELS = "openkernels.attention.core.triton.kernels"
 _ACT = {"bf16": "*bf16", "fp16": "*fp16"}
-_FLAGS = ("IS_VARLEN", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_ALIBI", "HAS_SOFTCAP")
+_FLAGS = ("IS_VARLEN", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_ALIBI", "HAS_SOFTCAP", "HAS_DROPOUT")
 _NONE = dict.fromkeys(_FLAGS, False)
 _ALL = dict.fromkeys(_FLAGS, True)
 _CAUSAL = _NONE | {"HAS_WINDOW_RIGHT": True}
 _WINDOWS = _NONE | {"IS_VARLEN": True, "HAS_WINDOW_LEFT": True, "HAS_WINDOW_RIGHT": True}
+_DROPOUT = _NONE | {"HAS_WINDOW_RIGHT": True, "HAS_DROPOUT": True}  # causal training with dropout
 
 
 def _strides(*names: str) -> dict[str, str]:
@@ -34,17 +36,18 @@ def _signature(direction: str, act: str) -> dict[str, str]:
     lse = {"stride_lb": "i32", "stride_lh": "i32"}
     sizes = {"seqlen_q": "i32", "seqlen_k": "i32", "heads_q": "i32", "group": "i32"}
     window = {"window_left": "i32", "window_right": "i32"}
+    dropout = {"drop_below": "i32", "drop_scale": "fp32"}
     if direction == "fwd":
         ptrs = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
-                "slopes_ptr": "*fp32", "o_ptr": act, "lse_ptr": "*fp32"}  # fmt: skip
+                "slopes_ptr": "*fp32", "seed_ptr": "*i32", "o_ptr": act, "lse_ptr": "*fp32"}  # fmt: skip
         return {**ptrs, **_strides("q", "k", "v", "o"), **lse, **sizes,
-                "qk_scale": "fp32", "cap_scale": "fp32", "cap_out": "fp32", **window}  # fmt: skip
+                "qk_scale": "fp32", "cap_scale": "fp32", "cap_out": "fp32", **window, **dropout}  # fmt: skip
     ptrs = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "do_ptr": act, "lse_ptr": "*fp32", "delta_ptr": "*fp32",
-            "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "slopes_ptr": "*fp32"}  # fmt: skip
+            "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "slopes_ptr": "*fp32", "seed_ptr": "*i32"}  # fmt: skip
     grads = ("dk", "dv") if direction == "dkdv" else ("dq",)
     ptrs |= {f"{g}_ptr": act for g in grads}
     scales = {"qk_scale": "fp32", "sm_scale": "fp32", "cap_scale": "fp32", "cap_out": "fp32"}
-    return {**ptrs, **_strides("q", "k", "v", "do", *grads), **lse, **sizes, **scales, **window}
+    return {**ptrs, **_strides("q", "k", "v", "do", *grads), **lse, **sizes, **scales, **window, **dropout}
 
 
 def _case(direction: str, head_dim: int, cfg: configs.AttnConfig, dtype: str, flags: dict, *,
@@ -108,6 +111,11 @@ def cases_for(arch: str) -> list:
     for head_dim, direction, general, cfg in configs.all_configs(arch):
         if not general:
             variants = [("bf16", _CAUSAL, True)] if head_dim in (64, 128, 256) else []
+            if (
+                variants
+                and configs.launch_config(head_dim, torch.bfloat16, arch, direction, False, True) == cfg
+            ):
+                variants.append(("bf16", _DROPOUT, True))  # no dropout override: dropout runs it too
         elif head_dim in (64, 128, 256):
             variants = [("bf16", _WINDOWS, False), ("bf16", _ALL, False)]
         else:
@@ -117,6 +125,9 @@ def cases_for(arch: str) -> list:
         for dtype, flags, aligned in variants:
             c = _case(direction, head_dim, cfg, dtype, flags, aligned_seqlens=aligned)
             out[c.label] = c
+    for head_dim, direction, cfg in configs.dropout_configs(arch):
+        c = _case(direction, head_dim, cfg, "bf16", _DROPOUT, aligned_seqlens=True)
+        out[c.label] = c
     for head_dim in (32, 64, 96, 128, 192, 256):
         c = _preprocess_case(head_dim)
         out[c.label] = c

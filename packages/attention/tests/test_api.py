@@ -455,34 +455,29 @@ def test_hf_dropout_only_in_training() -> None:
     assert dropped.shape == out.shape and not torch.equal(dropped, out)
 
 
-@pytest.mark.parametrize("softcap", [None, 2.0], ids=["sdpa", "softcap"])
-def test_hf_dropout_path_keeps_causality_and_window(softcap) -> None:
-    # Training with dropout goes to SDPA (or the explicit softcap math) without a mask from
-    # transformers: causality (aligned bottom-right) and the window must still apply. With the
-    # same seed the dropout masks are the same, so the results are equal.
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "softcap"])
+def test_hf_dropout_runs_the_op_with_causality_and_window(softcap) -> None:
+    # Training with dropout and no mask from transformers runs the op's own dropout (its seed
+    # drawn from torch's generator): causality (aligned bottom-right) and the window apply.
     query, key, value = _hf_inputs(sq=7, sk=20)
     module = _Attn().train()
-    mask = _bottom_right_mask(7, 20, sliding_window=6)
     torch.manual_seed(1)
     out, _ = A.hf_attention_forward(
         module, query, key, value, None, dropout=0.3, sliding_window=6, softcap=softcap
     )
     torch.manual_seed(1)
-    if softcap is None:
-        ref = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=0.3, enable_gqa=True
-        )
-        assert torch.equal(out, ref.transpose(1, 2))
-    else:  # the explicit math: keys outside the mask must get exactly zero weight
-        poisoned = value.clone()
-        poisoned[:, :, ~mask.any(0)] = 1e4  # keys no query may see
-        torch.manual_seed(1)
-        again, _ = A.hf_attention_forward(module, query, key, poisoned, None, dropout=0.3, sliding_window=6,
-                                          softcap=softcap)  # fmt: skip
-        assert torch.equal(out, again), "a key outside the causal window reached the output"
-        torch.manual_seed(1)
-        redrawn, _ = A.hf_attention_forward(module, query, key, value, None, dropout=0.3, softcap=softcap)
-        assert not torch.equal(out, redrawn), "the window made no difference: the test cannot fail"
+    ref = A.attention(*(t.transpose(1, 2) for t in (query, key, value)), causal=True, window=(5, -1),
+                      softcap=float(softcap or 0.0), dropout_p=0.3)  # fmt: skip
+    assert torch.equal(out, ref)
+    poisoned = value.clone()
+    poisoned[:, :, ~_bottom_right_mask(7, 20, sliding_window=6).any(0)] = 1e4  # keys no query may see
+    torch.manual_seed(1)
+    again, _ = A.hf_attention_forward(module, query, key, poisoned, None, dropout=0.3, sliding_window=6,
+                                      softcap=softcap)  # fmt: skip
+    assert torch.equal(out, again), "a key outside the causal window reached the output"
+    torch.manual_seed(1)
+    redrawn, _ = A.hf_attention_forward(module, query, key, value, None, dropout=0.3, softcap=softcap)
+    assert not torch.equal(out, redrawn), "the window made no difference: the test cannot fail"
 
 
 def test_hf_gradients_flow() -> None:

@@ -16,6 +16,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 import openkernels.attention as A  # noqa: E402
+import openkernels.attention.core.jax as AJC  # noqa: E402
 import openkernels.attention.jax as AJ  # noqa: E402
 from openkernels.attention.rotary import reference as RR  # noqa: E402
 from openkernels.shared import dispatch  # noqa: E402
@@ -63,6 +64,8 @@ def _jax_fn(case: Case, traced_cu: bool = False):
     kw = case.kwargs()
     slopes = kw.pop("alibi_slopes")
     kw["alibi_slopes"] = None if slopes is None else to_jax(slopes)
+    if kw.get("dropout_p"):
+        kw["generator"] = jax.random.key(case.seed)
     if not case.varlen:
         return lambda q, k, v: AJ.attention(q, k, v, return_lse=True, **kw)
     lens = (case.max_seqlen_q, case.max_seqlen_k)
@@ -282,6 +285,48 @@ def test_float64_with_x64(backend: str) -> None:
         out, lse, grads, dout = _run(case, backend)
     assert out.dtype == F64 and lse.dtype == F64
     compare(case, out, lse, grads, dout, "float64")
+
+
+# ---- dropout -----------------------------------------------------------------------------
+
+
+def _jax_seeded(case: Case) -> Case:
+    """The case with the Philox key JAX draws from jax.random.key(case.seed), for the reference."""
+    words = AJC.dropout_seed("attention", case.options.dropout, jax.random.key(case.seed))
+    return dataclasses.replace(case, seed_words=to_torch(words))
+
+
+@pytest.mark.parametrize(
+    "options",
+    option_params([Options(causal=True, dropout=0.3), Options(window=(5, 3), alibi="batch", softcap=SOFTCAP,
+                                                               dropout=0.5)]),
+)  # fmt: skip
+def test_dropout_matches_reference(backend: str, options: Options) -> None:
+    for shape in _SHAPES:
+        _check(_jax_seeded(dense_case(shape, options, BF16, "cpu")), backend)
+    _check(_jax_seeded(varlen_case([5, 0, 1, 9], [7, 3, 1, 11], 2, 1, 32, options, BF16, "cpu")), backend)
+
+
+def test_dropout_errors_and_the_pytorch_bits(backend: str) -> None:
+    q = jnp.zeros((1, 4, 2, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs generator"):
+        AJ.attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(TypeError, match=r"generator must be a jax\.random key"):
+        AJ.attention(q, q, q, dropout_p=0.1, generator="seed")
+    with pytest.raises(ValueError, match="dropout_p must be a float in"):
+        AJ.attention(q, q, q, dropout_p=1.0, generator=jax.random.key(0))
+    if backend != "interpret":
+        return
+    # The same Philox key: the JAX launches give the PyTorch kernels' bits.
+    case = _jax_seeded(dense_case(Shape(1, 19, 21, 2, 1, 32), Options(causal=True, dropout=0.3), BF16, "cpu"))
+    dout = random_tensor(tuple(case.q.shape), case.dtype)
+    out, lse, grads, _ = _run(case, backend, dout=dout)
+    with dispatch.force("triton"):
+        out_t, lse_t = torch.ops.openkernels.attention(case.q, case.k, case.v, *case.library_args())
+        grads_t = torch.autograd.grad(out_t, (case.q, case.k, case.v), dout)
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, grads_t):
+        assert torch.equal(a, b), f"{name} differs from PyTorch"
 
 
 # ---- the same kernels as PyTorch ---------------------------------------------------------

@@ -67,24 +67,38 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str)
 @pytest.mark.parametrize(("device", "impl"), targets("attention", skip=("cudnn",)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", _SHAPES, ids=[s[0] for s in _SHAPES])
-def test_sinks_match_the_reference(device: str, impl: str, dtype: torch.dtype, shape) -> None:
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["", "dropout"])
+def test_sinks_match_the_reference(device: str, impl: str, dtype: torch.dtype, shape, dropout: float) -> None:
     if impl == "triton" and dtype == torch.float32:
         pytest.skip("the Triton kernels take float16 and bfloat16")
+    if dropout and dtype == torch.float16:
+        pytest.skip("dropout: float32 and bfloat16 cover it")
     q, k, v, sinks = (t.to(device) for t in _inputs(shape, dtype, noncontiguous=shape[0] == "gqa-causal"))
     leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    # Dropout: the call draws its seed from a generator in this state, the reference takes it.
+    generator = torch.Generator(device=device)
+    kw, ref_kw = {}, {}
+    if dropout:
+        seed = torch.randint(
+            -(2**31), 2**31, (2,), dtype=torch.int32, device=device, generator=generator.manual_seed(5)
+        )
+        kw = dict(dropout_p=dropout, generator=generator.manual_seed(5))
+        ref_kw = dict(dropout_p=dropout, dropout_seed=seed)
     with dispatch.force(f"attention:{impl}", f"attention_backward:{impl}"):
-        out, lse = _call(A.attention, *leaves, shape)
+        out, lse = _call(A.attention, *leaves, shape, **kw)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, leaves, dout)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
-    ref, ref_lse = _call(R.attention_ref, *ref_leaves, shape)
+    ref, ref_lse = _call(R.attention_ref, *ref_leaves, shape, **ref_kw)
     ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
     _close(out, ref, dtype, "out")
     _close(lse, ref_lse, torch.float32, "lse")
     for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
         _close(g, r, dtype, name)
     # The sinks matter: without them the output is another one.
-    plain = _call(A.attention, q, k, v, None, shape)[0]
+    if dropout:
+        kw["generator"] = generator.manual_seed(5)  # the same mask, without the sinks
+    plain = _call(A.attention, q, k, v, None, shape, **kw)[0]
     assert float((plain.double() - ref).abs().max()) > 0.05 * max(1.0, float(ref.abs().max()))
 
 

@@ -4,7 +4,8 @@
 (`AttentionInterface`): query (batch, heads_q, seqlen_q, head_dim), key/value (batch,
 heads_kv, seqlen_k, head_dim) -> (out (batch, seqlen_q, heads_q, head_dim), None). The
 (B, H, S, D) inputs are read through transposed views (no copies). It runs the fused
-kernel when the mask is causal or absent; an explicit attention_mask (padding) or dropout
+kernel when the mask is causal or absent, with the module's attention dropout while it
+trains (the op's own, drawn from torch's generator); an explicit attention_mask (padding)
 goes to torch's SDPA, which takes arbitrary masks. Plain float32 attention on the CPU also
 goes to SDPA (`_sdpa_is_faster`): the CPU backend runs the same aten kernel behind the op's
 layout views. (On H100/H200, plain attention runs cuDNN's kernel through the attention op's
@@ -73,13 +74,10 @@ def hf_attention_forward(
         out = _attend_cached(query, key, value, attention_mask, dropout, scaling, bool(is_causal), sliding_window,
                              softcap)  # fmt: skip
         return out, None
-    if attention_mask is not None or dropout > 0:
-        # Arbitrary masks (padding) and dropout: SDPA, with K/V heads shared as GQA. Without a
-        # mask, causality and the window become one (as the fused path applies them); SDPA
-        # has no softcap, so a capped model takes the same math written out.
+    if attention_mask is not None:
+        # Arbitrary masks (padding): SDPA, with K/V heads shared as GQA, its own dropout
+        # included; SDPA has no softcap, so a capped model takes the same math written out.
         mask = attention_mask
-        if mask is None and (is_causal or sliding_window):
-            mask = _causal_window_mask(query.shape[2], key.shape[2], is_causal, sliding_window, query.device)
         if softcap:
             out = _softcapped_attention(query, key, value, mask, dropout, scaling, float(softcap))
         else:
@@ -90,15 +88,16 @@ def hf_attention_forward(
         return out.transpose(1, 2).contiguous(), None
     if _sdpa_is_faster(query, key, is_causal, sliding_window, softcap):
         out = F.scaled_dot_product_attention(
-            query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-        )
+            query, key, value, is_causal=is_causal, dropout_p=dropout, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )  # fmt: skip
         return out.transpose(1, 2), None
     # transformers' sliding window W lets a token see itself and the W - 1 before it.
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
     out = attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         causal=is_causal,  # aligned bottom-right: right for prefill and for decode with a cache
-        softmax_scale=scaling, window=window, softcap=float(softcap or 0.0),
+        softmax_scale=scaling, window=window, softcap=float(softcap or 0.0), dropout_p=float(dropout),
     )  # fmt: skip
     return out, None
 

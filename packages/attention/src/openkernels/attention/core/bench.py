@@ -85,20 +85,22 @@ def flops(shape: tuple[int, int, int, int], op: str, direction: str) -> int:
     return fwd if direction == "fwd" else fwd * 7 // 2
 
 
-def _ours(causal: bool) -> Callable[[dict], Any]:
-    return lambda s: api.attention(s["q"], s["k"], s["v"], causal=causal)
+def _ours(causal: bool, dropout: float = 0.0) -> Callable[[dict], Any]:
+    return lambda s: api.attention(s["q"], s["k"], s["v"], causal=causal, dropout_p=dropout)
 
 
-def _sdpa(causal: bool, backend: str | None) -> Callable[[dict], Any]:
+def _sdpa(causal: bool, backend: str | None, dropout: float = 0.0) -> Callable[[dict], Any]:
     if backend is None:
-        return lambda s: F.scaled_dot_product_attention(s["q"], s["k"], s["v"], is_causal=causal)
+        return lambda s: F.scaled_dot_product_attention(
+            s["q"], s["k"], s["v"], is_causal=causal, dropout_p=dropout
+        )
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     forced = getattr(SDPBackend, backend)
 
     def fn(s: dict) -> Any:
         with sdpa_kernel(forced):
-            return F.scaled_dot_product_attention(s["q"], s["k"], s["v"], is_causal=causal)
+            return F.scaled_dot_product_attention(s["q"], s["k"], s["v"], is_causal=causal, dropout_p=dropout)
 
     return fn
 
@@ -181,9 +183,12 @@ def cases(
     ops: Sequence[str] = OPS,
     directions: Sequence[str] = DIRECTIONS,
     peers: Sequence[str] | None = None,
+    dropout: float = 0.0,
 ) -> list[BenchCase]:
     """Benchmark cases for `device`: the GPU grid on CUDA/ROCm, CPU shapes on CPU; peers
-    default to GPU_PEERS / CPU_PEERS. Shapes are (batch, heads, seqlen, head_dim)."""
+    default to GPU_PEERS / CPU_PEERS. Shapes are (batch, heads, seqlen, head_dim).
+    dropout: every contender's dropout_p (ops are named "causal+dropout", ...; flex, which
+    has no dropout, is left out)."""
     device = torch.device(device)
     unknown = set(directions) - set(DIRECTIONS)
     if unknown:
@@ -215,9 +220,11 @@ def cases(
 
                 for direction in directions:
                     grad = direction == "fwd+bwd"
-                    fns: dict[str, Callable[[dict], Any]] = {"ours": _ours(causal)}
+                    fns: dict[str, Callable[[dict], Any]] = {"ours": _ours(causal, dropout)}
                     setup: dict[str, Callable[[dict], dict]] = {"ours": _setup(False, grad)}
                     for name in peer_names:
+                        if name == "flex" and dropout:
+                            continue
                         if name == "flex":
                             try:
                                 fns[name] = _flex()
@@ -225,7 +232,7 @@ def cases(
                                 continue
                             setup[name] = _setup(True, grad, _block_mask_once(causal))
                         else:
-                            fns[name] = _sdpa(causal, SDPA_BACKENDS.get(name))
+                            fns[name] = _sdpa(causal, SDPA_BACKENDS.get(name), dropout)
                             setup[name] = _setup(True, grad)
                     if grad:
                         fns = {name: _fwd_bwd(fn) for name, fn in fns.items()}
@@ -236,7 +243,7 @@ def cases(
                     out.append(
                         BenchCase(
                             "attention",
-                            op,
+                            f"{op}+dropout" if dropout else op,
                             direction,
                             tuple(shape),
                             dtype,

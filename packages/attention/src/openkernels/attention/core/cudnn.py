@@ -102,15 +102,16 @@ def _bhsd(t: torch.Tensor) -> torch.Tensor:
 
 
 def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, scale, window_left,
-             window_right, alibi_slopes, softcap) -> None:  # fmt: skip
-    """reference.attn_fwd for a plain call (`is_plain`)."""
+             window_right, alibi_slopes, softcap, dropout_p=0.0, dropout_seed=None) -> None:  # fmt: skip
+    """reference.attn_fwd for a plain call (`is_plain`; never with dropout, ops._plain)."""
     res = _FWD(_bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, window_right == 0, False, scale=scale)
     adopt(out, _bhsd(res[0]))
     lse.copy_(res[1].view(lse.shape))
 
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, scale,
-             window_left, window_right, alibi_slopes, softcap) -> None:  # fmt: skip
+             window_left, window_right, alibi_slopes, softcap, dropout_p=0.0,
+             dropout_seed=None) -> None:  # fmt: skip
     """reference.attn_bwd for a plain call, from the saved out and lse (any forward's)."""
     seed = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: never read
     grads = _BWD(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.unsqueeze(-1), seed, seed, None, None,

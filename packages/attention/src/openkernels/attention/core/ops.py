@@ -3,14 +3,16 @@
 Library ops (one explicit schema each; op, fake, backward op, autograd, dispatch
 registrations and eager fast paths from one `opdef` declaration each, at the end):
   openkernels::attention(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, window_left, window_right, alibi_slopes?, softcap)
-      -> (out, lse)
+                         softmax_scale, window_left, window_right, alibi_slopes?, softcap,
+                         dropout_p, dropout_seed?) -> (out, lse)
   openkernels::attention_backward(grad_out, q, k, v, out, lse, <the same options>)
       -> (grad_q, grad_k, grad_v)
 Dense calls: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), lse (B, Hq, Sq). Varlen calls (the
 cu_seqlens given, int32): q (Tq, Hq, D), k, v (Tk, Hkv, D), lse (Hq, Tq). out and the
 gradients are contiguous, in the input dtype; lse is float32 (float64 for float64 inputs).
 Causal is window_right = 0; -1 is an unbounded side. ALiBi slopes are not differentiated.
+Dropout: dropout_p > 0 with dropout_seed, int32 (2,) on q's device (drawn per call by the
+API); the backward regenerates the forward's mask from the same seed (reference.py).
 The backend contract (attn_fwd / attn_bwd on 4D views) is in reference.py.
 
 The KV-cache ops (openkernels::kvcache_append, openkernels::attention_kvcache) are in
@@ -49,7 +51,7 @@ KERNEL_DTYPES = tuple(getattr(torch, name) for name in problem.KERNEL_DTYPES)  #
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
 _OPTIONS = (
     "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
-    "int window_left, int window_right, Tensor? alibi_slopes, float softcap"
+    "int window_left, int window_right, Tensor? alibi_slopes, float softcap, float dropout_p=0.0, Tensor? dropout_seed=None"
 )
 
 
@@ -90,6 +92,8 @@ def forward(
     window_right: int,
     alibi_slopes: torch.Tensor | None,
     softcap: float,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the best backend; returns (out, lse)."""
     varlen = cu_seqlens_q is not None
@@ -116,6 +120,8 @@ def forward(
         window_right=window_right,
         alibi_slopes=alibi_layout(alibi_slopes, _n_seqs(q, cu_seqlens_q), q.shape[-2]),
         softcap=softcap,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     return out, lse
 
@@ -136,6 +142,8 @@ def backward(
     window_right: int,
     alibi_slopes: torch.Tensor | None,
     softcap: float,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_q, grad_k, grad_v), contiguous, in the inputs' dtype."""
     varlen = cu_seqlens_q is not None
@@ -165,6 +173,8 @@ def backward(
         window_right=window_right,
         alibi_slopes=alibi_layout(alibi_slopes, _n_seqs(q, cu_seqlens_q), q.shape[-2]),
         softcap=softcap,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     return dq, dk, dv
 
@@ -185,6 +195,8 @@ def _bwd_key(dout: torch.Tensor, q: torch.Tensor, k=None, v=None, out=None, lse=
 
 
 def _plain(q, k, v, cu_seqlens_q, options: dict, *tensors) -> bool:
+    if options.get("dropout_p", 0.0) > 0:  # cuDNN's dropout draws another mask
+        return False
     return cudnn.is_plain(q, k, v, cu_seqlens_q, options.get("alibi_slopes"), options.get("softcap", 0.0),
                           options.get("window_left", -1), options.get("window_right", -1), *tensors)  # fmt: skip
 
@@ -226,20 +238,27 @@ def _attention_backward_fake(grad_out, q, k, v, *args):
 
 
 def _attention_save(inputs: tuple, output: tuple) -> tuple[tuple, tuple]:
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap, dropout_p, seed = inputs
     out, lse = output
-    return (q, k, v, out, lse, cu_q, cu_k, alibi), (max_q, max_k, scale, left, right, softcap)
+    return (q, k, v, out, lse, cu_q, cu_k, alibi, seed), (
+        max_q,
+        max_k,
+        scale,
+        left,
+        right,
+        softcap,
+        dropout_p,
+    )
 
 
 def _attention_grads(
     run, tensors: tuple, values: tuple, grad_outputs: tuple, needs: tuple[bool, ...]
 ) -> tuple:
-    q, k, v, out, lse, cu_q, cu_k, alibi = tensors
-    max_q, max_k, scale, left, right, softcap = values
-    dq, dk, dv = run(
-        grad_outputs[0], q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    q, k, v, out, lse, cu_q, cu_k, alibi, seed = tensors
+    max_q, max_k, scale, left, right, softcap, dropout_p = values
+    dq, dk, dv = run(grad_outputs[0], q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap,
+                     dropout_p, seed)  # fmt: skip
+    return dq, dk, dv, *(None,) * 11
 
 
 ATTENTION = opdef.define(
@@ -251,7 +270,7 @@ ATTENTION = opdef.define(
         fake=_attention_fake,
         key=_fwd_key,
         impls=_with_cudnn("attn_fwd", cudnn.supports),
-        tensor_args=(0, 1, 2, 3, 4, 10),
+        tensor_args=(0, 1, 2, 3, 4, 10, 13),
         backward=opdef.BackwardDef(
             schema=f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}) "
             "-> (Tensor, Tensor, Tensor)",
@@ -300,31 +319,36 @@ def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, varlen
 
 class _WithSinks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap):
-        out, plain_lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
+    def forward(
+        ctx, q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap, dropout_p, seed
+    ):
+        out, plain_lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap, dropout_p,
+                                 seed)  # fmt: skip
         out, lse, share = fold_sinks(out, plain_lse, sinks, cu_q is not None)
-        ctx.save_for_backward(q, k, v, out, plain_lse, share, cu_q, cu_k, alibi)
-        ctx.options = (max_q, max_k, scale, left, right, softcap)
+        ctx.save_for_backward(q, k, v, out, plain_lse, share, cu_q, cu_k, alibi, seed)
+        ctx.options = (max_q, max_k, scale, left, right, softcap, dropout_p)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, plain_lse, share, cu_q, cu_k, alibi = ctx.saved_tensors
-        max_q, max_k, scale, left, right, softcap = ctx.options
+        q, k, v, out, plain_lse, share, cu_q, cu_k, alibi, seed = ctx.saved_tensors
+        max_q, max_k, scale, left, right, softcap, dropout_p = ctx.options
         varlen = cu_q is not None
         dout = torch.zeros_like(out) if dout is None else dout
         scaled = (dout.float() * _per_row(share, varlen)).to(out.dtype)
         dq, dk, dv = backward(scaled, q, k, v, out, plain_lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi,
-                              softcap)  # fmt: skip
+                              softcap, dropout_p, seed)  # fmt: skip
         delta = (dout.float() * out.float()).sum(-1)  # (B, S, H) or (T, H)
         delta = delta.transpose(0, 1) if varlen else delta.transpose(1, 2)  # as lse
         dsink = -((1 - share) * delta)
         dsink = dsink.sum(dim=1) if varlen else dsink.sum(dim=(0, 2))
-        return dq, dk, dv, dsink, *(None,) * 9
+        return dq, dk, dv, dsink, *(None,) * 11
 
 
-def with_sinks(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap, sinks):
+def with_sinks(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap, sinks, dropout_p=0.0,
+               seed=None):  # fmt: skip
     """openkernels::attention with learnable sinks (float32 (heads_q,)): (out, lse) of the
     softmax over the keys and the sink; differentiable in q, k, v and sinks."""
-    return _WithSinks.apply(q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap)
+    return _WithSinks.apply(q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, left, right, alibi, softcap, dropout_p,
+                            seed)  # fmt: skip

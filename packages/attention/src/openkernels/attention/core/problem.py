@@ -30,6 +30,9 @@ __all__ = [
     "Problem",
     "check_alibi_shape",
     "check_cu_values",
+    "check_dropout",
+    "dropout_threshold",
+    "PHILOX_ROUNDS",
     "check_head_dim",
     "check_options",
     "check_qkv_shapes",
@@ -67,7 +70,8 @@ class ArrayKind(NamedTuple):
 class Problem(NamedTuple):
     """One attention call as the kernels see it. seqlen_q / seqlen_k: the dense lengths, or
     the longest sequence of a varlen call (n_seqs sequences); window_right 0 is causal, -1
-    an unbounded side; alibi: slopes are given ((n_seqs, heads_q) float32); softcap 0: off."""
+    an unbounded side; alibi: slopes are given ((n_seqs, heads_q) float32); softcap 0: off;
+    dropout: the probability dropped (0: off)."""
 
     n_seqs: int
     seqlen_q: int
@@ -81,6 +85,7 @@ class Problem(NamedTuple):
     window_right: int
     alibi: bool
     softcap: float
+    dropout: float = 0.0
 
     @property
     def group(self) -> int:
@@ -88,7 +93,8 @@ class Problem(NamedTuple):
 
     def general(self, strides_aligned: bool) -> bool:
         """Whether the call is off the fast path (configs._TABLE): a window other than
-        causal, varlen, ALiBi, softcap, or lengths or strides that are not multiples of 16."""
+        causal, varlen, ALiBi, softcap, or lengths or strides that are not multiples of 16
+        (dropout alone stays on it)."""
         return (
             self.varlen
             or self.window_left >= 0
@@ -260,6 +266,23 @@ def check_same_n_seqs(name: str, cu_q_len: int, cu_k_len: int) -> None:
 def resolve_scale(head_dim: int, softmax_scale: float | None) -> float:
     """The softmax scale of a call: 1 / sqrt(head_dim) unless given."""
     return head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+
+
+PHILOX_ROUNDS = 7  # of dropout's Philox-4x32 (reference.py), as FlashAttention 2's
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The unsigned 32-bit Philox word below which dropout drops a probability (reference.py)."""
+    return min(round(dropout_p * 2**32), 2**32 - 1)
+
+
+def check_dropout(name: str, dropout_p: object) -> float:
+    """dropout_p: a float in [0, 1) (0: off); returned as a float."""
+    if (
+        not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1
+    ):  # NaN fails both comparisons
+        raise ValueError(f"{name}: dropout_p must be a float in [0, 1) (0: off), got {dropout_p!r}")
+    return float(dropout_p)
 
 
 def _finite(x) -> bool:

@@ -2,6 +2,8 @@
 it (sdpa.py), a blockwise online softmax in torch ops for the rest (blockwise.py), and for
 calls of at most decode.MAX_ROWS query rows per KV head the C++ decode kernel (decode.py),
 forward and backward (the backward up to decode.MAX_BACKWARD_KEYS keys), every option included.
+Calls with dropout run the reference (reference.py: chunked float32 matmuls, the mask drawn
+in torch ops), which draws the same mask as the GPU kernels from the same seed.
 
 Entry points and contract as reference.attn_fwd / attn_bwd (reference.py's docstring): every
 option runs (causal and sliding windows aligned bottom-right, ALiBi, softcap, GQA/MQA, varlen,
@@ -17,6 +19,7 @@ import torch
 
 from openkernels.shared import dispatch, replay
 
+from .. import reference
 from . import blockwise, decode, sdpa
 
 __all__ = ["attn_fwd", "attn_bwd", "supports", "FORCE_PATH"]
@@ -101,7 +104,13 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
 
 
 def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, scale, window_left,
-             window_right, alibi_slopes, softcap) -> None:  # fmt: skip
+             window_right, alibi_slopes, softcap, dropout_p=0.0, dropout_seed=None) -> None:  # fmt: skip
+    if dropout_p > 0:
+        reference.attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                           max_seqlen_k=max_seqlen_k, scale=scale, window_left=window_left, window_right=window_right,
+                           alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                           dropout_seed=dropout_seed)  # fmt: skip
+        return
     impl, opts = _implementation(scale, window_left, window_right, softcap)
     with torch.no_grad():
         if _one_batch(q, k, cu_seqlens_q):
@@ -124,7 +133,14 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max
 
 
 def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
-             scale, window_left, window_right, alibi_slopes, softcap) -> None:  # fmt: skip
+             scale, window_left, window_right, alibi_slopes, softcap, dropout_p=0.0,
+             dropout_seed=None) -> None:  # fmt: skip
+    if dropout_p > 0:
+        reference.attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                           max_seqlen_k=max_seqlen_k, scale=scale, window_left=window_left, window_right=window_right,
+                           alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                           dropout_seed=dropout_seed)  # fmt: skip
+        return
     impl, opts = _implementation(scale, window_left, window_right, softcap)
     with torch.no_grad():
         if _one_batch(q, k, cu_seqlens_q):

@@ -8,7 +8,10 @@ The family's JAX face (openkernels.attention.jax) adds apply_rotary and attentio
 
 Both work under ``jax.jit`` and differentiate through ``jax.custom_vjp`` with the backward
 kernels (in q, k, v and through lse as well). ALiBi slopes get no gradient: differentiating
-with respect to them raises ValueError (wrap them in ``jax.lax.stop_gradient``).
+with respect to them raises ValueError (wrap them in ``jax.lax.stop_gradient``). Dropout
+takes its randomness from `generator`, a jax.random key (JAX has no global generator): the
+same key draws the same mask as the PyTorch functions given the same Philox seed
+(../reference.py), and the backward regenerates it.
 
 Backends (`openkernels.shared.jax`, fixed when a call is traced; the backward runs on the
 forward's): float16 / bfloat16 run the Triton kernels (jax-triton on GPUs, the interpreter in
@@ -26,12 +29,20 @@ import numpy as np
 
 from openkernels.shared import jax as okjax
 
-from ..problem import HEAD_DIMS, KERNEL_DTYPES, ArrayKind, Problem, check_dense_call, check_varlen_call
+from ..problem import (
+    HEAD_DIMS,
+    KERNEL_DTYPES,
+    ArrayKind,
+    Problem,
+    check_dense_call,
+    check_dropout,
+    check_varlen_call,
+)
 
 # jax.numpy goes by its full name here: in this package, jnp is the submodule jnp.py.
 from . import jnp as jnp_backend
 
-__all__ = ["attention", "attention_varlen", "JAX", "concrete"]
+__all__ = ["attention", "attention_varlen", "JAX", "concrete", "dropout_seed"]
 
 _KERNEL_DTYPES = tuple(jax.numpy.dtype(name) for name in KERNEL_DTYPES)
 
@@ -68,7 +79,23 @@ def _kernels(static: _Static, dtype) -> bool:
     return static.backend != "jnp" and jax.numpy.dtype(dtype) in _KERNEL_DTYPES
 
 
-def _forward(q, k, v, cu_q, cu_k, slopes, static: _Static):
+def dropout_seed(name: str, dropout_p: float, generator) -> jax.Array | None:
+    """The Philox key of a call with dropout, int32 (2,), drawn from `generator` (a
+    jax.random key); None without dropout."""
+    if not dropout_p:
+        return None
+    if generator is None:
+        raise ValueError(
+            f"{name}: dropout_p > 0 needs generator, a jax.random key (JAX has no global generator)"
+        )
+    try:
+        bits = jax.random.bits(generator, (2,), jax.numpy.uint32)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: generator must be a jax.random key, got {type(generator).__name__}") from e
+    return jax.lax.bitcast_convert_type(bits, jax.numpy.int32)
+
+
+def _forward(q, k, v, cu_q, cu_k, slopes, seed, static: _Static):
     p = static.problem
     acc = jnp_backend.compute_dtype(q.dtype)
     lse_shape = (q.shape[1], q.shape[0]) if p.varlen else (q.shape[0], q.shape[2], q.shape[1])
@@ -77,11 +104,11 @@ def _forward(q, k, v, cu_q, cu_k, slopes, static: _Static):
     if _kernels(static, q.dtype):
         from . import launch
 
-        return launch.attention_fwd(q, k, v, cu_q, cu_k, slopes, p)
-    return jnp_backend.attention_fwd(q, k, v, cu_q, cu_k, slopes, p)
+        return launch.attention_fwd(q, k, v, cu_q, cu_k, slopes, p, seed)
+    return jnp_backend.attention_fwd(q, k, v, cu_q, cu_k, slopes, p, seed)
 
 
-def _backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static: _Static, folded: bool = False):
+def _backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, seed, static: _Static, folded: bool = False):
     """folded: out and lse carry learnable sinks (the jax.numpy path then takes its
     probabilities from lse; the kernels always do)."""
     if q.size == 0 or k.shape[-3] == 0:
@@ -89,9 +116,9 @@ def _backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static: _Static
     if _kernels(static, q.dtype):
         from . import launch
 
-        return launch.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static.problem)
+        return launch.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static.problem, seed)
     return jnp_backend.attention_bwd(
-        dout, dlse, q, k, v, cu_q, cu_k, slopes, static.problem, lse if folded else None
+        dout, dlse, q, k, v, cu_q, cu_k, slopes, static.problem, lse if folded else None, seed
     )
 
 
@@ -113,27 +140,27 @@ def _fold_sinks(out, lse, sinks, varlen: bool):
     return (out.astype(lse.dtype) * share).astype(out.dtype), jax.numpy.logaddexp(lse, sink)
 
 
-def _forward_with_sinks(q, k, v, cu_q, cu_k, slopes, sinks, static: _Static):
-    out, lse = _forward(q, k, v, cu_q, cu_k, slopes, static)
+def _forward_with_sinks(q, k, v, cu_q, cu_k, slopes, sinks, seed, static: _Static):
+    out, lse = _forward(q, k, v, cu_q, cu_k, slopes, seed, static)
     return (out, lse) if sinks is None else _fold_sinks(out, lse, sinks, static.problem.varlen)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention(q, k, v, cu_q, cu_k, slopes, sinks, static: _Static):
-    return _forward_with_sinks(q, k, v, cu_q, cu_k, slopes, sinks, static)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention(q, k, v, cu_q, cu_k, slopes, sinks, seed, static: _Static):
+    return _forward_with_sinks(q, k, v, cu_q, cu_k, slopes, sinks, seed, static)
 
 
 def _value(x):
     return None if x is None else x.value
 
 
-def _attention_fwd(q, k, v, cu_q, cu_k, slopes, sinks, static: _Static):
+def _attention_fwd(q, k, v, cu_q, cu_k, slopes, sinks, seed, static: _Static):
     # symbolic_zeros: the primals come wrapped, with whether each is differentiated.
     if slopes is not None and slopes.perturbed:
         raise ValueError("attention: alibi_slopes gets no gradient; pass jax.lax.stop_gradient(alibi_slopes)")
-    q, k, v, cu_q, cu_k, slopes, sinks = (_value(x) for x in (q, k, v, cu_q, cu_k, slopes, sinks))
-    out, lse = _forward_with_sinks(q, k, v, cu_q, cu_k, slopes, sinks, static)
-    return (out, lse), (q, k, v, out, lse, cu_q, cu_k, slopes, sinks)
+    q, k, v, cu_q, cu_k, slopes, sinks, seed = (_value(x) for x in (q, k, v, cu_q, cu_k, slopes, sinks, seed))
+    out, lse = _forward_with_sinks(q, k, v, cu_q, cu_k, slopes, sinks, seed, static)
+    return (out, lse), (q, k, v, out, lse, cu_q, cu_k, slopes, sinks, seed)
 
 
 def _sinks_grad(dout, dlse, out, lse, sinks, varlen: bool):
@@ -147,7 +174,7 @@ def _sinks_grad(dout, dlse, out, lse, sinks, varlen: bool):
 
 
 def _attention_bwd(static: _Static, residuals, cotangents):
-    q, k, v, out, lse, cu_q, cu_k, slopes, sinks = residuals
+    q, k, v, out, lse, cu_q, cu_k, slopes, sinks, seed = residuals
     dout, dlse = cotangents
     zero = jax.custom_derivatives.SymbolicZero
     if isinstance(dout, zero):
@@ -155,10 +182,22 @@ def _attention_bwd(static: _Static, residuals, cotangents):
     dlse = None if isinstance(dlse, zero) else dlse
     with okjax.use_backend(static.backend):  # the backward runs on the forward's backend
         dq, dk, dv = _backward(
-            dout.astype(out.dtype), dlse, q, k, v, out, lse, cu_q, cu_k, slopes, static, sinks is not None
+            dout.astype(out.dtype),
+            dlse,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            slopes,
+            seed,
+            static,
+            sinks is not None,
         )
     dsinks = None if sinks is None else _sinks_grad(dout, dlse, out, lse, sinks, static.problem.varlen)
-    return dq, dk, dv, None, None, None, dsinks
+    return dq, dk, dv, None, None, None, dsinks, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -180,6 +219,8 @@ def attention(
     alibi_slopes: jax.Array | None = None,
     softcap: float = 0.0,
     sinks: jax.Array | None = None,
+    dropout_p: float = 0.0,
+    generator: jax.Array | None = None,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-style on the kernel backends).
@@ -192,6 +233,8 @@ def attention(
     unbounded. alibi_slopes: float32 (heads_q,) or (batch, heads_q). softcap: > 0 caps
     scores with softcap * tanh(s / softcap). Options are Python values (static under jit).
     sinks: float32 (heads_q,) learnable sink logits, differentiable (as the PyTorch function).
+    dropout_p: in [0, 1), applied whenever > 0, as the PyTorch function; generator: the
+    jax.random key its mask is drawn from (required with dropout).
     return_lse: also return the logsumexp (batch, heads_q, seqlen_q), float32 (float64 for
     float64 inputs); rows that see no key give output 0 and lse -inf.
     Returns out (batch, seqlen_q, heads_q, head_dim) in q's dtype [, lse]. Differentiable in
@@ -199,10 +242,12 @@ def attention(
     """
     left, right, scale = check_dense_call("attention", JAX, q, k, v, HEAD_DIMS, causal, softmax_scale, window,
                                           alibi_slopes, softcap, sinks)  # fmt: skip
+    dropout_p = check_dropout("attention", dropout_p)
+    seed = dropout_seed("attention", dropout_p, generator)
     problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], False, scale, left,
-                      right, alibi_slopes is not None, float(softcap))  # fmt: skip
+                      right, alibi_slopes is not None, float(softcap), dropout_p)  # fmt: skip
     slopes = _slopes(alibi_slopes, q.shape[0], q.shape[2])
-    out, lse = _attention(q, k, v, None, None, slopes, sinks, _Static(problem, okjax.backend()))
+    out, lse = _attention(q, k, v, None, None, slopes, sinks, seed, _Static(problem, okjax.backend()))
     return (out, lse) if return_lse else out
 
 
@@ -221,6 +266,8 @@ def attention_varlen(
     alibi_slopes: jax.Array | None = None,
     softcap: float = 0.0,
     sinks: jax.Array | None = None,
+    dropout_p: float = 0.0,
+    generator: jax.Array | None = None,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`attention` over packed sequences of different lengths.
@@ -238,10 +285,12 @@ def attention_varlen(
                                            max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, alibi_slopes,
                                            softcap, sinks)  # fmt: skip
     n_seqs = cu_seqlens_q.shape[0] - 1
+    dropout_p = check_dropout("attention_varlen", dropout_p)
+    seed = dropout_seed("attention_varlen", dropout_p, generator)
     problem = Problem(n_seqs, int(max_seqlen_q), int(max_seqlen_k), q.shape[1], k.shape[1], q.shape[2], True, scale,
-                      left, right, alibi_slopes is not None, float(softcap))  # fmt: skip
+                      left, right, alibi_slopes is not None, float(softcap), dropout_p)  # fmt: skip
     slopes = _slopes(alibi_slopes, n_seqs, q.shape[1])
     out, lse = _attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, sinks, _Static(problem, okjax.backend())
+        q, k, v, cu_seqlens_q, cu_seqlens_k, slopes, sinks, seed, _Static(problem, okjax.backend())
     )
     return (out, lse) if return_lse else out

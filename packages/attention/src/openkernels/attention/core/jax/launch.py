@@ -63,7 +63,7 @@ def optional_pointers(inputs: dict, **pointers: Any) -> None:
     them only under their constexpr flags (IS_VARLEN, HAS_ALIBI, PAGE_SIZE, HAS_ROTARY)."""
     dummies = {"cu_q_ptr": jnp.int32, "cu_k_ptr": jnp.int32, "slopes_ptr": jnp.float32, "block_table_ptr": jnp.int32,
                "cos_ptr": jnp.float32, "sin_ptr": jnp.float32, "leftpad_ptr": jnp.int32,
-               "res_ptr": jnp.float16}  # fmt: skip
+               "res_ptr": jnp.float16, "seed_ptr": jnp.int32}  # fmt: skip
     for name, value in pointers.items():
         inputs[name] = jnp.zeros((1,), dummies[name]) if value is None else value
 
@@ -78,12 +78,12 @@ def _launches(q, k, p: plan.Problem) -> plan.Contiguous:
     return plan.contiguous_launches(p, arch(), okjax.torch_dtype(q.dtype), q.shape[0], k.shape[0])
 
 
-def attention_fwd(q, k, v, cu_q, cu_k, slopes, p: plan.Problem):
+def attention_fwd(q, k, v, cu_q, cu_k, slopes, p: plan.Problem, seed=None):
     """out (like q), lse float32 ((B, Hq, Sq), or (Hq, Tq) varlen) from `_attn_fwd_kernel`.
-    slopes: (n_seqs, Hq) float32 or None."""
+    slopes: (n_seqs, Hq) float32 or None; seed: dropout's int32 (2,) (with p.dropout) or None."""
     launches = _launches(q, k, p)
     inputs = {"q_ptr": q, "k_ptr": k, "v_ptr": v}
-    optional_pointers(inputs, cu_q_ptr=cu_q, cu_k_ptr=cu_k, slopes_ptr=slopes)
+    optional_pointers(inputs, cu_q_ptr=cu_q, cu_k_ptr=cu_k, slopes_ptr=slopes, seed_ptr=seed)
     outputs = {"o_ptr": jax.ShapeDtypeStruct(q.shape, q.dtype),
                "lse_ptr": jax.ShapeDtypeStruct(launches.lse_shape, jnp.float32)}  # fmt: skip
     # Tensor descriptors (USE_TMA) need a device allocator jax-triton does not set up; no
@@ -91,7 +91,7 @@ def attention_fwd(q, k, v, cu_q, cu_k, slopes, p: plan.Problem):
     return run_kernel(K._attn_fwd_kernel, launches.fwd, inputs, outputs, {"USE_TMA": False})
 
 
-def attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, p: plan.Problem):
+def attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, p: plan.Problem, seed=None):
     """(dq, dk, dv) from the preprocess, dkdv and dq kernels, as the PyTorch launcher runs
     them; dlse (like lse, or None): the lse's cotangent, which enters as delta - dlse."""
     launches = _launches(q, k, p)
@@ -103,7 +103,7 @@ def attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, slopes, p: plan.Pro
     if dlse is not None:  # dS = P (dP - delta + dlse): the lse's cotangent joins the row term
         delta = delta - dlse.astype(f32)
     inputs = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "do_ptr": dout, "lse_ptr": lse, "delta_ptr": delta}
-    optional_pointers(inputs, cu_q_ptr=cu_q, cu_k_ptr=cu_k, slopes_ptr=slopes)
+    optional_pointers(inputs, cu_q_ptr=cu_q, cu_k_ptr=cu_k, slopes_ptr=slopes, seed_ptr=seed)
     # GQA: float32 per-query-head dK/dV shares, summed over each group after the kernel.
     part = jax.ShapeDtypeStruct(launches.dk_shape, k.dtype if p.group == 1 else f32)
     dk, dv = run_kernel(K._attn_bwd_dkdv_kernel, launches.dkdv, inputs, {"dk_ptr": part, "dv_ptr": part})

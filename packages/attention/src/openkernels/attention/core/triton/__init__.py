@@ -74,7 +74,7 @@ def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
 
 
 def _problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, window_left, window_right, alibi_slopes,
-             softcap) -> plan.Problem:  # fmt: skip
+             softcap, dropout_p) -> plan.Problem:  # fmt: skip
     varlen = cu_seqlens_q is not None
     return plan.Problem(
         n_seqs=cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0],
@@ -82,6 +82,7 @@ def _problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, window_left,
         seqlen_k=max_seqlen_k if varlen else k.shape[1],
         heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], varlen=varlen, scale=scale,
         window_left=window_left, window_right=window_right, alibi=alibi_slopes is not None, softcap=softcap,
+        dropout=dropout_p,
     )  # fmt: skip
 
 
@@ -101,16 +102,18 @@ def attn_fwd(
     window_right: int,
     alibi_slopes: torch.Tensor | None,
     softcap: float,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
     config: AttnConfig | None = None,
 ) -> None:
     p = _problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, window_left, window_right, alibi_slopes,
-                 softcap)  # fmt: skip
+                 softcap, dropout_p)  # fmt: skip
     strides = tuple(_bshd(t, p.varlen) for t in (q, k, v, out))
     launch = plan.fwd(p, _arch(q.device), q.dtype, strides, _lse_strides(lse, p.varlen), config)
     direct_launch(
         _attn_fwd_kernel, launch.grid,
-        q_ptr=q, k_ptr=k, v_ptr=v, cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, slopes_ptr=alibi_slopes, o_ptr=out,
-        lse_ptr=lse, USE_TMA=_tma_ok(launch.config, k, v), num_warps=launch.num_warps,
+        q_ptr=q, k_ptr=k, v_ptr=v, cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, slopes_ptr=alibi_slopes,
+        seed_ptr=dropout_seed, o_ptr=out, lse_ptr=lse, USE_TMA=_tma_ok(launch.config, k, v), num_warps=launch.num_warps,
         num_stages=launch.num_stages, **launch.args,
     )  # fmt: skip
 
@@ -149,10 +152,12 @@ def attn_bwd(
     window_right: int,
     alibi_slopes: torch.Tensor | None,
     softcap: float,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
     configs: tuple[AttnConfig, AttnConfig] | None = None,
 ) -> None:
     p = _problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, window_left, window_right, alibi_slopes,
-                 softcap)  # fmt: skip
+                 softcap, dropout_p)  # fmt: skip
     varlen, arch = p.varlen, _arch(q.device)
     lse_strides = _lse_strides(lse, varlen)
     strides_aligned = plan.aligned(*(t.stride()[:-1] for t in (dout, q, k, v, dq, dk, dv)))
@@ -169,7 +174,7 @@ def attn_bwd(
         dk_part = torch.empty((*k.shape[:2], p.heads_q, p.head_dim), dtype=torch.float32, device=k.device)
         dv_part = torch.empty_like(dk_part)
     common = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=dout, lse_ptr=lse, delta_ptr=delta, cu_q_ptr=cu_seqlens_q,
-                  cu_k_ptr=cu_seqlens_k, slopes_ptr=alibi_slopes)  # fmt: skip
+                  cu_k_ptr=cu_seqlens_k, slopes_ptr=alibi_slopes, seed_ptr=dropout_seed)  # fmt: skip
     base = tuple(_bshd(t, varlen) for t in (q, k, v, dout))
     kv = plan.bwd("dkdv", p, arch, q.dtype, (*base, _bshd(dk_part, varlen), _bshd(dv_part, varlen)), lse_strides,
                   strides_aligned, dkdv_cfg)  # fmt: skip

@@ -17,6 +17,7 @@ __all__ = [
     "arch_family",
     "launch_config",
     "all_configs",
+    "dropout_configs",
     "DIRECTIONS",
     "block_d",
     "preprocess_block_m",
@@ -74,7 +75,8 @@ def group_sum_block_rows(block_d: int) -> int:
 # - dq: 128 queries x 64 keys, 8 warps at D128 (309 vs 286 for 128x32); 64x32/4 warps at
 #   D64 (ties the best at 96 registers).
 # Ampere (sm_80, no device here): the Hopper tiles where they compile clean, smaller ones
-# where mma.sync's register operands made them spill. CDNA (gfx90a/gfx942/gfx950, no device
+# where mma.sync's register operands made them spill (general dQ at D128: 8 warps, as 4 spilled
+# 4-8 B with every option and dropout on). CDNA (gfx90a/gfx942/gfx950, no device
 # here): untuned, sized for 64 KiB of LDS and single-stage as the AMD backend prefers.
 _C = AttnConfig
 _TABLE: dict[tuple[str, str], dict[int, tuple[AttnConfig, AttnConfig]]] = {
@@ -88,7 +90,7 @@ _TABLE: dict[tuple[str, str], dict[int, tuple[AttnConfig, AttnConfig]]] = {
                         256: (_C(64, 32, 8, 2), _C(64, 32, 8, 2))},
     ("ampere", "dkdv"): {64: (_C(32, 32, 4, 3), _C(32, 32, 8, 2)), 128: (_C(32, 64, 8, 3), _C(32, 32, 8, 2)),
                          256: (_C(32, 32, 8, 2), _C(16, 32, 8, 1))},
-    ("ampere", "dq"): {64: (_C(64, 32, 8, 3), _C(64, 32, 8, 3)), 128: (_C(64, 32, 4, 3), _C(64, 32, 4, 3)),
+    ("ampere", "dq"): {64: (_C(64, 32, 8, 3), _C(64, 32, 8, 3)), 128: (_C(64, 32, 4, 3), _C(64, 32, 8, 3)),
                        256: (_C(64, 32, 8, 2), _C(64, 32, 8, 2))},
     ("cdna", "fwd"): {64: (_C(64, 64, 4, 1), _C(64, 64, 4, 1)), 128: (_C(64, 64, 4, 1), _C(64, 32, 4, 1)),
                       256: (_C(32, 32, 4, 1), _C(32, 32, 4, 1))},
@@ -97,6 +99,12 @@ _TABLE: dict[tuple[str, str], dict[int, tuple[AttnConfig, AttnConfig]]] = {
     ("cdna", "dq"): {64: (_C(64, 32, 4, 1), _C(32, 32, 4, 1)), 128: (_C(64, 32, 4, 1), _C(32, 32, 4, 1)),
                      256: (_C(32, 16, 4, 1), _C(16, 16, 4, 1))},
 }  # fmt: skip
+# Dropout on the fast path: where the fast config's Philox tiles (the mask of each block is
+# regenerated in every kernel) spill, a config that does not. Hopper dK/dV at D128: 64x128/8
+# warps/3 stages spilled 28 B; 64x128 at 2 stages holds 255 registers without spilling.
+_DROPOUT_TABLE: dict[tuple[str, str], dict[int, AttnConfig]] = {
+    ("hopper", "dkdv"): {128: _C(64, 128, 8, 2)},
+}
 # The interpreter runs programs one after another on numpy: small tiles keep it quick.
 _INTERPRETER = AttnConfig(16, 16, 4, 1)
 
@@ -111,18 +119,29 @@ def arch_family(arch: str) -> str:
 
 
 def launch_config(
-    head_dim: int, dtype: torch.dtype, arch: str, direction: str, general: bool = False
+    head_dim: int, dtype: torch.dtype, arch: str, direction: str, general: bool = False, dropout: bool = False
 ) -> AttnConfig:
     """The config the launchers use for `direction` ("fwd", "dkdv", "dq") on `arch`
     ("sm_90", "gfx942", ...; a CPU arch means the Triton interpreter); general: the call is
-    off the fast path (see _TABLE)."""
+    off the fast path (see _TABLE); dropout: the call has dropout (_DROPOUT_TABLE)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     family = arch_family(arch)
     if family == "interpreter":
         return _INTERPRETER
     by_dim = _TABLE[family, direction]
-    return by_dim[min(d for d in by_dim if d >= head_dim)][int(general)]
+    bucket = min(d for d in by_dim if d >= head_dim)
+    if dropout and not general and bucket in _DROPOUT_TABLE.get((family, direction), {}):
+        return _DROPOUT_TABLE[family, direction][bucket]
+    return by_dim[bucket][int(general)]
+
+
+def dropout_configs(arch: str) -> list[tuple[int, str, AttnConfig]]:
+    """(head_dim, direction, config) of the fast path's dropout overrides on `arch`: what the
+    compile-only checks build with dropout on."""
+    family = arch_family(arch)
+    return [(d, direction, cfg) for (fam, direction), by_dim in _DROPOUT_TABLE.items() if fam == family
+            for d, cfg in by_dim.items()]  # fmt: skip
 
 
 def all_configs(arch: str) -> list[tuple[int, str, bool, AttnConfig]]:

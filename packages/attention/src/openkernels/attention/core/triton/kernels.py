@@ -11,6 +11,10 @@ program visits only key (or query) blocks that some of its rows can see, in up t
 segments: blocks partly masked on the left (sliding window), blocks every row sees in
 full (no mask arithmetic at all), and blocks partly masked on the right (causal diagonal,
 right window, the sequence end).
+
+Dropout (HAS_DROPOUT) draws its mask from Philox-4x32-7 on counters of (key // 4, query,
+b * heads_q + h, 0) under the call's seed (reference.py defines it bit for bit), so the
+forward and both backward kernels regenerate the same mask without storing it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,58 @@ LN2 = 0.6931471805599453
 def _tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1): one exp2, saturates to +-1 without NaN on both vendors.
     return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _philox(k0, k1, c0, c1, c2, c3, ROUNDS: tl.constexpr):
+    """Philox-4x32 on uint32 tiles c0..c3 under the uniform key (k0, k1): reference.philox4x32."""
+    for _ in tl.static_range(ROUNDS):
+        hi0 = tl.math.umulhi(c0, 0xD2511F53)
+        hi1 = tl.math.umulhi(c2, 0xCD9E8D57)
+        lo0 = tl.mul(c0, 0xD2511F53, sanitize_overflow=False)
+        lo1 = tl.mul(c2, 0xCD9E8D57, sanitize_overflow=False)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _dropout_seed(seed_ptr):
+    """The Philox key: the two int32 words at seed_ptr, as uint32."""
+    return tl.load(seed_ptr).to(tl.uint32, bitcast=True), tl.load(seed_ptr + 1).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _dropout_keep(k0, k1, head, rows, start, drop_below, BLOCK: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """Which probabilities of query rows `rows` (indices within the sequence) and keys start ..
+    start + BLOCK - 1 (start a multiple of 4) of counter head `head` dropout keeps: (rows,
+    keys), or (keys, rows) when KEYS_FIRST. Key j takes word j % 4 of Philox at (j // 4, row,
+    head, 0), kept when that word, read signed after subtracting 2**31, is at least
+    drop_below (the threshold less 2**31): one Philox call per 4 keys, interleaved back."""
+    groups = start // 4 + tl.arange(0, BLOCK // 4)
+    if KEYS_FIRST:
+        c0 = groups[:, None] + rows[None, :] * 0
+        c1 = rows[None, :] + groups[:, None] * 0
+    else:
+        c0 = groups[None, :] + rows[:, None] * 0
+        c1 = rows[:, None] + groups[None, :] * 0
+    zero = (c0 * 0).to(tl.uint32)
+    r0, r1, r2, r3 = _philox(k0, k1, c0.to(tl.uint32), c1.to(tl.uint32), zero + head, zero, 7)
+    # join(join(w0, w2), join(w1, w3))[..., a, b] is word 2a + b: flattened, key 4g + w.
+    keep = tl.join(tl.join(_kept(r0, drop_below), _kept(r2, drop_below)),
+                   tl.join(_kept(r1, drop_below), _kept(r3, drop_below)))  # fmt: skip
+    if KEYS_FIRST:
+        keep = tl.reshape(tl.permute(keep, (0, 2, 3, 1)), (BLOCK, rows.shape[0]))
+    else:
+        keep = tl.reshape(keep, (rows.shape[0], BLOCK))
+    return keep != 0
+
+
+@triton.jit
+def _kept(word, drop_below):
+    """1 where a Philox word keeps its probability (see _dropout_keep), else 0, as int8."""
+    return ((word ^ 0x80000000).to(tl.int32, bitcast=True) >= drop_below).to(tl.int8)
 
 
 @triton.jit
@@ -219,11 +275,13 @@ def _softmax_step(s, m_i, l_i, MASK: tl.constexpr):
 @triton.jit
 def _fwd_blocks(
     acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start, stop, rows, seqlen_k, diag,
-    window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,
+    window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d, drop,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):  # fmt: skip
+    """drop: (k0, k1, head, drop_below) of dropout (read under HAS_DROPOUT): the row sums
+    take every probability, the output only the kept ones (scaled at the end)."""
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         k = _load_kv(k_base, start_n, cols, stride_ks, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D, USE_TMA)
@@ -233,6 +291,10 @@ def _fwd_blocks(
             cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK)
+        if HAS_DROPOUT:
+            p = tl.where(
+                _dropout_keep(drop[0], drop[1], drop[2], rows, start_n, drop[3], BLOCK_N, False), p, 0.0
+            )
         v = _load_kv(v_base, start_n, cols, stride_vs, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -241,13 +303,15 @@ def _fwd_blocks(
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr, seed_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, heads_q, group, qk_scale, cap_scale, cap_out, window_left, window_right,
+    seqlen_q, seqlen_k, heads_q, group, qk_scale, cap_scale, cap_out, window_left, window_right, drop_below,
+    drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr = False,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (sequence, query head)."""
     b, h, q_start, sq, k_start, sk, m0 = _row_block(cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, heads_q, BLOCK_M,
@@ -277,20 +341,29 @@ def _attn_fwd_kernel(
     k_src = _kv_source(k_base, sk, stride_ks, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
     v_src = _kv_source(v_base, sk, stride_vs, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
     args = (k_src, v_src, stride_ks, stride_vs)
+    drop = (0, 0, 0, 0)
+    if HAS_DROPOUT:
+        k0, k1 = _dropout_seed(seed_ptr)
+        drop = (k0, k1, tl.program_id(1), drop_below)
     # A sliding window runs one masked loop: three loops' scalars spilled on AMD and the
     # window is narrow. Otherwise the blocks every row sees in full skip the mask.
     if HAS_WINDOW_LEFT:
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, a, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True,
-                                    HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, USE_TMA)  # fmt: skip
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, a, end, *opts, drop, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                    HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, USE_TMA,
+                                    HAS_DROPOUT)  # fmt: skip
     else:
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, b_full, c_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D,
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, b_full, c_full, *opts, drop, BLOCK_N, HEAD_DIM, BLOCK_D,
                                     False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
-                                    USE_TMA)  # fmt: skip
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, c_full, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True,
-                                    HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, USE_TMA)  # fmt: skip
+                                    USE_TMA, HAS_DROPOUT)  # fmt: skip
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, *args, c_full, end, *opts, drop, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                    HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, USE_TMA,
+                                    HAS_DROPOUT)  # fmt: skip
     # Rows that saw no key: output 0, lse -inf.
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    norm = tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        norm = norm / drop_scale  # kept probabilities are scaled by 1 / (1 - dropout_p)
+    out = acc / norm[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_base = o_ptr + b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
     tl.store(
@@ -357,13 +430,15 @@ def _attn_bwd_group_sum_kernel(
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, start, stop, cols, seqlen_q,
-    seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d,
+    seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d, drop,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block over query blocks start..stop, in the transposed (key, query)
-    orientation: pT = exp2(sT - lse), dV += pT do, dK += (pT * (dpT - delta)) q."""
+    orientation: pT = exp2(sT - lse), dV += pT do, dK += (pT * (dpT - delta)) q. With dropout
+    (drop: k0, k1, head, drop_below, drop_scale, the block's first key) dV takes the kept pT (scaled by the caller)
+    and dpT the kept entries times the scale."""
     for start_m in range(start, stop, BLOCK_M):
         rows = start_m + offs_m
         q = _load_tile(q_base, rows, stride_qs, offs_d, seqlen_q, MASK, HEAD_DIM, BLOCK_D)
@@ -382,8 +457,14 @@ def _dkdv_blocks(
             cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p_t = tl.exp2(s_t - lse2[None, :])
-        dv += tl.dot(p_t.to(do.dtype), do)
+        if HAS_DROPOUT:
+            keep_t = _dropout_keep(drop[0], drop[1], drop[2], rows, drop[5], drop[3], cols.shape[0], True)
+            dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do)
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
+        if HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * drop[4], 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - th_t * th_t)
@@ -393,14 +474,15 @@ def _dkdv_blocks(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr, seed_ptr, dk_ptr, dv_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, heads_q, group, qk_scale, sm_scale, cap_scale, cap_out, window_left, window_right,
+    drop_below, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_N keys of one (sequence, query head). dK and dV of that query
     head's share are written to dk/dv at head h: with GQA the launcher passes float32
@@ -441,18 +523,42 @@ def _attn_bwd_dkdv_kernel(
         slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
     bases = (q_base, do_base, lse_base, delta_base, stride_qs, stride_dos)
     opts = (cols, sq, sk, diag, window_left, window_right)
-    scal = (slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d)
+    drop = (0, 0, 0, 0, 0.0, 0)
+    if HAS_DROPOUT:
+        k0, k1 = _dropout_seed(seed_ptr)
+        drop = (k0, k1, bh, drop_below, drop_scale, n0)
+    scal = (slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d, drop)
     if HAS_WINDOW_LEFT and HAS_WINDOW_RIGHT:  # a sliding window: one masked loop (as the forward)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, a, end, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
-                              HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+        dk, dv = _dkdv_blocks(
+            dk,
+            dv,
+            k,
+            v,
+            *bases,
+            a,
+            end,
+            *opts,
+            *scal,
+            BLOCK_M,
+            HEAD_DIM,
+            BLOCK_D,
+            True,
+            HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT,
+            HAS_ALIBI,
+            HAS_SOFTCAP,
+            HAS_DROPOUT,
+        )
     else:
         if HAS_WINDOW_RIGHT:  # rows before the full range: the key-side left (the causal diagonal)
             dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, a, b_full, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
-                                  HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+                                  HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT)  # fmt: skip
         dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, b_full, c_full, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D,
-                              False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+                              False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT)  # fmt: skip
         dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, c_full, end, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
-                              HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+                              HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT)  # fmt: skip
+    if HAS_DROPOUT:
+        dv *= drop_scale
     dk *= sm_scale
     dk_off = b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dks + h * stride_dkh
     dv_off = b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvs + h * stride_dvh
@@ -465,12 +571,13 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_blocks(
     dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, start, stop, rows, seqlen_k, diag,
-    window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,
+    window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d, drop,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query block over key blocks start..stop: dQ += (p * (dp - delta)) k."""
+    """dQ of one query block over key blocks start..stop: dQ += (p * (dp - delta)) k; with
+    dropout (drop: k0, k1, head, drop_below, drop_scale) dp keeps the kept entries, scaled."""
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         k = _load_tile(k_base, cols, stride_ks, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
@@ -482,6 +589,9 @@ def _dq_blocks(
         )  # fmt: skip
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
+        if HAS_DROPOUT:
+            keep = _dropout_keep(drop[0], drop[1], drop[2], rows, start_n, drop[3], BLOCK_N, False)
+            dp = tl.where(keep, dp * drop[4], 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - th * th)
@@ -491,13 +601,14 @@ def _dq_blocks(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, slopes_ptr, seed_ptr, dq_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, heads_q, group, qk_scale, sm_scale, cap_scale, cap_out, window_left, window_right,
+    drop_below, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
 ):  # fmt: skip
     """One program: dQ of BLOCK_M query rows of one (sequence, query head)."""
     b, h, q_start, sq, k_start, sk, m0 = _row_block(cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, heads_q, BLOCK_M,
@@ -531,14 +642,63 @@ def _attn_bwd_dq_kernel(
         BLOCK_M, BLOCK_N, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
     )  # fmt: skip
     args = (q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs)
+    drop = (0, 0, 0, 0, 0.0)
+    if HAS_DROPOUT:
+        k0, k1 = _dropout_seed(seed_ptr)
+        drop = (k0, k1, tl.program_id(1), drop_below, drop_scale)
     if HAS_WINDOW_LEFT:  # a sliding window: one masked loop (as the forward)
-        dq = _dq_blocks(dq, *args, a, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW_LEFT,
-                        HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+        dq = _dq_blocks(
+            dq,
+            *args,
+            a,
+            end,
+            *opts,
+            drop,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            True,
+            HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT,
+            HAS_ALIBI,
+            HAS_SOFTCAP,
+            HAS_DROPOUT,
+        )
     else:
-        dq = _dq_blocks(dq, *args, b_full, c_full, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, False, HAS_WINDOW_LEFT,
-                        HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
-        dq = _dq_blocks(dq, *args, c_full, end, *opts, BLOCK_N, HEAD_DIM, BLOCK_D, True, HAS_WINDOW_LEFT,
-                        HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+        dq = _dq_blocks(
+            dq,
+            *args,
+            b_full,
+            c_full,
+            *opts,
+            drop,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            False,
+            HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT,
+            HAS_ALIBI,
+            HAS_SOFTCAP,
+            HAS_DROPOUT,
+        )
+        dq = _dq_blocks(
+            dq,
+            *args,
+            c_full,
+            end,
+            *opts,
+            drop,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            True,
+            HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT,
+            HAS_ALIBI,
+            HAS_SOFTCAP,
+            HAS_DROPOUT,
+        )
     dq *= sm_scale
     tl.store(dq_ptr + b.to(tl.int64) * stride_dqb + q_row0 * stride_dqs + h * stride_dqh
              + rows[:, None] * stride_dqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=q_mask)  # fmt: skip

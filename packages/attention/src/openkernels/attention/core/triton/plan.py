@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ..problem import Problem
+from ..problem import Problem, dropout_threshold
 from .configs import AttnConfig, block_d, launch_config, preprocess_block_m
 
-__all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "cdiv", "stride_args", "fwd", "preprocess", "bwd",
+__all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "cdiv", "stride_args", "dropout_args", "fwd", "preprocess", "bwd",
            "contiguous", "lse_layout", "Contiguous", "contiguous_launches"]  # fmt: skip
 
 LOG2E = 1.0 / math.log(2.0)
@@ -85,6 +85,19 @@ def stride_args(names: tuple[str, ...], values: tuple[Strides, ...]) -> dict[str
     return out
 
 
+def dropout_args(dropout: float) -> dict[str, Any]:
+    """The dropout arguments of the forward and backward kernels: drop_below (the threshold
+    of reference.dropout_threshold less 2**31, as the kernels compare signed words) and
+    drop_scale = 1 / (1 - dropout)."""
+    if dropout <= 0:
+        return {"drop_below": 0, "drop_scale": 1.0, "HAS_DROPOUT": False}
+    return {
+        "drop_below": dropout_threshold(dropout) - 2**31,
+        "drop_scale": 1.0 / (1.0 - dropout),
+        "HAS_DROPOUT": True,
+    }
+
+
 def _sizes(p: Problem, lse_strides: tuple[int, int]) -> dict[str, Any]:
     return {"stride_lb": lse_strides[0], "stride_lh": lse_strides[1], "seqlen_q": p.seqlen_q,
             "seqlen_k": p.seqlen_k, "heads_q": p.heads_q, "group": p.group}  # fmt: skip
@@ -101,12 +114,12 @@ def fwd(
 ) -> Launch:
     """`_attn_fwd_kernel`: strides of (q, k, v, out); lse_strides (batch, head) of lse. The
     caller adds USE_TMA (PyTorch decides it from the tensors' addresses)."""
-    cfg = config or launch_config(p.head_dim, dtype, arch, "fwd", p.general(aligned(*strides)))
+    cfg = config or launch_config(p.head_dim, dtype, arch, "fwd", p.general(aligned(*strides)), p.dropout > 0)
     qk_scale, cap_scale, cap_out = scales(p.scale, p.softcap)
     args = {
         **stride_args(("q", "k", "v", "o"), strides), **_sizes(p, lse_strides), "qk_scale": qk_scale,
         "cap_scale": cap_scale, "cap_out": cap_out, "window_left": p.window_left, "window_right": p.window_right,
-        **_flags(p), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        **_flags(p), **dropout_args(p.dropout), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
     }  # fmt: skip
     grid = (cdiv(p.seqlen_q, cfg.block_m), p.n_seqs * p.heads_q)
     return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
@@ -146,13 +159,13 @@ def bwd(
     strides of (q, k, v, dout, dq)); strides_aligned: every operand of the backward (dout, q,
     k, v, dq, dk, dv) has strides that are multiples of 16 (picks the config, the same for
     both kernels)."""
-    cfg = config or launch_config(p.head_dim, dtype, arch, kernel, p.general(strides_aligned))
+    cfg = config or launch_config(p.head_dim, dtype, arch, kernel, p.general(strides_aligned), p.dropout > 0)
     qk_scale, cap_scale, cap_out = scales(p.scale, p.softcap)
     args = {
         **stride_args(("q", "k", "v", "do", *_BWD_OUTPUTS[kernel]), strides), **_sizes(p, lse_strides),
         "qk_scale": qk_scale, "sm_scale": p.scale, "cap_scale": cap_scale, "cap_out": cap_out,
-        "window_left": p.window_left, "window_right": p.window_right, **_flags(p), "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n,
+        "window_left": p.window_left, "window_right": p.window_right, **_flags(p), **dropout_args(p.dropout),
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
     }  # fmt: skip
     blocks = cdiv(p.seqlen_k, cfg.block_n) if kernel == "dkdv" else cdiv(p.seqlen_q, cfg.block_m)
     return Launch((blocks, p.n_seqs * p.heads_q), cfg.num_warps, cfg.num_stages, args, cfg)
