@@ -25,7 +25,7 @@ _NONE = dict.fromkeys(_FLAGS, False)
 _ALL = dict.fromkeys(_FLAGS, True)
 _CAUSAL = _NONE | {"HAS_WINDOW_RIGHT": True}
 _WINDOWS = _NONE | {"IS_VARLEN": True, "HAS_WINDOW_LEFT": True, "HAS_WINDOW_RIGHT": True}
-_DROPOUT = _NONE | {"HAS_WINDOW_RIGHT": True, "HAS_DROPOUT": True}  # causal training with dropout
+_OPTIONS = _ALL | {"IS_VARLEN": False}  # every option the fast configs serve
 
 
 def _strides(*names: str) -> dict[str, str]:
@@ -100,9 +100,10 @@ def _group_sum_case(head_dim: int, group: int):
 
 def cases_for(arch: str) -> list:
     """Every config `launch_config` picks, with the heaviest variant it serves. Fast configs
-    (dense, causal or none, 16-aligned sequence lengths and strides): causal, which
-    compiles every segment loop the plain call has plus its mask. General configs: varlen
-    with two-sided windows, and every flag on (neither register count bounds the other).
+    (dense, 16-aligned sequence lengths and strides): causal, which compiles every segment
+    loop the plain call has plus its mask, and every option but varlen (or their override for
+    options, configs._OPTIONS_TABLE). General configs: varlen with two-sided windows, and
+    every flag on (neither register count bounds the other).
     Head dims 64, 128, 256 (the widest of each BLOCK_D); 32, 96, 192 (the same tiles,
     masked head_dim padding) with every flag on. One fp16 forward, the preprocess kernel,
     GQA's dK/dV group sum.
@@ -115,7 +116,7 @@ def cases_for(arch: str) -> list:
                 variants
                 and configs.launch_config(head_dim, torch.bfloat16, arch, direction, False, True) == cfg
             ):
-                variants.append(("bf16", _DROPOUT, True))  # no dropout override: dropout runs it too
+                variants.append(("bf16", _OPTIONS, True))  # no override for options: they run it too
         elif head_dim in (64, 128, 256):
             variants = [("bf16", _WINDOWS, False), ("bf16", _ALL, False)]
         else:
@@ -125,8 +126,8 @@ def cases_for(arch: str) -> list:
         for dtype, flags, aligned in variants:
             c = _case(direction, head_dim, cfg, dtype, flags, aligned_seqlens=aligned)
             out[c.label] = c
-    for head_dim, direction, cfg in configs.dropout_configs(arch):
-        c = _case(direction, head_dim, cfg, "bf16", _DROPOUT, aligned_seqlens=True)
+    for head_dim, direction, cfg in configs.options_configs(arch):
+        c = _case(direction, head_dim, cfg, "bf16", _OPTIONS, aligned_seqlens=True)
         out[c.label] = c
     for head_dim in (32, 64, 96, 128, 192, 256):
         c = _preprocess_case(head_dim)

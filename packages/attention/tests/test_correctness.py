@@ -98,6 +98,22 @@ def test_each_option_changes_the_result(device: str, impl: str, options: Options
     check_against_reference(case, impl, backward=False)
 
 
+_FAST_PATH_OPTIONS = [
+    Options(window=WINDOWS["w"], alibi="batch"),
+    Options(causal=True, softcap=SOFTCAP, softmax_scale=SCALE),
+    Options(causal=True, window=(40, -1), alibi="heads", softcap=SOFTCAP, dropout=0.1),
+]
+
+
+@pytest.mark.parametrize("head_dim", [64] if INTERPRETING else [64, 128, 256])
+def test_options_on_the_fast_path(device: str, impl: str, head_dim: int) -> None:
+    # Lengths and strides that are multiples of 16 run the fast configs, options included
+    # (configs._OPTIONS_TABLE where the fast one spills with them); the shapes above do not.
+    shape = Shape(2, 192, 256, 4, 1, head_dim) if device != "cpu" else Shape(1, 32, 48, 2, 1, head_dim)
+    for options in _FAST_PATH_OPTIONS:
+        check_against_reference(dense_case(shape, options, BF16, device), impl)
+
+
 # ---- shapes ------------------------------------------------------------------------------
 
 

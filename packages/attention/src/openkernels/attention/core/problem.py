@@ -91,20 +91,21 @@ class Problem(NamedTuple):
     def group(self) -> int:
         return self.heads_q // self.heads_kv
 
-    def general(self, strides_aligned: bool) -> bool:
-        """Whether the call is off the fast path (configs._TABLE): a window other than
-        causal, varlen, ALiBi, softcap, or lengths or strides that are not multiples of 16
-        (dropout alone stays on it)."""
+    @property
+    def options(self) -> bool:
+        """Any option beyond the causal mask: a window, ALiBi, softcap or dropout."""
         return (
-            self.varlen
-            or self.window_left >= 0
+            self.window_left >= 0
             or self.window_right > 0
             or self.alibi
             or self.softcap > 0
-            or self.seqlen_q % 16 != 0
-            or self.seqlen_k % 16 != 0
-            or not strides_aligned
+            or self.dropout > 0
         )
+
+    def general(self, strides_aligned: bool) -> bool:
+        """Whether the call is off the fast path (configs._TABLE): varlen, or lengths or
+        strides that are not multiples of 16. (Options stay on it: configs._OPTIONS_TABLE.)"""
+        return self.varlen or self.seqlen_q % 16 != 0 or self.seqlen_k % 16 != 0 or not strides_aligned
 
 
 def check_qkv_shapes(name: str, q: tuple, k: tuple, v: tuple, dims: int, head_dims: tuple[int, ...]) -> None:

@@ -17,7 +17,7 @@ __all__ = [
     "arch_family",
     "launch_config",
     "all_configs",
-    "dropout_configs",
+    "options_configs",
     "DIRECTIONS",
     "block_d",
     "preprocess_block_m",
@@ -59,12 +59,14 @@ def group_sum_block_rows(block_d: int) -> int:
 
 
 # (arch family, direction) -> {largest head_dim: (fast, general)}. "fast" serves dense
-# calls with no window but the causal one, no ALiBi or softcap, and sequence lengths and
-# strides that are multiples of 16 (what the benchmarks and most models run); "general"
-# serves everything else. Both compile without register spills for every variant they serve
-# on every arch of the family (tests/test_aot.py); the general one gives up some speed for
-# that: the backward's key-block kernel holds K, V and float32 dK, dV for its whole loop, and
-# window masks, varlen offsets, ALiBi and the softcap's tanh each add live registers.
+# calls whose sequence lengths and strides are multiples of 16 (what the benchmarks and most
+# models run), with any window, ALiBi, softcap or dropout (where the fast config spills with
+# them, _OPTIONS_TABLE's); "general" serves varlen and the other lengths and strides. All
+# compile without register spills for every variant they serve on every arch of the family
+# (tests/test_aot.py); the general one gives up some speed for that: the backward's key-block
+# kernel holds K, V and float32 dK, dV for its whole loop, and window masks, varlen offsets,
+# ALiBi, the softcap's tanh and dropout's Philox each add live registers. (Until attention
+# 0.7.1 every option ran the general configs: the Hopper backward at D128 on 32x32 key blocks.)
 # Hopper, measured on H200 bf16 (benchmarks/tune_attention.py, docs/perf.md):
 # - fwd: 64x64 tiles, 4 warps, 3 stages led at D64 and D128 (480 TFLOP/s at B8 H16 S2048
 #   D128 vs 445 for 128x64/8 warps; 354 vs 345 at D64 causal); 128x128/8 warps won causal
@@ -99,11 +101,12 @@ _TABLE: dict[tuple[str, str], dict[int, tuple[AttnConfig, AttnConfig]]] = {
     ("cdna", "dq"): {64: (_C(64, 32, 4, 1), _C(32, 32, 4, 1)), 128: (_C(64, 32, 4, 1), _C(32, 32, 4, 1)),
                      256: (_C(32, 16, 4, 1), _C(16, 16, 4, 1))},
 }  # fmt: skip
-# Dropout on the fast path: where the fast config's Philox tiles (the mask of each block is
-# regenerated in every kernel) spill, a config that does not. Hopper dK/dV at D128: 64x128/8
-# warps/3 stages spilled 28 B; 64x128 at 2 stages holds 255 registers without spilling.
-_DROPOUT_TABLE: dict[tuple[str, str], dict[int, AttnConfig]] = {
-    ("hopper", "dkdv"): {128: _C(64, 128, 8, 2)},
+# Options (a window other than causal, ALiBi, softcap, dropout) on the fast path: its config,
+# unless that spills with every option on; then this one. Hopper at D128: dK/dV 64x128/8 warps
+# spilled 180 B (32x128 holds 255 registers), dQ 128x64/8 warps 24 B (128x32: 234).
+_OPTIONS_TABLE: dict[tuple[str, str], dict[int, AttnConfig]] = {
+    ("hopper", "dkdv"): {128: _C(32, 128, 8, 3)},
+    ("hopper", "dq"): {128: _C(128, 32, 8, 3)},
 }
 # The interpreter runs programs one after another on numpy: small tiles keep it quick.
 _INTERPRETER = AttnConfig(16, 16, 4, 1)
@@ -119,11 +122,12 @@ def arch_family(arch: str) -> str:
 
 
 def launch_config(
-    head_dim: int, dtype: torch.dtype, arch: str, direction: str, general: bool = False, dropout: bool = False
+    head_dim: int, dtype: torch.dtype, arch: str, direction: str, general: bool = False, options: bool = False
 ) -> AttnConfig:
     """The config the launchers use for `direction` ("fwd", "dkdv", "dq") on `arch`
     ("sm_90", "gfx942", ...; a CPU arch means the Triton interpreter); general: the call is
-    off the fast path (see _TABLE); dropout: the call has dropout (_DROPOUT_TABLE)."""
+    off the fast path (see _TABLE); options: a window, ALiBi, softcap or dropout
+    (_OPTIONS_TABLE)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     family = arch_family(arch)
@@ -131,16 +135,16 @@ def launch_config(
         return _INTERPRETER
     by_dim = _TABLE[family, direction]
     bucket = min(d for d in by_dim if d >= head_dim)
-    if dropout and not general and bucket in _DROPOUT_TABLE.get((family, direction), {}):
-        return _DROPOUT_TABLE[family, direction][bucket]
+    if options and not general and bucket in _OPTIONS_TABLE.get((family, direction), {}):
+        return _OPTIONS_TABLE[family, direction][bucket]
     return by_dim[bucket][int(general)]
 
 
-def dropout_configs(arch: str) -> list[tuple[int, str, AttnConfig]]:
-    """(head_dim, direction, config) of the fast path's dropout overrides on `arch`: what the
-    compile-only checks build with dropout on."""
+def options_configs(arch: str) -> list[tuple[int, str, AttnConfig]]:
+    """(head_dim, direction, config) of the fast path's overrides for options on `arch`: what
+    the compile-only checks build with every option on."""
     family = arch_family(arch)
-    return [(d, direction, cfg) for (fam, direction), by_dim in _DROPOUT_TABLE.items() if fam == family
+    return [(d, direction, cfg) for (fam, direction), by_dim in _OPTIONS_TABLE.items() if fam == family
             for d, cfg in by_dim.items()]  # fmt: skip
 
 

@@ -114,7 +114,7 @@ def fwd(
 ) -> Launch:
     """`_attn_fwd_kernel`: strides of (q, k, v, out); lse_strides (batch, head) of lse. The
     caller adds USE_TMA (PyTorch decides it from the tensors' addresses)."""
-    cfg = config or launch_config(p.head_dim, dtype, arch, "fwd", p.general(aligned(*strides)), p.dropout > 0)
+    cfg = config or launch_config(p.head_dim, dtype, arch, "fwd", p.general(aligned(*strides)), p.options)
     qk_scale, cap_scale, cap_out = scales(p.scale, p.softcap)
     args = {
         **stride_args(("q", "k", "v", "o"), strides), **_sizes(p, lse_strides), "qk_scale": qk_scale,
@@ -159,7 +159,7 @@ def bwd(
     strides of (q, k, v, dout, dq)); strides_aligned: every operand of the backward (dout, q,
     k, v, dq, dk, dv) has strides that are multiples of 16 (picks the config, the same for
     both kernels)."""
-    cfg = config or launch_config(p.head_dim, dtype, arch, kernel, p.general(strides_aligned), p.dropout > 0)
+    cfg = config or launch_config(p.head_dim, dtype, arch, kernel, p.general(strides_aligned), p.options)
     qk_scale, cap_scale, cap_out = scales(p.scale, p.softcap)
     args = {
         **stride_args(("q", "k", "v", "do", *_BWD_OUTPUTS[kernel]), strides), **_sizes(p, lse_strides),
