@@ -529,26 +529,8 @@ def _attn_bwd_dkdv_kernel(
         drop = (k0, k1, bh, drop_below, drop_scale, n0)
     scal = (slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d, drop)
     if HAS_WINDOW_LEFT and HAS_WINDOW_RIGHT:  # a sliding window: one masked loop (as the forward)
-        dk, dv = _dkdv_blocks(
-            dk,
-            dv,
-            k,
-            v,
-            *bases,
-            a,
-            end,
-            *opts,
-            *scal,
-            BLOCK_M,
-            HEAD_DIM,
-            BLOCK_D,
-            True,
-            HAS_WINDOW_LEFT,
-            HAS_WINDOW_RIGHT,
-            HAS_ALIBI,
-            HAS_SOFTCAP,
-            HAS_DROPOUT,
-        )
+        dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, a, end, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
+                              HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT)  # fmt: skip
     else:
         if HAS_WINDOW_RIGHT:  # rows before the full range: the key-side left (the causal diagonal)
             dk, dv = _dkdv_blocks(dk, dv, k, v, *bases, a, b_full, *opts, *scal, BLOCK_M, HEAD_DIM, BLOCK_D, True,
@@ -647,58 +629,13 @@ def _attn_bwd_dq_kernel(
         k0, k1 = _dropout_seed(seed_ptr)
         drop = (k0, k1, tl.program_id(1), drop_below, drop_scale)
     if HAS_WINDOW_LEFT:  # a sliding window: one masked loop (as the forward)
-        dq = _dq_blocks(
-            dq,
-            *args,
-            a,
-            end,
-            *opts,
-            drop,
-            BLOCK_N,
-            HEAD_DIM,
-            BLOCK_D,
-            True,
-            HAS_WINDOW_LEFT,
-            HAS_WINDOW_RIGHT,
-            HAS_ALIBI,
-            HAS_SOFTCAP,
-            HAS_DROPOUT,
-        )
+        dq = _dq_blocks(dq, *args, a, end, *opts, drop, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                            HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT)  # fmt: skip
     else:
-        dq = _dq_blocks(
-            dq,
-            *args,
-            b_full,
-            c_full,
-            *opts,
-            drop,
-            BLOCK_N,
-            HEAD_DIM,
-            BLOCK_D,
-            False,
-            HAS_WINDOW_LEFT,
-            HAS_WINDOW_RIGHT,
-            HAS_ALIBI,
-            HAS_SOFTCAP,
-            HAS_DROPOUT,
-        )
-        dq = _dq_blocks(
-            dq,
-            *args,
-            c_full,
-            end,
-            *opts,
-            drop,
-            BLOCK_N,
-            HEAD_DIM,
-            BLOCK_D,
-            True,
-            HAS_WINDOW_LEFT,
-            HAS_WINDOW_RIGHT,
-            HAS_ALIBI,
-            HAS_SOFTCAP,
-            HAS_DROPOUT,
-        )
+        dq = _dq_blocks(dq, *args, b_full, c_full, *opts, drop, BLOCK_N, HEAD_DIM, BLOCK_D, False,
+                            HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT)  # fmt: skip
+        dq = _dq_blocks(dq, *args, c_full, end, *opts, drop, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                            HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT)  # fmt: skip
     dq *= sm_scale
     tl.store(dq_ptr + b.to(tl.int64) * stride_dqb + q_row0 * stride_dqs + h * stride_dqh
              + rows[:, None] * stride_dqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=q_mask)  # fmt: skip
