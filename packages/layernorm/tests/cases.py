@@ -129,9 +129,10 @@ def targets():
 
 def shapes(device: str) -> list[tuple[int, ...]]:
     """Odd shapes; small ones under the interpreter, which runs each program in Python.
-    (33, 20000) and (2, 70000) take the looped kernels; (257, 64) gives backward programs
-    several row blocks each. On a GPU every shape is a compile per option combination, so
-    three shapes cover the tile, the multi-row tile and the looped kernels."""
+    (33, 20000) and (2, 70000) take the looped kernels there (the split kernels on a GPU);
+    (257, 64) gives backward programs several row blocks each. On a GPU every shape is a
+    compile per option combination, so three shapes cover the tile, the multi-row tile and
+    the split kernels."""
     if triton_interpreting():
         return [(1, 1), (7, 33), (2, 3, 64), (257, 64), (3, 20000)]
     if device != "cpu":

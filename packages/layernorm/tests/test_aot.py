@@ -57,12 +57,17 @@ def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, a
             ints = (*ints, "n_splits")
             constexprs.update(MAX_SPLITS=max_splits, NARROW=narrow)  # NARROW: PTX, CUDA only
     else:
-        kernel = "_norm_bwd_kernel"
+        kernel = "_norm_bwd_split_kernel" if cfg.mode == "split" else "_norm_bwd_kernel"
         ptrs = {"dy_ptr": act, "h_ptr": h, "w_ptr": act, "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
                 "dh_out_ptr": h, "dh_ptr": h, "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32"}  # fmt: skip
         ints, floats = _BWD_INTS, ("weight_offset",)
-        constexprs.update(LOOPED=cfg.looped, EVEN_C=even, PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows,
-                          BLOCK_C=cfg.block_cols)  # fmt: skip
+        if cfg.mode == "split":
+            ptrs.update(part_ptr="*fp32", arrived_ptr="*i32")
+            ints = (*ints, "n_splits")
+            constexprs.update(BLOCK_C=cfg.block_cols, MAX_SPLITS=max_splits, NARROW=narrow)
+        else:
+            constexprs.update(LOOPED=cfg.looped, EVEN_C=even, PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows,
+                              BLOCK_C=cfg.block_cols)  # fmt: skip
     signature = {**ptrs, **{i: int_type for i in ints}, **{f: "fp32" for f in floats}}
     # Sizes and strides that are multiples of 16 are what Triton specializes on at launch
     # (the vectorized kernel); `aligned=False` checks the kernel odd shapes get.
@@ -107,12 +112,17 @@ def cases_for(backend: str) -> list:
     case = functools.partial(_case, narrow=backend == "cuda")  # as plan.py sets it
     out = {}
     for direction, every in (("fwd", _FWD_ALL), ("bwd", _BWD_ALL)):
-        all_cfgs = configs.all_configs(backend, direction)
+        # The split backward picks its chunk per thread by dtype: each config in the dtypes
+        # that pick it (the others in bf16 and fp32).
+        picked = {d: configs.all_configs(backend, direction, t) for d, t in (("bf16", torch.bfloat16),
+                                                                            ("fp32", torch.float32))}  # fmt: skip
+        all_cfgs = picked["bf16"]
         tiles = [c for c in all_cfgs if c.mode == "tile"]
-        for cfg in all_cfgs:
+        for cfg in {*picked["bf16"], *picked["fp32"]}:
             for dtype in ("bf16", "fp32"):
-                c = case(direction, cfg, dtype, every)
-                out[c.label] = c
+                if cfg.mode != "split" or direction == "fwd" or cfg in picked[dtype]:
+                    c = case(direction, cfg, dtype, every)
+                    out[c.label] = c
             if cfg.mode == "tile":  # n_cols == BLOCK_C: the unmasked specialization
                 c = case(direction, cfg, "bf16", every, even=True)
                 out[c.label] = c
@@ -123,13 +133,22 @@ def cases_for(backend: str) -> list:
             for flags in _flag_variants(direction):
                 c = case(direction, cfg, "bf16", flags)
                 out[c.label] = c
+            wide_h = cfg  # a float32 h makes the split backward pick the float32 config
+            if direction == "bwd" and cfg.mode == "split":
+                wide_h = next(c for c in picked["fp32"] if c.mode == "split")
             for c in (
                 case(direction, cfg, "fp16", every),
-                case(direction, cfg, "bf16", every, h_dtype="fp32"),
+                case(direction, wide_h, "bf16", every, h_dtype="fp32"),
                 case(direction, cfg, "bf16", every, int_type="i64"),
                 *([case(direction, cfg, "bf16", every, aligned=False)] if cfg.mode != "tile" else []),
             ):
                 out[c.label] = c
+        if direction == "bwd":  # unaligned rows past the tile: the split backward's own configs
+            for dtype, t in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                for rms in (True, False):
+                    cfg = configs.launch_config(65536, t, backend, "bwd", aligned=False, rms=rms)
+                    c = case("bwd", cfg, dtype, every, aligned=False)
+                    out[c.label] = c
         # Unaligned rows (odd widths or strides) leave the tile at half the width.
         unaligned_tile = configs.launch_config(
             configs.MAX_TILE_COLS[direction] // 2, torch.float32, backend, direction, aligned=False

@@ -217,6 +217,9 @@ def _kernel_paths(device: str) -> list:
         ("bwd", NormConfig(4, 64, 2, "tile", programs_per_sm=1, prefetch=True), (37, 50)),
         ("bwd", NormConfig(1, 64, 2, "tile", programs_per_sm=0, prefetch=True), (37, 50)),
         ("bwd", NormConfig(1, 64, 2, "looped", programs_per_sm=1), (5, 200)),
+        # Split backward: runs of rows per program (2 programs per SM on the interpreter's 4).
+        ("bwd", NormConfig(1, 128, 4, "split", programs_per_sm=2), (37, 128 * splits - 3)),
+        ("bwd", NormConfig(1, 128, 4, "split", programs_per_sm=1), (3, 128 * splits - 3)),
     ]
 
 

@@ -91,14 +91,20 @@ def norm_bwd(
     n_rows, n_cols = h.shape
     backend, sm_count = _device_state(h.get_device())
     aligned = _aligned(n_cols, dy, h, dh_out)
-    plan = launch_plan("bwd", n_rows, n_cols, h.dtype, backend, aligned, rms, sm_count, config)
+    # The wider of dy and h sizes the split kernel's chunk per thread.
+    wider = dy.dtype if dy.element_size() > h.element_size() else h.dtype
+    plan = launch_plan("bwd", n_rows, n_cols, wider, backend, aligned, rms, sm_count, config)
     dw_part = db_part = rstd
     if dweight is not None:
         dw_part = torch.empty((plan.programs, n_cols), dtype=torch.float32, device=h.device)
     if dbias is not None:
         db_part = torch.empty((plan.programs, n_cols), dtype=torch.float32, device=h.device)
+    split = {}
+    if plan.config.mode == "split":  # scratch of the split kernel, as the forward's
+        split = dict(part_ptr=torch.empty(n_rows * plan.splits * 2, dtype=torch.float32, device=h.device),
+                     arrived_ptr=torch.zeros(n_rows, dtype=torch.int32, device=h.device), n_splits=plan.splits)  # fmt: skip
     launch(
-        kernels._norm_bwd_kernel, plan.grid, dy_ptr=dy, h_ptr=h, w_ptr=h if weight is None else weight, mean_ptr=rstd if mean is None else mean,
+        getattr(kernels, plan.kernel), plan.grid, **split, dy_ptr=dy, h_ptr=h, w_ptr=h if weight is None else weight, mean_ptr=rstd if mean is None else mean,
         rstd_ptr=rstd, dh_out_ptr=dh if dh_out is None else dh_out, dh_ptr=dh, dw_part_ptr=dw_part,
         db_part_ptr=db_part,
         n_rows=n_rows, n_cols=n_cols, stride_dy=dy.stride(0), stride_h=h.stride(0),

@@ -5,7 +5,8 @@ Forward: rows up to MAX_TILE_COLS wide live in registers (the tile kernel); long
 split over up to MAX_SPLITS programs that exchange partial statistics (the split kernel),
 and rows longer still take the looped kernel. Backward: the tile kernel on a persistent
 grid of programs_per_sm programs per SM, each reducing its rows' dweight/dbias into one
-partial row; the looped kernel past MAX_TILE_COLS.
+partial row; past MAX_TILE_COLS the split kernel (runs of rows, each row split over
+programs that exchange its gradient sums), and the looped kernel past that.
 
 plan.py turns a config into one launch (kernel, grid, split count, rows per program,
 shape-derived constexprs).
@@ -38,7 +39,15 @@ MAX_SPLITS = 64
 # columns per program (enough programs at 2048 columns), warps.
 SUM_BLOCK_P, SUM_BLOCK_C, SUM_WARPS = 32, 128, 4
 LOOPED_COLS = 4096
-SPLIT_COLS = 8192  # the split kernel's chunk per program (doubled for the longest rows)
+SPLIT_COLS = 8192  # the split kernels' chunk per program (doubled for the longest rows)
+# The split backward, by norm (RMSNorm?): chunk per program and elements per thread for
+# 16-bit rows (float32 rows hold half as many per thread), and the programs per SM its grid
+# is sized to (each takes a run of rows of one chunk). H200, bf16, 16384-262144 columns
+# (docs/perf.md): RMSNorm 0.57-0.66 of copy at 8192 x 8 warps, LayerNorm (a second row sum
+# and the dbias accumulator: more registers) 0.35-0.45 at 4096 x 8; loading the next row
+# before the wait ran slower (fewer programs per SM) or spilled.
+SPLIT_BWD = {True: (8192, 32), False: (4096, 16)}
+SPLIT_BWD_PROGRAMS_PER_SM = 2
 # Elements each thread holds, by (direction, norm), and how many rows a tile stacks.
 # Measured on H200, bf16, 64M-element grids (docs/perf.md): the RMSNorm forward ran best at
 # 16 per thread (4096 cols: 0.879 of copy at 8 warps vs 0.871 at 4), LayerNorm's at 32
@@ -92,7 +101,9 @@ def launch_config(
     aligned: n_cols and the row strides are multiples of 16, so loads are vectorized;
     unaligned rows load element by element, each element with its own address registers,
     and leave the tile at half the width (the 16384 forward tile spilled 8 B per thread on
-    sm_80 unaligned). rms: RMSNorm (one row reduction) or LayerNorm (three). dtype: unused.
+    sm_80 unaligned). rms: RMSNorm (one row reduction) or LayerNorm (three). dtype: the
+    rows' (the wider of dy's and h's in the backward): it sizes the split backward's chunk
+    per thread.
     """
     vendor = "rocm" if backend == "rocm" else "cuda"
     limit = MAX_TILE_COLS[direction] if aligned else MAX_TILE_COLS[direction] // 2
@@ -124,6 +135,14 @@ def launch_config(
             # Unaligned rows hold an address per element: 32 per thread, as before.
             per_thread = 32 if not aligned or (not rms and chunk == base) else 64
             return NormConfig(1, chunk, _warps(chunk, per_thread, vendor), "split")
+    if direction == "bwd" and backend in ("cuda", "rocm"):
+        base, per_thread = SPLIT_BWD[rms]
+        base = base if aligned else base // 2
+        per_thread = per_thread // 2 if dtype.itemsize > 2 or not aligned else per_thread
+        # No doubled chunk past MAX_SPLITS (its 16384-column LayerNorm spilled on sm_80/sm_90):
+        # the looped kernel takes those rows.
+        if -(-n_cols // base) <= MAX_SPLITS:
+            return NormConfig(1, base, _warps(base, per_thread, vendor), "split", SPLIT_BWD_PROGRAMS_PER_SM)
     chunk = LOOPED_COLS if aligned else LOOPED_COLS // 2
     warps = _warps(chunk, 16, vendor)
     # Looped kernels: 4096-column chunks at 16 per thread (8192-column chunks measured
@@ -131,12 +150,14 @@ def launch_config(
     return NormConfig(1, chunk, warps, "looped", max(1, 32 // warps) if direction == "bwd" else 0)
 
 
-def all_configs(backend: str, direction: str) -> list[NormConfig]:
-    """Every config `launch_config` can return for aligned rows (for compile-only checks)."""
+def all_configs(backend: str, direction: str, dtype: torch.dtype = torch.float32) -> list[NormConfig]:
+    """Every config `launch_config` can return for aligned rows of dtype (for compile-only
+    checks; 16-bit and float32 rows differ in the split backward)."""
     seen = set()
     for rms in (True, False):
         for k in range(0, 21):
-            seen.add(launch_config(1 << k, torch.float32, backend, direction, True, rms))
-        for n_cols in (MAX_SPLITS * SPLIT_COLS + 1, 2 * MAX_SPLITS * SPLIT_COLS + 1):  # doubled chunk, looped
-            seen.add(launch_config(n_cols, torch.float32, backend, direction, True, rms))
+            seen.add(launch_config(1 << k, dtype, backend, direction, True, rms))
+        # The split forward's chunk doubled, then the looped kernels.
+        for splits in (MAX_SPLITS, 2 * MAX_SPLITS, 4 * MAX_SPLITS):
+            seen.add(launch_config(splits * SPLIT_COLS + 1, dtype, backend, direction, True, rms))
     return sorted(seen, key=lambda c: (c.mode, c.block_cols, c.block_rows, c.num_warps))

@@ -15,8 +15,9 @@ Forward, by row length:
                            one read of x, one write of y.
   _norm_fwd_looped_kernel  any length: one program walks a row twice (statistics, then
                            output), the second walk backwards to start where L2 is warm.
-Backward: _norm_bwd_kernel, tile (persistent, optionally prefetching) or looped, then
-_sum_parts_kernel for dweight/dbias: the programs' partial rows summed in a fixed order.
+Backward: _norm_bwd_kernel, tile (persistent, optionally prefetching) or looped, or for
+long rows _norm_bwd_split_kernel (the split forward's exchange, for the gradient's row sums);
+then _sum_parts_kernel for dweight/dbias: the partial rows summed in a fixed order.
 """
 
 import triton
@@ -503,6 +504,94 @@ def _norm_bwd_kernel(
                 if BIAS_GRAD:
                     db = tl.load(db_part_ptr + part_row + cols, mask=mask & not_first, other=0.0)
                     tl.store(db_part_ptr + part_row + cols, db + dy, mask=mask)
+
+
+@triton.jit
+def _norm_bwd_split_kernel(
+    dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, dh_out_ptr, dh_ptr, dw_part_ptr, db_part_ptr, part_ptr,
+    arrived_ptr, n_rows, n_cols, n_splits, stride_dy, stride_h, stride_dh_out, stride_dh, rows_per_program,
+    weight_offset,
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DH_OUT: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    BLOCK_C: tl.constexpr, MAX_SPLITS: tl.constexpr, NARROW: tl.constexpr,
+):  # fmt: skip
+    """Long rows split over n_splits programs, as the split forward: program pid holds
+    chunk pid % n_splits of rows_per_program consecutive rows (row block pid // n_splits),
+    one row at a time. Per row it publishes its chunk's sums of g * xhat and g to part_ptr,
+    counts itself in arrived_ptr[row] (zeroed by the launcher), waits for the row's other
+    chunks, and writes its chunk of dh from registers: one read of dy and h, one write of
+    dh. Its chunk of the dweight/dbias partials (row block x n_cols, float32) accumulates in
+    registers over its rows and is stored once: no atomics, the same result on every run.
+
+    Progress: a row block's programs are consecutive and start in index order, so the
+    argument of the split forward holds while a GPU fits n_splits programs at once (the
+    launch plan keeps n_splits within the SM count). NARROW (CUDA, 16-bit dy and h): they are
+    held across the wait in their own dtype (see _norm_fwd_split_kernel). Loading the next
+    row before the wait measured slower: more registers, fewer programs per SM."""
+    pid = tl.program_id(0)
+    block = pid // n_splits
+    split = pid % n_splits
+    cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < n_cols
+    first_row = block.to(tl.int64) * rows_per_program
+    n_local = tl.minimum(rows_per_program, n_rows - first_row)
+    index = tl.arange(0, MAX_SPLITS)
+    valid = index < n_splits
+    dw_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for local in range(0, n_local):
+        row = first_row + local
+        dy_raw = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        h_raw = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        rstd = tl.load(rstd_ptr + row)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.load(mean_ptr + row)
+        dy, xhat, g = _split_grad_terms(dy_raw, h_raw, w_ptr, cols, mask, mean, rstd, weight_offset,
+                                        HAS_WEIGHT)  # fmt: skip
+        slot = part_ptr + (row * n_splits + split) * 2
+        tl.store(slot, tl.sum(g * xhat, axis=0))
+        if not IS_RMS:
+            tl.store(slot + 1, tl.sum(g, axis=0))
+        tl.debug_barrier()
+        tl.atomic_add(arrived_ptr + row, 1, sem="release")
+        seen = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+        while seen < n_splits:
+            seen = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+        tl.debug_barrier()
+        parts = part_ptr + (row * n_splits + index) * 2
+        c1 = tl.sum(tl.load(parts, mask=valid, other=0.0, cache_modifier=".cg"), axis=0) / n_cols
+        c2 = 0.0
+        if not IS_RMS:
+            c2 = tl.sum(tl.load(parts + 1, mask=valid, other=0.0, cache_modifier=".cg"), axis=0) / n_cols
+        if NARROW and dy_raw.dtype.primitive_bitwidth == 16 and h_raw.dtype.primitive_bitwidth == 16:
+            # From the 16-bit registers again, so the float32 terms are not held over the wait.
+            dy, xhat, g = _split_grad_terms(_opaque_copy(dy_raw), _opaque_copy(h_raw), w_ptr, cols, mask, mean,
+                                            rstd, weight_offset, HAS_WEIGHT)  # fmt: skip
+        dh = (g - xhat * c1 - c2) * rstd
+        if HAS_DH_OUT:
+            dh += tl.load(dh_out_ptr + row * stride_dh_out + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dh_ptr + row * stride_dh + cols, dh.to(dh_ptr.dtype.element_ty), mask=mask)
+        if WEIGHT_GRAD:
+            dw_acc += dy * xhat
+        if BIAS_GRAD:
+            db_acc += dy
+    part_row = block.to(tl.int64) * n_cols
+    if WEIGHT_GRAD:
+        tl.store(dw_part_ptr + part_row + cols, dw_acc, mask=mask)
+    if BIAS_GRAD:
+        tl.store(db_part_ptr + part_row + cols, db_acc, mask=mask)
+
+
+@triton.jit
+def _split_grad_terms(dy_raw, h_raw, w_ptr, cols, mask, mean, rstd, weight_offset, HAS_WEIGHT: tl.constexpr):
+    """(dy, xhat, g = dy * (w + weight_offset)) of one chunk, in float32 (masked entries 0)."""
+    dy = dy_raw.to(tl.float32)
+    xhat = tl.where(mask, (h_raw.to(tl.float32) - mean) * rstd, 0.0)
+    g = dy
+    if HAS_WEIGHT:
+        g = dy * (tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+    return dy, xhat, g
 
 
 @triton.jit

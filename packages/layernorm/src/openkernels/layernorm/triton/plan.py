@@ -49,17 +49,22 @@ class FwdPlan:
 
 @dataclass(frozen=True)
 class BwdPlan:
-    """One backward launch of _norm_bwd_kernel: grid (programs,), each program taking
-    rows_per_program consecutive rows and writing one partial row of dweight/dbias."""
+    """One backward launch. kernel: its name in kernels.py (_norm_bwd_kernel, or
+    _norm_bwd_split_kernel for long rows); grid: 1D. Each program takes rows_per_program
+    consecutive rows (of its chunk, when split over `splits` programs per row) and writes
+    its part of one partial row of dweight/dbias."""
 
     config: NormConfig
+    kernel: str
     grid: tuple[int]
+    splits: int
     rows_per_program: int
     meta: tuple[tuple[str, int | bool], ...]
 
     @property
     def programs(self) -> int:
-        return self.grid[0]
+        """Rows of the dweight/dbias partials: one per run of rows."""
+        return self.grid[0] // self.splits
 
     @property
     def constexprs(self) -> dict[str, int | bool]:
@@ -86,7 +91,7 @@ def plan(
     device (sizes persistent grids); config: overrides `launch_config` (tests)."""
     cfg = config or launch_config(n_cols, dtype, backend, direction, aligned, rms)
     if direction == "bwd":
-        return _bwd_plan(cfg, n_rows, n_cols, sm_count)
+        return _bwd_plan(cfg, n_rows, n_cols, backend, sm_count)
     return _fwd_plan(cfg, n_rows, n_cols, backend, sm_count)
 
 
@@ -97,20 +102,38 @@ def _fwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, backend: str, sm_count:
                     PREFETCH=cfg.prefetch, BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols)  # fmt: skip
         return FwdPlan(cfg, "_norm_fwd_kernel", (_programs(blocks, cfg, sm_count),), 1, tuple(meta.items()))
     if cfg.mode == "split":
-        splits = _cdiv(n_cols, cfg.block_cols)
-        if splits > MAX_SPLITS or (splits > 1 and backend == "cpu"):
-            # Its programs wait for each other: more than fit at once (or the interpreter,
-            # which runs them one by one) would never finish.
-            raise ValueError(f"the split kernel cannot run {splits} splits per row on backend {backend!r}")
-        # NARROW: the kernel's 16-bit register holding, through PTX (CUDA only), on chunks of
-        # at least one 16-byte vector per thread (its register copy moves pairs of elements).
-        narrow = backend == "cuda" and cfg.block_cols >= 8 * 32 * cfg.num_warps
-        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits), NARROW=narrow)
+        splits = _split_count(cfg, n_cols, backend, MAX_SPLITS)
+        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits), NARROW=_narrow(cfg, backend))
         return FwdPlan(cfg, "_norm_fwd_split_kernel", (n_rows * splits,), splits, tuple(meta.items()))
     return FwdPlan(cfg, "_norm_fwd_looped_kernel", (n_rows,), 1, (("BLOCK_C", cfg.block_cols),))
 
 
-def _bwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, sm_count: int) -> BwdPlan:
+def _split_count(cfg: NormConfig, n_cols: int, backend: str, limit: int) -> int:
+    """Programs per row of a split kernel, checked: they wait for each other, so more than
+    fit at once (or any on the interpreter, which runs programs one by one) never finish."""
+    splits = _cdiv(n_cols, cfg.block_cols)
+    if splits > limit or (splits > 1 and backend == "cpu"):
+        raise ValueError(f"the split kernel cannot run {splits} splits per row on backend {backend!r}")
+    return splits
+
+
+def _narrow(cfg: NormConfig, backend: str) -> bool:
+    """NARROW: the split kernels' 16-bit register holding, through PTX (CUDA only), on chunks
+    of at least one 16-byte vector per thread (its register copy moves pairs of elements)."""
+    return backend == "cuda" and cfg.block_cols >= 8 * 32 * cfg.num_warps
+
+
+def _bwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, backend: str, sm_count: int) -> BwdPlan:
+    if cfg.mode == "split":
+        # One program per SM always fits (a program's registers fit an SM), so a row's
+        # programs are resident together when there are no more of them than SMs.
+        splits = _split_count(cfg, n_cols, backend, min(MAX_SPLITS, sm_count))
+        blocks = max(1, min(n_rows, sm_count * cfg.programs_per_sm // splits))
+        rows_per_program = _cdiv(n_rows, blocks)
+        blocks = _cdiv(n_rows, rows_per_program)
+        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits), NARROW=_narrow(cfg, backend))
+        return BwdPlan(cfg, "_norm_bwd_split_kernel", (blocks * splits,), splits, rows_per_program,
+                       tuple(meta.items()))  # fmt: skip
     # Every program gets at least one row, so every partial row is written.
     rows_per_program = _cdiv(n_rows, _programs(n_rows, cfg, sm_count))
     if not cfg.looped:
@@ -118,7 +141,7 @@ def _bwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, sm_count: int) -> BwdPl
     programs = _cdiv(n_rows, rows_per_program)
     meta = dict(LOOPED=cfg.looped, EVEN_C=n_cols == cfg.block_cols, PREFETCH=cfg.prefetch,
                 BLOCK_R=cfg.block_rows, BLOCK_C=cfg.block_cols)  # fmt: skip
-    return BwdPlan(cfg, (programs,), rows_per_program, tuple(meta.items()))
+    return BwdPlan(cfg, "_norm_bwd_kernel", (programs,), 1, rows_per_program, tuple(meta.items()))
 
 
 _STATS = "float32"
@@ -243,6 +266,11 @@ def bwd_launch(
         IS_RMS=rms, HAS_WEIGHT=has_weight, HAS_DH_OUT=has_dh_out, WEIGHT_GRAD=weight_grad,
         BIAS_GRAD=bias_grad, **lp.constexprs,
     )  # fmt: skip
+    zeroed: tuple[str, ...] = ()
+    if lp.config.mode == "split":  # its scratch, as the split forward's
+        outputs += (("part_ptr", (n_rows * lp.splits * 2,), _STATS), ("arrived_ptr", (n_rows,), "int32"))
+        constants["n_splits"] = lp.splits
+        zeroed = ("arrived_ptr",)
     cfg = lp.config
-    return Launch("_norm_bwd_kernel", lp.grid, inputs, outputs, tuple(constants.items()), cfg.num_warps,
-                  cfg.num_stages)  # fmt: skip
+    return Launch(lp.kernel, lp.grid, inputs, outputs, tuple(constants.items()), cfg.num_warps,
+                  cfg.num_stages, zeroed)  # fmt: skip
