@@ -47,9 +47,16 @@ def quantize(w: torch.Tensor, kind: str, symmetric: bool, group_size: int | None
     return Q.quantize_int4(w, group_size, symmetric)
 
 
-def rounds_weight(impl: str, kind: str, m: int, n: int, k: int, group: int, device: str) -> bool:
+def rounds_weight(
+    impl: str, kind: str, m: int, n: int, k: int, group: int, device: str, dtype: torch.dtype, has_bias: bool
+) -> bool:
     """Whether the path the launcher picks rounds W (or the NF4 levels) to x's dtype before
-    the products: the dequantize + matmul path of large M, and NF4 levels in the MMA."""
+    the products: the dequantize + matmul paths of large M (Triton; the CPU's with bfloat16
+    x and no bias, where its GEMM is fast), and NF4 levels in the MMA."""
+    if impl == "cpu":
+        from openkernels.quant.cpu import dequantizes_then_multiplies
+
+        return dequantizes_then_multiplies(m, dtype, has_bias)
     if impl != "triton":
         return False
     from openkernels.quant.triton import config_for

@@ -48,8 +48,8 @@ def test_linear_matches_reference(device, impl, kind, symmetric, shape, dtype) -
     with dispatch.force(impl):
         out = Q.int4_linear(x, weight, bias)
     assert out.dtype == dtype and out.shape == (m, n)
-    assert_linear_close(out, x, weight, bias, w_rounded=rounds_weight(impl, kind, m, n, k, weight.group_size, device),
-                        msg=f"{impl} {kind} {shape}")  # fmt: skip
+    rounded = rounds_weight(impl, kind, m, n, k, weight.group_size, device, dtype, bias is not None)
+    assert_linear_close(out, x, weight, bias, w_rounded=rounded, msg=f"{impl} {kind} {shape}")
 
 
 @pytest.mark.parametrize(("device", "impl"), targets())

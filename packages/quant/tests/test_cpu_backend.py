@@ -72,7 +72,10 @@ def _assert_matches(out, x, qweight, scales, zeros, bias, group_size, kind, msg=
     ref = xd @ w.t()
     if bias is not None:
         ref = ref + bias.double()
-    tol = reference.linear_error_bound(xd, w, ref, out.dtype)
+    # The dequantize-then-GEMM path rounds W to x's dtype before the products.
+    rounded = cpu.dequantizes_then_multiplies(x.shape[0], x.dtype, bias is not None)
+    tol = reference.linear_error_bound(xd, w, ref, out.dtype, weight_rounded_to=x.dtype if rounded else None,
+                                       abs_sum=_gemv_abs_sum(xd, qweight, scales, zeros, group_size, kind))  # fmt: skip
     if bias is not None:  # the bias joins the float32 sum
         tol = tol + 4 * math.sqrt(max(x.shape[1], 1)) * 2.0**-24 * bias.double().abs()
     if out.dtype == torch.float16:
@@ -89,6 +92,20 @@ def _assert_matches(out, x, qweight, scales, zeros, bias, group_size, kind, msg=
             f"{msg}: {int((~ok).sum())} of {ok.numel()} outside tolerance, first at {first}: "
             f"got {got[first].item()}, ref {ref[first].item()}, tol {tol[first].item():.3g}; worst |err| / tol {ratio:.3g}"
         )
+
+
+def _gemv_abs_sum(xd, qweight, scales, zeros, group_size, kind):
+    """What the int4 GEMV (x of at most 6 rows) accumulates in place of sum_k |x_k w_k|: it
+    multiplies x by the codes and takes zero * scale * sum(x) off per group, so its float32
+    error follows sum_k |x_k| s (|q_k| + |z|) (reference.linear_error_bound's abs_sum; a
+    bound without it failed at K = 10, group 2). None on the other paths."""
+    if kind != "int4" or xd.shape[0] > 6:
+        return None
+    k = xd.shape[1]
+    q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)[:, :k].double()
+    s = scales.double().repeat_interleave(group_size, 0)[:k].t()
+    z = 8.0 if zeros is None else zeros.double().repeat_interleave(group_size, 0)[:k].t()
+    return xd.abs() @ (s.abs() * (q + torch.as_tensor(z).abs())).t()
 
 
 def _bias(n: int, i: int) -> torch.Tensor | None:
@@ -115,6 +132,28 @@ def test_linear_matches_reference(kind_zeros, group_size, m, dtype, scale_dtype)
             i += 1
             out = _linear(x, *parts, bias, gs, kind)
             _assert_matches(out, x, *parts, bias, gs, kind, msg=f"N={n} K={k} gs={gs}")
+
+
+@pytest.mark.parametrize("kind_zeros", KINDS)
+@pytest.mark.parametrize("fast_gemm", [True, False], ids=["bf16-gemm", "no-bf16-gemm"])
+def test_dequantize_then_multiply_path(monkeypatch, kind_zeros, fast_gemm) -> None:
+    """bfloat16 x of DEQUANTIZE_MATMUL_MIN_M rows or more, without a bias, goes to the
+    dequantize-then-GEMM path where the CPU's bf16 GEMM is fast (forced here either way): W
+    in panels (32 rows here, so 130 rows take five, the last one partial), each column range
+    of the output written once; with a bias, fewer rows or no fast GEMM, the kernel."""
+    kind, zeros = kind_zeros
+    monkeypatch.setattr(cpu, "_fast_bf16_gemm", lambda: fast_gemm)
+    monkeypatch.setattr(cpu, "PANEL_ROWS", 32)
+    n, k, gs = 130, 256, 64
+    m = cpu.DEQUANTIZE_MATMUL_MIN_M
+    parts = _parts(n, k, gs, kind, zeros)
+    for rows, bias in ((m, None), (m + 5, None), (m, torch.randn(n)), (m - 1, None)):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        assert cpu.dequantizes_then_multiplies(rows, x.dtype, bias is not None) == (
+            fast_gemm and bias is None and rows >= m
+        )
+        _assert_matches(_linear(x, *parts, bias, gs, kind), x, *parts, bias, gs, kind, msg=f"M={rows}")
+    assert not cpu.dequantizes_then_multiplies(m, torch.float32, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

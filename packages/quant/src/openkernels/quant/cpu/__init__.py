@@ -1,5 +1,6 @@
 """CPU backend: a fused dequantize + matmul C++ kernel (int4_linear.cpp), compiled on first call,
-run through ctypes.
+run through ctypes; for bfloat16 x of many rows on CPUs with a fast bfloat16 GEMM, the same
+library's dequantization in panels, each multiplied by torch.mm (dequantizes_then_multiplies).
 
 Same entry points as reference.py. x (M, K) has unit column stride and any row stride, in float32,
 bfloat16 or float16; out (M, N) is contiguous in x's dtype; qweight (N, K // 2) uint8 and
@@ -17,6 +18,7 @@ against 1.0 / 5.4 / 32 ms here.
 from __future__ import annotations
 
 import ctypes
+import functools
 import pathlib
 
 import torch
@@ -27,7 +29,7 @@ from openkernels.shared.dispatch import DispatchKey
 
 from ..format import KINDS, SCALE_DTYPES, nf4_values
 
-__all__ = ["dequantize_int4_fwd", "int4_linear_fwd", "supports"]
+__all__ = ["dequantize_int4_fwd", "int4_linear_fwd", "supports", "dequantizes_then_multiplies"]
 
 _SOURCE = pathlib.Path(__file__).with_name("int4_linear.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -41,6 +43,37 @@ _SIGNATURES = {
     "ok_int4_dequantize": [_P, _I64, _P, _I64, _P, _I64, _I32, _P, _P, _I64, _I64, _I64, _I32, _I32, _I32],
 }  # fmt: skip
 _library = cpu_build.KernelLibrary(_SOURCE, name="openkernels_quant", signatures=_SIGNATURES)
+
+# From this many rows of bfloat16 x (and no bias), W goes to bfloat16 in panels of
+# PANEL_ROWS rows (the C++ dequantization below) and torch's bfloat16 GEMM multiplies: where
+# the CPU has AVX512-BF16 or AMX, that GEMM outruns the float32 kernel. Measured on the 2-core
+# AVX-512 BF16 VM (torch 2.13, group 128, N x K = 4096 x 4096 and 11008 x 4096): 1.2-1.35x the
+# kernel at M = 48, 1.35-1.5x at 64, 1.6-1.8x at 128, even at 32; 1024-row panels were the
+# fastest of 256-11008 (docs/perf.md). W is rounded to bfloat16 before the products, as on the
+# GPU's large-M path (reference.linear_error_bound's weight term). A bias stays with the
+# kernel, which adds it before its single rounding. Without those instructions torch's bf16
+# GEMM is several times slower (25 ms at M = 16 on an AVX2 machine): the kernel runs.
+DEQUANTIZE_MATMUL_MIN_M = 48
+# Panels of at most 1024 rows and 8 MiB: glibc serves blocks of that size from its heap after
+# the first call, where a fresh 32 MB block costs ~10 ms of page faults on that VM.
+PANEL_ROWS, PANEL_BYTES = 1024, 8 << 20
+
+
+@functools.cache
+def _fast_bf16_gemm() -> bool:
+    """Whether torch's CPU bfloat16 GEMM has AVX512-BF16 or AMX tiles to run on."""
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        try:
+            if getattr(torch.cpu, probe)():
+                return True
+        except Exception:  # a torch without the probe: assume the slow GEMM
+            continue
+    return False
+
+
+def dequantizes_then_multiplies(m: int, dtype: torch.dtype, has_bias: bool) -> bool:
+    """Whether int4_linear_fwd takes the dequantize-then-GEMM path (W rounded to bfloat16)."""
+    return dtype == torch.bfloat16 and not has_bias and m >= DEQUANTIZE_MATMUL_MIN_M and _fast_bf16_gemm()
 
 
 def supports(key: DispatchKey) -> str | None:
@@ -135,6 +168,9 @@ def int4_linear_fwd(x, qweight, scales, zeros, bias, out: Tensor, group_size: in
         bias = bias.to(torch.float32).contiguous()
     if out.numel() == 0:
         return
+    if dequantizes_then_multiplies(m, x.dtype, bias is not None):
+        _dequantize_then_multiply(x, qweight, scales, zeros, out, group_size, kind)
+        return
     z_ptr, z_stride = _zeros_args(zeros)
     status = _library().ok_int4_linear(
         x.data_ptr(), x.stride(0), qweight.data_ptr(), qweight.stride(0), scales.data_ptr(), scales.stride(0),
@@ -143,6 +179,23 @@ def int4_linear_fwd(x, qweight, scales, zeros, bias, out: Tensor, group_size: in
         torch.get_num_threads(),
     )  # fmt: skip
     _status(status)
+
+
+def _dequantize_then_multiply(x, qweight, scales, zeros, out: Tensor, group_size: int, kind: str) -> None:
+    """out (M, N) bfloat16 = x @ W^T, W dequantized to bfloat16 PANEL_ROWS rows at a time (a
+    panel stays in cache between the dequantization and the GEMM that reads it)."""
+    n, k = qweight.shape[0], x.shape[1]
+    rows = min(PANEL_ROWS, max(64, PANEL_BYTES // (2 * k) // 64 * 64), n)
+    panel = torch.empty(rows, k, dtype=torch.bfloat16)
+    for n0 in range(0, n, rows):
+        nb = min(rows, n - n0)
+        w = panel[:nb]
+        part = None if zeros is None else zeros[:, n0 : n0 + nb]
+        dequantize_int4_fwd(qweight[n0 : n0 + nb], scales[:, n0 : n0 + nb], part, w, group_size, kind)
+        if nb == n:
+            torch.mm(x, w.t(), out=out)
+        else:
+            out[:, n0 : n0 + nb] = torch.mm(x, w.t())
 
 
 def dequantize_int4_fwd(
