@@ -121,12 +121,21 @@ def test_large_offsets_and_constant_rows(device: str, impl: str, rms: bool) -> N
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("residual", [False, True], ids=["x", "x+residual"])
 @pytest.mark.parametrize("cols", [384, 1000])
-def test_short_rows_far_from_their_first_value(device: str, impl: str, cols: int) -> None:
-    # Short float32 rows are summed in one pass about their first value on the CPU; a first value
-    # far from the row's mean (an outlier, a row that jumps) must not cost the variance its digits.
-    options = Options(rms=False, bias=True)
-    inputs = options.make((7, cols), torch.float32, device)
+def test_short_rows_far_from_their_first_value(
+    device: str, impl: str, cols: int, residual: bool, dtype: torch.dtype
+) -> None:
+    # Short rows are summed in one pass about their first value on the CPU (with a residual:
+    # while x + residual is added; bfloat16: while it is converted); a first value far from the
+    # row's mean (an outlier, a row that jumps) must not cost the variance its digits.
+    options = Options(rms=False, bias=True, residual=residual)
+    inputs = options.make((7, cols), dtype, device)
+    if residual:  # zero on the rows set below (h = x exactly there), random on rows 0 and 6
+        r = inputs["residual"].detach().clone()
+        r[1:6] = 0.0
+        inputs["residual"] = r.requires_grad_()
     x = inputs["x"].detach().clone()
     x[1, 0] = 1.0e4  # an outlier first
     x[2, 1:] = x[2, 1:] * 0.01
@@ -137,9 +146,9 @@ def test_short_rows_far_from_their_first_value(device: str, impl: str, cols: int
     x[5, 0] = 1.0
     inputs["x"] = x.requires_grad_()
     with dispatch.force(impl), poisoned_empty():
-        y, h = options.call(inputs, torch.float32)
+        y, h = options.call(inputs, dtype)
         # No conditioning allowance: the rows are summed about their mean, as every other row.
-        check_against_reference(options, inputs, torch.float32, y, h, "rows far from their first value")
+        check_against_reference(options, inputs, dtype, y, h, "rows far from their first value")
 
 
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])

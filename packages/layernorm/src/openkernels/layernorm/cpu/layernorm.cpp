@@ -440,12 +440,97 @@ OK_NOINLINE void add_rows(const A* __restrict x, const A* __restrict r, A* __res
   for (int64_t i = 0; i < n; ++i) h[i] = x[i] + r[i];
 }
 
+// h = x + r and, in the same pass, sum((h - center)^2) (returned) and with kLinear sum(h - center)
+// (into *sum_d): the row's sums taken while h is written, instead of two more passes over it.
+// center = x[0] + r[0] (LayerNorm: the row's first value, see first_value_stats) or 0 (RMSNorm).
+template <class A, bool kLinear>
+OK_NOINLINE A add_rows_sums(const A* __restrict x, const A* __restrict r, A* __restrict h, int64_t n, A center,
+                            A* sum_d) {
+  A sq[kLanes] = {}, lin[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      const A v = x[i + j] + r[i + j];
+      h[i + j] = v;
+      const A d = v - center;
+      sq[j] += d * d;
+      if constexpr (kLinear) lin[j] += d;
+    }
+  }
+  A s = 0, t = 0;
+  for (; i < n; ++i) {
+    const A v = x[i] + r[i];
+    h[i] = v;
+    const A d = v - center;
+    s += d * d;
+    if constexpr (kLinear) t += d;
+  }
+  if constexpr (kLinear) *sum_d = t + fold(lin);
+  return s + fold(sq);
+}
+
 // The same for bfloat16 x, residual and h: h = round_bf16(x + r) in float, one pass instead of two
 // conversions, an add and a rounding pass.
 OK_NOINLINE void add_rows_bf16(const uint16_t* __restrict x, const uint16_t* __restrict r, float* __restrict h,
                                int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) h[i] = bf16_load(bf16_store(bf16_load(x[i]) + bf16_load(r[i])));
+}
+
+// h[i] = make(i) (a float) for i < n, and sum((h - center)^2) (returned) and sum(h - center) (into
+// *sum_d) while h is in registers: a short row's staging pass and its LayerNorm sums in one.
+template <class Make>
+OK_INLINE float staged_sums(float* __restrict h, int64_t n, float center, float* sum_d, Make&& make) {
+  float sq[kLanes] = {}, lin[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = make(i + j);
+      h[i + j] = v;
+      const float d = v - center;
+      sq[j] += d * d;
+      lin[j] += d;
+    }
+  }
+  float s = 0.0f, t = 0.0f;
+  for (; i < n; ++i) {
+    const float v = make(i);
+    h[i] = v;
+    const float d = v - center;
+    s += d * d;
+    t += d;
+  }
+  *sum_d = t + fold(lin);
+  return s + fold(sq);
+}
+
+// bfloat16 x (and residual, h rounded to bfloat16) of one chunk: staged as float with the sums above.
+OK_NOINLINE float bf16_row_sums(const uint16_t* __restrict x, const uint16_t* __restrict r, float* __restrict h,
+                                int64_t n, float center, float* sum_d) {
+  if (r == nullptr) return staged_sums(h, n, center, sum_d, [&](int64_t i) { return bf16_load(x[i]); });
+  return staged_sums(h, n, center, sum_d,
+                     [&](int64_t i) { return bf16_load(bf16_store(bf16_load(x[i]) + bf16_load(r[i]))); });
+}
+
+// A short row's LayerNorm statistics from its sums ss = sum((h - c)^2) and sum_d = sum(h - c) about
+// its first value c, in A (a serial chain of latencies: double math in it costs as much as a pass): the
+// mean, and N * variance. A row whose first value lies more than 4 standard deviations from its mean
+// (or whose sums are not finite) is summed again about its mean while it is in L1 (as
+// first_value_stats does for long rows).
+template <class A>
+OK_INLINE void short_row_stats(const A* __restrict h, int64_t m, A center, A ss, A sum_d, double& mean,
+                               double& m2) {
+  const A inv = A(1) / A(m);
+  A dc = sum_d * inv;
+  if (!(dc * dc <= A(16) * (ss * inv - dc * dc))) {
+    center += dc;
+    ss = centered_sums<A>(h, center, m, &sum_d);
+    dc = sum_d * inv;
+  }
+  mean = double(center + dc);
+  m2 = double(std::max(A(0), ss - A(m) * dc * dc));
 }
 
 struct Fwd {
@@ -542,6 +627,40 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
       mu += double(sum_d);
       if (ro) store(f.res_out_code, hc, ro + c * elem_size(f.res_out_code), m, stream_res);
       continue;
+    }
+    const char* rc0 = res ? res + c * elem_size(f.res_code) : nullptr;
+    if (rc0 && !round && f.x_code == kAcc && f.res_code == kAcc && (f.rms || m == N)) {
+      // A row of one chunk (LayerNorm; RMSNorm any) with a residual in A: h and its sums in one pass.
+      const A* xa = reinterpret_cast<const A*>(xc);
+      const A* ra = reinterpret_cast<const A*>(rc0);
+      if (f.rms) {
+        s += double(add_rows_sums<A, false>(xa, ra, hb + c, m, A(0), nullptr));
+      } else {
+        const A center = xa[0] + ra[0];
+        A sum_d;
+        const A ss = add_rows_sums<A, true>(xa, ra, hb + c, m, center, &sum_d);
+        short_row_stats<A>(hb + c, m, center, ss, sum_d, mu, m2);
+      }
+      if (ro) store(f.res_out_code, hb + c, ro + c * elem_size(f.res_out_code), m, stream_res);
+      continue;
+    }
+    if constexpr (std::is_same_v<A, float>) {
+      // bfloat16 LayerNorm rows of one chunk, x alone (staged into tb) or x + residual rounded to a
+      // bfloat16 h (into hb): staged and summed about the first value in one pass.
+      const bool bf16_x = f.x_code == kBF16 && !f.rms && m == N;
+      const bool alone = bf16_x && refetch;
+      const bool with_res = bf16_x && rc0 && f.res_code == kBF16 && f.h_code == kBF16;
+      if (alone || with_res) {
+        const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc);
+        const uint16_t* rb = with_res ? reinterpret_cast<const uint16_t*>(rc0) : nullptr;
+        float* dst = alone ? tb : hb + c;
+        const float center = rb ? bf16_load(bf16_store(bf16_load(xb[0]) + bf16_load(rb[0]))) : bf16_load(xb[0]);
+        float sum_d;
+        const float ss = bf16_row_sums(xb, rb, dst, m, center, &sum_d);
+        short_row_stats<float>(dst, m, center, ss, sum_d, mu, m2);
+        if (ro) store(f.res_out_code, dst, ro + c * elem_size(f.res_out_code), m, stream_res);
+        continue;
+      }
     }
     double sc;  // sum(h) or sum(h^2) of the chunk
     if (alias) {
