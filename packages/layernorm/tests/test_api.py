@@ -317,3 +317,21 @@ def test_module_parameters_take_the_eager_path_and_replay() -> None:
     torch.testing.assert_close(
         grads[0], torch.func.grad(lambda w: F.rms_norm(x, (64,), w, 1e-6).sum())(w.detach())
     )
+
+
+def test_split_backward_only_where_a_row_of_programs_fits() -> None:
+    """The split backward's programs of a row wait for each other: the plan takes it only when
+    the row needs no more of them than the GPU has SMs (one program per SM always fits), and
+    the looped kernel otherwise; a forced split config past that is refused, not launched."""
+    from openkernels.layernorm.triton.configs import NormConfig
+    from openkernels.layernorm.triton.plan import plan
+
+    for rms in (True, False):
+        wide = plan("bwd", 8, 262144, torch.bfloat16, "cuda", True, rms, 132)
+        small = plan("bwd", 8, 262144, torch.bfloat16, "cuda", True, rms, 16)
+        assert (wide.kernel, wide.config.mode) == ("_norm_bwd_split_kernel", "split")
+        assert (small.kernel, small.config.mode) == ("_norm_bwd_kernel", "looped")
+        assert small.programs == small.grid[0]
+    forced = NormConfig(1, 4096, 8, "split", 2)
+    with pytest.raises(ValueError, match="cannot run 64 splits"):
+        plan("bwd", 8, 262144, torch.bfloat16, "cuda", True, True, 16, forced)

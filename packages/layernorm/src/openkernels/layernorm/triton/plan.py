@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import MAX_SPLITS, NormConfig, launch_config, next_pow2
+from .configs import MAX_SPLITS, NormConfig, launch_config, looped_config, next_pow2
 
 __all__ = ["FwdPlan", "BwdPlan", "plan", "Launch", "fwd_launch", "bwd_launch"]
 
@@ -90,6 +90,15 @@ def plan(
     backend: "cuda", "rocm" or "cpu" (the Triton interpreter); sm_count: SMs / CUs of the
     device (sizes persistent grids); config: overrides `launch_config` (tests)."""
     cfg = config or launch_config(n_cols, dtype, backend, direction, aligned, rms)
+    if (
+        config is None
+        and cfg.mode == "split"
+        and direction == "bwd"
+        and _cdiv(n_cols, cfg.block_cols) > sm_count
+    ):
+        # A row's programs must be resident together: on a GPU of fewer SMs than split
+        # programs per row (small GPUs, long rows), the looped kernel runs instead.
+        cfg = looped_config(direction, aligned, backend)
     if direction == "bwd":
         return _bwd_plan(cfg, n_rows, n_cols, backend, sm_count)
     return _fwd_plan(cfg, n_rows, n_cols, backend, sm_count)
