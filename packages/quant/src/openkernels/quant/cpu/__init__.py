@@ -47,13 +47,14 @@ _library = cpu_build.KernelLibrary(_SOURCE, name="openkernels_quant", signatures
 # From this many rows of bfloat16 x (and no bias), W goes to bfloat16 in panels of
 # PANEL_ROWS rows (the C++ dequantization below) and torch's bfloat16 GEMM multiplies: where
 # the CPU has AVX512-BF16 or AMX, that GEMM outruns the float32 kernel. Measured on the 2-core
-# AVX-512 BF16 VM (torch 2.13, group 128, N x K = 4096 x 4096 and 11008 x 4096): 1.2-1.35x the
-# kernel at M = 48, 1.35-1.5x at 64, 1.6-1.8x at 128, even at 32; 1024-row panels were the
+# AVX-512 BF16 VM (torch 2.13, group 128, N x K = 4096 x 4096, 11008 x 4096, 4096 x 11008, the
+# table dequantization): 1.06-1.17x the kernel at M = 24, 1.09-1.25x at 32, 1.4x at 40 (1.0x at
+# K = 11008), 1.6-1.8x at 128; the kernel at M = 16 (0.91-1.03x); 1024-row panels were the
 # fastest of 256-11008 (docs/perf.md). W is rounded to bfloat16 before the products, as on the
 # GPU's large-M path (reference.linear_error_bound's weight term). A bias stays with the
 # kernel, which adds it before its single rounding. Without those instructions torch's bf16
 # GEMM is several times slower (25 ms at M = 16 on an AVX2 machine): the kernel runs.
-DEQUANTIZE_MATMUL_MIN_M = 48
+DEQUANTIZE_MATMUL_MIN_M = 24
 # Panels of at most 1024 rows and 8 MiB: glibc serves blocks of that size from its heap after
 # the first call, where a fresh 32 MB block costs ~10 ms of page faults on that VM.
 PANEL_ROWS, PANEL_BYTES = 1024, 8 << 20
