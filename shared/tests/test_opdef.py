@@ -12,10 +12,12 @@ from openkernels.shared.dev.testing.threads import run_in_threads
 
 _LIB = torch.library.Library("openkernels_opdef_test", "DEF")
 CALLS: list[str] = []  # which implementation ran, forward and backward
+LIBRARY_CALL: list[bool] = []  # opdef.library_call() in each body that ran
 
 
 def _scale_fwd(x: torch.Tensor, out: torch.Tensor, factor: float, *, tag: str) -> None:
     CALLS.append(f"{tag} fwd")
+    LIBRARY_CALL.append(opdef.library_call())
     out.copy_(x * x * factor)
 
 
@@ -23,6 +25,7 @@ def _scale_bwd(
     grad_out: torch.Tensor, x: torch.Tensor, grad_in: torch.Tensor, factor: float, *, tag: str
 ) -> None:
     CALLS.append(f"{tag} bwd")
+    LIBRARY_CALL.append(opdef.library_call())
     grad_in.copy_(grad_out * 2 * x * factor)
 
 
@@ -95,6 +98,23 @@ def scale():
 @pytest.fixture(autouse=True)
 def _fresh_calls():
     CALLS.clear()
+    LIBRARY_CALL.clear()
+
+
+def test_library_call_is_true_in_library_bodies_only(scale) -> None:
+    """Launchers keep buffers for good only outside library bodies (torch.compile's CUDA-graph
+    trees run those in a private pool): eager paths say False, the library op's forward and
+    backward say True, and the flag is back to False after. (A shape of its own: calls of a
+    key seen before may replay, running no body.)"""
+    x = torch.arange(7.0, requires_grad=True)
+    with torch.no_grad():
+        scale(x, 3.0)
+    scale(x, 3.0).sum().backward()
+    assert LIBRARY_CALL == [False, False, False]
+    LIBRARY_CALL.clear()
+    scale.library(x, 3.0).sum().backward()
+    assert CALLS[-2:] == ["fast fwd", "fast bwd"] and LIBRARY_CALL == [True, True]
+    assert not opdef.library_call()
 
 
 def test_no_grad_eager_call_runs_the_forward_directly(scale, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -310,6 +310,41 @@ def test_every_kernel_path(device: str, impl: str, rms: bool) -> None:
                 assert_close(got[2], want[2], dtype=torch.float32, terms=m, term_scale=scale, msg=f"{msg} db")
 
 
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_split_launches_leave_their_counters_at_zero(device: str, impl: str, rms: bool) -> None:
+    """The split kernels' arrival counters are zeroed once, when the launcher makes them, and
+    kept (replayed launches name them): each launch must leave them at 0, or the next one
+    on the stream would read a row's partial sums before they are written (or, on a GPU,
+    wait for ever). Two launches of each direction on the same buffer, bitwise equal."""
+    if impl != "triton":
+        pytest.skip("launch configs belong to the Triton kernels")
+    from openkernels.layernorm import triton as T
+    from openkernels.layernorm.triton.configs import NormConfig
+
+    splits = 1 if device == "cpu" else 3
+    m, n = 7, 128 * splits - 5
+    x, dy = (random_tensor((m, n), torch.bfloat16, device) for _ in range(2))
+    w = random_tensor((n,), torch.bfloat16, device)
+    b = None if rms else random_tensor((n,), torch.bfloat16, device)
+    fwd_cfg, bwd_cfg = NormConfig(1, 128, 4, "split"), NormConfig(1, 128, 4, "split", programs_per_sm=2)
+    runs = []
+    for _ in range(2):
+        y, rstd = torch.empty_like(x), torch.empty(m, device=device)
+        mean = None if rms else torch.empty(m, device=device)
+        T.norm_fwd(x, None, w, b, y, None, mean, rstd, eps=1e-6, weight_offset=0.0, rms=rms,
+                   h_dtype=torch.bfloat16, config=fwd_cfg)  # fmt: skip
+        counters = T._arrival_counters(x.device, m)
+        assert int(counters.abs().sum()) == 0, "the split forward left a counter set"
+        dh, dw = torch.empty_like(x), torch.empty(n, device=device)
+        db = None if rms else torch.empty(n, device=device)
+        T.norm_bwd(dy, x, w, mean, rstd, None, dh, dw, db, weight_offset=0.0, rms=rms, config=bwd_cfg)
+        assert int(counters.abs().sum()) == 0, "the split backward left a counter set"
+        assert T._arrival_counters(x.device, m) is counters, "the counters are made once per stream"
+        runs.append([t for t in (y, rstd, mean, dh, dw, db) if t is not None])
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
 @pytest.mark.parametrize("target", ["new", "x", "residual"])
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 def test_out(device: str, impl: str, rms: bool, target: str) -> None:

@@ -66,6 +66,16 @@ def test_a_broadcast_gradient_replays_as_the_python_path(device: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["rms", "layer residual prenorm"])
+def test_long_rows_replay(case: str) -> None:
+    """Rows long enough for the split kernels, forward (past 16384 columns) and backward (past
+    8192): their arrival counters are kept per stream and left at 0 by the kernels, so the
+    calls replay (a fill per call once kept them on the Python path), run after run."""
+    fn, args, kwargs = CASES[case](_tensors("cuda", torch.bfloat16, n=40000, rows=(3,)))
+    check_replayed_backward(fn, args, kwargs, expect_replay=True)
+
+
+@pytest.mark.gpu
 def test_a_replayed_backward_on_a_thread_without_a_cuda_context() -> None:
     """A thread that made no CUDA runtime call has no current context (autograd's device
     thread for GPU 0 is one): the replayed node binds the device's primary context before it

@@ -26,6 +26,8 @@ any number of threads at once.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +36,43 @@ import torch
 
 from . import dispatch, replay
 
-__all__ = ["Impl", "OpDef", "BackwardDef", "DefinedOp", "define", "plain_eager", "standard_impls"]
+__all__ = [
+    "Impl",
+    "OpDef",
+    "BackwardDef",
+    "DefinedOp",
+    "define",
+    "plain_eager",
+    "standard_impls",
+    "library_call",
+]
+
+# True while a library op's body runs (torch.compile graphs, tensor subclasses). CUDA-graph
+# trees warm such calls up and capture them into a private memory pool, which a buffer a
+# launcher keeps for good (split-kernel counters, split-K scratch) must not come from:
+# launchers ask `library_call()` and take temporaries then.
+_LIBRARY_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "openkernels_library_call", default=False
+)
+
+
+def library_call() -> bool:
+    """True while the body of an `openkernels::` library op (forward or backward) runs."""
+    return _LIBRARY_CALL.get()
+
+
+def _marked(body: Callable[..., Any]) -> Callable[..., Any]:
+    """`body` run with library_call() true: what the library op registers."""
+
+    @functools.wraps(body)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        token = _LIBRARY_CALL.set(True)
+        try:
+            return body(*args, **kwargs)
+        finally:
+            _LIBRARY_CALL.reset(token)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -106,8 +144,8 @@ class OpDef:
     under `name` (none: the op's body dispatches under another name). tensor_args: the
     positions of tensor arguments (the eager fast path needs each to be a plain tensor;
     the first decides the device); backward: None for an op without gradients.
-    library_forward: the body the library op runs, when it must differ from the eager one
-    (quant's sets a flag that keeps caches out of CUDA-graph captures); default `forward`.
+    library_forward: the body the library op runs, when it must differ from the eager one;
+    default `forward`. Either runs with `library_call()` true.
     """
 
     name: str
@@ -245,7 +283,7 @@ def define(lib: torch.library.Library, op: OpDef) -> DefinedOp:
     fakes, the autograd formula and the dispatch implementations; return the callable."""
     qualified = f"{lib.ns}::{op.name}"
     lib.define(op.name + op.schema, tags=op.tags)
-    lib.impl(op.name, op.library_forward or op.forward, "CompositeExplicitAutograd")
+    lib.impl(op.name, _marked(op.library_forward or op.forward), "CompositeExplicitAutograd")
     torch.library.register_fake(qualified, op.fake, lib=lib)
     _register(op.name, op.key, op.impls)
     namespace = getattr(torch.ops, lib.ns)
@@ -254,7 +292,7 @@ def define(lib: torch.library.Library, op: OpDef) -> DefinedOp:
     if bwd is not None:
         bwd_name = f"{op.name}_backward"
         lib.define(bwd_name + bwd.schema)
-        lib.impl(bwd_name, bwd.compute, "CompositeExplicitAutograd")
+        lib.impl(bwd_name, _marked(bwd.compute), "CompositeExplicitAutograd")
         torch.library.register_fake(f"{qualified}_backward", bwd.fake, lib=lib)
         _register(bwd_name, bwd.key, bwd.impls)
         backward_op = getattr(namespace, bwd_name).default

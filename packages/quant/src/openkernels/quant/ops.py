@@ -15,8 +15,6 @@ act-order perm is applied by api.py before these ops. The backend contract
 
 from __future__ import annotations
 
-import contextvars
-
 import torch
 from torch import Tensor
 
@@ -100,22 +98,6 @@ def _impls(op: str, triton_supports) -> tuple[opdef.Impl, ...]:
 # ---- library op impls, fakes, autograd ------------------------------------------------------
 
 
-# True while the library op runs: calls from torch.compile graphs, whose CUDA-graph trees warm
-# up and capture into a private memory pool that a cached split-K scratch must not live in
-# (triton/__init__.py allocates temporaries then). Eager calls keep the cached scratch.
-LIBRARY_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "openkernels_quant_library_call", default=False
-)
-
-
-def _library_forward(x, qweight, scales, zeros, bias, group_size, kind):
-    token = LIBRARY_CALL.set(True)
-    try:
-        return forward(x, qweight, scales, zeros, bias, group_size, kind)
-    finally:
-        LIBRARY_CALL.reset(token)
-
-
 def _linear_fake(x, qweight, scales, zeros, bias, group_size, kind):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
@@ -158,7 +140,6 @@ INT4_LINEAR = opdef.define(
         schema="(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, str kind) "
         "-> Tensor",
         forward=forward,
-        library_forward=_library_forward,
         fake=_linear_fake,
         key=_linear_key,
         impls=_impls(_LINEAR, _triton_linear_supports),

@@ -9,9 +9,9 @@ import functools
 import torch
 import triton
 
-from openkernels.shared import replay
+from openkernels.shared import opdef, replay
 from openkernels.shared.launch import launch
-from openkernels.shared.platform import device_info
+from openkernels.shared.platform import device_info, graph_capturing
 
 from . import kernels
 from .configs import SUM_BLOCK_C, SUM_BLOCK_P, SUM_WARPS
@@ -48,6 +48,30 @@ def _dtype_token(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return replay.persistent(torch.zeros(1, dtype=dtype, device=device))  # replayed launches pass it
 
 
+# The split kernels' per-row arrival counters, per (device, stream), zeroed once when made:
+# the kernels leave every counter at 0 (kernels._leave_row), and launches on one stream run
+# one after another. Held for good, so replayed launches (shared.replay) can name them: a
+# fill kernel per call would keep long-row calls on the Python path.
+_counters: dict[tuple[int, int], torch.Tensor] = {}
+_MIN_COUNTERS = 4096
+
+
+def _arrival_counters(device: torch.device, n_rows: int) -> torch.Tensor:
+    """int32 zeros, at least n_rows of them, for one split launch on the current stream."""
+    index = device.index if device.type == "cuda" else -1
+    if index >= 0 and (opdef.library_call() or graph_capturing(device)):
+        # torch.compile graphs and CUDA-graph captures: a temporary (its zeroing is captured
+        # and replays); a buffer kept from here would live in the graph's private pool.
+        return torch.zeros(n_rows, dtype=torch.int32, device=device)
+    key = (index, torch._C._cuda_getCurrentRawStream(index) if index >= 0 else 0)
+    held = _counters.get(key)
+    if held is None or held.numel() < n_rows:
+        # An outgrown buffer stays alive (replay.persistent): recordings may still name it.
+        held = replay.persistent(torch.zeros(max(n_rows, _MIN_COUNTERS), dtype=torch.int32, device=device))
+        _counters[key] = held
+    return held
+
+
 def norm_fwd(
     x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype, config=None
 ) -> None:
@@ -71,7 +95,7 @@ def norm_fwd(
     if cfg.mode == "split":  # its parameters come in another order: by name
         flags.update(zip(_FWD_ARG_NAMES, args))
         flags["part_ptr"] = torch.empty(n_rows * plan.splits * 2, dtype=torch.float32, device=x.device)
-        flags["arrived_ptr"] = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
+        flags["arrived_ptr"] = _arrival_counters(x.device, n_rows)
         flags["n_splits"] = plan.splits
         args = ()
     launch(
@@ -102,7 +126,7 @@ def norm_bwd(
     split = {}
     if plan.config.mode == "split":  # scratch of the split kernel, as the forward's
         split = dict(part_ptr=torch.empty(n_rows * plan.splits * 2, dtype=torch.float32, device=h.device),
-                     arrived_ptr=torch.zeros(n_rows, dtype=torch.int32, device=h.device), n_splits=plan.splits)  # fmt: skip
+                     arrived_ptr=_arrival_counters(h.device, n_rows), n_splits=plan.splits)  # fmt: skip
     launch(
         getattr(kernels, plan.kernel), plan.grid, **split, dy_ptr=dy, h_ptr=h, w_ptr=h if weight is None else weight, mean_ptr=rstd if mean is None else mean,
         rstd_ptr=rstd, dh_out_ptr=dh if dh_out is None else dh_out, dh_ptr=dh, dw_part_ptr=dw_part,

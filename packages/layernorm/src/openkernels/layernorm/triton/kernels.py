@@ -198,6 +198,18 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
+def _leave_row(counter_ptr, n_splits):
+    """Counted once more after the wait: the row's last program to leave (the count reaching
+    2 * n_splits) sets the counter back to 0. Every program of the row has passed its wait by
+    then (each leaves after its own wait, and waits end at >= n_splits), and the next launch
+    on the stream starts after this one ends: the launcher keeps one zeroed counter buffer
+    per (device, stream) for good, which replayed launches can name (no fill per call)."""
+    left = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+    if left == 2 * n_splits - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
+
+
+@triton.jit
 def _norm_fwd_split_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, mean_ptr, rstd_ptr, part_ptr, arrived_ptr,
     n_rows, n_cols, n_splits, stride_x, stride_res, stride_out, stride_res_out,
@@ -207,9 +219,9 @@ def _norm_fwd_split_kernel(
     BLOCK_C: tl.constexpr, MAX_SPLITS: tl.constexpr, NARROW: tl.constexpr,
 ):  # fmt: skip
     """Program pid holds chunk pid % n_splits of row pid // n_splits. It publishes its
-    chunk's (mean, M2) to part_ptr, counts itself in arrived_ptr[row] (zeroed by the
-    launcher), waits until the row's n_splits chunks have arrived, merges them (Chan et al.)
-    and normalizes its chunk from registers.
+    chunk's (mean, M2) to part_ptr, counts itself in arrived_ptr[row] (0 before the call
+    and after it: _leave_row), waits until the row's n_splits chunks have arrived, merges
+    them (Chan et al.) and normalizes its chunk from registers.
 
     The wait needs the row's programs resident together. Programs start in index order and
     a row's programs are consecutive, so whenever every resident program waits, the lowest
@@ -250,6 +262,7 @@ def _norm_fwd_split_kernel(
     seen = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
     while seen < n_splits:
         seen = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+    _leave_row(arrived_ptr + row, n_splits)
     tl.debug_barrier()
     index = tl.arange(0, MAX_SPLITS)
     valid = index < n_splits
@@ -518,8 +531,8 @@ def _norm_bwd_split_kernel(
     """Long rows split over n_splits programs, as the split forward: program pid holds
     chunk pid % n_splits of rows_per_program consecutive rows (row block pid // n_splits),
     one row at a time. Per row it publishes its chunk's sums of g * xhat and g to part_ptr,
-    counts itself in arrived_ptr[row] (zeroed by the launcher), waits for the row's other
-    chunks, and writes its chunk of dh from registers: one read of dy and h, one write of
+    counts itself in arrived_ptr[row] (0 before and after: _leave_row), waits for the row's
+    other chunks, and writes its chunk of dh from registers: one read of dy and h, one write of
     dh. Its chunk of the dweight/dbias partials (row block x n_cols, float32) accumulates in
     registers over its rows and is stored once: no atomics, the same result on every run.
 
@@ -558,6 +571,7 @@ def _norm_bwd_split_kernel(
         seen = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
         while seen < n_splits:
             seen = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+        _leave_row(arrived_ptr + row, n_splits)
         tl.debug_barrier()
         parts = part_ptr + (row * n_splits + index) * 2
         c1 = tl.sum(tl.load(parts, mask=valid, other=0.0, cache_modifier=".cg"), axis=0) / n_cols

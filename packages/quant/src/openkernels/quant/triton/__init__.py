@@ -7,12 +7,11 @@ import functools
 import torch
 from torch import Tensor
 
-from openkernels.shared import replay
+from openkernels.shared import opdef, replay
 from openkernels.shared.launch import launch
 from openkernels.shared.platform import device_info, graph_capturing, triton_interpreting
 
 from ..format import nf4_values
-from ..ops import LIBRARY_CALL
 from .configs import LinearConfig, arch_family, linear_config
 from .kernels import _dequantize_int4_fwd_kernel, _int4_linear_fwd_kernel, _int4_linear_gemv_fwd_kernel
 from .plan import dequant_plan, linear_plan
@@ -80,7 +79,7 @@ def reserve_graph_scratch(device: torch.device, partials: int = 1 << 20, tiles: 
 
 def _split_scratch(device: torch.device, partials: int, tiles: int) -> tuple[Tensor, Tensor]:
     index = device.index if device.type == "cuda" else -1
-    if index >= 0 and (LIBRARY_CALL.get() or graph_capturing(device)):
+    if index >= 0 and (opdef.library_call() or graph_capturing(device)):
         # Inside torch.compile graphs or a CUDA-graph capture: the reserved scratch, or
         # temporaries (the zeroing is captured and replays). A cached buffer made here would
         # live on in the graph's private pool, which CUDA-graph trees reject ("tensors in the
