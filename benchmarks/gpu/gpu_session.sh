@@ -48,7 +48,8 @@ if [[ $steps == *bench* ]]; then
     | tee "$out/bench_bf16.txt"
 fi
 if [[ $steps == *long* && $family == layernorm ]]; then
-  run benchmarks/peers/run.py layernorm --shapes 1024x65536,256x262144 --kernel-time --json "$out/bench_long.json" \
+  # ours:cluster (the sm_90 cluster forward, forced) beside the Triton path and QuACK.
+  run benchmarks/peers/run.py layernorm --shapes 4096x16384,1024x65536,512x131072,256x262144,64x1048576 --kernel-time --json "$out/bench_long.json" \
     | tee "$out/bench_long.txt"
 fi
 if [[ $steps == *dtypes* ]]; then

@@ -33,6 +33,7 @@ ROLES = REQUIRED | {
     "bench.py",
     "bench/*",
     "cpu/*",
+    "cuda/*",
     "kernelize.py",
     "manifest.py",
 }

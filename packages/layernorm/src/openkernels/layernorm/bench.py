@@ -7,7 +7,8 @@ Directions: "fwd", and "fwd+bwd" (forward, then gradients of x and the parameter
 Peers: torch eager (F.rms_norm / F.layer_norm; for add_rms_norm the unfused `x + r` then
 F.rms_norm), the same under torch.compile(dynamic=False), Liger-Kernel
 (LigerRMSNormFunction, LigerLayerNormFunction, LigerFusedAddRMSNormFunction) and QuACK
-(`quack.rmsnorm`, rms_norm and add_rms_norm; GPUs where it imports).
+(`quack.rmsnorm`, rms_norm and add_rms_norm; GPUs where it imports). On sm_90, contender
+"ours:cluster" is our call with the cluster forward forced (cuda/, not yet picked by default).
 Bytes: fwd reads x and writes y (add_rms_norm also reads r and writes h); fwd+bwd counts
 x, y, dy and dx once each (add_rms_norm: x, r, y, h, dy, dx), the convention of the peer
 numbers in DESIGN.md.
@@ -70,7 +71,25 @@ def _ours(op: str, face: Any = api) -> Callable[..., Any]:
     return lambda x, w, b, r: face.rms_norm(x, w, EPS, residual=r, prenorm=True)
 
 
-def _liger(op: str) -> Callable[..., Any] | None:
+def _cluster(op: str, device: torch.device) -> Callable[..., Any] | None:
+    """Our call with the sm_90 cluster forward forced (the backward stays Triton's): on
+    devices where dispatch finds it usable."""
+    from openkernels.shared import dispatch
+
+    from .cuda import supports
+
+    if supports(dispatch.key_for(torch.empty(0, device=device, dtype=torch.bfloat16))) is not None:
+        return None
+    ours = _ours(op)
+
+    def forced(x, w, b, r):
+        with dispatch.force("cluster"):
+            return ours(x, w, b, r)
+
+    return forced
+
+
+def _liger(op: str, device: torch.device | None = None) -> Callable[..., Any] | None:
     try:
         if op == "rms_norm":
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -87,7 +106,7 @@ def _liger(op: str) -> Callable[..., Any] | None:
         return None
 
 
-def _quack(op: str) -> Callable[..., Any] | None:
+def _quack(op: str, device: torch.device | None = None) -> Callable[..., Any] | None:
     """QuACK's RMSNorm (CuTe DSL, differentiable; thread-block clusters on Hopper). Its
     LayerNorm has no backward through autograd: no peer for layer_norm."""
     if op == "layer_norm":
@@ -137,7 +156,7 @@ def cases(
     dtypes: Sequence[torch.dtype] = (torch.bfloat16,),
     ops: Sequence[str] = OPS,
     directions: Sequence[str] = ("fwd", "fwd+bwd"),
-    peers: Sequence[str] = ("torch", "torch.compile", "liger", "quack"),
+    peers: Sequence[str] = ("torch", "torch.compile", "liger", "quack", "ours:cluster"),
 ) -> list[BenchCase]:
     """Benchmark cases for `device` (the GPU grid on CUDA/ROCm, CPU shapes on CPU)."""
     device = torch.device(device)
@@ -153,8 +172,8 @@ def cases(
             contenders_fns["torch"] = composed
         if "torch.compile" in peers:
             contenders_fns["torch.compile"] = compiled_peer(composed)
-        for name, load in (("liger", _liger), ("quack", _quack)):
-            fn = load(op) if name in peers and device.type == "cuda" else None
+        for name, load in (("liger", _liger), ("quack", _quack), ("ours:cluster", _cluster)):
+            fn = load(op, device) if name in peers and device.type == "cuda" else None
             if fn is not None:
                 contenders_fns[name] = fn
         for rows, n in shapes:

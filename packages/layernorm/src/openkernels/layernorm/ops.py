@@ -32,6 +32,7 @@ from openkernels.shared.layout import as_rows
 # The CPU backend's dispatch predicate; importing it compiles nothing (the library
 # builds on its first call).
 from .cpu import supports as _cpu_supports
+from .cuda import supports as _cluster_supports
 from .problem import NORMS, NormSpec, norm_name
 from .reference import stats_dtype
 
@@ -164,9 +165,19 @@ def _triton_supports(key: dispatch.DispatchKey) -> str | None:
     return dispatch.triton_supports(key)
 
 
+# The sm_90 cluster forward (CUDA C++): below Triton's priority (20) until the H200 says
+# where it wins, so it runs only when forced by name.
+_CLUSTER_PRIORITY = 15
+
+
 def _impls(entry: str) -> tuple[opdef.Impl, ...]:
     """`entry`: norm_fwd or norm_bwd."""
-    return opdef.standard_impls(_PKG, entry, triton_supports=_triton_supports, cpu_supports=_cpu_supports)
+    impls = opdef.standard_impls(_PKG, entry, triton_supports=_triton_supports, cpu_supports=_cpu_supports)
+    if entry == "norm_fwd":
+        impls += (
+            opdef.Impl("cluster", f"{_PKG}.cuda:norm_fwd", ("cuda",), _CLUSTER_PRIORITY, _cluster_supports),
+        )
+    return impls
 
 
 def _or_empty(t: torch.Tensor | None, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,277 @@
+// RMSNorm / LayerNorm forward for long rows on Hopper (sm_90): one row per thread-block
+// cluster, the row's partial statistics exchanged through distributed shared memory.
+//
+// Each CTA of a cluster of C holds one chunk of the row (THREADS * VPT vectors of 16 bytes) in
+// registers: one read of x (and the residual), one write of y (and h). It reduces its chunk to
+// (mean, M2 about that mean), publishes the pair in its shared memory, and after a cluster
+// barrier every CTA merges the C pairs in rank order (Chan et al.): the same statistics in
+// every CTA, the same on every run, no global counters and no second pass over the row.
+//
+// Built by openkernels.shared.cuda_build with nvcc into a shared library; the host entry
+// ok_norm_fwd_cluster launches one kernel with cudaLaunchKernelEx on the caller's stream.
+// Contract (checked by the Python launcher, cuda/__init__.py): n_cols a multiple of the
+// vector width; every row start and the weight and bias 16-byte aligned (32 for float32
+// weights with 16-bit x); x, residual, out and residual_out one dtype; the statistics float32.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int kMaxCluster = 16;  // the non-portable cluster limit of sm_90
+constexpr int kIsRms = 1, kHasResidual = 2, kStoreResidual = 4, kHasWeight = 8, kHasBias = 16;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// N elements of U in one aligned block: 16 bytes for the row's dtype, 16 or 32 for weights.
+template <typename U, int N>
+struct alignas(sizeof(U) * N) Vec {
+  U v[N];
+};
+
+// 16 bytes of a row, streamed (read once, written once: keep them out of L1 and early out of L2).
+template <typename V>
+__device__ __forceinline__ V load_stream(const void* p) {
+  static_assert(sizeof(V) == 16, "one 16-byte access");
+  const uint4 raw = __ldcs(static_cast<const uint4*>(p));
+  V v;
+  memcpy(&v, &raw, 16);
+  return v;
+}
+template <typename V>
+__device__ __forceinline__ void store_stream(void* p, const V& v) {
+  static_assert(sizeof(V) == 16, "one 16-byte access");
+  uint4 raw;
+  memcpy(&raw, &v, 16);
+  __stcs(static_cast<uint4*>(p), raw);
+}
+
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float value, float* scratch) {
+  // Fixed order (shuffle tree, then the warps' sums in index order): every thread gets the
+  // same bits, run after run. `scratch` holds THREADS / 32 floats, used once per call site.
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) scratch[warp] = value;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
+  return total;
+}
+
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+template <typename T, typename W, int THREADS, int VPT>
+__global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
+    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ weight, const W* __restrict__ bias,
+    T* __restrict__ out, T* __restrict__ res_out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out, int64_t stride_res_out,
+    float eps, float weight_offset, int flags) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNK = THREADS * VPT * VEC;
+  using RowVec = Vec<T, VEC>;
+  using WVec = Vec<W, VEC>;
+  __shared__ float scratch[2][THREADS / 32];
+  __shared__ float2 published;               // this CTA's (chunk mean, chunk M2)
+  __shared__ float2 gathered[kMaxCluster];   // every CTA's, copied in
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int n_ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.x / n_ranks;
+  const int64_t chunk_start = static_cast<int64_t>(rank) * CHUNK;
+  const bool is_rms = flags & kIsRms;
+
+  // Load the chunk; h = x + residual, rounded to T (the residual stream's dtype), kept in T.
+  RowVec h[VPT];
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+    if (col < n_cols) {
+      h[i] = load_stream<RowVec>(x + row * stride_x + col);
+      if (flags & kHasResidual) {
+        const RowVec r = load_stream<RowVec>(res + row * stride_res + col);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) h[i].v[e] = from_float<T>(to_float(h[i].v[e]) + to_float(r.v[e]));
+      }
+      if (flags & kStoreResidual) store_stream(res_out + row * stride_res_out + col, h[i]);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float v = to_float(h[i].v[e]);
+        sum += is_rms ? v * v : v;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) h[i].v[e] = from_float<T>(0.f);
+    }
+  }
+  const int64_t left = n_cols - chunk_start;
+  const float count = static_cast<float>(left < CHUNK ? left : CHUNK);
+  float chunk_mean = 0.f, chunk_m2;
+  if (is_rms) {
+    chunk_m2 = block_sum<THREADS>(sum, scratch[0]);
+  } else {  // M2 about the chunk's own mean: no cancellation on rows with a large mean
+    chunk_mean = block_sum<THREADS>(sum, scratch[0]) / count;
+    float m2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+      if (col < n_cols) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float d = to_float(h[i].v[e]) - chunk_mean;
+          m2 += d * d;
+        }
+      }
+    }
+    chunk_m2 = block_sum<THREADS>(m2, scratch[1]);
+  }
+
+  // Exchange: publish, barrier (release / acquire over the cluster's shared memory), copy the
+  // C pairs in, arrive on a second barrier once they are read (a CTA's shared memory must
+  // outlive its peers' reads), and wait on it only before exiting.
+  if (threadIdx.x == 0) published = make_float2(chunk_mean, chunk_m2);
+  cluster.sync();
+  if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published, threadIdx.x);
+  __syncthreads();
+  cluster_arrive();
+  float mean = 0.f, m2_total = 0.f, n_seen = 0.f;
+  for (int r = 0; r < n_ranks; ++r) {
+    const int64_t r_left = n_cols - static_cast<int64_t>(r) * CHUNK;
+    const float n_r = static_cast<float>(r_left < CHUNK ? r_left : CHUNK);
+    const float2 part = gathered[r];
+    if (is_rms) {
+      m2_total += part.y;
+    } else {
+      const float n_new = n_seen + n_r;
+      const float delta = part.x - mean;
+      mean += delta * (n_r / n_new);
+      m2_total += part.y + delta * delta * (n_seen * n_r / n_new);
+      n_seen = n_new;
+    }
+  }
+  const float rstd = rsqrtf(m2_total / static_cast<float>(n_cols) + eps);
+  if (rank == 0 && threadIdx.x == 0) {
+    rstd_out[row] = rstd;
+    if (!is_rms) mean_out[row] = mean;
+  }
+
+  // Normalize from registers; the weight and bias come from L2 (every row reads them).
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+    if (col < n_cols) {
+      WVec w, b;
+      if (flags & kHasWeight) w = *reinterpret_cast<const WVec*>(weight + col);
+      if (flags & kHasBias) b = *reinterpret_cast<const WVec*>(bias + col);
+      RowVec y;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        float v = (to_float(h[i].v[e]) - mean) * rstd;
+        if (flags & kHasWeight) v *= to_float(w.v[e]) + weight_offset;
+        if (flags & kHasBias) v += to_float(b.v[e]);
+        y.v[e] = from_float<T>(v);
+      }
+      store_stream(out + row * stride_out + col, y);
+    }
+  }
+  cluster_wait();
+}
+
+template <typename T, typename W, int THREADS, int VPT>
+int launch(int cluster, int64_t n_rows, const void* x, const void* res, const void* weight, const void* bias,
+           void* out, void* res_out, float* mean, float* rstd, int64_t n_cols, int64_t stride_x,
+           int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset,
+           int flags, cudaStream_t stream) {
+  auto kernel = norm_fwd_cluster_kernel<T, W, THREADS, VPT>;
+  if (cluster > 8) {  // past the portable size: allowed per kernel
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(cluster * n_rows), 1, 1);
+  config.blockDim = dim3(THREADS, 1, 1);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  cudaError_t err = cudaLaunchKernelEx(
+      &config, kernel, static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const W*>(weight),
+      static_cast<const W*>(bias), static_cast<T*>(out), static_cast<T*>(res_out), mean, rstd, n_cols, stride_x,
+      stride_res, stride_out, stride_res_out, eps, weight_offset, flags);
+  return static_cast<int>(err);
+}
+
+template <typename T, typename W>
+int launch_shape(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const void* res,
+                 const void* weight, const void* bias, void* out, void* res_out, float* mean, float* rstd,
+                 int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out, int64_t stride_res_out,
+                 float eps, float weight_offset, int flags, cudaStream_t stream) {
+#define OK_NORM_CLUSTER_SHAPE(TH, V)                                                                          \
+  if (threads == TH && vpt == V)                                                                              \
+    return launch<T, W, TH, V>(cluster, n_rows, x, res, weight, bias, out, res_out, mean, rstd, n_cols,       \
+                               stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset, flags, stream);
+  OK_NORM_CLUSTER_SHAPE(256, 4)
+  OK_NORM_CLUSTER_SHAPE(256, 8)
+  OK_NORM_CLUSTER_SHAPE(512, 8)
+  OK_NORM_CLUSTER_SHAPE(512, 16)
+#undef OK_NORM_CLUSTER_SHAPE
+  return -2;  // a shape this library was not built for
+}
+
+}  // namespace
+
+// Launch one forward. dtype codes: 0 float32, 1 bfloat16, 2 float16; `weight_code` is the
+// weight's and bias's (the row's, or 0). flags: kIsRms | kHasResidual | kStoreResidual |
+// kHasWeight | kHasBias. Returns 0, a cudaError_t, or -1 (dtypes) / -2 (shape) / -3 (cluster).
+extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,
+                                   int64_t n_rows, const void* x, const void* res, const void* weight,
+                                   const void* bias, void* out, void* res_out, void* mean, void* rstd,
+                                   int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out,
+                                   int64_t stride_res_out, double eps, double weight_offset, int flags, void* stream) {
+  if (cluster < 1 || cluster > kMaxCluster) return -3;
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  auto s = static_cast<cudaStream_t>(stream);
+  auto m = static_cast<float*>(mean);
+  auto r = static_cast<float*>(rstd);
+  const float e = static_cast<float>(eps), o = static_cast<float>(weight_offset);
+#define OK_NORM_CLUSTER_ARGS                                                                                  \
+  threads, vpt, cluster, n_rows, x, res, weight, bias, out, res_out, m, r, n_cols, stride_x, stride_res, \
+      stride_out, stride_res_out, e, o, flags, s
+  if (dtype_code == 1 && weight_code == 1) return launch_shape<__nv_bfloat16, __nv_bfloat16>(OK_NORM_CLUSTER_ARGS);
+  if (dtype_code == 1 && weight_code == 0) return launch_shape<__nv_bfloat16, float>(OK_NORM_CLUSTER_ARGS);
+  if (dtype_code == 2 && weight_code == 2) return launch_shape<__half, __half>(OK_NORM_CLUSTER_ARGS);
+  if (dtype_code == 2 && weight_code == 0) return launch_shape<__half, float>(OK_NORM_CLUSTER_ARGS);
+  if (dtype_code == 0 && weight_code == 0) return launch_shape<float, float>(OK_NORM_CLUSTER_ARGS);
+#undef OK_NORM_CLUSTER_ARGS
+  return -1;
+}

@@ -1,0 +1,181 @@
+"""Compile a CUDA C++ source shipped in a wheel with nvcc into a shared library on first use,
+load it with ctypes: the GPU counterpart of `cpu_build`, sharing its cache discipline
+(manifest-checked entries, one builder per entry under a file lock, a private build where the
+cache cannot be written).
+
+A library holds the kernels and extern "C" host entries that launch them on a stream the
+caller passes (cudart linked statically: it shares the driver's primary context with
+PyTorch). Entries live under ``${OPENKERNELS_CACHE:-~/.cache/openkernels}/cuda/<name>-<hash>/``;
+the hash covers the source, the flags and nvcc's version.
+
+`ptxas_report` compiles a source for one architecture without a GPU and returns each
+kernel's registers and spills: the compile check CI runs for every CUDA C++ kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import cpu_build
+
+__all__ = [
+    "CudaBuildError",
+    "CudaLibrary",
+    "KernelReport",
+    "gencode",
+    "nvcc",
+    "no_nvcc_reason",
+    "ptxas_report",
+]
+
+# -fPIC goes to the host compiler; cudart is linked statically (nvcc's default).
+BASE_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
+_TIMEOUT_S = 600
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str, tuple[str, ...]], ctypes.CDLL] = {}
+_failed: dict[tuple[str, str, tuple[str, ...]], str] = {}
+
+
+class CudaBuildError(RuntimeError):
+    """nvcc is missing or failed; the message says which, with its output."""
+
+
+@functools.cache
+def nvcc() -> str | None:
+    """The nvcc executable: $NVCC, $CUDA_HOME/bin/nvcc, else nvcc on PATH; None if none."""
+    candidates = [os.environ.get("NVCC", "")]
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    candidates.append("nvcc")
+    for candidate in candidates:
+        path = shutil.which(candidate) if candidate else None
+        if path is not None:
+            return path
+    return None
+
+
+def no_nvcc_reason() -> str | None:
+    """None when nvcc is there, else why the CUDA C++ kernels cannot be built."""
+    return None if nvcc() is not None else "nvcc not found ($NVCC, $CUDA_HOME/bin/nvcc or PATH)"
+
+
+def gencode(arch: str) -> str:
+    """nvcc's target flag for an arch such as "sm_90a": machine code only (no PTX to JIT)."""
+    number = arch.removeprefix("sm_")
+    return f"-gencode=arch=compute_{number},code=sm_{number}"
+
+
+def _cache_root() -> pathlib.Path:
+    return cpu_build.cache_root().parent / "cuda"
+
+
+def load_library(
+    source: pathlib.Path, *, name: str, arch: str, extra_flags: Sequence[str] = ()
+) -> ctypes.CDLL:
+    """Compile `source` for `arch` (once per content, flags and nvcc version) and load it.
+    CudaBuildError where it cannot be built or loaded; that failure is final for this process."""
+    source = pathlib.Path(source).resolve()
+    flags = (*BASE_FLAGS, gencode(arch), *extra_flags)
+    key = (str(source), name, flags)
+    with _lock:
+        lib = _loaded.get(key)
+        if lib is not None:
+            return lib
+        if key in _failed:
+            raise CudaBuildError(_failed[key])
+        cmd = nvcc()
+        if cmd is None:
+            raise CudaBuildError(no_nvcc_reason() or "no nvcc")
+        digest = cpu_build._cache_key((cmd,), source, flags)[:16]
+        target = _cache_root() / f"{name}-{digest}" / f"lib{name}.so"
+        try:
+            lib = _loaded[key] = cpu_build._load((cmd,), source, flags, target)
+        except (cpu_build.CpuBuildError, OSError) as error:
+            _failed[key] = f"building {name} with nvcc: {error}"
+            raise CudaBuildError(_failed[key]) from error
+        return lib
+
+
+class CudaLibrary:
+    """A family's CUDA C++ kernels: `source` built for `arch` and loaded on the first call,
+    each host entry's argument types declared (every entry returns an int status: 0, a
+    cudaError_t, or a negative code of the entry's own). Calling it returns the library."""
+
+    def __init__(
+        self, source: pathlib.Path, *, name: str, arch: str, signatures: Mapping[str, Sequence[Any]],
+        extra_flags: Sequence[str] = (),
+    ) -> None:  # fmt: skip
+        self.source, self.name, self.arch = pathlib.Path(source), name, arch
+        self.extra_flags = tuple(extra_flags)
+        self.signatures = {entry: list(argtypes) for entry, argtypes in signatures.items()}
+        self._lib: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Any:
+        if self._lib is None:
+            with self._lock:
+                if self._lib is None:
+                    lib = load_library(
+                        self.source, name=self.name, arch=self.arch, extra_flags=self.extra_flags
+                    )
+                    for entry, argtypes in self.signatures.items():
+                        fn = getattr(lib, entry)
+                        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                    self._lib = lib
+        return self._lib
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """What ptxas said of one kernel (its mangled name)."""
+
+    name: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def ptxas_report(source: pathlib.Path, arch: str, extra_flags: Sequence[str] = ()) -> list[KernelReport]:
+    """Compile `source` to a cubin for `arch` (no GPU needed) and return ptxas's report of
+    every kernel. CudaBuildError when nvcc is missing or fails."""
+    cmd = nvcc()
+    if cmd is None:
+        raise CudaBuildError(no_nvcc_reason() or "no nvcc")
+    with tempfile.TemporaryDirectory(prefix="openkernels-ptxas-") as tmp:
+        run = subprocess.run(
+            [cmd, "-O3", "-std=c++17", "-cubin", gencode(arch), "-Xptxas", "-v", *extra_flags, str(source),
+             "-o", os.path.join(tmp, "out.cubin")],
+            check=False, capture_output=True, text=True, timeout=_TIMEOUT_S,
+        )  # fmt: skip
+    if run.returncode != 0:
+        raise CudaBuildError(f"nvcc failed on {source.name} for {arch}:\n{run.stderr or run.stdout}")
+    reports: list[KernelReport] = []
+    name, frame = None, None
+    for line in (run.stderr + run.stdout).splitlines():
+        if m := _ENTRY.search(line):
+            name, frame = m.group(1), None
+        elif (m := _FRAME.search(line)) and name is not None:
+            frame = tuple(int(g) for g in m.groups())
+        elif (m := _REGS.search(line)) and name is not None:
+            stack, stores, loads = frame or (0, 0, 0)
+            reports.append(KernelReport(name, int(m.group(1)), stores, loads, stack))
+            name = None
+    return reports
