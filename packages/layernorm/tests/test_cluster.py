@@ -24,13 +24,14 @@ def test_every_cluster_kernel_compiles_for_sm_90a_without_spills() -> None:
         pytest.skip("sm_90 is not among the AOT targets")
     assert cuda_build.nvcc() is not None, "nvcc is needed for the CUDA C++ compile check"
     reports = cuda_build.ptxas_report(C._SOURCE, C.ARCH)
-    kernels = [r for r in reports if "norm_fwd_cluster_kernel" in r.name]
-    # 5 (row dtype, weight dtype) pairs x the shapes the host entry dispatches to.
-    assert len(kernels) == 5 * len(C.SHAPES), [r.name for r in reports]
-    for r in kernels:
-        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
-    for threads, vpt in C.SHAPES:
-        assert any(f"Li{threads}ELi{vpt}E" in r.name for r in kernels), (threads, vpt)
+    for direction, shapes in (("fwd", C.SHAPES), ("bwd", C.BWD_SHAPES)):
+        kernels = [r for r in reports if f"norm_{direction}_cluster_kernel" in r.name]
+        # 5 (row dtype, weight dtype) pairs x the shapes the host entries dispatch to.
+        assert len(kernels) == 5 * len(shapes), [r.name for r in reports]
+        for r in kernels:
+            assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+        for threads, vpt in shapes:
+            assert any(f"Li{threads}ELi{vpt}E" in r.name for r in kernels), (direction, threads, vpt)
 
 
 @pytest.mark.aot
@@ -48,6 +49,10 @@ def test_the_library_builds_and_answers_without_a_gpu() -> None:
     assert lib.ok_norm_fwd_cluster(0, *args) == 35
     args[4] = 17
     assert lib.ok_norm_fwd_cluster(0, *args) == -3
+    bwd = [1, 1, 256, 2, 1, 1, *[None] * 9, 4, 4096, 4096, 4096, 0, 4096, 4, 0.0, 9, None]
+    assert lib.ok_norm_bwd_cluster(0, *bwd) == 35
+    bwd[4] = 0
+    assert lib.ok_norm_bwd_cluster(0, *bwd) == -3
 
 
 @pytest.mark.parametrize(
@@ -110,7 +115,7 @@ def test_dispatch_runs_the_cluster_kernel_only_when_forced() -> None:
         assert dispatch.select("rms_norm", hopper)[0].name == "triton"
         with dispatch.force("cluster"):
             assert dispatch.select("rms_norm", hopper)[0].name == "cluster"
-            assert dispatch.select("rms_norm_backward", hopper)[0].name == "triton"  # forward only
+            assert dispatch.select("rms_norm_backward", hopper)[0].name == "cluster"
     assert "sm_90" in C.supports(DispatchKey("cuda", "sm_80", torch.bfloat16))
     assert "sm_90" in C.supports(DispatchKey("rocm", "gfx942", torch.bfloat16))
     assert "dtype" in C.supports(DispatchKey("cuda", "sm_90", torch.float64))
@@ -169,3 +174,70 @@ def test_cuda_long_rows_against_float64(rms: bool, dtype: torch.dtype) -> None:
             assert_close(
                 mean[ok], want[2][ok], dtype=torch.float32, terms=n, term_scale=4.0, msg=f"{msg} mean"
             )
+
+
+def test_backward_config_and_calls() -> None:
+    assert tuple(C.cluster_config(65536, torch.bfloat16, shapes=C.BWD_SHAPES)) == (512, 2, 8)
+    assert tuple(C.cluster_config(16384, torch.bfloat16, shapes=C.BWD_SHAPES)) == (256, 2, 4)
+    assert tuple(C.cluster_config(131072, torch.bfloat16, shapes=C.BWD_SHAPES)) == (512, 2, 16)
+    assert C.cluster_config(131080, torch.bfloat16, shapes=C.BWD_SHAPES) is None
+    m, n = 4, 4096
+    dy, h, dh_out, dh = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(4))
+    w, stats = torch.empty(n, dtype=torch.bfloat16), torch.empty(m)
+    dw = torch.empty(n)
+    assert C.unsupported_bwd_call(dy, h, w, stats, stats, dh_out, dh, dw, dw) is None
+    assert C.unsupported_bwd_call(dy, h, w.float(), None, stats, None, dh, dw, None) is None
+    assert "different dtypes" in C.unsupported_bwd_call(dy.float(), h, w, None, stats, None, dh, dw, None)
+    assert "weight dtype" in C.unsupported_bwd_call(dy, h, w.half(), None, stats, None, dh, dw, None)
+    odd = torch.empty(m, n + 8, dtype=torch.bfloat16)[:, 4 : n + 4]
+    assert "aligned" in C.unsupported_bwd_call(odd, h, w, None, stats, None, dh, dw, None)
+    long = torch.empty(1, 262144, dtype=torch.bfloat16)
+    assert "backward" in C.unsupported_bwd_call(long, long, None, None, stats, None, long, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm_90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_backward_against_float64(rms: bool, dtype: torch.dtype) -> None:
+    """dh, dweight and dbias of every backward shape against float64: runs of rows per
+    cluster (more rows than clusters), a ragged last chunk, dh_out, a float32 weight; two
+    runs bitwise equal (fixed-order sums)."""
+    from openkernels.layernorm import reference as R
+
+    cases = [(4096, 16384, None, dtype), (300, 65536, None, dtype), (7, 131072, None, dtype),
+             (33, 20000, (256, 2), dtype), (64, 40000, (512, 2), torch.float32)]  # fmt: skip
+    for m, n, shape, w_dtype in cases:
+        cfg = C.cluster_config(n, dtype, shape, C.BWD_SHAPES)
+        if cfg is None:
+            continue
+        h = random_tensor((m, n), dtype, "cuda") + (0.0 if rms else 3.0)
+        dy, dh_out = random_tensor((m, n), dtype, "cuda"), random_tensor((m, n), dtype, "cuda")
+        w = random_tensor((n,), w_dtype, "cuda")
+        hd = h.double().cpu()
+        mean = torch.zeros(m, dtype=torch.float64) if rms else hd.mean(-1)
+        rstd = ((hd - mean[:, None]).square().mean(-1) + 1e-6).rsqrt()
+        mean_d = None if rms else mean.float().cuda()
+        runs = []
+        for _ in range(2):
+            got = [torch.empty_like(h), torch.empty(n, device="cuda", dtype=w_dtype)]
+            got.append(None if rms else torch.empty(n, device="cuda", dtype=w_dtype))
+            assert C.unsupported_bwd_call(dy, h, w, mean_d, rstd.float().cuda(), dh_out, *got) is None
+            C.norm_bwd(
+                dy, h, w, mean_d, rstd.float().cuda(), dh_out, *got, weight_offset=0.5, rms=rms, config=shape
+            )
+            runs.append(got)
+        assert not C._broken, C._broken
+        for a, b in zip(*runs):
+            assert a is None or torch.equal(a, b), f"{m}x{n}: runs differ"
+        got = runs[0]
+        want = [torch.empty(m, n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)]
+        want.append(None if rms else torch.empty(n, dtype=torch.float64))
+        R.norm_bwd(dy.double().cpu(), hd, w.double().cpu(), None if rms else mean, rstd, dh_out.double().cpu(),
+                   *want, weight_offset=0.5, rms=rms)  # fmt: skip
+        scale = float(rstd.max()) * float(dy.abs().max()) * 2.0
+        msg = f"{m}x{n} {cfg}"
+        assert_close(got[0], want[0], dtype=dtype, terms=n, term_scale=scale, msg=f"{msg} dh")
+        assert_close(got[1], want[1], dtype=w_dtype, terms=m, term_scale=scale * 4, msg=f"{msg} dw")
+        if not rms:
+            assert_close(got[2], want[2], dtype=w_dtype, terms=m, term_scale=scale, msg=f"{msg} db")

@@ -165,7 +165,7 @@ def _triton_supports(key: dispatch.DispatchKey) -> str | None:
     return dispatch.triton_supports(key)
 
 
-# The sm_90 cluster forward (CUDA C++): below Triton's priority (20) until the H200 says
+# The sm_90 cluster kernels (CUDA C++): below Triton's priority (20) until the H200 says
 # where it wins, so it runs only when forced by name.
 _CLUSTER_PRIORITY = 15
 
@@ -173,11 +173,10 @@ _CLUSTER_PRIORITY = 15
 def _impls(entry: str) -> tuple[opdef.Impl, ...]:
     """`entry`: norm_fwd or norm_bwd."""
     impls = opdef.standard_impls(_PKG, entry, triton_supports=_triton_supports, cpu_supports=_cpu_supports)
-    if entry == "norm_fwd":
-        impls += (
-            opdef.Impl("cluster", f"{_PKG}.cuda:norm_fwd", ("cuda",), _CLUSTER_PRIORITY, _cluster_supports),
-        )
-    return impls
+    return (
+        *impls,
+        opdef.Impl("cluster", f"{_PKG}.cuda:{entry}", ("cuda",), _CLUSTER_PRIORITY, _cluster_supports),
+    )
 
 
 def _or_empty(t: torch.Tensor | None, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,18 +1,20 @@
-"""CUDA C++ backend of the layernorm forward on Hopper: one row per thread-block cluster, the
-row's partial statistics exchanged through distributed shared memory (norm_cluster.cu).
+"""CUDA C++ backend of the layernorm family on Hopper: a row split over a thread-block
+cluster, the row's partial sums exchanged through distributed shared memory (norm_cluster.cu).
 
-Dispatch name "cluster", registered for the forward on sm_90 below the Triton kernels'
-priority: it runs only when forced (`dispatch.force("cluster")`) until its H200 measurements
-say where it wins. Same entry point as triton.norm_fwd; a call it does not take (dtypes other
-than one 16-bit or float32 row dtype with a weight of that dtype or float32, rows not a whole
-number of 16-byte vectors, misaligned rows or parameters, rows longer than 16 CTAs hold) goes
-to the Triton launcher, which takes every call. The library is built with nvcc on first use
+Dispatch name "cluster", registered for the forward and the backward on sm_90 below the
+Triton kernels' priority: it runs only when forced (`dispatch.force("cluster")`) until its
+H200 measurements say where it wins. Same entry points as triton.norm_fwd / norm_bwd; a call
+they do not take (dtypes other than one 16-bit or float32 row dtype with a weight of that
+dtype or float32, rows not a whole number of 16-byte vectors, misaligned rows or parameters,
+rows longer than 16 CTAs hold: 1048576 bf16 columns forward, 131072 backward) goes to the
+Triton launcher, which takes every call. The library is built with nvcc on first use
 (openkernels.shared.cuda_build); if that fails the Triton kernels run, with one warning.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import pathlib
 import warnings
 from typing import NamedTuple
@@ -22,7 +24,17 @@ import torch
 from openkernels.shared import cuda_build, replay
 from openkernels.shared.dispatch import DispatchKey
 
-__all__ = ["ClusterConfig", "SHAPES", "cluster_config", "norm_fwd", "supports", "unsupported_call"]
+__all__ = [
+    "BWD_SHAPES",
+    "ClusterConfig",
+    "SHAPES",
+    "cluster_config",
+    "norm_bwd",
+    "norm_fwd",
+    "supports",
+    "unsupported_bwd_call",
+    "unsupported_call",
+]
 
 _SOURCE = pathlib.Path(__file__).with_name("norm_cluster.cu")
 ARCH = "sm_90a"  # clusters and distributed shared memory: Hopper's; machine code for sm_90 only
@@ -31,6 +43,8 @@ _P, _I64, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_d
 _SIGNATURES = {
     "ok_norm_fwd_cluster": [_I32, _I32, _I32, _I32, _I32, _I32, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64,
                             _I64, _I64, _I64, _F64, _F64, _I32, _P],
+    "ok_norm_bwd_cluster": [_I32, _I32, _I32, _I32, _I32, _I32, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64,
+                            _I64, _I64, _I64, _I64, _I64, _I64, _F64, _I32, _P],
 }  # fmt: skip
 _library = cuda_build.CudaLibrary(
     _SOURCE, name="openkernels_layernorm_cuda", arch=ARCH, signatures=_SIGNATURES
@@ -39,9 +53,13 @@ _library = cuda_build.CudaLibrary(
 # (threads per CTA, 16-byte vectors per thread): the shapes norm_cluster.cu is built for, from
 # the narrowest chunk (bf16: 8192 columns per CTA) to the widest (65536).
 SHAPES: tuple[tuple[int, int], ...] = ((256, 4), (256, 8), (512, 8), (512, 16))
+# The backward holds dy, h and two float32 sums per element: 2 vectors per thread (bf16: 4096
+# and 8192 columns per CTA), at most 128 registers, so 65536 // (128 * threads) CTAs per SM.
+BWD_SHAPES: tuple[tuple[int, int], ...] = ((256, 2), (512, 2))
 PORTABLE_CLUSTER = 8  # any sm_90 part schedules 8 CTAs per cluster
 MAX_CLUSTER = 16  # the non-portable limit (the launcher opts in per kernel)
 _FLAGS = {"rms": 1, "residual": 2, "store_residual": 4, "weight": 8, "bias": 16}
+_BWD_FLAGS = {"rms": 1, "weight": 8, "dh_out": 32, "weight_grad": 64, "bias_grad": 128}
 
 
 class ClusterConfig(NamedTuple):
@@ -56,13 +74,14 @@ def _vector(dtype: torch.dtype) -> int:
 
 
 def cluster_config(
-    n_cols: int, dtype: torch.dtype, shape: tuple[int, int] | None = None
+    n_cols: int, dtype: torch.dtype, shape: tuple[int, int] | None = None, shapes: tuple = SHAPES
 ) -> ClusterConfig | None:
-    """The narrowest chunk whose cluster stays portable (<= 8 CTAs), else the narrowest within
-    16; None when a row is longer than 16 of the widest chunks. `shape` forces (threads,
-    vectors per thread) (tests); None then if the row needs more than 16 such chunks."""
+    """The narrowest chunk of `shapes` (SHAPES: the forward's; BWD_SHAPES) whose cluster stays
+    portable (<= 8 CTAs), else the narrowest within 16; None when a row is longer than 16 of
+    the widest chunks. `shape` forces (threads, vectors per thread) (tests); None then if the
+    row needs more than 16 such chunks."""
     vec = _vector(dtype)
-    candidates = [shape] if shape is not None else list(SHAPES)
+    candidates = [shape] if shape is not None else list(shapes)
     for limit in (PORTABLE_CLUSTER, MAX_CLUSTER):
         for threads, vpt in candidates:
             cluster = -(-n_cols // (threads * vpt * vec))
@@ -114,14 +133,72 @@ def unsupported_call(x, residual, weight, bias, out, residual_out, mean, rstd, h
     return None
 
 
+def unsupported_bwd_call(dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias) -> str | None:
+    """Why this backward goes to the Triton kernels instead (None: the cluster kernel takes it)."""
+    n_cols = h.shape[1]
+    if h.dtype not in _CODES:
+        return f"dtype {h.dtype}"
+    if any(t is not None and t.dtype != h.dtype for t in (dy, dh_out, dh)):
+        return "dy, h, dh_out and dh of different dtypes"
+    if weight is not None and weight.dtype not in (h.dtype, torch.float32):
+        return "a weight dtype other than h's or float32"
+    if rstd.dtype != torch.float32:
+        return "statistics other than float32"
+    vec = _vector(h.dtype)
+    if n_cols % vec:
+        return f"rows of {n_cols} columns: not a whole number of 16-byte vectors"
+    if not all(_aligned(t) for t in (dy, h, dh_out, dh) if t is not None):
+        return "a row start not 16-byte aligned"
+    if weight is not None and weight.data_ptr() % (vec * weight.element_size()):
+        return "a weight not aligned to its vector"
+    if cluster_config(n_cols, h.dtype, shapes=BWD_SHAPES) is None:
+        return f"rows of {n_cols} columns: longer than {MAX_CLUSTER} CTAs hold in the backward"
+    return None
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 _broken: list[str] = []  # why the library cannot run (built once per process; warned once)
 
 
 def _triton_fwd(*args, **kwargs) -> None:
     from ..triton import norm_fwd as triton_norm_fwd
 
-    kwargs.pop("config", None)
     triton_norm_fwd(*args, **kwargs)
+
+
+def _triton_bwd(*args, **kwargs) -> None:
+    from ..triton import norm_bwd as triton_norm_bwd
+
+    triton_norm_bwd(*args, **kwargs)
+
+
+def _load() -> object | None:
+    """The library, or None (warned once) when it cannot be built or loaded."""
+    if _broken:
+        return None
+    try:
+        return _library()
+    except cuda_build.CudaBuildError as error:
+        _broken.append(str(error))
+        warnings.warn(
+            f"openkernels.layernorm: the cluster kernels are off: {error}", RuntimeWarning, stacklevel=3
+        )
+        return None
+
+
+def _launch_failed(status: int, what: str) -> None:
+    # A launch the GPU refused (say, a cluster it cannot schedule): nothing ran.
+    _broken.append(f"{what}: launch status {status}")
+    warnings.warn(
+        f"openkernels.layernorm: the cluster kernel's launch failed ({what}, status {status}); the Triton "
+        "kernels run from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def norm_fwd(
@@ -135,13 +212,8 @@ def norm_fwd(
     cfg = cluster_config(x.shape[1], x.dtype, config)
     if cfg is None:
         raise ValueError(f"config {config}: a row of {x.shape[1]} columns needs more than {MAX_CLUSTER} CTAs")
-    try:
-        lib = _library()
-    except cuda_build.CudaBuildError as error:
-        _broken.append(str(error))
-        warnings.warn(
-            f"openkernels.layernorm: the cluster kernels are off: {error}", RuntimeWarning, stacklevel=2
-        )
+    lib = _load()
+    if lib is None:
         return _triton_fwd(*args, **kwargs)
     replay.launches_unseen("the cluster norm kernel")
     flags = (
@@ -161,13 +233,61 @@ def norm_fwd(
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     if status != 0:
-        # A launch the GPU refused (say, a cluster it cannot schedule): nothing ran.
-        _broken.append(f"launch status {status}")
-        warnings.warn(
-            f"openkernels.layernorm: the cluster kernel's launch failed (status {status}, config {cfg}); "
-            "the Triton kernels run from now on",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        _launch_failed(status, f"forward {cfg}")
         return _triton_fwd(*args, **kwargs)
+    return None
+
+
+def norm_bwd(
+    dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias, *, weight_offset, rms, config=None
+) -> None:
+    """triton.norm_bwd's contract. `config`: (threads, vectors per thread) forced (tests).
+    Each cluster takes a run of rows; the (clusters, N) float32 dweight / dbias partials are
+    summed in a fixed order by the Triton launcher's `_sum_parts`."""
+    args = (dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias)
+    kwargs = dict(weight_offset=weight_offset, rms=rms)
+    if _broken or unsupported_bwd_call(*args) is not None:
+        return _triton_bwd(*args, **kwargs)
+    n_rows, n_cols = h.shape
+    cfg = cluster_config(n_cols, h.dtype, config, BWD_SHAPES)
+    if cfg is None:
+        raise ValueError(f"config {config}: a row of {n_cols} columns needs more than {MAX_CLUSTER} CTAs")
+    lib = _load()
+    if lib is None:
+        return _triton_bwd(*args, **kwargs)
+    from ..triton import _sum_parts
+
+    ctas_per_sm = max(1, 65536 // (128 * cfg.threads))
+    n_clusters = max(1, min(n_rows, _sm_count(h.device.index) * ctas_per_sm // cfg.cluster))
+    rows_per_cluster = -(-n_rows // n_clusters)
+    n_clusters = -(-n_rows // rows_per_cluster)
+    dw_part = (
+        torch.empty((n_clusters, n_cols), dtype=torch.float32, device=h.device)
+        if dweight is not None
+        else None
+    )
+    db_part = (
+        torch.empty((n_clusters, n_cols), dtype=torch.float32, device=h.device) if dbias is not None else None
+    )
+    replay.launches_unseen("the cluster norm kernel")
+    flags = (
+        _BWD_FLAGS["rms"] * rms + _BWD_FLAGS["weight"] * (weight is not None)
+        + _BWD_FLAGS["dh_out"] * (dh_out is not None) + _BWD_FLAGS["weight_grad"] * (dweight is not None)
+        + _BWD_FLAGS["bias_grad"] * (dbias is not None)
+    )  # fmt: skip
+    status = lib.ok_norm_bwd_cluster(
+        h.device.index, _CODES[h.dtype], 0 if weight is None else _CODES[weight.dtype], cfg.threads,
+        cfg.vectors_per_thread, cfg.cluster, n_clusters, dy.data_ptr(), h.data_ptr(),
+        0 if weight is None else weight.data_ptr(), 0 if mean is None else mean.data_ptr(), rstd.data_ptr(),
+        0 if dh_out is None else dh_out.data_ptr(), dh.data_ptr(), 0 if dw_part is None else dw_part.data_ptr(),
+        0 if db_part is None else db_part.data_ptr(), n_rows, n_cols, dy.stride(0), h.stride(0),
+        0 if dh_out is None else dh_out.stride(0), dh.stride(0), rows_per_cluster, weight_offset, flags,
+        torch.cuda.current_stream(h.device).cuda_stream,
+    )  # fmt: skip
+    if status != 0:
+        _launch_failed(status, f"backward {cfg}")
+        return _triton_bwd(*args, **kwargs)
+    for part, total in ((dw_part, dweight), (db_part, dbias)):
+        if total is not None:
+            _sum_parts(part, total)
     return None

@@ -7,8 +7,15 @@
 // barrier every CTA merges the C pairs in rank order (Chan et al.): the same statistics in
 // every CTA, the same on every run, no global counters and no second pass over the row.
 //
-// Built by openkernels.shared.cuda_build with nvcc into a shared library; the host entry
-// ok_norm_fwd_cluster launches one kernel with cudaLaunchKernelEx on the caller's stream.
+// The backward does the same for the gradient's row sums (sum g * xhat, sum g): each cluster
+// takes a run of rows, each CTA the same chunk of every row of the run, holding dy and h in
+// registers across the exchange and the chunk's dweight / dbias sums in float32 registers
+// over the run; it stores them once per cluster into a (clusters, N) partial buffer that the
+// launcher sums in a fixed order (deterministic, no atomics).
+//
+// Built by openkernels.shared.cuda_build with nvcc into a shared library; the host entries
+// ok_norm_fwd_cluster / ok_norm_bwd_cluster launch one kernel each with cudaLaunchKernelEx on
+// the caller's stream.
 // Contract (checked by the Python launcher, cuda/__init__.py): n_cols a multiple of the
 // vector width; every row start and the weight and bias 16-byte aligned (32 for float32
 // weights with 16-bit x); x, residual, out and residual_out one dtype; the statistics float32.
@@ -25,6 +32,8 @@ namespace {
 
 constexpr int kMaxCluster = 16;  // the non-portable cluster limit of sm_90
 constexpr int kIsRms = 1, kHasResidual = 2, kStoreResidual = 4, kHasWeight = 8, kHasBias = 16;
+// Backward flags (kIsRms and kHasWeight as above).
+constexpr int kHasDhOut = 32, kWeightGrad = 64, kBiasGrad = 128;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -202,18 +211,126 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
 }
 
 template <typename T, typename W, int THREADS, int VPT>
-int launch(int cluster, int64_t n_rows, const void* x, const void* res, const void* weight, const void* bias,
-           void* out, void* res_out, float* mean, float* rstd, int64_t n_cols, int64_t stride_x,
-           int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset,
-           int flags, cudaStream_t stream) {
-  auto kernel = norm_fwd_cluster_kernel<T, W, THREADS, VPT>;
+__global__ void __launch_bounds__(THREADS) norm_bwd_cluster_kernel(
+    const T* __restrict__ dy, const T* __restrict__ h, const W* __restrict__ weight,
+    const float* __restrict__ mean_in, const float* __restrict__ rstd_in, const T* __restrict__ dh_out,
+    T* __restrict__ dh, float* __restrict__ dw_part, float* __restrict__ db_part, int64_t n_rows, int64_t n_cols,
+    int64_t stride_dy, int64_t stride_h, int64_t stride_dh_out, int64_t stride_dh, int64_t rows_per_cluster,
+    float weight_offset, int flags) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNK = THREADS * VPT * VEC;
+  using RowVec = Vec<T, VEC>;
+  using WVec = Vec<W, VEC>;
+  __shared__ float scratch[2][THREADS / 32];
+  __shared__ float2 published[2];  // this CTA's (sum g * xhat, sum g), by row parity
+  __shared__ float2 gathered[kMaxCluster];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int n_ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t cluster_id = blockIdx.x / n_ranks;
+  const int64_t first_row = cluster_id * rows_per_cluster;
+  const int64_t end_row = first_row + rows_per_cluster < n_rows ? first_row + rows_per_cluster : n_rows;
+  const int64_t chunk_start = static_cast<int64_t>(rank) * CHUNK;
+  const bool is_rms = flags & kIsRms;
+  const bool has_weight = flags & kHasWeight;
+  const float inv_n = 1.f / static_cast<float>(n_cols);
+
+  float dw_acc[VPT][VEC], db_acc[VPT][VEC];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) dw_acc[i][e] = db_acc[i][e] = 0.f;
+  }
+
+  for (int64_t row = first_row; row < end_row; ++row) {
+    RowVec dy_v[VPT], h_v[VPT];
+    const float rstd = rstd_in[row];
+    const float mean = is_rms ? 0.f : mean_in[row];
+    float c1 = 0.f, c2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+      if (col < n_cols) {
+        dy_v[i] = load_stream<RowVec>(dy + row * stride_dy + col);
+        h_v[i] = load_stream<RowVec>(h + row * stride_h + col);
+        WVec w;
+        if (has_weight) w = *reinterpret_cast<const WVec*>(weight + col);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float g = to_float(dy_v[i].v[e]) * (has_weight ? to_float(w.v[e]) + weight_offset : 1.f);
+          c1 += g * ((to_float(h_v[i].v[e]) - mean) * rstd);
+          c2 += g;
+        }
+      }
+    }
+    c1 = block_sum<THREADS>(c1, scratch[0]);
+    if (!is_rms) c2 = block_sum<THREADS>(c2, scratch[1]);
+
+    // Exchange, double-buffered by row parity: a CTA writes a slot again two rows later,
+    // past the next cluster barrier, which its peers reach only after reading this one.
+    const int slot = static_cast<int>((row - first_row) & 1);
+    if (threadIdx.x == 0) published[slot] = make_float2(c1, c2);
+    cluster.sync();
+    if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published[slot], threadIdx.x);
+    __syncthreads();
+    float sum_gx = 0.f, sum_g = 0.f;
+    for (int r = 0; r < n_ranks; ++r) {
+      sum_gx += gathered[r].x;
+      sum_g += gathered[r].y;
+    }
+    const float a = sum_gx * inv_n, b = is_rms ? 0.f : sum_g * inv_n;
+
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+      if (col < n_cols) {
+        WVec w;
+        if (has_weight) w = *reinterpret_cast<const WVec*>(weight + col);
+        RowVec extra, out;
+        if (flags & kHasDhOut) extra = load_stream<RowVec>(dh_out + row * stride_dh_out + col);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float d = to_float(dy_v[i].v[e]);
+          const float g = d * (has_weight ? to_float(w.v[e]) + weight_offset : 1.f);
+          const float xhat = (to_float(h_v[i].v[e]) - mean) * rstd;
+          float v = (g - xhat * a - b) * rstd;
+          if (flags & kHasDhOut) v += to_float(extra.v[e]);
+          out.v[e] = from_float<T>(v);
+          dw_acc[i][e] += d * xhat;
+          db_acc[i][e] += d;
+        }
+        store_stream(dh + row * stride_dh + col, out);
+      }
+    }
+  }
+  // Peers may still read this CTA's last slot: leave together.
+  cluster.sync();
+  const int64_t part_row = cluster_id * n_cols;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+    if (col < n_cols) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        if (flags & kWeightGrad) dw_part[part_row + col + e] = dw_acc[i][e];
+        if (flags & kBiasGrad) db_part[part_row + col + e] = db_acc[i][e];
+      }
+    }
+  }
+}
+
+// One launch of `kernel` over `ctas` CTAs of `threads` threads in clusters of `cluster`.
+template <typename... Params, typename... Args>
+int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int threads, cudaStream_t stream,
+                     Args... args) {
   if (cluster > 8) {  // past the portable size: allowed per kernel
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(cluster * n_rows), 1, 1);
-  config.blockDim = dim3(THREADS, 1, 1);
+  config.gridDim = dim3(static_cast<unsigned>(ctas), 1, 1);
+  config.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
   config.dynamicSmemBytes = 0;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
@@ -223,35 +340,66 @@ int launch(int cluster, int64_t n_rows, const void* x, const void* res, const vo
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  cudaError_t err = cudaLaunchKernelEx(
-      &config, kernel, static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const W*>(weight),
-      static_cast<const W*>(bias), static_cast<T*>(out), static_cast<T*>(res_out), mean, rstd, n_cols, stride_x,
-      stride_res, stride_out, stride_res_out, eps, weight_offset, flags);
-  return static_cast<int>(err);
+  return static_cast<int>(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+}
+
+// The forward kernel of a (threads, vectors per thread) shape, or nullptr.
+template <typename T, typename W>
+auto fwd_kernel(int threads, int vpt) -> decltype(&norm_fwd_cluster_kernel<T, W, 256, 4>) {
+  if (threads == 256 && vpt == 4) return norm_fwd_cluster_kernel<T, W, 256, 4>;
+  if (threads == 256 && vpt == 8) return norm_fwd_cluster_kernel<T, W, 256, 8>;
+  if (threads == 512 && vpt == 8) return norm_fwd_cluster_kernel<T, W, 512, 8>;
+  if (threads == 512 && vpt == 16) return norm_fwd_cluster_kernel<T, W, 512, 16>;
+  return nullptr;
+}
+
+// The backward's shapes: it holds dy and h (16 bytes each) and two float32 accumulators per
+// element, so 2 vectors per thread (4 spill at 512 threads, run at 1 CTA per SM at 256).
+template <typename T, typename W>
+auto bwd_kernel(int threads, int vpt) -> decltype(&norm_bwd_cluster_kernel<T, W, 256, 2>) {
+  if (threads == 256 && vpt == 2) return norm_bwd_cluster_kernel<T, W, 256, 2>;
+  if (threads == 512 && vpt == 2) return norm_bwd_cluster_kernel<T, W, 512, 2>;
+  return nullptr;
 }
 
 template <typename T, typename W>
-int launch_shape(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const void* res,
-                 const void* weight, const void* bias, void* out, void* res_out, float* mean, float* rstd,
-                 int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out, int64_t stride_res_out,
-                 float eps, float weight_offset, int flags, cudaStream_t stream) {
-#define OK_NORM_CLUSTER_SHAPE(TH, V)                                                                          \
-  if (threads == TH && vpt == V)                                                                              \
-    return launch<T, W, TH, V>(cluster, n_rows, x, res, weight, bias, out, res_out, mean, rstd, n_cols,       \
-                               stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset, flags, stream);
-  OK_NORM_CLUSTER_SHAPE(256, 4)
-  OK_NORM_CLUSTER_SHAPE(256, 8)
-  OK_NORM_CLUSTER_SHAPE(512, 8)
-  OK_NORM_CLUSTER_SHAPE(512, 16)
-#undef OK_NORM_CLUSTER_SHAPE
-  return -2;  // a shape this library was not built for
+int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const void* res, const void* weight,
+        const void* bias, void* out, void* res_out, void* mean, void* rstd, int64_t n_cols, int64_t stride_x,
+        int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset, int flags,
+        cudaStream_t stream) {
+  auto kernel = fwd_kernel<T, W>(threads, vpt);
+  if (kernel == nullptr) return -2;
+  return launch_clustered(kernel, cluster, cluster * n_rows, threads, stream, x, res, weight, bias, out, res_out,
+                          mean, rstd, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset,
+                          flags);
+}
+
+template <typename T, typename W>
+int bwd(int threads, int vpt, int cluster, int64_t n_clusters, const void* dy, const void* h, const void* weight,
+        const void* mean, const void* rstd, const void* dh_out, void* dh, void* dw_part, void* db_part,
+        int64_t n_rows, int64_t n_cols, int64_t stride_dy, int64_t stride_h, int64_t stride_dh_out,
+        int64_t stride_dh, int64_t rows_per_cluster, float weight_offset, int flags, cudaStream_t stream) {
+  auto kernel = bwd_kernel<T, W>(threads, vpt);
+  if (kernel == nullptr) return -2;
+  return launch_clustered(kernel, cluster, cluster * n_clusters, threads, stream, dy, h, weight, mean, rstd,
+                          dh_out, dh, dw_part, db_part, n_rows, n_cols, stride_dy, stride_h, stride_dh_out,
+                          stride_dh, rows_per_cluster, weight_offset, flags);
 }
 
 }  // namespace
 
-// Launch one forward. dtype codes: 0 float32, 1 bfloat16, 2 float16; `weight_code` is the
-// weight's and bias's (the row's, or 0). flags: kIsRms | kHasResidual | kStoreResidual |
-// kHasWeight | kHasBias. Returns 0, a cudaError_t, or -1 (dtypes) / -2 (shape) / -3 (cluster).
+// dtype codes: 0 float32, 1 bfloat16, 2 float16; `weight_code` is the weight's and bias's
+// (or 0 without them). Each entry returns 0, a cudaError_t, or -1 (dtypes), -2 (a shape this
+// library was not built for), -3 (a cluster outside 1..16).
+#define OK_NORM_CLUSTER_DTYPES(FN, ...)                                                                         \
+  if (dtype_code == 1 && weight_code == 1) return FN<__nv_bfloat16, __nv_bfloat16>(__VA_ARGS__);              \
+  if (dtype_code == 1 && weight_code == 0) return FN<__nv_bfloat16, float>(__VA_ARGS__);                      \
+  if (dtype_code == 2 && weight_code == 2) return FN<__half, __half>(__VA_ARGS__);                            \
+  if (dtype_code == 2 && weight_code == 0) return FN<__half, float>(__VA_ARGS__);                             \
+  if (dtype_code == 0 && weight_code == 0) return FN<float, float>(__VA_ARGS__);                              \
+  return -1;
+
+// One forward. flags: kIsRms | kHasResidual | kStoreResidual | kHasWeight | kHasBias.
 extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,
                                    int64_t n_rows, const void* x, const void* res, const void* weight,
                                    const void* bias, void* out, void* res_out, void* mean, void* rstd,
@@ -260,18 +408,23 @@ extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, 
   if (cluster < 1 || cluster > kMaxCluster) return -3;
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
-  auto s = static_cast<cudaStream_t>(stream);
-  auto m = static_cast<float*>(mean);
-  auto r = static_cast<float*>(rstd);
-  const float e = static_cast<float>(eps), o = static_cast<float>(weight_offset);
-#define OK_NORM_CLUSTER_ARGS                                                                                  \
-  threads, vpt, cluster, n_rows, x, res, weight, bias, out, res_out, m, r, n_cols, stride_x, stride_res, \
-      stride_out, stride_res_out, e, o, flags, s
-  if (dtype_code == 1 && weight_code == 1) return launch_shape<__nv_bfloat16, __nv_bfloat16>(OK_NORM_CLUSTER_ARGS);
-  if (dtype_code == 1 && weight_code == 0) return launch_shape<__nv_bfloat16, float>(OK_NORM_CLUSTER_ARGS);
-  if (dtype_code == 2 && weight_code == 2) return launch_shape<__half, __half>(OK_NORM_CLUSTER_ARGS);
-  if (dtype_code == 2 && weight_code == 0) return launch_shape<__half, float>(OK_NORM_CLUSTER_ARGS);
-  if (dtype_code == 0 && weight_code == 0) return launch_shape<float, float>(OK_NORM_CLUSTER_ARGS);
-#undef OK_NORM_CLUSTER_ARGS
-  return -1;
+  OK_NORM_CLUSTER_DTYPES(fwd, threads, vpt, cluster, n_rows, x, res, weight, bias, out, res_out, mean, rstd, n_cols,
+                         stride_x, stride_res, stride_out, stride_res_out, static_cast<float>(eps),
+                         static_cast<float>(weight_offset), flags, static_cast<cudaStream_t>(stream))
+}
+
+// One backward over n_clusters clusters of rows_per_cluster rows each; dw_part / db_part are
+// (n_clusters, n_cols) float32. flags: kIsRms | kHasWeight | kHasDhOut | kWeightGrad | kBiasGrad.
+extern "C" int ok_norm_bwd_cluster(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,
+                                   int64_t n_clusters, const void* dy, const void* h, const void* weight,
+                                   const void* mean, const void* rstd, const void* dh_out, void* dh, void* dw_part,
+                                   void* db_part, int64_t n_rows, int64_t n_cols, int64_t stride_dy,
+                                   int64_t stride_h, int64_t stride_dh_out, int64_t stride_dh,
+                                   int64_t rows_per_cluster, double weight_offset, int flags, void* stream) {
+  if (cluster < 1 || cluster > kMaxCluster) return -3;
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  OK_NORM_CLUSTER_DTYPES(bwd, threads, vpt, cluster, n_clusters, dy, h, weight, mean, rstd, dh_out, dh, dw_part,
+                         db_part, n_rows, n_cols, stride_dy, stride_h, stride_dh_out, stride_dh, rows_per_cluster,
+                         static_cast<float>(weight_offset), flags, static_cast<cudaStream_t>(stream))
 }
