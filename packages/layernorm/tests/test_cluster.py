@@ -5,6 +5,9 @@ The whole correctness suite also runs it there (test_correctness's "cuda-cluster
 
 from __future__ import annotations
 
+import ctypes
+import struct
+
 import pytest
 import torch
 
@@ -45,14 +48,26 @@ def test_the_library_builds_and_answers_without_a_gpu() -> None:
     if "sm_90" not in targets_from_env():
         pytest.skip("sm_90 is not among the AOT targets")
     lib = C._library()
-    args = [1, 1, 256, 4, 1, 1, *[None] * 8, 4096, 4096, 0, 4096, 0, 1e-6, 0.0, 9, None]
+    args = [1, 1, 256, 4, 1, 1, *[None] * 8, 4096, 4096, 0, 4096, 0, 1e-6, 0.0, 9, 0]
     assert lib.ok_norm_fwd_cluster(0, *args) == 35
     args[4] = 17
     assert lib.ok_norm_fwd_cluster(0, *args) == -3
-    bwd = [1, 1, 256, 2, 1, 1, *[None] * 9, 4, 4096, 4096, 4096, 0, 4096, 4, 0.0, 9, None]
+    bwd = [1, 1, 256, 2, 1, 1, *[None] * 9, 4, 4096, 4096, 4096, 0, 4096, 4, 0.0, 9, 0]
     assert lib.ok_norm_bwd_cluster(0, *bwd) == 35
     bwd[4] = 0
     assert lib.ok_norm_bwd_cluster(0, *bwd) == -3
+    # The packed twins replay runs: the same answers from the same arguments in 64-bit slots.
+    for name, values, doubles in (("ok_norm_fwd_cluster", [0, *args], (20, 21)),
+                                  ("ok_norm_bwd_cluster", [0, *bwd], (23,))):  # fmt: skip
+        packed = getattr(lib, name).packed
+        assert packed, f"{name}_packed is not exported"
+        run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int64))(packed)
+        slots = [struct.unpack("<q", struct.pack("<d", v))[0] if i in doubles else int(v or 0)
+                 for i, v in enumerate(values)]  # fmt: skip
+        assert len(slots) == len(getattr(lib, name).pointer)
+        assert run((ctypes.c_int64 * len(slots))(*slots)) == -3
+        slots[5] = 1
+        assert run((ctypes.c_int64 * len(slots))(*slots)) == 35
 
 
 @pytest.mark.parametrize(

@@ -111,7 +111,10 @@ def load_library(
 class CudaLibrary:
     """A family's CUDA C++ kernels: `source` built for `arch` and loaded on the first call,
     each host entry's argument types declared (every entry returns an int status: 0, a
-    cudaError_t, or a negative code of the entry's own). Calling it returns the library."""
+    cudaError_t, or a negative code of the entry's own), the library seen by replay
+    recordings as `cpu_build.KernelLibrary`'s is: an entry `f` with an exported
+    `int f_packed(const int64_t* args)` replays from C++ (pass the stream as an integer, a
+    constant of the recording: recordings key on the stream). Calling it returns the library."""
 
     def __init__(
         self, source: pathlib.Path, *, name: str, arch: str, signatures: Mapping[str, Sequence[Any]],
@@ -125,6 +128,8 @@ class CudaLibrary:
 
     def __call__(self) -> Any:
         if self._lib is None:
+            from . import replay  # replay builds its own library through cpu_build
+
             with self._lock:
                 if self._lib is None:
                     lib = load_library(
@@ -133,7 +138,7 @@ class CudaLibrary:
                     for entry, argtypes in self.signatures.items():
                         fn = getattr(lib, entry)
                         fn.argtypes, fn.restype = argtypes, ctypes.c_int
-                    self._lib = lib
+                    self._lib = replay.observe_library(lib, tuple(self.signatures))
         return self._lib
 
 

@@ -62,7 +62,6 @@ __all__ = [
     "replayable",
     "observe_library",
     "persistent",
-    "launches_unseen",
     "set_mode",
     "mode",
     "disabled",
@@ -245,15 +244,6 @@ def reads_host_values(what: str) -> None:
     rec = getattr(_State.local, "recording", None)
     if rec is not None:
         rec.refuse(f"reads {what} on the host")
-
-
-def launches_unseen(what: str) -> None:
-    """Say that the running body launches work that recordings do not see (a CUDA C++
-    library's own host entry): a recording of the call in progress is refused, since a
-    replay would skip that work. Free when nothing records."""
-    rec = getattr(_State.local, "recording", None)
-    if rec is not None:
-        rec.refuse(f"launches {what}, which recordings do not see")
 
 
 def observe_function(ctx: Any, outputs: Any, materialize_grads: bool) -> None:

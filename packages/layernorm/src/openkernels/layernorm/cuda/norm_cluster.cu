@@ -388,7 +388,9 @@ int bwd(int threads, int vpt, int cluster, int64_t n_clusters, const void* dy, c
 
 }  // namespace
 
-// dtype codes: 0 float32, 1 bfloat16, 2 float16; `weight_code` is the weight's and bias's
+// The stream is passed as an integer (the handle PyTorch gives): a constant to replay
+// recordings, which key on the stream (openkernels.shared.replay), where a pointer argument
+// would have to be a tensor's. dtype codes: 0 float32, 1 bfloat16, 2 float16; `weight_code` is the weight's and bias's
 // (or 0 without them). Each entry returns 0, a cudaError_t, or -1 (dtypes), -2 (a shape this
 // library was not built for), -3 (a cluster outside 1..16).
 #define OK_NORM_CLUSTER_DTYPES(FN, ...)                                                                         \
@@ -404,13 +406,14 @@ extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, 
                                    int64_t n_rows, const void* x, const void* res, const void* weight,
                                    const void* bias, void* out, void* res_out, void* mean, void* rstd,
                                    int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out,
-                                   int64_t stride_res_out, double eps, double weight_offset, int flags, void* stream) {
+                                   int64_t stride_res_out, double eps, double weight_offset, int flags,
+                                   int64_t stream) {
   if (cluster < 1 || cluster > kMaxCluster) return -3;
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
   OK_NORM_CLUSTER_DTYPES(fwd, threads, vpt, cluster, n_rows, x, res, weight, bias, out, res_out, mean, rstd, n_cols,
                          stride_x, stride_res, stride_out, stride_res_out, static_cast<float>(eps),
-                         static_cast<float>(weight_offset), flags, static_cast<cudaStream_t>(stream))
+                         static_cast<float>(weight_offset), flags, reinterpret_cast<cudaStream_t>(stream))
 }
 
 // One backward over n_clusters clusters of rows_per_cluster rows each; dw_part / db_part are
@@ -420,11 +423,32 @@ extern "C" int ok_norm_bwd_cluster(int device, int dtype_code, int weight_code, 
                                    const void* mean, const void* rstd, const void* dh_out, void* dh, void* dw_part,
                                    void* db_part, int64_t n_rows, int64_t n_cols, int64_t stride_dy,
                                    int64_t stride_h, int64_t stride_dh_out, int64_t stride_dh,
-                                   int64_t rows_per_cluster, double weight_offset, int flags, void* stream) {
+                                   int64_t rows_per_cluster, double weight_offset, int flags, int64_t stream) {
   if (cluster < 1 || cluster > kMaxCluster) return -3;
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
   OK_NORM_CLUSTER_DTYPES(bwd, threads, vpt, cluster, n_clusters, dy, h, weight, mean, rstd, dh_out, dh, dw_part,
                          db_part, n_rows, n_cols, stride_dy, stride_h, stride_dh_out, stride_dh, rows_per_cluster,
-                         static_cast<float>(weight_offset), flags, static_cast<cudaStream_t>(stream))
+                         static_cast<float>(weight_offset), flags, reinterpret_cast<cudaStream_t>(stream))
+}
+
+// Every argument in one 64-bit slot (doubles as their bits): what replayed calls run.
+extern "C" int ok_norm_fwd_cluster_packed(const int64_t* a) {
+  double eps, offset;
+  memcpy(&eps, &a[20], sizeof eps);
+  memcpy(&offset, &a[21], sizeof offset);
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_norm_fwd_cluster(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), a[6], p(7), p(8), p(9), p(10), p(11),
+                             p(12), p(13), p(14), a[15], a[16], a[17], a[18], a[19], eps, offset, i32(22), a[23]);
+}
+
+extern "C" int ok_norm_bwd_cluster_packed(const int64_t* a) {
+  double offset;
+  memcpy(&offset, &a[23], sizeof offset);
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_norm_bwd_cluster(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), a[6], p(7), p(8), p(9), p(10), p(11),
+                             p(12), p(13), p(14), p(15), a[16], a[17], a[18], a[19], a[20], a[21], a[22], offset,
+                             i32(24), a[25]);
 }
