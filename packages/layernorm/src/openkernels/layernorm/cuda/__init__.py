@@ -28,6 +28,7 @@ __all__ = [
     "BWD_SHAPES",
     "ClusterConfig",
     "SHAPES",
+    "SHORT_SHAPES",
     "cluster_config",
     "norm_bwd",
     "norm_fwd",
@@ -50,9 +51,13 @@ _library = cuda_build.CudaLibrary(
     _SOURCE, name="openkernels_layernorm_cuda", arch=ARCH, signatures=_SIGNATURES
 )
 
-# (threads per CTA, 16-byte vectors per thread): the shapes norm_cluster.cu is built for, from
-# the narrowest chunk (bf16: 8192 columns per CTA) to the widest (65536).
+# (threads per CTA, 16-byte vectors per thread) of the forward, for rows split over a
+# cluster: from the narrowest chunk (bf16: 8192 columns per CTA) to the widest (65536).
 SHAPES: tuple[tuple[int, int], ...] = ((256, 4), (256, 8), (512, 8), (512, 16))
+# Rows of up to 8192 elements take one CTA each (a cluster of 1: no exchange), the narrowest
+# chunk that holds them: these two, then (256, 4).
+SHORT_SHAPES: tuple[tuple[int, int], ...] = ((128, 2), (256, 2))
+_ONE_CTA_MAX = 8192
 # The backward holds dy, h and two float32 sums per element: 2 vectors per thread (bf16: 4096
 # and 8192 columns per CTA), at most 128 registers, so 65536 // (128 * threads) CTAs per SM.
 BWD_SHAPES: tuple[tuple[int, int], ...] = ((256, 2), (512, 2))
@@ -76,11 +81,17 @@ def _vector(dtype: torch.dtype) -> int:
 def cluster_config(
     n_cols: int, dtype: torch.dtype, shape: tuple[int, int] | None = None, shapes: tuple = SHAPES
 ) -> ClusterConfig | None:
-    """The narrowest chunk of `shapes` (SHAPES: the forward's; BWD_SHAPES) whose cluster stays
-    portable (<= 8 CTAs), else the narrowest within 16; None when a row is longer than 16 of
-    the widest chunks. `shape` forces (threads, vectors per thread) (tests); None then if the
-    row needs more than 16 such chunks."""
+    """The forward's (shapes=SHAPES) launch shape for rows of n_cols: rows of up to 8192
+    elements one CTA each, the narrowest chunk of SHORT_SHAPES + SHAPES that holds them; longer
+    rows the narrowest chunk of `shapes` whose cluster stays portable (<= 8 CTAs), else the
+    narrowest within 16; None past 16 of the widest chunks. The backward (BWD_SHAPES) takes
+    the cluster rule alone. `shape` forces (threads, vectors per thread) (tests); None then if
+    the row needs more than 16 such chunks."""
     vec = _vector(dtype)
+    if shape is None and shapes is SHAPES and n_cols <= _ONE_CTA_MAX:
+        for threads, vpt in (*SHORT_SHAPES, *SHAPES):
+            if n_cols <= threads * vpt * vec <= _ONE_CTA_MAX:
+                return ClusterConfig(threads, vpt, 1)
     candidates = [shape] if shape is not None else list(shapes)
     for limit in (PORTABLE_CLUSTER, MAX_CLUSTER):
         for threads, vpt in candidates:

@@ -346,6 +346,8 @@ int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int t
 // The forward kernel of a (threads, vectors per thread) shape, or nullptr.
 template <typename T, typename W>
 auto fwd_kernel(int threads, int vpt) -> decltype(&norm_fwd_cluster_kernel<T, W, 256, 4>) {
+  if (threads == 128 && vpt == 2) return norm_fwd_cluster_kernel<T, W, 128, 2>;
+  if (threads == 256 && vpt == 2) return norm_fwd_cluster_kernel<T, W, 256, 2>;
   if (threads == 256 && vpt == 4) return norm_fwd_cluster_kernel<T, W, 256, 4>;
   if (threads == 256 && vpt == 8) return norm_fwd_cluster_kernel<T, W, 256, 8>;
   if (threads == 512 && vpt == 8) return norm_fwd_cluster_kernel<T, W, 512, 8>;
