@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -27,6 +27,17 @@ if [[ $steps == *tests* ]]; then
     -q -rfE $xdist "packages/$family/tests" --ignore "packages/$family/tests/test_jax.py" \
     -m "not interpreter and not aot" -k "cuda or offsets or 2_to_the_31" \
     2>&1 | tee "$out/tests.txt" | tail -8
+fi
+if [[ $steps == *cluster* && $family == layernorm ]]; then
+  # The sm_90 cluster kernels (CUDA C++, forced only) under time limits: a kernel that hung
+  # would otherwise take the whole call. Their own tests first, then the correctness suite's
+  # cuda-cluster target, then the split counters' and long-row replay checks.
+  timeout 300 python3 -m pytest -q -rfE packages/layernorm/tests/test_cluster.py -m "not aot" -x 2>&1 \
+    | tee "$out/cluster_tests.txt" | tail -8
+  timeout 600 python3 -m pytest -q -rfE packages/layernorm/tests/test_correctness.py -k "cuda-cluster" -x 2>&1 \
+    | tee "$out/cluster_correctness.txt" | tail -8
+  timeout 300 python3 -m pytest -q -rfE packages/layernorm/tests -k "counters_at_zero or long_rows_replay" 2>&1 \
+    | tee "$out/split_counters.txt" | tail -8
 fi
 if [[ $steps == *check* && -f benchmarks/gpu/check_${family}_gpu.py ]]; then
   run "benchmarks/gpu/check_${family}_gpu.py" | tee "$out/check.txt" | grep -E "BAD|checks passed"
