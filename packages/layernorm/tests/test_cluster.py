@@ -1,7 +1,9 @@
-"""The sm_90 cluster forward (CUDA C++, cuda/norm_cluster.cu): its compile check for sm_90a
-(no GPU: every kernel the library holds compiles without spills), its launch planning, which
-calls it takes, and, on an sm_90 GPU, its results against float64 at the lengths it is for.
-The whole correctness suite also runs it there (test_correctness's "cuda-cluster" target)."""
+"""The sm_90 cluster kernels (CUDA C++, cuda/norm_cluster.cu): their compile check for sm_90a
+(no GPU: every kernel the library holds compiles without spills), their launch planning,
+which calls they take, and their results against float64: on the CPU through the CUDA
+emulation (the same source built against shared/cuda/cuda_emulation.h), on an sm_90 GPU at
+the lengths they are for. The whole correctness suite also runs them there
+(test_correctness's "cuda-cluster" target)."""
 
 from __future__ import annotations
 
@@ -146,11 +148,17 @@ def _sm_90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm_90(), reason="needs an sm_90 GPU")
+# The CPU runs the kernels built for the emulation (cuda_emulation.h: threads as fibers, a CTA
+# per OS thread), on small rows that still take clusters of several CTAs; sm_90 the real ones.
+DEVICES = [pytest.param("cpu", id="emulated")]
+if _sm_90():
+    DEVICES.append(pytest.param("cuda", id="cuda", marks=pytest.mark.gpu))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_forward_against_float64(rms: bool, dtype: torch.dtype) -> None:
+def test_forward_against_float64(rms: bool, dtype: torch.dtype, device: str) -> None:
     """Every built shape at the row lengths it is picked for (one CTA per short row, clusters
     for long ones, a ragged last chunk), with a residual stored, weight and bias, rows with a large mean (LayerNorm), a NaN row; two runs
     bitwise equal."""
@@ -159,20 +167,22 @@ def test_cuda_forward_against_float64(rms: bool, dtype: torch.dtype) -> None:
     cases = [(300, 2048, None), (64, 4096, None), (7, 8192, None), (5, 1000, (128, 2)), (3, 65536, None),
              (2, 262144, None), (2, 262152, None), (1, 1048576, None), (5, 20000, (256, 4)), (3, 131072, (256, 8)),
              (2, 200000, (512, 8)), (2, 300000, (512, 16))]  # fmt: skip
+    if device == "cpu":  # one CTA, clusters of 3 and 5 with a ragged last chunk, a 32768-element chunk
+        cases = [(3, 1000, (128, 2)), (2, 5000, (128, 2)), (2, 9800, (128, 2)), (2, 40000, (512, 8))]
     for m, n, shape in cases:
         cfg = C.cluster_config(n, dtype, shape)
         if cfg is None:
             continue
-        x = random_tensor((m, n), dtype, "cuda") + (0.0 if rms else 5.0)
-        r = random_tensor((m, n), dtype, "cuda")
-        w = random_tensor((n,), dtype, "cuda")
-        b = None if rms else random_tensor((n,), dtype, "cuda")
+        x = random_tensor((m, n), dtype, device) + (0.0 if rms else 5.0)
+        r = random_tensor((m, n), dtype, device)
+        w = random_tensor((n,), dtype, device)
+        b = None if rms else random_tensor((n,), dtype, device)
         x[m - 1, n // 3] = float("nan")
         runs = []
         for _ in range(2):
             y, h = torch.empty_like(x), torch.empty_like(x)
-            mean = None if rms else torch.empty(m, device="cuda")
-            rstd = torch.empty(m, device="cuda")
+            mean = None if rms else torch.empty(m, device=device)
+            rstd = torch.empty(m, device=device)
             assert C.unsupported_call(x, r, w, b, y, h, mean, rstd, dtype) is None
             C.norm_fwd(x, r, w, b, y, h, mean, rstd, eps=1e-6, weight_offset=0.5, rms=rms, h_dtype=dtype,
                        config=shape)  # fmt: skip
@@ -217,11 +227,10 @@ def test_backward_config_and_calls() -> None:
     assert "backward" in C.unsupported_bwd_call(long, long, None, None, stats, None, long, None, None)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm_90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_backward_against_float64(rms: bool, dtype: torch.dtype) -> None:
+def test_backward_against_float64(rms: bool, dtype: torch.dtype, device: str) -> None:
     """dh, dweight and dbias of every backward shape against float64: runs of rows per
     cluster (more rows than clusters), a ragged last chunk, dh_out, a float32 weight; two
     runs bitwise equal (fixed-order sums)."""
@@ -229,24 +238,35 @@ def test_cuda_backward_against_float64(rms: bool, dtype: torch.dtype) -> None:
 
     cases = [(4096, 16384, None, dtype), (300, 65536, None, dtype), (7, 131072, None, dtype),
              (33, 20000, (256, 2), dtype), (64, 40000, (512, 2), torch.float32)]  # fmt: skip
+    if device == "cpu":  # 2 clusters of 3 CTAs for 9 rows (runs of 5 and 4: both slot parities)
+        cases = [(9, 10000, (256, 2), dtype), (5, 3000, (256, 2), torch.float32)]
     for m, n, shape, w_dtype in cases:
         cfg = C.cluster_config(n, dtype, shape, C.BWD_SHAPES)
         if cfg is None:
             continue
-        h = random_tensor((m, n), dtype, "cuda") + (0.0 if rms else 3.0)
-        dy, dh_out = random_tensor((m, n), dtype, "cuda"), random_tensor((m, n), dtype, "cuda")
-        w = random_tensor((n,), w_dtype, "cuda")
+        h = random_tensor((m, n), dtype, device) + (0.0 if rms else 3.0)
+        dy, dh_out = random_tensor((m, n), dtype, device), random_tensor((m, n), dtype, device)
+        w = random_tensor((n,), w_dtype, device)
         hd = h.double().cpu()
         mean = torch.zeros(m, dtype=torch.float64) if rms else hd.mean(-1)
         rstd = ((hd - mean[:, None]).square().mean(-1) + 1e-6).rsqrt()
-        mean_d = None if rms else mean.float().cuda()
+        mean_d = None if rms else mean.float().to(device)
         runs = []
         for _ in range(2):
-            got = [torch.empty_like(h), torch.empty(n, device="cuda", dtype=w_dtype)]
-            got.append(None if rms else torch.empty(n, device="cuda", dtype=w_dtype))
-            assert C.unsupported_bwd_call(dy, h, w, mean_d, rstd.float().cuda(), dh_out, *got) is None
+            got = [torch.empty_like(h), torch.empty(n, device=device, dtype=w_dtype)]
+            got.append(None if rms else torch.empty(n, device=device, dtype=w_dtype))
+            assert C.unsupported_bwd_call(dy, h, w, mean_d, rstd.float().to(device), dh_out, *got) is None
             C.norm_bwd(
-                dy, h, w, mean_d, rstd.float().cuda(), dh_out, *got, weight_offset=0.5, rms=rms, config=shape
+                dy,
+                h,
+                w,
+                mean_d,
+                rstd.float().to(device),
+                dh_out,
+                *got,
+                weight_offset=0.5,
+                rms=rms,
+                config=shape,
             )
             runs.append(got)
         assert not C._broken, C._broken

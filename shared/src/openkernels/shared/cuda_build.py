@@ -10,12 +10,16 @@ the hash covers the source, the flags and nvcc's version.
 
 `ptxas_report` compiles a source for one architecture without a GPU and returns each
 kernel's registers and spills: the compile check CI runs for every CUDA C++ kernel.
+`load_emulated` builds the same source for the CPU with the host compiler against
+`cuda/cuda_emulation.h` (threads as fibers, one OS thread per CTA, clusters met at a barrier):
+the kernels then run on CPU tensors, which is how CI checks their results without a GPU.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import pathlib
 import re
@@ -42,6 +46,7 @@ __all__ = [
 # -fPIC goes to the host compiler; cudart is linked statically (nvcc's default).
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 _TIMEOUT_S = 600
+EMULATION_DIR = pathlib.Path(__file__).with_name("cuda")  # cuda_emulation.h
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str, tuple[str, ...]], ctypes.CDLL] = {}
@@ -108,6 +113,17 @@ def load_library(
         return lib
 
 
+def load_emulated(source: pathlib.Path, *, name: str) -> ctypes.CDLL:
+    """`source` built for the CPU (C++20, -DOK_CUDA_EMULATION, cuda_emulation.h) with the host
+    compiler and loaded: its host entries then launch the kernels on CPU memory. Cached as the
+    CPU libraries are (the emulation header's digest is part of the flags, hence of the key);
+    cpu_build.CpuBuildError where it cannot be built."""
+    digest = hashlib.sha256((EMULATION_DIR / "cuda_emulation.h").read_bytes()).hexdigest()[:16]
+    flags = ("-std=c++20", "-pthread", "-DOK_CUDA_EMULATION", f"-DOK_EMULATION_HEADER={digest}",
+             "-I", str(EMULATION_DIR), "-x", "c++")  # fmt: skip
+    return cpu_build.load_library(source, name=f"{name}_emulated", extra_flags=flags)
+
+
 class CudaLibrary:
     """A family's CUDA C++ kernels: `source` built for `arch` and loaded on the first call,
     each host entry's argument types declared (every entry returns an int status: 0, a
@@ -124,7 +140,23 @@ class CudaLibrary:
         self.extra_flags = tuple(extra_flags)
         self.signatures = {entry: list(argtypes) for entry, argtypes in signatures.items()}
         self._lib: Any = None
+        self._emulated: Any = None
         self._lock = threading.Lock()
+
+    def emulated(self) -> Any:
+        """The same entries built for the CPU (load_emulated), declared and observed alike:
+        they take CPU pointers. cpu_build.CpuBuildError where it cannot be built."""
+        if self._emulated is None:
+            from . import replay
+
+            with self._lock:
+                if self._emulated is None:
+                    lib = load_emulated(self.source, name=self.name)
+                    for entry, argtypes in self.signatures.items():
+                        fn = getattr(lib, entry)
+                        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                    self._emulated = replay.observe_library(lib, tuple(self.signatures))
+        return self._emulated
 
     def __call__(self) -> Any:
         if self._lib is None:

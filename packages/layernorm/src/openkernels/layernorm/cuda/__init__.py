@@ -9,6 +9,8 @@ dtype or float32, rows not a whole number of 16-byte vectors, misaligned rows or
 rows longer than 16 CTAs hold: 1048576 bf16 columns forward, 131072 backward) goes to the
 Triton launcher, which takes every call. The library is built with nvcc on first use
 (openkernels.shared.cuda_build); if that fails the Triton kernels run, with one warning.
+CPU tensors run the same source built for the CPU emulation (cuda_build.load_emulated): how
+the tests check the kernels without a GPU.
 """
 
 from __future__ import annotations
@@ -169,7 +171,16 @@ def unsupported_bwd_call(dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias) 
 
 @functools.cache
 def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    """SMs of CUDA device `index`; -1 (CPU tensors, the emulation) a few."""
+    return torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 4
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.is_cuda else -1
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
 
 _broken: list[str] = []  # why the library cannot run (built once per process; warned once)
@@ -187,8 +198,11 @@ def _triton_bwd(*args, **kwargs) -> None:
     triton_norm_bwd(*args, **kwargs)
 
 
-def _load() -> object | None:
-    """The library, or None (warned once) when it cannot be built or loaded."""
+def _load(device: torch.device) -> object | None:
+    """The library for `device`, or None (warned once) when it cannot be built or loaded. CPU
+    tensors (tests without a GPU) take the kernels built for the CPU emulation."""
+    if device.type == "cpu":
+        return _library.emulated()
     if _broken:
         return None
     try:
@@ -201,8 +215,10 @@ def _load() -> object | None:
         return None
 
 
-def _launch_failed(status: int, what: str) -> None:
+def _launch_failed(status: int, what: str, on_gpu: bool) -> None:
     # A launch the GPU refused (say, a cluster it cannot schedule): nothing ran.
+    if not on_gpu:
+        raise RuntimeError(f"the emulated cluster kernel refused a launch ({what}, status {status})")
     _broken.append(f"{what}: launch status {status}")
     warnings.warn(
         f"openkernels.layernorm: the cluster kernel's launch failed ({what}, status {status}); the Triton "
@@ -218,12 +234,12 @@ def norm_fwd(
     """triton.norm_fwd's contract. `config`: (threads, vectors per thread) forced (tests)."""
     args = (x, residual, weight, bias, out, residual_out, mean, rstd)
     kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
-    if _broken or unsupported_call(*args, h_dtype) is not None:
+    if (_broken and x.is_cuda) or unsupported_call(*args, h_dtype) is not None:
         return _triton_fwd(*args, **kwargs)
     cfg = cluster_config(x.shape[1], x.dtype, config)
     if cfg is None:
         raise ValueError(f"config {config}: a row of {x.shape[1]} columns needs more than {MAX_CLUSTER} CTAs")
-    lib = _load()
+    lib = _load(x.device)
     if lib is None:
         return _triton_fwd(*args, **kwargs)
     flags = (
@@ -233,17 +249,17 @@ def norm_fwd(
     )  # fmt: skip
     params = weight if weight is not None else bias
     status = lib.ok_norm_fwd_cluster(
-        x.device.index, _CODES[x.dtype], 0 if params is None else _CODES[params.dtype], cfg.threads,
+        _device_index(x), _CODES[x.dtype], 0 if params is None else _CODES[params.dtype], cfg.threads,
         cfg.vectors_per_thread, cfg.cluster, x.shape[0], x.data_ptr(),
         0 if residual is None else residual.data_ptr(), 0 if weight is None else weight.data_ptr(),
         0 if bias is None else bias.data_ptr(), out.data_ptr(),
         0 if residual_out is None else residual_out.data_ptr(), 0 if mean is None else mean.data_ptr(),
         rstd.data_ptr(), x.shape[1], x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         0 if residual_out is None else residual_out.stride(0), eps, weight_offset, flags,
-        torch.cuda.current_stream(x.device).cuda_stream,
+        _stream(x),
     )  # fmt: skip
     if status != 0:
-        _launch_failed(status, f"forward {cfg}")
+        _launch_failed(status, f"forward {cfg}", x.is_cuda)
         return _triton_fwd(*args, **kwargs)
     return None
 
@@ -256,19 +272,17 @@ def norm_bwd(
     summed in a fixed order by the Triton launcher's `_sum_parts`."""
     args = (dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias)
     kwargs = dict(weight_offset=weight_offset, rms=rms)
-    if _broken or unsupported_bwd_call(*args) is not None:
+    if (_broken and h.is_cuda) or unsupported_bwd_call(*args) is not None:
         return _triton_bwd(*args, **kwargs)
     n_rows, n_cols = h.shape
     cfg = cluster_config(n_cols, h.dtype, config, BWD_SHAPES)
     if cfg is None:
         raise ValueError(f"config {config}: a row of {n_cols} columns needs more than {MAX_CLUSTER} CTAs")
-    lib = _load()
+    lib = _load(h.device)
     if lib is None:
         return _triton_bwd(*args, **kwargs)
-    from ..triton import _sum_parts
-
     ctas_per_sm = max(1, 65536 // (128 * cfg.threads))
-    n_clusters = max(1, min(n_rows, _sm_count(h.device.index) * ctas_per_sm // cfg.cluster))
+    n_clusters = max(1, min(n_rows, _sm_count(_device_index(h)) * ctas_per_sm // cfg.cluster))
     rows_per_cluster = -(-n_rows // n_clusters)
     n_clusters = -(-n_rows // rows_per_cluster)
     dw_part = (
@@ -285,18 +299,23 @@ def norm_bwd(
         + _BWD_FLAGS["bias_grad"] * (dbias is not None)
     )  # fmt: skip
     status = lib.ok_norm_bwd_cluster(
-        h.device.index, _CODES[h.dtype], 0 if weight is None else _CODES[weight.dtype], cfg.threads,
+        _device_index(h), _CODES[h.dtype], 0 if weight is None else _CODES[weight.dtype], cfg.threads,
         cfg.vectors_per_thread, cfg.cluster, n_clusters, dy.data_ptr(), h.data_ptr(),
         0 if weight is None else weight.data_ptr(), 0 if mean is None else mean.data_ptr(), rstd.data_ptr(),
         0 if dh_out is None else dh_out.data_ptr(), dh.data_ptr(), 0 if dw_part is None else dw_part.data_ptr(),
         0 if db_part is None else db_part.data_ptr(), n_rows, n_cols, dy.stride(0), h.stride(0),
         0 if dh_out is None else dh_out.stride(0), dh.stride(0), rows_per_cluster, weight_offset, flags,
-        torch.cuda.current_stream(h.device).cuda_stream,
+        _stream(h),
     )  # fmt: skip
     if status != 0:
-        _launch_failed(status, f"backward {cfg}")
+        _launch_failed(status, f"backward {cfg}", h.is_cuda)
         return _triton_bwd(*args, **kwargs)
     for part, total in ((dw_part, dweight), (db_part, dbias)):
         if total is not None:
-            _sum_parts(part, total)
+            if h.is_cuda:
+                from ..triton import _sum_parts
+
+                _sum_parts(part, total)
+            else:  # the emulation: the reference's sum
+                total.copy_(part.sum(0))
     return None

@@ -20,11 +20,16 @@
 // vector width; every row start and the weight and bias 16-byte aligned (32 for float32
 // weights with 16-bit x); x, residual, out and residual_out one dtype; the statistics float32.
 
+#ifdef OK_CUDA_EMULATION  // built for the CPU by the tests (openkernels.shared.cuda_build.load_emulated)
+#include "cuda_emulation.h"
+#else
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#endif
 #include <stdint.h>
+#include <string.h>
 
 namespace cg = cooperative_groups;
 
@@ -85,12 +90,17 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
   return total;
 }
 
+#ifdef OK_CUDA_EMULATION
+__device__ __forceinline__ void cluster_arrive() { ok_emu::cluster_arrive(); }
+__device__ __forceinline__ void cluster_wait() { ok_emu::cluster_wait(); }
+#else
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+#endif
 
 template <typename T, typename W, int THREADS, int VPT>
 __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(

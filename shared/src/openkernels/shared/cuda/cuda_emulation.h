@@ -1,0 +1,273 @@
+// Runs a CUDA C++ kernel source on the CPU, for tests without a GPU: the CUDA counterpart of
+// the Triton interpreter. Compiled as C++20 with -DOK_CUDA_EMULATION (cuda_build.load_emulated);
+// a source includes this header instead of the CUDA ones under that macro.
+//
+// Model: each CTA runs on its own OS thread, its CUDA threads as fibers (ucontext) scheduled
+// round-robin, each to its next barrier. Every fiber of a CTA must reach the same kind of
+// barrier in a round (__syncthreads, a shuffle's exchange, a cluster barrier's arrive or wait):
+// a kernel whose threads diverge on a barrier aborts with a message instead of hanging. The
+// CTAs of a cluster run at once and meet at a std::barrier; clusters run one after another.
+// __shared__ variables are thread_local (one copy per CTA thread), and map_shared_rank finds a
+// peer's copy by the variable's offset in this library's TLS block, the same in every thread.
+// Memory is the host's: the kernels take CPU pointers. Not emulated: warps beyond the shuffles
+// (no lockstep, no warp-level barriers), memory ordering weaker than the barriers', atomics,
+// and anything that is not used by this project's sources.
+#pragma once
+
+#include <ucontext.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+// ---- language ------------------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static thread_local
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint4 {
+  unsigned x, y, z, w;
+};
+struct float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
+
+inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+inline uint4 __ldcs(const uint4* p) { return *p; }
+inline void __stcs(uint4* p, uint4 v) { *p = v; }
+
+// ---- 16-bit floats ------------------------------------------------------------------------
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+inline float __bfloat162float(__nv_bfloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return {static_cast<uint16_t>((u >> 16) | 0x40)};  // quiet NaN, sign kept
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+  return {static_cast<uint16_t>(u >> 16)};
+}
+struct __half {
+  _Float16 value;
+};
+inline float __half2float(__half v) { return static_cast<float>(v.value); }
+inline __half __float2half_rn(float f) { return {static_cast<_Float16>(f)}; }
+
+// ---- runtime -------------------------------------------------------------------------------
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
+enum cudaFuncAttribute { cudaFuncAttributeNonPortableClusterSizeAllowed = 16 };
+enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension = 4 };
+using cudaStream_t = struct CUstream_st*;
+struct cudaLaunchAttributeValue {
+  struct {
+    unsigned x, y, z;
+  } clusterDim;
+};
+struct cudaLaunchAttribute {
+  cudaLaunchAttributeID id;
+  cudaLaunchAttributeValue val;
+};
+struct cudaLaunchConfig_t {
+  dim3 gridDim, blockDim;
+  size_t dynamicSmemBytes;
+  cudaStream_t stream;
+  cudaLaunchAttribute* attrs;
+  unsigned numAttrs;
+};
+inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+template <typename F>
+cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) {
+  return cudaSuccess;
+}
+
+// Internal linkage for everything with state: GCC makes inline variables process-wide unique
+// symbols, so two emulated libraries in one process would otherwise share one `cta` and one
+// TLS anchor (and map a peer's shared memory through the other library's TLS block).
+namespace ok_emu {
+namespace {
+
+enum class Stop { kNone, kBlock, kClusterSync, kClusterArrive, kClusterWait, kDone };
+constexpr size_t kStackBytes = 256 * 1024;
+
+struct Cluster {
+  explicit Cluster(int n) : barrier(n), anchors(n) {}
+  std::barrier<> barrier;
+  std::vector<char*> anchors;  // each CTA's address of tls_anchor
+};
+
+struct Cta {
+  int n_threads = 0, current = 0, rank = 0;
+  unsigned block = 0, grid = 0;
+  Cluster* cluster = nullptr;
+  ucontext_t scheduler;
+  std::vector<ucontext_t> contexts;
+  std::vector<std::unique_ptr<char[]>> stacks;
+  std::vector<Stop> stops;
+  std::vector<uint64_t> exchange;  // one slot per thread: shuffles
+  const std::function<void()>* body = nullptr;
+};
+
+thread_local Cta* cta = nullptr;
+thread_local char tls_anchor = 0;
+
+inline void fail(const char* what) {
+  std::fprintf(stderr, "openkernels CUDA emulation: %s\n", what);
+  std::abort();
+}
+
+inline void stop(Stop kind) {
+  Cta* c = cta;
+  c->stops[c->current] = kind;
+  swapcontext(&c->contexts[c->current], &c->scheduler);
+}
+
+inline void fiber_main() {
+  (*cta->body)();
+  stop(Stop::kDone);
+}
+
+inline void run_cta(Cta& c) {
+  cta = &c;
+  c.cluster->anchors[c.rank] = &tls_anchor;
+  c.cluster->barrier.arrive_and_wait();  // every anchor is known before any kernel code runs
+  c.contexts.resize(c.n_threads);
+  c.stacks.resize(c.n_threads);
+  c.stops.assign(c.n_threads, Stop::kNone);
+  c.exchange.assign(c.n_threads, 0);
+  for (int t = 0; t < c.n_threads; ++t) {
+    c.stacks[t] = std::make_unique<char[]>(kStackBytes);
+    getcontext(&c.contexts[t]);
+    c.contexts[t].uc_stack.ss_sp = c.stacks[t].get();
+    c.contexts[t].uc_stack.ss_size = kStackBytes;
+    c.contexts[t].uc_link = nullptr;
+    makecontext(&c.contexts[t], fiber_main, 0);
+  }
+  std::barrier<>::arrival_token* token = nullptr;
+  std::unique_ptr<std::barrier<>::arrival_token> held;
+  for (;;) {  // one round: every fiber runs to its next stop
+    for (int t = 0; t < c.n_threads; ++t) {
+      c.current = t;
+      swapcontext(&c.scheduler, &c.contexts[t]);
+    }
+    const Stop kind = c.stops[0];
+    for (Stop s : c.stops)
+      if (s != kind) fail("the threads of a CTA stopped at different barriers (or some returned early)");
+    if (kind == Stop::kDone) break;
+    if (kind == Stop::kClusterSync) c.cluster->barrier.arrive_and_wait();
+    if (kind == Stop::kClusterArrive) {
+      if (token != nullptr) fail("barrier.cluster.arrive twice without a wait");
+      held = std::make_unique<std::barrier<>::arrival_token>(c.cluster->barrier.arrive());
+      token = held.get();
+    }
+    if (kind == Stop::kClusterWait) {
+      if (token == nullptr) fail("barrier.cluster.wait without an arrive");
+      c.cluster->barrier.wait(std::move(*token));
+      token = nullptr;
+      held.reset();
+    }
+  }
+  if (token != nullptr) fail("a CTA exited between barrier.cluster.arrive and its wait");
+  cta = nullptr;
+}
+
+template <typename T>
+T shuffle_xor(T value, int offset) {
+  static_assert(sizeof(T) <= 8, "one 8-byte slot");
+  Cta* c = cta;
+  const int me = c->current;
+  uint64_t slot = 0;
+  std::memcpy(&slot, &value, sizeof(T));
+  c->exchange[me] = slot;
+  stop(Stop::kBlock);
+  const int peer = me ^ offset;
+  if ((peer >> 5) != (me >> 5) || peer >= c->n_threads) fail("a shuffle outside the warp");
+  T out;
+  std::memcpy(&out, &c->exchange[peer], sizeof(T));
+  stop(Stop::kBlock);  // nobody overwrites a slot before every thread has read its peer's
+  return out;
+}
+
+inline void cluster_arrive() { stop(Stop::kClusterArrive); }
+inline void cluster_wait() { stop(Stop::kClusterWait); }
+
+template <typename... Params, typename... Args>
+cudaError_t launch(const cudaLaunchConfig_t* config, void (*kernel)(Params...), Args&&... args) {
+  unsigned cluster_size = 1;
+  for (unsigned i = 0; i < config->numAttrs; ++i)
+    if (config->attrs[i].id == cudaLaunchAttributeClusterDimension) cluster_size = config->attrs[i].val.clusterDim.x;
+  const unsigned grid = config->gridDim.x, threads = config->blockDim.x;
+  if (cluster_size == 0 || grid % cluster_size != 0 || threads == 0 || threads > 1024 || threads % 32 != 0)
+    return cudaErrorInvalidConfiguration;
+  const std::function<void()> body = [=]() { kernel(static_cast<Params>(args)...); };
+  for (unsigned first = 0; first < grid; first += cluster_size) {
+    Cluster cluster(static_cast<int>(cluster_size));
+    std::vector<Cta> ctas(cluster_size);
+    std::vector<std::thread> workers;
+    for (unsigned r = 0; r < cluster_size; ++r) {
+      Cta& c = ctas[r];
+      c.n_threads = static_cast<int>(threads);
+      c.rank = static_cast<int>(r);
+      c.block = first + r;
+      c.grid = grid;
+      c.cluster = &cluster;
+      c.body = &body;
+      workers.emplace_back([&c]() { run_cta(c); });
+    }
+    for (auto& w : workers) w.join();
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+}  // namespace ok_emu
+
+#define threadIdx (dim3(static_cast<unsigned>(::ok_emu::cta->current)))
+#define blockIdx (dim3(::ok_emu::cta->block))
+// (blockDim and gridDim are not emulated: the launch config's fields carry those names.)
+
+inline void __syncthreads() { ok_emu::stop(ok_emu::Stop::kBlock); }
+template <typename T>
+T __shfl_xor_sync(unsigned, T value, int offset) {
+  return ok_emu::shuffle_xor(value, offset);
+}
+
+template <typename... Params, typename... Args>
+cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Params...), Args&&... args) {
+  return ok_emu::launch(config, kernel, std::forward<Args>(args)...);
+}
+
+namespace cooperative_groups {
+struct cluster_group {
+  unsigned num_blocks() const { return static_cast<unsigned>(::ok_emu::cta->cluster->anchors.size()); }
+  unsigned block_rank() const { return static_cast<unsigned>(::ok_emu::cta->rank); }
+  void sync() const { ::ok_emu::stop(::ok_emu::Stop::kClusterSync); }
+  template <typename T>
+  T* map_shared_rank(T* address, unsigned rank) const {
+    // The same thread_local in the peer's thread: same offset from the TLS anchor.
+    const auto offset = reinterpret_cast<char*>(address) - &::ok_emu::tls_anchor;
+    return reinterpret_cast<T*>(::ok_emu::cta->cluster->anchors[rank] + offset);
+  }
+};
+inline cluster_group this_cluster() { return {}; }
+}  // namespace cooperative_groups
