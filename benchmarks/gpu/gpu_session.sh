@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -38,6 +38,14 @@ if [[ $steps == *cluster* && $family == layernorm ]]; then
     | tee "$out/cluster_correctness.txt" | tail -8
   timeout 300 python3 -m pytest -q -rfE packages/layernorm/tests -k "counters_at_zero or long_rows_replay" 2>&1 \
     | tee "$out/split_counters.txt" | tail -8
+fi
+if [[ $steps == *gemv* && $family == quant ]]; then
+  # The CUDA C++ batch-1 GEMV (forced only) under time limits: its tests, then the
+  # correctness suite's cuda-gemv target.
+  timeout 300 python3 -m pytest -q -rfE packages/quant/tests/test_gemv.py -m "not aot" -x 2>&1 \
+    | tee "$out/gemv_tests.txt" | tail -8
+  timeout 600 python3 -m pytest -q -rfE packages/quant/tests/test_correctness.py -k "cuda-gemv" -x 2>&1 \
+    | tee "$out/gemv_correctness.txt" | tail -8
 fi
 if [[ $steps == *check* && -f benchmarks/gpu/check_${family}_gpu.py ]]; then
   run "benchmarks/gpu/check_${family}_gpu.py" | tee "$out/check.txt" | grep -E "BAD|checks passed"

@@ -88,11 +88,28 @@ def _cpu_supports(key: dispatch.DispatchKey) -> str | None:
     return supports(key)
 
 
+def _gemv_supports(key: dispatch.DispatchKey) -> str | None:
+    from .cuda import supports  # imports no compiler; nvcc builds the library on first call
+
+    return supports(key)
+
+
+# The CUDA C++ batch-1 GEMV: below Triton's priority (20) until the H200 says where it wins,
+# so it runs only when forced by name.
+_GEMV_PRIORITY = 15
+
+
 def _impls(op: str, triton_supports) -> tuple[opdef.Impl, ...]:
-    """Entry point `<op>_fwd`."""
-    return opdef.standard_impls(
+    """Entry point `<op>_fwd`; int4_linear also has the CUDA C++ GEMV ("gemv")."""
+    impls = opdef.standard_impls(
         _PKG, f"{op}_fwd", triton_supports=triton_supports, cpu_supports=_cpu_supports
     )
+    if op == _LINEAR:
+        impls = (
+            *impls,
+            opdef.Impl("gemv", f"{_PKG}.cuda:int4_linear_fwd", ("cuda",), _GEMV_PRIORITY, _gemv_supports),
+        )
+    return impls
 
 
 # ---- library op impls, fakes, autograd ------------------------------------------------------

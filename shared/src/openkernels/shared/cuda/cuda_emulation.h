@@ -39,6 +39,9 @@ struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
+struct uint2 {
+  unsigned x, y;
+};
 struct uint4 {
   unsigned x, y, z, w;
 };
@@ -191,8 +194,10 @@ inline void run_cta(Cta& c) {
   cta = nullptr;
 }
 
-template <typename T>
-T shuffle_xor(T value, int offset) {
+// A shuffle: every thread of the CTA publishes `value`, then reads lane `source(me)` of its
+// warp (the kernels shuffle with every thread at the same point, as the emulation requires).
+template <typename T, typename Source>
+T shuffle(T value, Source source) {
   static_assert(sizeof(T) <= 8, "one 8-byte slot");
   Cta* c = cta;
   const int me = c->current;
@@ -200,7 +205,7 @@ T shuffle_xor(T value, int offset) {
   std::memcpy(&slot, &value, sizeof(T));
   c->exchange[me] = slot;
   stop(Stop::kBlock);
-  const int peer = me ^ offset;
+  const int peer = source(me);
   if ((peer >> 5) != (me >> 5) || peer >= c->n_threads) fail("a shuffle outside the warp");
   T out;
   std::memcpy(&out, &c->exchange[peer], sizeof(T));
@@ -249,7 +254,11 @@ cudaError_t launch(const cudaLaunchConfig_t* config, void (*kernel)(Params...), 
 inline void __syncthreads() { ok_emu::stop(ok_emu::Stop::kBlock); }
 template <typename T>
 T __shfl_xor_sync(unsigned, T value, int offset) {
-  return ok_emu::shuffle_xor(value, offset);
+  return ok_emu::shuffle(value, [offset](int me) { return me ^ offset; });
+}
+template <typename T>
+T __shfl_sync(unsigned, T value, int lane) {
+  return ok_emu::shuffle(value, [lane](int me) { return (me & ~31) | (lane & 31); });
 }
 
 template <typename... Params, typename... Args>

@@ -6,6 +6,8 @@ same x and a weight quantized from the same W in its own format:
   "tinygemm"    torch's int4 kernel (aten._weight_int4pack_mm), from our int4 codes
   "bnb-nf4"     bitsandbytes NF4, blocksize 64 (if installed)
   "gemlite"     GemLite's Triton int4 GEMM/GEMV, group 128 (if installed)
+  "ours:gemv"   our call with the CUDA C++ batch-1 GEMV forced (cuda/, M = 1, NVIDIA GPUs
+                where dispatch finds it usable; not yet picked by default)
 (peers.py sets each up). Small M is memory-bound (GB/s of the weight bytes read once, ratio
 to the copy ceiling); from M >= 128 the case also counts FLOPs. Nothing runs at import.
 cpu.py times the CPU kernel against dense matmuls (python -m openkernels.quant.bench.cpu).
@@ -33,7 +35,7 @@ GPU_SHAPES = ((8192, 8192), (28672, 8192))  # (N, K): a square projection and an
 CPU_SHAPES = ((4096, 4096),)
 GPU_MS = (1, 16, 128, 2048)
 CPU_MS = (1, 16, 128)
-PEERS = ("torch", "tinygemm", "bnb-nf4", "gemlite")
+PEERS = ("torch", "tinygemm", "bnb-nf4", "gemlite", "ours:gemv")
 COMPUTE_BOUND_M = 128
 
 
@@ -51,6 +53,21 @@ def _make(
         return {"x": torch.randn(m, k, device=device, dtype=dtype), "w": w, "q": q}
 
     return make
+
+
+def _gemv_usable(device: torch.device, dtype: torch.dtype, kind: str) -> bool:
+    from openkernels.shared import dispatch
+
+    from ..cuda import supports
+
+    return supports(dispatch.key_for(torch.empty(0, device=device, dtype=dtype), kind)) is None
+
+
+def _forced_gemv(s: dict) -> Any:
+    from openkernels.shared import dispatch
+
+    with dispatch.force("gemv"):
+        return api.int4_linear(s["x"], s["q"])
 
 
 def cases(
@@ -86,6 +103,8 @@ def cases(
                     contenders["bnb-nf4"], setup["bnb-nf4"] = run_bnb, setup_bnb
                 if gpu and kind == "int4" and "gemlite" in peers and available("gemlite"):
                     contenders["gemlite"], setup["gemlite"] = run_gemlite, setup_gemlite
+                if gpu and m == 1 and "ours:gemv" in peers and _gemv_usable(device, dtype, kind):
+                    contenders["ours:gemv"] = _forced_gemv
                 nbytes = weight_bytes(n, k, g) + 2 * m * (k + n)
                 flops = 2 * m * n * k if m >= COMPUTE_BOUND_M else 0
                 out.append(BenchCase("quant", f"int4_linear[{kind}]", "fwd", (m, n, k), dtype, nbytes,

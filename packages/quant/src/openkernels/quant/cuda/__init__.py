@@ -1,0 +1,166 @@
+"""CUDA C++ backend of int4_linear for batch 1 (int4_gemv.cu): the weight streamed with one
+16-byte load per thread and row, many CTAs per SM, codes turned into floats by bit tricks,
+NF4 levels looked up in registers (a warp shuffle per code).
+
+Dispatch name "gemv", registered on CUDA (sm_80 and newer) below the Triton kernels'
+priority: it runs only when forced (`dispatch.force("gemv")`) until its H200 measurements
+say where it wins. Same entry point as triton.int4_linear_fwd; a call it does not take (more
+than one row of x, K or the group size not a multiple of 32, 16-bit dtypes other than
+bf16 / fp16, misaligned parts, N not a multiple of 4) goes to the Triton launcher. The
+library is built with nvcc for the device's arch on first use; if that fails the Triton
+kernels run, with one warning. CPU tensors run the same source built for the CPU emulation
+(openkernels.shared.cuda_build.load_emulated): how the tests check it without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import pathlib
+import warnings
+
+import torch
+from torch import Tensor
+
+from openkernels.shared import cuda_build
+from openkernels.shared.dispatch import DispatchKey
+
+from ..format import nf4_values
+
+__all__ = ["ROWS", "gemv_rows", "int4_linear_fwd", "supports", "unsupported_call"]
+
+_SOURCE = pathlib.Path(__file__).with_name("int4_gemv.cu")
+_CODES = {torch.bfloat16: 1, torch.float16: 2}
+_BIAS_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_KINDS = {"int4": 0, "int4 symmetric": 1, "nf4": 2}
+ROWS = (4, 8)  # rows of W per CTA the library is built for
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "ok_int4_gemv": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64,
+                     _I64],
+}  # fmt: skip
+
+
+@functools.cache
+def _library(arch: str) -> cuda_build.CudaLibrary:
+    return cuda_build.CudaLibrary(
+        _SOURCE, name=f"openkernels_quant_cuda_{arch}", arch=arch, signatures=_SIGNATURES
+    )
+
+
+def supports(key: DispatchKey) -> str | None:
+    """Dispatch predicate: None when this kernel can run `key`, else why not."""
+    if key.backend != "cuda":
+        return f"the CUDA C++ GEMV runs on NVIDIA GPUs (this is {key.backend}/{key.arch})"
+    if not key.arch.startswith("sm_") or int(key.arch.removeprefix("sm_").rstrip("a")) < 80:
+        return f"the CUDA C++ GEMV is built for sm_80 and newer (this is {key.arch})"
+    if key.dtype not in _CODES:
+        return f"activations in {key.dtype}: the GEMV takes bfloat16 and float16"
+    return cuda_build.no_nvcc_reason()
+
+
+def gemv_rows(n: int, config: int | None = None) -> int | None:
+    """Rows of W per CTA: 8 where N allows (half the reads of x per weight byte), else 4;
+    `config` forces one (tests); None when N is a multiple of neither."""
+    if config is not None:
+        return config if n % config == 0 else None
+    return next((r for r in (8, 4) if n % r == 0), None)
+
+
+def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config=None) -> str | None:
+    """Why this call goes to the Triton kernels instead (None: the GEMV takes it)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if m != 1:
+        return f"{m} rows of x (the GEMV takes one)"
+    if (
+        x.dtype not in _CODES
+        or scales.dtype not in _CODES
+        or (zeros is not None and zeros.dtype != scales.dtype)
+    ):
+        return "dtypes of x, scales or zeros other than bfloat16 / float16 (zeros as scales)"
+    if bias is not None and bias.dtype not in _BIAS_CODES:
+        return f"a bias in {bias.dtype}"
+    if k % 32 or group_size % 32:
+        return f"K = {k} or group size {group_size} not a multiple of 32"
+    rows = gemv_rows(n, config)
+    if rows is None:
+        return f"N = {n} not a multiple of 4"
+    if qweight.data_ptr() % 16 or qweight.stride(0) % 16 or x.data_ptr() % 16:
+        return "qweight rows or x not 16-byte aligned"
+    params = [scales] if zeros is None else [scales, zeros]
+    if any(t.stride(0) % rows or t.stride(1) != 1 or t.data_ptr() % (2 * rows) for t in params):
+        return "scales or zeros rows not aligned to the rows per CTA"
+    if not out.is_contiguous():
+        return "a strided output"
+    return None
+
+
+def _kind(kind: str, zeros: Tensor | None) -> int:
+    if kind == "nf4":
+        return _KINDS["nf4"]
+    return _KINDS["int4"] if zeros is not None else _KINDS["int4 symmetric"]
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+_broken: list[str] = []  # why the GPU library cannot run (warned once)
+
+
+def _load(device: torch.device):
+    """The library for `device`, or None (warned once) when it cannot be built. CPU tensors
+    take the kernels built for the CPU emulation."""
+    if device.type == "cpu":
+        return _library("sm_80").emulated()
+    if _broken:
+        return None
+    try:
+        return _library(_arch(device))()
+    except cuda_build.CudaBuildError as error:
+        _broken.append(str(error))
+        warnings.warn(f"openkernels.quant: the CUDA C++ GEMV is off: {error}", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _triton(x, qweight, scales, zeros, bias, out, group_size, kind) -> None:
+    from ..triton import int4_linear_fwd as triton_int4_linear_fwd
+
+    triton_int4_linear_fwd(x, qweight, scales, zeros, bias, out, group_size, kind)
+
+
+def int4_linear_fwd(
+    x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None, out: Tensor,
+    group_size: int, kind: str, *, config: int | None = None,
+) -> None:  # fmt: skip
+    """triton.int4_linear_fwd's contract. `config`: rows of W per CTA, forced (tests)."""
+    args = (x, qweight, scales, zeros, bias, out, group_size, kind)
+    if (_broken and x.is_cuda) or unsupported_call(*args, config) is not None:
+        return _triton(*args)
+    lib = _load(x.device)
+    if lib is None:
+        return _triton(*args)
+    n, k = qweight.shape[0], x.shape[1]
+    code = _kind(kind, zeros)
+    lut = nf4_values(x.device) if code == _KINDS["nf4"] else None
+    status = lib.ok_int4_gemv(
+        x.device.index if x.is_cuda else -1, _CODES[x.dtype], _CODES[scales.dtype], gemv_rows(n, config), code,
+        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
+        0 if lut is None else lut.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        0 if bias is None else _BIAS_CODES[bias.dtype], out.data_ptr(), n, k, qweight.stride(0), scales.stride(0),
+        group_size, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0,
+    )  # fmt: skip
+    if status != 0:
+        if not x.is_cuda:
+            raise RuntimeError(f"the emulated GEMV refused a launch (status {status})")
+        _broken.append(f"launch status {status}")
+        warnings.warn(
+            f"openkernels.quant: the CUDA C++ GEMV's launch failed (status {status}); the Triton kernels run "
+            "from now on",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return _triton(*args)
+    return None

@@ -1,0 +1,104 @@
+"""The CUDA C++ batch-1 GEMV (cuda/int4_gemv.cu): its compile check for sm_80 and sm_90 (no
+GPU: every kernel compiles without spills), which calls it takes, and its results within the
+error contract: on the CPU through the CUDA emulation (the same source built against
+shared/cuda/cuda_emulation.h), on a GPU at the decode shapes. The whole correctness suite
+also runs it on GPUs (test_correctness's "cuda-gemv" target)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openkernels.quant import cuda as G
+from openkernels.shared import cuda_build, dispatch
+from openkernels.shared.dispatch import DispatchKey
+
+from .cases import FORMATS, assert_linear_close, make_weight, quantize
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_gemv_kernel_compiles_without_spills(arch: str) -> None:
+    from openkernels.shared.dev.testing.aot import targets_from_env
+
+    if arch not in targets_from_env():
+        pytest.skip(f"{arch} is not among the AOT targets")
+    assert cuda_build.nvcc() is not None, "nvcc is needed for the CUDA C++ compile check"
+    kernels = [r for r in cuda_build.ptxas_report(G._SOURCE, arch) if "int4_gemv_kernel" in r.name]
+    assert len(kernels) == 4 * len(G.ROWS) * 3, [r.name for r in kernels]  # dtype pairs x rows x kinds
+    for r in kernels:
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+
+
+def _call(n=64, k=1024, group=128, *, m=1, dtype=torch.bfloat16, sdtype=torch.float16, zeros=True, offset=0):
+    x = torch.empty(m, k + offset, dtype=dtype)[:, offset:]
+    qweight = torch.empty(n, k // 2, dtype=torch.uint8)
+    scales = torch.empty(k // group, n, dtype=sdtype)
+    z = torch.empty_like(scales) if zeros else None
+    out = torch.empty(m, n, dtype=dtype)
+    return x, qweight, scales, z, None, out, group, "int4"
+
+
+def test_which_calls_the_gemv_takes() -> None:
+    assert G.unsupported_call(*_call()) is None
+    assert G.unsupported_call(*_call(n=36)) is None  # 4 rows per CTA
+    assert "rows of x" in G.unsupported_call(*_call(m=2))
+    assert "multiple of 32" in G.unsupported_call(*_call(k=1040, group=16))
+    assert "multiple of 4" in G.unsupported_call(*_call(n=66))
+    assert "aligned" in G.unsupported_call(*_call(offset=4))
+    assert "dtypes" in G.unsupported_call(*_call(dtype=torch.float32))
+    assert (
+        G.gemv_rows(64) == 8
+        and G.gemv_rows(36) == 4
+        and G.gemv_rows(64, 4) == 4
+        and G.gemv_rows(36, 8) is None
+    )
+
+
+def test_dispatch_runs_the_gemv_only_when_forced() -> None:
+    key = DispatchKey("cuda", "sm_90", torch.bfloat16, frozenset({"int4"}))
+    if G.supports(key) is None:
+        assert dispatch.select("int4_linear", key)[0].name == "triton"
+        with dispatch.force("gemv"):
+            assert dispatch.select("int4_linear", key)[0].name == "gemv"
+    assert "sm_80" in G.supports(DispatchKey("cuda", "sm_75", torch.bfloat16))
+    assert "NVIDIA" in G.supports(DispatchKey("rocm", "gfx942", torch.bfloat16))
+    assert "bfloat16" in G.supports(DispatchKey("cuda", "sm_90", torch.float32))
+
+
+DEVICES = [pytest.param("cpu", id="emulated")]
+if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
+    DEVICES.append(pytest.param("cuda", id="cuda", marks=pytest.mark.gpu))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("kind", "symmetric"), FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_within_the_error_contract(kind: str, symmetric: bool, dtype: torch.dtype, device: str) -> None:
+    """Every kernel (rows per CTA 4 and 8, both scale dtypes, bias dtypes) against float64 on
+    heavy-tailed weights; K past one CTA-wide step and ragged; two runs bitwise equal."""
+    g = torch.Generator().manual_seed(3)
+    if device == "cpu":
+        cases = [(40, 1024, 64, 8, torch.float32), (36, 800, 32, 4, None), (64, 512, 128, 4, torch.bfloat16)]
+    else:
+        cases = [(8192, 8192, 128, None, None), (28672, 8192, 128, None, torch.float32),
+                 (8192, 28672, 128, 4, torch.bfloat16), (4100, 4096, 64, 4, None)]  # fmt: skip
+    for n, k, group, rows, bias_dtype in cases:
+        for sdtype in (torch.float16, torch.bfloat16):
+            w = make_weight(n, k, heavy=True, generator=g)
+            weight = quantize(w, kind, symmetric, group)
+            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
+                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
+            x = torch.randn(1, k, generator=g).to(dtype).to(device)
+            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
+            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
+            runs = []
+            for _ in range(2):
+                out = torch.full((1, n), float("nan"), dtype=dtype, device=device)
+                assert G.unsupported_call(*args, out, group, kind, rows) is None
+                G.int4_linear_fwd(*args, out, group, kind, config=rows)
+                runs.append(out)
+            assert not G._broken, G._broken
+            assert torch.equal(runs[0], runs[1]), "two runs differ"
+            msg = f"{kind} sym={symmetric} {n}x{k} g{group} rows={rows} {dtype} scales {sdtype} bias {bias_dtype}"
+            assert_linear_close(runs[0], x, weight, bias, w_rounded=False, msg=msg)
