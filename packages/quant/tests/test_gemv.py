@@ -18,7 +18,7 @@ from .cases import FORMATS, assert_linear_close, make_weight, quantize
 
 @pytest.mark.aot
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_every_gemv_kernel_compiles_without_spills(arch: str) -> None:
+def test_every_kernel_compiles_without_spills(arch: str) -> None:
     from openkernels.shared.dev.testing.aot import targets_from_env
 
     if arch not in targets_from_env():
@@ -26,7 +26,9 @@ def test_every_gemv_kernel_compiles_without_spills(arch: str) -> None:
     assert cuda_build.nvcc() is not None, "nvcc is needed for the CUDA C++ compile check"
     kernels = [r for r in cuda_build.ptxas_report(G._SOURCE, arch) if "int4_gemv_kernel" in r.name]
     assert len(kernels) == 4 * len(G.ROWS) * 3, [r.name for r in kernels]  # dtype pairs x rows x kinds
-    for r in kernels:
+    mma = [r for r in cuda_build.ptxas_report(G._SOURCE, arch) if "int4_mma_kernel" in r.name]
+    assert len(mma) == 4 * 2, [r.name for r in mma]  # dtype pairs x (zeros, symmetric)
+    for r in kernels + mma:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
 
 
@@ -42,8 +44,15 @@ def _call(n=64, k=1024, group=128, *, m=1, dtype=torch.bfloat16, sdtype=torch.fl
 def test_which_calls_the_gemv_takes() -> None:
     assert G.unsupported_call(*_call()) is None
     assert G.unsupported_call(*_call(n=36)) is None  # 4 rows per CTA
-    assert "rows of x" in G.unsupported_call(*_call(m=2))
-    assert "multiple of 32" in G.unsupported_call(*_call(k=1040, group=16))
+    assert G.unsupported_call(*_call(m=2)) is None  # the tensor-core kernel
+    assert G.unsupported_call(*_call(m=16)) is None
+    assert "rows of x" in G.unsupported_call(*_call(m=17))
+    assert "multiple of 32" in G.unsupported_call(*_call(m=2, n=40))
+    assert "multiple of 128" in G.unsupported_call(*_call(m=2, k=1056, group=32))
+    nf4 = list(_call(m=2))
+    nf4[-1] = "nf4"
+    assert "NF4" in G.unsupported_call(*nf4)
+    assert "multiple of 32" in G.unsupported_call(*_call(k=1024, group=16))
     assert "multiple of 4" in G.unsupported_call(*_call(n=66))
     assert "aligned" in G.unsupported_call(*_call(offset=4))
     assert "dtypes" in G.unsupported_call(*_call(dtype=torch.float32))
@@ -102,3 +111,38 @@ def test_gemv_within_the_error_contract(kind: str, symmetric: bool, dtype: torch
             assert torch.equal(runs[0], runs[1]), "two runs differ"
             msg = f"{kind} sym={symmetric} {n}x{k} g{group} rows={rows} {dtype} scales {sdtype} bias {bias_dtype}"
             assert_linear_close(runs[0], x, weight, bias, w_rounded=False, msg=msg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_kernel_within_the_error_contract(
+    symmetric: bool, dtype: torch.dtype, device: str
+) -> None:
+    """1-16 rows of x on the tensor-core kernel (W rounded to x's dtype: the contract's weight
+    term), both scale dtypes, bias dtypes, K split over the CTA's warps; two runs bitwise equal."""
+    g = torch.Generator().manual_seed(5)
+    if device == "cpu":
+        cases = [(1, 64, 512, 128, None), (2, 32, 1024, 64, torch.float32), (16, 64, 256, 32, torch.bfloat16),
+                 (5, 32, 1152, 128, None)]  # fmt: skip
+    else:
+        cases = [(m, n, 8192, 128, None) for m in (1, 2, 8, 16) for n in (8192, 28672)]
+        cases += [(16, 4096, 4096, 32, torch.float32), (3, 8192, 28672, 64, torch.bfloat16)]
+    for m, n, k, group, bias_dtype in cases:
+        for sdtype in (torch.float16, torch.bfloat16):
+            weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group)
+            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
+                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
+            x = torch.randn(m, k, generator=g).to(dtype).to(device)
+            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
+            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
+            runs = []
+            for _ in range(2):
+                out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+                assert G.unsupported_call(*args, out, group, "int4", "mma") is None
+                G.int4_linear_fwd(*args, out, group, "int4", config="mma")
+                runs.append(out)
+            assert not G._broken, G._broken
+            assert torch.equal(runs[0], runs[1]), "two runs differ"
+            msg = f"mma sym={symmetric} m={m} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
+            assert_linear_close(runs[0], x, weight, bias, w_rounded=True, msg=msg)

@@ -3,9 +3,10 @@
 // a source includes this header instead of the CUDA ones under that macro.
 //
 // Model: each CTA runs on its own OS thread, its CUDA threads as fibers (ucontext) scheduled
-// round-robin, each to its next barrier. Every fiber of a CTA must reach the same kind of
-// barrier in a round (__syncthreads, a shuffle's exchange, a cluster barrier's arrive or wait):
-// a kernel whose threads diverge on a barrier aborts with a message instead of hanging. The
+// round-robin, each to its next stop. A warp-wide operation (shuffle, mma) waits for the 32
+// lanes of its warp; __syncthreads and a cluster barrier's sync, arrive or wait for every
+// thread of the CTA, at the same kind of stop: a kernel whose threads diverge on a barrier,
+// or whose lanes do not all reach a warp-wide operation, aborts with a message. The
 // CTAs of a cluster run at once and meet at a std::barrier; clusters run one after another.
 // __shared__ variables are thread_local (one copy per CTA thread), and map_shared_rank finds a
 // peer's copy by the variable's offset in this library's TLS block, the same in every thread.
@@ -16,6 +17,7 @@
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -110,7 +112,9 @@ cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) {
 namespace ok_emu {
 namespace {
 
-enum class Stop { kNone, kBlock, kClusterSync, kClusterArrive, kClusterWait, kDone };
+// kWarp: a warp-wide operation (shuffle, mma): the 32 lanes of the fiber's warp meet there,
+// other warps run on. The others are CTA-wide: every fiber of the CTA meets there.
+enum class Stop { kNone, kWarp, kBlock, kClusterSync, kClusterArrive, kClusterWait, kDone };
 constexpr size_t kStackBytes = 256 * 1024;
 
 struct Cluster {
@@ -128,6 +132,7 @@ struct Cta {
   std::vector<std::unique_ptr<char[]>> stacks;
   std::vector<Stop> stops;
   std::vector<uint64_t> exchange;  // one slot per thread: shuffles
+  std::vector<uint32_t> fragments;  // 8 words per thread: warp-wide matrix operations
   const std::function<void()>* body = nullptr;
 };
 
@@ -158,6 +163,7 @@ inline void run_cta(Cta& c) {
   c.stacks.resize(c.n_threads);
   c.stops.assign(c.n_threads, Stop::kNone);
   c.exchange.assign(c.n_threads, 0);
+  c.fragments.assign(static_cast<size_t>(c.n_threads) * 8, 0);
   for (int t = 0; t < c.n_threads; ++t) {
     c.stacks[t] = std::make_unique<char[]>(kStackBytes);
     getcontext(&c.contexts[t]);
@@ -168,11 +174,28 @@ inline void run_cta(Cta& c) {
   }
   std::barrier<>::arrival_token* token = nullptr;
   std::unique_ptr<std::barrier<>::arrival_token> held;
-  for (;;) {  // one round: every fiber runs to its next stop
+  for (;;) {
+    // Run every fiber that may run until its next stop.
     for (int t = 0; t < c.n_threads; ++t) {
+      if (c.stops[t] != Stop::kNone) continue;
       c.current = t;
       swapcontext(&c.scheduler, &c.contexts[t]);
     }
+    // Release the warps whose 32 lanes all wait at a warp-wide operation.
+    bool released = false;
+    for (int w = 0; w * 32 < c.n_threads; ++w) {
+      int at_warp = 0, lanes = 0;
+      for (int t = 32 * w; t < c.n_threads && t < 32 * w + 32; ++t, ++lanes) at_warp += c.stops[t] == Stop::kWarp;
+      if (at_warp == lanes) {
+        for (int t = 32 * w; t < 32 * w + lanes; ++t) c.stops[t] = Stop::kNone;
+        released = true;
+      } else if (at_warp > 0) {
+        bool others_moving = false;
+        for (int t = 32 * w; t < 32 * w + lanes; ++t) others_moving |= c.stops[t] == Stop::kNone;
+        if (!others_moving) fail("a warp-wide operation (shuffle, mma) that some lanes of the warp do not reach");
+      }
+    }
+    if (released) continue;
     const Stop kind = c.stops[0];
     for (Stop s : c.stops)
       if (s != kind) fail("the threads of a CTA stopped at different barriers (or some returned early)");
@@ -189,13 +212,13 @@ inline void run_cta(Cta& c) {
       token = nullptr;
       held.reset();
     }
+    std::fill(c.stops.begin(), c.stops.end(), Stop::kNone);
   }
   if (token != nullptr) fail("a CTA exited between barrier.cluster.arrive and its wait");
   cta = nullptr;
 }
 
-// A shuffle: every thread of the CTA publishes `value`, then reads lane `source(me)` of its
-// warp (the kernels shuffle with every thread at the same point, as the emulation requires).
+// A shuffle: every lane of the warp publishes `value`, then reads lane `source(me)`.
 template <typename T, typename Source>
 T shuffle(T value, Source source) {
   static_assert(sizeof(T) <= 8, "one 8-byte slot");
@@ -204,13 +227,47 @@ T shuffle(T value, Source source) {
   uint64_t slot = 0;
   std::memcpy(&slot, &value, sizeof(T));
   c->exchange[me] = slot;
-  stop(Stop::kBlock);
+  stop(Stop::kWarp);
   const int peer = source(me);
   if ((peer >> 5) != (me >> 5) || peer >= c->n_threads) fail("a shuffle outside the warp");
   T out;
   std::memcpy(&out, &c->exchange[peer], sizeof(T));
-  stop(Stop::kBlock);  // nobody overwrites a slot before every thread has read its peer's
+  stop(Stop::kWarp);  // nobody overwrites a slot before every lane has read its peer's
   return out;
+}
+
+inline float half_bits_to_float(uint32_t bits, bool bf16) {
+  if (bf16) return __bfloat162float(__nv_bfloat16{static_cast<uint16_t>(bits)});
+  _Float16 h;
+  const uint16_t b = static_cast<uint16_t>(bits);
+  std::memcpy(&h, &b, 2);
+  return static_cast<float>(h);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: d += A (16x16) B (16x8), each lane holding
+// PTX's fragments (group g = lane / 4, t = lane % 4): A regs 0-3 = rows (g, g+8, g, g+8) x
+// columns (2t.., 2t.., 2t+8.., 2t+8..); B regs 0-1 = rows 2t.. and 2t+8.., column g; d[i] =
+// row g + 8 (i >= 2), column 2t + (i & 1). Accumulated in double, rounded to float once.
+inline void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, bool bf16) {
+  Cta* c = cta;
+  const int me = c->current, warp0 = me & ~31, lane = me & 31;
+  for (int i = 0; i < 4; ++i) c->fragments[me * 8 + i] = a[i];
+  for (int i = 0; i < 2; ++i) c->fragments[me * 8 + 4 + i] = b[i];
+  stop(Stop::kWarp);
+  auto element = [&](int owner, int reg, int half) {
+    return half_bits_to_float(c->fragments[(warp0 + owner) * 8 + reg] >> (16 * half), bf16);
+  };
+  auto a_at = [&](int row, int col) { return element((row % 8) * 4 + (col % 8) / 2, (row >= 8) + 2 * (col >= 8), col & 1); };
+  auto b_at = [&](int row, int col) { return element(col * 4 + (row % 8) / 2, 4 + (row >= 8), row & 1); };
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = lane / 4 + 8 * (i >= 2), col = 2 * (lane % 4) + (i & 1);
+    double sum = d[i];
+    for (int kk = 0; kk < 16; ++kk) sum += static_cast<double>(a_at(row, kk)) * b_at(kk, col);
+    out[i] = static_cast<float>(sum);
+  }
+  stop(Stop::kWarp);  // every lane has read every fragment before any is overwritten
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
 inline void cluster_arrive() { stop(Stop::kClusterArrive); }

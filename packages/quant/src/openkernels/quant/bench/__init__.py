@@ -6,8 +6,8 @@ same x and a weight quantized from the same W in its own format:
   "tinygemm"    torch's int4 kernel (aten._weight_int4pack_mm), from our int4 codes
   "bnb-nf4"     bitsandbytes NF4, blocksize 64 (if installed)
   "gemlite"     GemLite's Triton int4 GEMM/GEMV, group 128 (if installed)
-  "ours:gemv"   our call with the CUDA C++ batch-1 GEMV forced (cuda/, M = 1, NVIDIA GPUs
-                where dispatch finds it usable; not yet picked by default)
+  "ours:gemv"   our call with the CUDA C++ kernels forced (cuda/: M = 1, and int4 up to M =
+                16; NVIDIA GPUs where dispatch finds them usable; not yet picked by default)
 (peers.py sets each up). Small M is memory-bound (GB/s of the weight bytes read once, ratio
 to the copy ceiling); from M >= 128 the case also counts FLOPs. Nothing runs at import.
 cpu.py times the CPU kernel against dense matmuls (python -m openkernels.quant.bench.cpu).
@@ -103,7 +103,8 @@ def cases(
                     contenders["bnb-nf4"], setup["bnb-nf4"] = run_bnb, setup_bnb
                 if gpu and kind == "int4" and "gemlite" in peers and available("gemlite"):
                     contenders["gemlite"], setup["gemlite"] = run_gemlite, setup_gemlite
-                if gpu and m == 1 and "ours:gemv" in peers and _gemv_usable(device, dtype, kind):
+                small = m == 1 or (m <= 16 and kind == "int4")  # what the CUDA C++ kernels take
+                if gpu and small and "ours:gemv" in peers and _gemv_usable(device, dtype, kind):
                     contenders["ours:gemv"] = _forced_gemv
                 nbytes = weight_bytes(n, k, g) + 2 * m * (k + n)
                 flops = 2 * m * n * k if m >= COMPUTE_BOUND_M else 0

@@ -1,12 +1,15 @@
-"""CUDA C++ backend of int4_linear for batch 1 (int4_gemv.cu): the weight streamed with one
-16-byte load per thread and row, many CTAs per SM, codes turned into floats by bit tricks,
-NF4 levels looked up in registers (a warp shuffle per code).
+"""CUDA C++ backend of int4_linear for small batches (int4_gemv.cu). One row of x: a GEMV on
+CUDA cores (the weight streamed with one 16-byte load per thread and row, codes turned into
+floats by bit tricks, NF4 levels looked up in registers by a warp shuffle). 2-16 rows (int4):
+tensor cores on the codes in their stored order (mma.m16n8k16; each lane's 32-code window of
+a column is one load, and x is read in the same permuted order).
 
 Dispatch name "gemv", registered on CUDA (sm_80 and newer) below the Triton kernels'
 priority: it runs only when forced (`dispatch.force("gemv")`) until its H200 measurements
 say where it wins. Same entry point as triton.int4_linear_fwd; a call it does not take (more
-than one row of x, K or the group size not a multiple of 32, 16-bit dtypes other than
-bf16 / fp16, misaligned parts, N not a multiple of 4) goes to the Triton launcher. The
+than 16 rows of x, NF4 past one row, K or the group size not a multiple of 32 (K of 128 past
+one row), 16-bit dtypes other than bf16 / fp16, misaligned parts, N not a multiple of 4 (32
+past one row)) goes to the Triton launcher. The
 library is built with nvcc for the device's arch on first use; if that fails the Triton
 kernels run, with one warning. CPU tensors run the same source built for the CPU emulation
 (openkernels.shared.cuda_build.load_emulated): how the tests check it without a GPU.
@@ -27,17 +30,21 @@ from openkernels.shared.dispatch import DispatchKey
 
 from ..format import nf4_values
 
-__all__ = ["ROWS", "gemv_rows", "int4_linear_fwd", "supports", "unsupported_call"]
+__all__ = ["MMA_MAX_ROWS", "ROWS", "gemv_rows", "int4_linear_fwd", "supports", "unsupported_call"]
 
 _SOURCE = pathlib.Path(__file__).with_name("int4_gemv.cu")
 _CODES = {torch.bfloat16: 1, torch.float16: 2}
 _BIAS_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _KINDS = {"int4": 0, "int4 symmetric": 1, "nf4": 2}
-ROWS = (4, 8)  # rows of W per CTA the library is built for
+ROWS = (4, 8)  # rows of W per CTA of the GEMV
+MMA_MAX_ROWS = 16  # rows of x the tensor-core kernel takes (one m16 tile)
+_MMA_COLS = 32  # columns of W per CTA of the tensor-core kernel
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "ok_int4_gemv": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64,
                      _I64],
+    "ok_int4_mma": [_I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                    _I64, _I64],
 }  # fmt: skip
 
 
@@ -49,7 +56,7 @@ def _library(arch: str) -> cuda_build.CudaLibrary:
 
 
 def supports(key: DispatchKey) -> str | None:
-    """Dispatch predicate: None when this kernel can run `key`, else why not."""
+    """Dispatch predicate: None when these kernels can run `key`, else why not."""
     if key.backend != "cuda":
         return f"the CUDA C++ GEMV runs on NVIDIA GPUs (this is {key.backend}/{key.arch})"
     if not key.arch.startswith("sm_") or int(key.arch.removeprefix("sm_").rstrip("a")) < 80:
@@ -60,39 +67,58 @@ def supports(key: DispatchKey) -> str | None:
 
 
 def gemv_rows(n: int, config: int | None = None) -> int | None:
-    """Rows of W per CTA: 8 where N allows (half the reads of x per weight byte), else 4;
-    `config` forces one (tests); None when N is a multiple of neither."""
+    """Rows of W per CTA of the GEMV: 8 where N allows (half the reads of x per weight byte),
+    else 4; `config` forces one (tests); None when N is a multiple of neither."""
     if config is not None:
         return config if n % config == 0 else None
     return next((r for r in (8, 4) if n % r == 0), None)
 
 
+def _path(m: int, config: int | str | None) -> str:
+    """ "gemv" for one row of x (or `config` an int, its rows per CTA), "mma" for 2-16 rows (or
+    `config` "mma", which also takes one row)."""
+    if config == "mma" or (config is None and m > 1):
+        return "mma"
+    return "gemv"
+
+
 def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config=None) -> str | None:
-    """Why this call goes to the Triton kernels instead (None: the GEMV takes it)."""
+    """Why this call goes to the Triton kernels instead (None: a kernel here takes it)."""
     m, k = x.shape
     n = qweight.shape[0]
-    if m != 1:
-        return f"{m} rows of x (the GEMV takes one)"
-    if (
-        x.dtype not in _CODES
-        or scales.dtype not in _CODES
-        or (zeros is not None and zeros.dtype != scales.dtype)
-    ):
+    if m > MMA_MAX_ROWS:
+        return f"{m} rows of x (these kernels take up to {MMA_MAX_ROWS})"
+    dtypes_ok = (
+        x.dtype in _CODES and scales.dtype in _CODES and (zeros is None or zeros.dtype == scales.dtype)
+    )
+    if not dtypes_ok:
         return "dtypes of x, scales or zeros other than bfloat16 / float16 (zeros as scales)"
     if bias is not None and bias.dtype not in _BIAS_CODES:
         return f"a bias in {bias.dtype}"
+    if not out.is_contiguous():
+        return "a strided output"
+    if qweight.data_ptr() % 16 or qweight.stride(0) % 16 or x.data_ptr() % 16:
+        return "qweight rows or x not 16-byte aligned"
+    if _path(m, config) == "mma":
+        if kind == "nf4":
+            return "NF4 past one row of x (the tensor-core kernel takes int4)"
+        if k % 128 or group_size % 32:
+            return f"K = {k} not a multiple of 128 or group size {group_size} not of 32"
+        if n % _MMA_COLS:
+            return f"N = {n} not a multiple of {_MMA_COLS}"
+        if m > 1 and x.stride(0) % 8:
+            return "rows of x not 16-byte aligned"
+        return None
+    if m != 1:
+        return f"{m} rows of x for the GEMV (it takes one)"
     if k % 32 or group_size % 32:
         return f"K = {k} or group size {group_size} not a multiple of 32"
     rows = gemv_rows(n, config)
     if rows is None:
         return f"N = {n} not a multiple of 4"
-    if qweight.data_ptr() % 16 or qweight.stride(0) % 16 or x.data_ptr() % 16:
-        return "qweight rows or x not 16-byte aligned"
     params = [scales] if zeros is None else [scales, zeros]
     if any(t.stride(0) % rows or t.stride(1) != 1 or t.data_ptr() % (2 * rows) for t in params):
         return "scales or zeros rows not aligned to the rows per CTA"
-    if not out.is_contiguous():
-        return "a strided output"
     return None
 
 
@@ -133,34 +159,46 @@ def _triton(x, qweight, scales, zeros, bias, out, group_size, kind) -> None:
 
 def int4_linear_fwd(
     x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None, out: Tensor,
-    group_size: int, kind: str, *, config: int | None = None,
+    group_size: int, kind: str, *, config: int | str | None = None,
 ) -> None:  # fmt: skip
-    """triton.int4_linear_fwd's contract. `config`: rows of W per CTA, forced (tests)."""
+    """triton.int4_linear_fwd's contract. `config` (tests): an int forces the GEMV with that
+    many rows of W per CTA, "mma" the tensor-core kernel."""
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     if (_broken and x.is_cuda) or unsupported_call(*args, config) is not None:
         return _triton(*args)
     lib = _load(x.device)
     if lib is None:
         return _triton(*args)
-    n, k = qweight.shape[0], x.shape[1]
+    m, k = x.shape
+    n = qweight.shape[0]
     code = _kind(kind, zeros)
-    lut = nf4_values(x.device) if code == _KINDS["nf4"] else None
-    status = lib.ok_int4_gemv(
-        x.device.index if x.is_cuda else -1, _CODES[x.dtype], _CODES[scales.dtype], gemv_rows(n, config), code,
-        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
-        0 if lut is None else lut.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        0 if bias is None else _BIAS_CODES[bias.dtype], out.data_ptr(), n, k, qweight.stride(0), scales.stride(0),
-        group_size, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0,
-    )  # fmt: skip
-    if status != 0:
-        if not x.is_cuda:
-            raise RuntimeError(f"the emulated GEMV refused a launch (status {status})")
-        _broken.append(f"launch status {status}")
-        warnings.warn(
-            f"openkernels.quant: the CUDA C++ GEMV's launch failed (status {status}); the Triton kernels run "
-            "from now on",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return _triton(*args)
-    return None
+    device = x.device.index if x.is_cuda else -1
+    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    bias_ptr = 0 if bias is None else bias.data_ptr()
+    bias_code = 0 if bias is None else _BIAS_CODES[bias.dtype]
+    zeros_ptr = 0 if zeros is None else zeros.data_ptr()
+    if _path(m, config) == "mma":
+        status = lib.ok_int4_mma(
+            device, _CODES[x.dtype], _CODES[scales.dtype], code, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
+            zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0), qweight.stride(0),
+            scales.stride(0), out.stride(0), group_size, stream,
+        )  # fmt: skip
+    else:
+        lut = nf4_values(x.device) if code == _KINDS["nf4"] else None
+        status = lib.ok_int4_gemv(
+            device, _CODES[x.dtype], _CODES[scales.dtype], gemv_rows(n, config), code, x.data_ptr(),
+            qweight.data_ptr(), scales.data_ptr(), zeros_ptr, 0 if lut is None else lut.data_ptr(), bias_ptr,
+            bias_code, out.data_ptr(), n, k, qweight.stride(0), scales.stride(0), group_size, stream,
+        )  # fmt: skip
+    if status == 0:
+        return None
+    if not x.is_cuda:
+        raise RuntimeError(f"the emulated kernel refused a launch (status {status})")
+    _broken.append(f"launch status {status}")
+    warnings.warn(
+        f"openkernels.quant: the CUDA C++ kernel's launch failed (status {status}); the Triton kernels run from "
+        "now on",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return _triton(*args)

@@ -223,6 +223,218 @@ int launch_rows(int rows, int kind, const void* x, const void* qweight, const vo
   return -2;
 }
 
+// ---- small M (2-16 rows of x): tensor cores on codes in their stored order ----------------
+//
+// mma.m16n8k16 takes, in lane (g = lane / 4, t = lane % 4), the B (weight) pairs of rows k =
+// 2t, 2t+1 and 2t+8, 2t+9 of column g, and the A (x) pairs of the same k for rows g and g+8.
+// A dot product does not care which k is which as long as x and W agree, so each lane reads a
+// contiguous 32-code window of its column (16 bytes: one load) and of x, and the eight k-steps
+// of a 128-code chunk take their pairs from that window: step s uses codes (p, p+4) and
+// (p+1, p+5) of word s / 2, p = 8 (s / 2) + 2 (s % 2). A LOP3 puts two of those nibbles in
+// the two 16-bit halves of one register with the bits of 128 (bf16) or 1024 (fp16), so the
+// register reads (base + q_a, base + q_b); one packed subtraction of base + zero and one
+// packed multiply by the scale leave the weight pair in x's dtype, rounded once (the error
+// contract's W term). The CTA's 8 warps split K; their sums meet in shared memory in order.
+
+constexpr int kMmaWarps = 8;
+constexpr int kMmaTiles = 4;                // n8 tiles per CTA: 32 columns of W
+constexpr int kMmaCols = 8 * kMmaTiles;
+
+template <typename T>
+struct MmaMagic;
+template <>
+struct MmaMagic<__nv_bfloat16> {
+  static constexpr uint32_t kBits = 0x43004300u;  // 128 in both halves
+  static constexpr float kBase = 128.f;
+  static constexpr bool kBf16 = true;
+};
+template <>
+struct MmaMagic<__half> {
+  static constexpr uint32_t kBits = 0x64006400u;  // 1024 in both halves
+  static constexpr float kBase = 1024.f;
+  static constexpr bool kBf16 = false;
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T a = from_float<T>(lo), b = from_float<T>(hi);
+  uint16_t ua, ub;
+  memcpy(&ua, &a, 2);
+  memcpy(&ub, &b, 2);
+  return static_cast<uint32_t>(ua) | (static_cast<uint32_t>(ub) << 16);
+}
+
+// (v - sub) * mul on two packed values of T, each operation rounded as the GPU's packed ops.
+template <typename T>
+__device__ __forceinline__ uint32_t sub_mul2(uint32_t v, uint32_t sub, uint32_t mul) {
+#ifdef OK_CUDA_EMULATION
+  auto half = [](uint32_t w, int i) {
+    T h;
+    const uint16_t b = static_cast<uint16_t>(w >> (16 * i));
+    memcpy(&h, &b, 2);
+    return to_float(h);
+  };
+  float r[2];
+  for (int i = 0; i < 2; ++i) {
+    T d = from_float<T>(half(v, i) - half(sub, i));
+    r[i] = to_float(d) * half(mul, i);
+  }
+  return pack2<T>(r[0], r[1]);
+#else
+  if constexpr (MmaMagic<T>::kBf16) {
+    __nv_bfloat162 a, b, c;
+    memcpy(&a, &v, 4);
+    memcpy(&b, &sub, 4);
+    memcpy(&c, &mul, 4);
+    const __nv_bfloat162 r = __hmul2(__hsub2(a, b), c);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  } else {
+    __half2 a, b, c;
+    memcpy(&a, &v, 4);
+    memcpy(&b, &sub, 4);
+    memcpy(&c, &mul, 4);
+    const __half2 r = __hmul2(__hsub2(a, b), c);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  }
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+#ifdef OK_CUDA_EMULATION
+  ok_emu::mma_m16n8k16(d, a, b, MmaMagic<T>::kBf16);
+#else
+  if constexpr (MmaMagic<T>::kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#endif
+}
+
+// Values i and j of 32 packed 16-bit values (16 words), as one register: i low, j high.
+__device__ __forceinline__ uint32_t pick2(const uint32_t* words, int i, int j) {
+  const uint32_t lo = (words[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
+  const uint32_t hi = (words[j / 2] >> (16 * (j % 2))) & 0xFFFFu;
+  return lo | (hi << 16);
+}
+
+template <typename T, typename S, int KIND>
+__global__ void __launch_bounds__(kMmaWarps * 32) int4_mma_kernel(
+    const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
+    const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
+    int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
+    int64_t group_size) {
+  __shared__ float partial[kMmaWarps][32][kMmaTiles * 4];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kMmaCols;
+  const int64_t n_chunks = k / 128;
+  float acc[kMmaTiles][4];
+#pragma unroll
+  for (int tile = 0; tile < kMmaTiles; ++tile) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[tile][i] = 0.f;
+  }
+
+  for (int64_t chunk = warp; chunk < n_chunks; chunk += kMmaWarps) {  // the same steps in every lane
+    const int64_t k0 = chunk * 128 + 32 * t;                          // this lane's 32-code window
+    uint4 codes[kMmaTiles];
+    uint32_t sub[kMmaTiles], mul[kMmaTiles];
+    const int64_t group = k0 / group_size;
+#pragma unroll
+    for (int tile = 0; tile < kMmaTiles; ++tile) {
+      const int64_t col = n0 + 8 * tile + g;
+      codes[tile] = __ldcs(reinterpret_cast<const uint4*>(qweight + col * stride_q + k0 / 2));
+      const float zero = KIND == kKindZeros ? to_float(zeros[group * stride_s + col]) : 8.f;
+      const float scale = to_float(scales[group * stride_s + col]);
+      sub[tile] = pack2<T>(MmaMagic<T>::kBase + zero, MmaMagic<T>::kBase + zero);
+      mul[tile] = pack2<T>(scale, scale);
+    }
+    uint32_t xw[2][16];  // rows g and g + 8 of x, the window's 32 values (zeros past M)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = g + 8 * h;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        uint4 v = {0, 0, 0, 0};
+        if (row < m) v = *reinterpret_cast<const uint4*>(x + row * stride_x + k0 + 8 * q);
+        xw[h][4 * q] = v.x;
+        xw[h][4 * q + 1] = v.y;
+        xw[h][4 * q + 2] = v.z;
+        xw[h][4 * q + 3] = v.w;
+      }
+    }
+#pragma unroll
+    for (int step = 0; step < 8; ++step) {
+      const int word = step / 2, shift = (step % 2) * 8, p = 8 * word + 2 * (step % 2);
+      const uint32_t a[4] = {pick2(xw[0], p, p + 4), pick2(xw[1], p, p + 4), pick2(xw[0], p + 1, p + 5),
+                             pick2(xw[1], p + 1, p + 5)};
+#pragma unroll
+      for (int tile = 0; tile < kMmaTiles; ++tile) {
+        const uint32_t words[4] = {codes[tile].x, codes[tile].y, codes[tile].z, codes[tile].w};
+        const uint32_t wd = words[word];
+        const uint32_t b[2] = {
+            sub_mul2<T>(((wd >> shift) & 0x000F000Fu) | MmaMagic<T>::kBits, sub[tile], mul[tile]),
+            sub_mul2<T>(((wd >> (shift + 4)) & 0x000F000Fu) | MmaMagic<T>::kBits, sub[tile], mul[tile])};
+        mma_16816<T>(acc[tile], a, b);
+      }
+    }
+  }
+
+  // Lane (g, t) holds rows g and g + 8, columns 2t and 2t + 1 of each tile.
+#pragma unroll
+  for (int tile = 0; tile < kMmaTiles; ++tile) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][lane][4 * tile + i] = acc[tile][i];
+  }
+  __syncthreads();
+  for (int o = threadIdx.x; o < 16 * kMmaCols; o += kMmaWarps * 32) {
+    const int row = o / kMmaCols, col = o % kMmaCols;
+    if (row >= m) continue;
+    const int owner = (row % 8) * 4 + (col % 8) / 2, slot = 4 * (col / 8) + 2 * (row >= 8) + (col % 2);
+    float total = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kMmaWarps; ++wi) total += partial[wi][owner][slot];
+    const int64_t c = n0 + col;
+    if (bias_code == 1) total += static_cast<const float*>(bias)[c];
+    if (bias_code == 2) total += to_float(static_cast<const __nv_bfloat16*>(bias)[c]);
+    if (bias_code == 3) total += to_float(static_cast<const __half*>(bias)[c]);
+    out[row * stride_out + c] = from_float<T>(total);
+  }
+}
+
+template <typename T, typename S>
+int launch_mma(int kind, const void* x, const void* qweight, const void* scales, const void* zeros,
+               const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
+               int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(n / kMmaCols), 1, 1);
+  config.blockDim = dim3(kMmaWarps * 32, 1, 1);
+  config.stream = stream;
+  config.numAttrs = 0;
+  auto run = [&](auto kernel) {
+    return static_cast<int>(cudaLaunchKernelEx(
+        &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
+        static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
+        stride_x, stride_q, stride_s, stride_out, group_size));
+  };
+  if (kind == kKindZeros) return run(int4_mma_kernel<T, S, kKindZeros>);
+  if (kind == kKindSymmetric) return run(int4_mma_kernel<T, S, kKindSymmetric>);
+  return -1;
+}
+
 }  // namespace
 
 // out (N,) = W x + bias for one row of x. dtype codes: 1 bfloat16, 2 float16 (x, out: `x_code`;
@@ -252,4 +464,32 @@ extern "C" int ok_int4_gemv_packed(const int64_t* a) {
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
   return ok_int4_gemv(i32(0), i32(1), i32(2), i32(3), i32(4), p(5), p(6), p(7), p(8), p(9), p(10), i32(11), p(12),
                       a[13], a[14], a[15], a[16], a[17], a[18]);
+}
+
+// out (M, N) = x W^T + bias for 1-16 rows of x on tensor cores (int4 with zeros or symmetric;
+// kind 2, NF4, is refused). Codes as ok_int4_gemv; N a multiple of 32, K of 128. Returns 0, a
+// cudaError_t, -1 (dtypes or kind).
+extern "C" int ok_int4_mma(int device, int x_code, int s_code, int kind, const void* x, const void* qweight,
+                           const void* scales, const void* zeros, const void* bias, int bias_code, void* out,
+                           int64_t m, int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s,
+                           int64_t stride_out, int64_t group_size, int64_t stream) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (m < 1 || m > 16) return -1;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+#define OK_INT4_MMA_ARGS kind, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x, stride_q, stride_s, \
+                         stride_out, group_size, s
+  if (x_code == 1 && s_code == 1) return launch_mma<__nv_bfloat16, __nv_bfloat16>(OK_INT4_MMA_ARGS);
+  if (x_code == 1 && s_code == 2) return launch_mma<__nv_bfloat16, __half>(OK_INT4_MMA_ARGS);
+  if (x_code == 2 && s_code == 1) return launch_mma<__half, __nv_bfloat16>(OK_INT4_MMA_ARGS);
+  if (x_code == 2 && s_code == 2) return launch_mma<__half, __half>(OK_INT4_MMA_ARGS);
+#undef OK_INT4_MMA_ARGS
+  return -1;
+}
+
+extern "C" int ok_int4_mma_packed(const int64_t* a) {
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_int4_mma(i32(0), i32(1), i32(2), i32(3), p(4), p(5), p(6), p(7), p(8), i32(9), p(10), a[11], a[12],
+                     a[13], a[14], a[15], a[16], a[17], a[18], a[19]);
 }
