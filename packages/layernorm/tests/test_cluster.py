@@ -283,3 +283,43 @@ def test_backward_against_float64(rms: bool, dtype: torch.dtype, device: str) ->
         assert_close(got[1], want[1], dtype=w_dtype, terms=m, term_scale=scale * 4, msg=f"{msg} dw")
         if not rms:
             assert_close(got[2], want[2], dtype=w_dtype, terms=m, term_scale=scale, msg=f"{msg} db")
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+@pytest.mark.parametrize(
+    ("residual", "store", "weight", "bias"),
+    [
+        (False, False, False, False),
+        (False, True, True, False),
+        (True, False, False, True),
+        (True, True, True, True),
+    ],
+)
+def test_forward_flags_emulated(rms: bool, residual: bool, store: bool, weight: bool, bias: bool) -> None:
+    """Each optional input and output of the forward on or off (the stream stored without a
+    residual is x itself), on a row split over a cluster of 3, against float64."""
+    from openkernels.layernorm import reference as R
+
+    if rms and bias:
+        pytest.skip("RMSNorm has no bias")
+    m, n, dtype = 3, 5000, torch.bfloat16
+    x = random_tensor((m, n), dtype, "cpu")
+    r = random_tensor((m, n), dtype, "cpu") if residual else None
+    w = random_tensor((n,), dtype, "cpu") if weight else None
+    b = random_tensor((n,), dtype, "cpu") if bias else None
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if store else None
+    mean = None if rms else torch.empty(m)
+    rstd = torch.empty(m)
+    assert C.unsupported_call(x, r, w, b, y, h, mean, rstd, dtype) is None
+    C.norm_fwd(
+        x, r, w, b, y, h, mean, rstd, eps=1e-6, weight_offset=0.0, rms=rms, h_dtype=dtype, config=(128, 2)
+    )
+    want = [torch.empty(m, n, dtype=torch.float64) for _ in range(2)]
+    want += [None if rms else torch.empty(m, dtype=torch.float64), torch.empty(m, dtype=torch.float64)]
+    double = [None if t is None else t.double() for t in (x, r, w, b)]
+    R.norm_fwd(*double, *want, eps=1e-6, weight_offset=0.0, rms=rms, h_dtype=dtype)
+    assert_close(y, want[0], dtype=dtype, terms=n, msg="y")
+    if store:
+        assert_close(h, want[1], dtype=dtype, msg="h")
+    assert_close(rstd, want[3], dtype=torch.float32, terms=n, msg="rstd")
