@@ -2,7 +2,7 @@
 // the Triton interpreter. Compiled as C++20 with -DOK_CUDA_EMULATION (cuda_build.load_emulated);
 // a source includes this header instead of the CUDA ones under that macro.
 //
-// Model: each CTA runs on its own OS thread, its CUDA threads as fibers (ucontext) scheduled
+// Model: each CTA runs on its own OS thread, its CUDA threads as fibers scheduled
 // round-robin, each to its next stop. A warp-wide operation (shuffle, mma) waits for the 32
 // lanes of its warp; __syncthreads and a cluster barrier's sync, arrive or wait for every
 // thread of the CTA, at the same kind of stop: a kernel whose threads diverge on a barrier,
@@ -112,10 +112,65 @@ cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) {
 namespace ok_emu {
 namespace {
 
+// A fiber's saved context. x86-64: a stack pointer, switched by a few instructions that save
+// the callee-saved registers (ucontext's swapcontext also saves the signal mask: a system
+// call per switch, which made the emulated tests several times slower). Elsewhere ucontext.
+#if defined(__x86_64__) && !defined(OK_EMU_UCONTEXT)
+struct Context {
+  void* sp = nullptr;
+};
+extern "C" void ok_emu_switch(void** save, void* load);
+asm(R"(
+  .text
+  .p2align 4
+  .hidden ok_emu_switch
+  .type ok_emu_switch, @function
+ok_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size ok_emu_switch, .-ok_emu_switch
+)");
+inline void switch_to(Context& save, Context& load) { ok_emu_switch(&save.sp, load.sp); }
+inline void start(Context& context, char* stack, size_t bytes, void (*entry)()) {
+  // Six zeroed registers, then `entry` for the `ret`: it starts as if called (rsp = 8 mod 16).
+  auto top = reinterpret_cast<uintptr_t>(stack + bytes) & ~static_cast<uintptr_t>(15);
+  auto* sp = reinterpret_cast<void**>(top - 64);
+  for (int i = 0; i < 6; ++i) sp[i] = nullptr;
+  sp[6] = reinterpret_cast<void*>(entry);
+  sp[7] = nullptr;
+  context.sp = sp;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void switch_to(Context& save, Context& load) { swapcontext(&save.uc, &load.uc); }
+inline void start(Context& context, char* stack, size_t bytes, void (*entry)()) {
+  getcontext(&context.uc);
+  context.uc.uc_stack.ss_sp = stack;
+  context.uc.uc_stack.ss_size = bytes;
+  context.uc.uc_link = nullptr;
+  makecontext(&context.uc, entry, 0);
+}
+#endif
+
 // kWarp: a warp-wide operation (shuffle, mma): the 32 lanes of the fiber's warp meet there,
 // other warps run on. The others are CTA-wide: every fiber of the CTA meets there.
 enum class Stop { kNone, kWarp, kBlock, kClusterSync, kClusterArrive, kClusterWait, kDone };
-constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kStackBytes = 128 * 1024;
 
 struct Cluster {
   explicit Cluster(int n) : barrier(n), anchors(n) {}
@@ -127,8 +182,8 @@ struct Cta {
   int n_threads = 0, current = 0, rank = 0;
   unsigned block = 0, grid = 0;
   Cluster* cluster = nullptr;
-  ucontext_t scheduler;
-  std::vector<ucontext_t> contexts;
+  Context scheduler;
+  std::vector<Context> contexts;
   std::vector<std::unique_ptr<char[]>> stacks;
   std::vector<Stop> stops;
   std::vector<uint64_t> exchange;  // one slot per thread: shuffles
@@ -147,7 +202,7 @@ inline void fail(const char* what) {
 inline void stop(Stop kind) {
   Cta* c = cta;
   c->stops[c->current] = kind;
-  swapcontext(&c->contexts[c->current], &c->scheduler);
+  switch_to(c->contexts[c->current], c->scheduler);
 }
 
 inline void fiber_main() {
@@ -165,12 +220,8 @@ inline void run_cta(Cta& c) {
   c.exchange.assign(c.n_threads, 0);
   c.fragments.assign(static_cast<size_t>(c.n_threads) * 8, 0);
   for (int t = 0; t < c.n_threads; ++t) {
-    c.stacks[t] = std::make_unique<char[]>(kStackBytes);
-    getcontext(&c.contexts[t]);
-    c.contexts[t].uc_stack.ss_sp = c.stacks[t].get();
-    c.contexts[t].uc_stack.ss_size = kStackBytes;
-    c.contexts[t].uc_link = nullptr;
-    makecontext(&c.contexts[t], fiber_main, 0);
+    c.stacks[t] = std::unique_ptr<char[]>(new char[kStackBytes]);  // untouched: pages only as used
+    start(c.contexts[t], c.stacks[t].get(), kStackBytes, fiber_main);
   }
   std::barrier<>::arrival_token* token = nullptr;
   std::unique_ptr<std::barrier<>::arrival_token> held;
@@ -179,7 +230,7 @@ inline void run_cta(Cta& c) {
     for (int t = 0; t < c.n_threads; ++t) {
       if (c.stops[t] != Stop::kNone) continue;
       c.current = t;
-      swapcontext(&c.scheduler, &c.contexts[t]);
+      switch_to(c.scheduler, c.contexts[t]);
     }
     // Release the warps whose 32 lanes all wait at a warp-wide operation.
     bool released = false;
