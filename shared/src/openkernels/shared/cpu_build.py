@@ -403,13 +403,18 @@ def _load(
     return _dlopen(target)
 
 
-def load_library(source: pathlib.Path, *, name: str, extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
+def load_library(
+    source: pathlib.Path, *, name: str, extra_flags: Sequence[str] = (), command: tuple[str, ...] | None = None,
+    base_flags: Sequence[str] = BASE_FLAGS, root: pathlib.Path | None = None,
+) -> ctypes.CDLL:  # fmt: skip
     """Compile `source` (once per content, shared headers, flags, compiler and CPU) and load it.
+    `command`, `base_flags`, `root`: another toolchain and cache directory than the C++
+    compiler's (cuda_build passes nvcc's).
 
     CpuBuildError where it cannot be built or loaded; that failure is final for this process.
     """
     source = pathlib.Path(source).resolve()
-    flags = (*BASE_FLAGS, *extra_flags)
+    flags = (*base_flags, *extra_flags)
     key = (str(source), name, flags)
     with _lock:
         lib = _loaded.get(key)
@@ -417,10 +422,10 @@ def load_library(source: pathlib.Path, *, name: str, extra_flags: Sequence[str] 
             return lib
         if key in _failed:
             raise CpuBuildError(_failed[key])
-        cmd = compiler()
+        cmd = command or compiler()
         if cmd is None:
             raise CpuBuildError(no_compiler_reason() or "no C++ compiler")
-        target = cache_root() / f"{name}-{_cache_key(cmd, source, flags)[:16]}" / f"lib{name}.so"
+        target = (root or cache_root()) / f"{name}-{_cache_key(cmd, source, flags)[:16]}" / f"lib{name}.so"
         try:
             lib = _loaded[key] = _load(cmd, source, flags, target)
         except (CpuBuildError, OSError) as error:

@@ -48,10 +48,6 @@ BASE_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-f
 _TIMEOUT_S = 600
 EMULATION_DIR = pathlib.Path(__file__).with_name("cuda")  # cuda_emulation.h
 
-_lock = threading.Lock()
-_loaded: dict[tuple[str, str, tuple[str, ...]], ctypes.CDLL] = {}
-_failed: dict[tuple[str, str, tuple[str, ...]], str] = {}
-
 
 class CudaBuildError(RuntimeError):
     """nvcc is missing or failed; the message says which, with its output."""
@@ -89,28 +85,17 @@ def _cache_root() -> pathlib.Path:
 def load_library(
     source: pathlib.Path, *, name: str, arch: str, extra_flags: Sequence[str] = ()
 ) -> ctypes.CDLL:
-    """Compile `source` for `arch` (once per content, flags and nvcc version) and load it.
-    CudaBuildError where it cannot be built or loaded; that failure is final for this process."""
-    source = pathlib.Path(source).resolve()
-    flags = (*BASE_FLAGS, gencode(arch), *extra_flags)
-    key = (str(source), name, flags)
-    with _lock:
-        lib = _loaded.get(key)
-        if lib is not None:
-            return lib
-        if key in _failed:
-            raise CudaBuildError(_failed[key])
-        cmd = nvcc()
-        if cmd is None:
-            raise CudaBuildError(no_nvcc_reason() or "no nvcc")
-        digest = cpu_build._cache_key((cmd,), source, flags)[:16]
-        target = _cache_root() / f"{name}-{digest}" / f"lib{name}.so"
-        try:
-            lib = _loaded[key] = cpu_build._load((cmd,), source, flags, target)
-        except (cpu_build.CpuBuildError, OSError) as error:
-            _failed[key] = f"building {name} with nvcc: {error}"
-            raise CudaBuildError(_failed[key]) from error
-        return lib
+    """Compile `source` for `arch` (once per content, flags and nvcc version) and load it,
+    through cpu_build's cache with nvcc as the compiler. CudaBuildError where it cannot be
+    built or loaded; that failure is final for this process."""
+    cmd = nvcc()
+    if cmd is None:
+        raise CudaBuildError(no_nvcc_reason() or "no nvcc")
+    try:
+        return cpu_build.load_library(source, name=name, extra_flags=(gencode(arch), *extra_flags), command=(cmd,),
+                                      base_flags=BASE_FLAGS, root=_cache_root())  # fmt: skip
+    except cpu_build.CpuBuildError as error:
+        raise CudaBuildError(f"building {name} with nvcc: {error}") from error
 
 
 def load_emulated(source: pathlib.Path, *, name: str) -> ctypes.CDLL:

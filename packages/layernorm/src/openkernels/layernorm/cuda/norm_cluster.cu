@@ -76,6 +76,13 @@ __device__ __forceinline__ void store_stream(void* p, const V& v) {
   __stcs(static_cast<uint4*>(p), raw);
 }
 
+// The first column of a thread's i-th 16-byte vector in a chunk: vector i of the CTA covers
+// THREADS consecutive vectors, thread-major (coalesced).
+template <int THREADS, int VEC>
+__device__ __forceinline__ int64_t vector_column(int64_t chunk_start, int i) {
+  return chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+}
+
 template <int THREADS>
 __device__ __forceinline__ float block_sum(float value, float* scratch) {
   // Fixed order (shuffle tree, then the warps' sums in index order): every thread gets the
@@ -128,7 +135,7 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
-    const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
     if (col < n_cols) {
       h[i] = load_stream<RowVec>(x + row * stride_x + col);
       if (flags & kHasResidual) {
@@ -157,7 +164,7 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
     float m2 = 0.f;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+      const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
       if (col < n_cols) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
@@ -201,7 +208,7 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
   // Normalize from registers; the weight and bias come from L2 (every row reads them).
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
-    const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
     if (col < n_cols) {
       WVec w, b;
       if (flags & kHasWeight) w = *reinterpret_cast<const WVec*>(weight + col);
@@ -260,7 +267,7 @@ __global__ void __launch_bounds__(THREADS) norm_bwd_cluster_kernel(
     float c1 = 0.f, c2 = 0.f;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+      const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
       if (col < n_cols) {
         dy_v[i] = load_stream<RowVec>(dy + row * stride_dy + col);
         h_v[i] = load_stream<RowVec>(h + row * stride_h + col);
@@ -293,7 +300,7 @@ __global__ void __launch_bounds__(THREADS) norm_bwd_cluster_kernel(
 
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+      const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
       if (col < n_cols) {
         WVec w;
         if (has_weight) w = *reinterpret_cast<const WVec*>(weight + col);
@@ -319,7 +326,7 @@ __global__ void __launch_bounds__(THREADS) norm_bwd_cluster_kernel(
   const int64_t part_row = cluster_id * n_cols;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
-    const int64_t col = chunk_start + (static_cast<int64_t>(i) * THREADS + threadIdx.x) * VEC;
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
     if (col < n_cols) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
