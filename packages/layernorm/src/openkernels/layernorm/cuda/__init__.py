@@ -77,7 +77,7 @@ class ClusterConfig(NamedTuple):
 
 def _vector(dtype: torch.dtype) -> int:
     """Elements per 16-byte vector."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def cluster_config(

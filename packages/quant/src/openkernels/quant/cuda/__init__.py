@@ -9,9 +9,8 @@ priority: it runs only when forced (`dispatch.force("gemv")`) until its H200 mea
 say where it wins. Same entry point as triton.int4_linear_fwd; a call it does not take (more
 than 16 rows of x, NF4 past one row, K or the group size not a multiple of 32 (K of 128 past
 one row), 16-bit dtypes other than bf16 / fp16, misaligned parts, N not a multiple of 4 (32
-past one row)) goes to the Triton launcher. The
-library is built with nvcc for the device's arch on first use; if that fails the Triton
-kernels run, with one warning. CPU tensors run the same source built for the CPU emulation
+past one row)) goes to the Triton launcher. The library is built with nvcc for the device's
+arch on first use; if that fails the Triton kernels run, with one warning. CPU tensors run the same source built for the CPU emulation
 (openkernels.shared.cuda_build.load_emulated): how the tests check it without a GPU.
 """
 
