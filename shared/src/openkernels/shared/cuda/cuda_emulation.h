@@ -53,6 +53,13 @@ struct float2 {
 inline float2 make_float2(float x, float y) { return {x, y}; }
 
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+// Byte n of the result is byte (selector nibble n & 7) of the 8 bytes {x (0-3), y (4-7)}.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned selector) {
+  const uint64_t bytes = static_cast<uint64_t>(x) | (static_cast<uint64_t>(y) << 32);
+  unsigned out = 0;
+  for (int n = 0; n < 4; ++n) out |= static_cast<unsigned>((bytes >> (8 * ((selector >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+  return out;
+}
 inline uint4 __ldcs(const uint4* p) { return *p; }
 inline void __stcs(uint4* p, uint4 v) { *p = v; }
 

@@ -324,11 +324,11 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, const uin
 #endif
 }
 
-// Values i and j of 32 packed 16-bit values (16 words), as one register: i low, j high.
+// Values i and j of 32 packed 16-bit values (16 words), as one register: i low, j high. One
+// byte permute (i, j compile-time): bytes 0-3 of the first word, 4-7 of the second.
 __device__ __forceinline__ uint32_t pick2(const uint32_t* words, int i, int j) {
-  const uint32_t lo = (words[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
-  const uint32_t hi = (words[j / 2] >> (16 * (j % 2))) & 0xFFFFu;
-  return lo | (hi << 16);
+  const unsigned selector = (i % 2 ? 0x32u : 0x10u) | ((j % 2 ? 0x76u : 0x54u) << 8);
+  return __byte_perm(words[i / 2], words[j / 2], selector);
 }
 
 template <typename T, typename S, int KIND>
