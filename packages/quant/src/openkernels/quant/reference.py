@@ -87,6 +87,12 @@ def int4_linear_fwd(x, qweight, scales, zeros, bias, out: Tensor, group_size: in
     out.copy_(int4_linear_ref(x, qweight, scales, zeros, group_size, kind, bias))
 
 
+_SMALLEST_SUBNORMAL = {
+    torch.float16: 2.0**-24,
+    torch.bfloat16: 2.0**-133,
+    torch.float32: 2.0**-149,
+    torch.float64: 2.0**-1074,
+}
 _UNIT_ROUNDOFF = {
     torch.float16: 2.0**-11,
     torch.bfloat16: 2.0**-8,
@@ -107,18 +113,28 @@ def linear_error_bound(
     """Elementwise bound on |out - ref| for int4_linear (the kernels' error contract).
 
     x (M, K) and w (N, K) in float64 (w dequantized), ref = x @ w^T (+ bias) in float64:
-        u_out |ref|                    the single rounding of the output
-      + 4 u_w sqrt(sum_k (x_k w_k)^2)  W rounded to x's dtype before the products (the
+        u_out (|ref| + E) + eta_out / 2  the single rounding of the output, of the value the
+                                       kernel computed (ref plus the terms E below), with
+                                       the absolute floor of subnormal results
+      + E, where E is
+        4 u_w sqrt(sum_k (x_k w_k)^2)  W rounded to x's dtype before the products (the
                                        dequantize + matmul path, NF4 levels in the MMA):
                                        K independent roundings, a random walk, 4 sigma
+      + eta_w / 2 sum_k |x_k|           those roundings' absolute floor (subnormal weights)
       + 4 sqrt(K) 2^-24 sum_k |x_k w_k| float32 accumulation of K products
+    (eta: the dtype's smallest subnormal; float16 rounds values below 6e-5 to multiples of
+    2^-24, where the relative bound alone does not hold.)
     abs_sum: what the kernel accumulates in place of sum_k |x_k w_k| when its terms are not
     the products x_k w_k (the CPU GEMV of int4 sums x_k s (q_k) and takes zero * s * sum x off
     per group: sum_k |x_k| s (|q_k| + |z|)).
     """
     u_out = _UNIT_ROUNDOFF[out_dtype]
     u_w = _UNIT_ROUNDOFF[weight_rounded_to] if weight_rounded_to is not None else 0.0
+    eta_w = _SMALLEST_SUBNORMAL[weight_rounded_to] if weight_rounded_to is not None else 0.0
     rss = ((x * x) @ (w * w).t()).sqrt()
     if abs_sum is None:
         abs_sum = x.abs() @ w.abs().t()
-    return u_out * ref.abs() + 4 * u_w * rss + 4 * w.shape[1] ** 0.5 * 2.0**-24 * abs_sum + 1e-30
+    terms = 4 * u_w * rss + 4 * w.shape[1] ** 0.5 * 2.0**-24 * abs_sum
+    if eta_w:
+        terms = terms + eta_w / 2 * x.abs().sum(-1, keepdim=True)
+    return u_out * (ref.abs() + terms) + terms + _SMALLEST_SUBNORMAL[out_dtype] / 2 + 1e-30
