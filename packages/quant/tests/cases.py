@@ -57,6 +57,12 @@ def rounds_weight(
         from openkernels.quant.cpu import dequantizes_then_multiplies
 
         return dequantizes_then_multiplies(m, dtype, has_bias)
+    if impl == "gemv":  # the CUDA C++ kernels; calls they do not take run the Triton launcher
+        if m == 1 and k % 32 == 0 and group % 32 == 0 and n % 4 == 0:
+            return False  # the GEMV: exact weights
+        if 1 < m <= 16 and kind == "int4" and k % 128 == 0 and group % 32 == 0 and n % 32 == 0:
+            return True  # the tensor-core kernel rounds W to x's dtype
+        impl = "triton"
     if impl != "triton":
         return False
     from openkernels.quant.triton import config_for
