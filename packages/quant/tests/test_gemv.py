@@ -2,9 +2,13 @@
 GPU: every kernel compiles without spills), which calls it takes, and its results within the
 error contract: on the CPU through the CUDA emulation (the same source built against
 shared/cuda/cuda_emulation.h), on a GPU at the decode shapes. The whole correctness suite
-also runs it on GPUs (test_correctness's "cuda-gemv" target)."""
+also runs it on GPUs (test_correctness's "cuda-gemv" target). The persistent GEMV (config
+"persistent...") is checked alike: every (rows, depth) built, grids that do not divide the
+blocks, K past one CTA-wide step."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -25,12 +29,19 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
         pytest.skip(f"{arch} is not among the AOT targets")
     if cuda_build.nvcc() is None:  # the CI image has nvcc (13.0): this skip is for other machines
         pytest.skip("no nvcc: the CUDA C++ compile check cannot run here")
-    kernels = [r for r in cuda_build.ptxas_report(G._SOURCE, arch) if "int4_gemv_kernel" in r.name]
+    report = cuda_build.ptxas_report(G._SOURCE, arch)
+    kernels = [r for r in report if "int4_gemv_kernel" in r.name]
     assert len(kernels) == 4 * len(G.ROWS) * 3, [r.name for r in kernels]  # dtype pairs x rows x kinds
-    mma = [r for r in cuda_build.ptxas_report(G._SOURCE, arch) if "int4_mma_kernel" in r.name]
+    mma = [r for r in report if "int4_mma_kernel" in r.name]
     assert len(mma) == 4 * 2, [r.name for r in mma]  # dtype pairs x (zeros, symmetric)
-    for r in kernels + mma:
+    persistent = [r for r in report if "int4_gemv_persistent_kernel" in r.name]
+    # dtype pairs x (rows, depth) x kinds x (x in registers or not)
+    assert len(persistent) == 4 * len(G.PERSISTENT_SHAPES) * 3 * 2, [r.name for r in persistent]
+    for r in kernels + mma + persistent:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+    for r in persistent:  # 2 CTAs of 256 threads per SM where the shape's default says so
+        rows, depth = (int(v) for v in re.search(r"Li(\d+)ELi(\d+)ELi\d+ELb", r.name).groups())
+        assert G.PERSISTENT_SHAPES[(rows, depth)] == 1 or r.registers <= 128, r
 
 
 def _call(n=64, k=1024, group=128, *, m=1, dtype=torch.bfloat16, sdtype=torch.float16, zeros=True, offset=0):
@@ -63,6 +74,27 @@ def test_which_calls_the_gemv_takes() -> None:
         and G.gemv_rows(64, 4) == 4
         and G.gemv_rows(36, 8) is None
     )
+
+
+def test_persistent_configs() -> None:
+    assert G.persistent_config(8) is None and G.persistent_config("mma") is None
+    assert G.persistent_config("persistent") == G.PersistentConfig(4, 2, None, None)
+    assert G.persistent_config("persistent-r8-d1-c1") == G.PersistentConfig(8, 1, 1, None)
+    assert G.persistent_config("persistent-r2-d4-g3") == G.PersistentConfig(2, 4, None, 3)
+    for name in G.PERSISTENT_CONFIGS:
+        assert G.persistent_config(name) is not None
+    for bad in ("persistent-r8-d2", "persistent-r3", "persistent-c0", "persistent-x"):
+        with pytest.raises(ValueError):
+            G.persistent_config(bad)
+    assert G.PersistentConfig(4, 2).grid_for(2048, 132) == 264  # 2 CTAs per SM
+    assert G.PersistentConfig(8, 1).grid_for(1024, 132) == 132
+    assert G.PersistentConfig(4, 2, 3).grid_for(100, 132) == 100  # never more CTAs than blocks
+    assert G.PersistentConfig(4, 2, None, 5).grid_for(100, 132) == 5
+    assert G.unsupported_call(*_call(n=36), "persistent") is None
+    assert "multiple of 8" in G.unsupported_call(*_call(n=36), "persistent-r8-d1")
+    assert G.unsupported_call(*_call(n=38), "persistent-r2-d4") is None
+    assert "rows of x" in G.unsupported_call(*_call(m=2), "persistent")
+    assert "multiple of 32" in G.unsupported_call(*_call(k=1024, group=16), "persistent")
 
 
 def test_dispatch_runs_the_gemv_only_when_forced() -> None:
@@ -147,3 +179,43 @@ def test_tensor_core_kernel_within_the_error_contract(
             assert torch.equal(runs[0], runs[1]), "two runs differ"
             msg = f"mma sym={symmetric} m={m} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
             assert_linear_close(runs[0], x, weight, bias, w_rounded=True, msg=msg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("kind", "symmetric"), FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_persistent_gemv_within_the_error_contract(
+    kind: str, symmetric: bool, dtype: torch.dtype, device: str
+) -> None:
+    """The persistent GEMV, every (rows, depth) built, against float64 on heavy-tailed weights:
+    odd N and K, grids that do not divide the blocks (CTAs with one block more than others,
+    a grid of one), K under one warp's chunks and past one CTA-wide step (x read per item),
+    both scale dtypes, bias dtypes; two runs bitwise equal."""
+    g = torch.Generator().manual_seed(7)
+    if device == "cpu":  # (N, K, group, config, bias): the emulation has 2 "SMs"
+        cases = [(44, 1056, 32, "persistent-g3", torch.float32), (38, 800, 32, "persistent-r2-d4", None),
+                 (24, 8224, 32, "persistent-r8-d1", torch.bfloat16), (20, 96, 32, "persistent-r4-d1-g1", None),
+                 (36, 16448, 64, "persistent-r4-d2-c3", torch.float16), (8, 8192, 128, "persistent", None)]  # fmt: skip
+    else:
+        cases = [(n, 8192, 128, c, None) for n in (8192, 28672) for c in G.PERSISTENT_CONFIGS]
+        cases += [(8192, 28672, 128, "persistent", torch.bfloat16), (4100, 4096, 64, "persistent-r2-d4", None),
+                  (4104, 12352, 32, "persistent-r8-d1", torch.float32)]  # fmt: skip
+    for n, k, group, config, bias_dtype in cases:
+        for sdtype in (torch.float16, torch.bfloat16):
+            w = make_weight(n, k, heavy=True, generator=g)
+            weight = quantize(w, kind, symmetric, group)
+            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
+                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
+            x = torch.randn(1, k, generator=g).to(dtype).to(device)
+            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
+            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
+            runs = []
+            for _ in range(2):
+                out = torch.full((1, n), float("nan"), dtype=dtype, device=device)
+                assert G.unsupported_call(*args, out, group, kind, config) is None
+                G.int4_linear_fwd(*args, out, group, kind, config=config)
+                runs.append(out)
+            assert not G._broken, G._broken
+            assert torch.equal(runs[0], runs[1]), "two runs differ"
+            msg = f"{config} {kind} sym={symmetric} {n}x{k} g{group} {dtype} {sdtype} bias {bias_dtype}"
+            assert_linear_close(runs[0], x, weight, bias, w_rounded=False, msg=msg)

@@ -4,6 +4,12 @@ floats by bit tricks, NF4 levels looked up in registers by a warp shuffle). 2-16
 tensor cores on the codes in their stored order (mma.m16n8k16; each lane's 32-code window of
 a column is one load, and x is read in the same permuted order).
 
+One row of x, persistent (config "persistent", "persistent-r<rows>-d<depth>-c<ctas per SM>"
+or "-g<grid>"): SMs x CTAs per SM CTAs walk blocks of rows grid-stride with the next items'
+weight loads in flight during the current one's math, x kept in registers where K <= 8192.
+Forced only (by `config`) until it is timed on an H200 against the kernel above: the default
+dispatch still runs the one-round GEMV.
+
 Dispatch name "gemv", registered on CUDA (sm_80 and newer) below the Triton kernels'
 priority: it runs only when forced (`dispatch.force("gemv")`) until its H200 measurements
 say where it wins. Same entry point as triton.int4_linear_fwd; a call it does not take (more
@@ -19,7 +25,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import pathlib
+import re
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,7 +37,18 @@ from openkernels.shared.dispatch import DispatchKey
 
 from ..format import nf4_values
 
-__all__ = ["MMA_MAX_ROWS", "ROWS", "gemv_rows", "int4_linear_fwd", "supports", "unsupported_call"]
+__all__ = [
+    "MMA_MAX_ROWS",
+    "PERSISTENT_CONFIGS",
+    "PERSISTENT_SHAPES",
+    "ROWS",
+    "PersistentConfig",
+    "gemv_rows",
+    "int4_linear_fwd",
+    "persistent_config",
+    "supports",
+    "unsupported_call",
+]
 
 _SOURCE = pathlib.Path(__file__).with_name("int4_gemv.cu")
 _CODES = {torch.bfloat16: 1, torch.float16: 2}
@@ -38,10 +57,22 @@ _KINDS = {"int4": 0, "int4 symmetric": 1, "nf4": 2}
 ROWS = (4, 8)  # rows of W per CTA of the GEMV
 MMA_MAX_ROWS = 16  # rows of x the tensor-core kernel takes (one m16 tile)
 _MMA_COLS = 32  # columns of W per CTA of the tensor-core kernel
+# The persistent GEMV's (rows per block, items in flight ahead of the math) pairs built in
+# int4_gemv.cu (launch_persistent_shape), and the CTAs per SM each defaults to (the number
+# resident at its register count: 2 at <= 128 registers, 1 for 8 rows).
+PERSISTENT_SHAPES = {(2, 4): 2, (4, 1): 2, (4, 2): 2, (8, 1): 1}
+# What a GPU run times against the one-round GEMV ("persistent" is r4-d2-c2).
+PERSISTENT_CONFIGS = (
+    "persistent-r4-d2-c2", "persistent-r4-d1-c2", "persistent-r2-d4-c2", "persistent-r8-d1-c1",
+    "persistent-r4-d2-c1", "persistent-r4-d2-c3", "persistent-r8-d1-c2",
+)  # fmt: skip
+_EMULATED_SMS = 2  # what the CPU emulation counts as SMs (a grid of 2 x CTAs per SM)
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "ok_int4_gemv": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64,
                      _I64],
+    "ok_int4_gemv_persistent": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64,
+                                _I64, _I64, _I64, _I64, _I64],
     "ok_int4_mma": [_I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                     _I64, _I64],
 }  # fmt: skip
@@ -73,12 +104,55 @@ def gemv_rows(n: int, config: int | None = None) -> int | None:
     return next((r for r in (8, 4) if n % r == 0), None)
 
 
+@dataclass(frozen=True)
+class PersistentConfig:
+    """The persistent GEMV's knobs: rows of W per block, items (blocks' 16-byte chunks) in
+    flight ahead of the math, CTAs per SM, or an explicit grid (tests: fewer CTAs than SMs)."""
+
+    rows: int = 4
+    depth: int = 2
+    ctas_per_sm: int | None = None
+    grid: int | None = None
+
+    def grid_for(self, n_blocks: int, sms: int) -> int:
+        ctas = self.ctas_per_sm or PERSISTENT_SHAPES[(self.rows, self.depth)]
+        return max(1, min(n_blocks, self.grid if self.grid is not None else ctas * sms))
+
+
+_PERSISTENT = re.compile(r"persistent(?:-r(\d+))?(?:-d(\d+))?(?:-c(\d+))?(?:-g(\d+))?")
+
+
+def persistent_config(config: object) -> PersistentConfig | None:
+    """`config` "persistent[-r<rows>][-d<depth>][-c<CTAs per SM>][-g<grid>]" as its knobs (rows 4
+    and depth 2 where left out), None for any other config; ValueError for a (rows, depth)
+    pair that is not built."""
+    if not isinstance(config, str) or not config.startswith("persistent"):
+        return None
+    match = _PERSISTENT.fullmatch(config)
+    if match is None:
+        raise ValueError(f"config {config!r}: not persistent[-r<rows>][-d<depth>][-c<ctas>][-g<grid>]")
+    rows, depth, ctas, grid = (None if g is None else int(g) for g in match.groups())
+    out = PersistentConfig(rows or 4, depth or 2, ctas, grid)
+    if (out.rows, out.depth) not in PERSISTENT_SHAPES:
+        raise ValueError(f"config {config!r}: (rows, depth) not among {sorted(PERSISTENT_SHAPES)}")
+    if out.ctas_per_sm == 0 or out.grid == 0:
+        raise ValueError(f"config {config!r}: CTAs per SM and grid are at least 1")
+    return out
+
+
 def _path(m: int, config: int | str | None) -> str:
     """ "gemv" for one row of x (or `config` an int, its rows per CTA), "mma" for 2-16 rows (or
-    `config` "mma", which also takes one row)."""
+    `config` "mma", which also takes one row), "persistent" for `config` "persistent..."."""
     if config == "mma" or (config is None and m > 1):
         return "mma"
+    if persistent_config(config) is not None:
+        return "persistent"
     return "gemv"
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config=None) -> str | None:
@@ -112,9 +186,15 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         return f"{m} rows of x for the GEMV (it takes one)"
     if k % 32 or group_size % 32:
         return f"K = {k} or group size {group_size} not a multiple of 32"
-    rows = gemv_rows(n, config)
-    if rows is None:
-        return f"N = {n} not a multiple of 4"
+    persistent = persistent_config(config)
+    if persistent is not None:
+        rows = persistent.rows
+        if n % rows:
+            return f"N = {n} not a multiple of {rows} (the persistent GEMV's rows per block)"
+    else:
+        rows = gemv_rows(n, config)
+        if rows is None:
+            return f"N = {n} not a multiple of 4"
     params = [scales] if zeros is None else [scales, zeros]
     if any(t.stride(0) % rows or t.stride(1) != 1 or t.data_ptr() % (2 * rows) for t in params):
         return "scales or zeros rows not aligned to the rows per CTA"
@@ -160,8 +240,9 @@ def int4_linear_fwd(
     x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None, out: Tensor,
     group_size: int, kind: str, *, config: int | str | None = None,
 ) -> None:  # fmt: skip
-    """triton.int4_linear_fwd's contract. `config` (tests): an int forces the GEMV with that
-    many rows of W per CTA, "mma" the tensor-core kernel."""
+    """triton.int4_linear_fwd's contract. `config` (tests, benchmarks): an int forces the GEMV
+    with that many rows of W per CTA, "mma" the tensor-core kernel, "persistent..." the
+    persistent GEMV (persistent_config)."""
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     if (_broken and x.is_cuda) or unsupported_call(*args, config) is not None:
         return _triton(*args)
@@ -181,6 +262,15 @@ def int4_linear_fwd(
             device, _CODES[x.dtype], _CODES[scales.dtype], code, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
             zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0), qweight.stride(0),
             scales.stride(0), out.stride(0), group_size, stream,
+        )  # fmt: skip
+    elif _path(m, config) == "persistent":
+        p = persistent_config(config)
+        grid = p.grid_for(n // p.rows, _sm_count(device) if x.is_cuda else _EMULATED_SMS)
+        lut = nf4_values(x.device) if code == _KINDS["nf4"] else None
+        status = lib.ok_int4_gemv_persistent(
+            device, _CODES[x.dtype], _CODES[scales.dtype], p.rows, p.depth, code, x.data_ptr(),
+            qweight.data_ptr(), scales.data_ptr(), zeros_ptr, 0 if lut is None else lut.data_ptr(), bias_ptr,
+            bias_code, out.data_ptr(), n, k, qweight.stride(0), scales.stride(0), group_size, grid, stream,
         )  # fmt: skip
     else:
         lut = nf4_values(x.device) if code == _KINDS["nf4"] else None

@@ -223,6 +223,272 @@ int launch_rows(int rows, int kind, const void* x, const void* qweight, const vo
   return -2;
 }
 
+// ---- one row of x, persistent: a grid of (SMs x CTAs per SM) walking blocks of rows --------
+//
+// The kernel above has each CTA issue one round of loads (ROWS 16-byte loads per thread at
+// K = 8192), compute, reduce and exit: few bytes in flight per SM between rounds and an idle
+// last wave. Here `grid` CTAs (the host passes SMs x CTAs per SM) take blocks of ROWS rows
+// grid-stride (block b, b + grid, ...), and a thread's loads for the next DEPTH items (an item:
+// one block's 16-byte chunk of each of its ROWS rows, with the chunk's scales and zeros) are
+// issued before the current item's math: a ring of DEPTH + 1 register slots, indexed at
+// compile time by unrolling the walk by DEPTH + 1. The weight goes through __ldcs (evict
+// first: read once). Where K <= 32 x 256 (X_RESIDENT: one item per block), each thread's 32
+// values of x are converted once and stay in registers for every block; past that a block
+// takes ceil(K / 8192) items and x is read per item (L1). A block's sums: each warp reduces
+// its ROWS partial sums by recursive halving (ROWS - 1 + log2(32 / ROWS) shuffles, not
+// 5 ROWS), lane-group r ending with row r; the 8 warps' sums meet in shared memory (two
+// buffers: one barrier per block) and ROWS threads add them in warp order, the same bits
+// on every run. The codes' arithmetic is the kernel above's (NF4: one shuffle per code, the
+// index unmasked: a shuffle reads bits 0-4 of it and lanes i, i + 16 hold the same level).
+
+template <int ROWS>
+struct GemvSlot {
+  uint4 w[ROWS];           // the item's 16-byte chunk of each row
+  uint32_t s[ROWS / 2];    // the chunk's group: ROWS scales (16-bit each, packed)
+  uint32_t z[ROWS / 2];    // and zeros
+};
+
+// ROWS consecutive 16-bit entries of one group's row of scales (or zeros), raw.
+template <int ROWS>
+__device__ __forceinline__ void load_params_raw(const void* p, uint32_t* out) {
+  if constexpr (ROWS == 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+  } else if constexpr (ROWS == 4) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    out[0] = v.x;
+    out[1] = v.y;
+  } else {
+    static_assert(ROWS == 2, "ROWS: 2, 4 or 8");
+    out[0] = *reinterpret_cast<const uint32_t*>(p);
+  }
+}
+
+template <typename S>
+__device__ __forceinline__ float param_at(const uint32_t* raw, int r) {
+  const uint16_t bits = static_cast<uint16_t>(raw[r / 2] >> (16 * (r % 2)));
+  S v;
+  memcpy(&v, &bits, 2);
+  return to_float(v);
+}
+
+// Issue item (block, step)'s loads into `slot`; zeros where the thread's chunk is past K.
+template <typename S, int ROWS, int KIND>
+__device__ __forceinline__ void gemv_load_slot(GemvSlot<ROWS>& slot, const uint8_t* __restrict__ qweight,
+                                               const S* __restrict__ scales, const S* __restrict__ zeros,
+                                               int64_t block, int step, int64_t n_chunks, int64_t stride_q,
+                                               int64_t stride_s, int chunks_per_group) {
+  const int64_t chunk = static_cast<int64_t>(step) * kThreads + threadIdx.x;
+  if (chunk < n_chunks) {
+    const int64_t n0 = block * ROWS;
+    const uint8_t* row = qweight + n0 * stride_q + chunk * 16;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) slot.w[r] = __ldcs(reinterpret_cast<const uint4*>(row + r * stride_q));
+    const int64_t offset = static_cast<int64_t>(static_cast<uint32_t>(chunk) / static_cast<uint32_t>(chunks_per_group)) *
+                               stride_s + n0;
+    load_params_raw<ROWS>(scales + offset, slot.s);
+    if (KIND == kKindZeros) load_params_raw<ROWS>(zeros + offset, slot.z);
+  } else {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) slot.w[r] = uint4{0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < ROWS / 2; ++i) slot.s[i] = slot.z[i] = 0;
+  }
+}
+
+// acc[r] += scale_r * sum_p (q_rp - zero_r) x[p] (NF4: NF4[q_rp]) over the slot's chunk.
+template <typename S, int ROWS, int KIND>
+__device__ __forceinline__ void gemv_slot_math(const GemvSlot<ROWS>& slot, const float* xv, float level, float* acc) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const uint32_t words[4] = {slot.w[r].x, slot.w[r].y, slot.w[r].z, slot.w[r].w};
+    float dot = 0.f;
+    if (KIND == kKindNf4) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float d = 0.f;
+#pragma unroll
+        for (int p = 0; p < 8; ++p)
+          d = fmaf(__shfl_sync(0xffffffffu, level, static_cast<int>(words[j] >> (4 * p))), xv[8 * j + p], d);
+        dot += d;
+      }
+    } else {
+      const float zero = KIND == kKindZeros ? param_at<S>(slot.z, r) : 8.f;
+      float magic_minus[10];  // as in int4_gemv_kernel
+#pragma unroll
+      for (int e = 0; e < 5; ++e) {
+        magic_minus[5 + e] = bits_float(static_cast<uint32_t>(150 - 4 * e) << 23);
+        magic_minus[e] = magic_minus[5 + e] + zero;
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) dot += dot_int4_word(words[j], xv + 8 * j, magic_minus);
+    }
+    acc[r] = fmaf(param_at<S>(slot.s, r), dot, acc[r]);
+  }
+}
+
+// The warp's sums of ROWS rows by recursive halving: returns, in every lane, the warp's sum of
+// row lane / (32 / ROWS).
+template <int ROWS>
+__device__ __forceinline__ float warp_reduce_rows(float* v, int lane) {
+  int offset = 16;
+#pragma unroll
+  for (int half = ROWS / 2; half >= 1; half /= 2, offset /= 2) {
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half];
+      const float keep = upper ? v[i + half] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
+  }
+#pragma unroll
+  for (; offset > 0; offset /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], offset);
+  return v[0];
+}
+
+// 2 CTAs of 256 threads per SM (128 registers) where the ring fits; 8 rows x 2 slots do not
+// (ptxas spills at 128): one CTA per SM there.
+template <int ROWS, int DEPTH>
+constexpr int persistent_min_ctas() {
+  return ROWS * (DEPTH + 1) <= 12 ? 2 : 1;
+}
+
+template <typename T, typename S, int ROWS, int DEPTH, int KIND, bool X_RESIDENT>
+__global__ void __launch_bounds__(kThreads, persistent_min_ctas<ROWS, DEPTH>()) int4_gemv_persistent_kernel(
+    const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
+    const S* __restrict__ zeros, const float* __restrict__ lut, const void* __restrict__ bias, int bias_code,
+    T* __restrict__ out, int64_t n, int64_t k, int64_t stride_q, int64_t stride_s, int64_t group_size, int grid) {
+  __shared__ float partial[2][kWarps][ROWS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t n_chunks = k / 32;
+  const int chunks_per_group = static_cast<int>(group_size / 32);
+  const int steps = X_RESIDENT ? 1 : static_cast<int>((n_chunks + kThreads - 1) / kThreads);
+  const int64_t n_blocks = n / ROWS;
+  const int64_t first = blockIdx.x;
+  const int64_t items = first < n_blocks ? ((n_blocks - 1 - first) / grid + 1) * steps : 0;  // the same in every thread
+  float level = 0.f;
+  if (KIND == kKindNf4) level = lut[lane & 15];
+
+  float xv[32];
+  if (X_RESIDENT) {
+    if (static_cast<int64_t>(threadIdx.x) < n_chunks) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) load_x8(x + 32 * threadIdx.x + 8 * i, xv + 8 * i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) xv[i] = 0.f;
+    }
+  }
+
+  GemvSlot<ROWS> slot[DEPTH + 1];
+  int64_t load_block = first, math_block = first;
+  int load_step = 0, math_step = 0, buffer = 0;
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    if (d < items) {
+      gemv_load_slot<S, ROWS, KIND>(slot[d], qweight, scales, zeros, load_block, load_step, n_chunks, stride_q,
+                                    stride_s, chunks_per_group);
+      if (++load_step == steps) load_step = 0, load_block += grid;
+    }
+  }
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+
+  for (int64_t base = 0; base < items; base += DEPTH + 1) {
+#pragma unroll
+    for (int u = 0; u <= DEPTH; ++u) {
+      if (base + u >= items) break;  // the same in every thread
+      if (base + u + DEPTH < items) {
+        gemv_load_slot<S, ROWS, KIND>(slot[(u + DEPTH) % (DEPTH + 1)], qweight, scales, zeros, load_block,
+                                      load_step, n_chunks, stride_q, stride_s, chunks_per_group);
+        if (++load_step == steps) load_step = 0, load_block += grid;
+      }
+      const int64_t warp_chunk = static_cast<int64_t>(math_step) * kThreads + 32 * warp;
+      if (!X_RESIDENT) {
+        const int64_t chunk = warp_chunk + lane;
+        if (chunk < n_chunks) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) load_x8(x + 32 * chunk + 8 * i, xv + 8 * i);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) xv[i] = 0.f;
+        }
+      }
+      // A warp wholly past K skips the math (the same in all its lanes: its shuffles too).
+      if (warp_chunk < n_chunks) gemv_slot_math<S, ROWS, KIND>(slot[u], xv, level, acc);
+      if (math_step == steps - 1) {
+        const float v = warp_reduce_rows<ROWS>(acc, lane);
+        if ((lane & (32 / ROWS - 1)) == 0) partial[buffer][warp][lane / (32 / ROWS)] = v;
+        __syncthreads();
+        if (threadIdx.x < ROWS) {
+          const int r = threadIdx.x;
+          const int64_t row = math_block * ROWS + r;
+          float total = 0.f;
+#pragma unroll
+          for (int wi = 0; wi < kWarps; ++wi) total += partial[buffer][wi][r];
+          if (bias_code == 1) total += static_cast<const float*>(bias)[row];
+          if (bias_code == 2) total += to_float(static_cast<const __nv_bfloat16*>(bias)[row]);
+          if (bias_code == 3) total += to_float(static_cast<const __half*>(bias)[row]);
+          out[row] = from_float<T>(total);
+        }
+        buffer ^= 1;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+      }
+      if (++math_step == steps) math_step = 0, math_block += grid;
+    }
+  }
+}
+
+template <typename T, typename S, int ROWS, int DEPTH>
+int launch_persistent(int kind, const void* x, const void* qweight, const void* scales, const void* zeros,
+                      const void* lut, const void* bias, int bias_code, void* out, int64_t n, int64_t k,
+                      int64_t stride_q, int64_t stride_s, int64_t group_size, int grid, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.stream = stream;
+  config.numAttrs = 0;
+  auto args = [&](auto kernel) {
+    return static_cast<int>(cudaLaunchKernelEx(
+        &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
+        static_cast<const S*>(scales), static_cast<const S*>(zeros), static_cast<const float*>(lut), bias, bias_code,
+        static_cast<T*>(out), n, k, stride_q, stride_s, group_size, grid));
+  };
+  const bool resident = k / 32 <= kThreads;
+#define OK_PERSISTENT(KIND)                                                                            \
+  return resident ? args(int4_gemv_persistent_kernel<T, S, ROWS, DEPTH, KIND, true>)                   \
+                  : args(int4_gemv_persistent_kernel<T, S, ROWS, DEPTH, KIND, false>)
+  if (kind == kKindZeros) OK_PERSISTENT(kKindZeros);
+  if (kind == kKindSymmetric) OK_PERSISTENT(kKindSymmetric);
+  if (kind == kKindNf4) OK_PERSISTENT(kKindNf4);
+#undef OK_PERSISTENT
+  return -1;
+}
+
+// (rows, depth) pairs built: PERSISTENT_SHAPES in cuda/__init__.py.
+template <typename T, typename S>
+int launch_persistent_shape(int rows, int depth, int kind, const void* x, const void* qweight, const void* scales,
+                            const void* zeros, const void* lut, const void* bias, int bias_code, void* out,
+                            int64_t n, int64_t k, int64_t stride_q, int64_t stride_s, int64_t group_size, int grid,
+                            cudaStream_t stream) {
+#define OK_SHAPE(R, D)                                                                                         \
+  if (rows == R && depth == D)                                                                                 \
+    return launch_persistent<T, S, R, D>(kind, x, qweight, scales, zeros, lut, bias, bias_code, out, n, k,    \
+                                         stride_q, stride_s, group_size, grid, stream);
+  OK_SHAPE(2, 4)
+  OK_SHAPE(4, 1)
+  OK_SHAPE(4, 2)
+  OK_SHAPE(8, 1)
+#undef OK_SHAPE
+  return -2;
+}
+
 // ---- small M (2-16 rows of x): tensor cores on codes in their stored order ----------------
 //
 // mma.m16n8k16 takes, in lane (g = lane / 4, t = lane % 4), the B (weight) pairs of rows k =
@@ -464,6 +730,35 @@ extern "C" int ok_int4_gemv_packed(const int64_t* a) {
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
   return ok_int4_gemv(i32(0), i32(1), i32(2), i32(3), i32(4), p(5), p(6), p(7), p(8), p(9), p(10), i32(11), p(12),
                       a[13], a[14], a[15], a[16], a[17], a[18]);
+}
+
+// The persistent GEMV (int4_gemv_persistent_kernel): ok_int4_gemv's arguments plus `depth`
+// (items in flight ahead of the math) and `grid` (CTAs: SMs x CTAs per SM). Returns 0, a
+// cudaError_t, -1 (dtypes or kind), -2 ((rows, depth) not built), -3 (grid < 1).
+extern "C" int ok_int4_gemv_persistent(int device, int x_code, int s_code, int rows, int depth, int kind,
+                                       const void* x, const void* qweight, const void* scales, const void* zeros,
+                                       const void* lut, const void* bias, int bias_code, void* out, int64_t n,
+                                       int64_t k, int64_t stride_q, int64_t stride_s, int64_t group_size,
+                                       int64_t grid, int64_t stream) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (grid < 1 || grid > 0x7fffffff) return -3;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+#define OK_PERSISTENT_ARGS rows, depth, kind, x, qweight, scales, zeros, lut, bias, bias_code, out, n, k, stride_q, \
+                           stride_s, group_size, static_cast<int>(grid), s
+  if (x_code == 1 && s_code == 1) return launch_persistent_shape<__nv_bfloat16, __nv_bfloat16>(OK_PERSISTENT_ARGS);
+  if (x_code == 1 && s_code == 2) return launch_persistent_shape<__nv_bfloat16, __half>(OK_PERSISTENT_ARGS);
+  if (x_code == 2 && s_code == 1) return launch_persistent_shape<__half, __nv_bfloat16>(OK_PERSISTENT_ARGS);
+  if (x_code == 2 && s_code == 2) return launch_persistent_shape<__half, __half>(OK_PERSISTENT_ARGS);
+#undef OK_PERSISTENT_ARGS
+  return -1;
+}
+
+extern "C" int ok_int4_gemv_persistent_packed(const int64_t* a) {
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_int4_gemv_persistent(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), p(6), p(7), p(8), p(9), p(10),
+                                 p(11), i32(12), p(13), a[14], a[15], a[16], a[17], a[18], a[19], a[20]);
 }
 
 // out (M, N) = x W^T + bias for 1-16 rows of x on tensor cores (int4 with zeros or symmetric;
