@@ -30,14 +30,16 @@ def test_every_cluster_kernel_compiles_for_sm_90a_without_spills() -> None:
     if cuda_build.nvcc() is None:  # the CI image has nvcc (13.0): this skip is for other machines
         pytest.skip("no nvcc: the CUDA C++ compile check cannot run here")
     reports = cuda_build.ptxas_report(C._SOURCE, C.ARCH)
-    for direction, shapes in (("fwd", C.SHORT_SHAPES + C.SHAPES), ("bwd", C.BWD_SHAPES)):
-        kernels = [r for r in reports if f"norm_{direction}_cluster_kernel" in r.name]
+    kinds = (("fwd_cluster", C.SHORT_SHAPES + C.SHAPES), ("fwd_staged", C.SHORT_SHAPES + C.SHAPES),
+             ("bwd_cluster", C.BWD_SHAPES), ("bwd_staged", C.BWD_STAGED_SHAPES))  # fmt: skip
+    for kind, shapes in kinds:
+        kernels = [r for r in reports if f"norm_{kind}_kernel" in r.name]
         # 5 (row dtype, weight dtype) pairs x the shapes the host entries dispatch to.
         assert len(kernels) == 5 * len(set(shapes)), [r.name for r in reports]
         for r in kernels:
             assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
         for threads, vpt in shapes:
-            assert any(f"Li{threads}ELi{vpt}E" in r.name for r in kernels), (direction, threads, vpt)
+            assert any(f"Li{threads}ELi{vpt}E" in r.name for r in kernels), (kind, threads, vpt)
 
 
 @pytest.mark.aot
@@ -159,12 +161,15 @@ if _sm_90():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("staged", [False, True], ids=["registers", "staged"])
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_forward_against_float64(rms: bool, dtype: torch.dtype, device: str) -> None:
+def test_forward_against_float64(rms: bool, dtype: torch.dtype, staged: bool, device: str) -> None:
     """Every built shape at the row lengths it is picked for (one CTA per short row, clusters
-    for long ones, a ragged last chunk), with a residual stored, weight and bias, rows with a large mean (LayerNorm), a NaN row; two runs
-    bitwise equal."""
+    for long ones, a ragged last chunk), with a residual stored, weight and bias, rows with a
+    large mean (LayerNorm), a NaN row; two runs bitwise equal. The chunk held in registers,
+    and staged in shared memory (cp.async: the emulation fills shared memory with NaN bytes
+    and copies only at the wait, so a read before it fails)."""
     from openkernels.layernorm import reference as R
 
     cases = [(300, 2048, None), (64, 4096, None), (7, 8192, None), (5, 1000, (128, 2)), (3, 65536, None),
@@ -174,7 +179,7 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, device: str) -> 
         cases = [(3, 1000, (128, 2)), (2, 5000, (128, 2)), (2, 9800, (128, 2)), (2, 40000, (512, 8))]
     for m, n, shape in cases:
         cfg = C.cluster_config(n, dtype, shape)
-        if cfg is None:
+        if cfg is None or (staged and C.staged_bytes(cfg, True) > C.MAX_STAGED_BYTES):
             continue
         x = random_tensor((m, n), dtype, device) + (0.0 if rms else 5.0)
         r = random_tensor((m, n), dtype, device)
@@ -188,7 +193,7 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, device: str) -> 
             rstd = torch.empty(m, device=device)
             assert C.unsupported_call(x, r, w, b, y, h, mean, rstd, dtype) is None
             C.norm_fwd(x, r, w, b, y, h, mean, rstd, eps=1e-6, weight_offset=0.5, rms=rms, h_dtype=dtype,
-                       config=shape)  # fmt: skip
+                       config=shape, staged=staged)  # fmt: skip
             runs.append((y, h, rstd, mean))
         assert not C._broken, C._broken
         for a, b_ in zip(runs[0], runs[1]):
@@ -226,25 +231,33 @@ def test_backward_config_and_calls() -> None:
     assert "weight dtype" in C.unsupported_bwd_call(dy, h, w.half(), None, stats, None, dh, dw, None)
     odd = torch.empty(m, n + 8, dtype=torch.bfloat16)[:, 4 : n + 4]
     assert "aligned" in C.unsupported_bwd_call(odd, h, w, None, stats, None, dh, dw, None)
-    long = torch.empty(1, 262144, dtype=torch.bfloat16)
+    assert tuple(C.cluster_config(262144, torch.bfloat16, shapes=C.BWD_STAGED_SHAPES)) == (512, 4, 16)
+    long = torch.empty(1, 262152, dtype=torch.bfloat16)
     assert "backward" in C.unsupported_bwd_call(long, long, None, None, stats, None, long, None, None)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("staged", [False, True], ids=["registers", "staged"])
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_backward_against_float64(rms: bool, dtype: torch.dtype, device: str) -> None:
+def test_backward_against_float64(rms: bool, dtype: torch.dtype, staged: bool, device: str) -> None:
     """dh, dweight and dbias of every backward shape against float64: runs of rows per
     cluster (more rows than clusters), a ragged last chunk, dh_out, a float32 weight; two
-    runs bitwise equal (fixed-order sums)."""
+    runs bitwise equal (fixed-order sums). Staged: the two-row cp.async pipeline (in the
+    emulation a copy lands only at its wait_group, so reading a stage early fails)."""
     from openkernels.layernorm import reference as R
 
     cases = [(4096, 16384, None, dtype), (300, 65536, None, dtype), (7, 131072, None, dtype),
              (33, 20000, (256, 2), dtype), (64, 40000, (512, 2), torch.float32)]  # fmt: skip
+    if staged:
+        cases += [(40, 262144, None, dtype), (50, 100000, (256, 4), dtype)]
     if device == "cpu":  # 2 clusters of 3 CTAs for 9 rows (runs of 5 and 4: both slot parities)
         cases = [(9, 10000, (256, 2), dtype), (5, 3000, (256, 2), torch.float32)]
+        if staged:  # a run of one row, and 4-vector chunks
+            cases += [(3, 20000, (256, 4), dtype)]
+    shapes = C.BWD_STAGED_SHAPES if staged else C.BWD_SHAPES
     for m, n, shape, w_dtype in cases:
-        cfg = C.cluster_config(n, dtype, shape, C.BWD_SHAPES)
+        cfg = C.cluster_config(n, dtype, shape, shapes)
         if cfg is None:
             continue
         h = random_tensor((m, n), dtype, device) + (0.0 if rms else 3.0)
@@ -270,6 +283,8 @@ def test_backward_against_float64(rms: bool, dtype: torch.dtype, device: str) ->
                 weight_offset=0.5,
                 rms=rms,
                 config=shape,
+                staged=staged,
+                ctas_per_sm=1 if n == 20000 else None,
             )
             runs.append(got)
         assert not C._broken, C._broken
@@ -298,7 +313,10 @@ def test_backward_against_float64(rms: bool, dtype: torch.dtype, device: str) ->
         (True, True, True, True),
     ],
 )
-def test_forward_flags_emulated(rms: bool, residual: bool, store: bool, weight: bool, bias: bool) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["registers", "staged"])
+def test_forward_flags_emulated(
+    rms: bool, residual: bool, store: bool, weight: bool, bias: bool, staged: bool
+) -> None:
     """Each optional input and output of the forward on or off (the stream stored without a
     residual is x itself), on a row split over a cluster of 3, against float64."""
     from openkernels.layernorm import reference as R
@@ -316,7 +334,20 @@ def test_forward_flags_emulated(rms: bool, residual: bool, store: bool, weight: 
     rstd = torch.empty(m)
     assert C.unsupported_call(x, r, w, b, y, h, mean, rstd, dtype) is None
     C.norm_fwd(
-        x, r, w, b, y, h, mean, rstd, eps=1e-6, weight_offset=0.0, rms=rms, h_dtype=dtype, config=(128, 2)
+        x,
+        r,
+        w,
+        b,
+        y,
+        h,
+        mean,
+        rstd,
+        eps=1e-6,
+        weight_offset=0.0,
+        rms=rms,
+        h_dtype=dtype,
+        config=(128, 2),
+        staged=staged,
     )
     want = [torch.empty(m, n, dtype=torch.float64) for _ in range(2)]
     want += [None if rms else torch.empty(m, dtype=torch.float64), torch.empty(m, dtype=torch.float64)]

@@ -10,6 +10,8 @@
 // CTAs of a cluster run at once and meet at a std::barrier; clusters run one after another.
 // __shared__ variables are thread_local (one copy per CTA thread), and map_shared_rank finds a
 // peer's copy by the variable's offset in this library's TLS block, the same in every thread.
+// Dynamic shared memory starts filled with 0xff bytes, and cp.async copies land only at the
+// cp.async.wait_group / wait_all that covers them: a read too early sees stale bytes.
 // Memory is the host's: the kernels take CPU pointers. Not emulated: warps beyond the shuffles
 // (no lockstep, no warp-level barriers), memory ordering weaker than the barriers', atomics,
 // and anything that is not used by this project's sources.
@@ -88,7 +90,10 @@ inline __half __float2half_rn(float f) { return {static_cast<_Float16>(f)}; }
 
 // ---- runtime -------------------------------------------------------------------------------
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
-enum cudaFuncAttribute { cudaFuncAttributeNonPortableClusterSizeAllowed = 16 };
+enum cudaFuncAttribute {
+  cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+  cudaFuncAttributeNonPortableClusterSizeAllowed = 16
+};
 enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension = 4 };
 using cudaStream_t = struct CUstream_st*;
 struct cudaLaunchAttributeValue {
@@ -195,6 +200,21 @@ struct Cta {
   std::vector<Stop> stops;
   std::vector<uint64_t> exchange;  // one slot per thread: shuffles
   std::vector<uint32_t> fragments;  // 8 words per thread: warp-wide matrix operations
+  // Dynamic shared memory (the launch's dynamicSmemBytes), filled with 0xff bytes (NaN in
+  // every float type) so that a read of what was never written shows.
+  std::unique_ptr<uint64_t[]> dynamic_shared;
+  size_t dynamic_bytes = 0;
+  // cp.async: each thread's copies wait here until a cp.async.wait_group / wait_all that
+  // covers them, so a kernel that reads the destination too early reads the 0xff fill (or
+  // the previous contents). Per thread: the committed groups, oldest first, then the open one.
+  struct PendingCopy {
+    void* dst;
+    const void* src;
+    size_t bytes;
+  };
+  using CopyGroup = std::vector<PendingCopy>;
+  std::vector<std::vector<CopyGroup>> committed;
+  std::vector<CopyGroup> pending;
   const std::function<void()>* body = nullptr;
 };
 
@@ -226,6 +246,12 @@ inline void run_cta(Cta& c) {
   c.stops.assign(c.n_threads, Stop::kNone);
   c.exchange.assign(c.n_threads, 0);
   c.fragments.assign(static_cast<size_t>(c.n_threads) * 8, 0);
+  c.pending.assign(c.n_threads, {});
+  c.committed.assign(c.n_threads, {});
+  if (c.dynamic_bytes > 0) {
+    c.dynamic_shared = std::unique_ptr<uint64_t[]>(new uint64_t[(c.dynamic_bytes + 7) / 8]);
+    std::memset(c.dynamic_shared.get(), 0xff, (c.dynamic_bytes + 7) / 8 * 8);
+  }
   for (int t = 0; t < c.n_threads; ++t) {
     c.stacks[t] = std::unique_ptr<char[]>(new char[kStackBytes]);  // untouched: pages only as used
     start(c.contexts[t], c.stacks[t].get(), kStackBytes, fiber_main);
@@ -273,6 +299,8 @@ inline void run_cta(Cta& c) {
     std::fill(c.stops.begin(), c.stops.end(), Stop::kNone);
   }
   if (token != nullptr) fail("a CTA exited between barrier.cluster.arrive and its wait");
+  for (int t = 0; t < c.n_threads; ++t)
+    if (!c.pending[t].empty() || !c.committed[t].empty()) fail("a thread exited with cp.async copies it never waited for");
   cta = nullptr;
 }
 
@@ -328,6 +356,34 @@ inline void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, bool bf
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
+// cp.async (16 bytes, global -> shared) and cp.async.wait_all, per thread.
+inline void copy_async(void* dst, const void* src, size_t bytes) {
+  Cta* c = cta;
+  const auto* base = reinterpret_cast<const char*>(c->dynamic_shared.get());
+  const auto* at = static_cast<const char*>(dst);
+  if (at < base || at + bytes > base + c->dynamic_bytes) fail("cp.async outside the dynamic shared memory");
+  c->pending[c->current].push_back({dst, src, bytes});
+}
+inline void copy_async_commit() {
+  Cta* c = cta;
+  c->committed[c->current].push_back(std::move(c->pending[c->current]));
+  c->pending[c->current].clear();
+}
+// cp.async.wait_group n: every committed group but the newest n has landed.
+inline void copy_async_wait_group(int n) {
+  Cta* c = cta;
+  auto& groups = c->committed[c->current];
+  while (static_cast<int>(groups.size()) > n) {
+    for (const auto& copy : groups.front()) std::memcpy(copy.dst, copy.src, copy.bytes);
+    groups.erase(groups.begin());
+  }
+}
+inline void copy_async_wait_all() {
+  copy_async_commit();
+  copy_async_wait_group(0);
+}
+inline unsigned char* dynamic_shared() { return reinterpret_cast<unsigned char*>(cta->dynamic_shared.get()); }
+
 inline void cluster_arrive() { stop(Stop::kClusterArrive); }
 inline void cluster_wait() { stop(Stop::kClusterWait); }
 
@@ -350,6 +406,7 @@ cudaError_t launch(const cudaLaunchConfig_t* config, void (*kernel)(Params...), 
       c.rank = static_cast<int>(r);
       c.block = first + r;
       c.grid = grid;
+      c.dynamic_bytes = config->dynamicSmemBytes;
       c.cluster = &cluster;
       c.body = &body;
       workers.emplace_back([&c]() { run_cta(c); });
@@ -361,6 +418,9 @@ cudaError_t launch(const cudaLaunchConfig_t* config, void (*kernel)(Params...), 
 
 }  // namespace
 }  // namespace ok_emu
+
+// The kernel's dynamic shared memory as `unsigned char name[]` (CUDA: extern __shared__).
+#define OK_DYNAMIC_SHARED(name) unsigned char* name = ::ok_emu::dynamic_shared()
 
 #define threadIdx (dim3(static_cast<unsigned>(::ok_emu::cta->current)))
 #define blockIdx (dim3(::ok_emu::cta->block))

@@ -28,10 +28,13 @@ from openkernels.shared.dispatch import DispatchKey
 
 __all__ = [
     "BWD_SHAPES",
+    "BWD_STAGED_SHAPES",
     "ClusterConfig",
     "SHAPES",
     "SHORT_SHAPES",
     "cluster_config",
+    "staged_bytes",
+    "use_staged",
     "norm_bwd",
     "norm_fwd",
     "supports",
@@ -63,10 +66,15 @@ _ONE_CTA_MAX = 8192
 # The backward holds dy, h and two float32 sums per element: 2 vectors per thread (bf16: 4096
 # and 8192 columns per CTA), at most 128 registers, so 65536 // (128 * threads) CTAs per SM.
 BWD_SHAPES: tuple[tuple[int, int], ...] = ((256, 2), (512, 2))
+# The staged backward (dy and h in shared memory, two rows deep; only the float32 sums in
+# registers) also takes 4 vectors per thread: up to 262144 bf16 columns.
+BWD_STAGED_SHAPES: tuple[tuple[int, int], ...] = ((256, 2), (512, 2), (256, 4), (512, 4))
+_BWD_REGISTERS = 128  # the most any backward kernel takes (ptxas, sm_90a): sets CTAs per SM
 PORTABLE_CLUSTER = 8  # any sm_90 part schedules 8 CTAs per cluster
 MAX_CLUSTER = 16  # the non-portable limit (the launcher opts in per kernel)
-_FLAGS = {"rms": 1, "residual": 2, "store_residual": 4, "weight": 8, "bias": 16}
-_BWD_FLAGS = {"rms": 1, "weight": 8, "dh_out": 32, "weight_grad": 64, "bias_grad": 128}
+_FLAGS = {"rms": 1, "residual": 2, "store_residual": 4, "weight": 8, "bias": 16, "staged": 256}
+MAX_STAGED_BYTES = 227 * 1024  # sm_90's dynamic shared memory per CTA
+_BWD_FLAGS = {"rms": 1, "weight": 8, "dh_out": 32, "weight_grad": 64, "bias_grad": 128, "staged": 256}
 
 
 class ClusterConfig(NamedTuple):
@@ -101,6 +109,22 @@ def cluster_config(
             if cluster <= limit:
                 return ClusterConfig(threads, vpt, cluster)
     return None
+
+
+def staged_bytes(cfg: ClusterConfig, residual: bool) -> int:
+    """Dynamic shared memory of the staged forward: the x chunk (and the residual's)."""
+    return cfg.threads * cfg.vectors_per_thread * 16 * (2 if residual else 1)
+
+
+def use_staged(cfg: ClusterConfig, residual: bool, staged: bool | None = None) -> bool:
+    """Whether the forward holds its chunk in shared memory (cp.async; few registers, so more
+    CTAs per SM) rather than in registers: `staged` if given, else whenever it fits."""
+    fits = staged_bytes(cfg, residual) <= MAX_STAGED_BYTES
+    if staged and not fits:
+        raise ValueError(
+            f"{cfg}: the staged chunk needs {staged_bytes(cfg, residual)} bytes of shared memory"
+        )
+    return fits if staged is None else staged
 
 
 def supports(key: DispatchKey) -> str | None:
@@ -164,7 +188,7 @@ def unsupported_bwd_call(dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias) 
         return "a row start not 16-byte aligned"
     if weight is not None and weight.data_ptr() % (vec * weight.element_size()):
         return "a weight not aligned to its vector"
-    if cluster_config(n_cols, h.dtype, shapes=BWD_SHAPES) is None:
+    if cluster_config(n_cols, h.dtype, shapes=BWD_STAGED_SHAPES) is None:
         return f"rows of {n_cols} columns: longer than {MAX_CLUSTER} CTAs hold in the backward"
     return None
 
@@ -229,9 +253,11 @@ def _launch_failed(status: int, what: str, on_gpu: bool) -> None:
 
 
 def norm_fwd(
-    x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype, config=None
-) -> None:
-    """triton.norm_fwd's contract. `config`: (threads, vectors per thread) forced (tests)."""
+    x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype, config=None,
+    staged=None,
+) -> None:  # fmt: skip
+    """triton.norm_fwd's contract. `config`: (threads, vectors per thread) forced, `staged`: the
+    chunk in shared memory (True) or registers (False) forced (tests, benchmarks)."""
     args = (x, residual, weight, bias, out, residual_out, mean, rstd)
     kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
     if (_broken and x.is_cuda) or unsupported_call(*args, h_dtype) is not None:
@@ -246,6 +272,7 @@ def norm_fwd(
         _FLAGS["rms"] * rms + _FLAGS["residual"] * (residual is not None)
         + _FLAGS["store_residual"] * (residual_out is not None) + _FLAGS["weight"] * (weight is not None)
         + _FLAGS["bias"] * (bias is not None)
+        + _FLAGS["staged"] * use_staged(cfg, residual is not None, staged)
     )  # fmt: skip
     params = weight if weight is not None else bias
     status = lib.ok_norm_fwd_cluster(
@@ -265,23 +292,30 @@ def norm_fwd(
 
 
 def norm_bwd(
-    dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias, *, weight_offset, rms, config=None
-) -> None:
-    """triton.norm_bwd's contract. `config`: (threads, vectors per thread) forced (tests).
-    Each cluster takes a run of rows; the (clusters, N) float32 dweight / dbias partials are
-    summed in a fixed order by the Triton launcher's `_sum_parts`."""
+    dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias, *, weight_offset, rms, config=None, staged=None,
+    ctas_per_sm=None,
+) -> None:  # fmt: skip
+    """triton.norm_bwd's contract. `config`: (threads, vectors per thread), `staged` (dy and h
+    in shared memory, True, or registers, False; default staged) and `ctas_per_sm` (clusters
+    launched per SM's worth of CTAs) forced (tests, benchmarks). Each cluster takes a run of
+    rows; the (clusters, N) float32 dweight / dbias partials are summed in a fixed order by the
+    Triton launcher's `_sum_parts`."""
     args = (dy, h, weight, mean, rstd, dh_out, dh, dweight, dbias)
     kwargs = dict(weight_offset=weight_offset, rms=rms)
     if (_broken and h.is_cuda) or unsupported_bwd_call(*args) is not None:
         return _triton_bwd(*args, **kwargs)
     n_rows, n_cols = h.shape
-    cfg = cluster_config(n_cols, h.dtype, config, BWD_SHAPES)
+    staged = True if staged is None else staged
+    if not staged and cluster_config(n_cols, h.dtype, shapes=BWD_SHAPES) is None:
+        staged = True  # rows only the staged kernel's 4-vector chunks hold
+    cfg = cluster_config(n_cols, h.dtype, config, BWD_STAGED_SHAPES if staged else BWD_SHAPES)
     if cfg is None:
         raise ValueError(f"config {config}: a row of {n_cols} columns needs more than {MAX_CLUSTER} CTAs")
     lib = _load(h.device)
     if lib is None:
         return _triton_bwd(*args, **kwargs)
-    ctas_per_sm = max(1, 65536 // (128 * cfg.threads))
+    if ctas_per_sm is None:
+        ctas_per_sm = max(1, 65536 // (_BWD_REGISTERS * cfg.threads))
     n_clusters = max(1, min(n_rows, _sm_count(_device_index(h)) * ctas_per_sm // cfg.cluster))
     rows_per_cluster = -(-n_rows // n_clusters)
     n_clusters = -(-n_rows // rows_per_cluster)
@@ -296,7 +330,7 @@ def norm_bwd(
     flags = (
         _BWD_FLAGS["rms"] * rms + _BWD_FLAGS["weight"] * (weight is not None)
         + _BWD_FLAGS["dh_out"] * (dh_out is not None) + _BWD_FLAGS["weight_grad"] * (dweight is not None)
-        + _BWD_FLAGS["bias_grad"] * (dbias is not None)
+        + _BWD_FLAGS["bias_grad"] * (dbias is not None) + _BWD_FLAGS["staged"] * staged
     )  # fmt: skip
     status = lib.ok_norm_bwd_cluster(
         _device_index(h), _CODES[h.dtype], 0 if weight is None else _CODES[weight.dtype], cfg.threads,

@@ -39,6 +39,9 @@ constexpr int kMaxCluster = 16;  // the non-portable cluster limit of sm_90
 constexpr int kIsRms = 1, kHasResidual = 2, kStoreResidual = 4, kHasWeight = 8, kHasBias = 16;
 // Backward flags (kIsRms and kHasWeight as above).
 constexpr int kHasDhOut = 32, kWeightGrad = 64, kBiasGrad = 128;
+// Launcher flag of both directions (the kernels never read it): the staged kernels.
+constexpr int kStaged = 256;
+constexpr size_t kMaxDynamicShared = 227 * 1024;  // sm_90's per-CTA limit
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -98,15 +101,44 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
 }
 
 #ifdef OK_CUDA_EMULATION
+__device__ __forceinline__ void compiler_fence() {}
 __device__ __forceinline__ void cluster_arrive() { ok_emu::cluster_arrive(); }
 __device__ __forceinline__ void cluster_wait() { ok_emu::cluster_wait(); }
 #else
+__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+#endif
+
+// cp.async of 16 bytes (global -> shared, L2 only, evict-first: the row is read once) and the
+// wait for a thread's own copies.
+#ifdef OK_CUDA_EMULATION
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) { ok_emu::copy_async(smem, gmem, 16); }
+__device__ __forceinline__ void copy_async_wait_all() { ok_emu::copy_async_wait_all(); }
+__device__ __forceinline__ void copy_async_commit() { ok_emu::copy_async_commit(); }
+template <int N>
+__device__ __forceinline__ void copy_async_wait_group_n() { ok_emu::copy_async_wait_group(N); }
+#else
+#define OK_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile(
+      "{\n"
+      ".reg .b64 policy;\n"
+      "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy;\n"
+      "}\n" ::"r"(dst),
+      "l"(gmem)
+      : "memory");
+}
+__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void copy_async_wait_group_n() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 #endif
 
 template <typename T, typename W, int THREADS, int VPT>
@@ -180,10 +212,11 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
   // C pairs in, arrive on a second barrier once they are read (a CTA's shared memory must
   // outlive its peers' reads), and wait on it only before exiting.
   if (threadIdx.x == 0) published = make_float2(chunk_mean, chunk_m2);
-  cluster.sync();
+  const bool exchange = n_ranks > 1;
+  if (exchange) cluster.sync(); else __syncthreads();
   if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published, threadIdx.x);
   __syncthreads();
-  cluster_arrive();
+  if (exchange) cluster_arrive();
   float mean = 0.f, m2_total = 0.f, n_seen = 0.f;
   for (int r = 0; r < n_ranks; ++r) {
     const int64_t r_left = n_cols - static_cast<int64_t>(r) * CHUNK;
@@ -224,7 +257,146 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
       store_stream(out + row * stride_out + col, y);
     }
   }
-  cluster_wait();
+  if (exchange) cluster_wait();
+}
+
+// The forward with the chunk STAGED in dynamic shared memory instead of registers: loaded by
+// cp.async, it costs few registers, so an SM holds more CTAs and one CTA's loads overlap
+// another's reductions and exchange (the register kernel holds 2-3 CTAs of 256 threads per
+// SM at 16384 bf16 columns per CTA). Same steps and the same results, bit for bit.
+template <typename T, typename W, int THREADS, int VPT>
+__global__ void __launch_bounds__(THREADS) norm_fwd_staged_kernel(
+    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ weight, const W* __restrict__ bias,
+    T* __restrict__ out, T* __restrict__ res_out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out, int64_t stride_res_out,
+    float eps, float weight_offset, int flags) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNK = THREADS * VPT * VEC;
+  using RowVec = Vec<T, VEC>;
+  using WVec = Vec<W, VEC>;
+  __shared__ float scratch[2][THREADS / 32];
+  __shared__ float2 published;               // this CTA's (chunk mean, chunk M2)
+  __shared__ float2 gathered[kMaxCluster];   // every CTA's, copied in
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int n_ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.x / n_ranks;
+  const int64_t chunk_start = static_cast<int64_t>(rank) * CHUNK;
+  const bool is_rms = flags & kIsRms;
+  const bool has_residual = flags & kHasResidual;
+
+  // Vector i of this thread: stage[i * THREADS + thread]; the residual's chunk after x's.
+  OK_DYNAMIC_SHARED(stage);
+  RowVec* const h = reinterpret_cast<RowVec*>(stage) + threadIdx.x;
+  const RowVec* const staged_res = h + THREADS * VPT;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+    if (col < n_cols) {
+      copy_async16(&h[i * THREADS], x + row * stride_x + col);
+      if (has_residual) copy_async16(&h[(VPT + i) * THREADS], res + row * stride_res + col);
+    }
+  }
+  copy_async_wait_all();  // each thread reads back only its own vectors: no CTA barrier
+
+  // h = x + residual, rounded to T (the residual stream's dtype), written over x.
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+    if (col < n_cols) {
+      RowVec hv = h[i * THREADS];
+      if (has_residual) {
+        const RowVec r = staged_res[i * THREADS];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) hv.v[e] = from_float<T>(to_float(hv.v[e]) + to_float(r.v[e]));
+        h[i * THREADS] = hv;
+      }
+      if (flags & kStoreResidual) store_stream(res_out + row * stride_res_out + col, hv);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float v = to_float(hv.v[e]);
+        sum += is_rms ? v * v : v;
+      }
+    }
+  }
+  const int64_t left = n_cols - chunk_start;
+  const float count = static_cast<float>(left < CHUNK ? left : CHUNK);
+  float chunk_mean = 0.f, chunk_m2;
+  if (is_rms) {
+    chunk_m2 = block_sum<THREADS>(sum, scratch[0]);
+  } else {  // M2 about the chunk's own mean: no cancellation on rows with a large mean
+    chunk_mean = block_sum<THREADS>(sum, scratch[0]) / count;
+    float m2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+      if (col < n_cols) {
+        const RowVec hv = h[i * THREADS];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float d = to_float(hv.v[e]) - chunk_mean;
+          m2 += d * d;
+        }
+      }
+    }
+    chunk_m2 = block_sum<THREADS>(m2, scratch[1]);
+  }
+
+  // Exchange: publish, barrier (release / acquire over the cluster's shared memory), copy the
+  // C pairs in, arrive on a second barrier once they are read (a CTA's shared memory must
+  // outlive its peers' reads), and wait on it only before exiting. A cluster of one (rows of
+  // one CTA, launched without clusters) skips both cluster barriers.
+  const bool exchange = n_ranks > 1;
+  if (threadIdx.x == 0) published = make_float2(chunk_mean, chunk_m2);
+  if (exchange) cluster.sync(); else __syncthreads();
+  if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published, threadIdx.x);
+  __syncthreads();
+  if (exchange) cluster_arrive();
+  compiler_fence();  // keeps the weight loads below: hoisted, they cost registers (spills)
+  float mean = 0.f, m2_total = 0.f, n_seen = 0.f;
+  for (int r = 0; r < n_ranks; ++r) {
+    const int64_t r_left = n_cols - static_cast<int64_t>(r) * CHUNK;
+    const float n_r = static_cast<float>(r_left < CHUNK ? r_left : CHUNK);
+    const float2 part = gathered[r];
+    if (is_rms) {
+      m2_total += part.y;
+    } else {
+      const float n_new = n_seen + n_r;
+      const float delta = part.x - mean;
+      mean += delta * (n_r / n_new);
+      m2_total += part.y + delta * delta * (n_seen * n_r / n_new);
+      n_seen = n_new;
+    }
+  }
+  const float rstd = rsqrtf(m2_total / static_cast<float>(n_cols) + eps);
+  if (rank == 0 && threadIdx.x == 0) {
+    rstd_out[row] = rstd;
+    if (!is_rms) mean_out[row] = mean;
+  }
+
+  // Normalize from shared memory; the weight and bias come from L2 (every row reads them).
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+    if (col < n_cols) {
+      WVec w, b;
+      if (flags & kHasWeight) w = *reinterpret_cast<const WVec*>(weight + col);
+      if (flags & kHasBias) b = *reinterpret_cast<const WVec*>(bias + col);
+      const RowVec hv = h[i * THREADS];
+      RowVec y;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        float v = (to_float(hv.v[e]) - mean) * rstd;
+        if (flags & kHasWeight) v *= to_float(w.v[e]) + weight_offset;
+        if (flags & kHasBias) v += to_float(b.v[e]);
+        y.v[e] = from_float<T>(v);
+      }
+      store_stream(out + row * stride_out + col, y);
+    }
+  }
+  if (exchange) cluster_wait();
 }
 
 template <typename T, typename W, int THREADS, int VPT>
@@ -337,10 +509,156 @@ __global__ void __launch_bounds__(THREADS) norm_bwd_cluster_kernel(
   }
 }
 
+// The backward with dy and h STAGED in shared memory, two rows deep: while a row is reduced,
+// exchanged and written, the next row's dy and h are already on their way (cp.async into the
+// other stage), so an SM's loads do not stop at each row's cluster barrier; the registers
+// hold only the dweight / dbias sums. Stage s of a CTA: dy's chunk, then h's, THREADS * VPT
+// vectors each. Same steps and the same results as the register kernel, bit for bit.
+template <typename T, typename W, int THREADS, int VPT>
+__global__ void __launch_bounds__(THREADS) norm_bwd_staged_kernel(
+    const T* __restrict__ dy, const T* __restrict__ h, const W* __restrict__ weight,
+    const float* __restrict__ mean_in, const float* __restrict__ rstd_in, const T* __restrict__ dh_out,
+    T* __restrict__ dh, float* __restrict__ dw_part, float* __restrict__ db_part, int64_t n_rows, int64_t n_cols,
+    int64_t stride_dy, int64_t stride_h, int64_t stride_dh_out, int64_t stride_dh, int64_t rows_per_cluster,
+    float weight_offset, int flags) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNK = THREADS * VPT * VEC;
+  constexpr int STAGE = 2 * THREADS * VPT;  // vectors per stage: dy's, then h's
+  using RowVec = Vec<T, VEC>;
+  using WVec = Vec<W, VEC>;
+  __shared__ float scratch[2][THREADS / 32];
+  __shared__ float2 published[2];  // this CTA's (sum g * xhat, sum g), by row parity
+  __shared__ float2 gathered[kMaxCluster];
+  OK_DYNAMIC_SHARED(stage_bytes);
+  // This thread's vector i of stage s: dy at [s * STAGE + i * THREADS], h VPT * THREADS after.
+  RowVec* const mine = reinterpret_cast<RowVec*>(stage_bytes) + threadIdx.x;
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int n_ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t cluster_id = blockIdx.x / n_ranks;
+  const int64_t first_row = cluster_id * rows_per_cluster;
+  const int64_t end_row = first_row + rows_per_cluster < n_rows ? first_row + rows_per_cluster : n_rows;
+  const int64_t chunk_start = static_cast<int64_t>(rank) * CHUNK;
+  const bool is_rms = flags & kIsRms;
+  const bool has_weight = flags & kHasWeight;
+  const float inv_n = 1.f / static_cast<float>(n_cols);
+
+  auto prefetch = [&](int64_t row, int s) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+      if (col < n_cols) {
+        copy_async16(&mine[s * STAGE + i * THREADS], dy + row * stride_dy + col);
+        copy_async16(&mine[s * STAGE + (VPT + i) * THREADS], h + row * stride_h + col);
+      }
+    }
+    copy_async_commit();
+  };
+
+  float dw_acc[VPT][VEC], db_acc[VPT][VEC];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) dw_acc[i][e] = db_acc[i][e] = 0.f;
+  }
+
+  if (first_row < end_row) prefetch(first_row, 0);
+  for (int64_t row = first_row; row < end_row; ++row) {
+    const int s = static_cast<int>((row - first_row) & 1);
+    // The next row into the other stage (this thread has read its own vectors of it, a row
+    // ago), then wait for this row's copies only.
+    if (row + 1 < end_row) {
+      prefetch(row + 1, s ^ 1);
+      copy_async_wait_group_n<1>();
+    } else {
+      copy_async_wait_group_n<0>();
+    }
+    const RowVec* const dy_s = mine + s * STAGE;
+    const RowVec* const h_s = dy_s + VPT * THREADS;
+    const float rstd = rstd_in[row];
+    const float mean = is_rms ? 0.f : mean_in[row];
+    float c1 = 0.f, c2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+      if (col < n_cols) {
+        const RowVec dy_v = dy_s[i * THREADS], h_v = h_s[i * THREADS];
+        WVec w;
+        if (has_weight) w = *reinterpret_cast<const WVec*>(weight + col);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float g = to_float(dy_v.v[e]) * (has_weight ? to_float(w.v[e]) + weight_offset : 1.f);
+          c1 += g * ((to_float(h_v.v[e]) - mean) * rstd);
+          c2 += g;
+        }
+      }
+    }
+    c1 = block_sum<THREADS>(c1, scratch[0]);
+    if (!is_rms) c2 = block_sum<THREADS>(c2, scratch[1]);
+
+    // Exchange, double-buffered by row parity (as in the register kernel).
+    const int slot = static_cast<int>((row - first_row) & 1);
+    if (threadIdx.x == 0) published[slot] = make_float2(c1, c2);
+    cluster.sync();
+    if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published[slot], threadIdx.x);
+    __syncthreads();
+    float sum_gx = 0.f, sum_g = 0.f;
+    for (int r = 0; r < n_ranks; ++r) {
+      sum_gx += gathered[r].x;
+      sum_g += gathered[r].y;
+    }
+    const float a = sum_gx * inv_n, b = is_rms ? 0.f : sum_g * inv_n;
+
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+      if (col < n_cols) {
+        const RowVec dy_v = dy_s[i * THREADS], h_v = h_s[i * THREADS];
+        WVec w;
+        if (has_weight) w = *reinterpret_cast<const WVec*>(weight + col);
+        RowVec extra, out;
+        if (flags & kHasDhOut) extra = load_stream<RowVec>(dh_out + row * stride_dh_out + col);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float d = to_float(dy_v.v[e]);
+          const float g = d * (has_weight ? to_float(w.v[e]) + weight_offset : 1.f);
+          const float xhat = (to_float(h_v.v[e]) - mean) * rstd;
+          float v = (g - xhat * a - b) * rstd;
+          if (flags & kHasDhOut) v += to_float(extra.v[e]);
+          out.v[e] = from_float<T>(v);
+          dw_acc[i][e] += d * xhat;
+          db_acc[i][e] += d;
+        }
+        store_stream(dh + row * stride_dh + col, out);
+      }
+    }
+  }
+  // Peers may still read this CTA's last slot: leave together.
+  cluster.sync();
+  const int64_t part_row = cluster_id * n_cols;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+    if (col < n_cols) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        if (flags & kWeightGrad) dw_part[part_row + col + e] = dw_acc[i][e];
+        if (flags & kBiasGrad) db_part[part_row + col + e] = db_acc[i][e];
+      }
+    }
+  }
+}
+
 // One launch of `kernel` over `ctas` CTAs of `threads` threads in clusters of `cluster`.
 template <typename... Params, typename... Args>
-int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int threads, cudaStream_t stream,
-                     Args... args) {
+int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int threads, size_t dynamic_shared,
+                     cudaStream_t stream, Args... args) {
+  if (dynamic_shared > 48 * 1024) {  // past the default limit: allowed per kernel
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(dynamic_shared));
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
   if (cluster > 8) {  // past the portable size: allowed per kernel
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return static_cast<int>(err);
@@ -348,36 +666,43 @@ int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int t
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(ctas), 1, 1);
   config.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = dynamic_shared;
   config.stream = stream;
+  // A cluster of one launches without the attribute: every CTA of a plain launch is its own
+  // cluster of one on sm_90, and a plain launch schedules CTAs freely.
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
   attribute[0].val.clusterDim.x = cluster;
   attribute[0].val.clusterDim.y = 1;
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = cluster > 1 ? 1 : 0;
   return static_cast<int>(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
 // The forward kernel of a (threads, vectors per thread) shape, or nullptr.
-template <typename T, typename W>
+template <typename T, typename W, bool STAGED>
 auto fwd_kernel(int threads, int vpt) -> decltype(&norm_fwd_cluster_kernel<T, W, 256, 4>) {
-  if (threads == 128 && vpt == 2) return norm_fwd_cluster_kernel<T, W, 128, 2>;
-  if (threads == 256 && vpt == 2) return norm_fwd_cluster_kernel<T, W, 256, 2>;
-  if (threads == 256 && vpt == 4) return norm_fwd_cluster_kernel<T, W, 256, 4>;
-  if (threads == 256 && vpt == 8) return norm_fwd_cluster_kernel<T, W, 256, 8>;
-  if (threads == 512 && vpt == 8) return norm_fwd_cluster_kernel<T, W, 512, 8>;
-  if (threads == 512 && vpt == 16) return norm_fwd_cluster_kernel<T, W, 512, 16>;
+  if (threads == 128 && vpt == 2) return STAGED ? norm_fwd_staged_kernel<T, W, 128, 2> : norm_fwd_cluster_kernel<T, W, 128, 2>;
+  if (threads == 256 && vpt == 2) return STAGED ? norm_fwd_staged_kernel<T, W, 256, 2> : norm_fwd_cluster_kernel<T, W, 256, 2>;
+  if (threads == 256 && vpt == 4) return STAGED ? norm_fwd_staged_kernel<T, W, 256, 4> : norm_fwd_cluster_kernel<T, W, 256, 4>;
+  if (threads == 256 && vpt == 8) return STAGED ? norm_fwd_staged_kernel<T, W, 256, 8> : norm_fwd_cluster_kernel<T, W, 256, 8>;
+  if (threads == 512 && vpt == 8) return STAGED ? norm_fwd_staged_kernel<T, W, 512, 8> : norm_fwd_cluster_kernel<T, W, 512, 8>;
+  if (threads == 512 && vpt == 16) return STAGED ? norm_fwd_staged_kernel<T, W, 512, 16> : norm_fwd_cluster_kernel<T, W, 512, 16>;
   return nullptr;
 }
 
 // The backward's shapes: it holds dy and h (16 bytes each) and two float32 accumulators per
 // element, so 2 vectors per thread (4 spill at 512 threads, run at 1 CTA per SM at 256).
 template <typename T, typename W>
-auto bwd_kernel(int threads, int vpt) -> decltype(&norm_bwd_cluster_kernel<T, W, 256, 2>) {
-  if (threads == 256 && vpt == 2) return norm_bwd_cluster_kernel<T, W, 256, 2>;
-  if (threads == 512 && vpt == 2) return norm_bwd_cluster_kernel<T, W, 512, 2>;
+auto bwd_kernel(int threads, int vpt, bool staged) -> decltype(&norm_bwd_cluster_kernel<T, W, 256, 2>) {
+  if (!staged && threads == 256 && vpt == 2) return norm_bwd_cluster_kernel<T, W, 256, 2>;
+  if (!staged && threads == 512 && vpt == 2) return norm_bwd_cluster_kernel<T, W, 512, 2>;
+  // Staged: only the float32 sums in registers, so 4 vectors per thread fit as well.
+  if (staged && threads == 256 && vpt == 2) return norm_bwd_staged_kernel<T, W, 256, 2>;
+  if (staged && threads == 512 && vpt == 2) return norm_bwd_staged_kernel<T, W, 512, 2>;
+  if (staged && threads == 256 && vpt == 4) return norm_bwd_staged_kernel<T, W, 256, 4>;
+  if (staged && threads == 512 && vpt == 4) return norm_bwd_staged_kernel<T, W, 512, 4>;
   return nullptr;
 }
 
@@ -386,9 +711,13 @@ int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const 
         const void* bias, void* out, void* res_out, void* mean, void* rstd, int64_t n_cols, int64_t stride_x,
         int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset, int flags,
         cudaStream_t stream) {
-  auto kernel = fwd_kernel<T, W>(threads, vpt);
+  const bool staged = flags & kStaged;
+  auto kernel = staged ? fwd_kernel<T, W, true>(threads, vpt) : fwd_kernel<T, W, false>(threads, vpt);
   if (kernel == nullptr) return -2;
-  return launch_clustered(kernel, cluster, cluster * n_rows, threads, stream, x, res, weight, bias, out, res_out,
+  // Staged: the x chunk and the residual's, 16 bytes per thread and vector each.
+  const size_t shared = staged ? static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1) : 0;
+  if (shared > kMaxDynamicShared) return -2;
+  return launch_clustered(kernel, cluster, cluster * n_rows, threads, shared, stream, x, res, weight, bias, out, res_out,
                           mean, rstd, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset,
                           flags);
 }
@@ -398,9 +727,13 @@ int bwd(int threads, int vpt, int cluster, int64_t n_clusters, const void* dy, c
         const void* mean, const void* rstd, const void* dh_out, void* dh, void* dw_part, void* db_part,
         int64_t n_rows, int64_t n_cols, int64_t stride_dy, int64_t stride_h, int64_t stride_dh_out,
         int64_t stride_dh, int64_t rows_per_cluster, float weight_offset, int flags, cudaStream_t stream) {
-  auto kernel = bwd_kernel<T, W>(threads, vpt);
+  const bool staged = flags & kStaged;
+  auto kernel = bwd_kernel<T, W>(threads, vpt, staged);
   if (kernel == nullptr) return -2;
-  return launch_clustered(kernel, cluster, cluster * n_clusters, threads, stream, dy, h, weight, mean, rstd,
+  // Staged: two stages of dy's and h's chunks, 16 bytes per thread and vector each.
+  const size_t shared = staged ? static_cast<size_t>(threads) * vpt * 16 * 4 : 0;
+  if (shared > kMaxDynamicShared) return -2;
+  return launch_clustered(kernel, cluster, cluster * n_clusters, threads, shared, stream, dy, h, weight, mean, rstd,
                           dh_out, dh, dw_part, db_part, n_rows, n_cols, stride_dy, stride_h, stride_dh_out,
                           stride_dh, rows_per_cluster, weight_offset, flags);
 }
@@ -420,7 +753,7 @@ int bwd(int threads, int vpt, int cluster, int64_t n_clusters, const void* dy, c
   if (dtype_code == 0 && weight_code == 0) return FN<float, float>(__VA_ARGS__);                              \
   return -1;
 
-// One forward. flags: kIsRms | kHasResidual | kStoreResidual | kHasWeight | kHasBias.
+// One forward. flags: kIsRms | kHasResidual | kStoreResidual | kHasWeight | kHasBias | kStaged.
 extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,
                                    int64_t n_rows, const void* x, const void* res, const void* weight,
                                    const void* bias, void* out, void* res_out, void* mean, void* rstd,
@@ -436,7 +769,7 @@ extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, 
 }
 
 // One backward over n_clusters clusters of rows_per_cluster rows each; dw_part / db_part are
-// (n_clusters, n_cols) float32. flags: kIsRms | kHasWeight | kHasDhOut | kWeightGrad | kBiasGrad.
+// (n_clusters, n_cols) float32. flags: kIsRms | kHasWeight | kHasDhOut | kWeightGrad | kBiasGrad | kStaged.
 extern "C" int ok_norm_bwd_cluster(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,
                                    int64_t n_clusters, const void* dy, const void* h, const void* weight,
                                    const void* mean, const void* rstd, const void* dh_out, void* dh, void* dw_part,
