@@ -4,7 +4,8 @@ error contract: on the CPU through the CUDA emulation (the same source built aga
 shared/cuda/cuda_emulation.h), on a GPU at the decode shapes. The whole correctness suite
 also runs it on GPUs (test_correctness's "cuda-gemv" target). The persistent GEMV (config
 "persistent...") is checked alike: every (rows, depth) built, grids that do not divide the
-blocks, K past one CTA-wide step."""
+blocks, K past one CTA-wide step; the persistent tensor-core kernel (config
+"mma-persistent...") alike for 1-16 rows of x."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     persistent = [r for r in report if "int4_gemv_persistent_kernel" in r.name]
     # dtype pairs x (rows, depth) x kinds x (x in registers or not)
     assert len(persistent) == 4 * len(G.PERSISTENT_SHAPES) * 3 * 2, [r.name for r in persistent]
-    for r in kernels + mma + persistent:
+    mma_persistent = [r for r in report if "int4_mma_persistent_kernel" in r.name]
+    # dtype pairs x (zeros, symmetric) x (columns, depth)
+    assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
+    for r in kernels + mma + persistent + mma_persistent:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
     for r in persistent:  # 2 CTAs of 256 threads per SM where the shape's default says so
         rows, depth = (int(v) for v in re.search(r"Li(\d+)ELi(\d+)ELi\d+ELb", r.name).groups())
@@ -95,6 +99,35 @@ def test_persistent_configs() -> None:
     assert G.unsupported_call(*_call(n=38), "persistent-r2-d4") is None
     assert "rows of x" in G.unsupported_call(*_call(m=2), "persistent")
     assert "multiple of 32" in G.unsupported_call(*_call(k=1024, group=16), "persistent")
+
+
+def test_mma_persistent_configs() -> None:
+    assert G.mma_persistent_config("mma") is None and G.mma_persistent_config("persistent") is None
+    assert G.mma_persistent_config("mma-persistent") == G.MmaPersistentConfig(32, 8, None, None)
+    assert G.mma_persistent_config("mma-persistent-n64") == G.MmaPersistentConfig(64, 4, None, None)
+    assert G.mma_persistent_config("mma-persistent-n32-d4-c2") == G.MmaPersistentConfig(32, 4, 2, None)
+    assert G.mma_persistent_config("mma-persistent-n64-d2-g3") == G.MmaPersistentConfig(64, 2, None, 3)
+    for name in G.MMA_PERSISTENT_CONFIGS:
+        assert G.mma_persistent_config(name) is not None
+    for bad in ("n48", "d3", "c0", "g0", "x"):
+        with pytest.raises(ValueError):
+            G.mma_persistent_config(f"mma-persistent-{bad}")
+    assert G.MmaPersistentConfig(32, 8).grid_for(256, 132) == 132  # one CTA per SM
+    assert G.MmaPersistentConfig(32, 4, 2).grid_for(256, 132) == 256
+    assert G.MmaPersistentConfig(64, 4, 2).grid_for(100, 132) == 100  # never more CTAs than tiles
+    assert G.MmaPersistentConfig(64, 2, None, 5).grid_for(100, 132) == 5
+    assert G.unsupported_call(*_call(m=16, n=96), "mma-persistent") is None
+    assert G.unsupported_call(*_call(m=1, n=96), "mma-persistent") is None
+    assert "multiple of 64" in G.unsupported_call(*_call(m=16, n=96), "mma-persistent-n64")
+    assert "multiple of 128" in G.unsupported_call(*_call(m=2, k=1056, group=32), "mma-persistent")
+    assert "rows of x" in G.unsupported_call(*_call(m=17), "mma-persistent")
+    nf4 = list(_call(m=2))
+    nf4[-1] = "nf4"
+    assert "NF4" in G.unsupported_call(*nf4, "mma-persistent")
+    misaligned = list(_call(m=2, n=128))
+    misaligned[2] = torch.empty(8, 132, dtype=torch.float16)[:, 4:]  # rows start 8 bytes in
+    assert "aligned" in G.unsupported_call(*misaligned, "mma-persistent-n64")
+    assert G.unsupported_call(*misaligned, "mma-persistent-n32") is None
 
 
 def test_dispatch_runs_the_gemv_only_when_forced() -> None:
@@ -219,3 +252,44 @@ def test_persistent_gemv_within_the_error_contract(
             assert torch.equal(runs[0], runs[1]), "two runs differ"
             msg = f"{config} {kind} sym={symmetric} {n}x{k} g{group} {dtype} {sdtype} bias {bias_dtype}"
             assert_linear_close(runs[0], x, weight, bias, w_rounded=False, msg=msg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mma_persistent_within_the_error_contract(symmetric: bool, dtype: torch.dtype, device: str) -> None:
+    """The persistent tensor-core kernel, every (columns, depth) built, against float64 (W
+    rounded to x's dtype): 1, 2, 5 and 16 rows of x, tiles that the grid does not divide (a
+    grid of one; CTAs with one tile more than others), K of an odd number of 128-code chunks
+    (warps with no chunk in a step; one step: x kept for every tile), both scale dtypes, bias
+    dtypes; two runs bitwise equal."""
+    g = torch.Generator().manual_seed(11)
+    if device == "cpu":  # (M, N, K, group, config, bias): the emulation has 2 "SMs"
+        cases = [(2, 96, 1152, 128, "mma-persistent", torch.float32),
+                 (5, 192, 384, 64, "mma-persistent-n64-d2", None),
+                 (16, 64, 2176, 32, "mma-persistent-n32-d4-g1", torch.bfloat16),
+                 (16, 320, 1024, 128, "mma-persistent-n64-d4-g2", torch.float16),
+                 (1, 96, 256, 128, "mma-persistent-n32-d4-c1", None)]  # fmt: skip
+    else:
+        shapes = [(m, n) for m in (2, 16) for n in (8192, 28672)]
+        cases = [(m, n, 8192, 128, c, None) for m, n in shapes for c in G.MMA_PERSISTENT_CONFIGS]
+        cases += [(16, 4096, 4096, 32, "mma-persistent", torch.float32),
+                  (3, 8192, 28672, 64, "mma-persistent-n64", torch.bfloat16)]  # fmt: skip
+    for m, n, k, group, config, bias_dtype in cases:
+        for sdtype in (torch.float16, torch.bfloat16):
+            weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group)
+            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
+                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
+            x = torch.randn(m, k, generator=g).to(dtype).to(device)
+            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
+            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
+            runs = []
+            for _ in range(2):
+                out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+                assert G.unsupported_call(*args, out, group, "int4", config) is None
+                G.int4_linear_fwd(*args, out, group, "int4", config=config)
+                runs.append(out)
+            assert not G._broken, G._broken
+            assert torch.equal(runs[0], runs[1]), "two runs differ"
+            msg = f"{config} sym={symmetric} m={m} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
+            assert_linear_close(runs[0], x, weight, bias, w_rounded=True, msg=msg)

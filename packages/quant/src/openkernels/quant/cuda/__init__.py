@@ -10,6 +10,12 @@ weight loads in flight during the current one's math, x kept in registers where 
 Forced only (by `config`) until it is timed on an H200 against the kernel above: the default
 dispatch still runs the one-round GEMV.
 
+2-16 rows, persistent (config "mma-persistent[-n<columns>][-d<depth>][-c<ctas per SM>][-g<grid>]"):
+SMs x CTAs per SM CTAs walk tiles of 32 or 64 columns grid-stride, each thread's code windows,
+scales and zeros copied by cp.async into a ring of `depth` stages in shared memory ahead of
+the math. Forced only (by `config`) until timed on an H200 against the one-round kernel, which
+the default dispatch still runs for 2-16 rows.
+
 Dispatch name "gemv", registered on CUDA (sm_80 and newer) below the Triton kernels'
 priority: it runs only when forced (`dispatch.force("gemv")`) until its H200 measurements
 say where it wins. Same entry point as triton.int4_linear_fwd; a call it does not take (more
@@ -39,12 +45,16 @@ from ..format import nf4_values
 
 __all__ = [
     "MMA_MAX_ROWS",
+    "MMA_PERSISTENT_CONFIGS",
+    "MMA_PERSISTENT_SHAPES",
     "PERSISTENT_CONFIGS",
     "PERSISTENT_SHAPES",
     "ROWS",
     "PersistentConfig",
     "gemv_rows",
+    "MmaPersistentConfig",
     "int4_linear_fwd",
+    "mma_persistent_config",
     "persistent_config",
     "supports",
     "unsupported_call",
@@ -66,6 +76,15 @@ PERSISTENT_CONFIGS = (
     "persistent-r4-d2-c2", "persistent-r4-d1-c2", "persistent-r2-d4-c2", "persistent-r8-d1-c1",
     "persistent-r4-d2-c1", "persistent-r4-d2-c3", "persistent-r8-d1-c2",
 )  # fmt: skip
+# The persistent tensor-core kernel's (columns per tile, stages of the cp.async ring) pairs
+# built in int4_gemv.cu (launch_mma_persistent_shape), each with its default CTAs per SM (one:
+# 160-198 registers).
+MMA_PERSISTENT_SHAPES = {(32, 4): 1, (32, 8): 1, (64, 2): 1, (64, 4): 1}
+# What a GPU run times against the one-round kernel ("mma-persistent" is n32-d8-c1).
+MMA_PERSISTENT_CONFIGS = (
+    "mma-persistent-n32-d8", "mma-persistent-n32-d4", "mma-persistent-n64-d4", "mma-persistent-n64-d2",
+    "mma-persistent-n32-d4-c2",
+)  # fmt: skip
 _EMULATED_SMS = 2  # what the CPU emulation counts as SMs (a grid of 2 x CTAs per SM)
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -73,6 +92,8 @@ _SIGNATURES = {
                      _I64],
     "ok_int4_gemv_persistent": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64,
                                 _I64, _I64, _I64, _I64, _I64],
+    "ok_int4_mma_persistent": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64,
+                               _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
     "ok_int4_mma": [_I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                     _I64, _I64],
 }  # fmt: skip
@@ -140,9 +161,49 @@ def persistent_config(config: object) -> PersistentConfig | None:
     return out
 
 
+@dataclass(frozen=True)
+class MmaPersistentConfig:
+    """The persistent tensor-core kernel's knobs: columns of W per tile (32 or 64), stages of
+    the cp.async ring (items in flight ahead of the math), CTAs per SM, or an explicit grid."""
+
+    cols: int = 32
+    depth: int = 8
+    ctas_per_sm: int | None = None
+    grid: int | None = None
+
+    def grid_for(self, n_tiles: int, sms: int) -> int:
+        ctas = self.ctas_per_sm or MMA_PERSISTENT_SHAPES[(self.cols, self.depth)]
+        return max(1, min(n_tiles, self.grid if self.grid is not None else ctas * sms))
+
+
+_MMA_PERSISTENT = re.compile(r"mma-persistent(?:-n(\d+))?(?:-d(\d+))?(?:-c(\d+))?(?:-g(\d+))?")
+
+
+def mma_persistent_config(config: object) -> MmaPersistentConfig | None:
+    """`config` "mma-persistent[-n<columns>][-d<depth>][-c<CTAs per SM>][-g<grid>]" as its knobs
+    (32 columns, depth 8 where left out; depth 4 for 64 columns), None for any other config;
+    ValueError for a (columns, depth) pair that is not built."""
+    if not isinstance(config, str) or not config.startswith("mma-persistent"):
+        return None
+    match = _MMA_PERSISTENT.fullmatch(config)
+    if match is None:
+        raise ValueError(f"config {config!r}: not mma-persistent[-n<cols>][-d<depth>][-c<ctas>][-g<grid>]")
+    cols, depth, ctas, grid = (None if g is None else int(g) for g in match.groups())
+    cols = cols or 32
+    out = MmaPersistentConfig(cols, depth or (8 if cols == 32 else 4), ctas, grid)
+    if (out.cols, out.depth) not in MMA_PERSISTENT_SHAPES:
+        raise ValueError(f"config {config!r}: (columns, depth) not among {sorted(MMA_PERSISTENT_SHAPES)}")
+    if out.ctas_per_sm == 0 or out.grid == 0:
+        raise ValueError(f"config {config!r}: CTAs per SM and grid are at least 1")
+    return out
+
+
 def _path(m: int, config: int | str | None) -> str:
     """ "gemv" for one row of x (or `config` an int, its rows per CTA), "mma" for 2-16 rows (or
-    `config` "mma", which also takes one row), "persistent" for `config` "persistent..."."""
+    `config` "mma", which also takes one row), "persistent" for `config` "persistent...",
+    "mma-persistent" for `config` "mma-persistent..." (1-16 rows)."""
+    if mma_persistent_config(config) is not None:
+        return "mma-persistent"
     if config == "mma" or (config is None and m > 1):
         return "mma"
     if persistent_config(config) is not None:
@@ -172,6 +233,21 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         return "a strided output"
     if qweight.data_ptr() % 16 or qweight.stride(0) % 16 or x.data_ptr() % 16:
         return "qweight rows or x not 16-byte aligned"
+    mp = mma_persistent_config(config)
+    if mp is not None:
+        if kind == "nf4":
+            return "NF4 on the tensor-core kernel (it takes int4)"
+        if k % 128 or group_size % 32:
+            return f"K = {k} not a multiple of 128 or group size {group_size} not of 32"
+        if n % mp.cols:
+            return f"N = {n} not a multiple of {mp.cols} (the persistent tensor-core kernel's tile)"
+        if m > 1 and x.stride(0) % 8:
+            return "rows of x not 16-byte aligned"
+        lane = mp.cols // 8  # a lane's contiguous scales (zeros): one 2 * lane-byte copy
+        params = [scales] if zeros is None else [scales, zeros]
+        if any(t.stride(0) % lane or t.stride(1) != 1 or t.data_ptr() % (2 * lane) for t in params):
+            return "scales or zeros rows not aligned to a lane's columns"
+        return None
     if _path(m, config) == "mma":
         if kind == "nf4":
             return "NF4 past one row of x (the tensor-core kernel takes int4)"
@@ -242,7 +318,8 @@ def int4_linear_fwd(
 ) -> None:  # fmt: skip
     """triton.int4_linear_fwd's contract. `config` (tests, benchmarks): an int forces the GEMV
     with that many rows of W per CTA, "mma" the tensor-core kernel, "persistent..." the
-    persistent GEMV (persistent_config)."""
+    persistent GEMV (persistent_config), "mma-persistent..." the persistent tensor-core kernel
+    (mma_persistent_config)."""
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     if (_broken and x.is_cuda) or unsupported_call(*args, config) is not None:
         return _triton(*args)
@@ -262,6 +339,14 @@ def int4_linear_fwd(
             device, _CODES[x.dtype], _CODES[scales.dtype], code, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
             zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0), qweight.stride(0),
             scales.stride(0), out.stride(0), group_size, stream,
+        )  # fmt: skip
+    elif _path(m, config) == "mma-persistent":
+        p = mma_persistent_config(config)
+        grid = p.grid_for(n // p.cols, _sm_count(device) if x.is_cuda else _EMULATED_SMS)
+        status = lib.ok_int4_mma_persistent(
+            device, _CODES[x.dtype], _CODES[scales.dtype], code, p.cols, p.depth, x.data_ptr(), qweight.data_ptr(),
+            scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0),
+            qweight.stride(0), scales.stride(0), out.stride(0), group_size, grid, stream,
         )  # fmt: skip
     elif _path(m, config) == "persistent":
         p = persistent_config(config)

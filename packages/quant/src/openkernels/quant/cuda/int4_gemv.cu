@@ -704,6 +704,328 @@ int launch_mma(int kind, const void* x, const void* qweight, const void* scales,
   return -1;
 }
 
+// ---- small M, persistent: a grid of (SMs x CTAs per SM) walking tiles of W's columns --------
+//
+// The kernel above gives each CTA one 32-column tile: each warp issues one 128-code chunk's
+// loads (4 x 16 bytes of codes per lane), waits, computes, and the CTA exits after a
+// reduction: few bytes in flight per SM and a last wave of idle SMs. Here `grid` CTAs (the
+// host passes SMs x CTAs per SM: the emulation has no gridDim) take tiles of 8 x TILES
+// columns grid-stride (tile b, b + grid, ...); the 8 warps still split K (warp w: chunks w,
+// w + 8, ...), and a warp's walk is a list of items (tile, step; chunk = 8 step + w). Each
+// thread copies its items' bytes (TILES 16-byte code windows, the group's TILES scales and
+// zeros) with cp.async into its own slots of a DEPTH-stage ring in shared memory, DEPTH items
+// ahead of the math, one commit group per item: the bytes in flight are not bounded by
+// registers, and no barrier guards a stage (a thread reads back only what it copied, after
+// cp.async.wait_group; it refills a stage after its math has consumed the stage's values).
+// x's two 32-value windows (rows g, g + 8: an L2 hit) come into registers one item ahead;
+// where K <= 1024 (one step) they are loaded once and kept for every tile. At the target
+// shape (M = 16, K = 8192) x is 256 KB per CTA, more than the SM's shared memory, so past one
+// step x is re-read per tile: TILES = 8 halves those reads per weight byte against TILES = 4
+// (the kernel above). Every warp has the same number of items (ceil(K / 1024) per tile; a
+// chunk past K copies nothing and skips the math, the same in the whole warp), so the CTA's
+// barriers line up. Columns: the mma's B column g of n8 tile j is W's column n0 + TILES g + j,
+// so a lane's TILES columns are contiguous and their scales (zeros) are one 8- or 16-byte
+// copy. A tile's sums: each warp stores its fragments (16 bytes per lane and n8 tile: no bank
+// conflicts), a barrier, the 256 threads add the 8 warps' values in warp order (the same bits
+// on every run) and the bias; a barrier before the next tile's stores. Forced only
+// (cuda/__init__.py's config "mma-persistent...") pending its H200 numbers against the kernel
+// above, which the default dispatch still runs.
+
+#ifdef OK_CUDA_EMULATION
+template <int BYTES, bool STREAM>
+__device__ __forceinline__ void mma_copy_async(void* smem, const void* gmem) {
+  ok_emu::copy_async(smem, gmem, BYTES);
+}
+__device__ __forceinline__ void mma_copy_commit() { ok_emu::copy_async_commit(); }
+template <int N>
+__device__ __forceinline__ void mma_copy_wait() {
+  ok_emu::copy_async_wait_group(N);
+}
+#else
+#ifndef OK_DYNAMIC_SHARED
+#define OK_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+// BYTES (8 or 16) from global to shared memory; STREAM: 16 bytes read once (L2 evict first).
+template <int BYTES, bool STREAM>
+__device__ __forceinline__ void mma_copy_async(void* smem, const void* gmem) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  if constexpr (STREAM) {
+    static_assert(BYTES == 16, "cp.async.cg copies 16 bytes");
+    asm volatile(
+        "{\n"
+        ".reg .b64 policy;\n"
+        "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+        "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy;\n"
+        "}\n" ::"r"(dst),
+        "l"(gmem)
+        : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
+  }
+}
+__device__ __forceinline__ void mma_copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void mma_copy_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+// A thread's 16-byte units per stage: TILES code windows, then the scales and zeros (2 x
+// TILES 16-bit values: one unit for TILES = 4, two for 8). Unit u of thread i of stage s sits
+// at ((s x kUnits + u) x 256 + i) x 16 bytes: a warp's 16-byte accesses are contiguous.
+template <int TILES>
+__host__ __device__ constexpr int mma_units() {
+  return TILES + TILES / 4;
+}
+
+template <int TILES, int DEPTH>
+constexpr size_t mma_ring_bytes() {
+  return static_cast<size_t>(DEPTH) * mma_units<TILES>() * kMmaWarps * 32 * 16;
+}
+
+// One CTA per SM by registers (launch bounds 256 x 1): at 128 (2 CTAs per SM) the 32-column
+// tiles spill (x's two register windows are 64 of them). ptxas (sm_80 / sm_90, no spills):
+// 32 columns 160-172 registers, 64 columns 182-198. The ring: 20 KB per stage for 32 columns,
+// 40 KB for 64 (shapes 32 x 4, 32 x 8, 64 x 2, 64 x 4: 80-160 KB, 64-128 KB of codes in flight).
+
+__device__ __forceinline__ unsigned char* mma_unit(unsigned char* ring, int stage, int units, int unit) {
+  return ring + ((static_cast<size_t>(stage) * units + unit) * (kMmaWarps * 32) + threadIdx.x) * 16;
+}
+
+// Copy item (tile, chunk)'s codes, scales and zeros into `stage` (nothing for a chunk past K).
+template <typename S, int TILES, int KIND>
+__device__ __forceinline__ void mma_issue(unsigned char* ring, int stage, const uint8_t* __restrict__ qweight,
+                                          const S* __restrict__ scales, const S* __restrict__ zeros, int64_t tile,
+                                          int64_t chunk, int lane, int64_t n_chunks, int64_t stride_q,
+                                          int64_t stride_s, int64_t group_size) {
+  constexpr int kUnits = mma_units<TILES>();
+  if (chunk >= n_chunks) return;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t k0 = chunk * 128 + 32 * t;
+  const int64_t c0 = tile * (8 * TILES) + TILES * g;  // the lane's first column
+  const uint8_t* row = qweight + c0 * stride_q + k0 / 2;
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) mma_copy_async<16, true>(mma_unit(ring, stage, kUnits, j), row + j * stride_q);
+  const int64_t offset = (k0 / group_size) * stride_s + c0;
+  unsigned char* params = mma_unit(ring, stage, kUnits, TILES);
+  mma_copy_async<2 * TILES, false>(params, scales + offset);
+  if (KIND == kKindZeros) {
+    unsigned char* z = TILES == 8 ? mma_unit(ring, stage, kUnits, TILES + 1) : params + 8;
+    mma_copy_async<2 * TILES, false>(z, zeros + offset);
+  }
+}
+
+// x's rows g and g + 8 over the lane's 32-value window of `chunk` (zeros past M or K).
+template <typename T>
+__device__ __forceinline__ void mma_load_x(uint32_t (*xw)[16], const T* __restrict__ x, int64_t chunk, int lane,
+                                           int64_t m, int64_t n_chunks, int64_t stride_x) {
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t k0 = chunk * 128 + 32 * t;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t r = g + 8 * h;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint4 v = {0, 0, 0, 0};
+      if (r < m && chunk < n_chunks) v = *reinterpret_cast<const uint4*>(x + r * stride_x + k0 + 8 * q);
+      xw[h][4 * q] = v.x;
+      xw[h][4 * q + 1] = v.y;
+      xw[h][4 * q + 2] = v.z;
+      xw[h][4 * q + 3] = v.w;
+    }
+  }
+}
+
+// acc[j] += x's 16 rows times n8 tile j over the stage's 128-code chunk.
+template <typename T, typename S, int TILES, int KIND>
+__device__ __forceinline__ void mma_stage_math(unsigned char* ring, int stage, const uint32_t (*xw)[16],
+                                               float (*acc)[4]) {
+  constexpr int kUnits = mma_units<TILES>();
+  uint4 codes[TILES];
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) codes[j] = *reinterpret_cast<const uint4*>(mma_unit(ring, stage, kUnits, j));
+  uint32_t sraw[TILES / 2], zraw[TILES / 2];
+  {
+    const uint4 p = *reinterpret_cast<const uint4*>(mma_unit(ring, stage, kUnits, TILES));
+    if constexpr (TILES == 8) {
+      const uint4 q = KIND == kKindZeros ? *reinterpret_cast<const uint4*>(mma_unit(ring, stage, kUnits, TILES + 1))
+                                         : uint4{0, 0, 0, 0};
+      sraw[0] = p.x, sraw[1] = p.y, sraw[2] = p.z, sraw[3] = p.w;
+      zraw[0] = q.x, zraw[1] = q.y, zraw[2] = q.z, zraw[3] = q.w;
+    } else {
+      sraw[0] = p.x, sraw[1] = p.y, zraw[0] = p.z, zraw[1] = p.w;
+    }
+  }
+  uint32_t sub[TILES], mul[TILES];
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+    const float zero = KIND == kKindZeros ? param_at<S>(zraw, j) : 8.f;
+    const float scale = param_at<S>(sraw, j);
+    sub[j] = pack2<T>(MmaMagic<T>::kBase + zero, MmaMagic<T>::kBase + zero);
+    mul[j] = pack2<T>(scale, scale);
+  }
+#pragma unroll
+  for (int step = 0; step < 8; ++step) {
+    const int word = step / 2, shift = (step % 2) * 8, p = 8 * word + 2 * (step % 2);
+    const uint32_t a[4] = {pick2(xw[0], p, p + 4), pick2(xw[1], p, p + 4), pick2(xw[0], p + 1, p + 5),
+                           pick2(xw[1], p + 1, p + 5)};
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) {
+      const uint32_t words[4] = {codes[j].x, codes[j].y, codes[j].z, codes[j].w};
+      const uint32_t wd = words[word];
+      const uint32_t b[2] = {
+          sub_mul2<T>(((wd >> shift) & 0x000F000Fu) | MmaMagic<T>::kBits, sub[j], mul[j]),
+          sub_mul2<T>(((wd >> (shift + 4)) & 0x000F000Fu) | MmaMagic<T>::kBits, sub[j], mul[j])};
+      mma_16816<T>(acc[j], a, b);
+    }
+  }
+}
+
+template <typename T, typename S, int KIND, int TILES, int DEPTH>
+__global__ void __launch_bounds__(kMmaWarps * 32, 1)
+    int4_mma_persistent_kernel(const T* __restrict__ x, const uint8_t* __restrict__ qweight,
+                               const S* __restrict__ scales, const S* __restrict__ zeros,
+                               const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
+                               int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s,
+                               int64_t stride_out, int64_t group_size, int grid) {
+  constexpr int kCols = 8 * TILES;
+  OK_DYNAMIC_SHARED(ring);  // mma_ring_bytes<TILES, DEPTH>()
+  // [warp][n8 tile][lane][register]: lane (g, t)'s sums of rows g, g + 8, mma columns 2t, 2t + 1.
+  alignas(16) __shared__ float partial[kMmaWarps][TILES][32][4];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t n_chunks = k / 128;
+  const int steps = static_cast<int>((n_chunks + kMmaWarps - 1) / kMmaWarps);
+  const int64_t n_tiles = n / kCols;
+  const int64_t first = blockIdx.x;
+  const int64_t items = first < n_tiles ? ((n_tiles - 1 - first) / grid + 1) * steps : 0;  // the same in every thread
+
+  int64_t load_tile = first, math_tile = first;
+  int load_step = 0, math_step = 0, x_step = 0, stage = 0;
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    if (d < items) {
+      mma_issue<S, TILES, KIND>(ring, d, qweight, scales, zeros, load_tile,
+                                static_cast<int64_t>(load_step) * kMmaWarps + warp, lane, n_chunks, stride_q,
+                                stride_s, group_size);
+      if (++load_step == steps) load_step = 0, load_tile += grid;
+    }
+    mma_copy_commit();  // one group per item slot, empty or not: wait_group counts them
+  }
+  uint32_t xw[2][2][16];  // x's windows for the current item and the next
+  mma_load_x<T>(xw[0], x, warp, lane, m, n_chunks, stride_x);
+  if (steps == 1) {  // one step: x is the same for every tile
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) xw[1][h][i] = xw[0][h][i];
+    }
+  } else {
+    x_step = 1;
+  }
+  float acc[TILES][4];
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+  }
+
+  for (int64_t base = 0; base < items; base += 2) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int64_t item = base + u;
+      if (item >= items) break;  // the same in every thread
+      if (steps > 1 && item + 1 < items) {
+        mma_load_x<T>(xw[(u + 1) % 2], x, static_cast<int64_t>(x_step) * kMmaWarps + warp, lane, m, n_chunks,
+                      stride_x);
+        if (++x_step == steps) x_step = 0;
+      }
+      mma_copy_wait<DEPTH - 1>();  // this item's group has landed
+      // A warp whose chunk is past K skips the math (the same in all its lanes: the mma too).
+      if (static_cast<int64_t>(math_step) * kMmaWarps + warp < n_chunks)
+        mma_stage_math<T, S, TILES, KIND>(ring, stage, xw[u], acc);
+      if (item + DEPTH < items) {  // refill the stage just consumed
+        mma_issue<S, TILES, KIND>(ring, stage, qweight, scales, zeros, load_tile,
+                                  static_cast<int64_t>(load_step) * kMmaWarps + warp, lane, n_chunks, stride_q,
+                                  stride_s, group_size);
+        if (++load_step == steps) load_step = 0, load_tile += grid;
+      }
+      mma_copy_commit();
+      if (++stage == DEPTH) stage = 0;
+      if (math_step == steps - 1) {
+        __syncthreads();  // the previous tile's sums are read
+#pragma unroll
+        for (int j = 0; j < TILES; ++j) {
+          *reinterpret_cast<uint4*>(partial[warp][j][lane]) =
+              uint4{float_bits(acc[j][0]), float_bits(acc[j][1]), float_bits(acc[j][2]), float_bits(acc[j][3])};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+        }
+        __syncthreads();
+        const int64_t n0 = math_tile * kCols;
+        // The tile's outputs in the order of `partial` (n8 tile, lane, register): no conflicts.
+        for (int o = threadIdx.x; o < 16 * kCols; o += kMmaWarps * 32) {
+          const int j = o / 128, owner = (o / 4) % 32, i = o % 4;
+          const int row = (owner >> 2) + 8 * (i >> 1);
+          if (row >= m) continue;
+          const int64_t col = n0 + TILES * (2 * (owner & 3) + (i & 1)) + j;
+          float total = 0.f;
+#pragma unroll
+          for (int wi = 0; wi < kMmaWarps; ++wi) total += partial[wi][j][owner][i];
+          if (bias_code == 1) total += static_cast<const float*>(bias)[col];
+          if (bias_code == 2) total += to_float(static_cast<const __nv_bfloat16*>(bias)[col]);
+          if (bias_code == 3) total += to_float(static_cast<const __half*>(bias)[col]);
+          out[row * stride_out + col] = from_float<T>(total);
+        }
+      }
+      if (++math_step == steps) math_step = 0, math_tile += grid;
+    }
+  }
+  mma_copy_wait<0>();  // the empty groups of the last items
+}
+
+template <typename T, typename S, int TILES, int DEPTH>
+int launch_mma_persistent(int kind, const void* x, const void* qweight, const void* scales, const void* zeros,
+                          const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k,
+                          int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
+                          int64_t group_size, int grid, cudaStream_t stream) {
+  constexpr size_t kRing = mma_ring_bytes<TILES, DEPTH>();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+  config.blockDim = dim3(kMmaWarps * 32, 1, 1);
+  config.dynamicSmemBytes = kRing;
+  config.stream = stream;
+  config.numAttrs = 0;
+  auto run = [&](auto kernel) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kRing));
+    if (err != cudaSuccess) return static_cast<int>(err);
+    return static_cast<int>(cudaLaunchKernelEx(
+        &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
+        static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
+        stride_x, stride_q, stride_s, stride_out, group_size, grid));
+  };
+  if (kind == kKindZeros) return run(int4_mma_persistent_kernel<T, S, kKindZeros, TILES, DEPTH>);
+  if (kind == kKindSymmetric) return run(int4_mma_persistent_kernel<T, S, kKindSymmetric, TILES, DEPTH>);
+  return -1;
+}
+
+// (columns per tile, depth) pairs built: MMA_PERSISTENT_SHAPES in cuda/__init__.py.
+template <typename T, typename S>
+int launch_mma_persistent_shape(int cols, int depth, int kind, const void* x, const void* qweight,
+                                const void* scales, const void* zeros, const void* bias, int bias_code, void* out,
+                                int64_t m, int64_t n, int64_t k, int64_t stride_x, int64_t stride_q,
+                                int64_t stride_s, int64_t stride_out, int64_t group_size, int grid,
+                                cudaStream_t stream) {
+#define OK_SHAPE(C, D)                                                                                          \
+  if (cols == C && depth == D)                                                                                  \
+    return launch_mma_persistent<T, S, C / 8, D>(kind, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, \
+                                                 stride_x, stride_q, stride_s, stride_out, group_size, grid, stream);
+  OK_SHAPE(32, 4)
+  OK_SHAPE(32, 8)
+  OK_SHAPE(64, 2)
+  OK_SHAPE(64, 4)
+#undef OK_SHAPE
+  return -2;
+}
 }  // namespace
 
 // out (N,) = W x + bias for one row of x. dtype codes: 1 bfloat16, 2 float16 (x, out: `x_code`;
@@ -790,4 +1112,36 @@ extern "C" int ok_int4_mma_packed(const int64_t* a) {
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
   return ok_int4_mma(i32(0), i32(1), i32(2), i32(3), p(4), p(5), p(6), p(7), p(8), i32(9), p(10), a[11], a[12],
                      a[13], a[14], a[15], a[16], a[17], a[18], a[19]);
+}
+
+// The persistent tensor-core kernel (int4_mma_persistent_kernel): ok_int4_mma's arguments plus
+// `cols` (columns of W per tile: 32 or 64), `depth` (items in flight ahead of the math) and
+// `grid` (CTAs: SMs x CTAs per SM). N a multiple of `cols`, K of 128, scales (and zeros) rows
+// aligned to cols / 8 entries. Returns 0, a cudaError_t, -1 (dtypes, kind or M), -2 ((cols,
+// depth) not built), -3 (grid < 1).
+extern "C" int ok_int4_mma_persistent(int device, int x_code, int s_code, int kind, int cols, int depth,
+                                      const void* x, const void* qweight, const void* scales, const void* zeros,
+                                      const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k,
+                                      int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
+                                      int64_t group_size, int64_t grid, int64_t stream) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (m < 1 || m > 16) return -1;
+  if (grid < 1 || grid > 0x7fffffff) return -3;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+#define OK_MMA_PERSISTENT_ARGS cols, depth, kind, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x, \
+                               stride_q, stride_s, stride_out, group_size, static_cast<int>(grid), s
+  if (x_code == 1 && s_code == 1) return launch_mma_persistent_shape<__nv_bfloat16, __nv_bfloat16>(OK_MMA_PERSISTENT_ARGS);
+  if (x_code == 1 && s_code == 2) return launch_mma_persistent_shape<__nv_bfloat16, __half>(OK_MMA_PERSISTENT_ARGS);
+  if (x_code == 2 && s_code == 1) return launch_mma_persistent_shape<__half, __nv_bfloat16>(OK_MMA_PERSISTENT_ARGS);
+  if (x_code == 2 && s_code == 2) return launch_mma_persistent_shape<__half, __half>(OK_MMA_PERSISTENT_ARGS);
+#undef OK_MMA_PERSISTENT_ARGS
+  return -1;
+}
+
+extern "C" int ok_int4_mma_persistent_packed(const int64_t* a) {
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_int4_mma_persistent(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), p(6), p(7), p(8), p(9), p(10),
+                                i32(11), p(12), a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22]);
 }
