@@ -47,8 +47,8 @@ ARCH = "sm_90a"  # clusters and distributed shared memory: Hopper's; machine cod
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P, _I64, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
 _SIGNATURES = {
-    "ok_norm_fwd_cluster": [_I32, _I32, _I32, _I32, _I32, _I32, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64,
-                            _I64, _I64, _I64, _I64, _F64, _F64, _I32, _I64],
+    "ok_norm_fwd_cluster": [_I32, _I32, _I32, _I32, _I32, _I32, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64,
+                            _I64, _I64, _I64, _F64, _F64, _I32, _I64],
     "ok_norm_bwd_cluster": [_I32, _I32, _I32, _I32, _I32, _I32, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64,
                             _I64, _I64, _I64, _I64, _I64, _I64, _F64, _I32, _I64],
 }  # fmt: skip
@@ -111,19 +111,19 @@ def cluster_config(
     return None
 
 
-def staged_bytes(cfg: ClusterConfig, residual: bool, stages: int = 1) -> int:
-    """Dynamic shared memory of the staged forward: the x chunk (and the residual's) per
-    stage (two when a cluster takes several rows)."""
-    return stages * cfg.threads * cfg.vectors_per_thread * 16 * (2 if residual else 1)
+def staged_bytes(cfg: ClusterConfig, residual: bool) -> int:
+    """Dynamic shared memory of the staged forward: the x chunk (and the residual's)."""
+    return cfg.threads * cfg.vectors_per_thread * 16 * (2 if residual else 1)
 
 
-def use_staged(cfg: ClusterConfig, residual: bool, staged: bool | None = None, stages: int = 1) -> bool:
+def use_staged(cfg: ClusterConfig, residual: bool, staged: bool | None = None) -> bool:
     """Whether the forward holds its chunk in shared memory (cp.async; few registers, so more
     CTAs per SM) rather than in registers: `staged` if given, else whenever it fits."""
-    need = staged_bytes(cfg, residual, stages)
-    fits = need <= MAX_STAGED_BYTES
+    fits = staged_bytes(cfg, residual) <= MAX_STAGED_BYTES
     if staged and not fits:
-        raise ValueError(f"{cfg}: the staged chunk needs {need} bytes of shared memory")
+        raise ValueError(
+            f"{cfg}: the staged chunk needs {staged_bytes(cfg, residual)} bytes of shared memory"
+        )
     return fits if staged is None else staged
 
 
@@ -254,12 +254,10 @@ def _launch_failed(status: int, what: str, on_gpu: bool) -> None:
 
 def norm_fwd(
     x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype, config=None,
-    staged=None, ctas_per_sm=None,
+    staged=None,
 ) -> None:  # fmt: skip
     """triton.norm_fwd's contract. `config`: (threads, vectors per thread) forced, `staged`: the
-    chunk in shared memory (True) or registers (False) forced, `ctas_per_sm`: the staged
-    kernel on a persistent grid of that many CTAs per SM (clusters take rows grid-stride, the
-    next row's copies in flight) instead of one cluster per row (tests, benchmarks)."""
+    chunk in shared memory (True) or registers (False) forced (tests, benchmarks)."""
     args = (x, residual, weight, bias, out, residual_out, mean, rstd)
     kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
     if (_broken and x.is_cuda) or unsupported_call(*args, h_dtype) is not None:
@@ -274,16 +272,12 @@ def norm_fwd(
         _FLAGS["rms"] * rms + _FLAGS["residual"] * (residual is not None)
         + _FLAGS["store_residual"] * (residual_out is not None) + _FLAGS["weight"] * (weight is not None)
         + _FLAGS["bias"] * (bias is not None)
+        + _FLAGS["staged"] * use_staged(cfg, residual is not None, staged)
     )  # fmt: skip
-    n_clusters = 0  # one per row
-    if ctas_per_sm is not None:
-        n_clusters = max(1, _sm_count(_device_index(x)) * ctas_per_sm // cfg.cluster)
-    stages = 2 if 0 < n_clusters < x.shape[0] else 1
-    flags += _FLAGS["staged"] * use_staged(cfg, residual is not None, staged, stages)
     params = weight if weight is not None else bias
     status = lib.ok_norm_fwd_cluster(
         _device_index(x), _CODES[x.dtype], 0 if params is None else _CODES[params.dtype], cfg.threads,
-        cfg.vectors_per_thread, cfg.cluster, x.shape[0], n_clusters, x.data_ptr(),
+        cfg.vectors_per_thread, cfg.cluster, x.shape[0], x.data_ptr(),
         0 if residual is None else residual.data_ptr(), 0 if weight is None else weight.data_ptr(),
         0 if bias is None else bias.data_ptr(), out.data_ptr(),
         0 if residual_out is None else residual_out.data_ptr(), 0 if mean is None else mean.data_ptr(),

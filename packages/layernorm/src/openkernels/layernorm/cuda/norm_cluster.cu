@@ -101,9 +101,11 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
 }
 
 #ifdef OK_CUDA_EMULATION
+__device__ __forceinline__ void compiler_fence() {}
 __device__ __forceinline__ void cluster_arrive() { ok_emu::cluster_arrive(); }
 __device__ __forceinline__ void cluster_wait() { ok_emu::cluster_wait(); }
 #else
+__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
@@ -258,175 +260,143 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
   if (exchange) cluster_wait();
 }
 
-// cp.async of a thread's vectors of one row (x's, and the residual's VPT * THREADS vectors
-// later) into a stage, as one group. x_at / res_at: the row's column col0 (the thread's first).
-template <int THREADS, int VPT, int VEC, typename V, typename T>
-__device__ __forceinline__ void stage_rows(V* to, const T* x_at, const T* res_at, bool has_residual,
-                                           int64_t cols_left) {
-  constexpr int STEP = THREADS * VEC;
-#pragma unroll 1
-  for (int i = 0; i < VPT; ++i) {
-    if (i * STEP < cols_left) {
-      copy_async16(&to[i * THREADS], x_at + i * STEP);
-      if (has_residual) copy_async16(&to[(VPT + i) * THREADS], res_at + i * STEP);
-    }
-  }
-  copy_async_commit();
-}
-
 // The forward with the chunk STAGED in dynamic shared memory instead of registers: loaded by
 // cp.async, it costs few registers, so an SM holds more CTAs and one CTA's loads overlap
 // another's reductions and exchange (the register kernel holds 2-3 CTAs of 256 threads per
-// SM at 16384 bf16 columns per CTA). Cluster c takes rows c, c + n_clusters, ...: with as
-// many clusters as rows, one row each (one stage); with fewer (a persistent grid), two
-// stages, the next row's copies in flight while the current row is reduced, exchanged and
-// written. Same steps and the same results as the register kernel, bit for bit.
+// SM at 16384 bf16 columns per CTA). Same steps and the same results, bit for bit.
 template <typename T, typename W, int THREADS, int VPT>
 __global__ void __launch_bounds__(THREADS) norm_fwd_staged_kernel(
     const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ weight, const W* __restrict__ bias,
     T* __restrict__ out, T* __restrict__ res_out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    int64_t n_rows, int64_t n_clusters, int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out,
-    int64_t stride_res_out, float eps, float weight_offset, int flags) {
+    int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out, int64_t stride_res_out,
+    float eps, float weight_offset, int flags) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CHUNK = THREADS * VPT * VEC;
   using RowVec = Vec<T, VEC>;
   using WVec = Vec<W, VEC>;
   __shared__ float scratch[2][THREADS / 32];
-  __shared__ float2 published[2];            // this CTA's (chunk mean, chunk M2), by row parity
+  __shared__ float2 published;               // this CTA's (chunk mean, chunk M2)
   __shared__ float2 gathered[kMaxCluster];   // every CTA's, copied in
 
   cg::cluster_group cluster = cg::this_cluster();
   const int n_ranks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t cluster_id = blockIdx.x / n_ranks;
+  const int64_t row = blockIdx.x / n_ranks;
   const int64_t chunk_start = static_cast<int64_t>(rank) * CHUNK;
-  // Vector i of this thread starts at column col0 + i * STEP. The loops over i stay rolled
-  // (unroll 2, the copies' 1): unrolled, the compiler kept every vector's addresses live
-  // across the row loop (97 registers at 8 vectors, spills at 16, against 32 now).
-  constexpr int STEP = THREADS * VEC;
-  const int64_t col0 = chunk_start + static_cast<int64_t>(threadIdx.x) * VEC;
-  const int64_t cols_left = n_cols - col0;  // vector i is in the row if i * STEP < cols_left
   const bool is_rms = flags & kIsRms;
   const bool has_residual = flags & kHasResidual;
-  const bool exchange = n_ranks > 1;
-  // A stage: x's chunk, then the residual's; vector i of this thread at i * THREADS.
-  const int stage_vectors = (has_residual ? 2 : 1) * THREADS * VPT;
-  OK_DYNAMIC_SHARED(stage_bytes);
-  RowVec* const mine = reinterpret_cast<RowVec*>(stage_bytes) + threadIdx.x;
 
-
-  if (cluster_id < n_rows) stage_rows<THREADS, VPT, VEC>(mine, x + cluster_id * stride_x + col0, res + cluster_id * stride_res + col0, has_residual, cols_left);
-  int iteration = 0;
-  for (int64_t row = cluster_id; row < n_rows; row += n_clusters, ++iteration) {
-    const int s = iteration & 1;
-    // The next row into the other stage (this thread read its own vectors of it a row ago),
-    // then wait for this row's copies only. One stage when the cluster has one row.
-    if (row + n_clusters < n_rows) {
-      const int64_t next = row + n_clusters;
-      stage_rows<THREADS, VPT, VEC>(mine + (s ^ 1) * stage_vectors, x + next * stride_x + col0,
-                                    res + next * stride_res + col0, has_residual, cols_left);
-      copy_async_wait_group_n<1>();
-    } else {
-      copy_async_wait_group_n<0>();
+  // Vector i of this thread: stage[i * THREADS + thread]; the residual's chunk after x's.
+  OK_DYNAMIC_SHARED(stage);
+  RowVec* const h = reinterpret_cast<RowVec*>(stage) + threadIdx.x;
+  const RowVec* const staged_res = h + THREADS * VPT;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+    if (col < n_cols) {
+      copy_async16(&h[i * THREADS], x + row * stride_x + col);
+      if (has_residual) copy_async16(&h[(VPT + i) * THREADS], res + row * stride_res + col);
     }
-    RowVec* const h = mine + s * stage_vectors;
-    const RowVec* const staged_res = h + VPT * THREADS;
+  }
+  copy_async_wait_all();  // each thread reads back only its own vectors: no CTA barrier
 
-    // h = x + residual, rounded to T (the residual stream's dtype), written over x.
-    T* const res_out_at = res_out + row * stride_res_out + col0;
-    float sum = 0.f;
-#pragma unroll 2
-    for (int i = 0; i < VPT; ++i) {
-      if (i * STEP < cols_left) {
-        RowVec hv = h[i * THREADS];
-        if (has_residual) {
-          const RowVec r = staged_res[i * THREADS];
+  // h = x + residual, rounded to T (the residual stream's dtype), written over x.
+  float sum = 0.f;
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) hv.v[e] = from_float<T>(to_float(hv.v[e]) + to_float(r.v[e]));
-          h[i * THREADS] = hv;
-        }
-        if (flags & kStoreResidual) store_stream(res_out_at + i * STEP, hv);
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+    if (col < n_cols) {
+      RowVec hv = h[i * THREADS];
+      if (has_residual) {
+        const RowVec r = staged_res[i * THREADS];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const float v = to_float(hv.v[e]);
-          sum += is_rms ? v * v : v;
-        }
+        for (int e = 0; e < VEC; ++e) hv.v[e] = from_float<T>(to_float(hv.v[e]) + to_float(r.v[e]));
+        h[i * THREADS] = hv;
       }
-    }
-    const int64_t left = n_cols - chunk_start;
-    const float count = static_cast<float>(left < CHUNK ? left : CHUNK);
-    float chunk_mean = 0.f, chunk_m2;
-    if (is_rms) {
-      chunk_m2 = block_sum<THREADS>(sum, scratch[0]);
-    } else {  // M2 about the chunk's own mean: no cancellation on rows with a large mean
-      chunk_mean = block_sum<THREADS>(sum, scratch[0]) / count;
-      float m2 = 0.f;
-#pragma unroll 2
-      for (int i = 0; i < VPT; ++i) {
-        if (i * STEP < cols_left) {
-          const RowVec hv = h[i * THREADS];
+      if (flags & kStoreResidual) store_stream(res_out + row * stride_res_out + col, hv);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            const float d = to_float(hv.v[e]) - chunk_mean;
-            m2 += d * d;
-          }
-        }
-      }
-      chunk_m2 = block_sum<THREADS>(m2, scratch[1]);
-    }
-
-    // Exchange, double-buffered by row parity: a CTA writes a slot again two rows later,
-    // past the next barrier, which its peers reach only after reading this one. The block
-    // sums' scratch is free again once every thread is past this barrier.
-    if (threadIdx.x == 0) published[s] = make_float2(chunk_mean, chunk_m2);
-    if (exchange) cluster.sync(); else __syncthreads();
-    if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published[s], threadIdx.x);
-    __syncthreads();
-    float mean = 0.f, m2_total = 0.f, n_seen = 0.f;
-    for (int r = 0; r < n_ranks; ++r) {
-      const int64_t r_left = n_cols - static_cast<int64_t>(r) * CHUNK;
-      const float n_r = static_cast<float>(r_left < CHUNK ? r_left : CHUNK);
-      const float2 part = gathered[r];
-      if (is_rms) {
-        m2_total += part.y;
-      } else {
-        const float n_new = n_seen + n_r;
-        const float delta = part.x - mean;
-        mean += delta * (n_r / n_new);
-        m2_total += part.y + delta * delta * (n_seen * n_r / n_new);
-        n_seen = n_new;
-      }
-    }
-    __syncthreads();  // every thread has read `gathered` before the next row writes it
-    const float rstd = rsqrtf(m2_total / static_cast<float>(n_cols) + eps);
-    if (rank == 0 && threadIdx.x == 0) {
-      rstd_out[row] = rstd;
-      if (!is_rms) mean_out[row] = mean;
-    }
-
-    // Normalize from shared memory; the weight and bias come from L2 (every row reads them).
-    T* const out_at = out + row * stride_out + col0;
-#pragma unroll 2
-    for (int i = 0; i < VPT; ++i) {
-      if (i * STEP < cols_left) {
-        WVec w, b;
-        if (flags & kHasWeight) w = *reinterpret_cast<const WVec*>(weight + col0 + i * STEP);
-        if (flags & kHasBias) b = *reinterpret_cast<const WVec*>(bias + col0 + i * STEP);
-        const RowVec hv = h[i * THREADS];
-        RowVec y;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          float v = (to_float(hv.v[e]) - mean) * rstd;
-          if (flags & kHasWeight) v *= to_float(w.v[e]) + weight_offset;
-          if (flags & kHasBias) v += to_float(b.v[e]);
-          y.v[e] = from_float<T>(v);
-        }
-        store_stream(out_at + i * STEP, y);
+      for (int e = 0; e < VEC; ++e) {
+        const float v = to_float(hv.v[e]);
+        sum += is_rms ? v * v : v;
       }
     }
   }
-  // Peers may still read this CTA's last slot: leave together.
-  if (exchange) cluster.sync();
+  const int64_t left = n_cols - chunk_start;
+  const float count = static_cast<float>(left < CHUNK ? left : CHUNK);
+  float chunk_mean = 0.f, chunk_m2;
+  if (is_rms) {
+    chunk_m2 = block_sum<THREADS>(sum, scratch[0]);
+  } else {  // M2 about the chunk's own mean: no cancellation on rows with a large mean
+    chunk_mean = block_sum<THREADS>(sum, scratch[0]) / count;
+    float m2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+      if (col < n_cols) {
+        const RowVec hv = h[i * THREADS];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float d = to_float(hv.v[e]) - chunk_mean;
+          m2 += d * d;
+        }
+      }
+    }
+    chunk_m2 = block_sum<THREADS>(m2, scratch[1]);
+  }
+
+  // Exchange: publish, barrier (release / acquire over the cluster's shared memory), copy the
+  // C pairs in, arrive on a second barrier once they are read (a CTA's shared memory must
+  // outlive its peers' reads), and wait on it only before exiting. A cluster of one (rows of
+  // one CTA, launched without clusters) skips both cluster barriers.
+  const bool exchange = n_ranks > 1;
+  if (threadIdx.x == 0) published = make_float2(chunk_mean, chunk_m2);
+  if (exchange) cluster.sync(); else __syncthreads();
+  if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published, threadIdx.x);
+  __syncthreads();
+  if (exchange) cluster_arrive();
+  compiler_fence();  // keeps the weight loads below: hoisted, they cost registers (spills)
+  float mean = 0.f, m2_total = 0.f, n_seen = 0.f;
+  for (int r = 0; r < n_ranks; ++r) {
+    const int64_t r_left = n_cols - static_cast<int64_t>(r) * CHUNK;
+    const float n_r = static_cast<float>(r_left < CHUNK ? r_left : CHUNK);
+    const float2 part = gathered[r];
+    if (is_rms) {
+      m2_total += part.y;
+    } else {
+      const float n_new = n_seen + n_r;
+      const float delta = part.x - mean;
+      mean += delta * (n_r / n_new);
+      m2_total += part.y + delta * delta * (n_seen * n_r / n_new);
+      n_seen = n_new;
+    }
+  }
+  const float rstd = rsqrtf(m2_total / static_cast<float>(n_cols) + eps);
+  if (rank == 0 && threadIdx.x == 0) {
+    rstd_out[row] = rstd;
+    if (!is_rms) mean_out[row] = mean;
+  }
+
+  // Normalize from shared memory; the weight and bias come from L2 (every row reads them).
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
+    if (col < n_cols) {
+      WVec w, b;
+      if (flags & kHasWeight) w = *reinterpret_cast<const WVec*>(weight + col);
+      if (flags & kHasBias) b = *reinterpret_cast<const WVec*>(bias + col);
+      const RowVec hv = h[i * THREADS];
+      RowVec y;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        float v = (to_float(hv.v[e]) - mean) * rstd;
+        if (flags & kHasWeight) v *= to_float(w.v[e]) + weight_offset;
+        if (flags & kHasBias) v += to_float(b.v[e]);
+        y.v[e] = from_float<T>(v);
+      }
+      store_stream(out + row * stride_out + col, y);
+    }
+  }
+  if (exchange) cluster_wait();
 }
 
 template <typename T, typename W, int THREADS, int VPT>
@@ -711,26 +681,14 @@ int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int t
 }
 
 // The forward kernel of a (threads, vectors per thread) shape, or nullptr.
-template <typename T, typename W>
+template <typename T, typename W, bool STAGED>
 auto fwd_kernel(int threads, int vpt) -> decltype(&norm_fwd_cluster_kernel<T, W, 256, 4>) {
-  if (threads == 128 && vpt == 2) return norm_fwd_cluster_kernel<T, W, 128, 2>;
-  if (threads == 256 && vpt == 2) return norm_fwd_cluster_kernel<T, W, 256, 2>;
-  if (threads == 256 && vpt == 4) return norm_fwd_cluster_kernel<T, W, 256, 4>;
-  if (threads == 256 && vpt == 8) return norm_fwd_cluster_kernel<T, W, 256, 8>;
-  if (threads == 512 && vpt == 8) return norm_fwd_cluster_kernel<T, W, 512, 8>;
-  if (threads == 512 && vpt == 16) return norm_fwd_cluster_kernel<T, W, 512, 16>;
-  return nullptr;
-}
-
-// The staged forward of a shape, or nullptr.
-template <typename T, typename W>
-auto fwd_staged_kernel(int threads, int vpt) -> decltype(&norm_fwd_staged_kernel<T, W, 256, 4>) {
-  if (threads == 128 && vpt == 2) return norm_fwd_staged_kernel<T, W, 128, 2>;
-  if (threads == 256 && vpt == 2) return norm_fwd_staged_kernel<T, W, 256, 2>;
-  if (threads == 256 && vpt == 4) return norm_fwd_staged_kernel<T, W, 256, 4>;
-  if (threads == 256 && vpt == 8) return norm_fwd_staged_kernel<T, W, 256, 8>;
-  if (threads == 512 && vpt == 8) return norm_fwd_staged_kernel<T, W, 512, 8>;
-  if (threads == 512 && vpt == 16) return norm_fwd_staged_kernel<T, W, 512, 16>;
+  if (threads == 128 && vpt == 2) return STAGED ? norm_fwd_staged_kernel<T, W, 128, 2> : norm_fwd_cluster_kernel<T, W, 128, 2>;
+  if (threads == 256 && vpt == 2) return STAGED ? norm_fwd_staged_kernel<T, W, 256, 2> : norm_fwd_cluster_kernel<T, W, 256, 2>;
+  if (threads == 256 && vpt == 4) return STAGED ? norm_fwd_staged_kernel<T, W, 256, 4> : norm_fwd_cluster_kernel<T, W, 256, 4>;
+  if (threads == 256 && vpt == 8) return STAGED ? norm_fwd_staged_kernel<T, W, 256, 8> : norm_fwd_cluster_kernel<T, W, 256, 8>;
+  if (threads == 512 && vpt == 8) return STAGED ? norm_fwd_staged_kernel<T, W, 512, 8> : norm_fwd_cluster_kernel<T, W, 512, 8>;
+  if (threads == 512 && vpt == 16) return STAGED ? norm_fwd_staged_kernel<T, W, 512, 16> : norm_fwd_cluster_kernel<T, W, 512, 16>;
   return nullptr;
 }
 
@@ -749,27 +707,19 @@ auto bwd_kernel(int threads, int vpt, bool staged) -> decltype(&norm_bwd_cluster
 }
 
 template <typename T, typename W>
-int fwd(int threads, int vpt, int cluster, int64_t n_rows, int64_t n_clusters, const void* x, const void* res,
-        const void* weight, const void* bias, void* out, void* res_out, void* mean, void* rstd, int64_t n_cols,
-        int64_t stride_x, int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps,
-        float weight_offset, int flags, cudaStream_t stream) {
-  if (!(flags & kStaged)) {
-    auto kernel = fwd_kernel<T, W>(threads, vpt);
-    if (kernel == nullptr) return -2;
-    return launch_clustered(kernel, cluster, cluster * n_rows, threads, 0, stream, x, res, weight, bias, out,
-                            res_out, mean, rstd, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps,
-                            weight_offset, flags);
-  }
-  auto kernel = fwd_staged_kernel<T, W>(threads, vpt);
+int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const void* res, const void* weight,
+        const void* bias, void* out, void* res_out, void* mean, void* rstd, int64_t n_cols, int64_t stride_x,
+        int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset, int flags,
+        cudaStream_t stream) {
+  const bool staged = flags & kStaged;
+  auto kernel = staged ? fwd_kernel<T, W, true>(threads, vpt) : fwd_kernel<T, W, false>(threads, vpt);
   if (kernel == nullptr) return -2;
-  if (n_clusters < 1 || n_clusters > n_rows) n_clusters = n_rows;
-  // One stage (two with fewer clusters than rows) of x's chunk and the residual's.
-  const size_t stages = n_clusters < n_rows ? 2 : 1;
-  const size_t shared = stages * threads * vpt * 16 * ((flags & kHasResidual) ? 2 : 1);
+  // Staged: the x chunk and the residual's, 16 bytes per thread and vector each.
+  const size_t shared = staged ? static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1) : 0;
   if (shared > kMaxDynamicShared) return -2;
-  return launch_clustered(kernel, cluster, cluster * n_clusters, threads, shared, stream, x, res, weight, bias, out,
-                          res_out, mean, rstd, n_rows, n_clusters, n_cols, stride_x, stride_res, stride_out,
-                          stride_res_out, eps, weight_offset, flags);
+  return launch_clustered(kernel, cluster, cluster * n_rows, threads, shared, stream, x, res, weight, bias, out, res_out,
+                          mean, rstd, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset,
+                          flags);
 }
 
 template <typename T, typename W>
@@ -804,10 +754,8 @@ int bwd(int threads, int vpt, int cluster, int64_t n_clusters, const void* dy, c
   return -1;
 
 // One forward. flags: kIsRms | kHasResidual | kStoreResidual | kHasWeight | kHasBias | kStaged.
-// n_clusters: the staged kernel's clusters (rows taken grid-stride; < 1 or > n_rows: one per
-// row); the register kernel takes one row per cluster.
 extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,
-                                   int64_t n_rows, int64_t n_clusters, const void* x, const void* res, const void* weight,
+                                   int64_t n_rows, const void* x, const void* res, const void* weight,
                                    const void* bias, void* out, void* res_out, void* mean, void* rstd,
                                    int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out,
                                    int64_t stride_res_out, double eps, double weight_offset, int flags,
@@ -815,7 +763,7 @@ extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, 
   if (cluster < 1 || cluster > kMaxCluster) return -3;
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
-  OK_NORM_CLUSTER_DTYPES(fwd, threads, vpt, cluster, n_rows, n_clusters, x, res, weight, bias, out, res_out, mean, rstd, n_cols,
+  OK_NORM_CLUSTER_DTYPES(fwd, threads, vpt, cluster, n_rows, x, res, weight, bias, out, res_out, mean, rstd, n_cols,
                          stride_x, stride_res, stride_out, stride_res_out, static_cast<float>(eps),
                          static_cast<float>(weight_offset), flags, reinterpret_cast<cudaStream_t>(stream))
 }
@@ -839,13 +787,12 @@ extern "C" int ok_norm_bwd_cluster(int device, int dtype_code, int weight_code, 
 // Every argument in one 64-bit slot (doubles as their bits): what replayed calls run.
 extern "C" int ok_norm_fwd_cluster_packed(const int64_t* a) {
   double eps, offset;
-  memcpy(&eps, &a[21], sizeof eps);
-  memcpy(&offset, &a[22], sizeof offset);
+  memcpy(&eps, &a[20], sizeof eps);
+  memcpy(&offset, &a[21], sizeof offset);
   auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_norm_fwd_cluster(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), a[6], a[7], p(8), p(9), p(10), p(11),
-                             p(12), p(13), p(14), p(15), a[16], a[17], a[18], a[19], a[20], eps, offset, i32(23),
-                             a[24]);
+  return ok_norm_fwd_cluster(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), a[6], p(7), p(8), p(9), p(10), p(11),
+                             p(12), p(13), p(14), a[15], a[16], a[17], a[18], a[19], eps, offset, i32(22), a[23]);
 }
 
 extern "C" int ok_norm_bwd_cluster_packed(const int64_t* a) {
