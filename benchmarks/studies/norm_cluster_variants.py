@@ -1,6 +1,6 @@
 """The sm_90 norm kernels' variants, kernel level, one process (H200, bf16): the Triton
 launchers, the cluster kernels with the chunk in registers, staged in shared memory (each
-chunk shape that fits), staged on a persistent grid (1, 2, 4 CTAs per SM), and QuACK's
+chunk shape that fits), and QuACK's
 RMSNorm where it imports. Forward of RMSNorm, LayerNorm and add_rms_norm (prenorm), then the
 backward kernels (registers, staged, CTAs per SM) and RMSNorm forward+backward through
 autograd (ours, ours with the cluster kernels forced, QuACK). GB/s count one read and one
@@ -105,11 +105,6 @@ def forward(shapes: list[tuple[int, int]], ops: list[str], copy: float, qr: obje
                 variants[f"staged{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: C.norm_fwd(
                     *a(s), **kw, config=shape, staged=True
                 )
-            for cps in (1, 2, 4):
-                if C.staged_bytes(base, res, 2) <= C.MAX_STAGED_BYTES:
-                    variants[f"persistent{tuple(base)}x{cps}"] = lambda s, a=args, kw=kw, cps=cps: C.norm_fwd(
-                        *a(s), **kw, staged=True, ctas_per_sm=cps
-                    )
             if qr is not None and rms:
                 if res:
                     variants["quack"] = lambda s: qr.rmsnorm(
