@@ -13,6 +13,8 @@ kernel's registers and spills: the compile check CI runs for every CUDA C++ kern
 `load_emulated` builds the same source for the CPU with the host compiler against
 `cuda/cuda_emulation.h` (threads as fibers, one OS thread per CTA, clusters met at a barrier):
 the kernels then run on CPU tensors, which is how CI checks their results without a GPU.
+Every build has `cuda/` on its include path: sources share `async_copy.h` (cp.async, dynamic
+shared memory) from there.
 """
 
 from __future__ import annotations
@@ -46,7 +48,16 @@ __all__ = [
 # -fPIC goes to the host compiler; cudart is linked statically (nvcc's default).
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 _TIMEOUT_S = 600
-EMULATION_DIR = pathlib.Path(__file__).with_name("cuda")  # cuda_emulation.h
+EMULATION_DIR = pathlib.Path(__file__).with_name("cuda")  # cuda_emulation.h, async_copy.h
+
+
+def _header_flags() -> tuple[str, ...]:
+    """The shared headers' folder on the include path, and their digest as a define: part of
+    every build's flags, hence of its cache key (a changed header rebuilds)."""
+    digest = hashlib.sha256()
+    for header in sorted(EMULATION_DIR.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return ("-I", str(EMULATION_DIR), f"-DOK_SHARED_HEADERS={digest.hexdigest()[:16]}")
 
 
 class CudaBuildError(RuntimeError):
@@ -92,8 +103,8 @@ def load_library(
     if cmd is None:
         raise CudaBuildError(no_nvcc_reason() or "no nvcc")
     try:
-        return cpu_build.load_library(source, name=name, extra_flags=(gencode(arch), *extra_flags), command=(cmd,),
-                                      base_flags=BASE_FLAGS, root=_cache_root())  # fmt: skip
+        return cpu_build.load_library(source, name=name, extra_flags=(gencode(arch), *_header_flags(), *extra_flags),
+                                      command=(cmd,), base_flags=BASE_FLAGS, root=_cache_root())  # fmt: skip
     except cpu_build.CpuBuildError as error:
         raise CudaBuildError(f"building {name} with nvcc: {error}") from error
 
@@ -101,11 +112,9 @@ def load_library(
 def load_emulated(source: pathlib.Path, *, name: str) -> ctypes.CDLL:
     """`source` built for the CPU (C++20, -DOK_CUDA_EMULATION, cuda_emulation.h) with the host
     compiler and loaded: its host entries then launch the kernels on CPU memory. Cached as the
-    CPU libraries are (the emulation header's digest is part of the flags, hence of the key);
+    CPU libraries are (the shared headers' digest is part of the flags, hence of the key);
     cpu_build.CpuBuildError where it cannot be built."""
-    digest = hashlib.sha256((EMULATION_DIR / "cuda_emulation.h").read_bytes()).hexdigest()[:16]
-    flags = ("-std=c++20", "-pthread", "-DOK_CUDA_EMULATION", f"-DOK_EMULATION_HEADER={digest}",
-             "-I", str(EMULATION_DIR), "-x", "c++")  # fmt: skip
+    flags = ("-std=c++20", "-pthread", "-DOK_CUDA_EMULATION", *_header_flags(), "-x", "c++")
     return cpu_build.load_library(source, name=f"{name}_emulated", extra_flags=flags)
 
 
@@ -183,8 +192,8 @@ def ptxas_report(source: pathlib.Path, arch: str, extra_flags: Sequence[str] = (
         raise CudaBuildError(no_nvcc_reason() or "no nvcc")
     with tempfile.TemporaryDirectory(prefix="openkernels-ptxas-") as tmp:
         run = subprocess.run(
-            [cmd, "-O3", "-std=c++17", "-cubin", gencode(arch), "-Xptxas", "-v", *extra_flags, str(source),
-             "-o", os.path.join(tmp, "out.cubin")],
+            [cmd, "-O3", "-std=c++17", "-cubin", gencode(arch), "-Xptxas", "-v", *_header_flags(), *extra_flags,
+             str(source), "-o", os.path.join(tmp, "out.cubin")],
             check=False, capture_output=True, text=True, timeout=_TIMEOUT_S,
         )  # fmt: skip
     if run.returncode != 0:

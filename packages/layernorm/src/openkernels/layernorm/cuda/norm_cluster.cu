@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "async_copy.h"  // openkernels/shared/cuda: cp.async and dynamic shared memory
+
 namespace cg = cooperative_groups;
 
 namespace {
@@ -101,11 +103,9 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
 }
 
 #ifdef OK_CUDA_EMULATION
-__device__ __forceinline__ void compiler_fence() {}
 __device__ __forceinline__ void cluster_arrive() { ok_emu::cluster_arrive(); }
 __device__ __forceinline__ void cluster_wait() { ok_emu::cluster_wait(); }
 #else
-__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
@@ -114,32 +114,38 @@ __device__ __forceinline__ void cluster_wait() {
 }
 #endif
 
-// cp.async of 16 bytes (global -> shared, L2 only, evict-first: the row is read once) and the
-// wait for a thread's own copies.
-#ifdef OK_CUDA_EMULATION
-__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) { ok_emu::copy_async(smem, gmem, 16); }
-__device__ __forceinline__ void copy_async_wait_all() { ok_emu::copy_async_wait_all(); }
-__device__ __forceinline__ void copy_async_commit() { ok_emu::copy_async_commit(); }
-template <int N>
-__device__ __forceinline__ void copy_async_wait_group_n() { ok_emu::copy_async_wait_group(N); }
-#else
-#define OK_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
-__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile(
-      "{\n"
-      ".reg .b64 policy;\n"
-      "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy;\n"
-      "}\n" ::"r"(dst),
-      "l"(gmem)
-      : "memory");
+
+// The row's (mean, rstd) from every CTA's (chunk mean, chunk M2 about it): publish the pair,
+// barrier (release / acquire over the cluster's shared memory), copy the C pairs in, arrive on
+// a second barrier once they are read (a CTA's shared memory must outlive its peers' reads:
+// the caller waits on it before exiting, when `exchange`), and merge them in rank order (Chan
+// et al.): the same statistics in every CTA, the same on every run.
+template <int CHUNK>
+__device__ __forceinline__ float2 row_statistics(cg::cluster_group& cluster, int n_ranks, bool exchange,
+                                                 float chunk_mean, float chunk_m2, int64_t n_cols, bool is_rms,
+                                                 float eps, float2& published, float2* gathered) {
+  if (threadIdx.x == 0) published = make_float2(chunk_mean, chunk_m2);
+  if (exchange) cluster.sync(); else __syncthreads();
+  if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published, threadIdx.x);
+  __syncthreads();
+  if (exchange) cluster_arrive();
+  float mean = 0.f, m2_total = 0.f, n_seen = 0.f;
+  for (int r = 0; r < n_ranks; ++r) {
+    const int64_t r_left = n_cols - static_cast<int64_t>(r) * CHUNK;
+    const float n_r = static_cast<float>(r_left < CHUNK ? r_left : CHUNK);
+    const float2 part = gathered[r];
+    if (is_rms) {
+      m2_total += part.y;
+    } else {
+      const float n_new = n_seen + n_r;
+      const float delta = part.x - mean;
+      mean += delta * (n_r / n_new);
+      m2_total += part.y + delta * delta * (n_seen * n_r / n_new);
+      n_seen = n_new;
+    }
+  }
+  return make_float2(mean, rsqrtf(m2_total / static_cast<float>(n_cols) + eps));
 }
-__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void copy_async_wait_group_n() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-#endif
 
 template <typename T, typename W, int THREADS, int VPT>
 __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
@@ -208,31 +214,12 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_cluster_kernel(
     chunk_m2 = block_sum<THREADS>(m2, scratch[1]);
   }
 
-  // Exchange: publish, barrier (release / acquire over the cluster's shared memory), copy the
-  // C pairs in, arrive on a second barrier once they are read (a CTA's shared memory must
-  // outlive its peers' reads), and wait on it only before exiting.
-  if (threadIdx.x == 0) published = make_float2(chunk_mean, chunk_m2);
+  // Exchange the chunks' statistics over the cluster (a cluster of one: rows of one CTA,
+  // launched without clusters, skips the cluster barriers); wait before exiting.
   const bool exchange = n_ranks > 1;
-  if (exchange) cluster.sync(); else __syncthreads();
-  if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published, threadIdx.x);
-  __syncthreads();
-  if (exchange) cluster_arrive();
-  float mean = 0.f, m2_total = 0.f, n_seen = 0.f;
-  for (int r = 0; r < n_ranks; ++r) {
-    const int64_t r_left = n_cols - static_cast<int64_t>(r) * CHUNK;
-    const float n_r = static_cast<float>(r_left < CHUNK ? r_left : CHUNK);
-    const float2 part = gathered[r];
-    if (is_rms) {
-      m2_total += part.y;
-    } else {
-      const float n_new = n_seen + n_r;
-      const float delta = part.x - mean;
-      mean += delta * (n_r / n_new);
-      m2_total += part.y + delta * delta * (n_seen * n_r / n_new);
-      n_seen = n_new;
-    }
-  }
-  const float rstd = rsqrtf(m2_total / static_cast<float>(n_cols) + eps);
+  const float2 stats =
+      row_statistics<CHUNK>(cluster, n_ranks, exchange, chunk_mean, chunk_m2, n_cols, is_rms, eps, published, gathered);
+  const float mean = stats.x, rstd = stats.y;
   if (rank == 0 && threadIdx.x == 0) {
     rstd_out[row] = rstd;
     if (!is_rms) mean_out[row] = mean;
@@ -294,11 +281,11 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_staged_kernel(
   for (int i = 0; i < VPT; ++i) {
     const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
     if (col < n_cols) {
-      copy_async16(&h[i * THREADS], x + row * stride_x + col);
-      if (has_residual) copy_async16(&h[(VPT + i) * THREADS], res + row * stride_res + col);
+      ok_copy_async<16, true>(&h[i * THREADS], x + row * stride_x + col);
+      if (has_residual) ok_copy_async<16, true>(&h[(VPT + i) * THREADS], res + row * stride_res + col);
     }
   }
-  copy_async_wait_all();  // each thread reads back only its own vectors: no CTA barrier
+  ok_copy_async_wait_all();  // each thread reads back only its own vectors: no CTA barrier
 
   // h = x + residual, rounded to T (the residual stream's dtype), written over x.
   float sum = 0.f;
@@ -344,33 +331,12 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_staged_kernel(
     chunk_m2 = block_sum<THREADS>(m2, scratch[1]);
   }
 
-  // Exchange: publish, barrier (release / acquire over the cluster's shared memory), copy the
-  // C pairs in, arrive on a second barrier once they are read (a CTA's shared memory must
-  // outlive its peers' reads), and wait on it only before exiting. A cluster of one (rows of
-  // one CTA, launched without clusters) skips both cluster barriers.
+  // Exchange the chunks' statistics over the cluster (a cluster of one: rows of one CTA,
+  // launched without clusters, skips the cluster barriers); wait before exiting.
   const bool exchange = n_ranks > 1;
-  if (threadIdx.x == 0) published = make_float2(chunk_mean, chunk_m2);
-  if (exchange) cluster.sync(); else __syncthreads();
-  if (threadIdx.x < n_ranks) gathered[threadIdx.x] = *cluster.map_shared_rank(&published, threadIdx.x);
-  __syncthreads();
-  if (exchange) cluster_arrive();
-  compiler_fence();  // keeps the weight loads below: hoisted, they cost registers (spills)
-  float mean = 0.f, m2_total = 0.f, n_seen = 0.f;
-  for (int r = 0; r < n_ranks; ++r) {
-    const int64_t r_left = n_cols - static_cast<int64_t>(r) * CHUNK;
-    const float n_r = static_cast<float>(r_left < CHUNK ? r_left : CHUNK);
-    const float2 part = gathered[r];
-    if (is_rms) {
-      m2_total += part.y;
-    } else {
-      const float n_new = n_seen + n_r;
-      const float delta = part.x - mean;
-      mean += delta * (n_r / n_new);
-      m2_total += part.y + delta * delta * (n_seen * n_r / n_new);
-      n_seen = n_new;
-    }
-  }
-  const float rstd = rsqrtf(m2_total / static_cast<float>(n_cols) + eps);
+  const float2 stats =
+      row_statistics<CHUNK>(cluster, n_ranks, exchange, chunk_mean, chunk_m2, n_cols, is_rms, eps, published, gathered);
+  const float mean = stats.x, rstd = stats.y;
   if (rank == 0 && threadIdx.x == 0) {
     rstd_out[row] = rstd;
     if (!is_rms) mean_out[row] = mean;
@@ -549,11 +515,11 @@ __global__ void __launch_bounds__(THREADS) norm_bwd_staged_kernel(
     for (int i = 0; i < VPT; ++i) {
       const int64_t col = vector_column<THREADS, VEC>(chunk_start, i);
       if (col < n_cols) {
-        copy_async16(&mine[s * STAGE + i * THREADS], dy + row * stride_dy + col);
-        copy_async16(&mine[s * STAGE + (VPT + i) * THREADS], h + row * stride_h + col);
+        ok_copy_async<16, true>(&mine[s * STAGE + i * THREADS], dy + row * stride_dy + col);
+        ok_copy_async<16, true>(&mine[s * STAGE + (VPT + i) * THREADS], h + row * stride_h + col);
       }
     }
-    copy_async_commit();
+    ok_copy_async_commit();
   };
 
   float dw_acc[VPT][VEC], db_acc[VPT][VEC];
@@ -570,9 +536,9 @@ __global__ void __launch_bounds__(THREADS) norm_bwd_staged_kernel(
     // ago), then wait for this row's copies only.
     if (row + 1 < end_row) {
       prefetch(row + 1, s ^ 1);
-      copy_async_wait_group_n<1>();
+      ok_copy_async_wait_group<1>();
     } else {
-      copy_async_wait_group_n<0>();
+      ok_copy_async_wait_group<0>();
     }
     const RowVec* const dy_s = mine + s * STAGE;
     const RowVec* const h_s = dy_s + VPT * THREADS;

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "async_copy.h"  // openkernels/shared/cuda: cp.async and dynamic shared memory
+
 namespace {
 
 constexpr int kWarps = 8;
@@ -731,44 +733,6 @@ int launch_mma(int kind, const void* x, const void* qweight, const void* scales,
 // (cuda/__init__.py's config "mma-persistent...") pending its H200 numbers against the kernel
 // above, which the default dispatch still runs.
 
-#ifdef OK_CUDA_EMULATION
-template <int BYTES, bool STREAM>
-__device__ __forceinline__ void mma_copy_async(void* smem, const void* gmem) {
-  ok_emu::copy_async(smem, gmem, BYTES);
-}
-__device__ __forceinline__ void mma_copy_commit() { ok_emu::copy_async_commit(); }
-template <int N>
-__device__ __forceinline__ void mma_copy_wait() {
-  ok_emu::copy_async_wait_group(N);
-}
-#else
-#ifndef OK_DYNAMIC_SHARED
-#define OK_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
-#endif
-// BYTES (8 or 16) from global to shared memory; STREAM: 16 bytes read once (L2 evict first).
-template <int BYTES, bool STREAM>
-__device__ __forceinline__ void mma_copy_async(void* smem, const void* gmem) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  if constexpr (STREAM) {
-    static_assert(BYTES == 16, "cp.async.cg copies 16 bytes");
-    asm volatile(
-        "{\n"
-        ".reg .b64 policy;\n"
-        "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-        "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy;\n"
-        "}\n" ::"r"(dst),
-        "l"(gmem)
-        : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
-  }
-}
-__device__ __forceinline__ void mma_copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void mma_copy_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-#endif
 
 // A thread's 16-byte units per stage: TILES code windows, then the scales and zeros (2 x
 // TILES 16-bit values: one unit for TILES = 4, two for 8). Unit u of thread i of stage s sits
@@ -805,13 +769,13 @@ __device__ __forceinline__ void mma_issue(unsigned char* ring, int stage, const 
   const int64_t c0 = tile * (8 * TILES) + TILES * g;  // the lane's first column
   const uint8_t* row = qweight + c0 * stride_q + k0 / 2;
 #pragma unroll
-  for (int j = 0; j < TILES; ++j) mma_copy_async<16, true>(mma_unit(ring, stage, kUnits, j), row + j * stride_q);
+  for (int j = 0; j < TILES; ++j) ok_copy_async<16, true>(mma_unit(ring, stage, kUnits, j), row + j * stride_q);
   const int64_t offset = (k0 / group_size) * stride_s + c0;
   unsigned char* params = mma_unit(ring, stage, kUnits, TILES);
-  mma_copy_async<2 * TILES, false>(params, scales + offset);
+  ok_copy_async<2 * TILES, false>(params, scales + offset);
   if (KIND == kKindZeros) {
     unsigned char* z = TILES == 8 ? mma_unit(ring, stage, kUnits, TILES + 1) : params + 8;
-    mma_copy_async<2 * TILES, false>(z, zeros + offset);
+    ok_copy_async<2 * TILES, false>(z, zeros + offset);
   }
 }
 
@@ -909,7 +873,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1)
                                 stride_s, group_size);
       if (++load_step == steps) load_step = 0, load_tile += grid;
     }
-    mma_copy_commit();  // one group per item slot, empty or not: wait_group counts them
+    ok_copy_async_commit();  // one group per item slot, empty or not: wait_group counts them
   }
   uint32_t xw[2][2][16];  // x's windows for the current item and the next
   mma_load_x<T>(xw[0], x, warp, lane, m, n_chunks, stride_x);
@@ -939,7 +903,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1)
                       stride_x);
         if (++x_step == steps) x_step = 0;
       }
-      mma_copy_wait<DEPTH - 1>();  // this item's group has landed
+      ok_copy_async_wait_group<DEPTH - 1>();  // this item's group has landed
       // A warp whose chunk is past K skips the math (the same in all its lanes: the mma too).
       if (static_cast<int64_t>(math_step) * kMmaWarps + warp < n_chunks)
         mma_stage_math<T, S, TILES, KIND>(ring, stage, xw[u], acc);
@@ -949,7 +913,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1)
                                   stride_s, group_size);
         if (++load_step == steps) load_step = 0, load_tile += grid;
       }
-      mma_copy_commit();
+      ok_copy_async_commit();
       if (++stage == DEPTH) stage = 0;
       if (math_step == steps - 1) {
         __syncthreads();  // the previous tile's sums are read
@@ -980,7 +944,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1)
       if (++math_step == steps) math_step = 0, math_tile += grid;
     }
   }
-  mma_copy_wait<0>();  // the empty groups of the last items
+  ok_copy_async_wait_group<0>();  // the empty groups of the last items
 }
 
 template <typename T, typename S, int TILES, int DEPTH>

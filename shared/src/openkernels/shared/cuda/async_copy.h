@@ -1,0 +1,52 @@
+// cp.async (global -> shared memory, per thread, in commit groups) and dynamic shared memory
+// for the families' CUDA C++ kernels, with their CPU-emulation twins (cuda_emulation.h: a copy
+// lands only at the wait that covers its group). Include after the CUDA headers or
+// cuda_emulation.h; openkernels.shared.cuda_build puts this folder on the include path of
+// every build (nvcc, ptxas checks, emulation) and its headers' digest in the cache key.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef OK_CUDA_EMULATION
+// OK_DYNAMIC_SHARED comes from cuda_emulation.h.
+template <int BYTES, bool STREAM = false>
+__device__ __forceinline__ void ok_copy_async(void* smem, const void* gmem) {
+  ok_emu::copy_async(smem, gmem, BYTES);
+}
+__device__ __forceinline__ void ok_copy_async_commit() { ok_emu::copy_async_commit(); }
+template <int N>
+__device__ __forceinline__ void ok_copy_async_wait_group() {
+  ok_emu::copy_async_wait_group(N);
+}
+__device__ __forceinline__ void ok_copy_async_wait_all() { ok_emu::copy_async_wait_all(); }
+#else
+// The kernel's dynamic shared memory as `unsigned char name[]`, 16-byte aligned.
+#define OK_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+
+// BYTES (4, 8 or 16) from global to shared memory. STREAM: 16 bytes read once, kept out of
+// L1 and first out of L2 (cp.async.cg with an evict-first policy).
+template <int BYTES, bool STREAM = false>
+__device__ __forceinline__ void ok_copy_async(void* smem, const void* gmem) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  if constexpr (STREAM) {
+    static_assert(BYTES == 16, "cp.async.cg copies 16 bytes");
+    asm volatile(
+        "{\n"
+        ".reg .b64 policy;\n"
+        "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+        "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy;\n"
+        "}\n" ::"r"(dst),
+        "l"(gmem)
+        : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
+  }
+}
+__device__ __forceinline__ void ok_copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Every committed group of this thread but the newest N has landed.
+template <int N>
+__device__ __forceinline__ void ok_copy_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ok_copy_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+#endif
