@@ -146,6 +146,31 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
     DEVICES.append(pytest.param("cuda", id="cuda", marks=pytest.mark.gpu))
 
 
+def _check_gemv_cases(cases, kind: str, symmetric: bool, dtype: torch.dtype, device: str, g) -> None:
+    """One row of x through the GEMV forced to each case's config, (N, K, group, config, bias
+    dtype), with float16 and bfloat16 scales: within the error contract against float64 on
+    heavy-tailed weights, two runs bitwise equal."""
+    for n, k, group, config, bias_dtype in cases:
+        for sdtype in (torch.float16, torch.bfloat16):
+            w = make_weight(n, k, heavy=True, generator=g)
+            weight = quantize(w, kind, symmetric, group)
+            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
+                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
+            x = torch.randn(1, k, generator=g).to(dtype).to(device)
+            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
+            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
+            runs = []
+            for _ in range(2):
+                out = torch.full((1, n), float("nan"), dtype=dtype, device=device)
+                assert G.unsupported_call(*args, out, group, kind, config) is None
+                G.int4_linear_fwd(*args, out, group, kind, config=config)
+                runs.append(out)
+            assert not G._broken, G._broken
+            assert torch.equal(runs[0], runs[1]), "two runs differ"
+            msg = f"config={config} {kind} sym={symmetric} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
+            assert_linear_close(runs[0], x, weight, bias, w_rounded=False, msg=msg)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("kind", "symmetric"), FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -158,25 +183,7 @@ def test_gemv_within_the_error_contract(kind: str, symmetric: bool, dtype: torch
     else:
         cases = [(8192, 8192, 128, None, None), (28672, 8192, 128, None, torch.float32),
                  (8192, 28672, 128, 4, torch.bfloat16), (4100, 4096, 64, 4, None)]  # fmt: skip
-    for n, k, group, rows, bias_dtype in cases:
-        for sdtype in (torch.float16, torch.bfloat16):
-            w = make_weight(n, k, heavy=True, generator=g)
-            weight = quantize(w, kind, symmetric, group)
-            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
-                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
-            x = torch.randn(1, k, generator=g).to(dtype).to(device)
-            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
-            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
-            runs = []
-            for _ in range(2):
-                out = torch.full((1, n), float("nan"), dtype=dtype, device=device)
-                assert G.unsupported_call(*args, out, group, kind, rows) is None
-                G.int4_linear_fwd(*args, out, group, kind, config=rows)
-                runs.append(out)
-            assert not G._broken, G._broken
-            assert torch.equal(runs[0], runs[1]), "two runs differ"
-            msg = f"{kind} sym={symmetric} {n}x{k} g{group} rows={rows} {dtype} scales {sdtype} bias {bias_dtype}"
-            assert_linear_close(runs[0], x, weight, bias, w_rounded=False, msg=msg)
+    _check_gemv_cases(cases, kind, symmetric, dtype, device, g)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -233,25 +240,7 @@ def test_persistent_gemv_within_the_error_contract(
         cases = [(n, 8192, 128, c, None) for n in (8192, 28672) for c in G.PERSISTENT_CONFIGS]
         cases += [(8192, 28672, 128, "persistent", torch.bfloat16), (4100, 4096, 64, "persistent-r2-d4", None),
                   (4104, 12352, 32, "persistent-r8-d1", torch.float32)]  # fmt: skip
-    for n, k, group, config, bias_dtype in cases:
-        for sdtype in (torch.float16, torch.bfloat16):
-            w = make_weight(n, k, heavy=True, generator=g)
-            weight = quantize(w, kind, symmetric, group)
-            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
-                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
-            x = torch.randn(1, k, generator=g).to(dtype).to(device)
-            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
-            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
-            runs = []
-            for _ in range(2):
-                out = torch.full((1, n), float("nan"), dtype=dtype, device=device)
-                assert G.unsupported_call(*args, out, group, kind, config) is None
-                G.int4_linear_fwd(*args, out, group, kind, config=config)
-                runs.append(out)
-            assert not G._broken, G._broken
-            assert torch.equal(runs[0], runs[1]), "two runs differ"
-            msg = f"{config} {kind} sym={symmetric} {n}x{k} g{group} {dtype} {sdtype} bias {bias_dtype}"
-            assert_linear_close(runs[0], x, weight, bias, w_rounded=False, msg=msg)
+    _check_gemv_cases(cases, kind, symmetric, dtype, device, g)
 
 
 @pytest.mark.parametrize("device", DEVICES)
