@@ -2,7 +2,8 @@
 pick, for sm_80, sm_90 (CUDA configs) and gfx90a, gfx942, gfx950 (ROCm configs): compiles,
 no register spills, no scratch, shared memory within the chip's limit. The KV-cache
 kernels' cases come from aot_kvcache_cases.py, the rotary kernel's from aot_rotary_cases.py,
-the kernels as JAX compiles them (every integer a constant) from aot_jax_cases.py."""
+the kernels as JAX compiles them (every integer a constant) from aot_jax_cases.py, the
+Gluon Hopper forward's (sm_90 only) from aot_gluon_cases.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from openkernels.attention.core.triton import configs
 from openkernels.shared.platform import triton_interpreting
 
+from .aot_gluon_cases import cases_for as gluon_cases_for
 from .aot_jax_cases import cases_for as jax_cases_for
 from .aot_kvcache_cases import cases_for as kvcache_cases_for
 from .aot_rotary_cases import cases_for as rotary_cases_for
@@ -147,6 +149,7 @@ def test_kernels_compile_clean_for_every_config(target: str) -> None:
     if target not in targets_from_env():
         pytest.skip(f"{target} is not in OPENKERNELS_AOT_TARGETS")
     cases = cases_for(target) + kvcache_cases_for(target) + rotary_cases_for(target) + jax_cases_for(target)
+    cases += gluon_cases_for(target)
     reports = check_cases(cases, [target])
     print(format_reports(reports))
     assert_clean(reports)

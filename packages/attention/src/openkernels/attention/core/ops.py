@@ -27,6 +27,7 @@ import torch
 from openkernels.shared import dispatch, opdef
 
 from . import cudnn, problem
+from .gluon import supports as gluon_supports
 from .problem import ATTENTION_HEAD_DIMS, HEAD_DIMS
 from .reference import compute_dtype
 
@@ -224,6 +225,12 @@ def _with_cudnn(entry: str, supports) -> tuple[opdef.Impl, ...]:
                                                          supports))  # fmt: skip
 
 
+# The Hopper forward in Gluon (gluon/): below the Triton kernels' priority (20) until the
+# H200 says it is faster, so only `dispatch.force("attention:gluon")` picks it.
+_GLUON_PRIORITY = 15
+_GLUON_FWD = opdef.Impl("gluon", f"{_PKG}.gluon:attn_fwd", ("cuda",), _GLUON_PRIORITY, gluon_supports)
+
+
 # ---- openkernels::attention ------------------------------------------------------------
 
 
@@ -269,7 +276,7 @@ ATTENTION = opdef.define(
         forward=forward,
         fake=_attention_fake,
         key=_fwd_key,
-        impls=_with_cudnn("attn_fwd", cudnn.supports),
+        impls=(*_with_cudnn("attn_fwd", cudnn.supports), _GLUON_FWD),
         tensor_args=(0, 1, 2, 3, 4, 10, 13),
         backward=opdef.BackwardDef(
             schema=f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}) "

@@ -454,7 +454,13 @@ def _measure(case: AotCase, target_name: str) -> _Measured:
             (fn.arg_names.index(name),): backend.parse_attr(desc)
             for name, desc in _attrs_for(case, fn, signature, target).items()
         }
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        if fn.is_gluon():  # Gluon kernels (explicit layouts) go through their own front end
+            from triton.experimental.gluon._runtime import GluonASTSource
+
+            source = GluonASTSource
+        else:
+            source = ASTSource
+        src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": case.num_warps, "num_stages": case.num_stages, **case.options}
         kernel, log = _compile(src, target, options)
         if target.backend == "cuda":

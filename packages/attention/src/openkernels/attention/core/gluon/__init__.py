@@ -1,0 +1,121 @@
+"""Gluon launchers of the attention family: the Hopper (sm_90) forward of kernels.py.
+
+Registered as implementation "gluon" of the attention forward below the Triton kernels'
+priority: it runs only when forced (`dispatch.force("attention:gluon")`) until the H200 says
+it is faster (docs/perf.md). It takes plain calls (ops._plain: dense, causal or full, no
+window, ALiBi, softcap, dropout or sinks, head_dim 64 or 128, float16 / bfloat16, at least
+cudnn.MIN_SEQLEN queries); the backward stays the family's (it takes any forward's out and
+lse).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from openkernels.shared import dispatch
+
+__all__ = ["attn_fwd", "supports", "launch", "HEAD_DIMS", "ROWS", "ARCHS", "config"]
+
+HEAD_DIMS = (64, 128)
+ARCHS = ("sm_90",)
+ROWS = 64  # query rows per consumer warpgroup; a program takes 2 x ROWS
+# Registers per thread: 12 warps (two consumer warpgroups and the producer's warpgroup)
+# at maxnreg 168 fill the 64K register file; the producer gives back all but 24 of its.
+MAX_REGS, CONSUMER_REGS = 168, 240
+MAX_GRID_Y = 65535  # batch * heads: programs of one query block column
+
+
+def config(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, STAGES): 128-key blocks; two K/V stages at D128 (160 KiB of shared memory
+    with Q), three at D64 (112 KiB)."""
+    return (128, 2) if head_dim == 128 else (128, 3)
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def supports(key: dispatch.DispatchKey) -> str | None:
+    """Dispatch predicate: None when the Gluon forward runs `key`, else why not."""
+    if key.backend != "cuda":
+        return "the Gluon attention forward runs on NVIDIA GPUs"
+    if key.arch not in ARCHS:
+        return f"{key.arch}: the Gluon forward is written for Hopper ({', '.join(ARCHS)}: wgmma, TMA)"
+    if "plain" not in key.features:
+        return "not a plain call (dense, causal or full, no window, ALiBi, softcap or dropout, head_dim 64 or 128)"
+    if not _gluon_available():
+        return "this Triton has no Gluon Hopper support (triton.experimental.gluon)"
+    return None
+
+
+def _heads_packed(t: torch.Tensor) -> torch.Tensor:
+    """t (B, S, H, D) with each token's heads contiguous (what a TMA row needs)."""
+    d = t.shape[-1]
+    if (
+        t.stride(-1) == 1
+        and t.stride(-2) == d
+        and t.data_ptr() % 16 == 0
+        and all(s * t.element_size() % 16 == 0 for s in t.stride()[:2])
+    ):
+        return t
+    return t.contiguous()
+
+
+def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, scale, window_left,
+             window_right, alibi_slopes, softcap, dropout_p=0.0, dropout_seed=None) -> None:  # fmt: skip
+    """reference.attn_fwd for a plain call (see `supports`)."""
+    if q.shape[0] * q.shape[2] > MAX_GRID_Y:  # the grid's second axis: the Triton kernel takes these
+        from ..triton import attn_fwd as triton_fwd
+
+        triton_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   scale=scale, window_left=window_left, window_right=window_right, alibi_slopes=alibi_slopes,
+                   softcap=softcap)  # fmt: skip
+        return
+    causal = window_right == 0
+    target = out if out.stride(-2) == out.shape[-1] and out.stride(-1) == 1 else torch.empty_like(q)
+    launch(_heads_packed(q), _heads_packed(k), _heads_packed(v), target, lse, scale=scale, causal=causal)
+    if target is not out:
+        out.copy_(target)
+
+
+def launch(q, k, v, out, lse, *, scale: float, causal: bool, block_n: int | None = None,
+           stages: int | None = None) -> None:  # fmt: skip
+    """out (B, Sq, Hq, D), lse (B, Hq, Sq) float32 = attention of q (B, Sq, Hq, D) over k, v
+    (B, Sk, Hkv, D), each token's heads contiguous (stride(2) == D); causal is bottom-right
+    aligned. block_n / stages override `config` (benchmarks)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .kernels import attn_fwd_kernel
+
+    batch, seqlen_q, heads, d = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    bn, st = config(d)
+    bn, st = block_n or bn, stages or st
+    if st < 2:
+        raise ValueError(f"stages must be at least 2 (a consumer holds one slot while the next fills), got {st}")
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        # rank 3 (batch, token, heads * D): a block past a sequence's end reads zeros
+        block = [1, rows, d]
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        return TensorDescriptor(t, [t.shape[0], t.shape[1], t.shape[2] * d], [t.stride(0), t.stride(1), 1], block,
+                                layout)  # fmt: skip
+
+    grid = (-(-seqlen_q // (2 * ROWS)), batch * heads)
+    attn_fwd_kernel[grid](
+        desc(q, ROWS), desc(k, bn), desc(v, bn), out, lse,
+        seqlen_q, seqlen_k, heads, heads // heads_kv, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        scale * math.log2(math.e),
+        CAUSAL=causal, BLOCK_N=bn, HEAD_DIM=d, STAGES=st, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4, maxnreg=MAX_REGS,
+    )  # fmt: skip

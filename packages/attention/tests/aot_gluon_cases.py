@@ -1,0 +1,38 @@
+"""AOT cases of the Gluon Hopper attention forward (core/gluon): sm_90 only, every config the
+launcher picks (head_dim 64 / 128, full / causal, bf16 / fp16), with the launch's maxnreg."""
+
+from __future__ import annotations
+
+
+def _desc(dtype: str, shape: list[int]) -> str:
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16 if dtype == "bf16" else gl.float16)
+    return f"tensordesc<{dtype}[{','.join(map(str, shape))}],{layout!r}>"
+
+
+def cases_for(target: str) -> list:
+    if target != "sm_90":
+        return []  # wgmma, TMA and warp specialization: Hopper's
+    from openkernels.attention.core import gluon
+    from openkernels.shared.dev.testing.aot import AotCase
+
+    cases = []
+    for head_dim in gluon.HEAD_DIMS:
+        block_n, stages = gluon.config(head_dim)
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                signature = {
+                    "q_desc": _desc(dtype, [1, gluon.ROWS, head_dim]),
+                    "k_desc": _desc(dtype, [1, block_n, head_dim]),
+                    "v_desc": _desc(dtype, [1, block_n, head_dim]),
+                    "o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "heads": "i32",
+                    "kv_group": "i32", "stride_ob": "i64", "stride_os": "i32", "stride_lb": "i32",
+                    "stride_lh": "i32", "qk_scale": "fp32",
+                }  # fmt: skip
+                constexprs = {"CAUSAL": causal, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
+                              "CONSUMER_REGS": gluon.CONSUMER_REGS}  # fmt: skip
+                cases.append(AotCase("openkernels.attention.core.gluon.kernels:attn_fwd_kernel", signature,
+                                     constexprs, num_warps=4, options={"maxnreg": gluon.MAX_REGS},
+                                     label=f"gluon_attn_fwd[D{head_dim},{dtype},causal={causal}]"))  # fmt: skip
+    return cases

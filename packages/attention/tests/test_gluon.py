@@ -1,0 +1,100 @@
+"""The Gluon Hopper forward of attention (core/gluon): the dispatch predicate and `explain` on
+the CPU; on an sm_90 GPU, forced, against the float64 reference (forward, and the family's
+backward from its out and lse), causal and full, GQA, odd lengths, fp16 / bf16, D64 / D128,
+SDPA-layout views. Its compile check for sm_90 is in test_aot.py (aot_gluon_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openkernels.attention as A
+from openkernels.attention.core import gluon
+from openkernels.shared import dispatch
+from openkernels.shared.dev.testing import random_tensor
+
+from .cases import Case, Options, Shape, check_against_reference, compare, dense_case, run
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_selections():
+    yield
+    dispatch.changed()
+
+
+def test_the_predicate_and_explain() -> None:
+    key = dispatch.DispatchKey
+    plain = frozenset({"plain"})
+    assert "Hopper" in gluon.supports(key("cuda", "sm_80", torch.bfloat16, plain))
+    assert "plain" in gluon.supports(key("cuda", "sm_90", torch.bfloat16))
+    assert "NVIDIA" in gluon.supports(key("rocm", "gfx942", torch.bfloat16, plain))
+    assert "NVIDIA" in gluon.supports(key("cpu", "avx2", torch.float32, plain))
+    if gluon._gluon_available():
+        assert gluon.supports(key("cuda", "sm_90", torch.bfloat16, plain)) is None
+    text = dispatch.explain("attention", torch.randn(1, 4, 2, 64))
+    assert "gluon: runs on cuda, not cpu [priority 15]" in text
+
+
+def test_configs_fit_hopper_shared_memory() -> None:
+    # Q (2 x 64 rows) and STAGES K and V blocks, 16-bit, within 227 KiB.
+    for d in gluon.HEAD_DIMS:
+        block_n, stages = gluon.config(d)
+        assert (2 * gluon.ROWS + 2 * stages * block_n) * d * 2 <= 227 * 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        (Shape(2, 640, 640, 8, 8, 128), torch.bfloat16),
+        (Shape(1, 1000, 1000, 4, 2, 128), torch.float16),
+        (Shape(2, 777, 777, 8, 2, 64), torch.bfloat16),
+        (Shape(1, 4096, 4096, 2, 1, 64), torch.float16),
+        (Shape(1, 2048, 2048, 2, 2, 128), torch.bfloat16),
+    ],
+    ids=str,
+)
+def test_forced_calls_match_the_reference(causal: bool, shape: Shape, dtype: torch.dtype) -> None:
+    check_against_reference(dense_case(shape, Options(causal=causal), dtype, "cuda"), "attention:gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_full_attention_over_more_keys() -> None:
+    # Sk > Sq and not a multiple of the key block: the last block is masked, its rows zero-filled.
+    check_against_reference(dense_case(Shape(1, 512, 901, 4, 4, 128), Options(), torch.bfloat16, "cuda"),
+                            "attention:gluon")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_explain_names_it_when_forced() -> None:
+    q = random_tensor((1, 512, 4, 128), torch.bfloat16, "cuda")
+    out, lse = torch.empty_like(q), torch.empty(1, 4, 512, device="cuda")
+    opts = dict(max_seqlen_q=512, max_seqlen_k=512, scale=0.1, window_left=-1, window_right=0, alibi_slopes=None,
+                softcap=0.0)  # fmt: skip
+    with dispatch.force("attention:gluon"):
+        assert "-> gluon" in dispatch.explain("attention", q, q, q, out, lse, None, None, **opts)
+    assert "-> gluon" not in dispatch.explain("attention", q, q, q, out, lse, None, None, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_sdpa_layout_views_and_nan() -> None:
+    b, s, h, d = 2, 512, 4, 128
+    q, k, v = (
+        random_tensor((b, h, s, d), torch.bfloat16, "cuda").transpose(1, 2).requires_grad_() for _ in range(3)
+    )
+    out, lse, grads, dout = run(Case(q, k, v, Options(causal=True)), "attention:gluon")
+    compare(Case(q, k, v, Options(causal=True)), out, lse, grads, dout, "bhsd views")
+    # A NaN in one sequence's value stays in that sequence (blocks never read the next one).
+    v2 = v.detach().clone()
+    v2[1, 100, 2, 5] = float("nan")
+    with dispatch.force("attention:gluon"):
+        out2 = A.attention(q.detach(), k.detach(), v2, causal=False)
+        out2 = out2[0] if isinstance(out2, tuple) else out2
+    assert not out2[0].isnan().any() and out2[1, :, 2, 5].isnan().all()
