@@ -7,7 +7,7 @@ forward, SDPA cuDNN, SDPA flash and FlashAttention-4 (flash_attn.cute, when it i
 
 bf16, kernel calls timed with triton.testing.do_bench over enough q/k/v copies (>= 200 MB)
 that L2 (60 MB) holds none; TFLOP/s count 4 * B * H * S^2 * D, halved for causal. Gluon
-configs (BLOCK_N / STAGES) are swept per head_dim.
+configs (BLOCK_N / STAGES) and both schedules ("pp": ping-pong) are swept per head_dim.
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ def check() -> int:
              (2, 2048, 2048, 4, 4, 64), (1, 777, 333, 2, 2, 128), (1, 4096, 4096, 2, 2, 128)]  # fmt: skip
     for b, sq, sk, h, hkv, d in cases:
         for causal in (False, True):
-            for dtype in (torch.bfloat16, torch.float16):
+            for dtype, pingpong in ((torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)):
                 q = torch.randn(b, sq, h, d, device=DEV, dtype=dtype)
                 k, v = (torch.randn(b, sk, hkv, d, device=DEV, dtype=dtype) for _ in range(2))
-                name = f"B{b} Sq{sq} Sk{sk} H{h}/{hkv} D{d} causal={causal} {dtype}"
+                name = f"B{b} Sq{sq} Sk{sk} H{h}/{hkv} D{d} causal={causal} {dtype} pingpong={pingpong}"
                 try:
-                    out, lse = gluon_fwd(q, k, v, causal)
+                    out, lse = gluon_fwd(q, k, v, causal, pingpong=pingpong)
                     torch.cuda.synchronize()
                 except Exception as exc:  # report and go on: the sweep shows every failure
                     print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:300]}")
@@ -114,9 +114,10 @@ def bench_shape(b: int, h: int, s: int, d: int, causal: bool, flash4) -> str:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     contenders = [
-        (f"gluon{bn}/{st}", lambda bn=bn, st=st: gluon_fwd(*nxt(), causal, block_n=bn, stages=st))
-        for bn, st in CONFIGS[d]
-    ]
+        (f"gluon{bn}/{st}{'pp' if pp else ''}",
+         lambda bn=bn, st=st, pp=pp: gluon_fwd(*nxt(), causal, block_n=bn, stages=st, pingpong=pp))
+        for bn, st in CONFIGS[d] for pp in (False, True)
+    ]  # fmt: skip
     contenders += [
         ("triton", lambda: triton_fwd(*nxt(), causal)),
         ("cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION)),

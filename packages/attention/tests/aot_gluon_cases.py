@@ -1,5 +1,6 @@
 """AOT cases of the Gluon Hopper attention forward (core/gluon): sm_90 only, every config the
-launcher picks (head_dim 64 / 128, full / causal, bf16 / fp16), with the launch's maxnreg."""
+launcher picks (head_dim 64 / 128, full / causal, bf16 / fp16) and the ping-pong schedule,
+with the launch's maxnreg."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def cases_for(target: str) -> list:
     cases = []
     for head_dim in gluon.HEAD_DIMS:
         block_n, stages = gluon.config(head_dim)
-        for dtype in ("bf16", "fp16"):
+        for dtype, pingpong in (("bf16", False), ("fp16", False), ("bf16", True)):
             for causal in (False, True):
                 signature = {
                     "q_desc": _desc(dtype, [1, gluon.ROWS, head_dim]),
@@ -31,8 +32,8 @@ def cases_for(target: str) -> list:
                     "stride_lh": "i32", "qk_scale": "fp32",
                 }  # fmt: skip
                 constexprs = {"CAUSAL": causal, "BLOCK_N": block_n, "HEAD_DIM": head_dim, "STAGES": stages,
-                              "CONSUMER_REGS": gluon.CONSUMER_REGS}  # fmt: skip
+                              "PINGPONG": pingpong, "CONSUMER_REGS": gluon.CONSUMER_REGS}  # fmt: skip
                 cases.append(AotCase("openkernels.attention.core.gluon.kernels:attn_fwd_kernel", signature,
                                      constexprs, num_warps=4, options={"maxnreg": gluon.MAX_REGS},
-                                     label=f"gluon_attn_fwd[D{head_dim},{dtype},causal={causal}]"))  # fmt: skip
+                                     label=f"gluon_attn_fwd[D{head_dim},{dtype},causal={causal},pingpong={pingpong}]"))  # fmt: skip
     return cases

@@ -58,7 +58,11 @@ def test_configs_fit_hopper_shared_memory() -> None:
     ],
     ids=str,
 )
-def test_forced_calls_match_the_reference(causal: bool, shape: Shape, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("pingpong", [False, True], ids=["overlap", "pingpong"])
+def test_forced_calls_match_the_reference(
+    causal: bool, shape: Shape, dtype: torch.dtype, pingpong: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gluon, "PINGPONG", pingpong)  # both consumer schedules
     check_against_reference(dense_case(shape, Options(causal=causal), dtype, "cuda"), "attention:gluon")
 
 

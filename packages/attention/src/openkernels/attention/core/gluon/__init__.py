@@ -17,7 +17,7 @@ import torch
 
 from openkernels.shared import dispatch
 
-__all__ = ["attn_fwd", "supports", "launch", "HEAD_DIMS", "ROWS", "ARCHS", "config"]
+__all__ = ["attn_fwd", "supports", "launch", "HEAD_DIMS", "ROWS", "ARCHS", "PINGPONG", "config"]
 
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90",)
@@ -25,6 +25,10 @@ ROWS = 64  # query rows per consumer warpgroup; a program takes 2 x ROWS
 # Registers per thread: 12 warps (two consumer warpgroups and the producer's warpgroup)
 # at maxnreg 168 fill the 64K register file; the producer gives back all but 24 of its.
 MAX_REGS, CONSUMER_REGS = 168, 240
+# The consumers' schedule (kernels._consumer): each issuing the next block's S before its
+# own softmax (False), or the two taking turns at the tensor cores (True, FlashAttention-3's
+# ping-pong). Neither is measured yet; the study sweeps both.
+PINGPONG = False
 MAX_GRID_Y = 65535  # batch * heads: programs of one query block column
 
 
@@ -87,10 +91,10 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max
 
 
 def launch(q, k, v, out, lse, *, scale: float, causal: bool, block_n: int | None = None,
-           stages: int | None = None) -> None:  # fmt: skip
+           stages: int | None = None, pingpong: bool | None = None) -> None:  # fmt: skip
     """out (B, Sq, Hq, D), lse (B, Hq, Sq) float32 = attention of q (B, Sq, Hq, D) over k, v
     (B, Sk, Hkv, D), each token's heads contiguous (stride(2) == D); causal is bottom-right
-    aligned. block_n / stages override `config` (benchmarks)."""
+    aligned. block_n / stages override `config`, pingpong the schedule (benchmarks)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -100,8 +104,11 @@ def launch(q, k, v, out, lse, *, scale: float, causal: bool, block_n: int | None
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     bn, st = config(d)
     bn, st = block_n or bn, stages or st
+    pingpong = PINGPONG if pingpong is None else pingpong
     if st < 2:
-        raise ValueError(f"stages must be at least 2 (a consumer holds one slot while the next fills), got {st}")
+        raise ValueError(
+            f"stages must be at least 2 (a consumer holds one slot while the next fills), got {st}"
+        )
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -116,6 +123,6 @@ def launch(q, k, v, out, lse, *, scale: float, causal: bool, block_n: int | None
         desc(q, ROWS), desc(k, bn), desc(v, bn), out, lse,
         seqlen_q, seqlen_k, heads, heads // heads_kv, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         scale * math.log2(math.e),
-        CAUSAL=causal, BLOCK_N=bn, HEAD_DIM=d, STAGES=st, CONSUMER_REGS=CONSUMER_REGS,
+        CAUSAL=causal, BLOCK_N=bn, HEAD_DIM=d, STAGES=st, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4, maxnreg=MAX_REGS,
     )  # fmt: skip

@@ -53,11 +53,17 @@ def _qk(
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr, lse_ptr,
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, o_ptr, lse_ptr,
               b, h, q_start, seqlen_q, seqlen_k, n_blocks, stride_ob, stride_os, stride_lb, stride_lh, qk_scale,
               WG: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One warpgroup: query rows q_start + WG * ROWS .. + ROWS against every key block."""
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+    """One warpgroup: query rows q_start + WG * ROWS .. + ROWS against every key block.
+
+    Default schedule: the next block's S is issued before this block's softmax (the tensor
+    cores run under this warpgroup's exponentials). PINGPONG: the two warpgroups take turns
+    issuing their matrix products (S of the next block and P V of this one, back to back),
+    each waiting on `turn[WG]` and handing the turn over after issuing, so one warpgroup's
+    softmax runs while the other's products do (FlashAttention-3's schedule)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # fmt: skip
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -82,7 +88,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr, 
     for i in range(n_blocks):
         slot = i % STAGES
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
-        if i + 1 < n_blocks:
+        if not PINGPONG and i + 1 < n_blocks:
             nslot = (i + 1) % STAGES
             mbarrier.wait(k_ready.index(nslot), ((i + 1) // STAGES) & 1)
             s_next = _qk(q2, k_smem.index(nslot), s_layout, ROWS, BLOCK_N, HEAD_DIM)
@@ -108,7 +114,15 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr, 
         p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)
         mbarrier.wait(v_ready.index(slot), (i // STAGES) & 1)
         v2 = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), i & 1)
+            if i + 1 < n_blocks:
+                nslot = (i + 1) % STAGES
+                mbarrier.wait(k_ready.index(nslot), ((i + 1) // STAGES) & 1)
+                s_next = _qk(q2, k_smem.index(nslot), s_layout, ROWS, BLOCK_N, HEAD_DIM)
         acc = warpgroup_mma(p_op, v2, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
         # wgmma groups complete in order: this wait covers the next block's S as well.
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(slot), count=1)
@@ -132,7 +146,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr, 
 def attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr,
                     seqlen_q, seqlen_k, heads, kv_group, stride_ob, stride_os, stride_lb, stride_lh, qk_scale,
                     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr):  # fmt: skip
+                    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):  # fmt: skip
     """o, lse of one query block of 2 x 64 rows. Grid (cdiv(seqlen_q, 128), batch * heads);
     heavy causal blocks first. qk_scale = scale * log2(e). Launched with num_warps=4 (the
     first consumer); the second consumer and the producer are worker partitions."""
@@ -163,16 +177,23 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr,
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
+    # PINGPONG: turn[w] completes a phase when warpgroup w may issue its products; warpgroup
+    # 0 goes first.
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(0), count=1)
 
     kv_col = (h // kv_group) * HEAD_DIM
     q_col = h * HEAD_DIM
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr, lse_ptr, b, h, q_start,
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, o_ptr, lse_ptr, b, h, q_start,
                      seqlen_q, seqlen_k, n_blocks, stride_ob, stride_os, stride_lb, stride_lh, qk_scale,
-                     0, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr, lse_ptr, b, h, q_start,
+                     0, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, o_ptr, lse_ptr, b, h, q_start,
                      seqlen_q, seqlen_k, n_blocks, stride_ob, stride_os, stride_lb, stride_lh, qk_scale,
-                     1, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
+                     1, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                            b, q_start, kv_col, q_col, n_blocks, ROWS, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])  # fmt: skip
