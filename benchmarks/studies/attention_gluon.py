@@ -1,7 +1,10 @@
-"""The Gluon Hopper attention forward (openkernels.attention.core.gluon, issue 23) on one sm_90
-GPU: first its output and log-sum-exp against float32 math on odd shapes (exits 1 on any
-failure unless --force), then the forward at the issue's shapes beside the family's Triton
-forward, SDPA cuDNN, SDPA flash and FlashAttention-4 (flash_attn.cute, when it imports).
+"""The Gluon Hopper attention kernels (openkernels.attention.core.gluon, issue 23) on one sm_90
+GPU: first the forward's output and log-sum-exp against float32 math on odd shapes (exits 1
+on any failure unless --force; the backward's checks are tests/test_gluon.py), then the
+forward at the issue's shapes beside the family's Triton forward, SDPA cuDNN, SDPA flash and
+FlashAttention-4 (flash_attn.cute, when it imports), then forward+backward through autograd:
+the public `attention` with the default implementations (cuDNN forward, Triton backward),
+with the Gluon ones forced, and the same peers.
 
     PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/attention_gluon.py
 
@@ -136,12 +139,68 @@ def bench_shape(b: int, h: int, s: int, d: int, causal: bool, flash4) -> str:
     return f"B{b} H{h} S{s} D{d} {'causal' if causal else 'full'}: " + " | ".join(row)
 
 
+def bench_train(b: int, h: int, s: int, d: int, causal: bool, flash4) -> str:
+    """Forward+backward through autograd (2.5x the forward's FLOPs) over rotating copies."""
+    import openkernels.attention as A
+    from openkernels.shared import dispatch
+
+    copies = max(1, math.ceil(SERIES_BYTES / (4 * b * s * h * d * 2)))
+    sets = [
+        [torch.randn(b, s, h, d, device=DEV, dtype=torch.bfloat16, requires_grad=i < 3) for i in range(4)]
+        for _ in range(copies)
+    ]
+    turn = [0]
+
+    def nxt():
+        turn[0] = (turn[0] + 1) % copies
+        return sets[turn[0]]
+
+    def ours(*forced):
+        q, k, v, dout = nxt()
+        with dispatch.force(*forced):
+            out = A.attention(q, k, v, causal=causal)
+            out.backward(dout)
+
+    def sdpa(backend):
+        q, k, v, dout = nxt()
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal)
+            out.backward(dout.transpose(1, 2))
+
+    def fa4_train():
+        q, k, v, dout = nxt()
+        out = flash4(q, k, v, causal=causal)
+        (out[0] if isinstance(out, tuple) else out).backward(dout)
+
+    contenders = [
+        ("default", lambda: ours()),
+        ("gluon+gluon", lambda: ours("attention:gluon", "attention_backward:gluon")),
+        ("gluon+triton", lambda: ours("attention:gluon", "attention_backward:triton")),
+        ("cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION)),
+        ("sdpa-flash", lambda: sdpa(SDPBackend.FLASH_ATTENTION)),
+    ]
+    if flash4 is not None:
+        contenders.append(("fa4", fa4_train))
+    flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    row = []
+    for name, fn in contenders:
+        try:
+            ms = do_bench(fn, rep=300, grad_to_none=[t for group in sets for t in group[:3]])
+            row.append(f"{name} {ms:.3f} ({flops / ms / 1e9:.0f})")
+        except Exception as exc:  # a contender that fails to run is reported, not fatal
+            row.append(f"{name} ERR {type(exc).__name__}: {str(exc)[:80]}")
+    return f"B{b} H{h} S{s} D{d} {'causal' if causal else 'full'} fwd+bwd: " + " | ".join(row)
+
+
 def bench() -> None:
     flash4 = fa4()
     print("shape: ms (TFLOP/s)")
     for b, h, s, d in SHAPES:
         for causal in (False, True):
             print(bench_shape(b, h, s, d, causal, flash4), flush=True)
+    for b, h, s, d in SHAPES:
+        for causal in (False, True):
+            print(bench_train(b, h, s, d, causal, flash4), flush=True)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
-"""The Gluon Hopper forward of attention (core/gluon): the dispatch predicate and `explain` on
-the CPU; on an sm_90 GPU, forced, against the float64 reference (forward, and the family's
-backward from its out and lse), causal and full, GQA, odd lengths, fp16 / bf16, D64 / D128,
-SDPA-layout views. Its compile check for sm_90 is in test_aot.py (aot_gluon_cases.py)."""
+"""The Gluon Hopper kernels of attention (core/gluon): the dispatch predicate and `explain` on
+the CPU; on an sm_90 GPU, forced, against the float64 reference: the forward (both consumer
+schedules) with the family's backward, the backward after the default forward, and both
+together; causal and full, GQA and MQA, odd lengths, fp16 / bf16, D64 / D128, SDPA-layout
+views. Their compile check for sm_90 is in test_aot.py (aot_gluon_cases.py)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,15 @@ def test_the_predicate_and_explain() -> None:
 
 
 def test_configs_fit_hopper_shared_memory() -> None:
-    # Q (2 x 64 rows) and STAGES K and V blocks, 16-bit, within 227 KiB.
+    # 16-bit blocks within 227 KiB: forward Q (2 x 64 rows) and STAGES K and V blocks;
+    # dK/dV K and V (2 x 64 keys) and STAGES Q and dO blocks; dQ Q and dO and STAGES K and V.
+    limit = 227 * 1024
     for d in gluon.HEAD_DIMS:
         block_n, stages = gluon.config(d)
-        assert (2 * gluon.ROWS + 2 * stages * block_n) * d * 2 <= 227 * 1024
+        assert (2 * gluon.ROWS + 2 * stages * block_n) * d * 2 <= limit
+        q_rows, kv_stages, bwd_block_n, q_stages = gluon.bwd_config(d)
+        assert (4 * gluon.ROWS + 2 * kv_stages * q_rows) * d * 2 <= limit
+        assert (4 * gluon.ROWS + 2 * q_stages * bwd_block_n) * d * 2 <= limit
 
 
 @pytest.mark.gpu
@@ -66,6 +72,36 @@ def test_forced_calls_match_the_reference(
     check_against_reference(dense_case(shape, Options(causal=causal), dtype, "cuda"), "attention:gluon")
 
 
+_BWD_SHAPES = [
+    (Shape(2, 640, 640, 8, 8, 128), torch.bfloat16),
+    (Shape(1, 1000, 1000, 8, 1, 128), torch.float16),  # MQA: one key/value head for 8 query heads
+    (Shape(2, 777, 777, 8, 2, 64), torch.bfloat16),
+    (Shape(1, 2048, 2048, 2, 2, 64), torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("shape", "dtype"), _BWD_SHAPES, ids=str)
+@pytest.mark.parametrize("forward", ["default", "gluon"])
+def test_forced_backward_matches_the_reference(
+    causal: bool, shape: Shape, dtype: torch.dtype, forward: str
+) -> None:
+    # The backward from the default forward's out and lse (cuDNN's here), and with the Gluon forward.
+    with dispatch.force("attention_backward:gluon"):
+        impl = "attention:gluon" if forward == "gluon" else "attention_backward:gluon"
+        check_against_reference(dense_case(shape, Options(causal=causal), dtype, "cuda"), impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_backward_over_more_keys() -> None:
+    with dispatch.force("attention_backward:gluon"):
+        check_against_reference(dense_case(Shape(1, 512, 901, 4, 2, 128), Options(), torch.bfloat16, "cuda"),
+                                "attention:gluon")  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def test_full_attention_over_more_keys() -> None:
@@ -84,6 +120,10 @@ def test_explain_names_it_when_forced() -> None:
     with dispatch.force("attention:gluon"):
         assert "-> gluon" in dispatch.explain("attention", q, q, q, out, lse, None, None, **opts)
     assert "-> gluon" not in dispatch.explain("attention", q, q, q, out, lse, None, None, **opts)
+    grads = (torch.empty_like(q),) * 3
+    with dispatch.force("attention_backward:gluon"):
+        text = dispatch.explain("attention_backward", q, q, q, q, out, lse, *grads, None, None, **opts)
+        assert "-> gluon" in text
 
 
 @pytest.mark.gpu

@@ -225,10 +225,12 @@ def _with_cudnn(entry: str, supports) -> tuple[opdef.Impl, ...]:
                                                          supports))  # fmt: skip
 
 
-# The Hopper forward in Gluon (gluon/): below the Triton kernels' priority (20) until the
-# H200 says it is faster, so only `dispatch.force("attention:gluon")` picks it.
+# The Hopper kernels in Gluon (gluon/): below the Triton kernels' priority (20) until the
+# H200 says they are faster, so only `dispatch.force("attention:gluon")` (and
+# "attention_backward:gluon") picks them.
 _GLUON_PRIORITY = 15
 _GLUON_FWD = opdef.Impl("gluon", f"{_PKG}.gluon:attn_fwd", ("cuda",), _GLUON_PRIORITY, gluon_supports)
+_GLUON_BWD = opdef.Impl("gluon", f"{_PKG}.gluon:attn_bwd", ("cuda",), _GLUON_PRIORITY, gluon_supports)
 
 
 # ---- openkernels::attention ------------------------------------------------------------
@@ -286,7 +288,7 @@ ATTENTION = opdef.define(
             save=_attention_save,
             grads=_attention_grads,
             key=_bwd_key,
-            impls=_with_cudnn("attn_bwd", cudnn.supports_backward),
+            impls=(*_with_cudnn("attn_bwd", cudnn.supports_backward), _GLUON_BWD),
             non_differentiable=(1,),
         ),
     ),

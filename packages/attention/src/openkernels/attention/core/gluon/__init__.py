@@ -1,11 +1,13 @@
-"""Gluon launchers of the attention family: the Hopper (sm_90) forward of kernels.py.
+"""Gluon launchers of the attention family: the Hopper (sm_90) forward of kernels.py and the
+backward of kernels_bwd.py.
 
-Registered as implementation "gluon" of the attention forward below the Triton kernels'
-priority: it runs only when forced (`dispatch.force("attention:gluon")`) until the H200 says
-it is faster (docs/perf.md). It takes plain calls (ops._plain: dense, causal or full, no
-window, ALiBi, softcap, dropout or sinks, head_dim 64 or 128, float16 / bfloat16, at least
-cudnn.MIN_SEQLEN queries); the backward stays the family's (it takes any forward's out and
-lse).
+Registered as implementation "gluon" of `attention` and `attention_backward` below the Triton
+kernels' priority: they run only when forced (`dispatch.force("attention:gluon",
+"attention_backward:gluon")`) until the H200 says they are faster (docs/perf.md). They take
+plain calls (ops._plain: dense, causal or full, no window, ALiBi, softcap, dropout or sinks,
+head_dim 64 or 128, float16 / bfloat16, at least cudnn.MIN_SEQLEN queries). Each direction
+takes the other implementations' out and lse (natural-log, float32), so either may be
+forced alone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,19 @@ import torch
 
 from openkernels.shared import dispatch
 
-__all__ = ["attn_fwd", "supports", "launch", "HEAD_DIMS", "ROWS", "ARCHS", "PINGPONG", "config"]
+__all__ = [
+    "attn_fwd",
+    "attn_bwd",
+    "supports",
+    "launch",
+    "launch_bwd",
+    "HEAD_DIMS",
+    "ROWS",
+    "ARCHS",
+    "PINGPONG",
+    "config",
+    "bwd_config",
+]
 
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90",)
@@ -36,6 +50,14 @@ def config(head_dim: int) -> tuple[int, int]:
     """(BLOCK_N, STAGES): 128-key blocks; two K/V stages at D128 (160 KiB of shared memory
     with Q), three at D64 (112 KiB)."""
     return (128, 2) if head_dim == 128 else (128, 3)
+
+
+def bwd_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(dkdv query rows, dkdv stages, dq key block, dq stages). The dK/dV kernel holds dK and
+    dV (64 keys x D, float32) per warpgroup: at D128 its S^T / dP^T tiles take 32 queries (64
+    spilled 112-152 B per thread, ptxas sm_90a), three stages; the dQ kernel 128-key blocks,
+    two stages at D128 (192 KiB of shared memory), three at D64."""
+    return (32, 3, 128, 2) if head_dim == 128 else (64, 3, 128, 3)
 
 
 @functools.cache
@@ -90,14 +112,28 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max
         out.copy_(target)
 
 
+def _desc(t: torch.Tensor, rows: int):
+    """Rank-3 TMA descriptor (batch, token, heads * D) of a (B, S, H, D) tensor whose tokens'
+    heads are contiguous, blocks of `rows` tokens of one head: a block past a sequence's end
+    reads zeros, never the next sequence."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = t.shape[-1]
+    block = [1, rows, d]
+    layout = gl.NVMMASharedLayout.get_default_for(
+        block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    )
+    return TensorDescriptor(
+        t, [t.shape[0], t.shape[1], t.shape[2] * d], [t.stride(0), t.stride(1), 1], block, layout
+    )
+
+
 def launch(q, k, v, out, lse, *, scale: float, causal: bool, block_n: int | None = None,
            stages: int | None = None, pingpong: bool | None = None) -> None:  # fmt: skip
     """out (B, Sq, Hq, D), lse (B, Hq, Sq) float32 = attention of q (B, Sq, Hq, D) over k, v
     (B, Sk, Hkv, D), each token's heads contiguous (stride(2) == D); causal is bottom-right
     aligned. block_n / stages override `config`, pingpong the schedule (benchmarks)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .kernels import attn_fwd_kernel
 
     batch, seqlen_q, heads, d = q.shape
@@ -109,20 +145,51 @@ def launch(q, k, v, out, lse, *, scale: float, causal: bool, block_n: int | None
         raise ValueError(
             f"stages must be at least 2 (a consumer holds one slot while the next fills), got {st}"
         )
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        # rank 3 (batch, token, heads * D): a block past a sequence's end reads zeros
-        block = [1, rows, d]
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-        return TensorDescriptor(t, [t.shape[0], t.shape[1], t.shape[2] * d], [t.stride(0), t.stride(1), 1], block,
-                                layout)  # fmt: skip
 
     grid = (-(-seqlen_q // (2 * ROWS)), batch * heads)
     attn_fwd_kernel[grid](
-        desc(q, ROWS), desc(k, bn), desc(v, bn), out, lse,
+        _desc(q, ROWS), _desc(k, bn), _desc(v, bn), out, lse,
         seqlen_q, seqlen_k, heads, heads // heads_kv, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         scale * math.log2(math.e),
         CAUSAL=causal, BLOCK_N=bn, HEAD_DIM=d, STAGES=st, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4, maxnreg=MAX_REGS,
+    )  # fmt: skip
+
+
+def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, scale,
+             window_left, window_right, alibi_slopes, softcap, dropout_p=0.0, dropout_seed=None) -> None:  # fmt: skip
+    """reference.attn_bwd for a plain call (see `supports`), from any forward's out and lse."""
+    if q.shape[0] * q.shape[2] > MAX_GRID_Y:
+        from ..triton import attn_bwd as triton_bwd
+
+        triton_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                   max_seqlen_k=max_seqlen_k, scale=scale, window_left=window_left, window_right=window_right,
+                   alibi_slopes=alibi_slopes, softcap=softcap)  # fmt: skip
+        return
+    # delta_i = rowsum(dO_i * O_i) in float32, (B, Hq, Sq) like lse
+    delta = torch.einsum("bshd,bshd->bhs", dout.float(), out.float()).contiguous()
+    launch_bwd(_heads_packed(dout), _heads_packed(q), _heads_packed(k), _heads_packed(v), lse, delta, dq, dk, dv,
+               scale=scale, causal=window_right == 0)  # fmt: skip
+
+
+def launch_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, scale: float, causal: bool) -> None:
+    """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), contiguous, from dout, q, k, v with each
+    token's heads contiguous, lse and delta (B, Hq, Sq) float32 contiguous."""
+    from .kernels_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+
+    batch, seqlen_q, heads, d = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads // heads_kv
+    q_rows, kv_stages, block_n, q_stages = bwd_config(d)
+    qk_scale = scale * math.log2(math.e)
+    common = dict(CAUSAL=causal, D=d, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS)
+    attn_bwd_dkdv_kernel[(-(-seqlen_k // (2 * ROWS)), batch * heads_kv)](
+        _desc(k, ROWS), _desc(v, ROWS), _desc(q, q_rows), _desc(dout, q_rows), dk, dv, lse, delta,
+        seqlen_q, seqlen_k, heads_kv, group, dk.stride(0), dk.stride(1), lse.stride(0), lse.stride(1),
+        qk_scale, scale, STAGES=kv_stages, **common,
+    )  # fmt: skip
+    attn_bwd_dq_kernel[(-(-seqlen_q // (2 * ROWS)), batch * heads)](
+        _desc(q, ROWS), _desc(dout, ROWS), _desc(k, block_n), _desc(v, block_n), dq, lse, delta,
+        seqlen_q, seqlen_k, heads, group, dq.stride(0), dq.stride(1), lse.stride(0), lse.stride(1),
+        qk_scale, scale, BLOCK_N=block_n, STAGES=q_stages, **common,
     )  # fmt: skip
