@@ -5,9 +5,11 @@ NCCL) gives the same outputs as on one GPU.
     torchrun --nproc-per-node 2 benchmarks/peers/tp_kernelize.py run DIR
 
 prepare builds a small Llama-style model (random bf16 weights), saves it, and records on
-one GPU the unmodified and the kernelized logits and greedy tokens. run loads it with
-tp_plan="auto" on every rank, kernelizes, and compares (rank 0 prints the verdict; exit 1
-on a mismatch beyond bf16 tolerance).
+one GPU the unmodified, the kernelized and the int4-kernelized (quantize="int4", group size
+128) logits and greedy tokens. run loads it with tp_plan="auto" on every rank, kernelizes,
+and compares; then unkernelizes, kernelizes with int4 weights (each rank quantizes its own
+shard: the one-GPU model's codes and scales, sliced) and compares against the one-GPU int4
+model. Rank 0 prints the verdict; exit 1 on a mismatch beyond bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import sys
 
 import torch
 
-from openkernels.shared.kernelize import kernelize
+from openkernels.shared.kernelize import kernelize, unkernelize
 
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
               num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048)  # fmt: skip
 NEW_TOKENS = 32
+# Group size 128 divides each of 2 ranks' share of o_proj's K (512) and down_proj's (2048).
+INT4 = {"kind": "int4", "group_size": 128}
 
 
 def _inputs() -> torch.Tensor:
@@ -48,11 +52,15 @@ def prepare(path: str) -> None:
     ref_logits, ref_tokens = _run(model, "cuda")
     kernelize(model)
     k_logits, k_tokens = _run(model, "cuda")
-    torch.save(dict(ref_logits=ref_logits, ref_tokens=ref_tokens, k_logits=k_logits, k_tokens=k_tokens),
-               os.path.join(path, "reference.pt"))  # fmt: skip
+    unkernelize(model)
+    kernelize(model, quantize=INT4)
+    q_logits, q_tokens = _run(model, "cuda")
+    torch.save(dict(ref_logits=ref_logits, ref_tokens=ref_tokens, k_logits=k_logits, k_tokens=k_tokens,
+                    q_logits=q_logits, q_tokens=q_tokens), os.path.join(path, "reference.pt"))  # fmt: skip
     print(f"prepared {path}: one-GPU kernelized vs unmodified max |dlogit| "
           f"{(k_logits - ref_logits).abs().max().item():.4f} (max |logit| {ref_logits.abs().max().item():.2f}); "
-          f"greedy tokens equal {bool(torch.equal(k_tokens, ref_tokens))}")  # fmt: skip
+          f"greedy tokens equal {bool(torch.equal(k_tokens, ref_tokens))}; int4 vs unmodified max |dlogit| "
+          f"{(q_logits - ref_logits).abs().max().item():.4f}")  # fmt: skip
 
 
 def run(path: str) -> int:
@@ -65,9 +73,13 @@ def run(path: str) -> int:
     tp_logits, tp_tokens = _run(model, device)
     report = kernelize(model)
     ktp_logits, ktp_tokens = _run(model, device)
+    unkernelize(model)
+    q_report = kernelize(model, quantize=INT4)
+    qtp_logits, qtp_tokens = _run(model, device)
     ok = True
     if rank == 0:
         print(report)
+        print(q_report)
         dtypes = {type(p).__name__ for p in model.parameters()}
         print(f"world size {torch.distributed.get_world_size()}, parameter types {sorted(dtypes)}")
         scale = ref["ref_logits"].abs().max().item()
@@ -75,6 +87,7 @@ def run(path: str) -> int:
             ("TP unmodified vs 1-GPU unmodified", tp_logits, ref["ref_logits"], tp_tokens, ref["ref_tokens"]),
             ("TP kernelized vs 1-GPU kernelized", ktp_logits, ref["k_logits"], ktp_tokens, ref["k_tokens"]),
             ("TP kernelized vs TP unmodified", ktp_logits, tp_logits, ktp_tokens, tp_tokens),
+            ("TP int4 vs 1-GPU int4", qtp_logits, ref["q_logits"], qtp_tokens, ref["q_tokens"]),
         ]
         for label, a, b, ta, tb in rows:
             diff = (a - b).abs().max().item()
@@ -85,7 +98,9 @@ def run(path: str) -> int:
         # bf16 tolerance: the TP run's own distance to the 1-GPU run bounds what rounding does.
         base = (tp_logits - ref["ref_logits"]).abs().max().item()
         ours = (ktp_logits - ref["k_logits"]).abs().max().item()
-        ok = ours <= 2 * base + 0.05 * scale
+        # int4: the same codes and scales on both sides, so the same bf16 bound holds.
+        ours_int4 = (qtp_logits - ref["q_logits"]).abs().max().item()
+        ok = max(ours, ours_int4) <= 2 * base + 0.05 * scale
         print("verdict:", "same outputs within bf16 tolerance" if ok else "MISMATCH")
     torch.distributed.barrier()
     return 0 if ok else 1

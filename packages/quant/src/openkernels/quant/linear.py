@@ -5,11 +5,16 @@ weight has them) plus an optional float bias parameter, so `state_dict()` round-
 `torch.compile(fullgraph=True)` traces straight into openkernels::int4_linear. Loading a state
 dict checks every tensor's shape and dtype against the module's format and names the tensor
 that does not match (torch's default would silently cast an int32 qweight to uint8).
+
+Under tensor parallelism (transformers' tp_plan: DTensor weights, a ColwiseParallel /
+RowwiseParallel forward hook on each layer) quantize_model quantizes each rank's shard and
+hooks the Int4Linear the same way (_tp_layout, _quantize_shard).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -96,13 +101,7 @@ class Int4Linear(nn.Module):
         """Quantize an nn.Linear's weight (on its device); the bias is copied unchanged."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
-        w = linear.weight.detach()
-        if kind == "nf4":
-            q = quantize_nf4(w, group_size, search=search, scale_dtype=scale_dtype)
-        elif kind == "int4":
-            q = quantize_int4(w, group_size, symmetric, search=search, scale_dtype=scale_dtype)
-        else:
-            raise ValueError(f"kind must be 'int4' or 'nf4', got {kind!r}")
+        q = _quantize_weight(linear.weight.detach(), group_size, kind, symmetric, search, scale_dtype)
         return cls.from_weight(q, linear.bias)
 
     @classmethod
@@ -196,6 +195,120 @@ class Int4Linear(nn.Module):
                                       error_msgs)  # fmt: skip
 
 
+def _quantize_weight(w: Tensor, group_size: int | None, kind: str, symmetric: bool, search: str | None,
+                     scale_dtype: torch.dtype) -> Int4Weight:  # fmt: skip
+    if kind == "nf4":
+        return quantize_nf4(w, group_size, search=search, scale_dtype=scale_dtype)
+    if kind == "int4":
+        return quantize_int4(w, group_size, symmetric, search=search, scale_dtype=scale_dtype)
+    raise ValueError(f"kind must be 'int4' or 'nf4', got {kind!r}")
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+
+
+@dataclass(frozen=True)
+class _TPLayout:
+    """How transformers' tp_plan shards one nn.Linear: its forward hook's style (reused on
+    the Int4Linear) and mesh, and whether it is row-parallel (weight columns K sharded, the
+    hook all-reduces the partial outputs and adds the bias once) or column-parallel (rows N
+    sharded, each rank's output is its slice of the features)."""
+
+    style: object
+    mesh: object
+    rowwise: bool
+
+
+def _is_dtensor(t: Tensor | None) -> bool:
+    return t is not None and type(t).__name__ == "DTensor"
+
+
+def _tp_layout(name: str, linear: nn.Linear, group_size: int | None) -> _TPLayout | None:
+    """None for a layer with plain parameters. For a DTensor weight: the layout, once each
+    rank's shard is known to quantize exactly as the whole weight would (the same groups of
+    K), else ValueError naming the layer and why. Every rank reaches the same verdict (it
+    depends on global shapes only), so none is left quantized while another refuses."""
+    weight = linear.weight
+    if not _is_dtensor(weight):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    where = f"quantize_model: layer {name!r} (tensor-parallel, DTensor weight)"
+    hint = "; pass its name in skip= to leave it in 16-bit"
+    hook = linear.__dict__.get("forward")
+    captured = inspect.getclosurevars(hook).nonlocals if inspect.isfunction(hook) else {}
+    style, mesh = captured.get("self"), captured.get("mesh")
+    style_name = f"{type(style).__module__}.{type(style).__name__}"
+    # transformers 5.x installs its hook as the instance's forward (TensorParallelLayer.install_forward).
+    if captured.get("module") is not linear or style_name not in (
+        "transformers.distributed.tensor_parallel.ColwiseParallel",
+        "transformers.distributed.tensor_parallel.RowwiseParallel",
+    ):
+        raise ValueError(f"{where}: its forward is not transformers' ColwiseParallel / RowwiseParallel hook, "
+                         f"the only tensor-parallel layouts quantized per shard{hint}")  # fmt: skip
+    rowwise = style_name.endswith("RowwiseParallel")
+    placements = tuple(weight.placements)
+    shard_dim = 1 if rowwise else 0
+    if (
+        mesh.ndim != 1
+        or len(placements) != 1
+        or not (isinstance(placements[0], Shard) and placements[0].dim % 2 == shard_dim)
+    ):
+        raise ValueError(f"{where}: weight placements {placements} on a {mesh.ndim}-D mesh; expected "
+                         f"(Shard({shard_dim}),) on a 1-D mesh for {type(style).__name__}{hint}")  # fmt: skip
+    # Layouts where the hook reads the module's in/out_features as global sizes are refused:
+    # the Int4Linear holds this rank's shard and says its local sizes.
+    if rowwise and style.input_layouts != Shard(-1):
+        raise ValueError(f"{where}: RowwiseParallel with input layout {style.input_layouts!r}; "
+                         f"only Shard(-1) is quantized per shard{hint}")  # fmt: skip
+    if not rowwise and (style.output_layouts != Shard(-1) or not style.use_local_output):
+        raise ValueError(f"{where}: ColwiseParallel with output layout {style.output_layouts!r}"
+                         f"{'' if style.use_local_output else ' (DTensor output)'}; only a local Shard(-1) "
+                         f"output is quantized per shard{hint}")  # fmt: skip
+    bias = linear.bias
+    if bias is not None and not (
+        _is_dtensor(bias) and len(bias.placements) == 1
+        and isinstance(bias.placements[0], Replicate if rowwise else Shard)
+    ):  # fmt: skip
+        got = tuple(bias.placements) if _is_dtensor(bias) else "a plain tensor"
+        expected = "(Replicate(),)" if rowwise else "(Shard(dim=0),)"
+        raise ValueError(f"{where}: bias is {got}, expected {expected} for {type(style).__name__}{hint}")
+    k, ranks = linear.in_features, mesh.size()
+    if rowwise:
+        # DTensor's Shard splits like torch.chunk: every rank's columns must be whole groups
+        # (then each group lies on one rank, as in the unsharded weight).
+        columns = [len(c) for c in torch.arange(k).chunk(ranks)]
+        columns += [0] * (ranks - len(columns))
+        g = problem.resolve_group_size(group_size, k)
+        if any(c == 0 or c % g for c in columns):
+            whole = group_size in (None, -1)
+            what = f"one group per row (group_size={group_size})" if whole else f"group_size {g}"
+            fits = " or ".join(str(s) for s in (32, 64, 128) if all(c and c % s == 0 for c in columns))
+            raise ValueError(f"{where}: row-parallel, its {ranks} ranks hold {columns} of its {k} input columns "
+                             f"and {what} does not divide each rank's share (a group would straddle two ranks); "
+                             f"{f'use group_size {fits}' if fits else 'no group size fits'}{hint}")  # fmt: skip
+    return _TPLayout(style, mesh, rowwise)
+
+
+def _quantize_shard(linear: nn.Linear, layout: _TPLayout, group_size: int | None, kind: str, symmetric: bool,
+                    search: str | None, scale_dtype: torch.dtype) -> Int4Linear:  # fmt: skip
+    """An Int4Linear of this rank's shard, hooked by the linear's own tensor-parallel style.
+
+    transformers' `_hf_quantized_needs_local_tp` path runs it on plain local tensors: a
+    column-parallel layer takes the replicated x and returns its slice of the features; a
+    row-parallel one takes its slice of x, its partial output is all-reduced (a DTensor
+    Partial -> Replicate) and the bias, kept as the replicated DTensor it was, is added once
+    after that. A column-parallel bias is this rank's slice, a plain tensor, so a stacked
+    q/k/v or gate/up can concatenate it."""
+    q = _quantize_weight(linear.weight.to_local().detach(), group_size, kind, symmetric, search, scale_dtype)
+    bias = linear.bias
+    module = Int4Linear.from_weight(q, bias if layout.rowwise or bias is None else bias.to_local())
+    module._hf_quantized_needs_local_tp = True
+    layout.style.install_forward(module, layout.mesh)
+    module._is_hooked = True
+    return module
+
+
 @dataclass
 class QuantizeReport:
     """What quantize_model did: module names quantized, (name, reason) skipped, bytes of the
@@ -266,27 +379,39 @@ def quantize_model(
     be quantized (NaN, infinity) raises naming its layer; the layers before it stay quantized
     (their 16-bit weights are freed as it goes; kernelize(quantize=...) keeps them and puts
     them back).
+
+    Tensor parallelism (transformers' tp_plan="auto": DTensor weights): each rank quantizes
+    its own shard, which gives the unsharded weight's codes, scales and zeros sliced, and the
+    Int4Linear keeps the layer's tensor-parallel hook (the row-parallel all-reduce). A
+    row-parallel layer whose rank shares of K the group size does not divide (or a
+    whole-row group), and a sharded layer of another layout, raise ValueError naming it
+    before any layer changes. Bytes in the report are this rank's.
     """
     skip = tuple(skip)
     report = QuantizeReport()
-    todo = []
+    todo: dict[str, _TPLayout | None] = {}
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             reason = _skip_reason(name, module, skip, group_size)
             if reason:
                 report.skipped.append((name, reason))
             else:
-                todo.append(name)
-    for name in _progress(todo, progress):
+                todo[name] = _tp_layout(name, module, group_size)  # refuses before anything changes
+    for name in _progress(list(todo), progress):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
+        layout = todo[name]
         try:
-            quantized = Int4Linear.from_linear(linear, group_size=group_size, kind=kind, symmetric=symmetric,
-                                               search=search, scale_dtype=scale_dtype)  # fmt: skip
+            if layout is None:
+                quantized = Int4Linear.from_linear(linear, group_size=group_size, kind=kind, symmetric=symmetric,
+                                                   search=search, scale_dtype=scale_dtype)  # fmt: skip
+            else:
+                quantized = _quantize_shard(linear, layout, group_size, kind, symmetric, search, scale_dtype)
         except (ValueError, TypeError) as error:  # bad weights (NaN, ...): say which layer
             raise type(error)(f"quantize_model: layer {name!r}: {error}") from error
-        report.bytes_before += linear.weight.numel() * linear.weight.element_size()
+        weight = linear.weight.to_local() if layout is not None else linear.weight
+        report.bytes_before += weight.numel() * weight.element_size()
         report.bytes_after += quantized.weight.nbytes()
         setattr(parent, child, quantized)
         report.quantized.append(name)
