@@ -34,6 +34,7 @@ ROLES = REQUIRED | {
     "bench/*",
     "cpu/*",
     "cuda/*",
+    "gluon/*",
     "kernelize.py",
     "manifest.py",
 }

@@ -166,8 +166,12 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
                    max_seqlen_k=max_seqlen_k, scale=scale, window_left=window_left, window_right=window_right,
                    alibi_slopes=alibi_slopes, softcap=softcap)  # fmt: skip
         return
-    # delta_i = rowsum(dO_i * O_i) in float32, (B, Hq, Sq) like lse
-    delta = torch.einsum("bshd,bshd->bhs", dout.float(), out.float()).contiguous()
+    from .. import triton as triton_launchers
+
+    # delta = rowsum(dO * O) per query row, float32, laid out as lse: the Triton backward's first kernel
+    problem = triton_launchers._problem(q, k, None, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
+                                        None, 0.0, 0.0)  # fmt: skip
+    delta = triton_launchers.bwd_delta(out, dout, lse, None, problem)
     launch_bwd(_heads_packed(dout), _heads_packed(q), _heads_packed(k), _heads_packed(v), lse, delta, dq, dk, dv,
                scale=scale, causal=window_right == 0)  # fmt: skip
 

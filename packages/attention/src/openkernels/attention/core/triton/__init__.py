@@ -23,6 +23,7 @@ from .kernels import (
 __all__ = [
     "attn_fwd",
     "attn_bwd",
+    "bwd_delta",
 ]
 
 
@@ -132,6 +133,17 @@ def _group_sum(part: torch.Tensor, grad: torch.Tensor, p: plan.Problem, varlen: 
                   num_warps=4)  # fmt: skip
 
 
+def bwd_delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+              p: plan.Problem) -> torch.Tensor:  # fmt: skip
+    """delta = rowsum(out * dout) per query row, float32, laid out as lse (the backward's
+    first kernel; the Gluon backward takes it too)."""
+    delta = torch.empty_like(lse)
+    pre = plan.preprocess(p, (_bshd(out, p.varlen), _bshd(dout, p.varlen)), _lse_strides(lse, p.varlen))
+    direct_launch(_attn_bwd_preprocess_kernel, pre.grid, o_ptr=out, do_ptr=dout, cu_q_ptr=cu_seqlens_q, delta_ptr=delta,
+                  num_warps=pre.num_warps, **pre.args)  # fmt: skip
+    return delta
+
+
 def attn_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -162,10 +174,7 @@ def attn_bwd(
     lse_strides = _lse_strides(lse, varlen)
     strides_aligned = plan.aligned(*(t.stride()[:-1] for t in (dout, q, k, v, dq, dk, dv)))
     dkdv_cfg, dq_cfg = configs or (None, None)
-    delta = torch.empty_like(lse)
-    pre = plan.preprocess(p, (_bshd(out, varlen), _bshd(dout, varlen)), lse_strides)
-    direct_launch(_attn_bwd_preprocess_kernel, pre.grid, o_ptr=out, do_ptr=dout, cu_q_ptr=cu_seqlens_q, delta_ptr=delta,
-                                          num_warps=pre.num_warps, **pre.args)  # fmt: skip
+    delta = bwd_delta(out, dout, lse, cu_seqlens_q, p)
     # GQA: each query head's dK/dV share lands in float32 buffers with one head per query
     # head, summed over each group in a fixed order below (deterministic).
     if p.group == 1:
