@@ -10,6 +10,8 @@ its cases come from the same launch plans (triton/plan.py) that launcher uses.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from openkernels.quant.triton import configs, plan
@@ -30,13 +32,21 @@ def _pointers(
     }  # fmt: skip
 
 
+def _shuffles(family: str) -> bool:
+    """Whether the launchers read NF4 levels by a warp shuffle on the family's GPUs (CUDA
+    families compile the shuffle, CDNA the table gather), as plan.nf4_shuffle decides."""
+    return plan.nf4_shuffle("rocm" if family == "cdna" else "cuda", interpreting=False)
+
+
 def _linear_case(cfg: configs.LinearConfig, x: str = "bf16", scales: str = "fp16", *, zeros: bool = True,
-                 nf4: bool = False, bias: bool = False, split: int = 1, group: int = 128, even_k: bool = True):  # fmt: skip
+                 nf4: bool = False, bias: bool = False, split: int = 1, group: int = 128, even_k: bool = True,
+                 shuffle: bool = False):  # fmt: skip
     from openkernels.shared.dev.testing.aot import AotCase
 
+    shuffle = shuffle and nf4  # as plan.linear_plan: int4 launches keep NF4_SHUFFLE off
     sig = _pointers(x, scales, zeros=zeros, nf4=nf4, bias=bias, out=x, split=split > 1)
     flags = dict(GROUP=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_ZEROS=zeros, NF4=nf4, HAS_BIAS=bias,
-                 SPLIT_K=split, EVEN_K=even_k)  # fmt: skip
+                 SPLIT_K=split, EVEN_K=even_k, NF4_SHUFFLE=shuffle)  # fmt: skip
     if cfg.path == "gemv":
         ints = ("N", "K", "k_per_split", "stride_qn", "stride_sg", "magic")
         kernel = "_int4_linear_gemv_fwd_kernel"
@@ -50,13 +60,13 @@ def _linear_case(cfg: configs.LinearConfig, x: str = "bf16", scales: str = "fp16
     sig.update({i: "i32" for i in ints})
     attrs = {i: "D" for i in ints if i != "M"} if even_k else {}
     label = (f"{cfg.path}{'' if cfg.swap_ab else '-xw'}-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}-{x}-{scales}"
-             f"{'-zeros' if zeros else '-sym'}{'-nf4' if nf4 else ''}{'-bias' if bias else ''}-split{split}"
+             f"{'-zeros' if zeros else '-sym'}{'-nf4' if nf4 else ''}{'-shuffle' if shuffle else ''}{'-bias' if bias else ''}-split{split}"
              f"-g{group}{'' if even_k else '-oddk'}")  # fmt: skip
     return AotCase(f"{_KERNELS}:{kernel}", sig, flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                    label=label, attrs=attrs)  # fmt: skip
 
 
-def _helper_cases() -> list:
+def _helper_cases(shuffle: bool) -> list:
     from openkernels.shared.dev.testing.aot import AotCase
 
     cases = []
@@ -67,15 +77,18 @@ def _helper_cases() -> list:
                    "stride_on": "i32"}  # fmt: skip
             for group in (32, 128, 200):
                 cases.append(AotCase(f"{_KERNELS}:_dequantize_int4_fwd_kernel", sig,
-                                     dict(GROUP=group, BLOCK_N=64, BLOCK_K=256, HAS_ZEROS=zeros, NF4=nf4), num_warps=8,
-                                     label=f"dequant-{out}-g{group}{'-nf4' if nf4 else ''}{'-zeros' if zeros else ''}"))  # fmt: skip
+                                     dict(GROUP=group, BLOCK_N=64, BLOCK_K=256, HAS_ZEROS=zeros, NF4=nf4,
+                                          NF4_SHUFFLE=nf4 and shuffle), num_warps=8,
+                                     label=f"dequant-{out}-g{group}{'-nf4' if nf4 else ''}"
+                                           f"{'-shuffle' if nf4 and shuffle else ''}{'-zeros' if zeros else ''}"))  # fmt: skip
     return cases
 
 
 def cases_for(family: str) -> list:
     """Every config the table can return for an arch family (bf16, fp16 scales, zeros, split
     and not), every format and dtype variant on the M=1 and M=16 configs, odd K, and the
-    helper kernels."""
+    helper kernels; NF4 as the family's launches read its levels (_shuffles)."""
+    shuffle = _shuffles(family)
     out = {}
     for cfg in configs.all_configs(family):
         if cfg.path == "dequant":
@@ -89,7 +102,7 @@ def cases_for(family: str) -> list:
             for scales in ("fp16", "bf16"):
                 for zeros, nf4 in ((True, False), (False, False), (False, True)):
                     for bias in (False, True):
-                        c = _linear_case(cfg, x, scales, zeros=zeros, nf4=nf4, bias=bias)
+                        c = _linear_case(cfg, x, scales, zeros=zeros, nf4=nf4, bias=bias, shuffle=shuffle)
                         out[c.label] = c
         # (group, K): groups of 32 / 64, one group per row (K a power of two, and an odd
         # K = 200 that leaves a masked tail).
@@ -101,9 +114,9 @@ def cases_for(family: str) -> list:
     gemv = configs.LinearConfig("gemv", 1, 128, 128, 8, 1)
     for zeros, nf4 in ((True, False), (False, True)):
         for split in (1, 4):
-            c = _linear_case(gemv, zeros=zeros, nf4=nf4, split=split)
+            c = _linear_case(gemv, zeros=zeros, nf4=nf4, split=split, shuffle=shuffle)
             out[c.label] = c
-    out.update({c.label: c for c in _helper_cases()})
+    out.update({c.label: c for c in _helper_cases(shuffle)})
     return list(out.values())
 
 
@@ -118,7 +131,8 @@ def _jax_linear_case(family: str, m: int, x: str, scales: str, kind: str, zeros:
 
     n = _SIZES[0]
     cfg = configs.linear_config(m, n, k, group, family, 132)
-    p = plan.linear_plan(cfg, m, n, k, group, kind, has_zeros=zeros, has_bias=bias is not None, bitcast=True)
+    p = plan.linear_plan(cfg, m, n, k, group, kind, has_zeros=zeros, has_bias=bias is not None, bitcast=True,
+                         shuffle=_shuffles(family))  # fmt: skip
     inputs, outputs, absent = p.pointers()
     types = {"x_ptr": _T[x], "qw_ptr": "*u8", "s_ptr": _T[scales], "z_ptr": _T[scales], "lut_ptr": "*fp32",
              "bias_ptr": _T[bias or "fp32"], "out_ptr": _T[x], "ws_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
@@ -126,34 +140,39 @@ def _jax_linear_case(family: str, m: int, x: str, scales: str, kind: str, zeros:
     sig = {name: types[name] for name in (*inputs, *outputs)}
     constexprs = {**p.int_args(k, k // 2, n, n), **dict.fromkeys(absent), **p.flags}
     label = (f"jax-{cfg.path}-m{m}-k{k}-g{group}-bm{cfg.block_m}k{cfg.block_k}-split{p.splits}-{x}-{scales}-{kind}"
+             f"{'-shuffle' if p.flags['NF4_SHUFFLE'] else ''}"
              f"{'-zeros' if zeros else ''}{f'-bias{bias}' if bias else ''}")  # fmt: skip
     return AotCase(f"{_KERNELS}:{p.kernel}", sig, constexprs, num_warps=p.num_warps, num_stages=p.num_stages,
                    label=label)  # fmt: skip
 
 
-def _jax_dequant_case(out: str, kind: str, zeros: bool):
+def _jax_dequant_case(family: str, out: str, kind: str, zeros: bool):
     from openkernels.shared.dev.testing.aot import AotCase
 
     n, k = _SIZES
-    p = plan.dequant_plan(n, k, 128, kind, has_zeros=zeros)
+    p = plan.dequant_plan(n, k, 128, kind, has_zeros=zeros, shuffle=_shuffles(family))
     inputs, outputs, absent = p.pointers()
     types = {"qw_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "lut_ptr": "*fp32", "out_ptr": _T[out]}
     types.update(dict.fromkeys(p.stand_ins(), "*bf16"))
     constexprs = {**p.int_args(k // 2, n, k), **dict.fromkeys(absent), **p.flags}
     return AotCase(f"{_KERNELS}:{p.kernel}", {name: types[name] for name in (*inputs, *outputs)}, constexprs,
-                   num_warps=p.num_warps, label=f"jax-dequant-{out}-{kind}{'-zeros' if zeros else ''}")  # fmt: skip
+                   num_warps=p.num_warps,
+                   label=f"jax-dequant-{out}-{kind}{'-shuffle' if p.flags['NF4_SHUFFLE'] else ''}"
+                         f"{'-zeros' if zeros else ''}")  # fmt: skip
 
 
 def jax_cases_for(family: str) -> list:
     """A few JAX specializations per arch family: M = 1 and 16 (split K), 128 (no split,
     Hopper's unrolled tiles), a whole-row group with odd K (masked tail), and the dequantize
-    kernel of the large-M path."""
+    kernel of the large-M path (int4, and NF4 by the family's level lookup)."""
     return [
         _jax_linear_case(family, 1, "bf16", "fp16", "int4", True, None),
+        _jax_linear_case(family, 1, "bf16", "bf16", "nf4", False, None, group=64),
         _jax_linear_case(family, 16, "fp16", "bf16", "nf4", False, "bf16"),
         _jax_linear_case(family, 128, "bf16", "bf16", "int4", False, "fp32"),
         _jax_linear_case(family, 16, "bf16", "fp16", "int4", True, "fp32", k=200, group=200),
-        _jax_dequant_case("bf16", "int4", True),
+        _jax_dequant_case(family, "bf16", "int4", True),
+        _jax_dequant_case(family, "bf16", "nf4", False),
     ]
 
 
@@ -174,3 +193,148 @@ def test_jax_specializations_compile_clean(vendor: str) -> None:
     from openkernels.shared.dev.testing.aot import check_vendor
 
     check_vendor(jax_cases_for, vendor, target_groups=FAMILY_TARGETS)
+
+
+# ---- NF4 levels by warp shuffle (issue 24): the variants the CUDA launches run -------------
+
+_NF4_SHAPES = (  # (M, N, K, group): the study's shapes (GEMV and tiled), a whole-row odd K
+    (1, 8192, 8192, 64),
+    (1, 28672, 8192, 128),
+    (4, 8192, 8192, 64),
+    (16, 28672, 8192, 128),
+    (16, 4096, 200, 200),
+)
+
+
+def _nf4_launch_case(family: str, m: int, n: int, k: int, group: int, x: str = "bf16", scales: str = "fp16",
+                     bias: str | None = None, gather: bool = False):  # fmt: skip
+    """The PyTorch launch of int4_linear for an NF4 weight, straight from plan.linear_plan: its
+    constexprs, stand-ins, the output in place of an unsplit launch's scratch, and "D" on the
+    integers a launch specializes (multiples of 16). gather: LinearConfig.nf4_gather."""
+    from dataclasses import replace
+
+    from openkernels.shared.dev.testing.aot import AotCase
+
+    cfg = replace(configs.linear_config(m, n, k, group, family, 132, "nf4"), nf4_gather=gather)
+    p = plan.linear_plan(cfg, m, n, k, group, "nf4", has_zeros=False, has_bias=bias is not None, bitcast=True,
+                         shuffle=_shuffles(family))  # fmt: skip
+    inputs, outputs, absent = p.pointers()
+    types = {"x_ptr": _T[x], "qw_ptr": "*u8", "s_ptr": _T[scales], "lut_ptr": "*fp32", "bias_ptr": _T[bias or "fp32"],
+             "out_ptr": _T[x], "ws_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
+    types.update(dict.fromkeys(p.stand_ins(), _T[scales]))
+    types.update(dict.fromkeys(absent, _T[x]))
+    ints = p.int_args(k, k // 2, n, n)
+    sig = {**{name: types[name] for name in (*inputs, *outputs, *absent)}, **dict.fromkeys(ints, "i32")}
+    attrs = {name: "D" for name, value in ints.items() if value % 16 == 0}
+    label = (f"nf4-{cfg.path}-m{m}-{n}x{k}-g{group}-split{p.splits}-{x}-{scales}{f'-bias{bias}' if bias else ''}"
+             f"{'-shuffle' if p.flags['NF4_SHUFFLE'] else '-gather'}")  # fmt: skip
+    return AotCase(f"{_KERNELS}:{p.kernel}", sig, p.flags, num_warps=p.num_warps, num_stages=p.num_stages,
+                   label=label, attrs=attrs)  # fmt: skip
+
+
+def nf4_shuffle_cases(family: str) -> list:
+    """The NF4 launches of a CUDA family with levels by warp shuffle: the table's M = 1 GEMV
+    (split 16) and tiled M = 4 / 16 configs at the study's shapes, bf16 and fp16 x, a bias,
+    a masked tail; the dequantize kernel. Plus the gather the A/B override still runs there."""
+    from openkernels.shared.dev.testing.aot import AotCase
+
+    cases = [_nf4_launch_case(family, *shape) for shape in _NF4_SHAPES]
+    cases += [_nf4_launch_case(family, 1, 8192, 8192, 64, "fp16", "bf16", "bf16"),
+              _nf4_launch_case(family, 16, 8192, 8192, 64, "fp16", "fp16", "fp32")]  # fmt: skip
+    assert all(c.constexprs["NF4_SHUFFLE"] for c in cases), f"{family}: a launch without the shuffle"
+    cases += [_nf4_launch_case(family, m, 8192, 8192, 64, gather=True) for m in (1, 16)]
+    for out in ("bf16", "fp16", "fp32"):
+        p = plan.dequant_plan(8192, 8192, 64, "nf4", has_zeros=False, shuffle=_shuffles(family))
+        sig = {"qw_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "lut_ptr": "*fp32", "out_ptr": _T[out],
+               **dict.fromkeys(("N", "K", "stride_qn", "stride_sg", "stride_on"), "i32")}  # fmt: skip
+        cases.append(AotCase(f"{_KERNELS}:{p.kernel}", sig, p.flags, num_warps=p.num_warps,
+                             label=f"nf4-dequant-{out}-shuffle", attrs={}))  # fmt: skip
+    return cases
+
+
+def test_nf4_shuffle_compiles_clean_for_cuda() -> None:
+    """Every NF4 launch the CUDA families run takes its levels by warp shuffle (inline PTX)
+    and compiles for sm_80 / sm_90 with no spills and no scratch."""
+    from openkernels.shared.dev.testing.aot import check_vendor
+
+    check_vendor(nf4_shuffle_cases, "cuda", target_groups={"hopper": ("sm_90",), "ampere": ("sm_80",)})
+
+
+def test_nf4_lookup_by_platform() -> None:
+    """NVIDIA launches shuffle, ROCm and the interpreter gather, int4 never sets the flag, and
+    LinearConfig.nf4_gather overrides the shuffle."""
+    assert plan.nf4_shuffle("cuda", interpreting=False)
+    assert not plan.nf4_shuffle("cuda", interpreting=True)
+    assert not plan.nf4_shuffle("rocm", interpreting=False)
+    assert not plan.nf4_shuffle("cpu", interpreting=True)
+    for family in ("hopper", "ampere", "cdna"):
+        for m in (1, 16):
+            cfg = configs.linear_config(m, 4096, 4096, 64, family, 132, "nf4")
+            for kind in ("int4", "nf4"):
+                p = plan.linear_plan(cfg, m, 4096, 4096, 64, kind, has_zeros=kind == "int4", has_bias=False,
+                                     bitcast=True, shuffle=_shuffles(family))  # fmt: skip
+                assert p.flags["NF4_SHUFFLE"] == (kind == "nf4" and family != "cdna"), (family, m, kind)
+        d = plan.dequant_plan(4096, 4096, 64, "nf4", has_zeros=False, shuffle=_shuffles(family))
+        assert d.flags["NF4_SHUFFLE"] == (family != "cdna")
+    cfg = configs.LinearConfig("gemv", 1, 128, 64, 8, 1, 16, nf4_gather=True)
+    p = plan.linear_plan(
+        cfg, 1, 4096, 4096, 64, "nf4", has_zeros=False, has_bias=False, bitcast=True, shuffle=True
+    )
+    assert not p.flags["NF4_SHUFFLE"]
+
+
+def _ptx(case, arch: int) -> str:
+    """The PTX of an AotCase for sm_<arch>, compiled in this process into a throw-away cache."""
+    import os
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    from openkernels.quant.triton import kernels
+
+    fn = getattr(kernels, case.kernel.rpartition(":")[2])
+    constexprs = dict(case.constexprs)
+    signature = {name: "constexpr" if name in constexprs else case.signature[name] for name in fn.arg_names}
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    descs = {
+        **{n: "D" for n, t in signature.items() if t.startswith("*")},
+        **(case.attrs or {}),
+    }  # as the AOT check
+    attrs = {(fn.arg_names.index(n),): backend.parse_attr(d) for n, d in descs.items()}
+    old = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="openkernels-quant-ptx-") as tmp:
+        os.environ["TRITON_CACHE_DIR"] = tmp
+        try:
+            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+            kernel = triton.compile(src, target=target,
+                                    options={"num_warps": case.num_warps, "num_stages": case.num_stages})  # fmt: skip
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = old
+    return kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("m", [1, 16], ids=["gemv", "tiled"])
+def test_nf4_shuffle_replaces_the_gather_in_ptx(m: int) -> None:
+    """The shuffle variant reads each level by shfl.sync.idx from a lane-indexed register
+    (%laneid read once) and issues fewer reads of global memory (loads, and the tiled
+    kernel's cp.async copies, which its pipeline makes of the gathers too) than the gather
+    variant; the gather variant has no indexed shuffle (its reductions use shfl.sync.bfly)."""
+    from openkernels.shared.platform import triton_interpreting
+
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    shuffle = _ptx(_nf4_launch_case("hopper", m, 8192, 8192, 64), 90)
+    gather = _ptx(_nf4_launch_case("hopper", m, 8192, 8192, 64, gather=True), 90)
+    assert shuffle.count("%laneid") >= 1 and shuffle.count("shfl.sync.idx.b32") >= 8
+    assert "shfl.sync.idx" not in gather
+    reads = [
+        len(re.findall(r"\b(?:ld\.global|cp\.async\.c[ag]\.shared\.global)\b", ptx))
+        for ptx in (shuffle, gather)
+    ]
+    assert reads[0] + 16 <= reads[1], f"reads of global memory: shuffle {reads[0]}, gather {reads[1]}"

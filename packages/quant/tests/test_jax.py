@@ -127,13 +127,17 @@ def test_jax_launches_bind_arrays_first(config) -> None:
 
     cfg = _forced_configs()[config]
     plans = [
-        dequant_plan(64, 256, 64, kind, has_zeros=zeros) for kind, zeros in (("int4", True), ("nf4", False))
+        dequant_plan(64, 256, 64, kind, has_zeros=zeros, shuffle=shuffle)
+        for kind, zeros in (("int4", True), ("nf4", False))
+        for shuffle in (False, True)
     ]
     if cfg.path != "dequant":
         for kind, zeros in (("int4", True), ("int4", False), ("nf4", False)):
             for bias in (False, True):
-                p = linear_plan(cfg, 37, 45, 256, 64, kind, has_zeros=zeros, has_bias=bias, bitcast=True)
-                plans.append(p)
+                for shuffle in (False, True):
+                    p = linear_plan(cfg, 37, 45, 256, 64, kind, has_zeros=zeros, has_bias=bias, bitcast=True,
+                                    shuffle=shuffle)  # fmt: skip
+                    plans.append(p)
     for p in plans:
         inputs, outputs, absent = p.pointers()
         names = list(getattr(kernels, p.kernel).arg_names)

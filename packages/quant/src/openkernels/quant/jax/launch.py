@@ -44,6 +44,13 @@ def config(m: int, n: int, k: int, group_size: int, kind: str = "int4") -> Linea
     return linear_config(m, n, k, group_size, *_gpu_family(), kind)
 
 
+def _shuffle() -> bool:
+    """NF4 levels by a warp shuffle (plan.nf4_shuffle): jax-triton on an NVIDIA GPU."""
+    from ..triton.plan import nf4_shuffle
+
+    return nf4_shuffle(okjax.gpu_vendor(), okjax.backend() == "interpret")
+
+
 def _launch(plan: Any, arrays: dict, outputs: dict, ints: dict, zeroed: tuple = ()) -> tuple:
     """One launch of a plan.py plan: its inputs from `arrays` (the scales where the kernel
     reads nothing: jax-triton binds arrays by position), absent scratch pointers as None."""
@@ -74,7 +81,7 @@ def dequantize(qweight, scales, zeros, group_size: int, kind: str, dtype: Any) -
     from ..triton.plan import dequant_plan
 
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    plan = dequant_plan(n, k, group_size, kind, has_zeros=zeros is not None)
+    plan = dequant_plan(n, k, group_size, kind, has_zeros=zeros is not None, shuffle=_shuffle())
     arrays = _weight_arrays(qweight, scales, zeros, None, kind)
     outputs = {"out_ptr": jax.ShapeDtypeStruct((n, k), dtype)}
     (w,) = _launch(plan, arrays, outputs, plan.int_args(k // 2, n, k))
@@ -88,7 +95,7 @@ def linear(x2, qweight, scales, zeros, bias, group_size: int, kind: str, cfg: Li
     (m, k), n = x2.shape, qweight.shape[0]
     bitcast = not (okjax.backend() == "interpret" and x2.dtype == jnp.bfloat16)  # as triton/__init__.py
     plan = linear_plan(cfg, m, n, k, group_size, kind, has_zeros=zeros is not None, has_bias=bias is not None,
-                       bitcast=bitcast)  # fmt: skip
+                       bitcast=bitcast, shuffle=_shuffle())  # fmt: skip
     arrays = _weight_arrays(qweight, scales, zeros, bias, kind)
     outputs = {"out_ptr": jax.ShapeDtypeStruct((n,) if plan.gemv else (m, n), x2.dtype)}
     if plan.splits > 1:  # split-K scratch: partials, and arrival counters that start at 0

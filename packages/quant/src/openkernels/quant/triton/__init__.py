@@ -14,7 +14,7 @@ from openkernels.shared.platform import device_info, graph_capturing, triton_int
 from ..format import nf4_values
 from .configs import LinearConfig, arch_family, linear_config
 from .kernels import _dequantize_int4_fwd_kernel, _int4_linear_fwd_kernel, _int4_linear_gemv_fwd_kernel
-from .plan import dequant_plan, linear_plan
+from .plan import dequant_plan, linear_plan, nf4_shuffle
 
 __all__ = ["int4_linear_fwd", "dequantize_int4_fwd", "config_for", "reserve_graph_scratch"]
 
@@ -37,6 +37,12 @@ def config_for(
     m: int, n: int, k: int, group: int, device: torch.device, kind: str = "int4", words: bool = True
 ) -> LinearConfig:
     return linear_config(m, n, k, group, _family(device), _sm_count(device), kind, words)
+
+
+def _shuffle(device: torch.device) -> bool:
+    """NF4 levels by a warp shuffle on this device (plan.nf4_shuffle): an NVIDIA GPU
+    (torch.version.hip is None), not under the Triton interpreter."""
+    return nf4_shuffle(device_info(device).backend, triton_interpreting())
 
 
 def _lut(kind: str, scales: Tensor) -> Tensor:
@@ -105,7 +111,7 @@ def dequantize_int4_fwd(
     qweight: Tensor, scales: Tensor, zeros: Tensor | None, out: Tensor, group_size: int, kind: str
 ) -> None:
     n, k = out.shape
-    plan = dequant_plan(n, k, group_size, kind, has_zeros=zeros is not None)
+    plan = dequant_plan(n, k, group_size, kind, has_zeros=zeros is not None, shuffle=_shuffle(out.device))
     ints = plan.int_args(qweight.stride(0), scales.stride(0), out.stride(0))
     args = (qweight, scales, scales if zeros is None else zeros, _lut(kind, scales), out, *ints.values())
     launch(_dequantize_int4_fwd_kernel, plan.grid, *args, num_warps=plan.num_warps, num_stages=plan.num_stages,
@@ -120,7 +126,7 @@ class _Plan:
                  has_zeros: bool, has_bias: bool, strides: tuple[int, int, int, int], key: tuple) -> None:  # fmt: skip
         bitcast = not (triton_interpreting() and key[5] == torch.bfloat16)
         launch_plan = linear_plan(cfg, m, n, k, group_size, kind, has_zeros=has_zeros, has_bias=has_bias,
-                                  bitcast=bitcast)  # fmt: skip
+                                  bitcast=bitcast, shuffle=_shuffle(device))  # fmt: skip
         self.m, self.device, self.key = m, device, key
         self.gemv, self.grid, self.flags = launch_plan.gemv, launch_plan.grid, launch_plan.flags
         self.splits, self.partials, self.tiles = launch_plan.splits, launch_plan.partials, launch_plan.tiles
@@ -166,7 +172,8 @@ def int4_linear_fwd(
     *,
     config: LinearConfig | None = None,
 ) -> None:
-    """out (M, N) = x (M, K) @ W^T + bias. `config` overrides the table (tuning sweeps)."""
+    """out (M, N) = x (M, K) @ W^T + bias. `config` overrides the table (tuning sweeps; its
+    nf4_gather forces the NF4 table gather where the warp shuffle would run)."""
     m, k = x.shape
     n = qweight.shape[0]
     qw_stride, s_stride = qweight.stride(0), scales.stride(0)

@@ -23,7 +23,9 @@ __all__ = ["LinearConfig", "linear_config", "all_configs", "DEQUANT_MIN_M", "arc
 class LinearConfig:
     """path: "gemv", "tiled" or "dequant". block_m is 1 on the gemv path. split_k: programs
     along K (their float32 partials are added by the reduce kernel). group_n: weight tiles a
-    program band covers before moving to the next band of M (tiled path)."""
+    program band covers before moving to the next band of M (tiled path). nf4_gather: NF4
+    levels by the table gather even where the warp shuffle runs (plan.nf4_shuffle; for A/B
+    studies, benchmarks/studies/quant_nf4_shuffle.py; the table never sets it)."""
 
     path: str
     block_m: int = 1
@@ -35,6 +37,7 @@ class LinearConfig:
     group_n: int = 8
     swap_ab: bool = True
     unroll: int = 1
+    nf4_gather: bool = False
 
 
 # M from which W is dequantized and the vendor GEMM runs (see the module docstring). H200,
@@ -98,6 +101,9 @@ def linear_config(
         # levels from an L1-cached table and runs best split 16 ways (group 64: 8192x8192 56.0
         # us against 136.3 for the tiled kernel, 28672x8192 177.6 against 455.8). Measured on
         # Hopper only; Ampere shares the CUDA-core code path. CDNA keeps the tiled kernel.
+        # NF4's split 16 was measured with the gather; CUDA now reads the levels by warp
+        # shuffle (NF4_SHUFFLE), not yet timed: benchmarks/studies/quant_nf4_shuffle.py times
+        # it at split 16 and at int4's split.
         block_k = min(128, kernel_group(group, k))
         split = min(16, k // block_k) if kind == "nf4" else gemv_split(n, k, 128, block_k, sms)
         return LinearConfig("gemv", 1, 128, block_k, 8, 1, max(1, split))

@@ -22,6 +22,15 @@ counter; the split that arrives last adds the partials in split order (determini
 the bias, rounds once, stores the output and resets the counter to 0 for the next call
 (_finish_split). A second launch for the reduction cost ~10 us of host time per call, more
 than the M=1 kernel itself at 8192 x 8192 (H200). _dequantize_int4_fwd_kernel writes W itself (large M runs dequantize + matmul).
+
+NF4 levels (every kernel): NF4_SHUFFLE (NVIDIA, compiled) reads them from the warp's
+registers, as cuda/int4_gemv.cu's dot_nf4_word does: each thread holds NF4[laneid & 15] in one
+register (_lane_level, once per program) and a code q becomes NF4[q] by one
+shfl.sync.idx (_nf4_level), in place of a gather from the table in global memory per code
+(`tl.load(lut_ptr + q)`, the fallback on ROCm and under the interpreter, where inline PTX
+does not run). Same float32 levels, same arithmetic: the same bits are expected (checked on a
+GPU by benchmarks/studies/quant_nf4_shuffle.py). In the compiled GEMV (sm_90, group 64) the
+gather also cost layout conversions through shared memory (21 barriers vs 3 with the shuffle).
 """
 
 from __future__ import annotations
@@ -31,13 +40,44 @@ import triton.language as tl
 
 
 @triton.jit
-def _unpack_pairs(packed, NF4: tl.constexpr, lut_ptr):
-    """(R, C) uint8 -> low and high codes (float32 or NF4 levels), each (R, C)."""
-    low = packed & 0xF
-    high = packed >> 4
+def _lane_level(lut_ptr, NF4_SHUFFLE: tl.constexpr):
+    """NF4[laneid & 15] (float32) in each thread, for _nf4_level; 0.0 (unused) without the
+    shuffle. A scalar, not a tensor of the codes' shape: splatting it into any layout keeps
+    the thread's own value in every element, where a layout conversion of a tensor could move
+    one lane's level into another lane's registers. Every thread loads (Triton 3.6 emits the
+    scalar load unpredicated in each thread): one L1 hit per thread and program."""
+    if NF4_SHUFFLE:
+        lane = tl.inline_asm_elementwise(
+            "mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1
+        )
+        return tl.load(lut_ptr + (lane & 15))
+    return 0.0
+
+
+@triton.jit
+def _nf4_level(level, code):
+    """NF4[code & 15] (float32, code's shape) for 32-bit integer codes: lane (code & 31) of the
+    warp holds NF4[code & 15] in `level` (_lane_level). shfl.sync.idx reads the source lane
+    from the index's bits 0-4 alone (PTX ISA: bval = b[4:0]) and lanes 16-31 hold the same
+    levels as 0-15, so the bits above 3 need no mask: word >> 4p is the index of nibble p.
+    Full mask: Triton runs elementwise code on all 32 lanes of a warp, masked-out elements
+    included (their codes are the loads' 0 fill)."""
+    return tl.inline_asm_elementwise(
+        "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=f,f,r", [level, code], dtype=tl.float32,
+        is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _unpack_pairs(packed, NF4: tl.constexpr, lut_ptr, level, NF4_SHUFFLE: tl.constexpr):
+    """(R, C) uint8 -> low and high codes (float32 or NF4 levels), each (R, C). NF4 levels by
+    the warp shuffle (NF4_SHUFFLE, `level` from _lane_level) or the table gather."""
     if NF4:
-        return tl.load(lut_ptr + low), tl.load(lut_ptr + high)
-    return low.to(tl.float32), high.to(tl.float32)
+        if NF4_SHUFFLE:
+            codes = packed.to(tl.int32)  # low nibble in bits 0-3: no mask (_nf4_level)
+            return _nf4_level(level, codes), _nf4_level(level, codes >> 4)
+        return tl.load(lut_ptr + (packed & 0xF)), tl.load(lut_ptr + (packed >> 4))
+    return (packed & 0xF).to(tl.float32), (packed >> 4).to(tl.float32)
 
 
 @triton.jit
@@ -103,7 +143,7 @@ def _int4_linear_gemv_fwd_kernel(
     N, K, k_per_split, stride_qn, stride_sg, magic,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ZEROS: tl.constexpr, NF4: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, NF4_SHUFFLE: tl.constexpr,
 ):  # fmt: skip
     """One output row: out[n] = sum_k W[n, k] x[k] (+ bias[n]); x (K,), out (N,). Program
     (pid_n, split) covers rows pid_n*BLOCK_N.. and K range [split * k_per_split, + k_per_split)
@@ -132,6 +172,7 @@ def _int4_linear_gemv_fwd_kernel(
     m2 = m4 + 0x04000000  # 32768.0
     m1 = m4 + 0x06000000  # 524288.0
     m0 = m4 + 0x08000000  # 8388608.0
+    level = _lane_level(lut_ptr, NF4_SHUFFLE)
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -147,7 +188,16 @@ def _int4_linear_gemv_fwd_kernel(
         x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(x_ptr + k + offs_w * 8, in_k, EVEN_K)
         g = k // GROUP
         scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        if NF4:
+        if NF4 and NF4_SHUFFLE:  # one SHF, one SHFL and the FMA per code
+            part = _nf4_level(level, words) * x0
+            part += _nf4_level(level, words >> 4) * x1
+            part += _nf4_level(level, words >> 8) * x2
+            part += _nf4_level(level, words >> 12) * x3
+            part += _nf4_level(level, words >> 16) * x4
+            part += _nf4_level(level, words >> 20) * x5
+            part += _nf4_level(level, words >> 24) * x6
+            part += _nf4_level(level, words >> 28) * x7
+        elif NF4:
             part = tl.load(lut_ptr + (words & 0xF)) * x0
             part += tl.load(lut_ptr + ((words >> 4) & 0xF)) * x1
             part += tl.load(lut_ptr + ((words >> 8) & 0xF)) * x2
@@ -191,7 +241,7 @@ def _int4_linear_fwd_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr, HAS_ZEROS: tl.constexpr, NF4: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BITCAST: tl.constexpr, SWAP_AB: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, NF4_SHUFFLE: tl.constexpr,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ W^T (+ bias); BLOCK_K // UNROLL divides GROUP; with SPLIT_K > 1, ws
     (SPLIT_K, M, N) float32 and counter (tiles,) int32 (zeros) finish it.
@@ -221,6 +271,7 @@ def _int4_linear_fwd_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    level = _lane_level(lut_ptr, NF4_SHUFFLE)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -248,7 +299,7 @@ def _int4_linear_fwd_kernel(
             s_mask = mask_n if EVEN_K else mask_n & (k < k_end)
             scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=s_mask, other=0.0).to(tl.float32)
             if NF4:
-                low, high = _unpack_pairs(packed, NF4, lut_ptr)
+                low, high = _unpack_pairs(packed, NF4, lut_ptr, level, NF4_SHUFFLE)
                 w = tl.reshape(tl.join(low, high), (BLOCK_N, KSTEP)).to(x_ptr.dtype.element_ty)
             else:
                 if HAS_ZEROS:
@@ -285,7 +336,7 @@ def _int4_linear_fwd_kernel(
 def _dequantize_int4_fwd_kernel(
     qw_ptr, s_ptr, z_ptr, lut_ptr, out_ptr, N, K, stride_qn, stride_sg, stride_on,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, NF4: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, NF4: tl.constexpr, NF4_SHUFFLE: tl.constexpr,
 ):  # fmt: skip
     """out (N, K) = W in out's dtype; a (BLOCK_N, BLOCK_K) tile per program, BLOCK_K divides GROUP
     or GROUP divides BLOCK_K."""
@@ -299,7 +350,7 @@ def _dequantize_int4_fwd_kernel(
     s_off = (offs_k // GROUP)[None, :] * stride_sg + offs_n[:, None]
     scale = tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
     if NF4:
-        low, high = _unpack_pairs(packed, NF4, lut_ptr)
+        low, high = _unpack_pairs(packed, NF4, lut_ptr, _lane_level(lut_ptr, NF4_SHUFFLE), NF4_SHUFFLE)
         w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)) * scale
     else:
         if HAS_ZEROS:

@@ -30,6 +30,7 @@ __all__ = [
     "linear_plan",
     "dequant_plan",
     "k_per_split",
+    "nf4_shuffle",
 ]
 
 GEMV_KERNEL = "_int4_linear_gemv_fwd_kernel"
@@ -42,6 +43,14 @@ DEQUANT_KERNEL = "_dequantize_int4_fwd_kernel"
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def nf4_shuffle(vendor: str, interpreting: bool) -> bool:
+    """Whether the kernels read NF4 levels by a warp shuffle (the NF4_SHUFFLE constexpr): on
+    NVIDIA GPUs ("cuda"), compiled. Inline PTX runs neither on ROCm nor under the Triton
+    interpreter; both keep the gather from the table in global memory. Both launchers ask
+    here: PyTorch with the device's backend, JAX with its GPU vendor."""
+    return vendor == "cuda" and not interpreting
 
 
 def k_per_split(k: int, cfg: LinearConfig) -> tuple[int, int]:
@@ -117,10 +126,12 @@ def linear_plan(
     has_zeros: bool,
     has_bias: bool,
     bitcast: bool,
+    shuffle: bool,
 ) -> LinearPlan:
     """The launch of config `cfg` ("gemv" or "tiled" path) for x (M, K) @ W^T, W (N, K).
     bitcast: the tiled kernel's mantissa trick for 16-bit codes (False only where the Triton
-    interpreter runs bfloat16, which it cannot bitcast)."""
+    interpreter runs bfloat16, which it cannot bitcast). shuffle: NF4 levels by a warp
+    shuffle (nf4_shuffle() says where; an NF4 weight only, and not where cfg.nf4_gather)."""
     if cfg.path not in ("gemv", "tiled"):
         raise ValueError(f"linear_plan: the {cfg.path!r} path launches no int4_linear kernel")
     gemv = cfg.path == "gemv"
@@ -135,13 +146,15 @@ def linear_plan(
     tiles_n = _cdiv(n, cfg.block_n)
     tiles = tiles_n if gemv else tiles_n * _cdiv(m, cfg.block_m)
     nf4, group, even_k = kind == "nf4", kernel_group(group_size, k), k % cfg.block_k == 0
+    # int4 launches keep NF4_SHUFFLE off: one compiled variant per int4 launch, whatever the platform.
+    levels_by_shuffle = nf4 and shuffle and not cfg.nf4_gather
     if gemv:
         flags = dict(GROUP=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_ZEROS=has_zeros, NF4=nf4,
-                     HAS_BIAS=has_bias, SPLIT_K=splits, EVEN_K=even_k)  # fmt: skip
+                     HAS_BIAS=has_bias, SPLIT_K=splits, EVEN_K=even_k, NF4_SHUFFLE=levels_by_shuffle)  # fmt: skip
     else:
         flags = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
                      HAS_ZEROS=has_zeros, NF4=nf4, HAS_BIAS=has_bias, SPLIT_K=splits, EVEN_K=even_k, BITCAST=bitcast,
-                     SWAP_AB=cfg.swap_ab, UNROLL=cfg.unroll)  # fmt: skip
+                     SWAP_AB=cfg.swap_ab, UNROLL=cfg.unroll, NF4_SHUFFLE=levels_by_shuffle)  # fmt: skip
     return LinearPlan(
         kernel=GEMV_KERNEL if gemv else TILED_KERNEL,
         m=m,
@@ -189,9 +202,13 @@ class DequantPlan:
         return _stand_ins(self.flags)
 
 
-def dequant_plan(n: int, k: int, group_size: int, kind: str, *, has_zeros: bool) -> DequantPlan:
-    """The launch writing the (N, K) weight of a `kind` weight with groups of `group_size`."""
+def dequant_plan(
+    n: int, k: int, group_size: int, kind: str, *, has_zeros: bool, shuffle: bool
+) -> DequantPlan:
+    """The launch writing the (N, K) weight of a `kind` weight with groups of `group_size`;
+    shuffle: NF4 levels by a warp shuffle (as linear_plan)."""
     block_n, block_k, warps = dequant_block(group_size, k)
+    nf4 = kind == "nf4"
     flags = dict(GROUP=kernel_group(group_size, k), BLOCK_N=block_n, BLOCK_K=block_k, HAS_ZEROS=has_zeros,
-                 NF4=kind == "nf4")  # fmt: skip
+                 NF4=nf4, NF4_SHUFFLE=nf4 and shuffle)  # fmt: skip
     return DequantPlan(n, k, (_cdiv(n, block_n), _cdiv(k, block_k)), flags, warps)
