@@ -26,6 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from openkernels.shared.dev.bench import rotating_do_bench_ms, rotating_graph_ms
+
 T0 = time.time()
 DEV = torch.device("cuda")
 GROUP = 128
@@ -66,46 +68,16 @@ builder.start()
 
 
 # ---- timing ------------------------------------------------------------------------------
+
+
 def time_graph(fns) -> float | None:
-    """ms per call: `fns` (one per weight copy) captured round-robin in one CUDA graph."""
-    reps = max(1, math.ceil(CALLS / len(fns)))
-    try:
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the nvcc build thread's CUDA calls (loading the library) do not break it
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(reps):
-                for f in fns:
-                    f()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        n = 10
-        start.record()
-        for _ in range(n):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        del graph
-        return start.elapsed_time(end) / (n * reps * len(fns))
-    except Exception as error:
-        log(f"  graph capture failed: {error!r}")
-        torch.cuda.synchronize()
-        return None
+    """ms per call: `fns` (one per weight copy) captured round-robin in one CUDA graph (thread_local: the nvcc build thread's
+    CUDA calls do not break the capture)."""
+    return rotating_graph_ms(fns, CALLS, capture_error_mode="thread_local")
 
 
 def time_do_bench(fns) -> float:
-    from triton.testing import do_bench
-
-    state = {"i": 0}
-
-    def call():
-        fns[state["i"] % len(fns)]()
-        state["i"] += 1
-
-    return do_bench(call, warmup=10, rep=60, return_mode="median")
+    return rotating_do_bench_ms(fns)
 
 
 def copy_gbps() -> float:

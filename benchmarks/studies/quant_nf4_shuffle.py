@@ -36,6 +36,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from openkernels.shared.dev.bench import rotating_do_bench_ms, rotating_graph_ms
+
 SHAPES = ((8192, 8192), (28672, 8192))
 GROUPS = (64, 128)
 MS = (1, 4, 16)
@@ -52,45 +54,13 @@ def nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def time_do_bench(fns) -> float:
-    from triton.testing import do_bench
-
-    state = {"i": 0}
-
-    def call():
-        fns[state["i"] % len(fns)]()
-        state["i"] += 1
-
-    return do_bench(call, warmup=10, rep=100, return_mode="median")
-
-
 def time_graph(fns) -> float | None:
     """ms per call: `fns` (one per weight copy) captured round-robin in one CUDA graph."""
-    reps = max(1, math.ceil(CALLS / len(fns)))
-    try:
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                for f in fns:
-                    f()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        n = 10
-        start.record()
-        for _ in range(n):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        del graph
-        return start.elapsed_time(end) / (n * reps * len(fns))
-    except Exception as error:
-        log(f"  graph capture failed: {error!r}")
-        torch.cuda.synchronize()
-        return None
+    return rotating_graph_ms(fns, CALLS)
+
+
+def time_do_bench(fns) -> float:
+    return rotating_do_bench_ms(fns)
 
 
 def triton_call(qt, x, parts, out, group: int, kind: str, cfg):

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -222,6 +223,54 @@ def kernel_ms(
         _sync(device)
     total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
     return total_us / iters / 1e3
+
+
+def rotating_graph_ms(
+    fns: Sequence[Callable[[], Any]], calls: int = 60, capture_error_mode: str = "global"
+) -> float | None:
+    """Kernel milliseconds per call of `fns` (one per input copy, rotated so L2 holds none),
+    captured round-robin in one CUDA graph of about `calls` calls and replayed back to back:
+    launch overhead left out. None when the capture fails (reported on stderr).
+    capture_error_mode "thread_local" lets other threads make CUDA calls meanwhile."""
+    reps = max(1, -(-calls // len(fns)))
+    try:
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
+            for _ in range(reps):
+                for f in fns:
+                    f()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        replays = 10
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        del graph
+        return start.elapsed_time(end) / (replays * reps * len(fns))
+    except Exception as error:  # a call that cannot be captured: the caller reports None
+        print(f"graph capture failed: {error!r}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+
+
+def rotating_do_bench_ms(fns: Sequence[Callable[[], Any]]) -> float:
+    """Median wall milliseconds per call of `fns` (rotated), triton.testing.do_bench: CPU launch
+    overhead included where it is longer than the kernel."""
+    from triton.testing import do_bench
+
+    turn = [0]
+
+    def call() -> None:
+        fns[turn[0] % len(fns)]()
+        turn[0] += 1
+
+    return do_bench(call, warmup=10, rep=100, return_mode="median")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .pipeline import alloc_barriers, alloc_blocks
+
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
@@ -164,24 +166,16 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr,
         last_key = gl.minimum(q_start + 2 * ROWS + (seqlen_k - seqlen_q), seqlen_k)
     n_blocks = gl.cdiv(gl.maximum(last_key, 1), BLOCK_N)
 
-    # (list + list: the JIT front end takes no starred list displays)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # noqa: RUF005
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
+    q_smem = alloc_blocks(q_desc, 2)
+    k_smem = alloc_blocks(k_desc, STAGES)
+    v_smem = alloc_blocks(v_desc, STAGES)
+    q_bar = alloc_barriers(1, 1).index(0)
+    k_ready = alloc_barriers(STAGES, 1)
+    v_ready = alloc_barriers(STAGES, 1)
+    kv_empty = alloc_barriers(STAGES, 2)  # both consumers release a slot
     # PINGPONG: turn[w] completes a phase when warpgroup w may issue its products; warpgroup
     # 0 goes first.
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
+    turn = alloc_barriers(2, 1)
     if PINGPONG:
         mbarrier.arrive(turn.index(0), count=1)
 

@@ -18,6 +18,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from .pipeline import alloc_barriers, alloc_blocks
+
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -145,19 +147,14 @@ def attn_bwd_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_ptr, dv_ptr, lse_pt
         first_qb = gl.maximum(key0 - (seqlen_k - seqlen_q), 0) // QROWS
     n_qb = gl.maximum(gl.cdiv(seqlen_q, QROWS) - first_qb, 0)
 
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)  # noqa: RUF005
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)  # noqa: RUF005
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    k_smem = alloc_blocks(k_desc, 2)
+    v_smem = alloc_blocks(v_desc, 2)
+    q_smem = alloc_blocks(q_desc, STAGES)
+    do_smem = alloc_blocks(do_desc, STAGES)
+    kv_bar = alloc_barriers(1, 1).index(0)
+    q_ready = alloc_barriers(STAGES, 1)
+    do_ready = alloc_barriers(STAGES, 1)
+    empty = alloc_barriers(STAGES, 2)  # both consumers release a slot
     gl.warp_specialize([
         (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty, dk_ptr, dv_ptr, lse_ptr,
                           delta_ptr, b, key0, kv_head, group, first_qb, n_qb, seqlen_q, seqlen_k, stride_kb,
@@ -264,19 +261,14 @@ def attn_bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_ptr, lse_ptr, delta_p
         last_key = gl.minimum(q_start + 2 * QROWS + (seqlen_k - seqlen_q), seqlen_k)
     n_blocks = gl.cdiv(gl.maximum(last_key, 1), BLOCK_N)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # noqa: RUF005
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)  # noqa: RUF005
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    q_smem = alloc_blocks(q_desc, 2)
+    do_smem = alloc_blocks(do_desc, 2)
+    k_smem = alloc_blocks(k_desc, STAGES)
+    v_smem = alloc_blocks(v_desc, STAGES)
+    q_bar = alloc_barriers(1, 1).index(0)
+    k_ready = alloc_barriers(STAGES, 1)
+    v_ready = alloc_barriers(STAGES, 1)
+    empty = alloc_barriers(STAGES, 2)  # both consumers release a slot
     kv_col = (h // group) * D
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, dq_ptr, lse_ptr, delta_ptr,
