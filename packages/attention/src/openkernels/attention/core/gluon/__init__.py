@@ -70,11 +70,11 @@ def _gluon_available() -> bool:
 
 
 def supports(key: dispatch.DispatchKey) -> str | None:
-    """Dispatch predicate: None when the Gluon forward runs `key`, else why not."""
+    """Dispatch predicate (forward and backward): None when the Gluon kernels run `key`, else why not."""
     if key.backend != "cuda":
-        return "the Gluon attention forward runs on NVIDIA GPUs"
+        return "the Gluon attention kernels run on NVIDIA GPUs"
     if key.arch not in ARCHS:
-        return f"{key.arch}: the Gluon forward is written for Hopper ({', '.join(ARCHS)}: wgmma, TMA)"
+        return f"{key.arch}: the Gluon kernels are written for Hopper ({', '.join(ARCHS)}: wgmma, TMA)"
     if "plain" not in key.features:
         return "not a plain call (dense, causal or full, no window, ALiBi, softcap or dropout, head_dim 64 or 128)"
     if not _gluon_available():
