@@ -55,7 +55,8 @@ def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, a
         if cfg.mode == "split":
             ptrs.update(part_ptr="*fp32", arrived_ptr="*i32")
             ints = (*ints, "n_splits")
-            constexprs.update(MAX_SPLITS=max_splits, NARROW=narrow)  # NARROW: PTX, CUDA only
+            # NARROW: PTX, CUDA only; ONE_PASS: LayerNorm's chunk statistics in one reduction.
+            constexprs.update(MAX_SPLITS=max_splits, NARROW=narrow, ONE_PASS=cfg.one_pass)
     else:
         kernel = "_norm_bwd_split_kernel" if cfg.mode == "split" else "_norm_bwd_kernel"
         ptrs = {"dy_ptr": act, "h_ptr": h, "w_ptr": act, "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
@@ -77,7 +78,7 @@ def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, a
         f"{direction}-{cfg.mode}-{dtype}{'-h' + h_dtype if h_dtype else ''}-r{cfg.block_rows}c{cfg.block_cols}"
         f"w{cfg.num_warps}{'-p' + str(cfg.programs_per_sm) if cfg.programs_per_sm else ''}"
         f"{'-prefetch' if cfg.prefetch else ''}{'-even' if even else ''}"
-        f"{'-s' + str(max_splits) if cfg.mode == 'split' else ''}-{flag_text}"
+        f"{'-s' + str(max_splits) if cfg.mode == 'split' else ''}{'-1p' if cfg.one_pass else ''}-{flag_text}"
         f"{'' if aligned else '-unaligned'}{'-' + int_type if int_type != 'i32' else ''}"
     )
     return AotCase(f"{_KERNELS}:{kernel}", signature, constexprs, num_warps=cfg.num_warps,
@@ -143,6 +144,22 @@ def cases_for(backend: str) -> list:
                 *([case(direction, cfg, "bf16", every, aligned=False)] if cfg.mode != "tile" else []),
             ):
                 out[c.label] = c
+        if direction == "fwd":
+            # LayerNorm's one-pass split forward (configs.SPLIT_FWD_ONE_PASS, off by default):
+            # each LayerNorm flag alone, fp16, a float32 residual stream, int64 arguments, and
+            # the unaligned config (32 per thread on a 4096-column chunk).
+            for cfg in [c for c in all_cfgs if c.mode == "split" and c.one_pass]:
+                for flags in _flag_variants(direction):
+                    if not flags["IS_RMS"]:
+                        c = case(direction, cfg, "bf16", flags)
+                        out[c.label] = c
+                for c in (case(direction, cfg, "fp16", every), case(direction, cfg, "bf16", every, h_dtype="fp32"),
+                          case(direction, cfg, "bf16", every, int_type="i64")):  # fmt: skip
+                    out[c.label] = c
+            unaligned = configs.launch_config(65536, torch.bfloat16, backend, "fwd", aligned=False, rms=False,
+                                              one_pass=True)  # fmt: skip
+            c = case("fwd", unaligned, "bf16", every, aligned=False)
+            out[c.label] = c
         if direction == "bwd":  # unaligned rows past the tile: the split backward's own configs
             for dtype, t in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
                 for rms in (True, False):

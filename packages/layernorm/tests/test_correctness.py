@@ -8,7 +8,13 @@ import torch
 
 import openkernels.layernorm as L
 from openkernels.shared import dispatch
-from openkernels.shared.dev.testing import assert_close, noncontiguous_views, poisoned_empty, random_tensor
+from openkernels.shared.dev.testing import (
+    TOLERANCES,
+    assert_close,
+    noncontiguous_views,
+    poisoned_empty,
+    random_tensor,
+)
 from openkernels.shared.platform import triton_interpreting
 
 from .cases import (
@@ -220,6 +226,7 @@ def _kernel_paths(device: str) -> list:
         ("fwd", NormConfig(4, 64, 2, "tile", programs_per_sm=1), (37, 50)),
         ("fwd", NormConfig(2, 64, 2, "tile", programs_per_sm=1, prefetch=True), (37, 50)),
         ("fwd", NormConfig(1, 128, 4, "split"), (5, 128 * splits - 3)),
+        ("fwd", NormConfig(1, 128, 4, "split", one_pass=True), (5, 128 * splits - 3)),
         ("fwd", NormConfig(1, 64, 2, "looped"), (5, 200)),
         ("bwd", NormConfig(1, 64, 2, "tile", programs_per_sm=2), (37, 50)),
         ("bwd", NormConfig(2, 64, 2, "tile", programs_per_sm=1, prefetch=True), (37, 64)),
@@ -308,6 +315,84 @@ def test_every_kernel_path(device: str, impl: str, rms: bool) -> None:
             assert_close(got[1], want[1], dtype=torch.float32, terms=m, term_scale=scale * 4, msg=f"{msg} dw")
             if not rms:
                 assert_close(got[2], want[2], dtype=torch.float32, terms=m, term_scale=scale, msg=f"{msg} db")
+
+
+def _rows_far_from_their_shift(n: int, chunk: int) -> torch.Tensor:
+    """float64 rows of h on which the split forward's one-pass shift (each chunk's first
+    entry) cancels: 1000 + N(0, 1e-2); N(0, 1) with an outlier (1e4) first in every chunk;
+    1000 + N(0, 1e-2) with 1100 first in every chunk; N(0, 1) after a first entry of 1e15;
+    a constant row; N(0, 1)."""
+    rows = torch.randn(6, n, dtype=torch.float64)
+    rows[0] = 1000.0 + 1e-2 * rows[0]
+    rows[1, ::chunk] = 1.0e4
+    rows[2] = 1000.0 + 1e-2 * rows[2]
+    rows[2, ::chunk] = 1100.0
+    rows[3, 0] = 1.0e15
+    rows[4] = 7.0
+    return rows
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+@pytest.mark.parametrize(
+    ("dtype", "h_dtype", "residual"),
+    [
+        (torch.float32, torch.float32, False),
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.bfloat16, torch.float32, True),
+    ],
+    ids=["fp32", "bf16", "bf16+residual-h32"],
+)
+def test_split_forward_rows_far_from_their_shift(
+    device: str, impl: str, dtype: torch.dtype, h_dtype: torch.dtype, residual: bool, one_pass: bool
+) -> None:
+    """LayerNorm's split forward, one-pass chunk statistics (ONE_PASS) and two-pass, on rows
+    that make a shift by the chunk's first entry cancel, against float64 statistics of the
+    same h. bfloat16 rounds 1000 + N(0, 1e-2) to a nearly constant row (its ulp at 1000 is
+    4); with a bfloat16 residual into a float32 stream h is 1000 + N(0, 1e-2) again (x
+    carries the offset, the residual the spread). One chunk per row under the interpreter,
+    three on a GPU."""
+    if impl != "triton":
+        pytest.skip("launch configs belong to the Triton kernels")
+    from openkernels.layernorm import triton as T
+    from openkernels.layernorm.triton.configs import NormConfig
+
+    chunk = 1024
+    n = chunk * (1 if device == "cpu" else 3) - 3
+    cfg = NormConfig(1, chunk, 4, "split", one_pass=one_pass)
+    target = _rows_far_from_their_shift(n, chunk)
+    x = target.to(dtype)
+    r = (target - x.double()).to(dtype) if residual else None
+    m = x.shape[0]
+    h = x.float() if r is None else x.float() + r.float()
+    h = h.to(h_dtype).double()  # the kernel's h: x (+ residual) in float32, rounded once
+    want_mean = h.mean(-1)
+    want_rstd = ((h - want_mean[:, None]).square().mean(-1) + 1e-5).rsqrt()
+    y = torch.empty(m, n, dtype=dtype, device=device)
+    mean, rstd = torch.empty(m, device=device), torch.empty(m, device=device)
+    T.norm_fwd(x.to(device), None if r is None else r.to(device), None, None, y, None, mean, rstd, eps=1e-5,
+               weight_offset=0.0, rms=False, h_dtype=h_dtype, config=cfg)  # fmt: skip
+    # y = (h - mean) * rstd with the kernel's own statistics, to the output dtype's tolerance
+    # (with float64's, y would inherit the float32 mean's half ulp of 1000 times rstd, the
+    # conditioning test_large_offsets_and_constant_rows allows for).
+    want_y = (h - mean.double().cpu()[:, None]) * rstd.double().cpu()[:, None]
+    # The chunk means are float32 and the merge counts their rounding as spread: an error e in
+    # a chunk's mean adds count * e^2 to M2, (e * rstd)^2 of the variance, half that of rstd.
+    # One pass (K + s1 / count, then the merge's sum) keeps the mean within ~2 half-ulps,
+    # two passes (sum h / count) within a few more; it matters where |mean| * rstd is large
+    # (row 0: 1000 * 100).
+    ulps = 2 if one_pass else 4
+    for row in range(m):
+        msg = f"{cfg} row {row}"
+        # rstd to float32's tolerance for a sum of n terms, plus the chunk means' rounding;
+        # the mean: n terms of up to max|h|.
+        spread = (ulps * 2.0**-24 * float(want_mean[row].abs() * want_rstd[row])) ** 2 / 2
+        scale = 1 + spread / TOLERANCES[torch.float32].rtol
+        assert_close(rstd[row], want_rstd[row], dtype=torch.float32, scale=scale, terms=n, msg=f"{msg} rstd")
+        top = float(h[row].abs().max())
+        assert_close(
+            mean[row], want_mean[row], dtype=torch.float32, terms=n, term_scale=top, msg=f"{msg} mean"
+        )
+        assert_close(y[row], want_y[row], dtype=dtype, msg=f"{msg} y")
 
 
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])

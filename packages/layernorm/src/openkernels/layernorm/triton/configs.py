@@ -41,6 +41,14 @@ MAX_SPLITS = 64
 SUM_BLOCK_P, SUM_BLOCK_C, SUM_WARPS = 32, 128, 4
 LOOPED_COLS = 4096
 SPLIT_COLS = 8192  # the split kernels' chunk per program (doubled for the longest rows)
+# LayerNorm split forward: the chunk's (mean, M2) in one pass (two independent sums about
+# a shift, kernels._chunk_stats_one_pass) instead of two reductions in a row, which frees
+# the registers to hold 64 elements per thread (4 warps on an 8192-column chunk) as RMSNorm
+# does: ptxas, bf16, every flag, sm_90, 118 registers per thread at 8192 x 4 warps (two
+# passes: 168 at 4 warps, 119 at 8; RMSNorm 128 at 4). Off until it is measured (issue 25:
+# LayerNorm 0.46-0.49 of copy on the H200 at 65536-262144 bf16 columns where RMSNorm runs
+# 0.63-0.67); launch_config(..., one_pass=True) gives the candidate config.
+SPLIT_FWD_ONE_PASS = False
 # The split backward, by norm (RMSNorm?): chunk per program and elements per thread for
 # 16-bit rows (float32 rows hold half as many per thread), and the programs per SM its grid
 # is sized to (each takes a run of rows of one chunk). H200, bf16, 16384-262144 columns
@@ -66,7 +74,8 @@ MAX_WARPS = {"cuda": 32, "rocm": 16}
 class NormConfig:
     """mode: "tile", "split" or "looped". programs_per_sm: 0 = one program per row block,
     else a persistent grid of SMs x this. prefetch: the tile kernels load the next row block
-    before reducing the current one."""
+    before reducing the current one. one_pass: the split forward's LayerNorm chunk statistics
+    in one reduction (its ONE_PASS; the other kernels and RMSNorm ignore it)."""
 
     block_rows: int
     block_cols: int
@@ -75,6 +84,7 @@ class NormConfig:
     programs_per_sm: int = 0
     prefetch: bool = False
     num_stages: int = 1
+    one_pass: bool = False
 
     @property
     def looped(self) -> bool:
@@ -92,7 +102,13 @@ def _warps(elements: int, per_thread: int, vendor: str) -> int:
 
 @functools.cache
 def launch_config(
-    n_cols: int, dtype: torch.dtype, backend: str, direction: str, aligned: bool = True, rms: bool = True
+    n_cols: int,
+    dtype: torch.dtype,
+    backend: str,
+    direction: str,
+    aligned: bool = True,
+    rms: bool = True,
+    one_pass: bool = SPLIT_FWD_ONE_PASS,
 ) -> NormConfig:
     """Kernel, tile and warps for rows of n_cols elements.
 
@@ -104,7 +120,8 @@ def launch_config(
     and leave the tile at half the width (the 16384 forward tile spilled 8 B per thread on
     sm_80 unaligned). rms: RMSNorm (one row reduction) or LayerNorm (three). dtype: the
     rows' (the wider of dy's and h's in the backward): it sizes the split backward's chunk
-    per thread.
+    per thread. one_pass: the LayerNorm split forward with one-pass chunk statistics, at 64
+    elements per thread like RMSNorm's (default SPLIT_FWD_ONE_PASS; no other config changes).
     """
     vendor = "rocm" if backend == "rocm" else "cuda"
     limit = MAX_TILE_COLS[direction] if aligned else MAX_TILE_COLS[direction] // 2
@@ -129,13 +146,15 @@ def launch_config(
     if direction == "fwd" and backend in ("cuda", "rocm"):
         # 8192-column chunks, 16384 past 64 of them (1M columns). H200, bf16, 65536-1048576
         # columns (docs/perf.md): RMSNorm best at 64 per thread (0.74-0.76 of copy at 8192 x
-        # 4 warps against 0.66 for the 16384 x 16 it replaced), LayerNorm at 8 warps.
+        # 4 warps against 0.66 for the 16384 x 16 it replaced), LayerNorm's two reductions in
+        # a row at 8 warps; LayerNorm in one pass (one_pass) takes RMSNorm's 64 (unmeasured).
         base = SPLIT_COLS if aligned else SPLIT_COLS // 2
         chunk = base if -(-n_cols // base) <= MAX_SPLITS else 2 * base
         if -(-n_cols // chunk) <= MAX_SPLITS:
+            ln_one_pass = one_pass and not rms
             # Unaligned rows hold an address per element: 32 per thread, as before.
-            per_thread = 32 if not aligned or (not rms and chunk == base) else 64
-            return NormConfig(1, chunk, _warps(chunk, per_thread, vendor), "split")
+            per_thread = 32 if not aligned or (not rms and not one_pass and chunk == base) else 64
+            return NormConfig(1, chunk, _warps(chunk, per_thread, vendor), "split", one_pass=ln_one_pass)
     if direction == "bwd" and backend in ("cuda", "rocm"):
         base, per_thread = SPLIT_BWD[rms]
         base = base if aligned else base // 2
@@ -159,13 +178,13 @@ def looped_config(direction: str, aligned: bool, backend: str) -> NormConfig:
 
 
 def all_configs(backend: str, direction: str, dtype: torch.dtype = torch.float32) -> list[NormConfig]:
-    """Every config `launch_config` can return for aligned rows of dtype (for compile-only
-    checks; 16-bit and float32 rows differ in the split backward)."""
+    """Every config `launch_config` can return for aligned rows of dtype, with one_pass off
+    and on (for compile-only checks; 16-bit and float32 rows differ in the split backward)."""
     seen = set()
-    for rms in (True, False):
+    for rms, one_pass in ((True, False), (False, False), (False, True)):
         for k in range(0, 21):
-            seen.add(launch_config(1 << k, dtype, backend, direction, True, rms))
+            seen.add(launch_config(1 << k, dtype, backend, direction, True, rms, one_pass))
         # The split forward's chunk doubled, then the looped kernels.
         for splits in (MAX_SPLITS, 2 * MAX_SPLITS, 4 * MAX_SPLITS):
-            seen.add(launch_config(splits * SPLIT_COLS + 1, dtype, backend, direction, True, rms))
-    return sorted(seen, key=lambda c: (c.mode, c.block_cols, c.block_rows, c.num_warps))
+            seen.add(launch_config(splits * SPLIT_COLS + 1, dtype, backend, direction, True, rms, one_pass))
+    return sorted(seen, key=lambda c: (c.mode, c.block_cols, c.block_rows, c.num_warps, c.one_pass))

@@ -216,7 +216,7 @@ def _norm_fwd_split_kernel(
     eps, weight_offset,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_C: tl.constexpr, MAX_SPLITS: tl.constexpr, NARROW: tl.constexpr,
+    BLOCK_C: tl.constexpr, MAX_SPLITS: tl.constexpr, NARROW: tl.constexpr, ONE_PASS: tl.constexpr,
 ):  # fmt: skip
     """Program pid holds chunk pid % n_splits of row pid // n_splits. It publishes its
     chunk's (mean, M2) to part_ptr, counts itself in arrived_ptr[row] (0 before the call
@@ -232,7 +232,10 @@ def _norm_fwd_split_kernel(
     The chunk lives in registers while the program waits, so its width sets how many
     programs an SM holds, and with them the bytes in flight (bf16, 262144 columns on the
     H200: 0.74 of copy against 0.67). An opaque register copy (PTX) keeps the compiler from
-    reusing the float32 values it converted for the statistics."""
+    reusing the float32 values it converted for the statistics.
+
+    ONE_PASS (LayerNorm): the chunk's (mean, M2) in one pass (two independent sums about a
+    shift) instead of two reductions in a row; see _chunk_stats_one_pass for its accuracy."""
     pid = tl.program_id(0)
     row = (pid // n_splits).to(tl.int64)
     split = pid % n_splits
@@ -246,14 +249,22 @@ def _norm_fwd_split_kernel(
     if STORE_RESIDUAL:
         tl.store(res_out_ptr + row * stride_res_out + cols, h.to(res_out_ptr.dtype.element_ty), mask=mask)
     count = tl.minimum(n_cols - split * BLOCK_C, BLOCK_C).to(tl.float32)
+    h_narrow = h.to(res_out_ptr.dtype.element_ty)  # exact: _round_h rounded h to this dtype
     if IS_RMS:
         chunk_mean = 0.0
         chunk_m2 = tl.sum(h * h, axis=0)
+    elif ONE_PASS:
+        first = split * BLOCK_C  # < n_cols: every program's chunk has a first element
+        x0 = tl.load(x_ptr + row * stride_x + first)
+        r0 = x0
+        if HAS_RESIDUAL:
+            r0 = tl.load(res_ptr + row * stride_res + first)
+        shift = _round_h(x0, r0, res_out_ptr, HAS_RESIDUAL)  # h's first element, bit for bit
+        chunk_mean, chunk_m2 = _chunk_stats_one_pass(h, h_narrow, mask, count, shift, NARROW)
     else:  # M2 about the chunk's own mean: no cancellation on rows with a large mean
         chunk_mean = tl.sum(h, axis=0) / count
         d = tl.where(mask, h - chunk_mean, 0.0)
         chunk_m2 = tl.sum(d * d, axis=0)
-    h_narrow = h.to(res_out_ptr.dtype.element_ty)  # exact: _round_h rounded h to this dtype
     slot = part_ptr + (row * n_splits + split) * 2
     tl.store(slot, chunk_mean)
     tl.store(slot + 1, chunk_m2)
@@ -286,6 +297,51 @@ def _norm_fwd_split_kernel(
         h = _opaque_copy(h_narrow).to(tl.float32)
     y = _affine((h - mean) * rstd, w_ptr, b_ptr, cols, mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _chunk_stats_one_pass(h, h_narrow, mask, count, shift, NARROW: tl.constexpr):
+    """(mean, M2 about the mean) of a float32 chunk h ([C], `count` entries under mask) in
+    one pass: with d = h - K for a shift K (the chunk's first entry), s1 = sum d and
+    s2 = sum d^2 (two independent sums, not a mean and then the sum about it),
+    mean = K + s1 / count and M2 = s2 - s1^2 / count.
+
+    The programs of a row need not agree on K: each publishes its own chunk's (mean, M2)
+    and Chan's merge takes them as they are. d is exact where h and K lie within a factor
+    of 2 of each other (Sterbenz), so a large common offset (1000 + N(0, 1e-2)) costs
+    nothing; what the shift leaves is the cancellation in s2 - s1^2 / count, of
+    count * (var + (mean - K)^2) against count * (mean - K)^2: M2's relative error is about
+    (1 + (mean - K)^2 / var) times the float32 sums' (a few ulps, growing with the
+    reduction tree). As K is an entry of the chunk, (mean - K)^2 / var is its squared
+    z-score: about 1 for most data, but up to count - 1 (Samuelson) when K is an outlier,
+    such as a massive-activation channel at the chunk's start (8192 columns, 1e4 first
+    over N(0, 1): ~1e-3 of M2 lost, tests/test_split_stats.py). So when the estimate says
+    (mean - K)^2 > 16 var (the tile kernel's test; also whenever M2 has cancelled to <= 0
+    with mean != K) the chunk is summed again about the first pass's mean, whose error is a
+    few ulps of |mean - K|: the second pass's cancellation is negligible, and M2's relative
+    error stays within ~17 times the sums' in every case. The branch is uniform over the
+    program. With NARROW (16-bit h) it converts h again from the 16-bit copy (exact)
+    through an opaque register copy, so the float32 h need not stay live across the first
+    reduction for it (sm_90, bf16, 8192 x 4 warps, every flag: 118 registers per thread;
+    166 holding h).
+
+    Masked entries contribute 0 (d is zeroed before it is squared). NaN and inf propagate:
+    either makes s1 or s2 NaN or inf and M2 NaN (inf - inf; NaN fails the branch's test),
+    and the clamp at 0 keeps NaN."""
+    d = tl.where(mask, h - shift, 0.0)
+    s1, s2 = _sum_pair(d, d * d, 0)
+    delta = s1 / count  # mean - K; s1 * delta = s1^2 / count without overflowing first
+    mean = shift + delta
+    m2 = s2 - s1 * delta
+    if delta * delta * count > 16.0 * m2:
+        if NARROW and h_narrow.dtype.primitive_bitwidth == 16:
+            h = _opaque_copy(h_narrow).to(tl.float32)
+        d = tl.where(mask, h - mean, 0.0)
+        t1, t2 = _sum_pair(d, d * d, 0)
+        delta = t1 / count
+        mean += delta
+        m2 = t2 - t1 * delta
+    return mean, tl.maximum(m2, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

@@ -112,7 +112,8 @@ def _fwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, backend: str, sm_count:
         return FwdPlan(cfg, "_norm_fwd_kernel", (_programs(blocks, cfg, sm_count),), 1, tuple(meta.items()))
     if cfg.mode == "split":
         splits = _split_count(cfg, n_cols, backend, MAX_SPLITS)
-        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits), NARROW=_narrow(cfg, backend))
+        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits), NARROW=_narrow(cfg, backend),
+                    ONE_PASS=cfg.one_pass)  # fmt: skip
         return FwdPlan(cfg, "_norm_fwd_split_kernel", (n_rows * splits,), splits, tuple(meta.items()))
     return FwdPlan(cfg, "_norm_fwd_looped_kernel", (n_rows,), 1, (("BLOCK_C", cfg.block_cols),))
 
