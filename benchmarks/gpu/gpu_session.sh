@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,gluon,nf4,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -46,6 +46,23 @@ if [[ $steps == *gemv* && $family == quant ]]; then
     | tee "$out/gemv_tests.txt" | tail -8
   timeout 600 python3 -m pytest -q -rfE packages/quant/tests/test_correctness.py -k "cuda-gemv" -x 2>&1 \
     | tee "$out/gemv_correctness.txt" | tail -8
+fi
+if [[ $steps == *gluon* && $family == attention ]]; then
+  # The Gluon Hopper kernels (forced only) under time limits: a warp-specialized kernel whose
+  # barriers never complete hangs instead of failing. Tests first; the study only if they pass.
+  timeout 300 python3 -m pytest -q -rfE packages/attention/tests/test_gluon.py -x 2>&1 \
+    | tee "$out/gluon_tests.txt" | tail -8
+  if grep -q " passed" "$out/gluon_tests.txt" && ! grep -qE "failed|error" "$out/gluon_tests.txt"; then
+    timeout 420 python3 benchmarks/studies/attention_gluon.py 2>&1 | tee "$out/gluon_study.txt" | tail -40
+  fi
+fi
+if [[ $steps == *nf4* && $family == quant ]]; then
+  # NF4 levels by warp shuffle in the Triton kernels against the gather (checks, then times).
+  timeout 300 python3 benchmarks/studies/quant_nf4_shuffle.py 2>&1 | tee "$out/nf4_study.txt" | tail -30
+fi
+if [[ $steps == *split* && $family == layernorm ]]; then
+  # The split forward's variants (one-pass LayerNorm statistics, warps, narrow hold) against copy.
+  timeout 300 python3 benchmarks/studies/norm_split_variants.py 2>&1 | tee "$out/split_study.txt" | tail -40
 fi
 if [[ $steps == *check* && -f benchmarks/gpu/check_${family}_gpu.py ]]; then
   run "benchmarks/gpu/check_${family}_gpu.py" | tee "$out/check.txt" | grep -E "BAD|checks passed"
