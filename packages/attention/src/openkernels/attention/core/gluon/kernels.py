@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .pipeline import alloc_barriers, alloc_blocks
+from .pipeline import alloc_barriers, alloc_blocks, warpgroup_acc, warpgroup_operand
 
 
 @gluon.jit
@@ -66,11 +66,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, o
     issuing their matrix products (S of the next block and P V of this one, back to back),
     each waiting on `turn[WG]` and handing the turn over after issuing, so one warpgroup's
     softmax runs while the other's products do (FlashAttention-3's schedule)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = warpgroup_acc(BLOCK_N)
+    o_layout: gl.constexpr = warpgroup_acc(HEAD_DIM)
+    p_layout: gl.constexpr = warpgroup_operand(o_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 

@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .pipeline import alloc_barriers, alloc_blocks
+from .pipeline import alloc_barriers, alloc_blocks, warpgroup_acc, warpgroup_operand
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -72,11 +72,9 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, e
                    WG: gl.constexpr, CAUSAL: gl.constexpr, QROWS: gl.constexpr, KROWS: gl.constexpr,
                    D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup: keys key0 + WG * KROWS .. + KROWS against every query block."""
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, QROWS, 16])  # fmt: skip
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])  # fmt: skip
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    st_layout: gl.constexpr = warpgroup_acc(QROWS)
+    acc_layout: gl.constexpr = warpgroup_acc(D)
+    op_layout: gl.constexpr = warpgroup_operand(acc_layout)
     qcol_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     krow_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
 
@@ -194,11 +192,9 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty
                  qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, QROWS: gl.constexpr,
                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup: queries q_start + WG * QROWS .. + QROWS against every key block."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])  # fmt: skip
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = warpgroup_acc(BLOCK_N)
+    acc_layout: gl.constexpr = warpgroup_acc(D)
+    op_layout: gl.constexpr = warpgroup_operand(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 

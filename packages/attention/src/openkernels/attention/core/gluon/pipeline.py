@@ -1,4 +1,5 @@
-"""Shared-memory rings and mbarriers of the Gluon kernels (kernels.py, kernels_bwd.py)."""
+"""Shared-memory rings, mbarriers and warpgroup layouts of the Gluon kernels (kernels.py,
+kernels_bwd.py)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -20,3 +21,16 @@ def alloc_barriers(N: gl.constexpr, COUNT: gl.constexpr):
     for i in gl.static_range(N):
         mbarrier.init(bars.index(i), count=COUNT)
     return bars
+
+
+@gluon.constexpr_function
+def warpgroup_acc(n):
+    """Accumulator layout of one warpgroup's wgmma over 64-row tiles, N = n, 16-bit operands."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def warpgroup_operand(acc_layout):
+    """Layout of a 16-bit A operand in registers for a wgmma accumulating into acc_layout
+    (an accumulator of the previous product converts to it without shuffles)."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
