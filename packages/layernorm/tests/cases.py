@@ -192,3 +192,18 @@ def gradient_term_scale(options: Options, inputs: dict, y_ref: torch.Tensor, dy:
         g = g * (inputs["weight"].detach().double() + options.weight_offset).abs()
     spread = float(centered.abs().nan_to_num(0.0, 0.0, 0.0).max())
     return float(rstd.max() * g.max()) * max(1.0, spread)
+
+
+def rows_far_from_their_shift(n: int, chunk: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """float64 rows of n entries on which the split forward's one-pass shift (each chunk's
+    first entry) cancels: 1000 + N(0, 1e-2); N(0, 1) with an outlier (1e4) first in every
+    chunk; 1000 + N(0, 1e-2) with 1100 first in every chunk; N(0, 1) after a first entry of
+    1e15; a constant row; N(0, 1)."""
+    rows = torch.randn(6, n, dtype=torch.float64, generator=generator)
+    rows[0] = 1000.0 + 1e-2 * rows[0]
+    rows[1, ::chunk] = 1.0e4
+    rows[2] = 1000.0 + 1e-2 * rows[2]
+    rows[2, ::chunk] = 1100.0
+    rows[3, 0] = 1.0e15
+    rows[4] = 7.0
+    return rows

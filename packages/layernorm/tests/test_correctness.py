@@ -23,6 +23,7 @@ from .cases import (
     all_options,
     check_against_reference,
     option_params,
+    rows_far_from_their_shift,
     shapes,
     targets,
 )
@@ -317,21 +318,6 @@ def test_every_kernel_path(device: str, impl: str, rms: bool) -> None:
                 assert_close(got[2], want[2], dtype=torch.float32, terms=m, term_scale=scale, msg=f"{msg} db")
 
 
-def _rows_far_from_their_shift(n: int, chunk: int) -> torch.Tensor:
-    """float64 rows of h on which the split forward's one-pass shift (each chunk's first
-    entry) cancels: 1000 + N(0, 1e-2); N(0, 1) with an outlier (1e4) first in every chunk;
-    1000 + N(0, 1e-2) with 1100 first in every chunk; N(0, 1) after a first entry of 1e15;
-    a constant row; N(0, 1)."""
-    rows = torch.randn(6, n, dtype=torch.float64)
-    rows[0] = 1000.0 + 1e-2 * rows[0]
-    rows[1, ::chunk] = 1.0e4
-    rows[2] = 1000.0 + 1e-2 * rows[2]
-    rows[2, ::chunk] = 1100.0
-    rows[3, 0] = 1.0e15
-    rows[4] = 7.0
-    return rows
-
-
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize(
     ("dtype", "h_dtype", "residual"),
@@ -359,7 +345,7 @@ def test_split_forward_rows_far_from_their_shift(
     chunk = 1024
     n = chunk * (1 if device == "cpu" else 3) - 3
     cfg = NormConfig(1, chunk, 4, "split", one_pass=one_pass)
-    target = _rows_far_from_their_shift(n, chunk)
+    target = rows_far_from_their_shift(n, chunk)
     x = target.to(dtype)
     r = (target - x.double()).to(dtype) if residual else None
     m = x.shape[0]

@@ -13,6 +13,8 @@ import torch
 
 from openkernels.shared.dev.testing import assert_close
 
+from .cases import rows_far_from_their_shift
+
 CHUNK = 8192  # the split forward's chunk (configs.SPLIT_COLS)
 EPS = 1e-5
 
@@ -50,21 +52,10 @@ def _split_stats(h: torch.Tensor, guard: bool = True) -> tuple[torch.Tensor, tor
 
 
 def _rows(dtype: torch.dtype) -> torch.Tensor:
-    """Rows of 2.5 chunks on which the shift cancels, rounded to dtype, as float32 (the
-    kernel's h): a large mean with a small spread (1000 + N(0, 1e-2); in bfloat16, whose ulp
-    at 1000 is 4, it rounds to a nearly constant row); N(0, 1) with an outlier (1e4) at every
-    chunk's first entry; the large mean with an outlier first entry (1100); a first entry
-    1e15; a constant row; N(0, 1)."""
-    g = torch.Generator().manual_seed(25)
-    n = 2 * CHUNK + CHUNK // 2
-    noise = torch.randn(6, n, dtype=torch.float64, generator=g)
-    rows = noise.clone()
-    rows[0] = 1000.0 + 1e-2 * noise[0]
-    rows[1, ::CHUNK] = 1.0e4
-    rows[2] = 1000.0 + 1e-2 * noise[2]
-    rows[2, ::CHUNK] = 1100.0
-    rows[3, 0] = 1.0e15
-    rows[4] = 7.0
+    """cases.rows_far_from_their_shift over 2.5 chunks, rounded to dtype, as float32 (the
+    kernel's h; in bfloat16, whose ulp at 1000 is 4, the large-mean rows round to nearly
+    constant ones)."""
+    rows = rows_far_from_their_shift(2 * CHUNK + CHUNK // 2, CHUNK, torch.Generator().manual_seed(25))
     return rows.to(dtype).to(torch.float32)
 
 
