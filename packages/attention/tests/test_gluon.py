@@ -142,3 +142,43 @@ def test_sdpa_layout_views_and_nan() -> None:
         out2 = A.attention(q.detach(), k.detach(), v2, causal=False)
         out2 = out2[0] if isinstance(out2, tuple) else out2
     assert not out2[0].isnan().any() and out2[1, :, 2, 5].isnan().all()
+
+
+def test_outputs_the_kernels_cannot_index_get_a_packed_stand_in() -> None:
+    # The kernels store rows at head stride D: an SDPA-layout output (a (B, S, H, D) view of
+    # (B, H, S, D)) is written through a packed stand-in and copied, never indexed as it is.
+    sdpa = torch.empty(2, 3, 5, 64).transpose(1, 2)
+    assert not gluon._packs_heads(torch.empty_like(sdpa))  # why not empty_like: it keeps the strides
+    stand_in = gluon._output(sdpa)
+    assert stand_in is not sdpa and stand_in.shape == sdpa.shape and gluon._packs_heads(stand_in)
+    packed = torch.empty(2, 5, 3, 64)
+    assert gluon._output(packed) is packed
+    gluon._check_layouts({"out": packed}, {"lse": torch.empty(2, 3, 5)})
+    with pytest.raises(ValueError, match="dq: each token's heads must be contiguous"):
+        gluon._check_layouts({"dq": sdpa}, {})
+    with pytest.raises(ValueError, match="delta: expected unit stride"):
+        gluon._check_layouts({}, {"delta": torch.empty(2, 5, 3).transpose(1, 2)})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_entries_write_outputs_of_any_layout() -> None:
+    # attn_fwd / attn_bwd called as dispatch calls them, with SDPA-layout outputs: the same
+    # bits as with packed ones.
+    b, s, h, d = 1, 640, 4, 128
+    q, k, v, dout = (random_tensor((b, s, h, d), torch.bfloat16, "cuda") for _ in range(4))
+    opts = dict(max_seqlen_q=s, max_seqlen_k=s, scale=d**-0.5, window_left=-1, window_right=0, alibi_slopes=None,
+                softcap=0.0)  # fmt: skip
+
+    def fwd_bwd(make):
+        out, lse = make(), torch.empty(b, h, s, device="cuda")
+        gluon.attn_fwd(q, k, v, out, lse, None, None, **opts)
+        grads = [make() for _ in range(3)]
+        gluon.attn_bwd(dout, q, k, v, out, lse, *grads, None, None, **opts)
+        return [out, lse, *grads]
+
+    packed = fwd_bwd(lambda: torch.empty(b, s, h, d, dtype=torch.bfloat16, device="cuda"))
+    sdpa = fwd_bwd(lambda: torch.empty(b, h, s, d, dtype=torch.bfloat16, device="cuda").transpose(1, 2))
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), packed, sdpa):
+        assert not x.isnan().any(), name
+        assert torch.equal(x, y), name

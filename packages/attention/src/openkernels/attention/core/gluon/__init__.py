@@ -95,6 +95,30 @@ def _heads_packed(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _packs_heads(t: torch.Tensor) -> bool:
+    """Each token's heads contiguous: the kernels store rows at head stride D, element stride 1."""
+    return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
+def _output(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the kernels can write it, else a fresh packed tensor to copy into t after
+    (not empty_like: that keeps an SDPA-layout tensor's strides)."""
+    return t if _packs_heads(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _check_layouts(outputs: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> None:
+    """What the kernels assume of tensors they index themselves: outputs with packed heads,
+    per-row float32 tensors (lse, delta) with unit stride along the sequence."""
+    for name, t in outputs.items():
+        if not _packs_heads(t):
+            raise ValueError(
+                f"{name}: each token's heads must be contiguous (strides (..., D, 1)), got {t.stride()}"
+            )
+    for name, t in rows.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected unit stride along the sequence, got {t.stride()}")
+
+
 def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, scale, window_left,
              window_right, alibi_slopes, softcap, dropout_p=0.0, dropout_seed=None) -> None:  # fmt: skip
     """reference.attn_fwd for a plain call (see `supports`)."""
@@ -106,7 +130,7 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max
                    softcap=softcap)  # fmt: skip
         return
     causal = window_right == 0
-    target = out if out.stride(-2) == out.shape[-1] and out.stride(-1) == 1 else torch.empty_like(q)
+    target = _output(out)
     launch(_heads_packed(q), _heads_packed(k), _heads_packed(v), target, lse, scale=scale, causal=causal)
     if target is not out:
         out.copy_(target)
@@ -141,6 +165,7 @@ def launch(q, k, v, out, lse, *, scale: float, causal: bool, block_n: int | None
     bn, st = config(d)
     bn, st = block_n or bn, stages or st
     pingpong = PINGPONG if pingpong is None else pingpong
+    _check_layouts({"out": out}, {"lse": lse})
     if st < 2:
         raise ValueError(
             f"stages must be at least 2 (a consumer holds one slot while the next fills), got {st}"
@@ -172,19 +197,30 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
     problem = triton_launchers._problem(q, k, None, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
                                         None, 0.0, 0.0)  # fmt: skip
     delta = triton_launchers.bwd_delta(out, dout, lse, None, problem)
-    launch_bwd(_heads_packed(dout), _heads_packed(q), _heads_packed(k), _heads_packed(v), lse, delta, dq, dk, dv,
+    if _packs_heads(dk) and _packs_heads(dv) and dk.stride() == dv.stride():
+        targets = [_output(dq), dk, dv]
+    else:  # the dK/dV kernel writes dv with dk's strides: both fresh, packed alike
+        targets = [_output(dq), *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (dk, dv))]
+    launch_bwd(_heads_packed(dout), _heads_packed(q), _heads_packed(k), _heads_packed(v), lse, delta, *targets,
                scale=scale, causal=window_right == 0)  # fmt: skip
+    for target, grad in zip(targets, (dq, dk, dv)):
+        if target is not grad:
+            grad.copy_(target)
 
 
 def launch_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, scale: float, causal: bool) -> None:
-    """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), contiguous, from dout, q, k, v with each
-    token's heads contiguous, lse and delta (B, Hq, Sq) float32 contiguous."""
+    """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D) with each token's heads contiguous (dk and dv
+    alike), from dout, q, k, v laid out the same, lse and delta (B, Hq, Sq) float32 with unit
+    stride along the sequence."""
     from .kernels_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 
     batch, seqlen_q, heads, d = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads // heads_kv
     q_rows, kv_stages, block_n, q_stages = bwd_config(d)
+    _check_layouts({"dq": dq, "dk": dk, "dv": dv}, {"lse": lse, "delta": delta})
+    if dv.stride() != dk.stride():
+        raise ValueError(f"dv: the kernel writes it with dk's strides {dk.stride()}, got {dv.stride()}")
     qk_scale = scale * math.log2(math.e)
     common = dict(CAUSAL=causal, D=d, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS)
     attn_bwd_dkdv_kernel[(-(-seqlen_k // (2 * ROWS)), batch * heads_kv)](
