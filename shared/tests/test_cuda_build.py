@@ -38,3 +38,40 @@ def test_ptxas_reports_the_toy_kernel() -> None:
         pytest.skip("no nvcc")
     (report,) = cuda_build.ptxas_report(TOY, "sm_90a")
     assert "toy_cluster_sum" in report.name and report.registers > 0 and report.spill_stores == 0
+
+
+@pytest.mark.aot
+def test_ptxas_reports_are_kept_under_a_key_of_what_decides_them(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if cuda_build.nvcc() is None:
+        pytest.skip("no nvcc")
+    monkeypatch.setenv("OPENKERNELS_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "src" / "toy_cluster.cu"
+    source.parent.mkdir()
+    source.write_bytes(TOY.read_bytes())
+    first = cuda_build.ptxas_report(source, "sm_90a")
+    assert len(list((tmp_path / "cache" / "ptxas").glob("*.json"))) == 1
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("nvcc ran for a kept report")
+
+    with monkeypatch.context() as m:
+        m.setattr(cuda_build.subprocess, "run", no_compiler)
+        assert cuda_build.ptxas_report(source, "sm_90a") == first
+    # Another arch, other flags, a changed source or a changed file beside it: compiled again.
+    cuda_build.ptxas_report(source, "sm_90")
+    with pytest.raises(cuda_build.CudaBuildError, match="cluster"):  # no clusters before sm_90: not kept
+        cuda_build.ptxas_report(source, "sm_80")
+    cuda_build.ptxas_report(source, "sm_90a", ["-DOK_UNUSED=1"])
+    source.write_text(source.read_text() + "\n// edited\n")
+    cuda_build.ptxas_report(source, "sm_90a")
+    (source.parent / "helper.h").write_text("// a header the source may include\n")
+    cuda_build.ptxas_report(source, "sm_90a")
+    assert len(list((tmp_path / "cache" / "ptxas").glob("*.json"))) == 5
+    # A torn entry is compiled again, not trusted.
+    for entry in (tmp_path / "cache" / "ptxas").glob("*.json"):
+        entry.write_text("[{")
+    assert cuda_build.ptxas_report(source, "sm_90a") == cuda_build.ptxas_report(
+        source, "sm_90a", use_cache=False
+    )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import pathlib
 import re
@@ -30,7 +31,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import cpu_build
@@ -184,16 +185,26 @@ _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _REGS = re.compile(r"Used (\d+) registers")
 
 
-def ptxas_report(source: pathlib.Path, arch: str, extra_flags: Sequence[str] = ()) -> list[KernelReport]:
+def ptxas_report(
+    source: pathlib.Path, arch: str, extra_flags: Sequence[str] = (), *, use_cache: bool = True
+) -> list[KernelReport]:
     """Compile `source` to a cubin for `arch` (no GPU needed) and return ptxas's report of
-    every kernel. CudaBuildError when nvcc is missing or fails."""
+    every kernel. CudaBuildError when nvcc is missing or fails.
+
+    Reports are kept on disk (``${OPENKERNELS_CACHE:-~/.cache/openkernels}/ptxas/``) under a key
+    of everything that decides them: the source and the files beside it, the shared headers
+    (their digest is in the flags), the flags and nvcc's version; a failed compile is never
+    kept. A template-heavy source takes nvcc 20-45 s per arch, every test run without this."""
     cmd = nvcc()
     if cmd is None:
         raise CudaBuildError(no_nvcc_reason() or "no nvcc")
+    flags = ["-O3", "-std=c++17", "-cubin", gencode(arch), "-Xptxas", "-v", *_header_flags(), *extra_flags]
+    key = _report_key(source, flags, cmd)
+    if use_cache and (cached := _load_reports(key)) is not None:
+        return cached
     with tempfile.TemporaryDirectory(prefix="openkernels-ptxas-") as tmp:
         run = subprocess.run(
-            [cmd, "-O3", "-std=c++17", "-cubin", gencode(arch), "-Xptxas", "-v", *_header_flags(), *extra_flags,
-             str(source), "-o", os.path.join(tmp, "out.cubin")],
+            [cmd, *flags, str(source), "-o", os.path.join(tmp, "out.cubin")],
             check=False, capture_output=True, text=True, timeout=_TIMEOUT_S,
         )  # fmt: skip
     if run.returncode != 0:
@@ -209,4 +220,42 @@ def ptxas_report(source: pathlib.Path, arch: str, extra_flags: Sequence[str] = (
             stack, stores, loads = frame or (0, 0, 0)
             reports.append(KernelReport(name, int(m.group(1)), stores, loads, stack))
             name = None
+    if use_cache:
+        _store_reports(key, reports)
     return reports
+
+
+def _report_key(source: pathlib.Path, flags: Sequence[str], cmd: str) -> str:
+    """The source and every C++ file beside it (what it may include), the flags, nvcc's version."""
+    digest = hashlib.sha256()
+    digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    for path in sorted(source.parent.iterdir()):
+        if path.suffix in (".cu", ".cuh", ".h", ".hpp") and path != source:
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update("\0".join(flags).encode())
+    digest.update(cpu_build._compiler_version((cmd,)).encode())
+    return digest.hexdigest()
+
+
+def _reports_dir() -> pathlib.Path:
+    return cpu_build.cache_root().parent / "ptxas"
+
+
+def _load_reports(key: str) -> list[KernelReport] | None:
+    try:
+        rows = json.loads((_reports_dir() / f"{key}.json").read_text())
+        return [KernelReport(**row) for row in rows]
+    except (OSError, ValueError, TypeError):  # missing, torn or from another layout: compile
+        return None
+
+
+def _store_reports(key: str, reports: list[KernelReport]) -> None:
+    directory = _reports_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([asdict(r) for r in reports], f)
+        os.replace(tmp, directory / f"{key}.json")  # whole or absent, for concurrent runs
+    except OSError:
+        pass  # a read-only cache only costs time
