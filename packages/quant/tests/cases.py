@@ -52,11 +52,12 @@ def rounds_weight(
 ) -> bool:
     """Whether the path the launcher picks rounds W (or the NF4 levels) to x's dtype before
     the products: the dequantize + matmul paths of large M (Triton; the CPU's with bfloat16
-    x and no bias, where its GEMM is fast), and NF4 levels in the MMA."""
+    x and no bias, where its GEMM is fast), the CPU kernel's vdpbf16ps path (bfloat16 x of a
+    few rows or more, cpu.rounds_weight), and NF4 levels in the MMA."""
     if impl == "cpu":
-        from openkernels.quant.cpu import dequantizes_then_multiplies
+        from openkernels.quant.cpu import rounds_weight as cpu_rounds_weight
 
-        return dequantizes_then_multiplies(m, dtype, has_bias)
+        return cpu_rounds_weight(m, dtype, has_bias)
     if impl == "gemv":  # the CUDA C++ kernels; calls they do not take run the Triton launcher
         if m == 1 and k % 32 == 0 and group % 32 == 0 and n % 4 == 0:
             return False  # the GEMV: exact weights

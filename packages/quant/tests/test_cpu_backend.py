@@ -15,6 +15,7 @@ infinities must match. Outputs start as NaN, so an element the kernel skips fail
 
 from __future__ import annotations
 
+import functools
 import math
 import platform
 
@@ -73,7 +74,7 @@ def _assert_matches(out, x, qweight, scales, zeros, bias, group_size, kind, msg=
     if bias is not None:
         ref = ref + bias.double()
     # The dequantize-then-GEMM path rounds W to x's dtype before the products.
-    rounded = cpu.dequantizes_then_multiplies(x.shape[0], x.dtype, bias is not None)
+    rounded = cpu.rounds_weight(x.shape[0], x.dtype, bias is not None)
     tol = reference.linear_error_bound(xd, w, ref, out.dtype, weight_rounded_to=x.dtype if rounded else None,
                                        abs_sum=_gemv_abs_sum(xd, qweight, scales, zeros, group_size, kind))  # fmt: skip
     if bias is not None:  # the bias joins the float32 sum
@@ -108,6 +109,17 @@ def _gemv_abs_sum(xd, qweight, scales, zeros, group_size, kind):
     return xd.abs() @ (s.abs() * (q + torch.as_tensor(z).abs())).t()
 
 
+@functools.cache
+def library_without_bf16_path() -> cpu_build.KernelLibrary:
+    """The kernel library built without AVX512-BF16 (x86: where the default build has it)."""
+    return cpu_build.KernelLibrary(
+        cpu._SOURCE,
+        name="openkernels_quant_nobf16",
+        signatures=cpu._SIGNATURES,
+        extra_flags=("-mno-avx512bf16",),
+    )
+
+
 def _bias(n: int, i: int) -> torch.Tensor | None:
     """No bias, or one in a rotating dtype (the backend converts any float dtype)."""
     dtypes = (None, torch.float32, torch.bfloat16, torch.float64)
@@ -138,11 +150,17 @@ def test_linear_matches_reference(kind_zeros, group_size, m, dtype, scale_dtype)
 @pytest.mark.parametrize("fast_gemm", [True, False], ids=["bf16-gemm", "no-bf16-gemm"])
 def test_dequantize_then_multiply_path(monkeypatch, kind_zeros, fast_gemm) -> None:
     """bfloat16 x of DEQUANTIZE_MATMUL_MIN_M rows or more, without a bias, goes to the
-    dequantize-then-GEMM path where the CPU's bf16 GEMM is fast (forced here either way): W
-    in panels (32 rows here, so 130 rows take five, the last one partial), each column range
-    of the output written once; with a bias, fewer rows or no fast GEMM, the kernel."""
+    dequantize-then-GEMM path where the CPU's bf16 GEMM is fast (forced here either way) and the
+    library has no vdpbf16ps path (taken away here; test_cpu_bf16 tests that path): W in panels
+    (32 rows here, so 130 rows take five, the last one partial), each column range of the
+    output written once; with a bias, fewer rows or no fast GEMM, the kernel."""
     kind, zeros = kind_zeros
     monkeypatch.setattr(cpu, "_fast_bf16_gemm", lambda: fast_gemm)
+    monkeypatch.setattr(cpu, "_amx_tiles", lambda: False)
+    if cpu.bf16_kernel_min_m() is not None:  # the kernel's own path runs instead
+        assert not cpu.dequantizes_then_multiplies(cpu.DEQUANTIZE_MATMUL_MIN_M, torch.bfloat16, False)
+        monkeypatch.setattr(cpu, "_library", library_without_bf16_path())
+    assert cpu.bf16_kernel_min_m() is None
     monkeypatch.setattr(cpu, "PANEL_ROWS", 32)
     n, k, gs = 130, 256, 64
     m = cpu.DEQUANTIZE_MATMUL_MIN_M

@@ -1,6 +1,9 @@
 """CPU backend: a fused dequantize + matmul C++ kernel (int4_linear.cpp), compiled on first call,
-run through ctypes; for bfloat16 x of many rows on CPUs with a fast bfloat16 GEMM, the same
-library's dequantization in panels, each multiplied by torch.mm (dequantizes_then_multiplies).
+run through ctypes. bfloat16 x of 4 rows or more, where the library is built with AVX512-BF16
+(bf16_kernel_min_m), multiplies bfloat16 blocks of W by vdpbf16ps inside the kernel; where it is not
+and torch's bfloat16 GEMM is fast (or torch has AMX tiles), bfloat16 x of many rows goes to the same
+library's dequantization in panels, each multiplied by torch.mm (dequantizes_then_multiplies). Both
+round W to bfloat16 before the products (rounds_weight).
 
 Same entry points as reference.py. x (M, K) has unit column stride and any row stride, in float32,
 bfloat16 or float16; out (M, N) is contiguous in x's dtype; qweight (N, K // 2) uint8 and
@@ -29,7 +32,14 @@ from openkernels.shared.dispatch import DispatchKey
 
 from ..format import KINDS, SCALE_DTYPES, nf4_values
 
-__all__ = ["dequantize_int4_fwd", "int4_linear_fwd", "supports", "dequantizes_then_multiplies"]
+__all__ = [
+    "bf16_kernel_min_m",
+    "dequantize_int4_fwd",
+    "dequantizes_then_multiplies",
+    "int4_linear_fwd",
+    "rounds_weight",
+    "supports",
+]
 
 _SOURCE = pathlib.Path(__file__).with_name("int4_linear.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -53,28 +63,71 @@ _library = cpu_build.KernelLibrary(_SOURCE, name="openkernels_quant", signatures
 # fastest of 256-11008 (docs/perf.md). W is rounded to bfloat16 before the products, as on the
 # GPU's large-M path (reference.linear_error_bound's weight term). A bias stays with the
 # kernel, which adds it before its single rounding. Without those instructions torch's bf16
-# GEMM is several times slower (25 ms at M = 16 on an AVX2 machine): the kernel runs.
+# GEMM is several times slower (25 ms at M = 16 on an AVX2 machine): the kernel runs. Where the
+# kernel has its own vdpbf16ps path, that path runs instead (it measured as fast as torch's
+# GEMM on the 16-bit weight at M = 128 on that VM, so ahead of the panels, which also dequantize);
+# AMX tiles, not measured here, keep the panels.
 DEQUANTIZE_MATMUL_MIN_M = 24
 # Panels of at most 1024 rows and 8 MiB: glibc serves blocks of that size from its heap after
 # the first call, where a fresh 32 MB block costs ~10 ms of page faults on that VM.
 PANEL_ROWS, PANEL_BYTES = 1024, 8 << 20
 
 
+def _torch_probe(name: str) -> bool:
+    try:
+        return bool(getattr(torch.cpu, name)())
+    except Exception:  # a torch without the probe: assume the slow GEMM
+        return False
+
+
 @functools.cache
 def _fast_bf16_gemm() -> bool:
     """Whether torch's CPU bfloat16 GEMM has AVX512-BF16 or AMX tiles to run on."""
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        try:
-            if getattr(torch.cpu, probe)():
-                return True
-        except Exception:  # a torch without the probe: assume the slow GEMM
-            continue
-    return False
+    return _amx_tiles() or _torch_probe("_is_avx512_bf16_supported")
+
+
+@functools.cache
+def _amx_tiles() -> bool:
+    """Whether torch's CPU bfloat16 GEMM has AMX tiles (not measured here: kept on the panels)."""
+    return _torch_probe("_is_amx_tile_supported")
+
+
+@functools.cache
+def _build_query(lib: cpu_build.KernelLibrary, name: str) -> int:
+    """An int that `lib` reports about its build (a function of no arguments: not a kernel, so it
+    is called on the library itself, unseen by replay recordings)."""
+    lib()  # compiles and loads it
+    raw = cpu_build.load_library(lib.source, name=lib.name, extra_flags=lib.extra_flags)
+    fn = getattr(raw, name)
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return int(fn())
+
+
+def bf16_kernel_min_m() -> int | None:
+    """The smallest M from which bfloat16 x runs the C++ kernel's vdpbf16ps path (W rounded to
+    bfloat16, float32 sums), or None where the library was built without AVX512-BF16."""
+    return _build_query(_library, "ok_int4_bf16_min_rows") or None
 
 
 def dequantizes_then_multiplies(m: int, dtype: torch.dtype, has_bias: bool) -> bool:
-    """Whether int4_linear_fwd takes the dequantize-then-GEMM path (W rounded to bfloat16)."""
-    return dtype == torch.bfloat16 and not has_bias and m >= DEQUANTIZE_MATMUL_MIN_M and _fast_bf16_gemm()
+    """Whether int4_linear_fwd takes the dequantize-then-GEMM path (W rounded to bfloat16): where
+    torch's bfloat16 GEMM is fast and the kernel has no vdpbf16ps path, or torch has AMX tiles."""
+    return (
+        dtype == torch.bfloat16
+        and not has_bias
+        and m >= DEQUANTIZE_MATMUL_MIN_M
+        and _fast_bf16_gemm()
+        and (_amx_tiles() or bf16_kernel_min_m() is None)
+    )
+
+
+def rounds_weight(m: int, dtype: torch.dtype, has_bias: bool) -> bool:
+    """Whether int4_linear_fwd rounds W to x's dtype before the products (the error contract's
+    weight term): bfloat16 x on the kernel's vdpbf16ps path or the dequantize-then-GEMM path."""
+    if dtype != torch.bfloat16:
+        return False
+    first = bf16_kernel_min_m()
+    return (first is not None and m >= first) or dequantizes_then_multiplies(m, dtype, has_bias)
 
 
 def supports(key: DispatchKey) -> str | None:

@@ -5,7 +5,8 @@
 // Plain C++17 + OpenMP, no torch headers; openkernels.shared.cpu_build compiles it on first use with
 // -O3 -march=native. SIMD code uses GCC / Clang vector extensions (8 floats: one AVX register, two NEON
 // ones), which compile on x86 and aarch64 alike; only the nibble decoding has AVX2 intrinsics, under
-// #if defined(__AVX2__), next to a plain loop that does the same.
+// #if defined(__AVX2__), next to a plain loop that does the same. The bfloat16 kernels (OK_BF16_DOT,
+// AVX512-BF16) have no plain twin: without them bfloat16 x takes the float32 kernels.
 //
 // x is staged in float32, each 32-column block of a group in the order in which the decoder produces
 // the codes' values (column_of), so that decoding never interleaves. A group whose size is not a
@@ -18,15 +19,20 @@
 // bit for bit.
 //
 // Two schedules, both accumulating in float32 and rounding once to the output dtype:
-//  - few rows of x (M <= kGemvMaxM): each 32-code block of W is decoded in registers, q - z or the
-//    NF4 level, and multiplied straight into every row of x; the scale multiplies each group's sum.
+//  - few rows of x (M <= kGemvMaxM; bfloat16 x with AVX512-BF16: M < kBf16MinM): each 32-code block
+//    of W is decoded in registers, q - z or the NF4 level, and multiplied straight into every row of
+//    x; the scale multiplies each group's sum.
 //    Decoding is the cost here (half a byte of weight per multiply-add). Summing q x and z x apart
 //    saves the subtractions (5% at most, measured), but its float32 error follows |q x| and |z x|
 //    instead of |(q - z) x|, up to ~15 times larger: beyond the error contract
 //    (reference.linear_error_bound).
 //  - more rows: scales and zeros go to a float32 table of (s, z) pairs first; blocks of kNB rows of W
 //    are dequantized, kKC columns at a time, into a float buffer that a register-blocked kernel runs
-//    every row of x against (below).
+//    every row of x against (below). bfloat16 x, where the compiler targets AVX512-BF16 (OK_BF16_DOT):
+//    the blocks are dequantized to bfloat16 instead and multiplied by vdpbf16ps, W rounded to x's
+//    dtype as on the GPUs' tensor cores (the error contract's weight term); float32 and float16 x
+//    keep the float32 kernel (float16 x would lose 3 bits to bfloat16, which the contract does not
+//    allow).
 
 #include <algorithm>
 #include <cmath>
@@ -49,6 +55,25 @@ constexpr int kNR = 6;            // W rows of a register tile (by 16 x rows): 1
 constexpr int64_t kNB = 24;       // rows of W dequantized at a time
 constexpr int64_t kKC = 512;      // columns dequantized at a time, a multiple of 32 (256: 2-5% slower)
 constexpr int64_t kSerialBelow = int64_t(1) << 18;  // multiply-adds; smaller calls lose to fork/join
+// The bfloat16 kernels (OK_BF16_DOT): the rows of bfloat16 x from which they run instead of the GEMV
+// (which took 1.3-1.4x as long at M = 4, 2.1x at 6, 1.07-1.15x at 3, less at 2; measured at 4096 x
+// 4096 and 11008 x 4096, int4 and NF4); columns of W dequantized at a time (a multiple of 32); W rows
+// of a register tile by 16 rows of x (24 by 8): 24 accumulators of the 32 AVX-512 registers.
+constexpr int64_t kBf16MinM = 4;
+static_assert(kBf16MinM > 1 && kBf16MinM <= kGemvMaxM + 1, "M = 1 keeps the GEMV; M > kGemvMaxM has no GEMV");
+constexpr int64_t kKC16 = 512;
+constexpr int kNR16 = 12;
+// Pairs from one row of the bfloat16 weight buffer to the next: 64 bytes past kKC16 / 2, so that the
+// rows a register tile broadcasts from do not share cache sets (unpadded 2 KB and 4 KB strides, 1024
+// and 2048 columns, took 2x and 5x as long at M = 7).
+constexpr int64_t kLdw = kKC16 / 2 + 16;
+
+// vdpbf16ps on 8-float registers, and vpermw for the bfloat16 weight tables.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define OK_BF16_DOT 1
+#else
+#define OK_BF16_DOT 0
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -66,16 +91,18 @@ OK_INLINE v8 splat(float f) { return v8{f, f, f, f, f, f, f, f}; }
 
 OK_INLINE float hsum(v8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 
-// Float storage aligned to a cache line, uninitialized (every user writes before it reads).
-struct Floats {
-  float* p = nullptr;
-  explicit Floats(int64_t n) {
-    p = static_cast<float*>(::operator new(size_t(std::max<int64_t>(n, 1)) * sizeof(float), std::align_val_t(64)));
+// Storage aligned to a cache line, uninitialized (every user writes before it reads).
+template <class T>
+struct Aligned {
+  T* p = nullptr;
+  explicit Aligned(int64_t n) {
+    p = static_cast<T*>(::operator new(size_t(std::max<int64_t>(n, 1)) * sizeof(T), std::align_val_t(64)));
   }
-  Floats(const Floats&) = delete;
-  Floats& operator=(const Floats&) = delete;
-  ~Floats() { ::operator delete(p, std::align_val_t(64)); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+  ~Aligned() { ::operator delete(p, std::align_val_t(64)); }
 };
+using Floats = Aligned<float>;
 
 // ---- problem description ----
 
@@ -514,6 +541,225 @@ void stage_panel(const Shape& sh, int dtype, const char* x, int64_t x_stride, in
   }
 }
 
+// ---- more rows of bfloat16 x with AVX512-BF16: W rounded to bfloat16, vdpbf16ps ----
+//
+// The same blocks and units as above, in bfloat16: each block of W is dequantized as the dequantize
+// op's 16-bit table path does it ((q - z) s or level * s in float32, rounded once to bfloat16) and
+// x goes into panels of 8 rows as it is, no conversion: panel[k][r] is the 32-bit pair (x[r][2k],
+// x[r][2k + 1]), columns in their own order. vdpbf16ps multiplies 8 such pairs (8 rows of x) by one
+// broadcast pair of W and adds both products to 8 float32 sums: twice the multiply-adds of an FMA
+// per instruction, at the same rate on this machine (Zen 4, measured: 2 ymm per cycle, or 1 zmm;
+// ymm keeps 8-row panels). Rounding W to x's dtype is the error contract's weight term
+// (reference.linear_error_bound), what the GPUs' tensor-core paths do; bf16 x bf16 products are exact
+// in float32. The instruction treats subnormal inputs as zero and flushes subnormal sums (weights or
+// x below 2^-126 in magnitude, which the contract does not cover).
+
+#if OK_BF16_DOT
+static_assert(kNB % (2 * kNR16) == 0 && kKC16 % 32 == 0, "blocks hold whole tiles and whole 32-column blocks");
+
+// The 16 values of one group of one row of W, (code - z) s or level * s in float32 as the reference
+// computes them, rounded to bfloat16: words 0-15 of a vpermw table (the dequantize op's values).
+template <int KIND>
+OK_INLINE __m512i bf16_table(float s, float z, const __m512 levels) {
+  const __m512 v = KIND == kNf4 ? _mm512_mul_ps(levels, _mm512_set1_ps(s))
+                                : _mm512_mul_ps(_mm512_sub_ps(levels, _mm512_set1_ps(z)), _mm512_set1_ps(s));
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// wbuf[r][0, len / 2) (row stride kLdw pairs) = W[n0 + r, c0 .. c0 + len) in bfloat16 pairs, in
+// column order; rows past N are zeros. c0 and len are even (K and the group size are).
+template <int KIND>
+OK_NOINLINE void dequantize_block_bf16(const Linear& L, int64_t n0, int64_t c0, int64_t len,
+                                       uint32_t* __restrict wbuf) {
+  const Shape& sh = L.sh;
+  const __m512 levels = KIND == kNf4 ? _mm512_loadu_ps(L.wt.nf4)
+                                     : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  const __m512i high = _mm512_set1_epi32(0xf0 << 12);  // the high nibble, moved to bits 16-19
+  const int64_t g0 = c0 / sh.gs;  // the group of column c0 (a division per group cost 20% at M = 16)
+  for (int64_t r = 0; r < kNB; ++r) {
+    uint32_t* dst = wbuf + r * kLdw;
+    const int64_t n = n0 + r;
+    if (n >= sh.N) {
+      std::memset(dst, 0, size_t(len / 2) * sizeof(uint32_t));
+      continue;
+    }
+    const uint8_t* qrow = L.wt.row(n) + c0 / 2;
+    {  // as dequantize_block: this row's next chunk, or the next block's first one
+      const int64_t c1 = c0 + kKC16 < sh.K ? c0 + kKC16 : 0;
+      const uint8_t* next = c1 ? L.wt.row(n) + c1 / 2 : (n + kNB < sh.N ? L.wt.row(n + kNB) : nullptr);
+      const int64_t bytes = std::min(kKC16, sh.K - c1) / 2;
+      for (int64_t o = 0; next && o < bytes; o += 64) __builtin_prefetch(next + o, 0, 3);
+    }
+    for (int64_t k = 0, g = g0; k < len; ++g) {  // one group (or the part of it in the chunk) at a time
+      const int64_t end = std::min(len, (g + 1) * sh.gs - c0);
+      const float* sz = L.wt.sz + 2 * (g * sh.N + n);
+      const __m512i lut = bf16_table<KIND>(sz[0], sz[1], levels);
+      if (sh.gs % 32 == 0) {
+        for (; k < end; k += 32) {
+          // byte j -> 32-bit lane j: low nibble in bits 0-3 (word 2j), high nibble in bits 16-19
+          const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k / 2)));
+          const __m512i idx =
+              _mm512_or_si512(_mm512_and_si512(d, low), _mm512_and_si512(_mm512_slli_epi32(d, 12), high));
+          _mm512_storeu_si512(dst + k / 2, _mm512_permutexvar_epi16(idx, lut));
+        }
+      } else {  // groups of any even size: byte by byte (the tests' shapes, not a fast path)
+        alignas(64) uint16_t t[32];
+        _mm512_store_si512(t, lut);
+        for (; k < end; k += 2) dst[k / 2] = t[qrow[k / 2] & 15] | uint32_t(t[qrow[k / 2] >> 4]) << 16;
+      }
+    }
+  }
+}
+
+// ct[j * ldc + 8 v + r] += sum_k x_v[k][r] . w[j][k] (pairs) for j < NR, v < MV, r < 8: MV panels of
+// x against NR rows of the weight buffer, over `pairs` pairs of columns; MV * NR = 24 accumulators.
+template <int MV, int NR>
+OK_NOINLINE void micro_kernel_bf16(const uint32_t* __restrict x0, const uint32_t* __restrict x1,
+                                   const uint32_t* __restrict w, int64_t pairs, float* __restrict ct, int64_t ldc) {
+  __m256 a[NR][MV];
+#pragma GCC unroll 24
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 2
+    for (int v = 0; v < MV; ++v) a[j][v] = _mm256_loadu_ps(ct + j * ldc + 8 * v);
+  for (int64_t k = 0; k < pairs; ++k) {
+    __m256bh xv[MV];
+    xv[0] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + k * kPanel));
+    if constexpr (MV == 2) xv[1] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1 + k * kPanel));
+#pragma GCC unroll 24
+    for (int j = 0; j < NR; ++j) {
+      const __m256bh b = (__m256bh)_mm256_set1_epi32(int(w[j * kLdw + k]));
+#pragma GCC unroll 2
+      for (int v = 0; v < MV; ++v) a[j][v] = _mm256_dpbf16_ps(a[j][v], xv[v], b);
+    }
+  }
+#pragma GCC unroll 24
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 2
+    for (int v = 0; v < MV; ++v) _mm256_storeu_ps(ct + j * ldc + 8 * v, a[j][v]);
+}
+
+// As gemm_chunk, in bfloat16: columns [c0, c0 + len) of W rows [n0, n0 + kNB) against staged rows
+// [r0, r1).
+template <int KIND>
+void gemm_chunk_bf16(const Linear& L, const uint32_t* panels, int64_t c0, int64_t len, int64_t n0, int64_t r0,
+                     int64_t r1, uint32_t* wbuf, float* ct, int64_t ldc) {
+  dequantize_block_bf16<KIND>(L, n0, c0, len, wbuf);
+  const int64_t panel_size = kPanel * (L.sh.K / 2);
+  int64_t r = r0;
+  for (; r + 2 * kPanel <= r1; r += 2 * kPanel) {  // 16 rows of x by 12 of W
+    const uint32_t* x = panels + (r / kPanel) * panel_size + c0 / 2 * kPanel;
+    for (int64_t j = 0; j < kNB && n0 + j < L.sh.N; j += kNR16)
+      micro_kernel_bf16<2, kNR16>(x, x + panel_size, wbuf + j * kLdw, len / 2, ct + j * ldc + (r - r0), ldc);
+  }
+  if (r < r1) {  // 8 rows of x by 24 of W
+    const uint32_t* x = panels + (r / kPanel) * panel_size + c0 / 2 * kPanel;
+    micro_kernel_bf16<1, 2 * kNR16>(x, x, wbuf, len / 2, ct + (r - r0), ldc);
+  }
+}
+
+// Rows [0, rows) of bfloat16 x (row stride x_stride elements) -> panel p of pairs (zeros past `rows`).
+OK_NOINLINE void stage_panel_bf16(const Shape& sh, const uint16_t* x, int64_t x_stride, int64_t rows, int64_t p,
+                                  uint32_t* __restrict panel) {
+  const int64_t pairs = sh.K / 2;
+  for (int64_t r = 0; r < kPanel; ++r) {
+    const int64_t m = p * kPanel + r;
+    if (m >= rows) {
+      for (int64_t k = 0; k < pairs; ++k) panel[k * kPanel + r] = 0;
+      continue;
+    }
+    const uint16_t* src = x + m * x_stride;
+    for (int64_t k = 0; k < pairs; ++k) std::memcpy(panel + k * kPanel + r, src + 2 * k, sizeof(uint32_t));
+  }
+}
+#endif  // OK_BF16_DOT
+
+// More rows of x (M > kGemvMaxM, or bfloat16 x from kBf16MinM): units of kNB rows of W by m_block
+// rows of x, chunks of their columns dequantized into a buffer and multiplied by staged panels of x.
+// BF16: bfloat16 x, the vdpbf16ps kernels above; else float32.
+template <int KIND, bool BF16>
+void gemm(const Linear& L, const Params& params, const char* xb, int64_t x_stride, bool parallel, int threads) {
+  const Shape& sh = L.sh;
+  const int64_t elem = L.dtype == kF32 ? 4 : 2;
+  using Word = std::conditional_t<BF16, uint32_t, float>;  // staged x and the weight buffer: bf16 pairs or floats
+  const int64_t width = BF16 ? sh.K / 2 : sh.KP;            // words of a staged row of x
+  const int64_t kc = BF16 ? kKC16 : kKC, cols_k = BF16 ? sh.K : sh.KP;
+  // Rows of x per pass (a multiple of 8, at most 256 and ~16 MB of panels), each pass split into
+  // blocks of rows (m_block) when there are few blocks of W rows to share between threads.
+  const int64_t n_units = (sh.N + kNB - 1) / kNB;
+  const int64_t most =
+      std::max<int64_t>(16, std::min<int64_t>(256, (int64_t(1) << 22) / std::max<int64_t>(width, 1)) / 16 * 16);
+  const int64_t pass_rows = std::min(most, (sh.M + kPanel - 1) / kPanel * kPanel);
+  int64_t m_block = pass_rows;
+  if (n_units < 4 * threads) {
+    const int64_t want = (4 * threads + n_units - 1) / n_units;
+    m_block = std::min(pass_rows, std::max<int64_t>(32, ((pass_rows + want - 1) / want + 15) / 16 * 16));
+  }
+  Floats sz(2 * sh.G * sh.N);
+  Aligned<Word> xp(pass_rows * width);  // transposed panels of x
+  Linear LW = L;
+  LW.wt.sz = sz.p;
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    {
+      Floats tmp(2 * sh.N);
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < sh.G; ++g)
+        convert_params(params, g, sh.N, KIND == kInt4Sym ? 8.0f : 0.0f, sz.p + 2 * g * sh.N, tmp.p);
+    }
+    Floats tmp(L.dtype == kF16 ? sh.K : 0);
+    Floats row(BF16 ? 0 : sh.KP);
+    Aligned<Word> wbuf(kNB * (BF16 ? kLdw : kc));
+    Floats ct(kNB * m_block);  // C^T of a unit: kNB rows of W x m_block rows of x
+    for (int64_t m_base = 0; m_base < sh.M; m_base += pass_rows) {
+      const int64_t rows = std::min(pass_rows, sh.M - m_base);
+      const int64_t padded = (rows + kPanel - 1) / kPanel * kPanel;
+      const int64_t m_units = (padded + m_block - 1) / m_block;
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < padded / kPanel; ++p) {
+#if OK_BF16_DOT
+        if constexpr (BF16)
+          stage_panel_bf16(sh, reinterpret_cast<const uint16_t*>(xb) + m_base * x_stride, x_stride, rows, p,
+                           xp.p + p * kPanel * width);
+        else
+#endif
+          stage_panel<KIND>(sh, L.dtype, xb + m_base * x_stride * elem, x_stride, rows, p, tmp.p, row.p,
+                            xp.p + p * kPanel * width);
+      }
+      const int64_t units = n_units * m_units, chunk = std::max<int64_t>(1, units / (8 * threads));
+      auto unit = [&](int64_t u) {
+        const int64_t n0 = (u % n_units) * kNB, r0 = (u / n_units) * m_block;
+        const int64_t r1 = std::min(padded, r0 + m_block), ldc = r1 - r0;
+        std::memset(ct.p, 0, size_t(kNB * ldc) * sizeof(float));
+        for (int64_t c0 = 0; c0 < cols_k; c0 += kc) {
+          const int64_t len = std::min(kc, cols_k - c0);
+#if OK_BF16_DOT
+          if constexpr (BF16) gemm_chunk_bf16<KIND>(LW, xp.p, c0, len, n0, r0, r1, wbuf.p, ct.p, ldc);
+          else
+#endif
+            gemm_chunk<KIND>(LW, xp.p, c0, len, n0, r0, r1, wbuf.p, ct.p, ldc);
+        }
+        // out[m_base + r, n0 + j] = C^T[j, r] + bias[n0 + j]
+        const int64_t cols = std::min(kNB, sh.N - n0);
+        float y[kNB];
+        for (int64_t r = r0; r < std::min(rows, r1); ++r) {
+          for (int64_t j = 0; j < cols; ++j) y[j] = ct.p[j * ldc + r - r0] + (L.bias ? L.bias[n0 + j] : 0.0f);
+          store(L.dtype, L.out, (m_base + r) * sh.N + n0, y, cols);
+        }
+      };
+      if constexpr (BF16) {
+        // Chunks that shrink to one unit at the end: the float32 kernel's fixed ones (10 units of
+        // ~0.1 ms at M = 128) left a thread idle for up to 1 ms of an 11 ms call.
+#pragma omp for schedule(guided)
+        for (int64_t u = 0; u < units; ++u) unit(u);
+      } else {
+#pragma omp for schedule(dynamic, chunk)  // as for gemv
+        for (int64_t u = 0; u < units; ++u) unit(u);
+      }
+    }
+  }
+}
+
 template <int KIND>
 void linear(Linear L, const Params& params, const void* x, int64_t x_stride, int num_threads) {
   const Shape& sh = L.sh;
@@ -521,7 +767,7 @@ void linear(Linear L, const Params& params, const void* x, int64_t x_stride, int
   const int64_t elem = L.dtype == kF32 ? 4 : 2;
   const bool parallel = num_threads > 1 && sh.M * sh.N * std::max<int64_t>(sh.K, 1) >= kSerialBelow;
   const int threads = parallel ? num_threads : 1;
-  if (sh.M <= kGemvMaxM) {
+  if (sh.M <= kGemvMaxM && !(OK_BF16_DOT && L.dtype == kBF16 && sh.M >= kBf16MinM)) {
     const int64_t n_units = (sh.N + 3) / 4;  // 4 rows of W each
     const int64_t chunk = std::max<int64_t>(1, n_units / (8 * threads));
     Floats xp(sh.M * sh.KP);
@@ -555,58 +801,10 @@ void linear(Linear L, const Params& params, const void* x, int64_t x_stride, int
     }
     return;
   }
-  // Rows of x per pass (a multiple of 8, at most 256 and ~16 MB of panels), each pass split into
-  // blocks of rows (m_block) when there are few blocks of W rows to share between threads.
-  const int64_t n_units = (sh.N + kNB - 1) / kNB;
-  const int64_t most =
-      std::max<int64_t>(16, std::min<int64_t>(256, (int64_t(1) << 22) / std::max<int64_t>(sh.KP, 1)) / 16 * 16);
-  const int64_t pass_rows = std::min(most, (sh.M + kPanel - 1) / kPanel * kPanel);
-  int64_t m_block = pass_rows;
-  if (n_units < 4 * threads) {
-    const int64_t want = (4 * threads + n_units - 1) / n_units;
-    m_block = std::min(pass_rows, std::max<int64_t>(32, ((pass_rows + want - 1) / want + 15) / 16 * 16));
-  }
-  Floats sz(2 * sh.G * sh.N);
-  Floats xp(pass_rows * sh.KP);  // transposed panels of x
-  L.wt.sz = sz.p;
-#pragma omp parallel num_threads(threads) if (parallel)
-  {
-    {
-      Floats tmp(2 * sh.N);
-#pragma omp for schedule(static)
-      for (int64_t g = 0; g < sh.G; ++g)
-        convert_params(params, g, sh.N, KIND == kInt4Sym ? 8.0f : 0.0f, sz.p + 2 * g * sh.N, tmp.p);
-    }
-    Floats tmp(L.dtype == kF16 ? sh.K : 0);
-    Floats row(sh.KP);
-    Floats wbuf(kNB * kKC);
-    Floats ct(kNB * m_block);  // C^T of a unit: kNB rows of W x m_block rows of x
-    for (int64_t m_base = 0; m_base < sh.M; m_base += pass_rows) {
-      const int64_t rows = std::min(pass_rows, sh.M - m_base);
-      const int64_t padded = (rows + kPanel - 1) / kPanel * kPanel;
-      const int64_t m_units = (padded + m_block - 1) / m_block;
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < padded / kPanel; ++p)
-        stage_panel<KIND>(sh, L.dtype, xb + m_base * x_stride * elem, x_stride, rows, p, tmp.p, row.p,
-                          xp.p + p * kPanel * sh.KP);
-      const int64_t units = n_units * m_units, chunk = std::max<int64_t>(1, units / (8 * threads));
-#pragma omp for schedule(dynamic, chunk)  // as for gemv
-      for (int64_t u = 0; u < units; ++u) {
-        const int64_t n0 = (u % n_units) * kNB, r0 = (u / n_units) * m_block;
-        const int64_t r1 = std::min(padded, r0 + m_block), ldc = r1 - r0;
-        std::memset(ct.p, 0, size_t(kNB * ldc) * sizeof(float));
-        for (int64_t c0 = 0; c0 < sh.KP; c0 += kKC)
-          gemm_chunk<KIND>(L, xp.p, c0, std::min(kKC, sh.KP - c0), n0, r0, r1, wbuf.p, ct.p, ldc);
-        // out[m_base + r, n0 + j] = C^T[j, r] + bias[n0 + j]
-        const int64_t cols = std::min(kNB, sh.N - n0);
-        float y[kNB];
-        for (int64_t r = r0; r < std::min(rows, r1); ++r) {
-          for (int64_t j = 0; j < cols; ++j) y[j] = ct.p[j * ldc + r - r0] + (L.bias ? L.bias[n0 + j] : 0.0f);
-          store(L.dtype, L.out, (m_base + r) * sh.N + n0, y, cols);
-        }
-      }
-    }
-  }
+#if OK_BF16_DOT
+  if (L.dtype == kBF16) return gemm<KIND, true>(L, params, xb, x_stride, parallel, threads);
+#endif
+  gemm<KIND, false>(L, params, xb, x_stride, parallel, threads);
 }
 
 // ---- dequantization ----
@@ -724,6 +922,10 @@ int ok_int4_linear(const void* x, int64_t x_stride, const uint8_t* q, int64_t q_
   }
   return 0;
 }
+
+// The smallest M from which bfloat16 x runs the vdpbf16ps kernels (W rounded to bfloat16), or 0 where
+// this build has none (no AVX512-BF16): what the Python side tells its callers and tests.
+int ok_int4_bf16_min_rows(void) { return OK_BF16_DOT ? int(kBf16MinM) : 0; }
 
 // Packed entry: every argument in one 64-bit slot, for openkernels.shared.replay's C side.
 int ok_int4_linear_packed(const int64_t* a) {
