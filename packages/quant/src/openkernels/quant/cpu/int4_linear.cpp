@@ -56,8 +56,8 @@ constexpr int64_t kNB = 24;       // rows of W dequantized at a time
 constexpr int64_t kKC = 512;      // columns dequantized at a time, a multiple of 32 (256: 2-5% slower)
 constexpr int64_t kSerialBelow = int64_t(1) << 18;  // multiply-adds; smaller calls lose to fork/join
 // The bfloat16 kernels (OK_BF16_DOT): the rows of bfloat16 x from which they run instead of the GEMV
-// (which took 1.3-1.4x as long at M = 4, 2.1x at 6, 1.07-1.15x at 3, less at 2; measured at 4096 x
-// 4096 and 11008 x 4096, int4 and NF4); columns of W dequantized at a time (a multiple of 32); W rows
+// (which took 1.3-1.4x their time at M = 4, 2.1x at 6, 1.07-1.15x at 3, 0.6x at 2; measured at
+// 4096 x 4096 and 11008 x 4096, int4 and NF4); columns of W dequantized at a time (a multiple of 32); W rows
 // of a register tile by 16 rows of x (24 by 8): 24 accumulators of the 32 AVX-512 registers.
 constexpr int64_t kBf16MinM = 4;
 static_assert(kBf16MinM > 1 && kBf16MinM <= kGemvMaxM + 1, "M = 1 keeps the GEMV; M > kGemvMaxM has no GEMV");
@@ -576,7 +576,7 @@ OK_NOINLINE void dequantize_block_bf16(const Linear& L, int64_t n0, int64_t c0, 
                                      : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i low = _mm512_set1_epi32(0x0f);
   const __m512i high = _mm512_set1_epi32(0xf0 << 12);  // the high nibble, moved to bits 16-19
-  const int64_t g0 = c0 / sh.gs;  // the group of column c0 (a division per group cost 20% at M = 16)
+  const int64_t g0 = c0 / sh.gs;  // the group of column c0 (a division per group: 1/5 of this function)
   for (int64_t r = 0; r < kNB; ++r) {
     uint32_t* dst = wbuf + r * kLdw;
     const int64_t n = n0 + r;
