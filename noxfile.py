@@ -259,11 +259,11 @@ def _parallel_runs(
 ) -> list[str]:
     """The pytest runs as processes side by side; the names of those that failed.
 
-    Why: the reference / CPU run and the interpreter run are mostly one busy core each
-    (pytest is serial), the AOT run's compile workers fill whatever is left, so the machine's
-    cores stay busy until the end (2-core VM, warm caches: 17.2 -> 15.0 minutes with two runs
-    side by side). The first run prints as it goes; the others write to a log under the
-    session's tmp directory, printed whole when they end, so no two runs' lines interleave."""
+    Why: most of each run is one busy core (pytest is serial; the AOT compile checks use two
+    worker processes only while they compile), so on a 2-core machine two runs side by side
+    take little more than the longer one alone (a cold test-cpu: about 27 -> 20 minutes).
+    The first run prints as it goes; the others write to a log under the session's tmp
+    directory, printed whole when they end, so no two runs' lines interleave."""
     env = {**os.environ, **{k: v for k, v in session.env.items() if v is not None}}
     env["PATH"] = os.pathsep.join([*(session.bin_paths or []), env.get("PATH", "")])
     env["VIRTUAL_ENV"] = session.virtualenv.location
@@ -340,21 +340,16 @@ def _device_suite(session: nox.Session, vendor: str) -> None:
 
 @nox.session(name="test-cpu")
 def test_cpu(session: nox.Session) -> None:
-    """Reference + CPU tests, Triton kernels under the interpreter and the AOT compile checks:
-    three pytest runs side by side."""
+    """Reference + CPU tests and AOT compile checks, then Triton kernels under the interpreter."""
     families, args = _select(session)
     paths = _test_paths(families, args)
     _install_stack(session, "cpu")
     _install_editable(session, families)
     every_arch = ",".join(a for archs in ARCHS.values() for a in archs)
-    main_env = {"TRITON_INTERPRET": "0", AOT_TARGETS_ENV: every_arch}
-    # The AOT compile checks apart: their worker pool keeps both cores busy while the two
-    # mostly single-core runs go on beside it (_parallel_runs).
-    cpu_run, aot_run = ("not aot and not interpreter", main_env), ("aot and not interpreter", main_env)
+    main_run = ("not interpreter", {"TRITON_INTERPRET": "0", AOT_TARGETS_ENV: every_arch})
     # The asv smoke run first: a broken benchmark fails CI like a failed test does.
     smoke_ok = _asv_smoke(session, families)
-    failed_before = () if smoke_ok else ("asv-smoke",)
-    _runs(session, [cpu_run, INTERPRETER_RUN, aot_run], paths, args, also_failed=failed_before)
+    _runs(session, [main_run, INTERPRETER_RUN], paths, args, also_failed=() if smoke_ok else ("asv-smoke",))
 
 
 @nox.session(name="test-jax", default=False)
