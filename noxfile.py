@@ -260,8 +260,10 @@ def _parallel_runs(
     """The pytest runs as processes side by side; the names of those that failed.
 
     Why: most of each run is one busy core (pytest is serial; the AOT compile checks use two
-    worker processes only while they compile), so on a 2-core machine two runs side by side
-    take little more than the longer one alone (a cold test-cpu: about 27 -> 20 minutes).
+    worker processes only while they compile). Measured on the 2-core VM (fresh-clone
+    .ci/run, 2026-12-05): warm caches 17.2 -> 15.0 minutes; empty caches 28.1 minutes, about
+    what one after another took (27 with warm C++ caches). A third run for the AOT checks
+    alone was slower cold (31.0 minutes): the runs contended and the AOT run ended last.
     The first run prints as it goes; the others write to a log under the session's tmp
     directory, printed whole when they end, so no two runs' lines interleave."""
     env = {**os.environ, **{k: v for k, v in session.env.items() if v is not None}}
