@@ -10,6 +10,8 @@ from openkernels.quant import reference as R
 from openkernels.shared.dev.testing import testable_implementations
 from openkernels.shared.platform import triton_interpreting
 
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
 # (kind, symmetric) formats; group sizes per format.
 FORMATS = [("int4", False), ("int4", True), ("nf4", True)]
 
@@ -20,6 +22,8 @@ def targets(op: str = "int4_linear"):
     params = []
     for device in devices:
         for impl in testable_implementations(op, device):
+            if impl == "wgmma" and not SM90:
+                continue  # the Gluon Hopper kernel: its dispatch predicate takes sm_90 only
             marks = [pytest.mark.interpreter] if triton_interpreting() else []
             if device != "cpu":
                 marks.append(pytest.mark.gpu)
@@ -63,6 +67,16 @@ def rounds_weight(
             return False  # the GEMV: exact weights
         if 1 < m <= 16 and kind == "int4" and k % 128 == 0 and group % 32 == 0 and n % 32 == 0:
             return True  # the tensor-core kernel rounds W to x's dtype
+        impl = "triton"
+    if impl == "wgmma":  # the Gluon Hopper kernel rounds W to x's dtype; calls it refuses run Triton
+        from openkernels.quant import gluon
+
+        if (
+            gluon.MIN_M <= m <= gluon.MAX_M
+            and kind == "int4"
+            and gluon.config_for(m, n, k, group) is not None
+        ):
+            return True
         impl = "triton"
     if impl != "triton":
         return False

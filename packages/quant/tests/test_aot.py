@@ -338,3 +338,98 @@ def test_nf4_shuffle_replaces_the_gather_in_ptx(m: int) -> None:
         for ptx in (shuffle, gather)
     ]
     assert reads[0] + 16 <= reads[1], f"reads of global memory: shuffle {reads[0]}, gather {reads[1]}"
+
+
+# ---- the Gluon Hopper kernel (issue 24): sm_90 only ------------------------------------------
+
+
+def test_gluon_wgmma_compiles_clean_for_sm90() -> None:
+    """Every config the wgmma launcher picks and the study sweeps, every dtype / format
+    variant: compiles for sm_90a with no spills and no scratch, shared memory within 227 KiB."""
+    from openkernels.shared.dev.testing.aot import check_vendor
+
+    from .aot_gluon_cases import cases_for as gluon_cases_for
+
+    check_vendor(gluon_cases_for, "cuda", target_groups={"hopper": ("sm_90",)})
+
+
+def gluon_ptx(case) -> tuple[str, str, int]:
+    """(PTX, ptxas -v log, shared bytes) of a Gluon AotCase for sm_90a, compiled in this process
+    into a throw-away cache."""
+    import contextlib
+    import importlib
+    import io
+    import os
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    module, _, name = case.kernel.rpartition(":")
+    fn = getattr(importlib.import_module(module), name)
+    signature = {n: "constexpr" if n in case.constexprs else case.signature[n] for n in fn.arg_names}
+    old = os.environ.get("TRITON_CACHE_DIR")
+    log = io.StringIO()
+    with tempfile.TemporaryDirectory(prefix="openkernels-quant-ptx-") as tmp:
+        os.environ["TRITON_CACHE_DIR"] = tmp
+        try:
+            src = GluonASTSource(fn=fn, signature=signature, constexprs=dict(case.constexprs), attrs={})
+            with triton.knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+                triton.knobs.nvidia.dump_ptxas_log = True
+                kernel = triton.compile(
+                    src, target=GPUTarget("cuda", 90, 32), options={"num_warps": case.num_warps}
+                )
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = old
+    return kernel.asm["ptx"], log.getvalue(), int(kernel.metadata.shared)
+
+
+def _loop_body(ptx: str) -> str:
+    """The PTX from the first mbarrier wait of the K loop's stage to the loop's back branch."""
+    start = ptx.index("mbarrier.try_wait")
+    end = ptx.index("wgmma.wait_group.sync.aligned 0")
+    return ptx[start:end]
+
+
+def _wgmma_configs() -> list:
+    from openkernels.quant import gluon
+
+    return list(
+        dict.fromkeys([*gluon.all_configs(), *(c for m in (16, 64, 128) for c in gluon.sweep_configs(m))])
+    )
+
+
+@pytest.mark.parametrize("cfg", _wgmma_configs(), ids=str)
+def test_gluon_wgmma_overlaps_in_ptx(cfg) -> None:
+    """The K loop issues its wgmma asynchronously and waits with one group outstanding (the
+    dequantization of the next step runs under the product), reads the codes from shared
+    memory with no layout conversion through shared memory (no st.shared in the loop), and
+    ptxas does not serialize the wgmma (no performance advisory). A CTA-wide bar.sync lies
+    between that wait and the refill's TMA (the compiler's shared-memory hazard barrier): with
+    two warpgroups (128-row weight tiles, 8 warps) each waits for its own wgmma only, and the
+    barrier is what keeps the other's reads of the stage before the refill. Every config the
+    launcher picks or the study sweeps."""
+    from openkernels.quant import gluon
+    from openkernels.shared.platform import triton_interpreting
+
+    from .aot_gluon_cases import wgmma_case
+
+    if triton_interpreting():
+        pytest.skip("compile-only checks need TRITON_INTERPRET unset")
+    ptx, log, shared = gluon_ptx(wgmma_case(cfg))
+    body = _loop_body(ptx)
+    # One wgmma per 16 columns of the step and per warpgroup's instruction (the warpgroups issue the same code).
+    assert body.count("wgmma.mma_async") == cfg.block_k // 16
+    assert body.count("wgmma.wait_group.sync.aligned 1") == 1
+    after_wait = body[body.index("wgmma.wait_group.sync.aligned 1") :]
+    assert after_wait.index("bar.sync") < after_wait.index("cp.async.bulk.tensor")
+    assert "st.shared" not in body and "stmatrix" not in body
+    assert body.count("ld.shared") == cfg.block_n * cfg.block_k // 2 // (
+        32 * cfg.num_warps
+    )  # one byte per load
+    assert "C7515" not in log and "serialized" not in log, log  # ptxas would serialize the wgmma
+    assert shared <= gluon.SMEM_LIMIT

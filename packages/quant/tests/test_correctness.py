@@ -30,7 +30,7 @@ X_DTYPES = [torch.bfloat16, torch.float16] if INTERP else [torch.bfloat16, torch
 
 
 def _supported(impl: str, dtype: torch.dtype) -> bool:
-    return not (impl in ("triton", "gemv") and dtype == torch.float32)
+    return not (impl in ("triton", "gemv", "wgmma") and dtype == torch.float32)
 
 
 @pytest.mark.parametrize(("device", "impl"), targets())

@@ -97,10 +97,20 @@ def _gemv_supports(key: dispatch.DispatchKey) -> str | None:
 # The CUDA C++ batch-1 GEMV: below Triton's priority (20) until the H200 says where it wins,
 # so it runs only when forced by name.
 _GEMV_PRIORITY = 15
+# The Gluon Hopper kernel (gluon/, asynchronous wgmma, M = 16-256): likewise forced only
+# (`dispatch.force("int4_linear:wgmma")`) until benchmarks/studies/quant_wgmma.py has run.
+_WGMMA_PRIORITY = 15
+
+
+def _wgmma_supports(key: dispatch.DispatchKey) -> str | None:
+    from .gluon import supports  # imports no compiler
+
+    return supports(key)
 
 
 def _impls(op: str, triton_supports) -> tuple[opdef.Impl, ...]:
-    """Entry point `<op>_fwd`; int4_linear also has the CUDA C++ GEMV ("gemv")."""
+    """Entry point `<op>_fwd`; int4_linear also has the CUDA C++ GEMV ("gemv") and the Gluon
+    Hopper kernel ("wgmma")."""
     impls = opdef.standard_impls(
         _PKG, f"{op}_fwd", triton_supports=triton_supports, cpu_supports=_cpu_supports
     )
@@ -108,6 +118,7 @@ def _impls(op: str, triton_supports) -> tuple[opdef.Impl, ...]:
         impls = (
             *impls,
             opdef.Impl("gemv", f"{_PKG}.cuda:int4_linear_fwd", ("cuda",), _GEMV_PRIORITY, _gemv_supports),
+            opdef.Impl("wgmma", f"{_PKG}.gluon:int4_linear_fwd", ("cuda",), _WGMMA_PRIORITY, _wgmma_supports),
         )
     return impls
 

@@ -1,0 +1,218 @@
+"""Gluon launcher of int4_linear for Hopper (sm_90a): kernels.py's asynchronous-wgmma kernel,
+the dequantization of step i + 1 overlapping the tensor cores' product of step i.
+
+Registered as implementation "wgmma" of `int4_linear` below the Triton kernels' priority: it
+runs only when forced (`dispatch.force("int4_linear:wgmma")`) until an H200 says where it
+wins (benchmarks/studies/quant_wgmma.py; docs/perf.md). Same entry point as
+triton.int4_linear_fwd; a call this kernel does not take goes to the Triton launcher
+(`unsupported_call` says why): fewer than MIN_M or more than MAX_M rows of x, NF4, x or
+scales other than bfloat16 / float16, zeros in another dtype than the scales, K not a
+multiple of 64, a group size (below K) not a multiple of 64, or rows of x / qweight, the
+output or their base addresses not 16-byte aligned (TMA), an output or scales with a
+non-unit column stride. The act-order perm is applied before any backend (api.py); the
+bias is added in float32 before the single rounding, as the Triton kernels do. No split-K:
+N / BLOCK_N programs per band of BLOCK_M rows (128 at N = 8192).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from openkernels.shared import dispatch
+
+__all__ = [
+    "ARCHS",
+    "MIN_M",
+    "MAX_M",
+    "WgmmaConfig",
+    "config_for",
+    "all_configs",
+    "int4_linear_fwd",
+    "supports",
+    "unsupported_call",
+    "smem_bytes",
+]
+
+ARCHS = ("sm_90",)
+MIN_M, MAX_M = 16, 256  # rows of x this kernel takes; the Triton launcher takes the rest
+DTYPES = (torch.bfloat16, torch.float16)
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """block_m: rows of x per program (16, 32, 64, 128: the wgmma's N); block_n: rows of W
+    (64: one warpgroup, 128: two; num_warps = block_n // 16); block_k: columns per step (64
+    or 128, a divisor of the group); stages: depth of the TMA ring."""
+
+    block_m: int = 128
+    block_n: int = 64
+    block_k: int = 128
+    stages: int = 4
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
+
+
+def smem_bytes(cfg: WgmmaConfig) -> int:
+    """Shared memory of the ring: STAGES x (x tile (block_m, block_k) 16-bit + codes
+    (block_n, block_k / 2) bytes) + one 8-byte mbarrier per stage (the epilogue's layout
+    conversion reuses it)."""
+    return cfg.stages * (cfg.block_m * cfg.block_k * 2 + cfg.block_n * cfg.block_k // 2 + 8)
+
+
+def _block_k(k: int, group: int) -> int | None:
+    """128 or 64 columns per step: a divisor of K and of the group (any, for one group per
+    row); None when neither is."""
+    for bk in (128, 64):
+        if k % bk == 0 and (group >= k or group % bk == 0):
+            return bk
+    return None
+
+
+def config_for(m: int, n: int, k: int, group: int) -> WgmmaConfig | None:
+    """The launch config for x (M, K) @ W^T, W (N, K) with groups of `group`; None when K and
+    the group admit no step. block_m is the smallest of 16 / 32 / 64 / 128 holding M (two
+    bands of 128 rows past 128); 64-row weight tiles, one warpgroup; 4 stages (3 at 128-row
+    x tiles with 128-column steps would leave more CTAs per SM: not measured yet)."""
+    bk = _block_k(k, group)
+    if bk is None:
+        return None
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    return WgmmaConfig(bm, 64, bk, 4)
+
+
+def all_configs() -> list[WgmmaConfig]:
+    """Every config config_for can return (compile-only checks), and the study's sweep."""
+    seen: dict[WgmmaConfig, None] = {}
+    for m in (16, 17, 32, 33, 64, 65, 128, 200, 256):
+        for k, group in ((4096, 128), (4096, 64), (4096, 4096), (192, 64)):
+            cfg = config_for(m, 4096, k, group)
+            if cfg is not None:
+                seen[cfg] = None
+    return list(seen)
+
+
+def sweep_configs(m: int) -> list[WgmmaConfig]:
+    """The study's variants around the default at M rows (benchmarks/studies/quant_wgmma.py):
+    3 and 4 stages, 64- and 128-column steps, 128-row weight tiles (two warpgroups) with
+    64-column steps. (128-row tiles with 128-column steps are left out: ptxas serializes
+    their wgmma, advisory C7515, which defeats the overlap.)"""
+    base = config_for(m, 8192, 8192, 128)
+    out = {base: None}
+    for cfg in (
+        WgmmaConfig(base.block_m, 64, 128, 3),
+        WgmmaConfig(base.block_m, 64, 64, 4),
+        WgmmaConfig(base.block_m, 128, 64, 4),
+        WgmmaConfig(base.block_m, 128, 64, 3),
+    ):
+        if smem_bytes(cfg) <= SMEM_LIMIT:
+            out[cfg] = None
+    return list(out)
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def supports(key: dispatch.DispatchKey) -> str | None:
+    """Dispatch predicate: None when this kernel can run `key`. Per-call limits (NF4 among them:
+    the kernel dequantizes int4, with zeros or symmetric) are unsupported_call's, whose calls
+    go to the Triton launcher, so a forced "wgmma" runs every int4_linear call on sm_90."""
+    if key.backend != "cuda":
+        return f"the Gluon wgmma kernel runs on NVIDIA GPUs (this is {key.backend}/{key.arch})"
+    if key.arch not in ARCHS:
+        return f"{key.arch}: the Gluon wgmma kernel is written for Hopper ({', '.join(ARCHS)}: wgmma, TMA)"
+    if key.dtype not in DTYPES:
+        return f"activations in {key.dtype}: the wgmma kernel takes bfloat16 and float16"
+    if not _gluon_available():
+        return "this Triton has no Gluon Hopper support (triton.experimental.gluon)"
+    return dispatch.triton_supports(key)
+
+
+def _aligned(t: Tensor) -> bool:
+    """A 2-D tensor TMA can read: unit column stride, rows and base 16-byte aligned."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config=None) -> str | None:
+    """Why this call goes to the Triton launcher instead (None: the wgmma kernel takes it)."""
+    m, k = x.shape
+    if not MIN_M <= m <= MAX_M:
+        return f"{m} rows of x (the wgmma kernel takes {MIN_M}-{MAX_M})"
+    if kind != "int4":
+        return f"kind {kind!r} (the wgmma kernel takes int4)"
+    if (
+        x.dtype not in DTYPES
+        or scales.dtype not in DTYPES
+        or (zeros is not None and zeros.dtype != scales.dtype)
+    ):
+        return "x, scales or zeros not bfloat16 / float16 (zeros as scales)"
+    if (config.block_k if config else _block_k(k, group_size)) is None:
+        return f"K = {k} or group size {group_size} not a multiple of 64"
+    if config is not None and (k % config.block_k or (group_size < k and group_size % config.block_k)):
+        return f"K = {k} or group size {group_size} not a multiple of block_k {config.block_k}"
+    if not _aligned(x) or not _aligned(qweight):
+        return "rows or base of x or qweight not 16-byte aligned (TMA)"
+    if out.stride(1) != 1 or scales.stride(1) != 1 or (zeros is not None and zeros.stride(1) != 1):
+        return "an output, scales or zeros with a non-unit column stride"
+    return None
+
+
+def _desc(t: Tensor, block: list[int]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.uint8: gl.uint8}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def int4_linear_fwd(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None,
+    bias: Tensor | None,
+    out: Tensor,
+    group_size: int,
+    kind: str,
+    *,
+    config: WgmmaConfig | None = None,
+) -> None:
+    """triton.int4_linear_fwd's contract. `config` overrides config_for (the study's sweep)."""
+    args = (x, qweight, scales, zeros, bias, out, group_size, kind)
+    if unsupported_call(*args, config) is not None:
+        from ..triton import int4_linear_fwd as triton_fwd
+
+        return triton_fwd(*args)
+    launch(x, qweight, scales, zeros, bias, out, group_size, config)
+    return None
+
+
+def launch(x, qweight, scales, zeros, bias, out, group_size: int, config: WgmmaConfig | None = None) -> None:
+    """The kernel on a call unsupported_call accepts (no checks here)."""
+    from ..triton.configs import kernel_group
+    from .kernels import int4_linear_wgmma_kernel
+
+    m, k = x.shape
+    n = qweight.shape[0]
+    cfg = config or config_for(m, n, k, group_size)
+    grid = (-(-n // cfg.block_n) * -(-m // cfg.block_m),)
+    int4_linear_wgmma_kernel[grid](
+        _desc(x, [cfg.block_m, cfg.block_k]), _desc(qweight, [cfg.block_n, cfg.block_k // 2]),
+        scales, scales if zeros is None else zeros, scales if bias is None else bias, out,
+        m, n, k, scales.stride(0), out.stride(0),
+        GROUP=kernel_group(group_size, k), STAGES=cfg.stages, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+        SCALE_16=scales.dtype == x.dtype, num_warps=cfg.num_warps,
+    )  # fmt: skip

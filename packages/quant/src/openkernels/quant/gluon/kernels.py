@@ -1,0 +1,201 @@
+"""Hopper (sm_90a) int4_linear in Gluon: the dequantized weight as wgmma's register operand,
+issued asynchronously so that the next step's dequantization runs under it.
+
+One program per (BLOCK_N rows of W, BLOCK_M rows of x) tile, computed transposed as the
+Triton tiled kernel does (triton/kernels.py, SWAP_AB):
+
+    acc^T (BLOCK_N, BLOCK_M) += W (BLOCK_N, BLOCK_K) @ x^T (BLOCK_K, BLOCK_M)
+
+* A, the weight: codes (BLOCK_N, BLOCK_K // 2) uint8 arrive by TMA in shared memory and are
+  read into registers in `_codes_layout`: the wgmma A-operand layout with the pair of
+  adjacent columns each thread holds (k_width = 2) folded into one byte, so that unpacking
+  the low / high nibble and joining them lands every value in the register the A operand
+  wants (the conversion to the operand layout is register-only: the AOT check's PTX has no
+  shared-memory traffic for it). Codes become q - z exactly in 16 bits by the mantissa trick
+  (bf16 128 + q, fp16 1024 + q, minus (base + zero)), then are multiplied by the scale.
+* B, x: (BLOCK_M, BLOCK_K) tiles by TMA (rows past M read zeros), the shared-memory view
+  permuted to (BLOCK_K, BLOCK_M).
+* STAGES-deep ring: one mbarrier per stage, armed with the bytes of both tiles. Step i waits
+  its stage, dequantizes, issues wgmma i (is_async), waits until one wgmma is outstanding
+  (wgmma i - 1 retired: its x tile is free, and so is the whole stage, whose codes were read
+  into registers before wgmma i - 1 was issued), then refills that stage with the TMA of step
+  i + STAGES - 1. The dequantization of step i + 1 thus runs while wgmma i does.
+* Epilogue: float32 bias added, rounded once to x's dtype, stored transposed
+  (y[m, n] = acc[n, m]) after a conversion to a layout with 8 consecutive n per thread.
+
+Where this differs from the Triton kernel (and why): the scale is applied to the weight
+*before* the product (W = (q - z) s rounded to x's dtype), not per group after it: an
+asynchronous wgmma accumulates into one register accumulator for the whole K loop, and a
+per-group rescale would need a second accumulator and a wait per group. Rounding W to x's
+dtype is the error contract's weight term (reference.linear_error_bound,
+weight_rounded_to=x.dtype), the same term the dequantize + matmul path uses; with scales in
+x's dtype the 16-bit product of the exact q - z and the scale is that single rounding
+(SCALE_16), otherwise the product is taken in float32 and rounded once.
+Codes are read from shared memory one byte per load (a thread's bytes of a row are 4 apart):
+the AOT check reports the count of ld.shared.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.constexpr_function
+def acc_layout(warps, block_m):
+    """The accumulator (BLOCK_N = 16 * warps, BLOCK_M): wgmma v3, warps along N."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_m, 16])
+
+
+@gluon.constexpr_function
+def _halve_columns(linear, shape):
+    """`linear` (the A-operand layout as a linear layout) with column bit 0 (the register pair
+    of adjacent columns, k_width = 2) dropped and every other column index halved: the layout
+    of the packed codes, one byte per column pair, shape (rows, cols // 2)."""
+    regs = [[r, c // 2] for r, c in linear.reg_bases if [r, c] != [0, 1]]
+    assert len(regs) == len(linear.reg_bases) - 1, "expected column bit 0 in the registers"
+    lanes = [[r, c // 2] for r, c in linear.lane_bases]
+    warps = [[r, c // 2] for r, c in linear.warp_bases]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [shape[0], shape[1] // 2])
+
+
+@gluon.constexpr_function
+def _store_layout(block_n, block_m, warps):
+    """8 consecutive output columns (n) per thread: 16-byte stores of y rows."""
+    tn = min(32, block_n // 8)
+    return gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, warps], [0, 1])
+
+
+@gluon.jit
+def _issue(x_desc, qw_desc, x_smem, qw_smem, ready, step, off_m, off_n, BLOCK_K: gl.constexpr,
+           STAGES: gl.constexpr):  # fmt: skip
+    """The TMA of step `step`'s x and code tiles into stage step % STAGES."""
+    s = step % STAGES
+    bar = ready.index(s)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + qw_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [off_m, step * BLOCK_K], bar, x_smem.index(s))
+    tma.async_copy_global_to_shared(qw_desc, [off_n, step * (BLOCK_K // 2)], bar, qw_smem.index(s))
+
+
+@gluon.jit
+def _row_params(s_ptr, z_ptr, g, stride_sg, offs_n, mask_n, HAS_ZEROS: gl.constexpr):
+    """(scale, zero) of group g for the tile's rows, float32 (zero 8 when symmetric)."""
+    scale = gl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(gl.float32)
+    if HAS_ZEROS:
+        zero = gl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(gl.float32)
+    else:
+        zero = gl.full(offs_n.shape, 8.0, gl.float32, offs_n.type.layout)
+    return scale, zero
+
+
+@gluon.jit
+def _dequantize(packed, scale, zero, a_layout: gl.constexpr, DTYPE: gl.constexpr, SCALE_16: gl.constexpr):
+    """(BLOCK_N, BLOCK_K // 2) uint8 codes -> (BLOCK_N, BLOCK_K) (q - z) * s in DTYPE, in the
+    A-operand layout. q - z exactly in 16 bits (mantissa OR: 128 + q in bf16, 1024 + q in
+    fp16, minus base + zero), then one rounding of the product with the scale."""
+    if DTYPE == gl.bfloat16:  # noqa: SIM300 - DTYPE is a constexpr argument
+        magic: gl.constexpr = 0x4300
+        base: gl.constexpr = 128.0
+    else:
+        magic: gl.constexpr = 0x6400
+        base: gl.constexpr = 1024.0
+    low = ((packed & 0xF).to(gl.uint16) | magic).to(DTYPE, bitcast=True)
+    high = ((packed >> 4).to(gl.uint16) | magic).to(DTYPE, bitcast=True)
+    offset = (zero + base).to(DTYPE)[:, None]
+    low = low - offset
+    high = high - offset
+    if SCALE_16:
+        s16 = scale.to(DTYPE)[:, None]  # the scales' own dtype: exact
+        low = low * s16
+        high = high * s16
+    else:
+        low = (low.to(gl.float32) * scale[:, None]).to(DTYPE)
+        high = (high.to(gl.float32) * scale[:, None]).to(DTYPE)
+    w = gl.join(low, high)  # (BLOCK_N, BLOCK_K // 2, 2): column 2j low, 2j + 1 high
+    w = w.reshape([packed.shape[0], 2 * packed.shape[1]])
+    return gl.convert_layout(w, a_layout)
+
+
+@gluon.jit
+def int4_linear_wgmma_kernel(
+    x_desc, qw_desc, s_ptr, z_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_sg, stride_om,
+    GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
+    SCALE_16: gl.constexpr,
+):  # fmt: skip
+    """out (M, N) = x (M, K) @ W^T (+ bias). x_desc: (M, K) blocks (BLOCK_M, BLOCK_K); qw_desc:
+    codes (N, K // 2) blocks (BLOCK_N, BLOCK_K // 2). K % BLOCK_K == 0 and BLOCK_K divides
+    GROUP (the launcher checks). Launched with num_warps = BLOCK_N // 16 (4 or 8). Grid:
+    cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), the M tiles of one weight tile consecutive."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = qw_desc.block_type.shape[0]
+    WARPS: gl.constexpr = BLOCK_N // 16
+    DTYPE: gl.constexpr = x_desc.dtype
+    gl.static_assert(qw_desc.block_type.shape[1] * 2 == BLOCK_K)
+    gl.static_assert(STAGES >= 2)
+    gl.static_assert(GROUP % BLOCK_K == 0)
+
+    mma_layout: gl.constexpr = acc_layout(WARPS, BLOCK_M)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    codes_layout: gl.constexpr = _halve_columns(
+        gl.to_linear_layout(a_layout, [BLOCK_N, BLOCK_K]), [BLOCK_N, BLOCK_K]
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, codes_layout)
+
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    pid = gl.program_id(0)
+    off_n = (pid // tiles_m) * BLOCK_N
+    off_m = (pid % tiles_m) * BLOCK_M
+
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)  # noqa: RUF005
+    qw_smem = gl.allocate_shared_memory(qw_desc.dtype, [STAGES] + qw_desc.block_type.shape, qw_desc.layout)  # noqa: RUF005
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+
+    n_k = K // BLOCK_K
+    for j in gl.static_range(STAGES - 1):
+        if j < n_k:
+            _issue(x_desc, qw_desc, x_smem, qw_smem, ready, j, off_m, off_n, BLOCK_K, STAGES)
+
+    offs_n = off_n + gl.arange(0, BLOCK_N, rows_layout)
+    mask_n = offs_n < N
+    scale, zero = _row_params(s_ptr, z_ptr, 0, stride_sg, offs_n, mask_n, HAS_ZEROS)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
+    # The A operand of the wgmma in flight: its registers must outlive the next step's
+    # dequantization, up to the wait that retires it (a dependence of that wait).
+    w_prev = gl.zeros([BLOCK_N, BLOCK_K], DTYPE, a_layout)
+    for i in range(n_k):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        packed = qw_smem.index(slot).load(codes_layout)
+        w = _dequantize(packed, scale, zero, a_layout, DTYPE, SCALE_16)
+        acc = warpgroup_mma(w, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        # The next step's scales (and zeros) while the product runs: their loads' latency
+        # is hidden under the wait below and the next step's barrier.
+        g_next = (gl.minimum(i + 1, n_k - 1) * BLOCK_K) // GROUP
+        scale, zero = _row_params(s_ptr, z_ptr, g_next, stride_sg, offs_n, mask_n, HAS_ZEROS)
+        # wgmma i - 1 has retired: its stage (i - 1) % STAGES is free for step i + STAGES - 1.
+        acc, w_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_prev))
+        w_prev = w
+        nxt = i + STAGES - 1
+        if nxt < n_k:
+            _issue(x_desc, qw_desc, x_smem, qw_smem, ready, nxt, off_m, off_n, BLOCK_K, STAGES)
+    acc, w_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_prev))
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(j))
+
+    if HAS_BIAS:
+        offs_b = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma_layout))
+        acc = acc + gl.load(bias_ptr + offs_b, mask=offs_b < N, other=0.0).to(gl.float32)[:, None]
+    out_layout: gl.constexpr = _store_layout(BLOCK_N, BLOCK_M, WARPS)
+    y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+    rows = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, out_layout))
+    cols = off_m + gl.arange(0, BLOCK_M, gl.SliceLayout(0, out_layout))
+    ptrs = out_ptr + cols.to(gl.int64)[None, :] * stride_om + rows[:, None]
+    gl.store(ptrs, y, mask=(rows[:, None] < N) & (cols[None, :] < M))

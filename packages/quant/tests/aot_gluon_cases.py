@@ -1,0 +1,66 @@
+"""AOT cases of the Gluon Hopper int4_linear kernel (openkernels.quant.gluon): sm_90 only, every
+config the launcher picks (gluon.all_configs) and the study's sweep, with the signature the
+launcher passes (TMA descriptors of x and the codes, the scales in place of absent zeros and
+bias), bf16 and fp16 x, scales in x's dtype or the other one, zeros and symmetric, a bias."""
+
+from __future__ import annotations
+
+_KERNEL = "openkernels.quant.gluon.kernels:int4_linear_wgmma_kernel"
+_T = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+
+
+def _desc(dtype: str, shape: list[int]) -> str:
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16, "u8": gl.uint8}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(shape, gl_dtype)
+    return f"tensordesc<{dtype}[{','.join(map(str, shape))}],{layout!r}>"
+
+
+def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True, bias: str | None = None,
+               group: int = 128):  # fmt: skip
+    """The launch of gluon.launch for config `cfg` (a gluon.WgmmaConfig)."""
+    from openkernels.shared.dev.testing.aot import AotCase
+
+    signature = {
+        "x_desc": _desc(x, [cfg.block_m, cfg.block_k]), "qw_desc": _desc("u8", [cfg.block_n, cfg.block_k // 2]),
+        "s_ptr": _T[scales], "z_ptr": _T[scales], "bias_ptr": _T[bias or scales], "out_ptr": _T[x],
+        "M": "i32", "N": "i32", "K": "i32", "stride_sg": "i32", "stride_om": "i32",
+    }  # fmt: skip
+    constexprs = {"GROUP": group, "STAGES": cfg.stages, "HAS_ZEROS": zeros, "HAS_BIAS": bias is not None,
+                  "SCALE_16": scales == x}  # fmt: skip
+    label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}-{x}-{scales}"
+             f"{'-zeros' if zeros else '-sym'}{f'-bias{bias}' if bias else ''}-g{group}")  # fmt: skip
+    # K, N, the strides: the launcher passes what the call has (no "D" specialization assumed).
+    return AotCase(_KERNEL, signature, constexprs, num_warps=cfg.num_warps, label=label,
+                   attrs={"M": "", "N": "", "K": "", "stride_sg": "", "stride_om": ""})  # fmt: skip
+
+
+def cases_for(family: str) -> list:
+    if family != "hopper":
+        return []  # wgmma and TMA: Hopper's (sm_90a)
+    from openkernels.quant import gluon
+
+    out = {}
+    configs = list(gluon.all_configs())
+    for m in (16, 64, 128):
+        configs += gluon.sweep_configs(m)
+    for cfg in dict.fromkeys(configs):
+        c = wgmma_case(cfg)
+        out[c.label] = c
+    # Every dtype / format / bias variant on the M = 16 and M = 128 defaults.
+    for m in (16, 128):
+        cfg = gluon.config_for(m, 8192, 8192, 128)
+        for x in ("bf16", "fp16"):
+            for scales in ("bf16", "fp16"):
+                for zeros in (True, False):
+                    c = wgmma_case(cfg, x, scales, zeros=zeros, bias="fp32" if zeros else x)
+                    out[c.label] = c
+    # 64-column steps (group 64) and one group per row.
+    for group, k in ((64, 4096), (4096, 4096)):
+        cfg = gluon.config_for(128, 4096, k, group)
+        from openkernels.quant.triton.configs import kernel_group
+
+        c = wgmma_case(cfg, group=kernel_group(group, k))
+        out[c.label] = c
+    return list(out.values())

@@ -1,0 +1,344 @@
+"""The Gluon Hopper int4_linear kernel (openkernels.quant.gluon, dispatch name "wgmma").
+
+On the CPU: the dispatch predicate, the launcher's per-call refusals (calls that go to the
+Triton launcher), `explain`, the configs' shared memory, and a float64 transliteration of the
+kernel's tiling (programs, the stage ring with its one-outstanding-wgmma reuse rule, the
+mantissa-trick dequantization rounded to x's dtype, the transposed masked store) against the
+reference within the error contract. On an sm_90 GPU, forced: against the reference within
+reference.linear_error_bound (W rounded to x's dtype: the kernel scales before the product)
+for odd N, M = 16-256, groups 64 / 128 / one per row, symmetric and with zeros, a bias,
+fp16 / bf16, strided x, NaN; and against the Triton path. Its compile checks (sm_90a, every
+config; the PTX's asynchronous wgmma) are in test_aot.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openkernels.quant as Q
+from openkernels.quant import gluon
+from openkernels.quant import reference as R
+from openkernels.shared import dispatch
+from openkernels.shared.dispatch import DispatchKey
+
+from .cases import SM90, assert_linear_close, make_weight
+
+
+@pytest.fixture(autouse=True)
+def _fresh_selections():
+    yield
+    dispatch.changed()
+
+
+def test_the_predicate_and_explain() -> None:
+    key = DispatchKey
+    int4 = frozenset({"int4"})
+    assert "Hopper" in gluon.supports(key("cuda", "sm_80", torch.bfloat16, int4))
+    assert "Hopper" in gluon.supports(key("cuda", "sm_100", torch.bfloat16, int4))
+    assert "NVIDIA" in gluon.supports(key("rocm", "gfx942", torch.bfloat16, int4))
+    assert "NVIDIA" in gluon.supports(key("cpu", "avx2", torch.bfloat16, int4))
+    assert "float32" in gluon.supports(key("cuda", "sm_90", torch.float32, int4))
+    if gluon._gluon_available():
+        assert gluon.supports(key("cuda", "sm_90", torch.float16, int4)) is None
+        # NF4 is a per-call refusal (the Triton launcher runs it), so forcing "wgmma" never fails on sm_90.
+        assert gluon.supports(key("cuda", "sm_90", torch.bfloat16, frozenset({"nf4"}))) is None
+    w = Q.quantize_int4(make_weight(8, 64), 64)
+    x = torch.randn(4, 64)
+    text = dispatch.explain(
+        "int4_linear", x, w.qweight, w.scales, w.zeros, None, torch.empty(4, 8), 64, "int4"
+    )
+    assert "wgmma: runs on cuda, not cpu [priority 15]" in text
+
+
+def _call(
+    m=64, n=96, k=256, group=128, *, dtype=torch.bfloat16, scales=None, zeros=True, kind="int4", bias=None
+):
+    x = torch.randn(m, k).to(dtype)
+    qweight = torch.zeros(n, k // 2, dtype=torch.uint8)
+    s = torch.ones(max(1, k // group), n, dtype=scales or dtype)
+    z = torch.full_like(s, 8.0) if zeros else None
+    return [x, qweight, s, z, bias, torch.empty(m, n, dtype=dtype), group, kind]
+
+
+def test_refusals_go_to_triton() -> None:
+    assert gluon.unsupported_call(*_call()) is None
+    assert gluon.unsupported_call(*_call(m=16)) is None and gluon.unsupported_call(*_call(m=256)) is None
+    assert "rows of x" in gluon.unsupported_call(*_call(m=15))
+    assert "rows of x" in gluon.unsupported_call(*_call(m=257))
+    assert "nf4" in gluon.unsupported_call(*_call(kind="nf4", zeros=False))
+    assert "bfloat16 / float16" in gluon.unsupported_call(*_call(dtype=torch.float32))
+    call = _call()
+    call[3] = call[3].half()  # zeros in another dtype than the scales
+    assert "zeros" in gluon.unsupported_call(*call)
+    assert gluon.unsupported_call(*_call(scales=torch.float16)) is None  # scales in another 16-bit dtype
+    assert "multiple of 64" in gluon.unsupported_call(*_call(k=224, group=32))
+    assert "multiple of 64" in gluon.unsupported_call(*_call(k=256, group=32))
+    assert gluon.unsupported_call(*_call(k=192, group=192)) is None  # one group per row
+    call = _call(k=264, group=264)
+    assert "multiple of 64" in gluon.unsupported_call(*call)
+    call = _call()
+    call[0] = torch.randn(64, 512).to(torch.bfloat16)[:, ::2]  # column stride 2: no TMA
+    assert "16-byte aligned" in gluon.unsupported_call(*call)
+    call = _call()
+    call[0] = torch.randn(64, 260).to(torch.bfloat16)[:, :256]  # rows of 520 bytes
+    assert "16-byte aligned" in gluon.unsupported_call(*call)
+    call = _call()
+    call[1] = torch.zeros(96, 136, dtype=torch.uint8)[:, :128]  # code rows of 136 bytes
+    assert "16-byte aligned" in gluon.unsupported_call(*call)
+    call = _call()
+    call[5] = torch.empty(96, 64, dtype=torch.bfloat16).t()
+    assert "column stride" in gluon.unsupported_call(*call)
+    forced = gluon.WgmmaConfig(64, 64, 128, 4)
+    assert "block_k 128" in gluon.unsupported_call(*_call(k=192, group=64), forced)
+
+
+def test_configs() -> None:
+    assert gluon.config_for(16, 8192, 8192, 128) == gluon.WgmmaConfig(16, 64, 128, 4)
+    assert gluon.config_for(17, 8192, 8192, 128).block_m == 32
+    assert gluon.config_for(200, 8192, 8192, 128).block_m == 128
+    assert gluon.config_for(128, 8192, 8192, 64).block_k == 64
+    assert gluon.config_for(128, 8192, 192, 192).block_k == 64
+    assert gluon.config_for(128, 8192, 8192, 32) is None
+    for m in (16, 64, 128, 256):
+        for cfg in [*gluon.all_configs(), *gluon.sweep_configs(m)]:
+            assert gluon.smem_bytes(cfg) <= gluon.SMEM_LIMIT, cfg
+            assert cfg.block_n in (64, 128) and cfg.block_k in (64, 128) and cfg.stages >= 2
+
+
+# ---- a float64 transliteration of the kernel ------------------------------------------------
+
+
+def _tma(t: torch.Tensor, r0: int, c0: int, rows: int, cols: int) -> torch.Tensor:
+    """A TMA box: t[r0:r0+rows, c0:c0+cols], zeros past the tensor's edges."""
+    box = torch.zeros(rows, cols, dtype=t.dtype)
+    part = t[r0 : r0 + rows, c0 : c0 + cols]
+    box[: part.shape[0], : part.shape[1]] = part
+    return box
+
+
+def _dequantize(packed, scale, zero, dtype, scale_16: bool) -> torch.Tensor:
+    """kernels._dequantize: mantissa OR, one 16-bit subtraction, the product with the scale
+    rounded once to `dtype`; (rows, 2 * cols), column 2j from the low nibble of byte j."""
+    magic, base = (0x4300, 128.0) if dtype == torch.bfloat16 else (0x6400, 1024.0)
+    as16 = lambda nib: (nib.to(torch.int32) | magic).to(torch.int16).view(dtype)  # noqa: E731
+    low, high = as16(packed & 0xF), as16(packed >> 4)
+    offset = (zero + base).to(dtype)[:, None]
+    low, high = low - offset, high - offset
+    if scale_16:
+        s16 = scale.to(dtype)[:, None]
+        low, high = low * s16, high * s16
+    else:
+        low = (low.float() * scale[:, None]).to(dtype)
+        high = (high.float() * scale[:, None]).to(dtype)
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
+
+
+def _emulate(x, qweight, scales, zeros, bias, out, group: int, cfg: gluon.WgmmaConfig) -> None:
+    """int4_linear_wgmma_kernel, program by program (the grid's order: the M tiles of a weight
+    tile consecutive), in float64 products of the 16-bit operands."""
+    from openkernels.quant.triton.configs import kernel_group
+
+    m, k = x.shape
+    n = qweight.shape[0]
+    g_size = kernel_group(group, k)
+    assert k % cfg.block_k == 0 and g_size % cfg.block_k == 0
+    tiles_m = -(-m // cfg.block_m)
+    for pid in range(-(-n // cfg.block_n) * tiles_m):
+        _program(x, qweight, scales, zeros, bias, out, g_size, cfg, (pid // tiles_m) * cfg.block_n,
+                 (pid % tiles_m) * cfg.block_m)  # fmt: skip
+
+
+def _program(x, qweight, scales, zeros, bias, out, g_size: int, cfg, off_n: int, off_m: int) -> None:
+    """One program. The ring: a stage is refilled only once the wgmma that read it has retired
+    (one wgmma outstanding after each step's wait), and each step reads its own step's tiles."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
+    n_k = k // bk
+    ring: list[tuple[int, torch.Tensor, torch.Tensor] | None] = [None] * stages
+    retired = [-1]  # the last step whose wgmma has completed
+
+    def issue(step: int) -> None:
+        slot = step % stages
+        held = ring[slot]
+        assert held is None or held[0] <= retired[0], f"stage {slot} refilled while wgmma {held[0]} reads it"
+        ring[slot] = (
+            step,
+            _tma(x, off_m, step * bk, bm, bk),
+            _tma(qweight, off_n, step * bk // 2, bn, bk // 2),
+        )
+
+    rows = torch.arange(off_n, off_n + bn)
+    in_n = rows < n
+
+    def params(g: int):
+        scale = torch.zeros(bn)
+        scale[in_n] = scales[g, rows[in_n]].float()
+        zero = torch.full((bn,), 8.0)
+        if zeros is not None:
+            zero = torch.zeros(bn)
+            zero[in_n] = zeros[g, rows[in_n]].float()
+        return scale, zero
+
+    for j in range(min(stages - 1, n_k)):
+        issue(j)
+    scale, zero = params(0)
+    acc = torch.zeros(bn, bm, dtype=torch.float64)
+    for i in range(n_k):
+        step, x_tile, codes = ring[i % stages]
+        assert step == i, f"step {i} read stage {i % stages} holding step {step}"
+        w = _dequantize(codes, scale, zero, x.dtype, scales.dtype == x.dtype)
+        acc += w.double() @ x_tile.double().t()  # wgmma i (exact products, float32 sums ~ float64)
+        scale, zero = params((min(i + 1, n_k - 1) * bk) // g_size)
+        retired[0] = i - 1  # warpgroup_mma_wait(1): wgmma i - 1 retired
+        if i + stages - 1 < n_k:
+            issue(i + stages - 1)
+    if bias is not None:
+        acc += torch.where(in_n, bias.double()[rows.clamp(max=n - 1)], 0.0)[:, None]
+    cols = torch.arange(off_m, off_m + bm)
+    keep_m = cols < m
+    tile = acc.to(out.dtype)[in_n][:, keep_m]  # acc[n, m] -> y[m, n]
+    out[off_m : off_m + int(keep_m.sum()), off_n : off_n + int(in_n.sum())] = tile.t()
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "symmetric", "dtype", "scale_dtype", "bias", "stages"),
+    [
+        (17, 100, 512, 128, False, torch.bfloat16, torch.bfloat16, True, 4),
+        (16, 64, 256, 64, True, torch.float16, torch.float16, False, 3),
+        (130, 72, 384, 128, False, torch.float16, torch.bfloat16, True, 2),
+        (64, 130, 128, 128, True, torch.bfloat16, torch.float16, False, 4),
+        (200, 33, 640, 640, False, torch.bfloat16, torch.bfloat16, True, 3),
+    ],
+)
+def test_transliteration_matches_the_reference(
+    m, n, k, group, symmetric, dtype, scale_dtype, bias, stages
+) -> None:
+    gen = torch.Generator().manual_seed(m * n + k)
+    weight = Q.quantize_int4(
+        make_weight(n, k, heavy=True, generator=gen), group, symmetric, scale_dtype=scale_dtype
+    )
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen) if bias else None
+    cfg = gluon.config_for(m, n, k, group)
+    from dataclasses import replace
+
+    cfg = replace(cfg, stages=stages)
+    assert gluon.unsupported_call(x, weight.qweight, weight.scales, weight.zeros, b, torch.empty(m, n, dtype=dtype),
+                                  group, "int4", cfg) is None  # fmt: skip
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    _emulate(x, weight.qweight, weight.scales, weight.zeros, b, out, group, cfg)
+    assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated {cfg}")
+
+
+def test_rounding_the_scaled_weight_fits_the_contract() -> None:
+    """W = (q - z) s rounded to x's dtype (the kernel's A operand) equals the reference's
+    float32 dequantization rounded once to x's dtype, bit for bit, for scales in x's dtype
+    and in the other 16-bit dtype: the contract's weight term (weight_rounded_to) covers it."""
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        for scale_dtype in (torch.bfloat16, torch.float16):
+            for symmetric in (False, True):
+                weight = Q.quantize_int4(make_weight(64, 256, heavy=True, generator=gen), 64, symmetric,
+                                         scale_dtype=scale_dtype)  # fmt: skip
+                ref = R.dequantize_int4_ref(weight.qweight, weight.scales, weight.zeros, 64, dtype=dtype)
+                parts = []
+                for g in range(4):
+                    zero = torch.full((64,), 8.0) if symmetric else weight.zeros[g].float()
+                    codes = weight.qweight[:, g * 32 : (g + 1) * 32]
+                    parts.append(
+                        _dequantize(codes, weight.scales[g].float(), zero, dtype, scale_dtype == dtype)
+                    )
+                assert torch.equal(torch.cat(parts, 1).view(torch.int16), ref.view(torch.int16)), (
+                    dtype,
+                    scale_dtype,
+                )
+
+
+# ---- on an sm_90 GPU ------------------------------------------------------------------------
+
+_needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@_needs_sm90
+@pytest.mark.parametrize("m", [16, 17, 64, 128, 200, 256])
+@pytest.mark.parametrize(("k", "group"), [(4096, 128), (2048, 64), (128, 128), (64, 64)], ids=str)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "sym"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forced_calls_match_the_reference(m, k, group, symmetric, dtype) -> None:
+    n = 1000 + 8 * (m % 3) + 4  # odd tile counts: the last weight tile is partly out of range
+    gen = torch.Generator().manual_seed(m * 7 + k)
+    weight = Q.quantize_int4(make_weight(n, k, heavy=True, generator=gen), group, symmetric).to("cuda")
+    x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+    bias = torch.randn(n, generator=gen).to("cuda") if m % 2 == 0 else None
+    with dispatch.force("int4_linear:wgmma"):
+        assert "-> wgmma" in dispatch.explain("int4_linear", x, weight.qweight, weight.scales, weight.zeros, bias,
+                                              torch.empty(m, n, dtype=dtype, device="cuda"), group, "int4")  # fmt: skip
+        out = Q.int4_linear(x, weight, bias)
+    assert (
+        gluon.unsupported_call(x, weight.qweight, weight.scales, weight.zeros, bias, out, group, "int4")
+        is None
+    )
+    assert_linear_close(out, x, weight, bias, w_rounded=True, msg=f"wgmma m={m} k={k} g={group}")
+    triton_out = Q.int4_linear(x, weight, bias)  # the default (Triton) path, within the same bound
+    assert_linear_close(triton_out, x, weight, bias, w_rounded=True, msg="triton")
+    bound = _bound(x, weight, bias, out.dtype)
+    assert ((out.double() - triton_out.double()).abs().cpu() <= 2 * bound).all()
+
+
+def _bound(x, weight, bias, dtype) -> torch.Tensor:
+    xd = x.double().cpu()
+    w = Q.dequantize_int4(weight.to("cpu"), torch.float64)
+    ref = xd @ w.t() + (0 if bias is None else bias.double().cpu())
+    return R.linear_error_bound(xd, w, ref, dtype, weight_rounded_to=x.dtype)
+
+
+@pytest.mark.gpu
+@_needs_sm90
+def test_fp16_scales_strided_x_and_nan() -> None:
+    gen = torch.Generator().manual_seed(5)
+    n, k = 520, 1024
+    weight = Q.quantize_int4(make_weight(n, k, generator=gen), 128, scale_dtype=torch.float16).to("cuda")
+    base = torch.randn(96, k + 64, generator=gen).to("cuda", torch.bfloat16)
+    x = base[:, :k]  # rows of (k + 64) elements: a TMA-readable stride other than K
+    x[3, 17] = float("nan")
+    with dispatch.force("int4_linear:wgmma"):
+        out = Q.int4_linear(x, weight)
+    assert (
+        gluon.unsupported_call(x, weight.qweight, weight.scales, weight.zeros, None, out, 128, "int4") is None
+    )
+    assert out[3].isnan().all()
+    keep = torch.ones(96, dtype=torch.bool)
+    keep[3] = False
+    assert not out[keep].isnan().any()
+    assert_linear_close(out[keep], x[keep], weight, None, w_rounded=True, msg="strided x")
+    # A column stride of 2 is refused here and runs on the Triton path (api.py makes it contiguous first).
+    with dispatch.force("int4_linear:wgmma"):
+        y = Q.int4_linear(base[:, : 2 * k : 2], weight)
+    assert_linear_close(y, base[:, : 2 * k : 2], weight, None, w_rounded=True, msg="column stride 2")
+
+
+@pytest.mark.gpu
+@_needs_sm90
+def test_refused_calls_run_the_triton_path() -> None:
+    gen = torch.Generator().manual_seed(9)
+    weight = Q.quantize_int4(make_weight(256, 256, generator=gen), 32).to("cuda")  # group 32: refused
+    x = torch.randn(8, 256, generator=gen).to("cuda", torch.bfloat16)  # 8 rows: refused too
+    with dispatch.force("int4_linear:wgmma"):
+        out = Q.int4_linear(x, weight)
+    assert_linear_close(out, x, weight, None, w_rounded=False, msg="triton fallback")
+
+
+@pytest.mark.gpu
+@_needs_sm90
+@pytest.mark.parametrize("cfg", [c for m in (16, 64, 128) for c in gluon.sweep_configs(m)], ids=str)
+def test_every_swept_config(cfg) -> None:
+    gen = torch.Generator().manual_seed(11)
+    m, n, k = cfg.block_m + 3, 777, 1024
+    weight = Q.quantize_int4(make_weight(n, k, generator=gen), 128).to("cuda")
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to("cuda")
+    out = torch.empty(m, n, dtype=x.dtype, device="cuda")
+    gluon.int4_linear_fwd(x, weight.qweight, weight.scales, weight.zeros, bias, out, 128, "int4", config=cfg)
+    assert_linear_close(out, x, weight, bias, w_rounded=True, msg=str(cfg))
