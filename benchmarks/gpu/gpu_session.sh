@@ -64,6 +64,13 @@ if [[ $steps == *nf4* && $family == quant ]]; then
   # NF4 levels by warp shuffle in the Triton kernels against the gather (checks, then times).
   timeout 300 python3 benchmarks/studies/quant_nf4_shuffle.py 2>&1 | tee "$out/nf4_study.txt" | tail -30
 fi
+if [[ $steps == *wgmma* && $family == quant ]]; then
+  # The Gluon Hopper kernel (asynchronous wgmma, issue 24): its GPU tests, then the study (checks, then times).
+  timeout 150 python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x 2>&1 | tee "$out/wgmma_tests.txt" | tail -8
+  if grep -q " passed" "$out/wgmma_tests.txt" && ! grep -qE "failed|error" "$out/wgmma_tests.txt"; then
+    timeout 240 python3 benchmarks/studies/quant_wgmma.py 2>&1 | tee "$out/wgmma_study.txt" | tail -60
+  fi
+fi
 if [[ $steps == *split* && $family == layernorm ]]; then
   # The split forward's variants (one-pass LayerNorm statistics, warps, narrow hold) against copy.
   timeout 300 python3 benchmarks/studies/norm_split_variants.py 2>&1 | tee "$out/split_study.txt" | tail -40
