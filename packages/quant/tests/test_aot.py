@@ -353,9 +353,9 @@ def test_gluon_wgmma_compiles_clean_for_sm90() -> None:
     check_vendor(gluon_cases_for, "cuda", target_groups={"hopper": ("sm_90",)})
 
 
-def gluon_ptx(case) -> tuple[str, str, int]:
-    """(PTX, ptxas -v log, shared bytes) of a Gluon AotCase for sm_90a, compiled in this process
-    into a throw-away cache."""
+def gluon_compile(case):
+    """The compiled Gluon AotCase for sm_90a (in this process, a throw-away cache) and the
+    ptxas -v log."""
     import contextlib
     import importlib
     import io
@@ -385,14 +385,79 @@ def gluon_ptx(case) -> tuple[str, str, int]:
                 os.environ.pop("TRITON_CACHE_DIR", None)
             else:
                 os.environ["TRITON_CACHE_DIR"] = old
-    return kernel.asm["ptx"], log.getvalue(), int(kernel.metadata.shared)
+    return kernel, log.getvalue()
 
 
-def _loop_body(ptx: str) -> str:
-    """The PTX from the first mbarrier wait of the K loop's stage to the loop's back branch."""
-    start = ptx.index("mbarrier.try_wait")
-    end = ptx.index("wgmma.wait_group.sync.aligned 0")
-    return ptx[start:end]
+def sass_of(kernel) -> str:
+    """nvdisasm's listing of a compiled kernel's cubin (the wheel's nvdisasm)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    with tempfile.TemporaryDirectory(prefix="openkernels-quant-sass-") as tmp:
+        cubin = Path(tmp, "k.cubin")
+        cubin.write_bytes(kernel.asm["cubin"])
+        return subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+
+
+def _sass_instructions(sass: str) -> list[tuple[bool, str]]:
+    """(is an instruction, text) per line: instructions without their predicate, labels."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", line)
+        if m:
+            out.append((True, re.sub(r"^@!?U?P\w+\s+", "", m.group(1))))
+        elif re.match(r"\.L_x_\d+:", line.strip()):
+            out.append((False, line.strip()[:-1]))
+    return out
+
+
+def a_register_hazards(sass: str, trips: int = 3) -> tuple[list[str], list[list[int]]]:
+    """Writes, by any non-wgmma instruction, to a register holding the A operand of a wgmma
+    group that has not retired (PTX: undefined behaviour), over `trips` passes of the loop
+    that holds the first HGMMA; and the A-register sets of that loop's groups. A group ends
+    at the HGMMA marked gsb0; WARPGROUP.DEPBAR.LE gsb0, n retires all but the last n."""
+    ins = _sass_instructions(sass)
+    labels = {text: i for i, (real, text) in enumerate(ins) if not real}
+    first = next(i for i, (real, text) in enumerate(ins) if real and text.startswith("HGMMA"))
+    for end in range(first, len(ins)):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ins[end][1])
+        if ins[end][0] and m and labels[m.group(1)] < first:
+            start = labels[m.group(1)]
+            break
+    loop = [text for real, text in ins[start : end + 1] if real]
+    pending: list[set[int]] = []
+    current: set[int] = set()
+    groups: list[list[int]] = []
+    hazards = []
+    for trip in range(trips):
+        for text in loop:
+            op, _, rest = text.partition(" ")
+            if op.startswith("HGMMA"):
+                a = re.fullmatch(r"R(\d+)", rest.split(",")[1].strip())
+                if a:
+                    current |= set(
+                        range(int(a.group(1)), int(a.group(1)) + 4)
+                    )  # 4 registers per m64k16 fragment
+                if "gsb0" in rest:
+                    pending.append(current)
+                    if trip == 0:
+                        groups.append(sorted(current))
+                    current = set()
+            elif op.startswith("WARPGROUP.DEPBAR"):
+                keep = int(rest.split(",")[-1], 0)
+                del pending[: max(0, len(pending) - keep)]
+            else:
+                dst = re.fullmatch(r"R(\d+)", rest.split(",")[0].strip())
+                if dst:
+                    width = 4 if ".128" in op else 2 if ".64" in op else 1
+                    written = set(range(int(dst.group(1)), int(dst.group(1)) + width))
+                    if any(written & g for g in pending):
+                        hazards.append(f"trip {trip}: {text}")
+    return hazards, groups
 
 
 def _wgmma_configs() -> list:
@@ -405,14 +470,16 @@ def _wgmma_configs() -> list:
 
 @pytest.mark.parametrize("cfg", _wgmma_configs(), ids=str)
 def test_gluon_wgmma_overlaps_in_ptx(cfg) -> None:
-    """The K loop issues its wgmma asynchronously and waits with one group outstanding (the
-    dequantization of the next step runs under the product), reads the codes from shared
-    memory with no layout conversion through shared memory (no st.shared in the loop), and
-    ptxas does not serialize the wgmma (no performance advisory). A CTA-wide bar.sync lies
-    between that wait and the refill's TMA (the compiler's shared-memory hazard barrier): with
+    """Every config the launcher picks or the study sweeps. The PTX: two K steps per loop trip
+    and a tail step, each issuing its wgmma asynchronously and waiting with one group
+    outstanding (the dequantization of the next step runs under the product), one final wait
+    for none; the codes read from shared memory one byte per load, no layout conversion
+    through shared memory before the epilogue (no st.shared / stmatrix); a CTA-wide bar.sync
+    between each wait and the refill's TMA (the compiler's shared-memory hazard barrier: with
     two warpgroups (128-row weight tiles, 8 warps) each waits for its own wgmma only, and the
-    barrier is what keeps the other's reads of the stage before the refill. Every config the
-    launcher picks or the study sweeps."""
+    barrier is what keeps the other's reads of the stage before the refill). ptxas: no wgmma
+    serialization advisory. The SASS: the two steps' A operands in disjoint registers, and no
+    instruction writes a register of a wgmma group's A operand before the wait that retires it."""
     from openkernels.quant import gluon
     from openkernels.shared.platform import triton_interpreting
 
@@ -420,16 +487,20 @@ def test_gluon_wgmma_overlaps_in_ptx(cfg) -> None:
 
     if triton_interpreting():
         pytest.skip("compile-only checks need TRITON_INTERPRET unset")
-    ptx, log, shared = gluon_ptx(wgmma_case(cfg))
-    body = _loop_body(ptx)
-    # One wgmma per 16 columns of the step and per warpgroup's instruction (the warpgroups issue the same code).
-    assert body.count("wgmma.mma_async") == cfg.block_k // 16
-    assert body.count("wgmma.wait_group.sync.aligned 1") == 1
-    after_wait = body[body.index("wgmma.wait_group.sync.aligned 1") :]
-    assert after_wait.index("bar.sync") < after_wait.index("cp.async.bulk.tensor")
+    kernel, log = gluon_compile(wgmma_case(cfg))
+    ptx = kernel.asm["ptx"]
+    steps = cfg.block_k // 16
+    assert ptx.count("wgmma.mma_async") == 3 * steps
+    assert ptx.count("wgmma.wait_group.sync.aligned 1") == 3
+    assert ptx.count("wgmma.wait_group.sync.aligned 0") == 1
+    body = ptx[ptx.index("mbarrier.try_wait") : ptx.index("wgmma.wait_group.sync.aligned 0")]
     assert "st.shared" not in body and "stmatrix" not in body
-    assert body.count("ld.shared") == cfg.block_n * cfg.block_k // 2 // (
-        32 * cfg.num_warps
-    )  # one byte per load
+    assert body.count("ld.shared") == 3 * cfg.block_n * cfg.block_k // 2 // (32 * cfg.num_warps)  # bytes
+    for part in body.split("wgmma.wait_group.sync.aligned 1")[1:]:
+        if "cp.async.bulk.tensor" in part:
+            assert part.index("bar.sync") < part.index("cp.async.bulk.tensor")
     assert "C7515" not in log and "serialized" not in log, log  # ptxas would serialize the wgmma
-    assert shared <= gluon.SMEM_LIMIT
+    assert int(kernel.metadata.shared) <= gluon.SMEM_LIMIT
+    hazards, groups = a_register_hazards(sass_of(kernel))
+    assert len(groups) == 2 and not set(groups[0]) & set(groups[1]), groups
+    assert not hazards, hazards[:5]

@@ -20,6 +20,12 @@ Triton tiled kernel does (triton/kernels.py, SWAP_AB):
   (wgmma i - 1 retired: its x tile is free, and so is the whole stage, whose codes were read
   into registers before wgmma i - 1 was issued), then refills that stage with the TMA of step
   i + STAGES - 1. The dequantization of step i + 1 thus runs while wgmma i does.
+* Two K steps per loop trip (`_step` twice, and a tail step for odd K / BLOCK_K), so the two
+  steps' A operands sit in different registers: PTX leaves modifying a wgmma's A registers
+  before the wait that retires it undefined, and with one loop body ptxas reused the
+  in-flight operand's registers for the next step's codes (the SASS check in test_aot.py
+  found 452 such writes per three trips; none now). Each wait names the other step's
+  operand as a dependence to keep it live up to that wait.
 * Epilogue: float32 bias added, rounded once to x's dtype, stored transposed
   (y[m, n] = acc[n, m]) after a conversion to a layout with 8 consecutive n per thread.
 
@@ -121,6 +127,32 @@ def _dequantize(packed, scale, zero, a_layout: gl.constexpr, DTYPE: gl.constexpr
 
 
 @gluon.jit
+def _step(i, acc, w_other, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
+          stride_sg, n_k, off_m, off_n, codes_layout: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr,
+          GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, SCALE_16: gl.constexpr):  # fmt: skip
+    """K step i: wait for its stage, dequantize its codes (scale, zero: its group's), issue its
+    wgmma, load the next step's scales, wait until one wgmma is outstanding (step i - 1's,
+    whose operand is w_other, has retired), refill the freed stage with step i + STAGES - 1.
+    Returns (acc, this step's operand, the next step's scale and zero)."""
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    packed = qw_smem.index(slot).load(codes_layout)
+    w = _dequantize(packed, scale, zero, a_layout, DTYPE, SCALE_16)
+    acc = warpgroup_mma(w, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    # The next step's scales (and zeros) while the product runs: their loads' latency is
+    # hidden under the wait below and the next step's barrier.
+    g_next = (gl.minimum(i + 1, n_k - 1) * BLOCK_K) // GROUP
+    scale, zero = _row_params(s_ptr, z_ptr, g_next, stride_sg, offs_n, mask_n, HAS_ZEROS)
+    # wgmma i - 1 has retired: its stage (i - 1) % STAGES is free for step i + STAGES - 1.
+    acc, w_other = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_other))
+    nxt = i + STAGES - 1
+    if nxt < n_k:
+        _issue(x_desc, qw_desc, x_smem, qw_smem, ready, nxt, off_m, off_n, BLOCK_K, STAGES)
+    return acc, w, scale, zero
+
+
+@gluon.jit
 def int4_linear_wgmma_kernel(
     x_desc, qw_desc, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, stride_sg, stride_om,
@@ -167,26 +199,28 @@ def int4_linear_wgmma_kernel(
     mask_n = offs_n < N
     scale, zero = _row_params(s_ptr, z_ptr, 0, stride_sg, offs_n, mask_n, HAS_ZEROS)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
-    # The A operand of the wgmma in flight: its registers must outlive the next step's
-    # dequantization, up to the wait that retires it (a dependence of that wait).
-    w_prev = gl.zeros([BLOCK_N, BLOCK_K], DTYPE, a_layout)
-    for i in range(n_k):
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        packed = qw_smem.index(slot).load(codes_layout)
-        w = _dequantize(packed, scale, zero, a_layout, DTYPE, SCALE_16)
-        acc = warpgroup_mma(w, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        # The next step's scales (and zeros) while the product runs: their loads' latency
-        # is hidden under the wait below and the next step's barrier.
-        g_next = (gl.minimum(i + 1, n_k - 1) * BLOCK_K) // GROUP
-        scale, zero = _row_params(s_ptr, z_ptr, g_next, stride_sg, offs_n, mask_n, HAS_ZEROS)
-        # wgmma i - 1 has retired: its stage (i - 1) % STAGES is free for step i + STAGES - 1.
-        acc, w_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_prev))
-        w_prev = w
-        nxt = i + STAGES - 1
-        if nxt < n_k:
-            _issue(x_desc, qw_desc, x_smem, qw_smem, ready, nxt, off_m, off_n, BLOCK_K, STAGES)
-    acc, w_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_prev))
+    # Two steps per trip, each with its own A-operand registers: the wgmma of one step is in
+    # flight while the other step's weight is dequantized, and a step's registers are
+    # written again only after the wait that retired the wgmma reading them (PTX: modifying
+    # A's registers before that wait is undefined). Each wait names the other step's operand
+    # as a dependence, which keeps it live (in its own registers) up to that wait.
+    w_odd = gl.zeros([BLOCK_N, BLOCK_K], DTYPE, a_layout)
+    for i in range(0, n_k - 1, 2):
+        acc, w_even, scale, zero = _step(
+            i, acc, w_odd, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
+            stride_sg, n_k, off_m, off_n, codes_layout, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+        )  # fmt: skip
+        acc, w_odd, scale, zero = _step(
+            i + 1, acc, w_even, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
+            stride_sg, n_k, off_m, off_n, codes_layout, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+        )  # fmt: skip
+    if n_k % 2 == 1:
+        acc, w_even, scale, zero = _step(
+            n_k - 1, acc, w_odd, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
+            stride_sg, n_k, off_m, off_n, codes_layout, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+        )  # fmt: skip
+        w_odd = w_even
+    acc, w_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_odd))
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
 
