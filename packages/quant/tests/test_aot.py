@@ -473,7 +473,7 @@ def test_gluon_wgmma_overlaps_in_ptx(cfg) -> None:
     """Every config the launcher picks or the study sweeps. The PTX: two K steps per loop trip
     and a tail step, each issuing its wgmma asynchronously and waiting with one group
     outstanding (the dequantization of the next step runs under the product), one final wait
-    for none; the codes read from shared memory one byte per load, no layout conversion
+    for none; the codes read from shared memory as 16-byte words, no layout conversion
     through shared memory before the epilogue (no st.shared / stmatrix); a CTA-wide bar.sync
     between each wait and the refill's TMA (the compiler's shared-memory hazard barrier: with
     two warpgroups (128-row weight tiles, 8 warps) each waits for its own wgmma only, and the
@@ -495,7 +495,8 @@ def test_gluon_wgmma_overlaps_in_ptx(cfg) -> None:
     assert ptx.count("wgmma.wait_group.sync.aligned 0") == 1
     body = ptx[ptx.index("mbarrier.try_wait") : ptx.index("wgmma.wait_group.sync.aligned 0")]
     assert "st.shared" not in body and "stmatrix" not in body
-    assert body.count("ld.shared") == 3 * cfg.block_n * cfg.block_k // 2 // (32 * cfg.num_warps)  # bytes
+    # The codes as 16-byte words: each thread reads its two rows' BLOCK_K / 2 bytes per step.
+    assert body.count("ld.shared.v4.b32") == body.count("ld.shared") == 3 * 2 * (cfg.block_k // 2) // 16
     for part in body.split("wgmma.wait_group.sync.aligned 1")[1:]:
         if "cp.async.bulk.tensor" in part:
             assert part.index("bar.sync") < part.index("cp.async.bulk.tensor")

@@ -133,6 +133,43 @@ def _dequantize(packed, scale, zero, dtype, scale_16: bool) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
 
 
+def _prmt(a: torch.Tensor, b: torch.Tensor, select: int) -> torch.Tensor:
+    """PTX prmt.b32 (default mode) on int64 tensors holding 32-bit values: output byte k is
+    byte (select >> 4k) & 7 of {a's bytes 0-3, b's bytes 4-7} (selector nibbles below 8)."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = torch.zeros_like(a)
+    for k in range(4):
+        nibble = (select >> (4 * k)) & 0xF
+        assert nibble < 8
+        out |= src[nibble] << (8 * k)
+    return out
+
+
+def _dequantize_words(codes, scale, zero, dtype, scale_16: bool) -> torch.Tensor:
+    """kernels._dequantize as the kernel computes it: the codes read as little-endian 32-bit
+    words, thread t of a lane quad building its pair from byte t of each word with the inline
+    PTX (shr, prmt, lop3), then the 16-bit subtraction and product (or float32 product)."""
+    magic, base = (0x43004300, 128.0) if dtype == torch.bfloat16 else (0x64006400, 1024.0)
+    rows, cols = codes.shape
+    b = codes.to(torch.int64).reshape(rows, cols // 4, 4)
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # (rows, cols // 4)
+    offset = (zero + base).to(dtype)[:, None]
+    out = torch.empty(rows, cols // 4, 4, 2, dtype=dtype)
+    for t in range(4):
+        u = _prmt(words, words >> 4, t | ((t + 4) << 8))
+        u = (u & 0x000F000F) | magic  # lop3 0xEA: (a & b) | c
+        low = (u & 0xFFFF).to(torch.int32).to(torch.int16).view(dtype)
+        high = (u >> 16).to(torch.int32).to(torch.int16).view(dtype)
+        if scale_16:
+            s16 = scale.to(dtype)[:, None]
+            low, high = (low - offset) * s16, (high - offset) * s16
+        else:
+            low = ((low - offset).float() * scale[:, None]).to(dtype)
+            high = ((high - offset).float() * scale[:, None]).to(dtype)
+        out[:, :, t, 0], out[:, :, t, 1] = low, high
+    return out.reshape(rows, 2 * cols)  # column 8a + 2t + e
+
+
 def _emulate(x, qweight, scales, zeros, bias, out, group: int, cfg: gluon.WgmmaConfig) -> None:
     """int4_linear_wgmma_kernel, program by program (the grid's order: the M tiles of a weight
     tile consecutive), in float64 products of the 16-bit operands."""
@@ -187,7 +224,7 @@ def _program(x, qweight, scales, zeros, bias, out, g_size: int, cfg, off_n: int,
     for i in range(n_k):
         step, x_tile, codes = ring[i % stages]
         assert step == i, f"step {i} read stage {i % stages} holding step {step}"
-        w = _dequantize(codes, scale, zero, x.dtype, scales.dtype == x.dtype)
+        w = _dequantize_words(codes, scale, zero, x.dtype, scales.dtype == x.dtype)
         acc += w.double() @ x_tile.double().t()  # wgmma i (exact products, float32 sums ~ float64)
         scale, zero = params((min(i + 1, n_k - 1) * bk) // g_size)
         retired[0] = i - 1  # warpgroup_mma_wait(1): wgmma i - 1 retired
@@ -242,17 +279,14 @@ def test_rounding_the_scaled_weight_fits_the_contract() -> None:
                 weight = Q.quantize_int4(make_weight(64, 256, heavy=True, generator=gen), 64, symmetric,
                                          scale_dtype=scale_dtype)  # fmt: skip
                 ref = R.dequantize_int4_ref(weight.qweight, weight.scales, weight.zeros, 64, dtype=dtype)
-                parts = []
-                for g in range(4):
-                    zero = torch.full((64,), 8.0) if symmetric else weight.zeros[g].float()
-                    codes = weight.qweight[:, g * 32 : (g + 1) * 32]
-                    parts.append(
-                        _dequantize(codes, weight.scales[g].float(), zero, dtype, scale_dtype == dtype)
-                    )
-                assert torch.equal(torch.cat(parts, 1).view(torch.int16), ref.view(torch.int16)), (
-                    dtype,
-                    scale_dtype,
-                )
+                for fn in (_dequantize, _dequantize_words):
+                    parts = []
+                    for g in range(4):
+                        zero = torch.full((64,), 8.0) if symmetric else weight.zeros[g].float()
+                        codes = weight.qweight[:, g * 32 : (g + 1) * 32]
+                        parts.append(fn(codes, weight.scales[g].float(), zero, dtype, scale_dtype == dtype))
+                    got = torch.cat(parts, 1).view(torch.int16)
+                    assert torch.equal(got, ref.view(torch.int16)), (fn.__name__, dtype, scale_dtype)
 
 
 # ---- on an sm_90 GPU ------------------------------------------------------------------------

@@ -6,13 +6,20 @@ Triton tiled kernel does (triton/kernels.py, SWAP_AB):
 
     acc^T (BLOCK_N, BLOCK_M) += W (BLOCK_N, BLOCK_K) @ x^T (BLOCK_K, BLOCK_M)
 
-* A, the weight: codes (BLOCK_N, BLOCK_K // 2) uint8 arrive by TMA in shared memory and are
-  read into registers in `_codes_layout`: the wgmma A-operand layout with the pair of
-  adjacent columns each thread holds (k_width = 2) folded into one byte, so that unpacking
-  the low / high nibble and joining them lands every value in the register the A operand
-  wants (the conversion to the operand layout is register-only: the AOT check's PTX has no
-  shared-memory traffic for it). Codes become q - z exactly in 16 bits by the mantissa trick
-  (bf16 128 + q, fp16 1024 + q, minus (base + zero)), then are multiplied by the scale.
+* A, the weight: codes (BLOCK_N, BLOCK_K // 2) uint8 arrive by TMA in shared memory. The
+  A-operand layout (k_width = 2) gives thread t of each lane quad the column pairs 2j, 2j + 1
+  with j = 4a + t: byte j of the codes, byte t of 32-bit word a. So every thread reads its
+  rows' words whole (the tile reinterpreted as int32, 16-byte ld.shared.v4, the four lanes
+  of a quad reading the same words) and one inline-PTX sequence per word builds the 32-bit
+  register the wgmma reads: shr (the word >> 4), prmt (byte t of the word and of the shifted
+  word into bytes 0 and 2), lop3 (mask the nibbles, OR in the bits of 128 + q in bf16 or
+  1024 + q in fp16: the mantissa trick), sub.rn.bf16x2 / f16x2 of base + zero (q - z
+  exactly) and mul.rn of the scale (one rounding). Written as tensors of shape (BLOCK_N,
+  BLOCK_K // 8, 4) (row, word, t) whose join and reshape to (BLOCK_N, BLOCK_K) is already
+  the operand layout (the conversion is register-only: no shared memory, checked in the
+  PTX). SASS per K step and thread at 64 x 128 x 128: 8 LDS.128 and about 160 ALU
+  instructions for its 64 weights (SHF, PRMT, LOP3, HADD2, HMUL2 per pair), against 32
+  LDS.U8 and about 280 when the codes were loaded byte by byte in the operand layout.
 * B, x: (BLOCK_M, BLOCK_K) tiles by TMA (rows past M read zeros), the shared-memory view
   permuted to (BLOCK_K, BLOCK_M).
 * STAGES-deep ring: one mbarrier per stage, armed with the bytes of both tiles. Step i waits
@@ -37,8 +44,6 @@ dtype is the error contract's weight term (reference.linear_error_bound,
 weight_rounded_to=x.dtype), the same term the dequantize + matmul path uses; with scales in
 x's dtype the 16-bit product of the exact q - z and the scale is that single rounding
 (SCALE_16), otherwise the product is taken in float32 and rounded once.
-Codes are read from shared memory one byte per load (a thread's bytes of a row are 4 apart):
-the AOT check reports the count of ld.shared.
 """
 
 from triton.experimental import gluon
@@ -67,6 +72,28 @@ def _halve_columns(linear, shape):
     lanes = [[r, c // 2] for r, c in linear.lane_bases]
     warps = [[r, c // 2] for r, c in linear.warp_bases]
     return gl.DistributedLinearLayout(regs, lanes, warps, [], [shape[0], shape[1] // 2])
+
+
+@gluon.constexpr_function
+def _words_layout(codes):
+    """The layout of (rows, cols // 4, 4) for `codes` (rows, cols) whose lane bits 0-1 are
+    column bits 0-1: element [n, a, t] is in the thread that holds code byte 4a + t of row n
+    in `codes`, and lane t holds all of row n's 32-bit words a (their bytes 4a..4a+3) in
+    registers, the words first (16-byte shared-memory loads)."""
+    regs = [[0, c // 4, 0] for r, c in codes.reg_bases if r == 0]
+    regs += [[r, 0, 0] for r, c in codes.reg_bases if c == 0]
+    assert len(regs) == len(codes.reg_bases), codes
+    assert [b for b in codes.lane_bases if b[0] == 0] == [[0, 1], [0, 2]], codes
+    lanes = [[0, 0, c] if r == 0 else [r, 0, 0] for r, c in codes.lane_bases]
+    warps = [[r, 0, 0] for r, c in codes.warp_bases]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [codes.shape[0], codes.shape[1] // 4, 4])
+
+
+@gluon.constexpr_function
+def _words_smem_layout(codes_smem):
+    """The code tile's NVMMA shared layout read as 32-bit words (the same bytes: the swizzle
+    permutes 16-byte chunks)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=codes_smem.swizzle_byte_width, element_bitwidth=32, rank=2)
 
 
 @gluon.constexpr_function
@@ -99,36 +126,60 @@ def _row_params(s_ptr, z_ptr, g, stride_sg, offs_n, mask_n, HAS_ZEROS: gl.conste
 
 
 @gluon.jit
-def _dequantize(packed, scale, zero, a_layout: gl.constexpr, DTYPE: gl.constexpr, SCALE_16: gl.constexpr):
-    """(BLOCK_N, BLOCK_K // 2) uint8 codes -> (BLOCK_N, BLOCK_K) (q - z) * s in DTYPE, in the
-    A-operand layout. q - z exactly in 16 bits (mantissa OR: 128 + q in bf16, 1024 + q in
-    fp16, minus base + zero), then one rounding of the product with the scale."""
+def _splat_pair(v):
+    """16-bit values -> 32-bit words holding the value in both halves (a packed pair operand)."""
+    bits = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@gluon.jit
+def _dequantize(words, scale, zero, words3: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr,
+                SCALE_16: gl.constexpr):  # fmt: skip
+    """(BLOCK_N, BLOCK_K // 8) 32-bit words of codes (in SliceLayout(2, words3): every thread
+    holds its rows' words) -> (BLOCK_N, BLOCK_K) (q - z) * s in DTYPE, in the A-operand layout.
+
+    Thread t of a lane quad takes byte t of each word (the pair of columns 2(4a + t),
+    2(4a + t) + 1 the A operand gives it): one PRMT puts the byte's low nibble in bits 0-3 and
+    its high nibble (from the word shifted right by 4) in bits 16-19, one LOP3 masks them and
+    ORs in the 16-bit pattern of base + q (128 + q for bf16, 1024 + q for fp16: the mantissa
+    trick), so one register holds the pair exactly. Then q - z exactly in 16 bits (minus base
+    + zero) and one rounding of the product with the scale."""
+    t = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, words3)))
+    select = (t | ((t + 4) << 8))[None, None, :]  # PRMT: byte 0 <- word byte t, byte 2 <- (word >> 4) byte t
+    pair: gl.constexpr = "{ .reg .b32 t, u; shr.u32 t, $2, 4; prmt.b32 u, $2, t, $3; "
     if DTYPE == gl.bfloat16:  # noqa: SIM300 - DTYPE is a constexpr argument
-        magic: gl.constexpr = 0x4300
         base: gl.constexpr = 128.0
+        magic: gl.constexpr = "lop3.b32 u, u, 0x000F000F, 0x43004300, 0xEA; "
+        ops: gl.constexpr = "sub.rn.bf16x2 u, u, $4; mul.rn.bf16x2 u, u, $5; "
     else:
-        magic: gl.constexpr = 0x6400
         base: gl.constexpr = 1024.0
-    low = ((packed & 0xF).to(gl.uint16) | magic).to(DTYPE, bitcast=True)
-    high = ((packed >> 4).to(gl.uint16) | magic).to(DTYPE, bitcast=True)
-    offset = (zero + base).to(DTYPE)[:, None]
-    low = low - offset
-    high = high - offset
+        magic: gl.constexpr = "lop3.b32 u, u, 0x000F000F, 0x64006400, 0xEA; "
+        ops: gl.constexpr = "sub.rn.f16x2 u, u, $4; mul.rn.f16x2 u, u, $5; "
+    offset = (zero + base).to(DTYPE)
     if SCALE_16:
-        s16 = scale.to(DTYPE)[:, None]  # the scales' own dtype: exact
-        low = low * s16
-        high = high * s16
+        # Both 16-bit operations on the pair in the register the wgmma reads: (base + q) - (base
+        # + z) exactly, then the product with the scale (the scales' own dtype) rounded once.
+        off2 = _splat_pair(offset)[:, None, None]
+        s2 = _splat_pair(scale.to(DTYPE))[:, None, None]
+        low, high = gl.inline_asm_elementwise(
+            pair + magic + ops + "mov.b32 {$0, $1}, u; }",
+            "=h,=h,r,r,r,r", [words[:, :, None], select, off2, s2], dtype=(DTYPE.value, DTYPE.value), is_pure=True, pack=1,
+        )  # fmt: skip
     else:
-        low = (low.to(gl.float32) * scale[:, None]).to(DTYPE)
-        high = (high.to(gl.float32) * scale[:, None]).to(DTYPE)
-    w = gl.join(low, high)  # (BLOCK_N, BLOCK_K // 2, 2): column 2j low, 2j + 1 high
-    w = w.reshape([packed.shape[0], 2 * packed.shape[1]])
+        low, high = gl.inline_asm_elementwise(
+            pair + magic + "mov.b32 {$0, $1}, u; }", "=h,=h,r,r", [words[:, :, None], select], dtype=(DTYPE.value, DTYPE.value),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+        low = ((low - offset[:, None, None]).to(gl.float32) * scale[:, None, None]).to(DTYPE)
+        high = ((high - offset[:, None, None]).to(gl.float32) * scale[:, None, None]).to(DTYPE)
+    w = gl.join(low, high)  # (BLOCK_N, BLOCK_K // 8, 4, 2): column 8a + 2t + e
+    w = w.reshape([words.shape[0], 8 * words.shape[1]])
     return gl.convert_layout(w, a_layout)
 
 
 @gluon.jit
 def _step(i, acc, w_other, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
-          stride_sg, n_k, off_m, off_n, codes_layout: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr,
+          stride_sg, n_k, off_m, off_n, words3: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr,
           GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, SCALE_16: gl.constexpr):  # fmt: skip
     """K step i: wait for its stage, dequantize its codes (scale, zero: its group's), issue its
     wgmma, load the next step's scales, wait until one wgmma is outstanding (step i - 1's,
@@ -137,8 +188,11 @@ def _step(i, acc, w_other, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready,
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     slot = i % STAGES
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-    packed = qw_smem.index(slot).load(codes_layout)
-    w = _dequantize(packed, scale, zero, a_layout, DTYPE, SCALE_16)
+    codes = qw_smem.index(slot)
+    words = codes._reinterpret(
+        gl.int32, [codes.shape[0], codes.shape[1] // 4], _words_smem_layout(codes.layout)
+    )
+    w = _dequantize(words.load(gl.SliceLayout(2, words3)), scale, zero, words3, a_layout, DTYPE, SCALE_16)
     acc = warpgroup_mma(w, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
     # The next step's scales (and zeros) while the product runs: their loads' latency is
     # hidden under the wait below and the next step's barrier.
@@ -177,7 +231,8 @@ def int4_linear_wgmma_kernel(
     codes_layout: gl.constexpr = _halve_columns(
         gl.to_linear_layout(a_layout, [BLOCK_N, BLOCK_K]), [BLOCK_N, BLOCK_K]
     )
-    rows_layout: gl.constexpr = gl.SliceLayout(1, codes_layout)
+    words3: gl.constexpr = _words_layout(codes_layout)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words3))
 
     tiles_m = gl.cdiv(M, BLOCK_M)
     pid = gl.program_id(0)
@@ -208,16 +263,16 @@ def int4_linear_wgmma_kernel(
     for i in range(0, n_k - 1, 2):
         acc, w_even, scale, zero = _step(
             i, acc, w_odd, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
-            stride_sg, n_k, off_m, off_n, codes_layout, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+            stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
         )  # fmt: skip
         acc, w_odd, scale, zero = _step(
             i + 1, acc, w_even, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
-            stride_sg, n_k, off_m, off_n, codes_layout, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+            stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
         )  # fmt: skip
     if n_k % 2 == 1:
         acc, w_even, scale, zero = _step(
             n_k - 1, acc, w_odd, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
-            stride_sg, n_k, off_m, off_n, codes_layout, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+            stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
         )  # fmt: skip
         w_odd = w_even
     acc, w_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_odd))
