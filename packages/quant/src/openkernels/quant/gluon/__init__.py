@@ -77,18 +77,27 @@ def _block_k(k: int, group: int) -> int | None:
 
 def config_for(m: int, n: int, k: int, group: int) -> WgmmaConfig | None:
     """The launch config for x (M, K) @ W^T, W (N, K) with groups of `group`; None when K and
-    the group admit no step. block_m is the smallest of 16 / 32 / 64 / 128 holding M (two
-    bands of 128 rows past 128); 64-row weight tiles, one warpgroup; 4 stages (3 at 128-row
-    x tiles with 128-column steps would leave more CTAs per SM: not measured yet)."""
+    the group admit no step. Not measured yet (benchmarks/studies/quant_wgmma.py sweeps the
+    alternatives); picked by a model of the H100 / H200 (about 4K bf16 flop per clock and SM
+    on the tensor cores, x re-read from L2 once per weight tile):
+      M <= 64    BLOCK_M the smallest of 16 / 32 / 64 holding M, 64-row weight tiles (one
+                 warpgroup; 128 programs at N = 8192), 4 stages.
+      M <= 128   two 64-row bands of x on 128-row weight tiles (two warpgroups, 8 warps): x is
+                 re-read N / 128 times, not N / 64 (at 8192 x 8192, M = 128: 128 MB of L2
+                 reads instead of 256), 128 programs at N = 8192, 4 stages.
+      M <= 256   128-row bands on 128-row weight tiles, 3 stages (120 KiB of shared memory)."""
     bk = _block_k(k, group)
     if bk is None:
         return None
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    return WgmmaConfig(bm, 64, bk, 4)
+    if m <= 64:
+        return WgmmaConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, bk, 4)
+    if m <= 128:
+        return WgmmaConfig(64, 128, bk, 4)
+    return WgmmaConfig(128, 128, bk, 3)
 
 
 def all_configs() -> list[WgmmaConfig]:
-    """Every config config_for can return (compile-only checks), and the study's sweep."""
+    """Every config config_for can return (compile-only checks)."""
     seen: dict[WgmmaConfig, None] = {}
     for m in (16, 17, 32, 33, 64, 65, 128, 200, 256):
         for k, group in ((4096, 128), (4096, 64), (4096, 4096), (192, 64)):
@@ -99,20 +108,18 @@ def all_configs() -> list[WgmmaConfig]:
 
 
 def sweep_configs(m: int) -> list[WgmmaConfig]:
-    """The study's variants around the default at M rows (benchmarks/studies/quant_wgmma.py):
-    3 and 4 stages, 64- and 128-column steps, 128-row weight tiles (two warpgroups) with
-    64-column steps. (128-row tiles with 128-column steps are left out: ptxas serializes
-    their wgmma, advisory C7515, which defeats the overlap.)"""
+    """The study's variants at M rows (benchmarks/studies/quant_wgmma.py), the default first:
+    64- and 128-row weight tiles, 128-column steps at 3 and 4 stages, 64-column steps at 4;
+    at 65-128 rows also 128-row bands of x (one band instead of two), within 227 KiB."""
     base = config_for(m, 8192, 8192, 128)
+    bands = [base.block_m] + ([128] if 64 < m <= 128 else [])
     out = {base: None}
-    for cfg in (
-        WgmmaConfig(base.block_m, 64, 128, 3),
-        WgmmaConfig(base.block_m, 64, 64, 4),
-        WgmmaConfig(base.block_m, 128, 64, 4),
-        WgmmaConfig(base.block_m, 128, 64, 3),
-    ):
-        if smem_bytes(cfg) <= SMEM_LIMIT:
-            out[cfg] = None
+    for bm in bands:
+        for bn in (64, 128):
+            for bk, stages in ((128, 4), (128, 3), (64, 4)):
+                cfg = WgmmaConfig(bm, bn, bk, stages)
+                if smem_bytes(cfg) <= SMEM_LIMIT:
+                    out[cfg] = None
     return list(out)
 
 
