@@ -4,6 +4,8 @@
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
+# the studies' time limits can be lowered to fit several families in one call
+# (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, SPLIT_S, in seconds);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -52,9 +54,9 @@ if [[ $steps == *gluon* && $family == attention ]]; then
   # barriers never complete hangs instead of failing. Forward tests, then the rest (a hung
   # backward must not hide a working forward); the study only if the forward passed.
   gluon_tests=packages/attention/tests/test_gluon.py
-  timeout 150 python3 -m pytest -q -rfE $gluon_tests -k "(forced_calls or not backward) and not entries" -x 2>&1 \
+  timeout ${GLUON_TESTS_S:-150} python3 -m pytest -q -rfE $gluon_tests -k "(forced_calls or not backward) and not entries" -x 2>&1 \
     | tee "$out/gluon_fwd_tests.txt" | tail -8
-  timeout 150 python3 -m pytest -q -rfE $gluon_tests -k "(backward and not forced_calls) or entries" -x 2>&1 \
+  timeout ${GLUON_TESTS_S:-150} python3 -m pytest -q -rfE $gluon_tests -k "(backward and not forced_calls) or entries" -x 2>&1 \
     | tee "$out/gluon_bwd_tests.txt" | tail -8
   if grep -q " passed" "$out/gluon_fwd_tests.txt" && ! grep -qE "failed|error" "$out/gluon_fwd_tests.txt"; then
     timeout ${GLUON_STUDY_S:-260} python3 benchmarks/studies/attention_gluon.py 2>&1 | tee "$out/gluon_study.txt" | tail -40
@@ -62,7 +64,7 @@ if [[ $steps == *gluon* && $family == attention ]]; then
 fi
 if [[ $steps == *nf4* && $family == quant ]]; then
   # NF4 levels by warp shuffle in the Triton kernels against the gather (checks, then times).
-  timeout 300 python3 benchmarks/studies/quant_nf4_shuffle.py 2>&1 | tee "$out/nf4_study.txt" | tail -30
+  timeout ${NF4_S:-300} python3 benchmarks/studies/quant_nf4_shuffle.py 2>&1 | tee "$out/nf4_study.txt" | tail -30
 fi
 if [[ $steps == *wgmma* && $family == quant ]]; then
   # The Gluon Hopper kernel (asynchronous wgmma, issue 24): its GPU tests, then the study (checks, then times).
@@ -73,7 +75,7 @@ if [[ $steps == *wgmma* && $family == quant ]]; then
 fi
 if [[ $steps == *split* && $family == layernorm ]]; then
   # The split forward's variants (one-pass LayerNorm statistics, warps, narrow hold) against copy.
-  timeout 300 python3 benchmarks/studies/norm_split_variants.py 2>&1 | tee "$out/split_study.txt" | tail -40
+  timeout ${SPLIT_S:-300} python3 benchmarks/studies/norm_split_variants.py 2>&1 | tee "$out/split_study.txt" | tail -40
 fi
 if [[ $steps == *check* && -f benchmarks/gpu/check_${family}_gpu.py ]]; then
   run "benchmarks/gpu/check_${family}_gpu.py" | tee "$out/check.txt" | grep -E "BAD|checks passed"
