@@ -5,7 +5,7 @@
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
 # the studies' time limits can be lowered to fit several families in one call
-# (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, SPLIT_S, in seconds);
+# (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, SPLIT_S, in seconds);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -68,9 +68,9 @@ if [[ $steps == *nf4* && $family == quant ]]; then
 fi
 if [[ $steps == *wgmma* && $family == quant ]]; then
   # The Gluon Hopper kernel (asynchronous wgmma, issue 24): its GPU tests, then the study (checks, then times).
-  timeout 150 python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x 2>&1 | tee "$out/wgmma_tests.txt" | tail -8
+  timeout ${WGMMA_TESTS_S:-150} python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x 2>&1 | tee "$out/wgmma_tests.txt" | tail -8
   if grep -q " passed" "$out/wgmma_tests.txt" && ! grep -qE "failed|error" "$out/wgmma_tests.txt"; then
-    timeout 240 python3 benchmarks/studies/quant_wgmma.py 2>&1 | tee "$out/wgmma_study.txt" | tail -60
+    timeout ${WGMMA_STUDY_S:-240} python3 benchmarks/studies/quant_wgmma.py 2>&1 | tee "$out/wgmma_study.txt" | tail -60
   fi
 fi
 if [[ $steps == *split* && $family == layernorm ]]; then
