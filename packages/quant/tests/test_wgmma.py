@@ -93,7 +93,9 @@ def test_refusals_go_to_triton() -> None:
 
 
 def test_configs() -> None:
-    assert gluon.config_for(16, 8192, 8192, 128) == gluon.WgmmaConfig(16, 64, 128, 4)
+    assert gluon.config_for(16, 8192, 8192, 128) == gluon.WgmmaConfig(16, 64, 128, 3)
+    assert gluon.config_for(128, 8192, 8192, 128) == gluon.WgmmaConfig(128, 64, 128, 3)
+    assert gluon.config_for(256, 8192, 8192, 128) == gluon.WgmmaConfig(128, 128, 128, 4)
     assert gluon.config_for(17, 8192, 8192, 128).block_m == 32
     assert gluon.config_for(200, 8192, 8192, 128).block_m == 128
     assert gluon.config_for(128, 8192, 8192, 64).block_k == 64
@@ -348,9 +350,10 @@ def test_fp16_scales_strided_x_and_nan() -> None:
     assert not out[keep].isnan().any()
     assert_linear_close(out[keep], x[keep], weight, None, w_rounded=True, msg="strided x")
     # A column stride of 2 is refused here and runs on the Triton path (api.py makes it contiguous first).
+    wide = torch.randn(96, 2 * k, generator=gen).to("cuda", torch.bfloat16)
     with dispatch.force("int4_linear:wgmma"):
-        y = Q.int4_linear(base[:, : 2 * k : 2], weight)
-    assert_linear_close(y, base[:, : 2 * k : 2], weight, None, w_rounded=True, msg="column stride 2")
+        y = Q.int4_linear(wide[:, ::2], weight)
+    assert_linear_close(y, wide[:, ::2], weight, None, w_rounded=True, msg="column stride 2")
 
 
 @pytest.mark.gpu

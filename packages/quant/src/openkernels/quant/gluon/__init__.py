@@ -77,23 +77,24 @@ def _block_k(k: int, group: int) -> int | None:
 
 def config_for(m: int, n: int, k: int, group: int) -> WgmmaConfig | None:
     """The launch config for x (M, K) @ W^T, W (N, K) with groups of `group`; None when K and
-    the group admit no step. Not measured yet (benchmarks/studies/quant_wgmma.py sweeps the
-    alternatives); picked by a model of the H100 / H200 (about 4K bf16 flop per clock and SM
-    on the tensor cores, x re-read from L2 once per weight tile):
+    the group admit no step. From the H200 sweep of 2026-12-05 (benchmarks/studies/
+    quant_wgmma.py, bf16, group 128, N x K 8192 x 8192 and 28672 x 8192, CUDA-graph kernel
+    time as a fraction of F.linear's; docs/perf.md):
       M <= 64    BLOCK_M the smallest of 16 / 32 / 64 holding M, 64-row weight tiles (one
-                 warpgroup; 128 programs at N = 8192), 4 stages.
-      M <= 128   two 64-row bands of x on 128-row weight tiles (two warpgroups, 8 warps): x is
-                 re-read N / 128 times, not N / 64 (at 8192 x 8192, M = 128: 128 MB of L2
-                 reads instead of 256), 128 programs at N = 8192, 4 stages.
-      M <= 256   128-row bands on 128-row weight tiles, 3 stages (120 KiB of shared memory)."""
+                 warpgroup), 3 stages (M = 16: 0.98x / 1.60x; M = 64: 0.92x / 1.19x; 4 stages
+                 0.89x / 1.61x and 0.85x / 1.22x).
+      M <= 128   one 128-row band of x on 64-row weight tiles, 3 stages (M = 128: 0.81x /
+                 1.04x, where the two 64-row bands on 128-row tiles first chosen by a model ran
+                 0.69x / 0.66x; 128 x 128 tiles at 4 stages: 0.62x / 1.10x).
+      M <= 256   128-row bands on 128-row weight tiles, 4 stages (M = 256: 0.83x / 0.82x)."""
     bk = _block_k(k, group)
     if bk is None:
         return None
     if m <= 64:
-        return WgmmaConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, bk, 4)
+        return WgmmaConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, bk, 3)
     if m <= 128:
-        return WgmmaConfig(64, 128, bk, 4)
-    return WgmmaConfig(128, 128, bk, 3)
+        return WgmmaConfig(128, 64, bk, 3)
+    return WgmmaConfig(128, 128, bk, 4)
 
 
 def all_configs() -> list[WgmmaConfig]:
