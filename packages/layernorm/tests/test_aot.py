@@ -55,8 +55,9 @@ def _case(direction: str, cfg: configs.NormConfig, dtype: str, flags: dict, *, a
         if cfg.mode == "split":
             ptrs.update(part_ptr="*fp32", arrived_ptr="*i32")
             ints = (*ints, "n_splits")
-            # NARROW: PTX, CUDA only; ONE_PASS: LayerNorm's chunk statistics in one reduction.
-            constexprs.update(MAX_SPLITS=max_splits, NARROW=narrow, ONE_PASS=cfg.one_pass)
+            # NARROW: PTX, CUDA only, RMSNorm's forward only (plan.py); ONE_PASS: LayerNorm's
+            # chunk statistics in one reduction.
+            constexprs.update(MAX_SPLITS=max_splits, NARROW=narrow and flags["IS_RMS"], ONE_PASS=cfg.one_pass)
     else:
         kernel = "_norm_bwd_split_kernel" if cfg.mode == "split" else "_norm_bwd_kernel"
         ptrs = {"dy_ptr": act, "h_ptr": h, "w_ptr": act, "mean_ptr": "*fp32", "rstd_ptr": "*fp32",

@@ -101,10 +101,10 @@ def plan(
         cfg = looped_config(direction, aligned, backend)
     if direction == "bwd":
         return _bwd_plan(cfg, n_rows, n_cols, backend, sm_count)
-    return _fwd_plan(cfg, n_rows, n_cols, backend, sm_count)
+    return _fwd_plan(cfg, n_rows, n_cols, backend, sm_count, rms)
 
 
-def _fwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, backend: str, sm_count: int) -> FwdPlan:
+def _fwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, backend: str, sm_count: int, rms: bool) -> FwdPlan:
     if cfg.mode == "tile":
         blocks = _cdiv(n_rows, cfg.block_rows)
         meta = dict(EVEN_C=n_cols == cfg.block_cols, PERSISTENT=cfg.programs_per_sm > 0,
@@ -112,7 +112,13 @@ def _fwd_plan(cfg: NormConfig, n_rows: int, n_cols: int, backend: str, sm_count:
         return FwdPlan(cfg, "_norm_fwd_kernel", (_programs(blocks, cfg, sm_count),), 1, tuple(meta.items()))
     if cfg.mode == "split":
         splits = _split_count(cfg, n_cols, backend, MAX_SPLITS)
-        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits), NARROW=_narrow(cfg, backend),
+        # NARROW for RMSNorm only: LayerNorm's split forward ran faster holding h in float32
+        # (H200, bf16, norm_split_variants.py, fraction of copy at 32768 / 65536 / 131072 /
+        # 262144 / 1048576 columns: 0.61 / 0.58 / 0.60 / 0.59 / 0.50 against 0.56 / 0.54 /
+        # 0.51 / 0.50 / 0.48 narrow; with a residual 0.87 / 0.84 / 0.85 / 0.83 / 0.69 against
+        # 0.84 / 0.84 / 0.83 / 0.70 / 0.59), RMSNorm's faster narrow (0.73 / 0.73 / 0.71 /
+        # 0.68 / 0.63 against 0.64-0.68 / 0.60-0.65 / 0.62-0.65 / 0.63-0.64 / 0.56-0.60).
+        meta = dict(BLOCK_C=cfg.block_cols, MAX_SPLITS=next_pow2(splits), NARROW=rms and _narrow(cfg, backend),
                     ONE_PASS=cfg.one_pass)  # fmt: skip
         return FwdPlan(cfg, "_norm_fwd_split_kernel", (n_rows * splits,), splits, tuple(meta.items()))
     return FwdPlan(cfg, "_norm_fwd_looped_kernel", (n_rows,), 1, (("BLOCK_C", cfg.block_cols),))
