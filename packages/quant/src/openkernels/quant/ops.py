@@ -98,7 +98,8 @@ def _gemv_supports(key: dispatch.DispatchKey) -> str | None:
 # so it runs only when forced by name.
 _GEMV_PRIORITY = 15
 # The Gluon Hopper kernel (gluon/, asynchronous wgmma, M = 16-256): likewise forced only
-# (`dispatch.force("int4_linear:wgmma")`) until benchmarks/studies/quant_wgmma.py has run.
+# (`dispatch.force("int4_linear:wgmma")`): faster kernels from M = 64 on the H200, but
+# host-bound per eager call (gluon/__init__.py).
 _WGMMA_PRIORITY = 15
 
 

@@ -2,8 +2,10 @@
 the dequantization of step i + 1 overlapping the tensor cores' product of step i.
 
 Registered as implementation "wgmma" of `int4_linear` below the Triton kernels' priority: it
-runs only when forced (`dispatch.force("int4_linear:wgmma")`) until an H200 says where it
-wins (benchmarks/studies/quant_wgmma.py; docs/perf.md). Same entry point as
+runs only when forced (`dispatch.force("int4_linear:wgmma")`). On the H200 its kernel time
+is 1.15-1.64x the Triton path's from M = 64, but each call spends ~0.1 ms on the host (two
+TMA descriptors, Gluon's JIT launch), which loses eager calls at 8192 x 8192 below M ~ 256
+(benchmarks/studies/quant_wgmma.py; docs/perf.md): a cached, direct launch comes first. Same entry point as
 triton.int4_linear_fwd; a call this kernel does not take goes to the Triton launcher
 (`unsupported_call` says why): fewer than MIN_M or more than MAX_M rows of x, NF4, x or
 scales other than bfloat16 / float16, zeros in another dtype than the scales, K not a
