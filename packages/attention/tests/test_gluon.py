@@ -32,7 +32,7 @@ def test_the_predicate_and_explain() -> None:
     assert "plain" in gluon.supports(key("cuda", "sm_90", torch.bfloat16))
     assert "NVIDIA" in gluon.supports(key("rocm", "gfx942", torch.bfloat16, plain))
     assert "NVIDIA" in gluon.supports(key("cpu", "avx2", torch.float32, plain))
-    if gluon._gluon_available():
+    if gluon.gluon_hopper_available():
         assert gluon.supports(key("cuda", "sm_90", torch.bfloat16, plain)) is None
     text = dispatch.explain("attention", torch.randn(1, 4, 2, 64))
     assert "gluon: runs on cuda, not cpu [priority 15]" in text

@@ -38,7 +38,7 @@ def test_the_predicate_and_explain() -> None:
     assert "NVIDIA" in gluon.supports(key("rocm", "gfx942", torch.bfloat16, int4))
     assert "NVIDIA" in gluon.supports(key("cpu", "avx2", torch.bfloat16, int4))
     assert "float32" in gluon.supports(key("cuda", "sm_90", torch.float32, int4))
-    if gluon._gluon_available():
+    if gluon.gluon_hopper_available():
         assert gluon.supports(key("cuda", "sm_90", torch.float16, int4)) is None
         # NF4 is a per-call refusal (the Triton launcher runs it), so forcing "wgmma" never fails on sm_90.
         assert gluon.supports(key("cuda", "sm_90", torch.bfloat16, frozenset({"nf4"}))) is None

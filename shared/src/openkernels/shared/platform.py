@@ -15,6 +15,7 @@ __all__ = [
     "device_info",
     "triton_available",
     "triton_interpreting",
+    "gluon_hopper_available",
     "graph_capturing",
     "cpu_isa",
 ]
@@ -53,6 +54,18 @@ def graph_capturing(device: torch.device) -> bool:
 def triton_available() -> bool:
     """True when the triton package can be imported (it is never imported here)."""
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def gluon_hopper_available() -> bool:
+    """True when this Triton has Gluon's Hopper language (`warpgroup_mma`, TMA, mbarriers):
+    what the Gluon sm_90 kernels of the families need. Imports triton's Gluon modules on the
+    first call only (callers ask from dispatch predicates, never at import)."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache

@@ -18,13 +18,13 @@ N / BLOCK_N programs per band of BLOCK_M rows (128 at N = 8192).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from openkernels.shared import dispatch
+from openkernels.shared.platform import gluon_hopper_available
 
 __all__ = [
     "ARCHS",
@@ -126,15 +126,6 @@ def sweep_configs(m: int) -> list[WgmmaConfig]:
     return list(out)
 
 
-@functools.cache
-def _gluon_available() -> bool:
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def supports(key: dispatch.DispatchKey) -> str | None:
     """Dispatch predicate: None when this kernel can run `key`. Per-call limits (NF4 among them:
     the kernel dequantizes int4, with zeros or symmetric) are unsupported_call's, whose calls
@@ -145,7 +136,7 @@ def supports(key: dispatch.DispatchKey) -> str | None:
         return f"{key.arch}: the Gluon wgmma kernel is written for Hopper ({', '.join(ARCHS)}: wgmma, TMA)"
     if key.dtype not in DTYPES:
         return f"activations in {key.dtype}: the wgmma kernel takes bfloat16 and float16"
-    if not _gluon_available():
+    if not gluon_hopper_available():
         return "this Triton has no Gluon Hopper support (triton.experimental.gluon)"
     return dispatch.triton_supports(key)
 

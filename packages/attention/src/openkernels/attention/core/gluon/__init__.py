@@ -12,12 +12,12 @@ forced alone.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from openkernels.shared import dispatch
+from openkernels.shared.platform import gluon_hopper_available
 
 __all__ = [
     "attn_fwd",
@@ -60,15 +60,6 @@ def bwd_config(head_dim: int) -> tuple[int, int, int, int]:
     return (32, 3, 128, 2) if head_dim == 128 else (64, 3, 128, 3)
 
 
-@functools.cache
-def _gluon_available() -> bool:
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def supports(key: dispatch.DispatchKey) -> str | None:
     """Dispatch predicate (forward and backward): None when the Gluon kernels run `key`, else why not."""
     if key.backend != "cuda":
@@ -77,7 +68,7 @@ def supports(key: dispatch.DispatchKey) -> str | None:
         return f"{key.arch}: the Gluon kernels are written for Hopper ({', '.join(ARCHS)}: wgmma, TMA)"
     if "plain" not in key.features:
         return "not a plain call (dense, causal or full, no window, ALiBi, softcap or dropout, head_dim 64 or 128)"
-    if not _gluon_available():
+    if not gluon_hopper_available():
         return "this Triton has no Gluon Hopper support (triton.experimental.gluon)"
     return None
 
