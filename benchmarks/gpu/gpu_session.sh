@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,gluon,nf4,wgmma,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,gluon,nf4,wgmma,wall,backward,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
 # the studies' time limits can be lowered to fit several families in one call
-# (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, SPLIT_S, in seconds);
+# (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, WALL_S, BACKWARD_S,
+# SPLIT_S, in seconds);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -72,6 +73,17 @@ if [[ $steps == *wgmma* && $family == quant ]]; then
   if grep -q " passed" "$out/wgmma_tests.txt" && ! grep -qE "failed|error" "$out/wgmma_tests.txt"; then
     timeout ${WGMMA_STUDY_S:-240} python3 benchmarks/studies/quant_wgmma.py 2>&1 | tee "$out/wgmma_study.txt" | tail -60
   fi
+fi
+if [[ $steps == *wall* && $family == quant ]]; then
+  # The wgmma kernel through the public op (launch plan, direct launch): its GPU tests, then
+  # eager wall and kernel time against the default and F.linear (benchmarks/studies/quant_wgmma_wall.py).
+  timeout ${WGMMA_TESTS_S:-150} python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x 2>&1 | tee "$out/wgmma_tests.txt" | tail -8
+  timeout ${WALL_S:-240} python3 benchmarks/studies/quant_wgmma_wall.py 2>&1 | tee "$out/wgmma_wall.txt" | tail -40
+fi
+if [[ $steps == *backward* && $family == attention ]]; then
+  # The Gluon backward behind the default (cuDNN) forward at every study shape, against the
+  # default (Triton backward) and SDPA cuDNN: where it would go by default.
+  timeout ${BACKWARD_S:-240} python3 benchmarks/studies/attention_gluon.py --backward 2>&1 | tee "$out/gluon_backward.txt" | tail -20
 fi
 if [[ $steps == *split* && $family == layernorm ]]; then
   # The split forward's variants (one-pass LayerNorm statistics, warps, narrow hold) against copy.

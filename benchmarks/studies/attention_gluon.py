@@ -6,7 +6,10 @@ FlashAttention-4 (flash_attn.cute, when it imports), then forward+backward throu
 the public `attention` with the default implementations (cuDNN forward, Triton backward),
 with the Gluon ones forced, and the same peers.
 
-    PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/attention_gluon.py
+    PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/attention_gluon.py [--backward]
+
+--backward: only forward+backward at every shape, the default (cuDNN forward, Triton
+backward) against the default forward with the Gluon backward forced, and SDPA cuDNN.
 
 bf16, kernel calls timed with triton.testing.do_bench over enough q/k/v copies (>= 200 MB)
 that L2 (60 MB) holds none; TFLOP/s count 4 * B * H * S^2 * D, halved for causal. Gluon
@@ -139,8 +142,10 @@ def bench_shape(b: int, h: int, s: int, d: int, causal: bool, flash4) -> str:
     return f"B{b} H{h} S{s} D{d} {'causal' if causal else 'full'}: " + " | ".join(row)
 
 
-def bench_train(b: int, h: int, s: int, d: int, causal: bool, flash4) -> str:
-    """Forward+backward through autograd (2.5x the forward's FLOPs) over rotating copies."""
+def bench_train(b: int, h: int, s: int, d: int, causal: bool, flash4, backward_only: bool = False) -> str:
+    """Forward+backward through autograd (2.5x the forward's FLOPs) over rotating copies.
+    backward_only: the default (cuDNN forward, Triton backward) against the same forward with
+    the Gluon backward forced, and SDPA cuDNN: where the Gluon backward would go by default."""
     import openkernels.attention as A
     from openkernels.shared import dispatch
 
@@ -179,6 +184,8 @@ def bench_train(b: int, h: int, s: int, d: int, causal: bool, flash4) -> str:
         ("cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION)),
         ("sdpa-flash", lambda: sdpa(SDPBackend.FLASH_ATTENTION)),
     ]
+    if backward_only:
+        contenders = [contenders[0], ("cudnn+gluon", lambda: ours("attention_backward:gluon")), contenders[3]]
     if flash4 is not None:
         contenders.append(("fa4", fa4_train))
     flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
@@ -205,6 +212,12 @@ def bench() -> None:
 
 def main() -> None:
     start = time.time()
+    if "--backward" in sys.argv:  # the Gluon backward behind the default forward, every shape
+        print(torch.cuda.get_device_name(), torch.__version__, "shape: ms (TFLOP/s)")
+        for b, h, s, d in SHAPES:
+            for causal in (False, True):
+                print(bench_train(b, h, s, d, causal, None, backward_only=True), flush=True)
+        return
     print(torch.cuda.get_device_name(), torch.__version__)
     fails = check()
     print(f"correctness: {fails} failures ({time.time() - start:.0f} s)", flush=True)

@@ -52,6 +52,38 @@ def test_key_follows_what_triton_specializes() -> None:
     assert _key(x, out, 64, 3, 0.5, 16, True, stages=2) != base
 
 
+def test_tma_descriptors_key_by_type_never_by_value() -> None:
+    """A host TMA descriptor holds a tensor (no usable ==, no hash): keyed by base dtype,
+    block shape, shared layout and padding as Triton types it; its shape and strides are
+    launcher arguments. Checked against Triton's own specialization where Gluon is there."""
+    gluon_hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    wide = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+
+    def desc(t, block=(64, 128), lay=layout):
+        return gluon_hopper.TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), lay)
+
+    x = torch.zeros(64, 256, dtype=torch.bfloat16)
+    half = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float16)
+    same = [desc(x), desc(torch.zeros(17, 512, dtype=torch.bfloat16)), desc(x[:, :128])]
+    different = [desc(x.half(), lay=half), desc(x, (64, 64), wide)]
+    keys = [tuple(L._key_parts([d])) for d in same + different]
+    assert len({hash(k) for k in keys[:3]}) == 1 and len(set(keys)) == 3
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        return
+    # The key is a superset of Triton's: descriptors Triton types apart never share one.
+    typed = [native_specialize_impl(BaseBackend, d, False, True, True) for d in same + different]
+    for a in range(len(keys)):
+        for b in range(len(keys)):
+            if typed[a] != typed[b]:
+                assert keys[a] != keys[b]
+
+
 @jit_only
 def test_bind_fills_defaults_and_names_bad_arguments() -> None:
     x = torch.zeros(8)

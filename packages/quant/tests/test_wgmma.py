@@ -92,6 +92,24 @@ def test_refusals_go_to_triton() -> None:
     assert "block_k 128" in gluon.unsupported_call(*_call(k=192, group=64), forced)
 
 
+def test_launch_plans_decide_all_but_the_addresses() -> None:
+    """A call's plan (cached per shape, dtype and stride) holds the grid, integer arguments and
+    flags, or the reason its calls go to Triton; base addresses are checked per call."""
+    call = _call(m=64, n=200, k=512, group=128)
+    plan = gluon._plan(*call, None)
+    cfg = gluon.config_for(64, 200, 512, 128)
+    assert plan.grid == (-(-200 // cfg.block_n),) and plan.ints == (64, 200, 512, call[2].stride(0), 200)
+    assert plan.flags == dict(GROUP=128, STAGES=cfg.stages, HAS_ZEROS=True, HAS_BIAS=False, SCALE_16=True)
+    assert plan.num_warps == cfg.num_warps and plan.x_block == (cfg.block_m, cfg.block_k)
+    assert plan.w_block == (cfg.block_n, cfg.block_k // 2)
+    refused = _call(m=8)
+    assert gluon._plan(*refused, None) == gluon.unsupported_call(*refused)
+    shifted = _call()
+    shifted[0] = torch.randn(64 * 256 + 4).to(torch.bfloat16)[4:].view(64, 256)  # base 8 bytes off
+    assert isinstance(gluon._plan(*shifted, None), gluon._Plan)
+    assert "base of x" in gluon.unsupported_call(*shifted)
+
+
 def test_configs() -> None:
     assert gluon.config_for(16, 8192, 8192, 128) == gluon.WgmmaConfig(16, 64, 128, 3)
     assert gluon.config_for(128, 8192, 8192, 128) == gluon.WgmmaConfig(128, 64, 128, 3)
@@ -354,6 +372,26 @@ def test_fp16_scales_strided_x_and_nan() -> None:
     with dispatch.force("int4_linear:wgmma"):
         y = Q.int4_linear(wide[:, ::2], weight)
     assert_linear_close(y, wide[:, ::2], weight, None, w_rounded=True, msg="column stride 2")
+
+
+@pytest.mark.gpu
+@_needs_sm90
+def test_repeated_calls_through_the_direct_launch() -> None:
+    """The first call of a plan compiles through kernel[grid]; later ones launch the compiled
+    kernel directly (descriptors rebuilt per call): each on new tensors must still match, and
+    a base 8 bytes off goes to the Triton path."""
+    gen = torch.Generator().manual_seed(11)
+    weights = [Q.quantize_int4(make_weight(520, 1024, generator=gen), 128).to("cuda") for _ in range(3)]
+    with dispatch.force("int4_linear:wgmma"):
+        for i, weight in enumerate(weights):
+            x = torch.randn(48, 1024, generator=gen).to("cuda", torch.bfloat16)
+            assert_linear_close(Q.int4_linear(x, weight), x, weight, None, w_rounded=True, msg=f"call {i}")
+        flat = torch.randn(48 * 1024 + 4, generator=gen).to("cuda", torch.bfloat16)
+        x = flat[4:].view(48, 1024)
+        assert "base of x" in gluon.unsupported_call(x, weights[0].qweight, weights[0].scales, weights[0].zeros,
+                                                     None, torch.empty(48, 520, device="cuda", dtype=x.dtype),
+                                                     128, "int4")  # fmt: skip
+        assert_linear_close(Q.int4_linear(x, weights[0]), x, weights[0], None, w_rounded=False, msg="shifted")
 
 
 @pytest.mark.gpu

@@ -10,7 +10,8 @@ The specialization key is derived here from every argument, as Triton would spec
 it, so that a cached kernel is never launched on arguments it was not compiled for:
 tensors by dtype and 16-byte alignment of their address, integers by "== 1", "divisible by
 16" and 32/64-bit range, bools and None by value, floats by type alone, constexpr
-parameters by value; plus the current device, num_warps and num_stages. The key is a
+parameters by value, host TMA descriptors by dtype, block shape, layout and padding; plus
+the current device, num_warps and num_stages. The key is a
 superset of Triton's (it distinguishes all that Triton does, and maybe more), so a key hit
 means the same compiled kernel Triton would pick.
 
@@ -71,6 +72,13 @@ def _spec(value: Any) -> Any:
         return float
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.data_ptr() & 15 == 0)
+    block = getattr(value, "block_shape", None)
+    if block is not None and hasattr(value, "base"):
+        # A host TMA descriptor (triton.tools.tensor_descriptor or Gluon's): Triton types it by
+        # its base's dtype, block shape, shared layout (Gluon) and padding; its shape and
+        # strides are plain arguments of the launcher (not specialized), its base must be
+        # 16-byte aligned. Never by value: the descriptor holds a tensor.
+        return (kind, value.base.dtype, tuple(block), getattr(value, "layout", None), value.padding)
     return (kind, value)  # anything else (tl.dtype, str...): by value, conservatively
 
 
@@ -103,10 +111,10 @@ def _key_parts(values: Sequence[Any], constexpr: Sequence[bool] | None = None) -
 
 
 def specialization_key(kernel: Any, values: Sequence[Any], num_warps: int | None, num_stages: int | None,
-                       device: int) -> tuple:  # fmt: skip
+                       device: int, maxnreg: int | None = None) -> tuple:  # fmt: skip
     """The cache key of one launch: values are every parameter's value in order."""
     _, constexpr, _ = _signature(kernel)
-    return (id(kernel), device, num_warps, num_stages, *_key_parts(values, constexpr))
+    return (id(kernel), device, num_warps, num_stages, maxnreg, *_key_parts(values, constexpr))
 
 
 _MISSING = object()
@@ -152,12 +160,14 @@ def _first_tensor(values: Any) -> torch.Tensor | None:
     return None
 
 
-def _options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+def _options(num_warps: int | None, num_stages: int | None, maxnreg: int | None = None) -> dict[str, int]:
     options = {}
     if num_warps:
         options["num_warps"] = num_warps
     if num_stages:
         options["num_stages"] = num_stages
+    if maxnreg:
+        options["maxnreg"] = maxnreg
     return options
 
 
@@ -176,31 +186,33 @@ def _triton_runtime() -> tuple[Any, Any]:
 
 
 def launch(kernel: Any, grid: Sequence[int], *args: Any, num_warps: int | None = None,
-           num_stages: int | None = None, **kwargs: Any) -> None:  # fmt: skip
-    """kernel[grid](*args, num_warps=..., num_stages=..., **kwargs), launched directly once
-    the specialization has been compiled. num_warps / num_stages None: Triton's defaults
-    for the backend (they differ between CUDA and ROCm)."""
+           num_stages: int | None = None, maxnreg: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+    """kernel[grid](*args, num_warps=..., num_stages=..., maxnreg=..., **kwargs), launched
+    directly once the specialization has been compiled. num_warps / num_stages / maxnreg
+    None: Triton's defaults for the backend (they differ between CUDA and ROCm)."""
     tensor = _first_tensor(args)
     if tensor is None:
         tensor = _first_tensor(kwargs.values())
     if not FAST or tensor is None or not tensor.is_cuda or not hasattr(kernel, "params"):
-        kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages))
+        kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages, maxnreg))
         return
     hooks, driver = _triton_runtime()
     active = driver.active
     values = _bind(kernel, args, kwargs)
     device = active.get_current_device()
-    key = specialization_key(kernel, values, num_warps, num_stages, device)
+    key = specialization_key(kernel, values, num_warps, num_stages, device, maxnreg)
     compiled = _compiled.get(key)
     if compiled is None:
         compiled = _compile(
-            kernel, grid, {**dict(zip(_signature(kernel)[0], values)), **_options(num_warps, num_stages)}
+            kernel,
+            grid,
+            {**dict(zip(_signature(kernel)[0], values)), **_options(num_warps, num_stages, maxnreg)},
         )
         if len(_compiled) >= _MAX_ENTRIES:
             _compiled.clear()
         _compiled[key] = compiled
     elif compiled is False:
-        kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages))
+        kernel[tuple(grid)](*args, **kwargs, **_options(num_warps, num_stages, maxnreg))
     else:
         _run(compiled, grid, values, active, device, hooks)
     if observer is not None:
