@@ -1,10 +1,12 @@
 """The Gluon wgmma int4_linear kernel through the public op, as a user calls it (issue 24):
 eager wall time per call and kernel time, against the default (Triton) path and F.linear on
-the bf16 weight, on one sm_90 GPU. The question: with the launch plan and the direct launch
+the bf16 weight, on one sm_90 GPU; "wgmma" and "triton" are those implementations forced
+(the default routes between them: gluon.slower_than_triton). The question: with the launch plan and the direct launch
 (quant 0.9.4), where does the forced "wgmma" beat the default in the wall time of an eager
 call, so that dispatch could pick it there?
 
-    PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/quant_wgmma_wall.py
+    PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/quant_wgmma_wall.py \
+        [--shapes 8192x8192,28672x8192] [--ms 16,32,64,96,128,192,256]
 
 bf16 x, bf16 scales with zeros, group 128, N x K in {8192x8192, 28672x8192}, M in {16, 32,
 64, 96, 128, 192, 256}. Each contender rotates over weight copies totalling >= 200 MB (L2:
@@ -12,7 +14,8 @@ bf16 x, bf16 scales with zeros, group 128, N x K in {8192x8192, 28672x8192}, M i
 the kernel's) and `rotating_graph_ms` (a CUDA graph of the calls: kernel time). First, per
 shape and M, the forced call's output against the default's (each against a float32
 product of x and the dequantized weight, relative error printed; NaN fails). Then the host
-time alone: 2000 back-to-back calls at M = 64, N = K = 1024 (a kernel of a few us), per call.
+time alone at M = 128, 8192 x 8192: 200 calls timed on the host while a queued sleep kernel
+keeps the GPU busy.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ MS = (16, 32, 64, 96, 128, 192, 256)
 GROUP = 128
 SERIES_BYTES = 200e6
 CALLS = 60
-WGMMA = "int4_linear:wgmma"
 
 
 def nbytes(*ts) -> int:
@@ -44,15 +46,19 @@ def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def host_us(fn, calls: int = 2000) -> float:
+def host_us(fn, calls: int = 200) -> float:
+    """Host microseconds per call: timed while the GPU is kept busy by a queued sleep kernel, so
+    that neither the kernels' time nor a full launch queue enters the measurement."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time queued first
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return elapsed / calls * 1e6
 
 
 def main() -> int:
@@ -64,9 +70,16 @@ def main() -> int:
 
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+    shapes = (
+        [tuple(int(v) for v in s.split("x")) for s in args["--shapes"].split(",")]
+        if "--shapes" in args
+        else SHAPES
+    )
+    ms = [int(v) for v in args["--ms"].split(",")] if "--ms" in args else MS
     failures: list[str] = []
     rows = []
-    for n, k in SHAPES:
+    for n, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(n + k)
         w = torch.randn(n, k, device=dev, generator=gen) * 0.02
         q = Q.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
@@ -77,23 +90,22 @@ def main() -> int:
             for _ in range(max(1, math.ceil(SERIES_BYTES / per_copy)) - 1)
         ]
         w16 = [w.to(torch.bfloat16) for _ in range(max(1, math.ceil(SERIES_BYTES / (n * k * 2))))]
-        for m in MS:
+        for m in ms:
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
             ref = x.float() @ w_deq.t()
             default_y = Q.int4_linear(x, q)
-            with dispatch.force(WGMMA):
+            with dispatch.force("int4_linear:wgmma"):
                 wgmma_y = Q.int4_linear(x, q)
             errs = (rel_error(default_y, ref), rel_error(wgmma_y, ref))
             if any(math.isnan(e) or e > 2e-2 for e in errs):
                 failures.append(f"M={m} {n}x{k}: relative error default {errs[0]:.2e}, wgmma {errs[1]:.2e}")
-            contenders = {
-                "default": [lambda wt=wt, x=x: Q.int4_linear(x, wt) for wt in weights],
-                "wgmma": [lambda wt=wt, x=x: Q.int4_linear(x, wt) for wt in weights],
-                "F.linear": [lambda wc=wc, x=x: F.linear(x, wc) for wc in w16],
-            }
+            public = [lambda wt=wt, x=x: Q.int4_linear(x, wt) for wt in weights]
+            contenders = {"default": public, "wgmma": public, "triton": public,
+                          "F.linear": [lambda wc=wc, x=x: F.linear(x, wc) for wc in w16]}  # fmt: skip
             times = {}
             for label, fns in contenders.items():
-                with dispatch.force(WGMMA) if label == "wgmma" else contextlib.nullcontext():
+                forced = label in ("wgmma", "triton")
+                with dispatch.force(f"int4_linear:{label}") if forced else contextlib.nullcontext():
                     times[label] = (rotating_do_bench_ms(fns), rotating_graph_ms(fns, CALLS))
             rows.append((m, n, k, errs, times))
             fl = times["F.linear"]
@@ -104,27 +116,33 @@ def main() -> int:
         del weights, w16, w, w_deq
         torch.cuda.empty_cache()
 
-    # Host time alone: a shape whose kernels take a few microseconds.
-    q = Q.quantize_int4(torch.randn(1024, 1024, device=dev) * 0.02, GROUP, scale_dtype=torch.bfloat16)
-    x = torch.randn(64, 1024, device=dev).to(torch.bfloat16)
-    w16 = torch.randn(1024, 1024, device=dev).to(torch.bfloat16)
+    # Host time alone, at M = 128 and 8192 x 8192 (the kernels' time kept out: host_us).
+    q = Q.quantize_int4(torch.randn(8192, 8192, device=dev) * 0.02, GROUP, scale_dtype=torch.bfloat16)
+    x = torch.randn(128, 8192, device=dev).to(torch.bfloat16)
+    w16 = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
     host = {"default": host_us(lambda: Q.int4_linear(x, q)), "F.linear": host_us(lambda: F.linear(x, w16))}
-    with dispatch.force(WGMMA):
-        host["wgmma"] = host_us(lambda: Q.int4_linear(x, q))
-    print("\nhost us per call (M=64, 1024x1024, 2000 back-to-back calls): "
+    for name in ("wgmma", "triton"):
+        with dispatch.force(f"int4_linear:{name}"):
+            host[name] = host_us(lambda: Q.int4_linear(x, q))
+    print("\nhost us per call (M=128, 8192x8192, 200 calls behind a queued GPU sleep): "
           + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))  # fmt: skip
 
     print("\nms: wall (do_bench median) / kernel (CUDA graph); x F.linear in brackets")
+    names = ("default", "wgmma", "triton", "F.linear")
     print(
-        "| M | N x K | default wall | wgmma wall | F.linear wall | default kernel | wgmma kernel | F.linear kernel |"
+        "| M | N x K | "
+        + " | ".join(f"{c} wall" for c in names)
+        + " | "
+        + " | ".join(f"{c} kernel" for c in names)
+        + " |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|" + "---|" * 8)
     for m, n, k, _errs, t in rows:
         fl = t["F.linear"]
-        cells = [f"{t[c][0]:.4f} ({fl[0] / t[c][0]:.2f}x)" for c in ("default", "wgmma", "F.linear")]
+        cells = [f"{t[c][0]:.4f} ({fl[0] / t[c][0]:.2f}x)" for c in names]
         cells += [
             "n/a" if t[c][1] is None else f"{t[c][1]:.4f} ({(fl[1] or math.nan) / t[c][1]:.2f}x)"
-            for c in ("default", "wgmma", "F.linear")
+            for c in names
         ]
         print(f"| {m} | {n}x{k} | " + " | ".join(cells) + " |")
     if failures:

@@ -63,6 +63,20 @@ def test_force_and_forbid_context_and_env(monkeypatch: pytest.MonkeyPatch) -> No
     assert dispatch.run(op, x) == "fast"
 
 
+def test_forced_names_follow_blocks_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    op, _ = _fresh_op(("fast", ("cpu",), 10, None), ("reference", ALL, 0, None))
+    assert dispatch.forced_names(op) == frozenset()
+    with dispatch.force(f"{op}:fast"):
+        assert dispatch.forced_names(op) == {"fast"}
+        with dispatch.force("reference"):
+            assert dispatch.forced_names(op) == {"fast", "reference"}
+    assert dispatch.forced_names(op) == frozenset()  # cached per steering state, not stale
+    monkeypatch.setenv("OPENKERNELS_FORCE", f"{op}:reference")
+    assert dispatch.forced_names(op) == {"reference"}
+    monkeypatch.delenv("OPENKERNELS_FORCE")
+    assert dispatch.forced_names(op) == frozenset()
+
+
 def test_forcing_an_unusable_implementation_is_a_clear_error() -> None:
     op, _ = _fresh_op(("gpu", ("cuda",), 20, None), ("reference", ALL, 0, None))
     with dispatch.force("gpu"), pytest.raises(dispatch.UnsupportedError, match="runs on cuda, not cpu"):

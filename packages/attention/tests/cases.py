@@ -146,7 +146,7 @@ def targets():
     params = []
     for device in devices:
         for impl in testable_implementations("attention", device):
-            if impl == "cudnn":  # plain calls only: test_cudnn.py makes its own
+            if impl in ("cudnn", "gluon"):  # plain calls only: test_cudnn.py / test_gluon.py make their own
                 continue
             marks = [pytest.mark.interpreter] if INTERPRETING else []
             if device != "cpu":

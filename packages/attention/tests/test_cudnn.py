@@ -59,7 +59,7 @@ def test_which_calls_are_plain() -> None:
 
 
 def test_the_backward_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    # cuDNN's backward is not deterministic: the default backward stays the Triton one.
+    # cuDNN's backward is not deterministic: the default backward stays a deterministic one.
     key = dispatch.DispatchKey("cuda", "sm_90", torch.bfloat16, frozenset({"plain"}))
     if cudnn.supports(key) is not None:
         pytest.skip("this torch has no cuDNN attention")

@@ -6,11 +6,13 @@ views. Their compile check for sm_90 is in test_aot.py (aot_gluon_cases.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import openkernels.attention as A
-from openkernels.attention.core import gluon
+from openkernels.attention.core import cudnn, gluon
 from openkernels.shared import dispatch
 from openkernels.shared.dev.testing import random_tensor
 
@@ -35,7 +37,12 @@ def test_the_predicate_and_explain() -> None:
     if gluon.gluon_hopper_available():
         assert gluon.supports(key("cuda", "sm_90", torch.bfloat16, plain)) is None
     text = dispatch.explain("attention", torch.randn(1, 4, 2, 64))
-    assert "gluon: runs on cuda, not cpu [priority 15]" in text
+    assert "gluon: runs on cuda, not cpu [priority 15]" in text  # the forward: forced only
+    q = torch.randn(1, 4, 2, 64)
+    text = dispatch.explain("attention_backward", q, q, q, q, q, torch.empty(1, 2, 4), q, q, q, None, None,
+                            max_seqlen_q=4, max_seqlen_k=4, scale=0.1, window_left=-1, window_right=0,
+                            alibi_slopes=None, softcap=0.0)  # fmt: skip
+    assert "gluon: runs on cuda, not cpu [priority 25]" in text  # the backward: above Triton (20)
 
 
 def test_configs_fit_hopper_shared_memory() -> None:
@@ -96,6 +103,20 @@ def test_forced_backward_matches_the_reference(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_backward_is_deterministic() -> None:
+    # The default backward of plain calls on sm_90: two identical runs, bitwise equal gradients
+    # (GQA's dK/dV summed over the group, dQ over key blocks, in a fixed order).
+    for causal in (False, True):
+        case = dense_case(Shape(2, 1030, 1030, 8, 2, 128), Options(causal=causal), torch.bfloat16, "cuda")
+        dout = random_tensor(tuple(case.q.shape), torch.bfloat16, "cuda")
+        first = run(case, "attention_backward:gluon", dout=dout)
+        second = run(case, "attention_backward:gluon", dout=dout)
+        for name, a, b in zip(("dq", "dk", "dv"), first[2], second[2]):
+            assert torch.equal(a, b), f"causal={causal}: {name} differs between two identical runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def test_backward_over_more_keys() -> None:
     with dispatch.force("attention_backward:gluon"):
         check_against_reference(dense_case(Shape(1, 512, 901, 4, 2, 128), Options(), torch.bfloat16, "cuda"),
@@ -124,6 +145,10 @@ def test_explain_names_it_when_forced() -> None:
     with dispatch.force("attention_backward:gluon"):
         text = dispatch.explain("attention_backward", q, q, q, q, out, lse, *grads, None, None, **opts)
         assert "-> gluon" in text
+    # The backward is the default for plain calls (unless cuDNN's may run: nondeterministic).
+    if not os.environ.get(cudnn.NONDETERMINISTIC_ENV):
+        text = dispatch.explain("attention_backward", q, q, q, q, out, lse, *grads, None, None, **opts)
+        assert "-> gluon" in text, text
 
 
 @pytest.mark.gpu

@@ -47,7 +47,24 @@ def test_the_predicate_and_explain() -> None:
     text = dispatch.explain(
         "int4_linear", x, w.qweight, w.scales, w.zeros, None, torch.empty(4, 8), 64, "int4"
     )
-    assert "wgmma: runs on cuda, not cpu [priority 15]" in text
+    assert "wgmma: runs on cuda, not cpu [priority 25]" in text  # above Triton (20): routed by speed
+
+
+def test_routing_by_measured_speed() -> None:
+    """Unforced calls go to Triton where the H200 measured it faster; forced calls and explicit
+    configs never do (the plan's `routed`)."""
+    assert (
+        gluon.slower_than_triton(16, 28672, 8192) is None and gluon.slower_than_triton(96, 8192, 8192) is None
+    )
+    assert "M = 64" in gluon.slower_than_triton(64, 8192, 8192)
+    assert "host-bound" in gluon.slower_than_triton(256, 4096, 4096)
+    assert "host-bound" in gluon.slower_than_triton(128, 14336, 4096)
+    call = _call(m=64, n=96, k=256)
+    assert gluon._plan(*call, None).routed is not None
+    assert gluon._plan(*call, gluon.WgmmaConfig(64, 64, 128, 3)).routed is None
+    assert dispatch.forced_names("int4_linear") == frozenset()
+    with dispatch.force("int4_linear:wgmma"):
+        assert "wgmma" in dispatch.forced_names("int4_linear")
 
 
 def _call(

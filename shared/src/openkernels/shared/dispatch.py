@@ -52,6 +52,7 @@ __all__ = [
     "forbid",
     "force",
     "force_first",
+    "forced_names",
     "implementations",
     "is_steered",
     "key_for",
@@ -244,6 +245,7 @@ def changed() -> None:
     generation, a counter this bumps, on each call)."""
     global _generation
     _SELECTION_CACHE.clear()
+    _FORCED_NAMES.clear()
     _generation += 1
 
 
@@ -435,6 +437,22 @@ def steering(op: str) -> tuple[list[str], list[str]]:
     forced_specs, forbidden_specs = _steering()
     impls = _op(op).impls
     return _names_for(op, forced_specs, impls), _names_for(op, forbidden_specs, impls)
+
+
+_FORCED_NAMES: dict[tuple, frozenset[str]] = {}
+
+
+def forced_names(op: str) -> frozenset[str]:
+    """The implementations of `op` that force blocks and the environment name now (empty when
+    none), cached per steering state (about a microsecond). For launchers that send some
+    calls to another kernel by measured speed: forced by name, they take every call they can."""
+    cache_key = (op, _steering_state())
+    hit = _FORCED_NAMES.get(cache_key)
+    if hit is None:
+        if len(_FORCED_NAMES) >= 256:
+            _FORCED_NAMES.clear()
+        hit = _FORCED_NAMES[cache_key] = frozenset(steering(op)[0])
+    return hit
 
 
 def selected_by(op: str, entry: str, *, source: str = "dispatch.selected_by()") -> list[str]:

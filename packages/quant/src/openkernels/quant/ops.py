@@ -97,10 +97,11 @@ def _gemv_supports(key: dispatch.DispatchKey) -> str | None:
 # The CUDA C++ batch-1 GEMV: below Triton's priority (20) until the H200 says where it wins,
 # so it runs only when forced by name.
 _GEMV_PRIORITY = 15
-# The Gluon Hopper kernel (gluon/, asynchronous wgmma, M = 16-256): likewise forced only
-# (`dispatch.force("int4_linear:wgmma")`): faster kernels from M = 64 on the H200, but
-# host-bound per eager call (gluon/__init__.py).
-_WGMMA_PRIORITY = 15
+# The Gluon Hopper kernel (gluon/, asynchronous wgmma, M = 16-256): above Triton (20) on
+# sm_90, where its launcher sends the calls it measured slower on (gluon.slower_than_triton:
+# weights below 8192 x 8192, M < 96 unless N >= 28672) and those it cannot take to the
+# Triton launcher.
+_WGMMA_PRIORITY = 25
 
 
 def _wgmma_supports(key: dispatch.DispatchKey) -> str | None:

@@ -225,12 +225,15 @@ def _with_cudnn(entry: str, supports) -> tuple[opdef.Impl, ...]:
                                                          supports))  # fmt: skip
 
 
-# The Hopper kernels in Gluon (gluon/): below the Triton kernels' priority (20) until the
-# H200 says they are faster, so only `dispatch.force("attention:gluon")` (and
-# "attention_backward:gluon") picks them.
-_GLUON_PRIORITY = 15
-_GLUON_FWD = opdef.Impl("gluon", f"{_PKG}.gluon:attn_fwd", ("cuda",), _GLUON_PRIORITY, gluon_supports)
-_GLUON_BWD = opdef.Impl("gluon", f"{_PKG}.gluon:attn_bwd", ("cuda",), _GLUON_PRIORITY, gluon_supports)
+# The Hopper kernels in Gluon (gluon/). The forward stays below the Triton kernels' priority
+# (20): on the H200 it ran 0.60-0.80x cuDNN's (which plain calls get), so only
+# `dispatch.force("attention:gluon")` picks it. The backward is the default for plain calls
+# on sm_90 (25: above Triton, below cuDNN's 30, whose backward runs only when
+# nondeterminism is allowed): behind cuDNN's forward it made forward+backward 1.01-1.11x
+# the Triton backward's at the ten study shapes (2026-12-05, docs/perf.md).
+_GLUON_FWD_PRIORITY, _GLUON_BWD_PRIORITY = 15, 25
+_GLUON_FWD = opdef.Impl("gluon", f"{_PKG}.gluon:attn_fwd", ("cuda",), _GLUON_FWD_PRIORITY, gluon_supports)
+_GLUON_BWD = opdef.Impl("gluon", f"{_PKG}.gluon:attn_bwd", ("cuda",), _GLUON_BWD_PRIORITY, gluon_supports)
 
 
 # ---- openkernels::attention ------------------------------------------------------------

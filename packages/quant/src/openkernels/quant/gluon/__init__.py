@@ -1,11 +1,14 @@
 """Gluon launcher of int4_linear for Hopper (sm_90a): kernels.py's asynchronous-wgmma kernel,
 the dequantization of step i + 1 overlapping the tensor cores' product of step i.
 
-Registered as implementation "wgmma" of `int4_linear` below the Triton kernels' priority: it
-runs only when forced (`dispatch.force("int4_linear:wgmma")`). On the H200 its kernel time
-is 1.15-1.64x the Triton path's from M = 64, but each call spends ~0.1 ms on the host (two
-TMA descriptors, Gluon's JIT launch), which loses eager calls at 8192 x 8192 below M ~ 256
-(benchmarks/studies/quant_wgmma.py; docs/perf.md): a cached, direct launch comes first. Same entry point as
+Registered as implementation "wgmma" of `int4_linear` above the Triton kernels' priority on
+sm_90: its launcher sends to the Triton launcher the calls it measured slower on
+(`slower_than_triton`: weights below 8192 x 8192, and M < 96 unless N >= 28672) unless
+forced by name
+(`dispatch.force("int4_linear:wgmma")`). Host path: a launch plan per call shape, dtype and
+stride, descriptors built per call: ~40 us of host time per call on the H200's host (23 us
+of it in shared.launch with both descriptors built, 6-8 us building them) against ~7 us for
+the whole Triton path; Gluon's own JIT launch took ~0.1 ms. Same entry point as
 triton.int4_linear_fwd; a call this kernel does not take goes to the Triton launcher
 (`unsupported_call` says why): fewer than MIN_M or more than MAX_M rows of x, NF4, x or
 scales other than bfloat16 / float16, zeros in another dtype than the scales, K not a
@@ -36,6 +39,7 @@ __all__ = [
     "all_configs",
     "int4_linear_fwd",
     "supports",
+    "slower_than_triton",
     "unsupported_call",
     "smem_bytes",
 ]
@@ -127,6 +131,30 @@ def sweep_configs(m: int) -> list[WgmmaConfig]:
     return list(out)
 
 
+def slower_than_triton(m: int, n: int, k: int) -> str | None:
+    """Why a call the kernel takes goes to the Triton launcher by default (None: it runs here),
+    from eager calls through the public op (`benchmarks/studies/quant_wgmma_wall.py`, bf16,
+    group 128, 2026-12-05; docs/perf.md). The kernel's ~40 us of host time per call (the
+    Triton path's calls replay from C++ in ~7 us; a TMA descriptor argument cannot) and its
+    one wave of 64-row weight tiles at N = 8192 decide:
+      N x K 8192 x 8192 (H200, wall x F.linear, Triton / wgmma): M = 16 1.29 / 1.01, M = 64
+        0.82 / 0.78, M = 96 0.65 / 0.83, M = 128 0.64 / 0.87, M = 192 0.51 / 0.80, M = 256
+        0.50 / 0.59 (again: 0.107 / 0.066 ms).
+      28672 x 8192 (H200): the kernel from M = 16 (1.41 / 1.76, M = 64 0.96 / 1.30, M = 128
+        0.67 / 1.09, M = 256 0.50 / 0.79).
+      14336 x 4096 (H100 host, slower): kernel time 1.45x Triton's at M = 128, yet the eager
+        call 1.4x slower (0.100 / 0.072 ms): host-bound. 4096 x 4096 and 4096 x 14336 the same
+        or worse. So smaller weights than 8192 x 8192 stay on Triton.
+    A forced "wgmma" ignores this."""
+    if n < 8192 or n * k < 8192 * 8192:
+        return f"N x K = {n} x {k}: below 8192 x 8192 the call is host-bound on this kernel's launch"
+    if m < 96 and n < 28672:
+        return (
+            f"M = {m} at N = {n}: the Triton kernel measured faster (split-K) below M = 96 unless N >= 28672"
+        )
+    return None
+
+
 def supports(key: dispatch.DispatchKey) -> str | None:
     """Dispatch predicate: None when this kernel can run `key`. Per-call limits (NF4 among them:
     the kernel dequantizes int4, with zeros or symmetric) are unsupported_call's, whose calls
@@ -205,7 +233,7 @@ class _Plan:
     (the compiled kernel called directly after the first call) instead of Gluon's own JIT
     launch, most of the ~0.1 ms of host time per call measured on the H200 (quant 0.9.3)."""
 
-    __slots__ = ("flags", "grid", "ints", "num_warps", "w_block", "x_block")
+    __slots__ = ("flags", "grid", "ints", "num_warps", "routed", "w_block", "x_block")
 
     def __init__(self, cfg: WgmmaConfig, m: int, n: int, k: int, group_size: int, x_dtype: torch.dtype,
                  scales_dtype: torch.dtype, has_zeros: bool, has_bias: bool, s_stride: int, o_stride: int) -> None:  # fmt: skip
@@ -218,6 +246,7 @@ class _Plan:
         self.num_warps = cfg.num_warps
         self.x_block = (cfg.block_m, cfg.block_k)
         self.w_block = (cfg.block_n, cfg.block_k // 2)
+        self.routed: str | None = None  # why unforced calls go to Triton (slower_than_triton)
 
     def __call__(self, x: Tensor, qweight: Tensor, scales: Tensor, zeros, bias, out: Tensor) -> None:
         from openkernels.shared.launch import launch as direct_launch
@@ -259,7 +288,12 @@ def int4_linear_fwd(
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         plan = _plans[key] = _plan(x, qweight, scales, zeros, bias, out, group_size, kind, config)
-    if type(plan) is str or x.data_ptr() % 16 or qweight.data_ptr() % 16:
+    if (
+        type(plan) is str
+        or x.data_ptr() % 16
+        or qweight.data_ptr() % 16
+        or (plan.routed is not None and "wgmma" not in dispatch.forced_names("int4_linear"))
+    ):
         from ..triton import int4_linear_fwd as triton_fwd
 
         triton_fwd(x, qweight, scales, zeros, bias, out, group_size, kind)
@@ -274,8 +308,10 @@ def _plan(x, qweight, scales, zeros, bias, out, group_size, kind, config) -> _Pl
     m, k = x.shape
     n = qweight.shape[0]
     cfg = config or config_for(m, n, k, group_size)
-    return _Plan(cfg, m, n, k, group_size, x.dtype, scales.dtype, zeros is not None, bias is not None,
+    plan = _Plan(cfg, m, n, k, group_size, x.dtype, scales.dtype, zeros is not None, bias is not None,
                  scales.stride(0), out.stride(0))  # fmt: skip
+    plan.routed = None if config is not None else slower_than_triton(m, n, k)
+    return plan
 
 
 def launch(x, qweight, scales, zeros, bias, out, group_size: int, config: WgmmaConfig | None = None) -> None:
