@@ -6,7 +6,11 @@ the bf16 weight, on one sm_90 GPU; "wgmma" and "triton" are those implementation
 call, so that dispatch could pick it there?
 
     PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/quant_wgmma_wall.py \
-        [--shapes 8192x8192,28672x8192] [--ms 16,32,64,96,128,192,256]
+        [--shapes 8192x8192,28672x8192] [--ms 16,32,64,96,128,192,256] [--no-routing 1]
+
+--no-routing 1: the default takes the wgmma kernel for every call it can (gluon.slower_than_triton
+answers None), to measure it where the routing would send calls to Triton; the default's
+calls replay from C++ (shared.replay), forced ones never do.
 
 bf16 x, bf16 scales with zeros, group 128, N x K in {8192x8192, 28672x8192}, M in {16, 32,
 64, 96, 128, 192, 256}. Each contender rotates over weight copies totalling >= 200 MB (L2:
@@ -71,6 +75,10 @@ def main() -> int:
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+    if args.get("--no-routing") == "1":
+        from openkernels.quant import gluon
+
+        gluon.slower_than_triton = lambda m, n, k: None
     shapes = (
         [tuple(int(v) for v in s.split("x")) for s in args["--shapes"].split(",")]
         if "--shapes" in args

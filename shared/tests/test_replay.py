@@ -471,3 +471,22 @@ def test_threads_replay_one_program_at_once(lib):
     assert run_in_threads(work, 4) == []
     assert replay.entry_kind(affine_plus, torch.randn(8, 16)) == "program"
     assert replay.stats(affine_plus)["hits"] >= 800
+
+
+def test_tensor_descriptors_become_tensor_map_slots() -> None:
+    """A host TMA descriptor argument is recorded as the launcher expands it: a 128-byte map
+    slot over the base tensor, with fillTMADescriptor's encoding (innermost dimension first,
+    byte strides, the box from the kernel's metadata, the driver's dtype enum), then the
+    descriptor's shape as i32 and strides as i64 slots."""
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    x = torch.zeros(96, 264, dtype=torch.bfloat16)[:, :256]
+    layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    desc = hopper.TensorDescriptor(x, list(x.shape), list(x.stride()), [64, 128], layout)
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [64, 64], "fp4_padded": False}
+    slots = replay._tensor_map_slots(desc, meta)
+    assert slots[0] == (True, x.data_ptr(), replay.TENSOR_MAP_BYTES, (9, 2, 3, 0, 256, 96, 528, 64, 64))
+    assert slots[1:] == [(False, 96, 8), (False, 256, 8), (False, 264, 8), (False, 1, 8)]
+    assert "metadata" in replay._tensor_map_slots(desc, None)
+    assert "fp4" in replay._tensor_map_slots(desc, {**meta, "fp4_padded": True})

@@ -279,6 +279,40 @@ def observe_cpu(
 _FLOAT_PACK = {"fp32": "<f", "f32": "<f", "fp64": "<d", "fp16": "<e"}
 
 
+# Triton's TMA element types as the kernel's metadata names them -> the driver's enum
+# (triton/backends/nvidia/driver.py, TMA_DTYPE_DEVICE_TO_HOST: the two differ at 8-10).
+_TMA_DTYPE_TO_DRIVER = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
+TENSOR_MAP_BYTES = 128  # a slot of this size is a CUtensorMap the replay encodes per call
+# Replay launches with host TMA descriptors (the Gluon kernels') by encoding their tensor
+# maps per call in C++: OPENKERNELS_REPLAY_TENSOR_MAPS=1. Off by default until checked
+# bitwise against the Python path on a GPU (benchmarks/gpu/check_replay_gpu.py).
+TENSOR_MAPS = os.environ.get("OPENKERNELS_REPLAY_TENSOR_MAPS", "0") not in ("0", "")
+
+
+def _tensor_map_slots(desc: Any, meta: dict | None) -> list | str:
+    """A host TMA descriptor argument as the launcher expands it (driver.make_tensordesc_arg):
+    the CUtensorMap, then the descriptor's shape (i32) and strides (i64). The map's slot
+    carries what cuTensorMapEncodeTiled needs besides the address, as fillTMADescriptor
+    passes it (innermost dimension first, strides in bytes, the box from the kernel's
+    metadata): (driver dtype, rank, swizzle, out-of-bounds fill, dims..., strides..., box...).
+    A string: why such a launch cannot be replayed."""
+    base = getattr(desc, "base", None)
+    if meta is None or not isinstance(base, torch.Tensor):
+        return "a tensor descriptor the kernel takes apart (no TMA metadata)"
+    if meta.get("fp4_padded"):
+        return "an fp4-padded tensor descriptor"
+    shape, strides, box = list(desc.shape), list(desc.strides), list(meta["block_size"])
+    rank, elem = len(shape), int(meta["elem_size"])
+    if not 1 <= rank <= 5 or len(box) != rank or strides[-1] != 1:
+        return "a tensor descriptor of an unexpected rank or layout"
+    spec = (_TMA_DTYPE_TO_DRIVER[int(meta["elem_type"])], rank, int(meta["swizzle"]),
+            1 if desc.padding == "nan" else 0, *shape[::-1], *(elem * s for s in strides[-2::-1]),
+            *box[::-1])  # fmt: skip
+    return [(True, base.data_ptr(), TENSOR_MAP_BYTES, spec)] + [
+        (False, int(v), 8) for v in (*shape, *strides)
+    ]
+
+
 def observe_triton(compiled: Any, grid: tuple, values: list) -> None:
     """A Triton launch through `openkernels.shared.launch` of the recording in this thread."""
     rec = _recording()
@@ -292,9 +326,17 @@ def observe_triton(compiled: Any, grid: tuple, values: list) -> None:
     try:
         meta = compiled.metadata
         signature = list(compiled.src.signature.values())
+        descriptors = iter(getattr(meta, "tensordesc_meta", None) or ())
         slots = []
         for ty, value in zip(signature, values, strict=True):
             if ty == "constexpr":
+                continue
+            if isinstance(ty, str) and ty.startswith("tensordesc") and TENSOR_MAPS:
+                expanded = _tensor_map_slots(value, next(descriptors, None))
+                if isinstance(expanded, str):
+                    rec.refuse(expanded)
+                    return
+                slots += expanded
                 continue
             if not isinstance(ty, str) or ty.startswith("tensordesc") or ty == "nvTmaDesc":
                 rec.refuse(f"a Triton parameter of type {ty}")
@@ -425,15 +467,22 @@ def _build(rec: _Recording, inputs: list[torch.Tensor], returned: list[torch.Ten
     for seen in rec.launches:
         raw = seen[-1]
         slots = []
+        maps = []  # the launch's tensor maps: a map slot's constant is its index here
         for item in raw:
             is_pointer, value = item[0], item[1]
             size = item[2] if len(item) > 2 else 8
+            bits = 0
+            if size == TENSOR_MAP_BYTES:
+                bits = len(maps)
+                maps.append(item[3])
+                if value not in by_pointer and value not in buffer_of:
+                    return "a tensor descriptor over memory that is neither an input nor an allocation of the call"
             if not is_pointer or value == 0:
                 slots.append((0, 0, _signed(value), size))
             elif value in by_pointer:
-                slots.append((1, by_pointer[value], 0, size))
+                slots.append((1, by_pointer[value], bits, size))
             elif value in buffer_of:
-                slots.append((2, buffer_of[value], 0, size))
+                slots.append((2, buffer_of[value], bits, size))
             elif value in _PERSISTENT:
                 slots.append((0, 0, _signed(value), size))
             else:
@@ -441,10 +490,10 @@ def _build(rec: _Recording, inputs: list[torch.Tensor], returned: list[torch.Ten
         if seen[0] == "cpu":
             launches.append((0, seen[1], (1, 1, 1), 0, 1, 0, 0, 0, slots))
         else:
-            launches.append((1, *seen[1:-1], slots))
+            launches.append((1, *seen[1:-1], slots, *((maps,) if maps else ())))
     # A result no recorded launch wrote was made some way the recording cannot see (the
     # Triton interpreter, a launch around the observed paths): not replayable.
-    written = {slot[1] for launch in launches for slot in launch[-1] if slot[0] == 2}
+    written = {slot[1] for launch in launches for slot in launch[8] if slot[0] == 2}
     for r, t in zip(returns, returned):
         if r >= 0 and outputs[r][0] < 0 and t.numel() > 0 and r not in written:
             return "a result that no recorded launch wrote"

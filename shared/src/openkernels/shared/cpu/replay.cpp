@@ -68,7 +68,12 @@ using CtxGetCurrent = int (*)(void**);
 using CtxSetCurrent = int (*)(void*);
 using PrimaryCtxRetain = int (*)(void**, int);
 using DeviceGet = int (*)(int*, int);
+// cuTensorMapEncodeTiled: (map, dtype, rank, address, dims, byte strides, box, element
+// strides, interleave, swizzle, L2 promotion, out-of-bounds fill), enums passed as ints.
+using EncodeTiled = int (*)(void*, int, unsigned, void*, const uint64_t*, const uint64_t*, const uint32_t*,
+                            const uint32_t*, int, int, int, int);
 LaunchEx launch_ex = nullptr;
+EncodeTiled encode_tiled = nullptr;  // null: launches with tensor maps are not recorded
 CtxGetCurrent ctx_get_current = nullptr;
 CtxSetCurrent ctx_set_current = nullptr;
 PrimaryCtxRetain primary_ctx_retain = nullptr;
@@ -84,6 +89,7 @@ bool load_driver() {
   primary_ctx_retain = reinterpret_cast<PrimaryCtxRetain>(dlsym(handle, "cuDevicePrimaryCtxRetain"));
   device_get = reinterpret_cast<DeviceGet>(dlsym(handle, "cuDeviceGet"));
   if (!ctx_get_current || !ctx_set_current || !primary_ctx_retain || !device_get) return false;
+  encode_tiled = reinterpret_cast<EncodeTiled>(dlsym(handle, "cuTensorMapEncodeTiled"));
   launch_ex = reinterpret_cast<LaunchEx>(dlsym(handle, "cuLaunchKernelEx"));
   return launch_ex != nullptr;
 }
@@ -188,8 +194,19 @@ enum SlotKind : int { kConst = 0, kInput = 1, kOutput = 2 };
 struct Slot {
   int kind;
   int index;     // input tensor (in key order) or output
-  int64_t bits;  // the constant
-  int size;      // bytes in a CUDA kernel's parameter (CPU slots are 8)
+  int64_t bits;  // the constant; a tensor map's index in Launch::maps
+  int size;      // bytes in a CUDA kernel's parameter (CPU slots are 8); kTensorMapBytes: a
+                 // CUtensorMap over that tensor, encoded per call
+};
+constexpr int kTensorMapBytes = 128, kMaxTensorMaps = 4;
+// A host TMA descriptor's encoding but for its address (replay.py, `_tensor_map_slots`):
+// driver dtype, rank, swizzle, out-of-bounds fill, dims[rank] (innermost first), byte
+// strides[rank - 1], box[rank].
+struct TensorMapSpec {
+  int dtype = 0, swizzle = 0, fill = 0;
+  unsigned rank = 0;
+  uint64_t dims[5] = {}, strides[5] = {};
+  uint32_t box[5] = {};
 };
 struct Launch {
   bool cuda;
@@ -197,6 +214,7 @@ struct Launch {
   unsigned grid[3];
   int num_warps, num_ctas, shared, cooperative, pdl;
   std::vector<Slot> slots;
+  std::vector<TensorMapSpec> maps;
 };
 struct Output {
   int alias;  // -1: a new tensor; else this input is returned as is
@@ -489,6 +507,9 @@ bool run_launch(const Launch& launch, const std::vector<const at::Tensor*>& inpu
                 const std::vector<at::Tensor>& outputs, c10::Device device) {
   int64_t values[64];
   void* params[66];
+  struct alignas(64) TensorMap {  // CUtensorMap: 128 bytes, 64-byte aligned
+    unsigned char bytes[kTensorMapBytes];
+  } maps[kMaxTensorMaps];
   const size_t n = launch.slots.size();
   if (n > 64) return false;
   for (size_t i = 0; i < n; ++i) {
@@ -500,6 +521,18 @@ bool run_launch(const Launch& launch, const std::vector<const at::Tensor*>& inpu
   if (!launch.cuda) return reinterpret_cast<int (*)(const int64_t*)>(launch.fn)(values) == 0;
   // Little-endian: a 4- or 2-byte parameter is the low bytes of its 8-byte slot.
   for (size_t i = 0; i < n; ++i) params[i] = &values[i];
+  for (size_t i = 0; i < n; ++i) {  // tensor maps over this call's tensors, as Triton's launcher encodes them
+    const Slot& s = launch.slots[i];
+    if (s.size != kTensorMapBytes) continue;
+    const TensorMapSpec& m = launch.maps[static_cast<size_t>(s.bits)];
+    const uint32_t element_strides[5] = {1, 1, 1, 1, 1};
+    TensorMap& map = maps[s.bits];
+    if (!encode_tiled || encode_tiled(map.bytes, m.dtype, m.rank, reinterpret_cast<void*>(values[i]), m.dims,
+                                      m.strides, m.box, element_strides, 0 /* interleave none */, m.swizzle,
+                                      2 /* L2 promotion 128B */, m.fill) != 0)
+      return false;
+    params[i] = map.bytes;
+  }
   int64_t scratch = 0;  // global and profile scratch: kernels that need them are not recorded
   params[n] = &scratch;
   params[n + 1] = &scratch;
@@ -713,6 +746,34 @@ bool int_list(PyObject* seq, std::vector<int64_t>& out) {
 
 // outputs, returns and launches of an entry whose launches take `n_inputs` input tensors;
 // `backward`: returns name one output or -1 (no gradient) per edge.
+// A launch's tensor maps: [(dtype, rank, swizzle, fill, dims..., strides..., box...)], see
+// TensorMapSpec. Needs the driver's encoder (a driver without it records no such launch).
+bool parse_tensor_maps(PyObject* seq, std::vector<TensorMapSpec>& maps) {
+  if (!load_driver() || !encode_tiled) return false;
+  PyObject* fast = PySequence_Fast(seq, "tensor maps");
+  if (!fast) return false;
+  bool ok = PySequence_Fast_GET_SIZE(fast) <= kMaxTensorMaps;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    std::vector<int64_t> v;
+    ok = int_list(PySequence_Fast_GET_ITEM(fast, i), v) && v.size() >= 4;
+    if (!ok) break;
+    const int64_t rank = v[1];
+    ok = rank >= 1 && rank <= 5 && v.size() == static_cast<size_t>(4 + 3 * rank - 1);
+    if (!ok) break;
+    TensorMapSpec m;
+    m.dtype = static_cast<int>(v[0]);
+    m.rank = static_cast<unsigned>(rank);
+    m.swizzle = static_cast<int>(v[2]);
+    m.fill = static_cast<int>(v[3]);
+    for (int64_t d = 0; d < rank; ++d) m.dims[d] = static_cast<uint64_t>(v[4 + d]);
+    for (int64_t d = 0; d + 1 < rank; ++d) m.strides[d] = static_cast<uint64_t>(v[4 + rank + d]);
+    for (int64_t d = 0; d < rank; ++d) m.box[d] = static_cast<uint32_t>(v[4 + 2 * rank - 1 + d]);
+    maps.push_back(m);
+  }
+  Py_DECREF(fast);
+  return ok;
+}
+
 bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_seq, size_t n_inputs, bool backward,
                  Entry& entry) {
   PyObject* outs = PySequence_Fast(outputs, "outputs");
@@ -753,7 +814,8 @@ bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_se
     Launch launch{};
     int64_t is_cuda, fn, warps, ctas, shared, coop, pdl;
     std::vector<int64_t> grid;
-    ok = PyTuple_Check(l) && PyTuple_GET_SIZE(l) == 9 && as_i64(PyTuple_GET_ITEM(l, 0), is_cuda) &&
+    const Py_ssize_t parts = PyTuple_Check(l) ? PyTuple_GET_SIZE(l) : 0;  // 10: with tensor maps
+    ok = (parts == 9 || parts == 10) && as_i64(PyTuple_GET_ITEM(l, 0), is_cuda) &&
          as_i64(PyTuple_GET_ITEM(l, 1), fn) && int_list(PyTuple_GET_ITEM(l, 2), grid) && grid.size() == 3 &&
          as_i64(PyTuple_GET_ITEM(l, 3), warps) && as_i64(PyTuple_GET_ITEM(l, 4), ctas) &&
          as_i64(PyTuple_GET_ITEM(l, 5), shared) && as_i64(PyTuple_GET_ITEM(l, 6), coop) &&
@@ -767,6 +829,8 @@ bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_se
     launch.shared = static_cast<int>(shared);
     launch.cooperative = static_cast<int>(coop);
     launch.pdl = static_cast<int>(pdl);
+    if (parts == 10) ok = parse_tensor_maps(PyTuple_GET_ITEM(l, 9), launch.maps);
+    if (!ok) break;
     PyObject* slots = PySequence_Fast(PyTuple_GET_ITEM(l, 8), "slots");
     if (!slots) {
       ok = false;
@@ -780,6 +844,8 @@ bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_se
                             : s[0] == kOutput ? n_outputs
                                               : 1;
       ok = s[0] >= kConst && s[0] <= kOutput && (s[0] == kConst || (s[1] >= 0 && s[1] < bound));
+      if (s[3] == kTensorMapBytes)  // a map over an input or output, one of this launch's specs
+        ok = ok && launch.cuda && s[0] != kConst && s[2] >= 0 && s[2] < static_cast<int64_t>(launch.maps.size());
       launch.slots.push_back(Slot{static_cast<int>(s[0]), static_cast<int>(s[1]), s[2], static_cast<int>(s[3])});
     }
     Py_DECREF(slots);
