@@ -54,11 +54,15 @@ def test_routing_by_measured_speed() -> None:
     """Unforced calls go to Triton where the H200 measured it faster; forced calls and explicit
     configs never do (the plan's `routed`)."""
     assert (
-        gluon.slower_than_triton(16, 28672, 8192) is None and gluon.slower_than_triton(96, 8192, 8192) is None
+        gluon.slower_than_triton(16, 28672, 8192) is None and gluon.slower_than_triton(64, 8192, 8192) is None
     )
-    assert "M = 64" in gluon.slower_than_triton(64, 8192, 8192)
-    assert "host-bound" in gluon.slower_than_triton(256, 4096, 4096)
-    assert "host-bound" in gluon.slower_than_triton(128, 14336, 4096)
+    assert (
+        gluon.slower_than_triton(16, 14336, 4096) is None and gluon.slower_than_triton(96, 4096, 4096) is None
+    )
+    assert "M = 16" in gluon.slower_than_triton(16, 8192, 8192)
+    assert "M = 64" in gluon.slower_than_triton(64, 4096, 14336)
+    assert "not measured" in gluon.slower_than_triton(256, 2048, 8192)
+    assert "not measured" in gluon.slower_than_triton(256, 8192, 2048)
     call = _call(m=64, n=96, k=256)
     assert gluon._plan(*call, None).routed is not None
     assert gluon._plan(*call, gluon.WgmmaConfig(64, 64, 128, 3)).routed is None

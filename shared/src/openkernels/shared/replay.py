@@ -284,9 +284,9 @@ _FLOAT_PACK = {"fp32": "<f", "f32": "<f", "fp64": "<d", "fp16": "<e"}
 _TMA_DTYPE_TO_DRIVER = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
 TENSOR_MAP_BYTES = 128  # a slot of this size is a CUtensorMap the replay encodes per call
 # Replay launches with host TMA descriptors (the Gluon kernels') by encoding their tensor
-# maps per call in C++: OPENKERNELS_REPLAY_TENSOR_MAPS=1. Off by default until checked
-# bitwise against the Python path on a GPU (benchmarks/gpu/check_replay_gpu.py).
-TENSOR_MAPS = os.environ.get("OPENKERNELS_REPLAY_TENSOR_MAPS", "0") not in ("0", "")
+# maps per call in C++ (checked bitwise against the Python path on an H100 by
+# benchmarks/gpu/check_replay_gpu.py); OPENKERNELS_REPLAY_TENSOR_MAPS=0 refuses them instead.
+TENSOR_MAPS = os.environ.get("OPENKERNELS_REPLAY_TENSOR_MAPS", "1") not in ("0", "")
 
 
 def _tensor_map_slots(desc: Any, meta: dict | None) -> list | str:

@@ -99,8 +99,8 @@ def _gemv_supports(key: dispatch.DispatchKey) -> str | None:
 _GEMV_PRIORITY = 15
 # The Gluon Hopper kernel (gluon/, asynchronous wgmma, M = 16-256): above Triton (20) on
 # sm_90, where its launcher sends the calls it measured slower on (gluon.slower_than_triton:
-# weights below 8192 x 8192, M < 96 unless N >= 28672) and those it cannot take to the
-# Triton launcher.
+# M < 96 at N < 8192, M < 64 at N < 12288, shapes not measured) and those it cannot take to
+# the Triton launcher.
 _WGMMA_PRIORITY = 25
 
 

@@ -3,12 +3,13 @@ the dequantization of step i + 1 overlapping the tensor cores' product of step i
 
 Registered as implementation "wgmma" of `int4_linear` above the Triton kernels' priority on
 sm_90: its launcher sends to the Triton launcher the calls it measured slower on
-(`slower_than_triton`: weights below 8192 x 8192, and M < 96 unless N >= 28672) unless
-forced by name
+(`slower_than_triton`: M < 96 at N < 8192, M < 64 at N < 12288, and shapes not measured)
+unless forced by name
 (`dispatch.force("int4_linear:wgmma")`). Host path: a launch plan per call shape, dtype and
 stride, descriptors built per call: ~40 us of host time per call on the H200's host (23 us
-of it in shared.launch with both descriptors built, 6-8 us building them) against ~7 us for
-the whole Triton path; Gluon's own JIT launch took ~0.1 ms. Same entry point as
+of it in shared.launch with both descriptors built, 6-8 us building them); from a key's
+third call the C++ replay runs it in ~10 us (its tensor maps encoded per call: shared.replay),
+as it does the Triton path's. Gluon's own JIT launch took ~0.1 ms. Same entry point as
 triton.int4_linear_fwd; a call this kernel does not take goes to the Triton launcher
 (`unsupported_call` says why): fewer than MIN_M or more than MAX_M rows of x, NF4, x or
 scales other than bfloat16 / float16, zeros in another dtype than the scales, K not a
@@ -132,27 +133,24 @@ def sweep_configs(m: int) -> list[WgmmaConfig]:
 
 
 def slower_than_triton(m: int, n: int, k: int) -> str | None:
-    """Why a call the kernel takes goes to the Triton launcher by default (None: it runs here),
-    from eager calls through the public op (`benchmarks/studies/quant_wgmma_wall.py`, bf16,
-    group 128, 2026-12-05; docs/perf.md). The kernel's ~40 us of host time per call (the
-    Triton path's calls replay from C++ in ~7 us; a TMA descriptor argument cannot) and its
-    one wave of 64-row weight tiles at N = 8192 decide:
-      N x K 8192 x 8192 (H200, wall x F.linear, Triton / wgmma): M = 16 1.29 / 1.01, M = 64
-        0.82 / 0.78, M = 96 0.65 / 0.83, M = 128 0.64 / 0.87, M = 192 0.51 / 0.80, M = 256
-        0.50 / 0.59 (again: 0.107 / 0.066 ms).
-      28672 x 8192 (H200): the kernel from M = 16 (1.41 / 1.76, M = 64 0.96 / 1.30, M = 128
-        0.67 / 1.09, M = 256 0.50 / 0.79).
-      14336 x 4096 (H100 host, slower): kernel time 1.45x Triton's at M = 128, yet the eager
-        call 1.4x slower (0.100 / 0.072 ms): host-bound. 4096 x 4096 and 4096 x 14336 the same
-        or worse. So smaller weights than 8192 x 8192 stay on Triton.
-    A forced "wgmma" ignores this."""
-    if n < 8192 or n * k < 8192 * 8192:
-        return f"N x K = {n} x {k}: below 8192 x 8192 the call is host-bound on this kernel's launch"
-    if m < 96 and n < 28672:
-        return (
-            f"M = {m} at N = {n}: the Triton kernel measured faster (split-K) below M = 96 unless N >= 28672"
-        )
-    return None
+    """Why a call the kernel takes goes to the Triton launcher by default (None: it runs here).
+    From kernel times (CUDA graphs, `benchmarks/studies/quant_wgmma_wall.py`, bf16, group 128,
+    2026-12-05; docs/perf.md), since with the C++ replay of its calls (shared 0.16.4: their
+    TMA descriptors encoded per call) an eager call costs ~10 us of host time like the Triton
+    path's. x F.linear, Triton / wgmma:
+      8192 x 8192: M = 16 1.24 / 0.99 (H200; one wave of 128 weight tiles, no split-K),
+        M = 64 0.72 / 0.90, M = 128 0.56 / 0.83, M = 256 0.50 / 0.83 (H100 alike).
+      28672 x 8192 (H200) and 14336 x 4096 (H100): the kernel from M = 16 (1.48 / 1.77 and
+        1.45 / 1.91), M = 128 0.68 / 1.06 and 0.68 / 1.45.
+      4096 x 4096 and 4096 x 14336 (H100): Triton up to M = 64 (4096 x 4096 M = 64 0.85 /
+        0.71), the kernel from M = 96 (0.55 / 0.63, 4096 x 14336 M = 96 0.54 / 0.65).
+    Shapes below N = 4096 or K = 4096 were not measured and stay on Triton. A forced "wgmma"
+    ignores this."""
+    if n < 4096 or k < 4096:
+        return f"N x K = {n} x {k}: the wgmma kernel was not measured below 4096 x 4096"
+    if n >= 12288 or (n >= 8192 and m >= 64) or m >= 96:
+        return None
+    return f"M = {m} at N = {n}: Triton's split-K kernel measured faster (few weight tiles for one wave)"
 
 
 def supports(key: dispatch.DispatchKey) -> str | None:
