@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from openkernels.shared import dispatch
+from openkernels.shared.launch import launch as direct_launch
 from openkernels.shared.platform import gluon_hopper_available
 
 __all__ = [
@@ -231,12 +232,14 @@ class _Plan:
     (the compiled kernel called directly after the first call) instead of Gluon's own JIT
     launch, most of the ~0.1 ms of host time per call measured on the H200 (quant 0.9.3)."""
 
-    __slots__ = ("flags", "grid", "ints", "num_warps", "routed", "w_block", "x_block")
+    __slots__ = ("flags", "grid", "ints", "kernel", "num_warps", "routed", "w_block", "x_block")
 
     def __init__(self, cfg: WgmmaConfig, m: int, n: int, k: int, group_size: int, x_dtype: torch.dtype,
                  scales_dtype: torch.dtype, has_zeros: bool, has_bias: bool, s_stride: int, o_stride: int) -> None:  # fmt: skip
         from ..triton.configs import kernel_group
+        from .kernels import int4_linear_wgmma_kernel  # imports Gluon: once per plan, not per call
 
+        self.kernel = int4_linear_wgmma_kernel
         self.grid = (-(-n // cfg.block_n) * -(-m // cfg.block_m),)
         self.ints = (m, n, k, s_stride, o_stride)
         self.flags = dict(GROUP=kernel_group(group_size, k), STAGES=cfg.stages, HAS_ZEROS=has_zeros,
@@ -247,12 +250,8 @@ class _Plan:
         self.routed: str | None = None  # why unforced calls go to Triton (slower_than_triton)
 
     def __call__(self, x: Tensor, qweight: Tensor, scales: Tensor, zeros, bias, out: Tensor) -> None:
-        from openkernels.shared.launch import launch as direct_launch
-
-        from .kernels import int4_linear_wgmma_kernel
-
         direct_launch(
-            int4_linear_wgmma_kernel, self.grid,
+            self.kernel, self.grid,
             _desc(x, self.x_block), _desc(qweight, self.w_block),
             scales, scales if zeros is None else zeros, scales if bias is None else bias, out, *self.ints,
             num_warps=self.num_warps, **self.flags,
