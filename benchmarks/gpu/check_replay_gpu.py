@@ -24,6 +24,7 @@ from openkernels.activations import gelu, silu_and_mul
 from openkernels.attention import attention
 from openkernels.layernorm import layer_norm, rms_norm
 from openkernels.shared import replay
+from openkernels.shared.dev.bench import host_only_us
 
 
 def _cases(dev: torch.device) -> list[tuple[str, object, object, object]]:
@@ -231,20 +232,6 @@ def _us(fn, calls: int) -> float:
     return best
 
 
-def _host_only_us(fn, calls: int = 50) -> float:
-    """Host microseconds per call while a queued sleep kernel keeps the GPU busy (for calls
-    whose kernels take longer than their launch: `_us` would time the GPU)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def _host_times(fn, a: tuple, kw: dict, ref, calls: int) -> tuple[float, float, float]:
     ours = _us(lambda: fn(*a, **kw), calls)
     with replay.disabled():
@@ -299,9 +286,9 @@ def main() -> int:
     for name, fn, make, _ in _int4_cases(dev):
         if "8192" in name:
             a, kw = make()
-            ours = _host_only_us(lambda fn=fn, a=a, kw=kw: fn(*a, **kw))
+            ours = host_only_us(lambda fn=fn, a=a, kw=kw: fn(*a, **kw))
             with replay.disabled():
-                python = _host_only_us(lambda fn=fn, a=a, kw=kw: fn(*a, **kw))
+                python = host_only_us(lambda fn=fn, a=a, kw=kw: fn(*a, **kw))
             print(f"{name:40} {ours:7.1f} {python:7.1f}")
     print("checks passed" if not bad else f"{bad} check(s) failed")
     return 1 if bad else 0

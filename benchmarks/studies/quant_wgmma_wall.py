@@ -19,7 +19,7 @@ the kernel's) and `rotating_graph_ms` (a CUDA graph of the calls: kernel time). 
 shape and M, the forced call's output against the default's (each against a float32
 product of x and the dequantized weight, relative error printed; NaN fails). Then the host
 time alone at M = 128, 8192 x 8192: 200 calls timed on the host while a queued sleep kernel
-keeps the GPU busy.
+keeps the GPU busy (`shared.dev.bench.host_only_us`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ import contextlib
 import dataclasses
 import math
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.dev.bench import rotating_do_bench_ms, rotating_graph_ms
+from openkernels.shared.dev.bench import host_only_us, rotating_do_bench_ms, rotating_graph_ms
 
 SHAPES = ((8192, 8192), (28672, 8192))
 MS = (16, 32, 64, 96, 128, 192, 256)
@@ -48,21 +47,6 @@ def nbytes(*ts) -> int:
 
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def host_us(fn, calls: int = 200) -> float:
-    """Host microseconds per call: timed while the GPU is kept busy by a queued sleep kernel, so
-    that neither the kernels' time nor a full launch queue enters the measurement."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time queued first
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main() -> int:
@@ -128,11 +112,14 @@ def main() -> int:
     q = Q.quantize_int4(torch.randn(8192, 8192, device=dev) * 0.02, GROUP, scale_dtype=torch.bfloat16)
     x = torch.randn(128, 8192, device=dev).to(torch.bfloat16)
     w16 = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
-    host = {"default": host_us(lambda: Q.int4_linear(x, q)), "F.linear": host_us(lambda: F.linear(x, w16))}
+    host = {
+        "default": host_only_us(lambda: Q.int4_linear(x, q)),
+        "F.linear": host_only_us(lambda: F.linear(x, w16)),
+    }
     for name in ("wgmma", "triton"):
         with dispatch.force(f"int4_linear:{name}"):
-            host[name] = host_us(lambda: Q.int4_linear(x, q))
-    print("\nhost us per call (M=128, 8192x8192, 200 calls behind a queued GPU sleep): "
+            host[name] = host_only_us(lambda: Q.int4_linear(x, q))
+    print("\nhost us per call (M=128, 8192x8192, 50 calls behind a queued GPU sleep): "
           + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))  # fmt: skip
 
     print("\nms: wall (do_bench median) / kernel (CUDA graph); x F.linear in brackets")

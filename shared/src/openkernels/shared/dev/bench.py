@@ -38,6 +38,7 @@ __all__ = [
     "stream_buffer_bytes",
     "matmul_ceiling_tflops",
     "time_ms",
+    "host_only_us",
     "timed",
     "kernel_ms",
     "compiled_peer",
@@ -257,6 +258,23 @@ def rotating_graph_ms(
         print(f"graph capture failed: {error!r}", file=sys.stderr)
         torch.cuda.synchronize()
         return None
+
+
+def host_only_us(fn: Callable[[], Any], calls: int = 50, warmup: int = 5) -> float:
+    """Host microseconds per call of `fn` on a CUDA device, timed while a queued sleep kernel
+    keeps the GPU busy: neither the kernels' time nor a full launch queue enters it (keep
+    calls x launches per call well under the queue's ~1000 entries). `warmup` calls first
+    (compiles, and shared.replay's recording on a key's second call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time queued first
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def rotating_do_bench_ms(fns: Sequence[Callable[[], Any]]) -> float:
