@@ -744,10 +744,9 @@ bool int_list(PyObject* seq, std::vector<int64_t>& out) {
   return ok;
 }
 
-// outputs, returns and launches of an entry whose launches take `n_inputs` input tensors;
-// `backward`: returns name one output or -1 (no gradient) per edge.
 // A launch's tensor maps: [(dtype, rank, swizzle, fill, dims..., strides..., box...)], see
-// TensorMapSpec. Needs the driver's encoder (a driver without it records no such launch).
+// TensorMapSpec. Needs the driver's encoder (a driver without it cannot run such kernels:
+// Triton's own launcher encodes with it too).
 bool parse_tensor_maps(PyObject* seq, std::vector<TensorMapSpec>& maps) {
   if (!load_driver() || !encode_tiled) return false;
   PyObject* fast = PySequence_Fast(seq, "tensor maps");
@@ -774,6 +773,8 @@ bool parse_tensor_maps(PyObject* seq, std::vector<TensorMapSpec>& maps) {
   return ok;
 }
 
+// outputs, returns and launches of an entry whose launches take `n_inputs` input tensors;
+// `backward`: returns name one output or -1 (no gradient) per edge.
 bool parse_entry(PyObject* outputs, PyObject* returns_seq, PyObject* launches_seq, size_t n_inputs, bool backward,
                  Entry& entry) {
   PyObject* outs = PySequence_Fast(outputs, "outputs");
