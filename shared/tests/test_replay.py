@@ -490,3 +490,34 @@ def test_tensor_descriptors_become_tensor_map_slots() -> None:
     assert slots[1:] == [(False, 96, 8), (False, 256, 8), (False, 264, 8), (False, 1, 8)]
     assert "metadata" in replay._tensor_map_slots(desc, None)
     assert "fp4" in replay._tensor_map_slots(desc, {**meta, "fp4_padded": True})
+
+
+def test_a_tensor_map_slot_names_its_launch_spec() -> None:
+    """_build turns a recorded map slot into (input or allocation, spec index, 128) and gives
+    the launch its specs as a tenth field; a map over memory the call neither got nor made
+    refuses the key."""
+    from types import SimpleNamespace
+
+    x, w = torch.zeros(8, 64), torch.zeros(16, 64)
+    out = torch.empty(8, 16)
+    spec = (9, 2, 3, 0, 64, 8, 128, 64, 8)
+    raw = [(True, x.data_ptr(), replay.TENSOR_MAP_BYTES, spec), (False, 8, 8), (False, 64, 8),
+           (True, w.data_ptr(), replay.TENSOR_MAP_BYTES, spec), (True, out.data_ptr(), 8)]  # fmt: skip
+    # out is passed in (returned as an alias): no allocation, so no dtype code from the extension
+    rec = SimpleNamespace(allocations=[], launches=[("cuda", 1234, (1, 1, 1), 4, 1, 0, 0, 0, raw)])
+    built = replay._build(rec, [x, w, out], [out])
+    assert not isinstance(built, str), built
+    (launch,) = built[2]
+    assert len(launch) == 10 and launch[9] == [spec, spec]
+    assert launch[8][0] == (1, 0, 0, replay.TENSOR_MAP_BYTES) and launch[8][3] == (
+        1,
+        1,
+        1,
+        replay.TENSOR_MAP_BYTES,
+    )
+    assert launch[8][4] == (1, 2, 0, 8)  # the output: input 2
+    stray = torch.zeros(4)
+    rec.launches = [
+        ("cuda", 1234, (1, 1, 1), 4, 1, 0, 0, 0, [(True, stray.data_ptr(), replay.TENSOR_MAP_BYTES, spec)])
+    ]
+    assert "tensor descriptor" in replay._build(rec, [x, w, out], [out])
