@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,gluon,nf4,wgmma,wall,backward,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
 # the studies' time limits can be lowered to fit several families in one call
 # (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, WALL_S, BACKWARD_S,
-# SPLIT_S, in seconds);
+# BWDSWEEP_S, SPLIT_S, in seconds);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -84,6 +84,10 @@ if [[ $steps == *backward* && $family == attention ]]; then
   # The Gluon backward behind the default (cuDNN) forward at every study shape, against the
   # default (Triton backward) and SDPA cuDNN: where it would go by default.
   timeout ${BACKWARD_S:-240} python3 benchmarks/studies/attention_gluon.py --backward 2>&1 | tee "$out/gluon_backward.txt" | tail -20
+fi
+if [[ $steps == *bwdsweep* && $family == attention ]]; then
+  # The Gluon backward's configs against the Triton backward (checked, then timed), issue 23.
+  timeout ${BWDSWEEP_S:-240} python3 benchmarks/studies/attention_gluon.py --backward-sweep 2>&1 | tee "$out/gluon_bwd_sweep.txt" | tail -12
 fi
 if [[ $steps == *split* && $family == layernorm ]]; then
   # The split forward's variants (one-pass LayerNorm statistics, warps, narrow hold) against copy.

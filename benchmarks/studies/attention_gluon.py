@@ -6,8 +6,10 @@ FlashAttention-4 (flash_attn.cute, when it imports), then forward+backward throu
 the public `attention` with the default implementations (cuDNN forward, Triton backward),
 with the Gluon ones forced, and the same peers.
 
-    PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/attention_gluon.py [--backward]
+    PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/attention_gluon.py [--backward | --backward-sweep]
 
+--backward-sweep: the Gluon backward's configs (BWD_VARIANTS) against the Triton backward, the
+backward alone, checked then timed.
 --backward: only forward+backward at every shape, the default (cuDNN forward, Triton
 backward) against the default forward with the Gluon backward forced, and SDPA cuDNN.
 
@@ -199,6 +201,66 @@ def bench_train(b: int, h: int, s: int, d: int, causal: bool, flash4, backward_o
     return f"B{b} H{h} S{s} D{d} {'causal' if causal else 'full'} fwd+bwd: " + " | ".join(row)
 
 
+BWD_SWEEP_SHAPES = ((8, 16, 2048, 128, False), (8, 16, 2048, 128, True), (2, 16, 8192, 128, True),
+                    (8, 32, 2048, 64, False), (2, 32, 8192, 64, True))  # fmt: skip
+# (dK/dV query rows, dK/dV stages, dQ key block, dQ stages); the default (gluon.bwd_config) first
+BWD_VARIANTS = {
+    128: ((32, 3, 128, 2), (32, 2, 128, 2), (32, 4, 128, 2), (64, 2, 128, 2), (32, 3, 64, 2), (32, 3, 64, 3)),
+    64: ((64, 3, 128, 3), (64, 2, 128, 3), (64, 4, 128, 3), (32, 3, 128, 3), (64, 3, 128, 2), (64, 3, 64, 4)),
+}
+
+
+def bwd_sweep() -> int:
+    """The Gluon backward's configs (gluon.bwd_config overridden) on the Triton forward's out and
+    lse, against the Triton backward: gradients within 2e-2 of the largest, no NaN, then time
+    (do_bench of the backward alone, ms). A config that fails to compile or run is reported."""
+    return sum(_bwd_sweep_shape(*shape) for shape in BWD_SWEEP_SHAPES)
+
+
+def _bwd_sweep_shape(b: int, h: int, s: int, d: int, causal: bool) -> int:
+    q, k, v, dout = (torch.randn(b, s, h, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    out, lse = triton_fwd(q, k, v, causal)
+    scale = d**-0.5
+    opts = dict(max_seqlen_q=s, max_seqlen_k=s, scale=scale, window_left=-1, window_right=0 if causal else -1,
+                alibi_slopes=None, softcap=0.0)  # fmt: skip
+    ref = [torch.empty_like(t) for t in (q, k, v)]
+
+    def triton_bwd():
+        T.attn_bwd(dout, q, k, v, out, lse, *ref, None, None, **opts)
+
+    triton_bwd()
+    triton_ms = do_bench(triton_bwd, rep=200)
+    problem = T._problem(q, k, None, s, s, scale, -1, 0 if causal else -1, None, 0.0, 0.0)
+    delta = T.bwd_delta(out, dout, lse, None, problem)
+    fails, row = 0, [f"triton {triton_ms:.3f}"]
+    for cfg in BWD_VARIANTS[d]:
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+
+        def run(cfg=cfg, grads=grads):
+            G.launch_bwd(dout, q, k, v, lse, delta, *grads, scale=scale, causal=causal, config=cfg)
+
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as exc:  # a config that does not compile or run: reported, not fatal
+            row.append(f"{cfg} ERR {type(exc).__name__}: {str(exc)[:60]}")
+            continue
+        errs = [
+            ((g.float() - r.float()).abs().max() / r.float().abs().max()).item() for g, r in zip(grads, ref)
+        ]
+        bad = any(math.isnan(e) or e > 2e-2 for e in errs)
+        fails += bad
+        ms = do_bench(run, rep=200)
+        row.append(
+            f"{cfg} {ms:.3f} ({triton_ms / ms:.2f}x){' BAD ' + str([round(e, 4) for e in errs]) if bad else ''}"
+        )
+    print(
+        f"B{b} H{h} S{s} D{d} {'causal' if causal else 'full'} bwd ms (x Triton): " + " | ".join(row),
+        flush=True,
+    )
+    return fails
+
+
 def bench() -> None:
     flash4 = fa4()
     print("shape: ms (TFLOP/s)")
@@ -212,6 +274,9 @@ def bench() -> None:
 
 def main() -> None:
     start = time.time()
+    if "--backward-sweep" in sys.argv:  # the Gluon backward's configs against the Triton backward
+        print(torch.cuda.get_device_name(), torch.__version__)
+        sys.exit(1 if bwd_sweep() else 0)
     if "--backward" in sys.argv:  # the Gluon backward behind the default forward, every shape
         print(torch.cuda.get_device_name(), torch.__version__, "shape: ms (TFLOP/s)")
         for b, h, s, d in SHAPES:

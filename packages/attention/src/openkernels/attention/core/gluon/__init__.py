@@ -208,16 +208,17 @@ def attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
             grad.copy_(target)
 
 
-def launch_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, scale: float, causal: bool) -> None:
+def launch_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, scale: float, causal: bool,
+               config: tuple[int, int, int, int] | None = None) -> None:  # fmt: skip
     """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D) with each token's heads contiguous (dk and dv
     alike), from dout, q, k, v laid out the same, lse and delta (B, Hq, Sq) float32 with unit
-    stride along the sequence."""
+    stride along the sequence. `config` overrides bwd_config (the study's sweep)."""
     from .kernels_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 
     batch, seqlen_q, heads, d = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads // heads_kv
-    q_rows, kv_stages, block_n, q_stages = bwd_config(d)
+    q_rows, kv_stages, block_n, q_stages = config or bwd_config(d)
     _check_layouts({"dq": dq, "dk": dk, "dv": dv}, {"lse": lse, "delta": delta})
     if dv.stride() != dk.stride():
         raise ValueError(f"dv: the kernel writes it with dk's strides {dk.stride()}, got {dv.stride()}")
