@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.dev.bench import rotating_do_bench_ms, rotating_graph_ms
+from openkernels.shared.dev.bench import rotating_do_bench_ms, rotating_graph_ms, tensor_bytes
 
 T0 = time.time()
 DEV = torch.device("cuda")
@@ -100,8 +100,6 @@ def copy_gbps() -> float:
 
 
 # ---- cases -------------------------------------------------------------------------------
-def nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 def make_case(n: int, k: int, kind: str, w_copies: list) -> dict:
@@ -109,7 +107,7 @@ def make_case(n: int, k: int, kind: str, w_copies: list) -> dict:
     w = torch.randn(n, k, device=DEV, generator=gen) * 0.02
     q = quantize_nf4(w, GROUP) if kind == "nf4" else quantize_int4(w, GROUP)
     del w
-    qbytes = nbytes(q.qweight, q.scales, q.zeros)
+    qbytes = tensor_bytes(q.qweight, q.scales, q.zeros)
     copies = max(2, math.ceil(SERIES_BYTES / qbytes))
     qs = [
         (q.qweight.clone(), q.scales.clone(), None if q.zeros is None else q.zeros.clone())
@@ -202,12 +200,17 @@ for case in cases:
             case,
             "tinygemm",
             [lambda st=st: run_tinygemm(st) for st in tg],
-            nbytes(tg[0]["tiled"], tg[0]["sz"]),
+            tensor_bytes(tg[0]["tiled"], tg[0]["sz"]),
         )
     elif kind == "int4":
         log(f"  tinygemm: setup failed: {case.get('tinygemm_error')}")
     x = case["x"]
-    record(case, "F.linear bf16", [lambda w=w, x=x: F.linear(x, w) for w in case["w"]], nbytes(case["w"][0]))
+    record(
+        case,
+        "F.linear bf16",
+        [lambda w=w, x=x: F.linear(x, w) for w in case["w"]],
+        tensor_bytes(case["w"][0]),
+    )
 
 log("waiting for the CUDA library build ...")
 builder.join()

@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.dev.bench import rotating_do_bench_ms, rotating_graph_ms
+from openkernels.shared.dev.bench import rotating_do_bench_ms, rotating_graph_ms, tensor_bytes
 
 SHAPES = ((8192, 8192), (28672, 8192))
 GROUPS = (64, 128)
@@ -48,10 +48,6 @@ T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 def time_graph(fns) -> float | None:
@@ -130,7 +126,7 @@ def main() -> int:
         gen = torch.Generator(device=dev).manual_seed(n + k)
         w = torch.randn(n, k, device=dev, generator=gen) * 0.02
         w16 = [w.to(torch.bfloat16)]
-        w16 += [w16[0].clone() for _ in range(max(1, math.ceil(SERIES_BYTES / nbytes(w16[0]))) - 1)]
+        w16 += [w16[0].clone() for _ in range(max(1, math.ceil(SERIES_BYTES / tensor_bytes(w16[0]))) - 1)]
         for group in GROUPS:
             nf4 = Q.quantize_nf4(w, group)
             int4 = Q.quantize_int4(w, group)
@@ -144,7 +140,7 @@ def main() -> int:
             log(f"dequantize nf4 {n}x{k} g{group}: {'exact' if torch.equal(deq, want) else 'DIFFERS'}")
             del deq, want
             copies = {kind: [(q.qweight.clone(), q.scales.clone(), None if q.zeros is None else q.zeros.clone())
-                             for _ in range(max(2, math.ceil(SERIES_BYTES / nbytes(q.qweight, q.scales, q.zeros))))]
+                             for _ in range(max(2, math.ceil(SERIES_BYTES / tensor_bytes(q.qweight, q.scales, q.zeros))))]
                       for kind, q in (("int4", int4), ("nf4", nf4))}  # fmt: skip
             wd = R.dequantize_int4_ref(nf4.qweight, nf4.scales, None, group, "nf4", torch.float64)
             for m in MS:

@@ -33,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.dev.bench import rotating_do_bench_ms, rotating_graph_ms
+from openkernels.shared.dev.bench import rotating_do_bench_ms, rotating_graph_ms, tensor_bytes
 
 SHAPES = ((8192, 8192), (28672, 8192))
 GROUP = 128
@@ -45,10 +45,6 @@ T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 def check(Q, R, gluon, failures: list, dev) -> None:
@@ -127,10 +123,10 @@ def main() -> int:
         gen = torch.Generator(device=dev).manual_seed(n + k)
         w = torch.randn(n, k, device=dev, generator=gen) * 0.02
         w16 = [w.to(torch.bfloat16)]
-        w16 += [w16[0].clone() for _ in range(max(1, math.ceil(SERIES_BYTES / nbytes(w16[0]))) - 1)]
+        w16 += [w16[0].clone() for _ in range(max(1, math.ceil(SERIES_BYTES / tensor_bytes(w16[0]))) - 1)]
         q = Q.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
         copies = [(q.qweight.clone(), q.scales.clone(), q.zeros.clone())
-                  for _ in range(max(2, math.ceil(SERIES_BYTES / nbytes(q.qweight, q.scales, q.zeros))))]  # fmt: skip
+                  for _ in range(max(2, math.ceil(SERIES_BYTES / tensor_bytes(q.qweight, q.scales, q.zeros))))]  # fmt: skip
         for m in MS:
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)

@@ -32,17 +32,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from openkernels.shared.dev.bench import host_only_us, rotating_do_bench_ms, rotating_graph_ms
+from openkernels.shared.dev.bench import host_only_us, rotating_do_bench_ms, rotating_graph_ms, tensor_bytes
 
 SHAPES = ((8192, 8192), (28672, 8192))
 MS = (16, 32, 64, 96, 128, 192, 256)
 GROUP = 128
 SERIES_BYTES = 200e6
 CALLS = 60
-
-
-def nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -76,7 +72,7 @@ def main() -> int:
         w = torch.randn(n, k, device=dev, generator=gen) * 0.02
         q = Q.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
         w_deq = Q.dequantize_int4(q, torch.float32)
-        per_copy = nbytes(q.qweight, q.scales, q.zeros)
+        per_copy = tensor_bytes(q.qweight, q.scales, q.zeros)
         weights = [q] + [
             dataclasses.replace(q, qweight=q.qweight.clone(), scales=q.scales.clone(), zeros=q.zeros.clone())
             for _ in range(max(1, math.ceil(SERIES_BYTES / per_copy)) - 1)

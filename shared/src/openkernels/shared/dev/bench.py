@@ -39,6 +39,7 @@ __all__ = [
     "matmul_ceiling_tflops",
     "time_ms",
     "host_only_us",
+    "tensor_bytes",
     "timed",
     "kernel_ms",
     "compiled_peer",
@@ -258,6 +259,11 @@ def rotating_graph_ms(
         print(f"graph capture failed: {error!r}", file=sys.stderr)
         torch.cuda.synchronize()
         return None
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by the tensors (None skipped): a weight copy's size when rotating past L2."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def host_only_us(fn: Callable[[], Any], calls: int = 50, warmup: int = 5) -> float:
