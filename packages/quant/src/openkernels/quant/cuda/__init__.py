@@ -10,6 +10,11 @@ weight loads in flight during the current one's math, x kept in registers where 
 Forced only (by `config`) until it is timed on an H200 against the kernel above: the default
 dispatch still runs the one-round GEMV.
 
+1-16 rows, W as the A operand (config "tc[-t<tiles>][-u<unroll>]"): a tensor-core GEMV. W's 16-row
+tiles are mma.m16n8k16's A operand and x the B operand, so one MMA takes 256 codes; the codes
+enter the MMA as (base + q) - (base + zero), exact, and where the group size is a multiple
+of 128 the scale multiplies each 128-code chunk's fp32 sum once. Forced only until timed.
+
 2-16 rows, persistent (config "mma-persistent[-n<columns>][-d<depth>][-c<ctas per SM>][-g<grid>]"):
 SMs x CTAs per SM CTAs walk tiles of 32 or 64 columns grid-stride, each thread's code windows,
 scales and zeros copied by cp.async into a ring of `depth` stages in shared memory ahead of
@@ -53,6 +58,10 @@ __all__ = [
     "PersistentConfig",
     "gemv_rows",
     "MmaPersistentConfig",
+    "TC_CONFIGS",
+    "TC_SHAPES",
+    "TcConfig",
+    "tc_config",
     "int4_linear_fwd",
     "mma_persistent_config",
     "persistent_config",
@@ -85,6 +94,10 @@ MMA_PERSISTENT_CONFIGS = (
     "mma-persistent-n32-d8", "mma-persistent-n32-d4", "mma-persistent-n64-d4", "mma-persistent-n64-d2",
     "mma-persistent-n32-d4-c2",
 )  # fmt: skip
+# The tensor-core GEMV's (16-row tiles of W per CTA, chunks per warp trip) pairs built in
+# int4_gemv.cu (launch_tc), and what a GPU run times ("tc" is t2-u2).
+TC_SHAPES = ((1, 2), (1, 4), (2, 2), (4, 1), (4, 2))
+TC_CONFIGS = tuple(f"tc-t{t}-u{u}" for t, u in TC_SHAPES)
 _EMULATED_SMS = 2  # what the CPU emulation counts as SMs (a grid of 2 x CTAs per SM)
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -94,6 +107,8 @@ _SIGNATURES = {
                                 _I64, _I64, _I64, _I64, _I64],
     "ok_int4_mma_persistent": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64,
                                _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
+    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                   _I64, _I64, _I64],
     "ok_int4_mma": [_I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                     _I64, _I64],
 }  # fmt: skip
@@ -198,12 +213,41 @@ def mma_persistent_config(config: object) -> MmaPersistentConfig | None:
     return out
 
 
+@dataclass(frozen=True)
+class TcConfig:
+    """The tensor-core GEMV's knobs: 16-row tiles of W per CTA, 128-code chunks per warp trip
+    (their loads issued before their math)."""
+
+    tiles: int = 2
+    unroll: int = 2
+
+
+_TC = re.compile(r"tc(?:-t(\d+))?(?:-u(\d+))?")
+
+
+def tc_config(config: object) -> TcConfig | None:
+    """`config` "tc[-t<tiles>][-u<unroll>]" as its knobs (2 and 2 where left out), None for any
+    other config; ValueError for a pair that is not built."""
+    if not isinstance(config, str) or not (config == "tc" or config.startswith("tc-")):
+        return None
+    match = _TC.fullmatch(config)
+    if match is None:
+        raise ValueError(f"config {config!r}: not tc[-t<tiles>][-u<unroll>]")
+    tiles, unroll = (None if g is None else int(g) for g in match.groups())
+    out = TcConfig(tiles or 2, unroll or 2)
+    if (out.tiles, out.unroll) not in TC_SHAPES:
+        raise ValueError(f"config {config!r}: (tiles, unroll) not among {sorted(TC_SHAPES)}")
+    return out
+
+
 def _path(m: int, config: int | str | None) -> str:
     """ "gemv" for one row of x (or `config` an int, its rows per CTA), "mma" for 2-16 rows (or
     `config` "mma", which also takes one row), "persistent" for `config` "persistent...",
     "mma-persistent" for `config` "mma-persistent..." (1-16 rows)."""
     if mma_persistent_config(config) is not None:
         return "mma-persistent"
+    if tc_config(config) is not None:
+        return "tc"
     if config == "mma" or (config is None and m > 1):
         return "mma"
     if persistent_config(config) is not None:
@@ -233,6 +277,17 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         return "a strided output"
     if qweight.data_ptr() % 16 or qweight.stride(0) % 16 or x.data_ptr() % 16:
         return "qweight rows or x not 16-byte aligned"
+    tc = tc_config(config)
+    if tc is not None:
+        if kind == "nf4":
+            return "NF4 on the tensor-core GEMV (it takes int4)"
+        if k % 128 or group_size % 32:
+            return f"K = {k} not a multiple of 128 or group size {group_size} not of 32"
+        if n % (16 * tc.tiles):
+            return f"N = {n} not a multiple of {16 * tc.tiles} (the tensor-core GEMV's rows per CTA)"
+        if m > 1 and x.stride(0) % 8:
+            return "rows of x not 16-byte aligned"
+        return None
     mp = mma_persistent_config(config)
     if mp is not None:
         if kind == "nf4":
@@ -319,7 +374,7 @@ def int4_linear_fwd(
     """triton.int4_linear_fwd's contract. `config` (tests, benchmarks): an int forces the GEMV
     with that many rows of W per CTA, "mma" the tensor-core kernel, "persistent..." the
     persistent GEMV (persistent_config), "mma-persistent..." the persistent tensor-core kernel
-    (mma_persistent_config)."""
+    (mma_persistent_config), "tc..." the tensor-core GEMV with W as the A operand (tc_config)."""
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     if (_broken and x.is_cuda) or unsupported_call(*args, config) is not None:
         return _triton(*args)
@@ -339,6 +394,13 @@ def int4_linear_fwd(
             device, _CODES[x.dtype], _CODES[scales.dtype], code, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
             zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0), qweight.stride(0),
             scales.stride(0), out.stride(0), group_size, stream,
+        )  # fmt: skip
+    elif _path(m, config) == "tc":
+        p = tc_config(config)
+        status = lib.ok_int4_tc(
+            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, x.data_ptr(), qweight.data_ptr(),
+            scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0),
+            qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip
     elif _path(m, config) == "mma-persistent":
         p = mma_persistent_config(config)

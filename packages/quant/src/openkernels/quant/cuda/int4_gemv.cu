@@ -706,6 +706,228 @@ int launch_mma(int kind, const void* x, const void* qweight, const void* scales,
   return -1;
 }
 
+// ---- 1-16 rows of x, W as the A operand: a tensor-core GEMV --------------------------------
+//
+// The kernels above turn every code into a float (GEMV: a LOP3, a FADD and an FFMA per code)
+// or into a scaled 16-bit weight (int4_mma_kernel: W as the B operand, a packed subtraction
+// and a packed multiply per pair), and issue-bound at M = 1 they stream the weight at about
+// half the copy bandwidth. Here W is mma.m16n8k16's A operand (16 rows of W per tile) and x
+// the B operand (n8: up to 8 rows of x per n8 tile, NB tiles), so one MMA takes 256 codes. A
+// lane (g, t) holds A pairs of rows g and g + 8 at k = 2t, 2t+1, 2t+8, 2t+9 and B pairs of x's
+// row g at the same k; as in int4_mma_kernel the k order inside a 128-code chunk is free, so
+// a lane reads one contiguous 16-byte window (32 codes) of each of its two rows and x's 32
+// values in the same order. Per 8 codes (one 32-bit word): three shifts and four LOP3s put
+// two nibbles each in the halves of a register with the bits of 128 (bf16) or 1024 (fp16), so
+// the register reads (base + q_a, base + q_b), and one packed subtraction of base + zero per
+// register leaves q - zero exactly (small integers). Where the group size is a multiple of
+// 128 a chunk is one group: its 8 MMAs start from zero and the chunk's fp32 sums take the
+// scale once (one FFMA per accumulator: no per-code float op, the weight not rounded);
+// otherwise (group 32, 64) the scale multiplies each pair before the MMA (W rounded to x's
+// dtype once, the contract's weight term). Warp w takes chunks w, w + 8, ...; each trip
+// issues UNROLL chunks' code loads (TILES x 2 x 16 bytes per lane each, evict-first) and x's
+// windows before any math. The 8 warps' sums meet in shared memory and are added in warp
+// order (the same bits on every run). Forced only (config "tc...") until it is timed.
+
+template <typename T>
+__device__ __forceinline__ uint32_t sub2(uint32_t v, uint32_t sub) {
+#ifdef OK_CUDA_EMULATION
+  auto half = [](uint32_t w, int i) {
+    T h;
+    const uint16_t b = static_cast<uint16_t>(w >> (16 * i));
+    memcpy(&h, &b, 2);
+    return to_float(h);
+  };
+  return pack2<T>(half(v, 0) - half(sub, 0), half(v, 1) - half(sub, 1));
+#else
+  if constexpr (MmaMagic<T>::kBf16) {
+    __nv_bfloat162 a, b;
+    memcpy(&a, &v, 4);
+    memcpy(&b, &sub, 4);
+    const __nv_bfloat162 r = __hsub2(a, b);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  } else {
+    __half2 a, b;
+    memcpy(&a, &v, 4);
+    memcpy(&b, &sub, 4);
+    const __half2 r = __hsub2(a, b);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  }
+#endif
+}
+
+constexpr int kTcWarps = 8;
+
+template <typename T, typename S, int TILES, int NB, int UNROLL>
+__global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
+    const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
+    const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
+    int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
+    int64_t group_size) {
+  constexpr int kSlots = TILES * NB * 4;
+  __shared__ float partial[kTcWarps][kSlots][32];  // [warp][slot][lane]: no bank conflicts
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16 * TILES;
+  const int64_t n_chunks = k / 128;
+  const bool chunk_scaled = group_size % 128 == 0;  // a chunk is inside one group
+  float acc[TILES][NB][4];
+#pragma unroll
+  for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[tile][nb][i] = 0.f;
+    }
+  }
+
+  for (int64_t first = warp; first < n_chunks; first += kTcWarps * UNROLL) {  // the same trips in every lane
+    uint4 codes[UNROLL][TILES][2];
+    float scale[UNROLL][TILES][2], zero[UNROLL][TILES][2];
+    uint4 xv[UNROLL][NB][4];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int64_t chunk = first + static_cast<int64_t>(u) * kTcWarps;
+      if (chunk >= n_chunks) continue;  // warp-uniform
+      const int64_t k0 = chunk * 128 + 32 * t;  // this lane's 32-code window
+      const int64_t group = k0 / group_size;
+#pragma unroll
+      for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t row = n0 + 16 * tile + g + 8 * h;
+          codes[u][tile][h] = __ldcs(reinterpret_cast<const uint4*>(qweight + row * stride_q + k0 / 2));
+          scale[u][tile][h] = to_float(scales[group * stride_s + row]);
+          zero[u][tile][h] = zeros != nullptr ? to_float(zeros[group * stride_s + row]) : 8.f;
+        }
+      }
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const int64_t row = 8 * nb + g;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint4 v = {0, 0, 0, 0};
+          if (row < m) v = *reinterpret_cast<const uint4*>(x + row * stride_x + k0 + 8 * q);
+          xv[u][nb][q] = v;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int64_t chunk = first + static_cast<int64_t>(u) * kTcWarps;
+      if (chunk >= n_chunks) continue;
+      uint32_t b[NB][8][2];  // x's B pairs for the chunk's 8 steps (shared by every tile)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const uint32_t xw[16] = {xv[u][nb][0].x, xv[u][nb][0].y, xv[u][nb][0].z, xv[u][nb][0].w,
+                                 xv[u][nb][1].x, xv[u][nb][1].y, xv[u][nb][1].z, xv[u][nb][1].w,
+                                 xv[u][nb][2].x, xv[u][nb][2].y, xv[u][nb][2].z, xv[u][nb][2].w,
+                                 xv[u][nb][3].x, xv[u][nb][3].y, xv[u][nb][3].z, xv[u][nb][3].w};
+#pragma unroll
+        for (int step = 0; step < 8; ++step) {
+          const int p = 8 * (step / 2) + 2 * (step % 2);
+          b[nb][step][0] = pick2(xw, p, p + 4);
+          b[nb][step][1] = pick2(xw, p + 1, p + 5);
+        }
+      }
+#pragma unroll
+      for (int tile = 0; tile < TILES; ++tile) {
+        uint32_t sub[2], mul[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          sub[h] = pack2<T>(MmaMagic<T>::kBase + zero[u][tile][h], MmaMagic<T>::kBase + zero[u][tile][h]);
+          mul[h] = pack2<T>(scale[u][tile][h], scale[u][tile][h]);
+        }
+        const uint32_t words[2][4] = {
+            {codes[u][tile][0].x, codes[u][tile][0].y, codes[u][tile][0].z, codes[u][tile][0].w},
+            {codes[u][tile][1].x, codes[u][tile][1].y, codes[u][tile][1].z, codes[u][tile][1].w}};
+        float part[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) part[nb][i] = 0.f;
+        }
+#pragma unroll
+        for (int step = 0; step < 8; ++step) {
+          const int word = step / 2, shift = (step % 2) * 8;
+          uint32_t a[4];  // rows g (k 2t, 2t+1), g + 8 (same k), g (2t+8, 2t+9), g + 8
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int h = r % 2;
+            const uint32_t v = ((words[h][word] >> (shift + 4 * (r / 2))) & 0x000F000Fu) | MmaMagic<T>::kBits;
+            a[r] = chunk_scaled ? sub2<T>(v, sub[h]) : sub_mul2<T>(v, sub[h], mul[h]);
+          }
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb) mma_16816<T>(part[nb], a, b[nb][step]);
+        }
+        // part: rows g (i = 0, 1) and g + 8 (i = 2, 3) of the tile, x rows 2t, 2t+1 of tile nb.
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[tile][nb][i] = chunk_scaled ? fmaf(scale[u][tile][i / 2], part[nb][i], acc[tile][nb][i])
+                                            : acc[tile][nb][i] + part[nb][i];
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][(tile * NB + nb) * 4 + i][lane] = acc[tile][nb][i];
+    }
+  }
+  __syncthreads();
+  for (int o = threadIdx.x; o < 16 * TILES * m; o += kTcWarps * 32) {
+    const int local = o % (16 * TILES), row = o / (16 * TILES);  // W row (output column), x row
+    const int tile = local / 16, r = local % 16, nb = row / 8, cc = row % 8;
+    const int owner = (r % 8) * 4 + cc / 2, slot = (tile * NB + nb) * 4 + 2 * (r >= 8) + cc % 2;
+    float total = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kTcWarps; ++wi) total += partial[wi][slot][owner];
+    const int64_t c = n0 + local;
+    if (bias_code == 1) total += static_cast<const float*>(bias)[c];
+    if (bias_code == 2) total += to_float(static_cast<const __nv_bfloat16*>(bias)[c]);
+    if (bias_code == 3) total += to_float(static_cast<const __half*>(bias)[c]);
+    out[row * stride_out + c] = from_float<T>(total);
+  }
+}
+
+// (tiles of 16 rows of W per CTA, chunks per trip) pairs built: TC_SHAPES in cuda/__init__.py.
+template <typename T, typename S>
+int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const void* scales, const void* zeros,
+              const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
+              int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles)), 1, 1);
+  config.blockDim = dim3(kTcWarps * 32, 1, 1);
+  config.stream = stream;
+  config.numAttrs = 0;
+  auto run = [&](auto kernel) {
+    return static_cast<int>(cudaLaunchKernelEx(
+        &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
+        static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
+        stride_x, stride_q, stride_s, stride_out, group_size));
+  };
+  const bool wide = m > 8;
+#define OK_TC(TI, UN)                                                                              \
+  if (tiles == TI && unroll == UN)                                                                 \
+    return wide ? run(int4_tc_kernel<T, S, TI, 2, UN>) : run(int4_tc_kernel<T, S, TI, 1, UN>);
+  OK_TC(1, 2)
+  OK_TC(1, 4)
+  OK_TC(2, 2)
+  OK_TC(4, 1)
+  OK_TC(4, 2)
+#undef OK_TC
+  return -2;
+}
+
 // ---- small M, persistent: a grid of (SMs x CTAs per SM) walking tiles of W's columns --------
 //
 // The kernel above gives each CTA one 32-column tile: each warp issues one 128-code chunk's
@@ -1108,4 +1330,34 @@ extern "C" int ok_int4_mma_persistent_packed(const int64_t* a) {
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
   return ok_int4_mma_persistent(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), p(6), p(7), p(8), p(9), p(10),
                                 i32(11), p(12), a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22]);
+}
+
+// out (M, N) = x W^T + bias for 1-16 rows of x, W as the tensor cores' A operand
+// (int4_tc_kernel; int4 with zeros, or symmetric where `zeros` is null). `tiles` (16 rows of W
+// each per CTA) and `unroll` (chunks per warp trip) pick a built shape. N a multiple of 16 x
+// tiles, K of 128, the group size of 32. Returns 0, a cudaError_t, -1 (dtypes or M), -2 (shape
+// not built).
+extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, const void* x,
+                          const void* qweight, const void* scales, const void* zeros, const void* bias, int bias_code,
+                          void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x, int64_t stride_q,
+                          int64_t stride_s, int64_t stride_out, int64_t group_size, int64_t stream) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (m < 1 || m > 16) return -1;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+#define OK_INT4_TC_ARGS tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x, stride_q, \
+                        stride_s, stride_out, group_size, s
+  if (x_code == 1 && s_code == 1) return launch_tc<__nv_bfloat16, __nv_bfloat16>(OK_INT4_TC_ARGS);
+  if (x_code == 1 && s_code == 2) return launch_tc<__nv_bfloat16, __half>(OK_INT4_TC_ARGS);
+  if (x_code == 2 && s_code == 1) return launch_tc<__half, __nv_bfloat16>(OK_INT4_TC_ARGS);
+  if (x_code == 2 && s_code == 2) return launch_tc<__half, __half>(OK_INT4_TC_ARGS);
+#undef OK_INT4_TC_ARGS
+  return -1;
+}
+
+extern "C" int ok_int4_tc_packed(const int64_t* a) {
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), p(5), p(6), p(7), p(8), p(9), i32(10), p(11), a[12],
+                    a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20]);
 }
