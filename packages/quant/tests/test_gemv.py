@@ -5,7 +5,8 @@ shared/cuda/cuda_emulation.h), on a GPU at the decode shapes. The whole correctn
 also runs it on GPUs (test_correctness's "cuda-gemv" target). The persistent GEMV (config
 "persistent...") is checked alike: every (rows, depth) built, grids that do not divide the
 blocks, K past one CTA-wide step; the persistent tensor-core kernel (config
-"mma-persistent...") alike for 1-16 rows of x."""
+"mma-persistent...") alike for 1-16 rows of x, and the tensor-core GEMV (config "tc...", W as
+the A operand) for every shape built."""
 
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     mma_persistent = [r for r in report if "int4_mma_persistent_kernel" in r.name]
     # dtype pairs x (zeros, symmetric) x (columns, depth)
     assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
-    for r in kernels + mma + persistent + mma_persistent:
+    tc = [r for r in report if "int4_tc_kernel" in r.name or "int4_tc_ring_kernel" in r.name]
+    # dtype pairs x shapes x (one or two n8 tiles of x)
+    assert len(tc) == 4 * sum(map(len, G.TC_SHAPES.values())) * 2, [r.name for r in tc]
+    for r in kernels + mma + persistent + mma_persistent + tc:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
     for r in persistent:  # 2 CTAs of 256 threads per SM where the shape's default says so
         rows, depth = (int(v) for v in re.search(r"Li(\d+)ELi(\d+)ELi\d+ELb", r.name).groups())
@@ -284,3 +288,63 @@ def test_mma_persistent_within_the_error_contract(symmetric: bool, dtype: torch.
             assert torch.equal(runs[0], runs[1]), "two runs differ"
             msg = f"{config} sym={symmetric} m={m} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
             assert_linear_close(runs[0], x, weight, bias, w_rounded=True, msg=msg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_gemv_within_the_error_contract(symmetric: bool, dtype: torch.dtype, device: str) -> None:
+    """The tensor-core GEMV (W as the A operand), every shape built, against float64: 1-16
+    rows of x (one and two n8 tiles, rows past M), groups of 128 and the whole row (the scale
+    after the MMA: W not rounded) and 32 / 64 (the scale in the pairs: W rounded to x's dtype),
+    K of an odd number of chunks (warps with fewer chunks than others, or none), both scale
+    dtypes, bias dtypes; two runs bitwise equal."""
+    g = torch.Generator().manual_seed(13)
+    if device == "cpu":  # (M, N, K, group, bias)
+        shapes = [(1, 64, 1152, 128, None), (3, 32, 384, 64, torch.float32), (9, 64, 2176, 128, torch.bfloat16),
+                  (16, 64, 256, 32, None), (1, 128, 4096, None, torch.float16)]  # fmt: skip
+        cases = [(*shape, config) for shape, config in zip(shapes * 2, G.TC_CONFIGS * 2, strict=False)]
+    else:
+        cases = [(m, n, 8192, 128, None, c) for m in (1, 16) for n in (8192, 28672) for c in G.TC_CONFIGS]
+        cases += [
+            (5, 4096, 4096, 32, torch.float32, "tc-t2-d4"),
+            (3, 8192, 28672, 64, torch.bfloat16, "tc-t4-u1"),
+        ]
+    for m, n, k, group, bias_dtype, config in cases:
+        sdtype = torch.bfloat16 if m % 2 else torch.float16
+        weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group)
+        weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
+                              weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
+        group = weight.group_size
+        x = torch.randn(m, k, generator=g).to(dtype).to(device)
+        bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
+        args = (x, weight.qweight, weight.scales, weight.zeros, bias)
+        runs = []
+        for _ in range(2):
+            out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+            assert G.unsupported_call(*args, out, group, "int4", config) is None
+            G.int4_linear_fwd(*args, out, group, "int4", config=config)
+            runs.append(out)
+        assert not G._broken, G._broken
+        assert torch.equal(runs[0], runs[1]), "two runs differ"
+        msg = f"{config} sym={symmetric} m={m} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
+        assert_linear_close(runs[0], x, weight, bias, w_rounded=group % 128 != 0, msg=msg)
+
+
+def test_tc_configs() -> None:
+    assert G.tc_config("mma") is None and G.tc_config(4) is None
+    assert G.tc_config("tc") == G.TcConfig(2, 2, 0)
+    assert G.tc_config("tc-t4-d2") == G.TcConfig(4, 0, 2)
+    assert G.tc_config("tc-t1-u2") == G.TcConfig(1, 2, 0)
+    for bad in ("tc-t3-u2", "tc-t2-d9", "tc-x", "tc-t2-u2-d4"):
+        with pytest.raises(ValueError):
+            G.tc_config(bad)
+    x, qweight, scales, zeros, bias, out, group, kind = _call(n=48, k=1024)
+    assert G.unsupported_call(x, qweight, scales, zeros, bias, out, group, kind, "tc-t1-d4") is None
+    assert "multiple of 32" in G.unsupported_call(
+        x, qweight, scales, zeros, bias, out, group, kind, "tc-t2-d4"
+    )
+    assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc")
+    odd = torch.empty(1024 // group, 49, dtype=scales.dtype)[:, :48]
+    assert "4-byte" in G.unsupported_call(x, qweight, odd, None, bias, out, group, kind, "tc-t1-d4")
+    assert G.unsupported_call(x, qweight, odd, None, bias, out, group, kind, "tc-t1-u2") is None

@@ -94,10 +94,10 @@ MMA_PERSISTENT_CONFIGS = (
     "mma-persistent-n32-d8", "mma-persistent-n32-d4", "mma-persistent-n64-d4", "mma-persistent-n64-d2",
     "mma-persistent-n32-d4-c2",
 )  # fmt: skip
-# The tensor-core GEMV's (16-row tiles of W per CTA, chunks per warp trip) pairs built in
-# int4_gemv.cu (launch_tc), and what a GPU run times ("tc" is t2-u2).
-TC_SHAPES = ((1, 2), (1, 4), (2, 2), (4, 1), (4, 2))
-TC_CONFIGS = tuple(f"tc-t{t}-u{u}" for t, u in TC_SHAPES)
+# The tensor-core GEMV's shapes built in int4_gemv.cu (launch_tc): (16-row tiles of W per CTA,
+# chunks per warp trip) of the register kernel, (tiles, stages) of the cp.async ring kernel.
+TC_SHAPES = {"u": ((1, 2), (2, 2), (4, 1)), "d": ((1, 4), (1, 8), (2, 3), (2, 4), (4, 2))}
+TC_CONFIGS = tuple(f"tc-t{t}-{kind}{v}" for kind, shapes in TC_SHAPES.items() for t, v in shapes)
 _EMULATED_SMS = 2  # what the CPU emulation counts as SMs (a grid of 2 x CTAs per SM)
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -107,7 +107,7 @@ _SIGNATURES = {
                                 _I64, _I64, _I64, _I64, _I64],
     "ok_int4_mma_persistent": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64,
                                _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
-    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                    _I64, _I64, _I64],
     "ok_int4_mma": [_I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                     _I64, _I64],
@@ -215,28 +215,31 @@ def mma_persistent_config(config: object) -> MmaPersistentConfig | None:
 
 @dataclass(frozen=True)
 class TcConfig:
-    """The tensor-core GEMV's knobs: 16-row tiles of W per CTA, 128-code chunks per warp trip
-    (their loads issued before their math)."""
+    """The tensor-core GEMV's knobs: 16-row tiles of W per CTA, and either the register
+    kernel's chunks per warp trip (`unroll`, their loads issued before their math) or the
+    ring kernel's cp.async stages (`depth`, 0 for the register kernel)."""
 
     tiles: int = 2
     unroll: int = 2
+    depth: int = 0
 
 
-_TC = re.compile(r"tc(?:-t(\d+))?(?:-u(\d+))?")
+_TC = re.compile(r"tc(?:-t(\d+))?(?:-u(\d+)|-d(\d+))?")
 
 
 def tc_config(config: object) -> TcConfig | None:
-    """`config` "tc[-t<tiles>][-u<unroll>]" as its knobs (2 and 2 where left out), None for any
-    other config; ValueError for a pair that is not built."""
+    """`config` "tc[-t<tiles>][-u<unroll> | -d<depth>]" as its knobs (tiles 2, unroll 2 where
+    left out), None for any other config; ValueError for a shape that is not built."""
     if not isinstance(config, str) or not (config == "tc" or config.startswith("tc-")):
         return None
     match = _TC.fullmatch(config)
     if match is None:
-        raise ValueError(f"config {config!r}: not tc[-t<tiles>][-u<unroll>]")
-    tiles, unroll = (None if g is None else int(g) for g in match.groups())
-    out = TcConfig(tiles or 2, unroll or 2)
-    if (out.tiles, out.unroll) not in TC_SHAPES:
-        raise ValueError(f"config {config!r}: (tiles, unroll) not among {sorted(TC_SHAPES)}")
+        raise ValueError(f"config {config!r}: not tc[-t<tiles>][-u<unroll> | -d<depth>]")
+    tiles, unroll, depth = (None if g is None else int(g) for g in match.groups())
+    out = TcConfig(tiles or 2, 0 if depth else unroll or 2, depth or 0)
+    kind, value = ("d", out.depth) if out.depth else ("u", out.unroll)
+    if (out.tiles, value) not in TC_SHAPES[kind]:
+        raise ValueError(f"config {config!r}: (tiles, {kind}) not among {sorted(TC_SHAPES[kind])}")
     return out
 
 
@@ -287,6 +290,9 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
             return f"N = {n} not a multiple of {16 * tc.tiles} (the tensor-core GEMV's rows per CTA)"
         if m > 1 and x.stride(0) % 8:
             return "rows of x not 16-byte aligned"
+        params = [scales] if zeros is None else [scales, zeros]
+        if tc.depth and any(t.stride(0) % 2 or t.stride(1) != 1 or t.data_ptr() % 4 for t in params):
+            return "scales or zeros rows not 4-byte aligned (the ring kernel copies pairs)"
         return None
     mp = mma_persistent_config(config)
     if mp is not None:
@@ -398,7 +404,7 @@ def int4_linear_fwd(
     elif _path(m, config) == "tc":
         p = tc_config(config)
         status = lib.ok_int4_tc(
-            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, x.data_ptr(), qweight.data_ptr(),
+            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.depth, x.data_ptr(), qweight.data_ptr(),
             scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0),
             qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip
