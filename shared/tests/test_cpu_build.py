@@ -48,6 +48,23 @@ def test_cache_key_covers_headers(tmp_path, monkeypatch) -> None:
     assert cpu_build._cache_key(cmd, source, flags) == keys[3]  # stable
 
 
+def test_cache_key_covers_the_headers_beside_the_source(tmp_path) -> None:
+    """A family's own header (`#include "common.h"` beside the source) is part of the key:
+    editing it rebuilds every library that includes it."""
+    source = tmp_path / "k.cu"
+    source.write_text('#include "common.h"\n')
+    cmd, flags = ("c++",), cpu_build.BASE_FLAGS
+    keys = [cpu_build._cache_key(cmd, source, flags)]
+    (tmp_path / "common.h").write_text("int a;\n")
+    keys.append(cpu_build._cache_key(cmd, source, flags))
+    (tmp_path / "common.h").write_text("int b;\n")
+    keys.append(cpu_build._cache_key(cmd, source, flags))
+    (tmp_path / "other.cu").write_text("int c;\n")  # a sibling source: not included, not counted
+    keys.append(cpu_build._cache_key(cmd, source, flags))
+    assert len(set(keys[:3])) == 3
+    assert keys[3] == keys[2]
+
+
 def _bf16_bits(v: float) -> int:
     """torch's float -> bfloat16 rounding (nearest even; NaN quiet), as bits."""
     torch = pytest.importorskip("torch")

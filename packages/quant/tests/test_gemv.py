@@ -42,7 +42,7 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     mma_persistent = [r for r in report if "int4_mma_persistent_kernel" in r.name]
     # dtype pairs x (zeros, symmetric) x (columns, depth)
     assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
-    tc = [r for r in report if "int4_tc_kernel" in r.name or "int4_tc_ring_kernel" in r.name]
+    tc = cuda_build.ptxas_report(G._TC_SOURCE, arch)  # int4_tc.cu: the tensor-core GEMV's own library
     # dtype pairs x shapes x (one or two n8 tiles of x)
     assert len(tc) == 4 * sum(map(len, G.TC_SHAPES.values())) * 2, [r.name for r in tc]
     for r in kernels + mma + persistent + mma_persistent + tc:
@@ -134,14 +134,18 @@ def test_mma_persistent_configs() -> None:
     assert G.unsupported_call(*misaligned, "mma-persistent-n32") is None
 
 
-def test_dispatch_runs_the_gemv_only_when_forced() -> None:
+def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
+    """ "gemv" is above wgmma and Triton; its launcher runs the tensor-core GEMV only where it
+    measured fastest (sm_90, up to 8 rows of x) and hands every other call on."""
     key = DispatchKey("cuda", "sm_90", torch.bfloat16, frozenset({"int4"}))
     if G.supports(key) is None:
         chosen = [impl.name for impl in dispatch.select("int4_linear", key)]
-        # Triton ahead of the GEMV (wgmma may come first on sm_90: Gluon's kernel, routed by speed).
-        assert chosen.index("triton") < chosen.index("gemv") and chosen[0] != "gemv"
-        with dispatch.force("gemv"):
-            assert dispatch.select("int4_linear", key)[0].name == "gemv"
+        assert chosen[0] == "gemv" and chosen.index("triton") > 0, chosen
+    assert G.default_tc(1, 8192, 8192, 128, "sm_90") is not None
+    assert G.default_tc(8, 28672, 8192, 64, "sm_90") is not None
+    assert G.default_tc(9, 8192, 8192, 128, "sm_90") is None  # M > 8: wgmma or Triton
+    assert G.default_tc(1, 8192, 8192, 128, "sm_80") is None  # not measured there
+    assert G.default_tc(1, 8192, 1056, 32, "sm_90") is None  # K not a multiple of 128
     assert "sm_80" in G.supports(DispatchKey("cuda", "sm_75", torch.bfloat16))
     assert "NVIDIA" in G.supports(DispatchKey("rocm", "gfx942", torch.bfloat16))
     assert "bfloat16" in G.supports(DispatchKey("cuda", "sm_90", torch.float32))

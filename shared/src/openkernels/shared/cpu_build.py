@@ -177,11 +177,24 @@ def _headers_digest() -> bytes:
     return digest.digest()
 
 
+def _local_headers_digest(source: pathlib.Path) -> bytes:
+    """Names and contents of the headers beside `source` (a family's own, sorted): what its
+    `#include "..."` lines may pull in besides INCLUDE_DIR's."""
+    digest = hashlib.sha256()
+    for header in sorted(p for p in source.parent.iterdir() if p.suffix in (".h", ".hpp", ".cuh")):
+        for part in (header.name.encode(), header.read_bytes()):
+            digest.update(part)
+            digest.update(b"\0")
+    return digest.digest()
+
+
 def _cache_key(cmd: tuple[str, ...], source: pathlib.Path, flags: Sequence[str]) -> str:
-    """Hex digest of what the library depends on: source, shared headers, flags, compiler, CPU."""
+    """Hex digest of what the library depends on: source, the headers beside it, shared
+    headers, flags, compiler, CPU."""
     digest = hashlib.sha256()
     for part in (
         source.read_bytes(),
+        _local_headers_digest(source),
         _headers_digest(),
         "\0".join(flags).encode(),
         _compiler_version(cmd).encode(),

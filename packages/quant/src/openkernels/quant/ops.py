@@ -94,9 +94,10 @@ def _gemv_supports(key: dispatch.DispatchKey) -> str | None:
     return supports(key)
 
 
-# The CUDA C++ batch-1 GEMV: below Triton's priority (20) until the H200 says where it wins,
-# so it runs only when forced by name.
-_GEMV_PRIORITY = 15
+# The CUDA C++ kernels for 1-16 rows of x: above wgmma (25) and Triton (20); the launcher runs
+# the tensor-core GEMV where it measured fastest (cuda.default_tc: sm_90, up to 8 rows of x)
+# and hands every other call to the implementation below it.
+_GEMV_PRIORITY = 30
 # The Gluon Hopper kernel (gluon/, asynchronous wgmma, M = 16-256): above Triton (20) on
 # sm_90, where its launcher sends the calls it measured slower on (gluon.slower_than_triton:
 # M < 96 at N < 8192, M < 64 at N < 12288, shapes not measured) and those it cannot take to

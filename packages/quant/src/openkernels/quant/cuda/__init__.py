@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from openkernels.shared import cuda_build
+from openkernels.shared import cuda_build, dispatch
 from openkernels.shared.dispatch import DispatchKey
 
 from ..format import nf4_values
@@ -70,6 +70,7 @@ __all__ = [
 ]
 
 _SOURCE = pathlib.Path(__file__).with_name("int4_gemv.cu")
+_TC_SOURCE = pathlib.Path(__file__).with_name("int4_tc.cu")
 _CODES = {torch.bfloat16: 1, torch.float16: 2}
 _BIAS_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _KINDS = {"int4": 0, "int4 symmetric": 1, "nf4": 2}
@@ -107,10 +108,14 @@ _SIGNATURES = {
                                 _I64, _I64, _I64, _I64, _I64],
     "ok_int4_mma_persistent": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64,
                                _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
-    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                   _I64, _I64, _I64],
     "ok_int4_mma": [_I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                     _I64, _I64],
+}  # fmt: skip
+
+
+_TC_SIGNATURES = {
+    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                   _I64, _I64, _I64],
 }  # fmt: skip
 
 
@@ -118,6 +123,14 @@ _SIGNATURES = {
 def _library(arch: str) -> cuda_build.CudaLibrary:
     return cuda_build.CudaLibrary(
         _SOURCE, name=f"openkernels_quant_cuda_{arch}", arch=arch, signatures=_SIGNATURES
+    )
+
+
+@functools.cache
+def _tc_library(arch: str) -> cuda_build.CudaLibrary:
+    """The tensor-core GEMV alone (int4_tc.cu): what the default path builds on first use."""
+    return cuda_build.CudaLibrary(
+        _TC_SOURCE, name=f"openkernels_quant_tc_{arch}", arch=arch, signatures=_TC_SIGNATURES
     )
 
 
@@ -345,26 +358,56 @@ def _kind(kind: str, zeros: Tensor | None) -> int:
 
 
 def _arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+    return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _arch_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}"
 
 
 _broken: list[str] = []  # why the GPU library cannot run (warned once)
 
 
-def _load(device: torch.device):
-    """The library for `device`, or None (warned once) when it cannot be built. CPU tensors
-    take the kernels built for the CPU emulation."""
+def _load(device: torch.device, tc: bool = False):
+    """The library for `device` (`tc`: the tensor-core GEMV's), or None (warned once) when it
+    cannot be built. CPU tensors take the kernels built for the CPU emulation."""
+    library = _tc_library if tc else _library
     if device.type == "cpu":
-        return _library("sm_80").emulated()
+        return library("sm_80").emulated()
     if _broken:
         return None
     try:
-        return _library(_arch(device))()
+        return library(_arch(device))()
     except cuda_build.CudaBuildError as error:
         _broken.append(str(error))
         warnings.warn(f"openkernels.quant: the CUDA C++ GEMV is off: {error}", RuntimeWarning, stacklevel=3)
         return None
+
+
+_OP = "int4_linear"
+
+
+def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None:
+    """The tensor-core GEMV config the default dispatch runs for this call, or None: the call
+    goes on to the implementation below (wgmma on sm_90, else Triton). From kernel times
+    (CUDA graphs, `benchmarks/studies/quant_tc_gemv.py`, H200, bf16, group 128; docs/perf.md);
+    measured on sm_90 only, so other archs keep Triton."""
+    if not arch.startswith("sm_90") or m > 8 or k % 128 or group_size % 32:
+        return None
+    return "tc-t4-u1" if n % 64 == 0 and n >= 16384 else "tc-t2-u2" if n % 32 == 0 else None
+
+
+def _hand_on(args) -> None:
+    """The call to the implementation dispatch would pick after this one (Triton when none)."""
+    x, kind = args[0], args[7]
+    chosen = dispatch.select(_OP, dispatch.key_for(x, kind))
+    names = [impl.name for impl in chosen]
+    after = chosen[names.index("gemv") + 1 :] if "gemv" in names else ()
+    if after:
+        return after[0].fn(*args)
+    return _triton(*args)
 
 
 def _triton(x, qweight, scales, zeros, bias, out, group_size, kind) -> None:
@@ -382,12 +425,18 @@ def int4_linear_fwd(
     persistent GEMV (persistent_config), "mma-persistent..." the persistent tensor-core kernel
     (mma_persistent_config), "tc..." the tensor-core GEMV with W as the A operand (tc_config)."""
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
+    if config is None and x.is_cuda:  # the tensor-core GEMV where it measured fastest, else on
+        config = default_tc(x.shape[0], qweight.shape[0], x.shape[1], group_size, _arch(x.device))
+        if config is None or unsupported_call(*args, config) is not None:
+            if "gemv" not in dispatch.forced_names(_OP):
+                return _hand_on(args)
+            config = None  # forced by name: the GEMV (one row) or the one-round MMA kernel
     if (_broken and x.is_cuda) or unsupported_call(*args, config) is not None:
         return _triton(*args)
-    lib = _load(x.device)
+    m, k = x.shape
+    lib = _load(x.device, tc=_path(m, config) == "tc")
     if lib is None:
         return _triton(*args)
-    m, k = x.shape
     n = qweight.shape[0]
     code = _kind(kind, zeros)
     device = x.device.index if x.is_cuda else -1

@@ -1,0 +1,149 @@
+// Helpers of quant's CUDA C++ kernels (int4_gemv.cu, int4_tc.cu): 16-bit <-> float, the
+// magic numbers that turn a nibble into base + q in a 16-bit float, packed 16-bit arithmetic
+// as the GPU rounds it, mma.m16n8k16 and its operands' byte permutes; each with its CPU-
+// emulation twin (OK_CUDA_EMULATION: cuda_emulation.h). Include after the CUDA headers or
+// cuda_emulation.h, inside the including file's anonymous namespace.
+#pragma once
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+__device__ __forceinline__ uint32_t float_bits(float v) {
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+__device__ __forceinline__ float bits_float(uint32_t u) {
+  float v;
+  memcpy(&v, &u, 4);
+  return v;
+}
+
+template <typename T>
+struct MmaMagic;
+template <>
+struct MmaMagic<__nv_bfloat16> {
+  static constexpr uint32_t kBits = 0x43004300u;  // 128 in both halves
+  static constexpr float kBase = 128.f;
+  static constexpr bool kBf16 = true;
+};
+template <>
+struct MmaMagic<__half> {
+  static constexpr uint32_t kBits = 0x64006400u;  // 1024 in both halves
+  static constexpr float kBase = 1024.f;
+  static constexpr bool kBf16 = false;
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T a = from_float<T>(lo), b = from_float<T>(hi);
+  uint16_t ua, ub;
+  memcpy(&ua, &a, 2);
+  memcpy(&ub, &b, 2);
+  return static_cast<uint32_t>(ua) | (static_cast<uint32_t>(ub) << 16);
+}
+
+// (v - sub) * mul on two packed values of T, each operation rounded as the GPU's packed ops.
+template <typename T>
+__device__ __forceinline__ uint32_t sub_mul2(uint32_t v, uint32_t sub, uint32_t mul) {
+#ifdef OK_CUDA_EMULATION
+  auto half = [](uint32_t w, int i) {
+    T h;
+    const uint16_t b = static_cast<uint16_t>(w >> (16 * i));
+    memcpy(&h, &b, 2);
+    return to_float(h);
+  };
+  float r[2];
+  for (int i = 0; i < 2; ++i) {
+    T d = from_float<T>(half(v, i) - half(sub, i));
+    r[i] = to_float(d) * half(mul, i);
+  }
+  return pack2<T>(r[0], r[1]);
+#else
+  if constexpr (MmaMagic<T>::kBf16) {
+    __nv_bfloat162 a, b, c;
+    memcpy(&a, &v, 4);
+    memcpy(&b, &sub, 4);
+    memcpy(&c, &mul, 4);
+    const __nv_bfloat162 r = __hmul2(__hsub2(a, b), c);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  } else {
+    __half2 a, b, c;
+    memcpy(&a, &v, 4);
+    memcpy(&b, &sub, 4);
+    memcpy(&c, &mul, 4);
+    const __half2 r = __hmul2(__hsub2(a, b), c);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  }
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+#ifdef OK_CUDA_EMULATION
+  ok_emu::mma_m16n8k16(d, a, b, MmaMagic<T>::kBf16);
+#else
+  if constexpr (MmaMagic<T>::kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#endif
+}
+
+// Values i and j of 32 packed 16-bit values (16 words), as one register: i low, j high. One
+// byte permute (i, j compile-time): bytes 0-3 of the first word, 4-7 of the second.
+__device__ __forceinline__ uint32_t pick2(const uint32_t* words, int i, int j) {
+  const unsigned selector = (i % 2 ? 0x32u : 0x10u) | ((j % 2 ? 0x76u : 0x54u) << 8);
+  return __byte_perm(words[i / 2], words[j / 2], selector);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t sub2(uint32_t v, uint32_t sub) {
+#ifdef OK_CUDA_EMULATION
+  auto half = [](uint32_t w, int i) {
+    T h;
+    const uint16_t b = static_cast<uint16_t>(w >> (16 * i));
+    memcpy(&h, &b, 2);
+    return to_float(h);
+  };
+  return pack2<T>(half(v, 0) - half(sub, 0), half(v, 1) - half(sub, 1));
+#else
+  if constexpr (MmaMagic<T>::kBf16) {
+    __nv_bfloat162 a, b;
+    memcpy(&a, &v, 4);
+    memcpy(&b, &sub, 4);
+    const __nv_bfloat162 r = __hsub2(a, b);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  } else {
+    __half2 a, b;
+    memcpy(&a, &v, 4);
+    memcpy(&b, &sub, 4);
+    const __half2 r = __hsub2(a, b);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  }
+#endif
+}
