@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,tc,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
 # the studies' time limits can be lowered to fit several families in one call
 # (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, WALL_S, BACKWARD_S,
-# BWDSWEEP_S, SPLIT_S, in seconds);
+# BWDSWEEP_S, SPLIT_S, TC_S, E2E_S, in seconds);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -73,6 +73,20 @@ if [[ $steps == *wgmma* && $family == quant ]]; then
   if grep -q " passed" "$out/wgmma_tests.txt" && ! grep -qE "failed|error" "$out/wgmma_tests.txt"; then
     timeout ${WGMMA_STUDY_S:-240} python3 benchmarks/studies/quant_wgmma.py 2>&1 | tee "$out/wgmma_study.txt" | tail -60
   fi
+fi
+if [[ $steps == *tc* && $family == quant ]]; then
+  # The tensor-core GEMV (int4_tc.cu, the default for 1-8 rows of x on sm_90): its variants
+  # against Triton, tinygemm and F.linear (kernel time), its GPU tests, the public op's eager
+  # wall time, then one Llama-style 1B decode step in a CUDA graph, int4 against bf16 weights.
+  timeout ${TC_S:-240} python3 benchmarks/studies/quant_tc_gemv.py \
+    --shapes ${TC_SHAPES:-8192x8192,28672x8192,2048x2048,3072x2048,16384x2048,2048x8192} 2>&1 \
+    | tee "$out/tc_study.txt" | grep -v '^\[ *[0-9.]*s\]   ' | tail -100
+  timeout 150 python3 -m pytest -q -rfE packages/quant/tests/test_gemv.py -k "tensor_core_gemv" -m "not aot" -x 2>&1 \
+    | tee "$out/tc_tests.txt" | tail -4
+  timeout ${WALL_S:-150} python3 benchmarks/studies/quant_wgmma_wall.py --shapes 8192x8192,28672x8192 --ms 1,4,16 2>&1 \
+    | tee "$out/tc_wall.txt" | tail -30
+  (cd benchmarks/peers && timeout ${E2E_S:-200} python3 e2e_decode_step.py --context 4096 --reps 50 --mode graph 2>&1 \
+    | tee "$out/tc_e2e.txt" | tail -12)
 fi
 if [[ $steps == *wall* && $family == quant ]]; then
   # The wgmma kernel through the public op (launch plan, direct launch): its GPU tests, then
