@@ -43,8 +43,8 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     # dtype pairs x (zeros, symmetric) x (columns, depth)
     assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
     tc = cuda_build.ptxas_report(G._TC_SOURCE, arch)  # int4_tc.cu: the tensor-core GEMV's own library
-    # dtype pairs x shapes x (one or two n8 tiles of x)
-    assert len(tc) == 4 * sum(map(len, G.TC_SHAPES.values())) * 2, [r.name for r in tc]
+    # dtype pairs x (register shapes x one or two n8 tiles of x + ring shapes, one n8 tile)
+    assert len(tc) == 4 * (2 * len(G.TC_SHAPES["u"]) + len(G.TC_SHAPES["d"])), [r.name for r in tc]
     for r in kernels + mma + persistent + mma_persistent + tc:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
     for r in persistent:  # 2 CTAs of 256 threads per SM where the shape's default says so
@@ -305,11 +305,14 @@ def test_tensor_core_gemv_within_the_error_contract(symmetric: bool, dtype: torc
     dtypes, bias dtypes; two runs bitwise equal."""
     g = torch.Generator().manual_seed(13)
     if device == "cpu":  # (M, N, K, group, bias)
-        shapes = [(1, 64, 1152, 128, None), (3, 32, 384, 64, torch.float32), (9, 64, 2176, 128, torch.bfloat16),
-                  (16, 64, 256, 32, None), (1, 128, 4096, None, torch.float16)]  # fmt: skip
-        cases = [(*shape, config) for shape, config in zip(shapes * 2, G.TC_CONFIGS * 2, strict=False)]
+        cases = [(1, 64, 1152, 128, None, "tc-t1-u2"), (16, 64, 256, 32, None, "tc-t1-u2"),
+                 (3, 32, 384, 64, torch.float32, "tc-t2-u2"), (9, 64, 2176, 128, torch.bfloat16, "tc-t4-u1"),
+                 (1, 128, 4096, None, torch.float16, "tc-t1-d4"), (8, 64, 1152, 128, None, "tc-t1-d8"),
+                 (5, 32, 2176, 64, None, "tc-t2-d3"), (1, 64, 384, 32, torch.bfloat16, "tc-t2-d4"),
+                 (2, 128, 1152, 128, None, "tc-t4-d2")]  # fmt: skip
+        assert {c[-1] for c in cases} == set(G.TC_CONFIGS)
     else:
-        cases = [(1 if i % 2 else 16, 28672 if i % 3 == 0 else 8192, 8192, 128, None, c)
+        cases = [(1 if i % 2 or "-d" in c else 16, 28672 if i % 3 == 0 else 8192, 8192, 128, None, c)
                  for i, c in enumerate(G.TC_CONFIGS)]  # fmt: skip
         cases += [
             (5, 4096, 4096, 32, torch.float32, "tc-t2-d4"),
@@ -353,3 +356,6 @@ def test_tc_configs() -> None:
     odd = torch.empty(1024 // group, 49, dtype=scales.dtype)[:, :48]
     assert "4-byte" in G.unsupported_call(x, qweight, odd, None, bias, out, group, kind, "tc-t1-d4")
     assert G.unsupported_call(x, qweight, odd, None, bias, out, group, kind, "tc-t1-u2") is None
+    nine = _call(m=9, n=48, k=1024)
+    assert "up to 8" in G.unsupported_call(*nine, "tc-t1-d4")
+    assert G.unsupported_call(*nine, "tc-t1-u2") is None

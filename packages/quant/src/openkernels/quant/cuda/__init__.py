@@ -303,6 +303,8 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
             return f"N = {n} not a multiple of {16 * tc.tiles} (the tensor-core GEMV's rows per CTA)"
         if m > 1 and x.stride(0) % 8:
             return "rows of x not 16-byte aligned"
+        if tc.depth and m > 8:
+            return f"{m} rows of x for the tc ring kernel (it takes up to 8)"
         params = [scales] if zeros is None else [scales, zeros]
         if tc.depth and any(t.stride(0) % 2 or t.stride(1) != 1 or t.data_ptr() % 4 for t in params):
             return "scales or zeros rows not 4-byte aligned (the ring kernel copies pairs)"

@@ -349,8 +349,7 @@ int launch_tc(int tiles, int unroll, int depth, const void* x, const void* qweig
     return wide ? run(int4_tc_kernel<T, S, TI, 2, UN>, 0) : run(int4_tc_kernel<T, S, TI, 1, UN>, 0);
 #define OK_TC_RING(TI, DE)                                                                                      \
   if (tiles == TI && depth == DE)                                                                               \
-    return wide ? run(int4_tc_ring_kernel<T, S, TI, 2, DE>, kTcWarps * DE * tc_stage_bytes<TI, 2>(xrows))         \
-                : run(int4_tc_ring_kernel<T, S, TI, 1, DE>, kTcWarps * DE * tc_stage_bytes<TI, 1>(xrows));
+    return wide ? -1 : run(int4_tc_ring_kernel<T, S, TI, 1, DE>, kTcWarps * DE * tc_stage_bytes<TI, 1>(xrows));
   OK_TC(1, 2)
   OK_TC(2, 2)
   OK_TC(4, 1)
@@ -369,7 +368,7 @@ int launch_tc(int tiles, int unroll, int depth, const void* x, const void* qweig
 // out (M, N) = x W^T + bias for 1-16 rows of x, W as the tensor cores' A operand
 // (int4_tc_kernel; int4 with zeros, or symmetric where `zeros` is null). `tiles` (16 rows of W
 // each per CTA) with `unroll` (chunks per warp trip, register kernel: depth 0) or `depth`
-// (stages of the cp.async ring kernel) pick a built shape. N a multiple of 16 x
+// (stages of the cp.async ring kernel: up to 8 rows of x) pick a built shape. N a multiple of 16 x
 // tiles, K of 128, the group size of 32. Returns 0, a cudaError_t, -1 (dtypes or M), -2 (shape
 // not built).
 extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, int depth, const void* x,
