@@ -394,11 +394,15 @@ _OP = "int4_linear"
 def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None:
     """The tensor-core GEMV config the default dispatch runs for this call, or None: the call
     goes on to the implementation below (wgmma on sm_90, else Triton). From kernel times
-    (CUDA graphs, `benchmarks/studies/quant_tc_gemv.py`, H200, bf16, group 128; docs/perf.md);
-    measured on sm_90 only, so other archs keep Triton."""
-    if not arch.startswith("sm_90") or m > 8 or k % 128 or group_size % 32:
+    (CUDA graphs, `benchmarks/studies/quant_tc_gemv.py`, H200, bf16 x, group 128, 2026-12-05;
+    docs/perf.md), x F.linear, Triton / tc:
+      8192 x 8192:  M = 1 1.64 / 1.78 (t2-u2), M = 4 1.25 / 1.76 (t2-u2), M = 16 1.22 / 1.27
+      28672 x 8192: M = 1 1.84 / 2.21 (t4-u1), M = 4 1.46 / 2.02 (t4-u1), M = 16 1.54 / 1.30
+    So up to 8 rows of x (one n8 tile) where N and K are at least 8192; smaller shapes were not
+    measured and keep the implementation below, as do other archs."""
+    if not arch.startswith("sm_90") or m > 8 or n < 8192 or k < 8192 or k % 128 or group_size % 32:
         return None
-    return "tc-t4-u1" if n % 64 == 0 and n >= 16384 else "tc-t2-u2" if n % 32 == 0 else None
+    return "tc-t4-u1" if n >= 16384 and n % 64 == 0 else "tc-t2-u2" if n % 32 == 0 else None
 
 
 def _hand_on(args) -> None:
