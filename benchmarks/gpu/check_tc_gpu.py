@@ -1,0 +1,70 @@
+"""Each tensor-core GEMV config (quant's cuda "tc...") run once in its own process on the GPU,
+so that a fault in one (an illegal instruction was seen on an H100) does not hide the
+others: per (config, M, N x K) OK with the largest error against float64, or the error.
+With --sanitize, a faulting case runs again under compute-sanitizer (memcheck), whose first
+report lines name the kernel and the access.
+
+    PYTHONPATH=... python3 benchmarks/gpu/check_tc_gpu.py [--sanitize]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+CHILD = r"""
+import sys, torch
+from openkernels.quant import cuda as G
+from openkernels.quant.quantize import quantize_int4
+from openkernels.quant.reference import int4_linear_ref
+config, m, n, k, group = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+gen = torch.Generator(device="cuda").manual_seed(m + n)
+q = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.02, group)
+x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+why = G.unsupported_call(x, q.qweight, q.scales, q.zeros, None, out, group, "int4", config)
+if why is not None:
+    print("not taken:", why)
+    sys.exit(0)
+G.int4_linear_fwd(x, q.qweight, q.scales, q.zeros, None, out, group, "int4", config=config)
+torch.cuda.synchronize()
+ref = int4_linear_ref(x.double(), q.qweight, q.scales, q.zeros, group, "int4")
+err = (out.double() - ref).abs().max().item()
+print(f"OK max|err| {err:.3g} (max|y| {ref.abs().max().item():.3g})")
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sanitize", action="store_true")
+    args = parser.parse_args()
+    from openkernels.quant import cuda as G
+
+    sanitizer = shutil.which("compute-sanitizer") or (
+        "/usr/local/cuda/bin/compute-sanitizer"
+        if os.path.exists("/usr/local/cuda/bin/compute-sanitizer")
+        else None
+    )
+    cases = [(c, m, 8192, 8192, 128) for c in G.TC_CONFIGS for m in (1, 16)]
+    cases += [(c, 1, 2048, 2048, 128) for c in G.TC_CONFIGS]
+    for case in cases:
+        argv = [str(v) for v in case]
+        run = subprocess.run(
+            [sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, timeout=120
+        )
+        last = (run.stdout.strip().splitlines() or run.stderr.strip().splitlines() or ["?"])[-1]
+        print(f"{' '.join(argv):32s} rc={run.returncode} {last[:150]}", flush=True)
+        if run.returncode and args.sanitize and sanitizer:
+            san = subprocess.run(
+                [sanitizer, "--tool", "memcheck", "--print-limit", "3", sys.executable, "-c", CHILD, *argv],
+                capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+            lines = [ln for ln in (san.stdout + san.stderr).splitlines() if ln.startswith("=========")]
+            print("\n".join(lines[:24]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
