@@ -38,6 +38,22 @@ def test_ptxas_reports_the_toy_kernel() -> None:
         pytest.skip("no nvcc")
     (report,) = cuda_build.ptxas_report(TOY, "sm_90a")
     assert "toy_cluster_sum" in report.name and report.registers > 0 and report.spill_stores == 0
+    assert report.odd_descriptors == (-1 if cuda_build.cuobjdump() is None else 0)
+
+
+def test_odd_descriptor_registers_are_counted_per_function() -> None:
+    """The SASS check behind KernelReport.odd_descriptors: quant's withdrawn ring kernel had
+    `LDGSTS.E.BYPASS.128 [R11+UR0], desc[UR1][R18.64]`, an illegal instruction on the H100."""
+    sass = """
+        Function : good_kernel
+        /*0010*/   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/   LDGSTS.E.BYPASS.128 [R11+UR0], desc[UR8][R18.64] ;
+        Function : bad_kernel
+        /*0010*/   LDGSTS.E.BYPASS.128 [R11+UR0], desc[UR1][R18.64] ;
+        /*0020*/   LDG.E R4, desc[UR6][R2.64] ;
+        /*0030*/   STG.E desc[UR13][R2.64], R4 ;
+    """
+    assert cuda_build.count_odd_descriptors(sass) == {"good_kernel": 0, "bad_kernel": 2}
 
 
 @pytest.mark.aot

@@ -178,18 +178,68 @@ class KernelReport:
     spill_stores: int
     spill_loads: int
     stack_bytes: int
+    # Instructions whose 64-bit memory descriptor sits in an odd uniform register (`desc[UR1]`):
+    # an illegal instruction on the GPU (seen from ptxas 13.0 with an L2 cache-policy hint in
+    # inline asm). -1: not checked (no cuobjdump here).
+    odd_descriptors: int = -1
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_SASS_FUNCTION = re.compile(r"Function : (\S+)")
+_DESCRIPTOR = re.compile(r"desc\[UR(\d+)\]")
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump from the PATH, the CUDA toolkit beside nvcc, or the copy Triton ships."""
+    found = shutil.which("cuobjdump")
+    if found is None and (cmd := nvcc()) is not None:
+        beside = pathlib.Path(cmd).resolve().with_name("cuobjdump")
+        found = str(beside) if beside.exists() else None
+    if found is None:
+        try:
+            import triton
+
+            bundled = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+            found = str(bundled) if bundled.exists() else None
+        except ImportError:
+            pass
+    return found
+
+
+def _odd_descriptors(cubin: str) -> dict[str, int] | None:
+    """Per kernel of `cubin`, how many SASS instructions take a memory descriptor from an odd
+    uniform register; None where no cuobjdump can disassemble it."""
+    tool = cuobjdump()
+    if tool is None:
+        return None
+    run = subprocess.run(
+        [tool, "-sass", cubin], check=False, capture_output=True, text=True, timeout=_TIMEOUT_S
+    )
+    return count_odd_descriptors(run.stdout) if run.returncode == 0 else None
+
+
+def count_odd_descriptors(sass: str) -> dict[str, int]:
+    """Per function of cuobjdump's `sass` text, the instructions reading a memory descriptor
+    from an odd uniform register (`desc[UR1]`; descriptors are 64-bit, so even pairs)."""
+    counts: dict[str, int] = {}
+    name = None
+    for line in sass.splitlines():
+        if m := _SASS_FUNCTION.search(line):
+            name = m.group(1)
+            counts.setdefault(name, 0)
+        elif name is not None and any(int(r) % 2 for r in _DESCRIPTOR.findall(line)):
+            counts[name] += 1
+    return counts
 
 
 def ptxas_report(
     source: pathlib.Path, arch: str, extra_flags: Sequence[str] = (), *, use_cache: bool = True
 ) -> list[KernelReport]:
     """Compile `source` to a cubin for `arch` (no GPU needed) and return ptxas's report of
-    every kernel. CudaBuildError when nvcc is missing or fails.
+    every kernel, with the SASS check of its memory descriptors where cuobjdump is found
+    (KernelReport.odd_descriptors). CudaBuildError when nvcc is missing or fails.
 
     Reports are kept on disk (``${OPENKERNELS_CACHE:-~/.cache/openkernels}/ptxas/``) under a key
     of everything that decides them: the source and the files beside it, the shared headers
@@ -203,10 +253,15 @@ def ptxas_report(
     if use_cache and (cached := _load_reports(key)) is not None:
         return cached
     with tempfile.TemporaryDirectory(prefix="openkernels-ptxas-") as tmp:
+        cubin = os.path.join(tmp, "out.cubin")
         run = subprocess.run(
-            [cmd, *flags, str(source), "-o", os.path.join(tmp, "out.cubin")],
-            check=False, capture_output=True, text=True, timeout=_TIMEOUT_S,
-        )  # fmt: skip
+            [cmd, *flags, str(source), "-o", cubin],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+        )
+        odd = _odd_descriptors(cubin) if run.returncode == 0 else None
     if run.returncode != 0:
         raise CudaBuildError(f"nvcc failed on {source.name} for {arch}:\n{run.stderr or run.stdout}")
     reports: list[KernelReport] = []
@@ -218,7 +273,8 @@ def ptxas_report(
             frame = tuple(int(g) for g in m.groups())
         elif (m := _REGS.search(line)) and name is not None:
             stack, stores, loads = frame or (0, 0, 0)
-            reports.append(KernelReport(name, int(m.group(1)), stores, loads, stack))
+            descriptors = -1 if odd is None else odd.get(name, 0)
+            reports.append(KernelReport(name, int(m.group(1)), stores, loads, stack, descriptors))
             name = None
     if use_cache:
         _store_reports(key, reports)
@@ -234,6 +290,7 @@ def _report_key(source: pathlib.Path, flags: Sequence[str], cmd: str) -> str:
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update("\0".join(flags).encode())
     digest.update(cpu_build._compiler_version((cmd,)).encode())
+    digest.update(b"sass-descriptors-v1" if cuobjdump() else b"no-sass")  # what the report holds
     return digest.hexdigest()
 
 

@@ -24,20 +24,16 @@ __device__ __forceinline__ void ok_copy_async_wait_all() { ok_emu::copy_async_wa
 #define OK_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 
 // BYTES (4, 8 or 16) from global to shared memory. STREAM: 16 bytes read once, kept out of
-// L1 and first out of L2 (cp.async.cg with an evict-first policy).
+// L1 (cp.async.cg). No L2 cache-policy hint: with `createpolicy` + `.L2::cache_hint` inside
+// the asm, ptxas 13.0 gave some kernels an odd uniform register for the 64-bit policy
+// descriptor (LDGSTS ... desc[UR1]), an illegal instruction on the H100 (quant's tc ring
+// kernel, 2026-12-05; the family tests' SASS check guards it).
 template <int BYTES, bool STREAM = false>
 __device__ __forceinline__ void ok_copy_async(void* smem, const void* gmem) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   if constexpr (STREAM) {
     static_assert(BYTES == 16, "cp.async.cg copies 16 bytes");
-    asm volatile(
-        "{\n"
-        ".reg .b64 policy;\n"
-        "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-        "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy;\n"
-        "}\n" ::"r"(dst),
-        "l"(gmem)
-        : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
   } else {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
   }

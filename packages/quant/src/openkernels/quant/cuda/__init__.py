@@ -10,10 +10,11 @@ weight loads in flight during the current one's math, x kept in registers where 
 Forced only (by `config`) until it is timed on an H200 against the kernel above: the default
 dispatch still runs the one-round GEMV.
 
-1-16 rows, W as the A operand (config "tc[-t<tiles>][-u<unroll>]"): a tensor-core GEMV. W's 16-row
-tiles are mma.m16n8k16's A operand and x the B operand, so one MMA takes 256 codes; the codes
-enter the MMA as (base + q) - (base + zero), exact, and where the group size is a multiple
-of 128 the scale multiplies each 128-code chunk's fp32 sum once. Forced only until timed.
+1-8 rows, W as the A operand (config "tc[-t<tiles>][-u<unroll>]", int4_tc.cu, its own library): a
+tensor-core GEMV. W's 16-row tiles are mma.m16n8k16's A operand and x the B operand, so one
+MMA takes 256 codes; the codes enter the MMA as (base + q) - (base + zero), exact, and where
+the group size is a multiple of 128 the scale multiplies each 128-code chunk's fp32 sum once.
+The default for up to 8 rows of x on sm_90 where measured (default_tc).
 
 2-16 rows, persistent (config "mma-persistent[-n<columns>][-d<depth>][-c<ctas per SM>][-g<grid>]"):
 SMs x CTAs per SM CTAs walk tiles of 32 or 64 columns grid-stride, each thread's code windows,
@@ -21,10 +22,11 @@ scales and zeros copied by cp.async into a ring of `depth` stages in shared memo
 the math. Forced only (by `config`) until timed on an H200 against the one-round kernel, which
 the default dispatch still runs for 2-16 rows.
 
-Dispatch name "gemv", registered on CUDA (sm_80 and newer) below the Triton kernels'
-priority: it runs only when forced (`dispatch.force("gemv")`) until its H200 measurements
-say where it wins. Same entry point as triton.int4_linear_fwd; a call it does not take (more
-than 16 rows of x, NF4 past one row, K or the group size not a multiple of 32 (K of 128 past
+Dispatch name "gemv", registered on CUDA (sm_80 and newer) above wgmma and Triton: unforced,
+it runs the tensor-core GEMV where default_tc says it measured fastest and hands every other
+call to the implementation dispatch ranks next; forced by name (`dispatch.force("gemv")`) it
+runs the tensor-core GEMV there and the GEMV / one-round MMA kernel elsewhere. Same entry
+point as triton.int4_linear_fwd; a call these kernels do not take (more than 16 rows of x, NF4 past one row, K or the group size not a multiple of 32 (K of 128 past
 one row), 16-bit dtypes other than bf16 / fp16, misaligned parts, N not a multiple of 4 (32
 past one row)) goes to the Triton launcher. The library is built with nvcc for the device's
 arch on first use; if that fails the Triton kernels run, with one warning. CPU tensors run the same source built for the CPU emulation
@@ -95,10 +97,11 @@ MMA_PERSISTENT_CONFIGS = (
     "mma-persistent-n32-d8", "mma-persistent-n32-d4", "mma-persistent-n64-d4", "mma-persistent-n64-d2",
     "mma-persistent-n32-d4-c2",
 )  # fmt: skip
-# The tensor-core GEMV's shapes built in int4_gemv.cu (launch_tc): (16-row tiles of W per CTA,
-# chunks per warp trip) of the register kernel, (tiles, stages) of the cp.async ring kernel.
-TC_SHAPES = {"u": ((1, 2), (2, 2), (4, 1)), "d": ((1, 4), (1, 8), (2, 3), (2, 4), (4, 2))}
-TC_CONFIGS = tuple(f"tc-t{t}-{kind}{v}" for kind, shapes in TC_SHAPES.items() for t, v in shapes)
+# The tensor-core GEMV's (16-row tiles of W per CTA, chunks per warp trip) pairs built in
+# int4_tc.cu (launch_tc), and what a GPU run times ("tc" is t2-u2).
+TC_SHAPES = ((1, 2), (2, 2), (4, 1))
+TC_CONFIGS = tuple(f"tc-t{t}-u{u}" for t, u in TC_SHAPES)
+TC_MAX_ROWS = 8  # rows of x the tensor-core GEMV takes (one n8 tile)
 _EMULATED_SMS = 2  # what the CPU emulation counts as SMs (a grid of 2 x CTAs per SM)
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -114,7 +117,7 @@ _SIGNATURES = {
 
 
 _TC_SIGNATURES = {
-    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                    _I64, _I64, _I64],
 }  # fmt: skip
 
@@ -228,31 +231,28 @@ def mma_persistent_config(config: object) -> MmaPersistentConfig | None:
 
 @dataclass(frozen=True)
 class TcConfig:
-    """The tensor-core GEMV's knobs: 16-row tiles of W per CTA, and either the register
-    kernel's chunks per warp trip (`unroll`, their loads issued before their math) or the
-    ring kernel's cp.async stages (`depth`, 0 for the register kernel)."""
+    """The tensor-core GEMV's knobs: 16-row tiles of W per CTA, 128-code chunks per warp trip
+    (their loads issued before their math)."""
 
     tiles: int = 2
     unroll: int = 2
-    depth: int = 0
 
 
-_TC = re.compile(r"tc(?:-t(\d+))?(?:-u(\d+)|-d(\d+))?")
+_TC = re.compile(r"tc(?:-t(\d+))?(?:-u(\d+))?")
 
 
 def tc_config(config: object) -> TcConfig | None:
-    """`config` "tc[-t<tiles>][-u<unroll> | -d<depth>]" as its knobs (tiles 2, unroll 2 where
-    left out), None for any other config; ValueError for a shape that is not built."""
+    """`config` "tc[-t<tiles>][-u<unroll>]" as its knobs (2 and 2 where left out), None for any
+    other config; ValueError for a pair that is not built."""
     if not isinstance(config, str) or not (config == "tc" or config.startswith("tc-")):
         return None
     match = _TC.fullmatch(config)
     if match is None:
-        raise ValueError(f"config {config!r}: not tc[-t<tiles>][-u<unroll> | -d<depth>]")
-    tiles, unroll, depth = (None if g is None else int(g) for g in match.groups())
-    out = TcConfig(tiles or 2, 0 if depth else unroll or 2, depth or 0)
-    kind, value = ("d", out.depth) if out.depth else ("u", out.unroll)
-    if (out.tiles, value) not in TC_SHAPES[kind]:
-        raise ValueError(f"config {config!r}: (tiles, {kind}) not among {sorted(TC_SHAPES[kind])}")
+        raise ValueError(f"config {config!r}: not tc[-t<tiles>][-u<unroll>]")
+    tiles, unroll = (None if g is None else int(g) for g in match.groups())
+    out = TcConfig(tiles or 2, unroll or 2)
+    if (out.tiles, out.unroll) not in TC_SHAPES:
+        raise ValueError(f"config {config!r}: (tiles, unroll) not among {sorted(TC_SHAPES)}")
     return out
 
 
@@ -295,6 +295,8 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         return "qweight rows or x not 16-byte aligned"
     tc = tc_config(config)
     if tc is not None:
+        if m > TC_MAX_ROWS:
+            return f"{m} rows of x for the tensor-core GEMV (it takes up to {TC_MAX_ROWS})"
         if kind == "nf4":
             return "NF4 on the tensor-core GEMV (it takes int4)"
         if k % 128 or group_size % 32:
@@ -303,11 +305,6 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
             return f"N = {n} not a multiple of {16 * tc.tiles} (the tensor-core GEMV's rows per CTA)"
         if m > 1 and x.stride(0) % 8:
             return "rows of x not 16-byte aligned"
-        if tc.depth and m > 8:
-            return f"{m} rows of x for the tc ring kernel (it takes up to 8)"
-        params = [scales] if zeros is None else [scales, zeros]
-        if tc.depth and any(t.stride(0) % 2 or t.stride(1) != 1 or t.data_ptr() % 4 for t in params):
-            return "scales or zeros rows not 4-byte aligned (the ring kernel copies pairs)"
         return None
     mp = mma_persistent_config(config)
     if mp is not None:
@@ -459,7 +456,7 @@ def int4_linear_fwd(
     elif _path(m, config) == "tc":
         p = tc_config(config)
         status = lib.ok_int4_tc(
-            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.depth, x.data_ptr(), qweight.data_ptr(),
+            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, x.data_ptr(), qweight.data_ptr(),
             scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0),
             qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip

@@ -1,9 +1,9 @@
-// int4 linear for 1-16 rows of x (decode) on tensor cores, W as mma.m16n8k16's A operand:
+// int4 linear for 1-8 rows of x (decode) on tensor cores, W as mma.m16n8k16's A operand:
 // W (N, K) in format.py's layout read at the memory's pace. Built by openkernels.shared.cuda_build
 // (nvcc, the device's arch) and, for tests, for the CPU emulation; its own library, so that
 // the default path's first call builds only these kernels. Contract (checked by
 // cuda/__init__.py): K a multiple of 128, the group size of 32, N of 16 x tiles, qweight rows
-// and x 16-byte aligned; the ring kernel also needs scales (and zeros) rows 4-byte aligned.
+// and x 16-byte aligned.
 
 #ifdef OK_CUDA_EMULATION
 #include "cuda_emulation.h"
@@ -15,19 +15,18 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "async_copy.h"  // openkernels/shared/cuda: cp.async and dynamic shared memory
-
 namespace {
 
 #include "int4_mma_common.cuh"  // beside this file: conversions, the MMA and its operands
 
-// ---- 1-16 rows of x, W as the A operand: a tensor-core GEMV --------------------------------
+// ---- 1-8 rows of x, W as the A operand: a tensor-core GEMV ---------------------------------
 //
-// The kernels above turn every code into a float (GEMV: a LOP3, a FADD and an FFMA per code)
-// or into a scaled 16-bit weight (int4_mma_kernel: W as the B operand, a packed subtraction
-// and a packed multiply per pair), and issue-bound at M = 1 they stream the weight at about
-// half the copy bandwidth. Here W is mma.m16n8k16's A operand (16 rows of W per tile) and x
-// the B operand (n8: up to 8 rows of x per n8 tile, NB tiles), so one MMA takes 256 codes. A
+// The kernels of int4_gemv.cu turn every code into a float (GEMV: a LOP3, a FADD and an FFMA
+// per code) or into a scaled 16-bit weight (int4_mma_kernel: W as the B operand, a packed
+// subtraction and a packed multiply per pair), and issue-bound at M = 1 they stream the weight
+// at about half the copy bandwidth. Here W is mma.m16n8k16's A operand (16 rows of W per tile)
+// and x the B operand (n8: up to 8 rows of x per n8 tile; NB tiles, one built), so one MMA
+// takes 256 codes. A
 // lane (g, t) holds A pairs of rows g and g + 8 at k = 2t, 2t+1, 2t+8, 2t+9 and B pairs of x's
 // row g at the same k; as in int4_mma_kernel the k order inside a 128-code chunk is free, so
 // a lane reads one contiguous 16-byte window (32 codes) of each of its two rows and x's 32
@@ -41,7 +40,11 @@ namespace {
 // dtype once, the contract's weight term). Warp w takes chunks w, w + 8, ...; each trip
 // issues UNROLL chunks' code loads (TILES x 2 x 16 bytes per lane each, evict-first) and x's
 // windows before any math. The 8 warps' sums meet in shared memory and are added in warp
-// order (the same bits on every run). Forced only (config "tc...") until it is timed.
+// order (the same bits on every run). Occupancy decides (the kernel is latency-bound): shapes
+// past ~128 registers (one CTA of 8 warps per SM) measured 1.3-1.5x slower and are not built.
+// A variant with a cp.async ring per warp was withdrawn: with the evict-first cache hint ptxas
+// gave 4 of its 5 shapes an odd uniform register for the copy's 64-bit policy descriptor
+// (LDGSTS ... desc[UR1]), an illegal instruction on the H100 (docs/perf.md).
 
 constexpr int kTcWarps = 8;
 
@@ -207,179 +210,44 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
   tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out, m, n0, stride_out);
 }
 
-// A ring in shared memory: each lane copies its chunk items (code windows, scales and zeros,
-// x's windows) with cp.async DEPTH - 1 items ahead of the math, one commit group per item, so
-// the bytes in flight are not bounded by registers. A lane reads back only what it copied
-// (no barrier guards a stage): the scales and zeros of rows g and g + 8 come as the 4-byte
-// pairs (g & ~1, g | 1) and the lane takes its half. Per warp and stage: 3 TILES 16-byte
-// units per lane (2 TILES code windows, TILES scale units), then x: `xrows` (min(M, 8)) rows
-// of 4 lanes x 64 bytes per n8 tile.
-template <int TILES, int NB>
-__host__ __device__ constexpr int64_t tc_stage_bytes(int64_t xrows) {
-  return 3 * TILES * 32 * 16 + NB * xrows * 4 * 64;
-}
-
-template <typename T, typename S, int TILES, int NB, int DEPTH>
-__global__ void __launch_bounds__(kTcWarps * 32) int4_tc_ring_kernel(
-    const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
-    const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
-    int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
-    int64_t group_size) {
-  OK_DYNAMIC_SHARED(ring);  // kTcWarps x DEPTH x tc_stage_bytes
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16 * TILES;
-  const int64_t n_chunks = k / 128;
-  const bool chunk_scaled = group_size % 128 == 0;
-  const int64_t xrows = m < 8 ? m : 8;
-  const int64_t stage_bytes = tc_stage_bytes<TILES, NB>(xrows);
-  unsigned char* const mine = ring + warp * DEPTH * stage_bytes;
-  const int64_t items = warp < n_chunks ? (n_chunks - warp + kTcWarps - 1) / kTcWarps : 0;
-  const int pair = g & ~1;
-
-  auto copy = [&](int64_t item) {  // item -> stage item % DEPTH; nothing past the warp's items
-    if (item < items) {
-      unsigned char* const stage = mine + (item % DEPTH) * stage_bytes;
-      const int64_t k0 = (warp + item * kTcWarps) * 128 + 32 * t;
-      const int64_t group = k0 / group_size;
-#pragma unroll
-      for (int tile = 0; tile < TILES; ++tile) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t row = n0 + 16 * tile + g + 8 * h;
-          ok_copy_async<16, true>(stage + ((2 * tile + h) * 32 + lane) * 16, qweight + row * stride_q + k0 / 2);
-        }
-        unsigned char* const unit = stage + ((2 * TILES + tile) * 32 + lane) * 16;
-        const int64_t first = group * stride_s + n0 + 16 * tile + pair;
-        ok_copy_async<4>(unit, scales + first);
-        ok_copy_async<4>(unit + 4, scales + first + 8);
-        if (zeros != nullptr) {
-          ok_copy_async<4>(unit + 8, zeros + first);
-          ok_copy_async<4>(unit + 12, zeros + first + 8);
-        }
-      }
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const int64_t row = 8 * nb + g;
-        if (row < m) {
-          unsigned char* const xs = stage + 3 * TILES * 32 * 16 + ((nb * xrows + g) * 4 + t) * 64;
-#pragma unroll
-          for (int q = 0; q < 4; ++q) ok_copy_async<16>(xs + 16 * q, x + row * stride_x + k0 + 8 * q);
-        }
-      }
-    }
-    ok_copy_async_commit();
-  };
-
-  float acc[TILES][NB][4];
-  tc_zero<T, TILES, NB>(acc);
-#pragma unroll
-  for (int item = 0; item < DEPTH - 1; ++item) copy(item);
-  for (int64_t item = 0; item < items; ++item) {  // the same trips in every lane of the warp
-    copy(item + DEPTH - 1);
-    ok_copy_async_wait_group<DEPTH - 1>();
-    const unsigned char* const stage = mine + (item % DEPTH) * stage_bytes;
-    uint32_t words[TILES][2][4];
-    float scale[TILES][2], zero[TILES][2];
-    uint32_t xw[NB][16];
-#pragma unroll
-    for (int tile = 0; tile < TILES; ++tile) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint4 v = *reinterpret_cast<const uint4*>(stage + ((2 * tile + h) * 32 + lane) * 16);
-        words[tile][h][0] = v.x;
-        words[tile][h][1] = v.y;
-        words[tile][h][2] = v.z;
-        words[tile][h][3] = v.w;
-      }
-      const S* const unit = reinterpret_cast<const S*>(stage + ((2 * TILES + tile) * 32 + lane) * 16);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        scale[tile][h] = to_float(unit[2 * h + (g & 1)]);
-        zero[tile][h] = zeros != nullptr ? to_float(unit[4 + 2 * h + (g & 1)]) : 8.f;
-      }
-    }
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      const bool live = 8 * nb + g < m;
-      const unsigned char* const xs = stage + 3 * TILES * 32 * 16 + ((nb * xrows + g) * 4 + t) * 64;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        uint4 v = {0, 0, 0, 0};
-        if (live) v = *reinterpret_cast<const uint4*>(xs + 16 * q);
-        xw[nb][4 * q] = v.x;
-        xw[nb][4 * q + 1] = v.y;
-        xw[nb][4 * q + 2] = v.z;
-        xw[nb][4 * q + 3] = v.w;
-      }
-    }
-    tc_chunk<T, TILES, NB>(acc, words, scale, zero, xw, chunk_scaled);
-  }
-  ok_copy_async_wait_all();
-  __syncthreads();  // every warp is done with its ring: the sums reuse it
-  tc_finish<T, TILES, NB>(reinterpret_cast<float*>(ring), acc, bias, bias_code, out, m, n0, stride_out);
-}
-
-// Shapes built: TC_SHAPES in cuda/__init__.py. `depth` 0: the register kernel with `unroll`
-// chunks per trip; else the ring kernel with `depth` stages.
+// (tiles, unroll) pairs built: TC_SHAPES in cuda/__init__.py; up to 8 rows of x (one n8 tile).
 template <typename T, typename S>
-int launch_tc(int tiles, int unroll, int depth, const void* x, const void* qweight, const void* scales,
-              const void* zeros, const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k,
-              int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
-              cudaStream_t stream) {
+int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const void* scales, const void* zeros,
+              const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
+              int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles)), 1, 1);
   config.blockDim = dim3(kTcWarps * 32, 1, 1);
   config.stream = stream;
   config.numAttrs = 0;
-  auto run = [&](auto kernel, size_t smem) {
-    if (smem > 48 * 1024) {
-      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-      if (err != cudaSuccess) return static_cast<int>(err);
-    }
-    config.dynamicSmemBytes = smem;
+  auto run = [&](auto kernel) {
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
         stride_x, stride_q, stride_s, stride_out, group_size));
   };
-  const bool wide = m > 8;
-  const int64_t xrows = m < 8 ? m : 8;
-#define OK_TC(TI, UN)                                                                              \
-  if (depth == 0 && tiles == TI && unroll == UN)                                                   \
-    return wide ? run(int4_tc_kernel<T, S, TI, 2, UN>, 0) : run(int4_tc_kernel<T, S, TI, 1, UN>, 0);
-#define OK_TC_RING(TI, DE)                                                                                      \
-  if (tiles == TI && depth == DE)                                                                               \
-    return wide ? -1 : run(int4_tc_ring_kernel<T, S, TI, 1, DE>, kTcWarps * DE * tc_stage_bytes<TI, 1>(xrows));
-  OK_TC(1, 2)
-  OK_TC(2, 2)
-  OK_TC(4, 1)
-  OK_TC_RING(1, 4)
-  OK_TC_RING(1, 8)
-  OK_TC_RING(2, 3)
-  OK_TC_RING(2, 4)
-  OK_TC_RING(4, 2)
-#undef OK_TC
-#undef OK_TC_RING
+  if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2>);
+  if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 1, 2>);
+  if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1>);
   return -2;
 }
 
 }  // namespace
 
-// out (M, N) = x W^T + bias for 1-16 rows of x, W as the tensor cores' A operand
+// out (M, N) = x W^T + bias for 1-8 rows of x, W as the tensor cores' A operand
 // (int4_tc_kernel; int4 with zeros, or symmetric where `zeros` is null). `tiles` (16 rows of W
-// each per CTA) with `unroll` (chunks per warp trip, register kernel: depth 0) or `depth`
-// (stages of the cp.async ring kernel: up to 8 rows of x) pick a built shape. N a multiple of 16 x
+// each per CTA) and `unroll` (chunks per warp trip) pick a built shape. N a multiple of 16 x
 // tiles, K of 128, the group size of 32. Returns 0, a cudaError_t, -1 (dtypes or M), -2 (shape
 // not built).
-extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, int depth, const void* x,
+extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, const void* x,
                           const void* qweight, const void* scales, const void* zeros, const void* bias, int bias_code,
                           void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x, int64_t stride_q,
                           int64_t stride_s, int64_t stride_out, int64_t group_size, int64_t stream) {
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
-  if (m < 1 || m > 16) return -1;
+  if (m < 1 || m > 8) return -1;
   auto s = reinterpret_cast<cudaStream_t>(stream);
-#define OK_INT4_TC_ARGS tiles, unroll, depth, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x, stride_q, \
+#define OK_INT4_TC_ARGS tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x, stride_q, \
                         stride_s, stride_out, group_size, s
   if (x_code == 1 && s_code == 1) return launch_tc<__nv_bfloat16, __nv_bfloat16>(OK_INT4_TC_ARGS);
   if (x_code == 1 && s_code == 2) return launch_tc<__nv_bfloat16, __half>(OK_INT4_TC_ARGS);
@@ -392,6 +260,6 @@ extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unr
 extern "C" int ok_int4_tc_packed(const int64_t* a) {
   auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), p(6), p(7), p(8), p(9), p(10), i32(11), p(12),
-                    a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21]);
+  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), p(5), p(6), p(7), p(8), p(9), i32(10), p(11), a[12],
+                    a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20]);
 }
