@@ -225,3 +225,24 @@ def test_the_jax_face_answers_the_shared_names() -> None:
     key = dispatch.DispatchKey(dispatch.JAX, "cpu", None, frozenset({"interpreter"}))
     assert str(key) == "jax/cpu [interpreter]"
     assert interpret.rejection(key) == "runs only when forced"
+
+
+def test_explain_shows_where_a_routing_launcher_sends_the_call() -> None:
+    """A launcher that sends some calls elsewhere (quant's "gemv" hands M > 8 on; "wgmma" sends
+    shapes it measured slower to Triton) says so through its `route` attribute; a route that
+    raises does not fail explain."""
+    op = f"test_op_{next(_counter)}"
+    dispatch.define(op, lambda x: dispatch.key_for(x))
+
+    def launcher(x: torch.Tensor) -> str:
+        return "launcher"
+
+    launcher.route = lambda x: None if x.numel() < 4 else f"handed on ({x.numel()} elements)"  # type: ignore[attr-defined]
+    dispatch.register(op, "launcher", launcher, backends=ALL, priority=10)
+    assert "for these arguments" not in dispatch.explain(op, torch.ones(2))
+    assert "runs 'launcher'; for these arguments: handed on (8 elements)" in dispatch.explain(
+        op, torch.ones(8)
+    )
+    launcher.route = lambda x: 1 / 0  # type: ignore[attr-defined]
+    assert "route could not be read: ZeroDivisionError" in dispatch.explain(op, torch.ones(8))
+    assert dispatch.run(op, torch.ones(8)) == "launcher"

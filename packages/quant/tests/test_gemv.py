@@ -353,3 +353,15 @@ def test_tc_configs() -> None:
     assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc")
     assert "up to 8" in G.unsupported_call(*_call(m=9, n=64, k=1024), "tc-t1-u2")
     assert "multiple of 128" in G.unsupported_call(*_call(n=64, k=1056, group=32), "tc-t1-u2")
+
+
+def test_the_launchers_say_where_they_route_a_call() -> None:
+    """dispatch.explain's per-call note: the gemv launcher's route is None off CUDA (its CPU
+    tensors run the emulation as asked); wgmma's names the Triton launcher for calls it does
+    not take."""
+    from openkernels.quant import gluon
+
+    args = _call(m=4, n=64, k=1024)
+    impls = {impl.name: impl for impl in dispatch.implementations("int4_linear")}
+    assert impls["gemv"].fn.route(*args) is None
+    assert "Triton launcher" in impls["wgmma"].fn.route(*args) and "rows of x" in gluon._route(*args)

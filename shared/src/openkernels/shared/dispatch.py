@@ -158,12 +158,21 @@ class lazy:  # noqa: N801 - used like a function
         self._fn: Callable[..., Any] | None = None
         self._kwargs = kwargs
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _resolve(self) -> Callable[..., Any]:
         fn = self._fn
         if fn is None:
             module, _, attr = self._target.partition(":")
             fn = self._fn = getattr(importlib.import_module(module), attr)
-        return fn(*args, **self._kwargs, **kwargs)
+        return fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._resolve()(*args, **self._kwargs, **kwargs)
+
+    def route(self, *args: Any, **kwargs: Any) -> str | None:
+        """The target's own `route` attribute called on these arguments (a launcher that sends
+        some calls elsewhere says where and why), or None."""
+        route = getattr(self._resolve(), "route", None)
+        return route(*args, **self._kwargs, **kwargs) if callable(route) else None
 
     def __repr__(self) -> str:
         return f"lazy({self._target!r})"
@@ -531,6 +540,13 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     try:
         chosen = select(op, key)
         head = f"{op} on {key}: runs {chosen[0].name!r}"
+        route = getattr(chosen[0].fn, "route", None)
+        try:
+            note = route(*args, **kwargs) if callable(route) else None
+        except Exception as error:  # an explanation never fails the caller
+            note = f"(its route could not be read: {type(error).__name__}: {error})"
+        if note:
+            head += f"; for these arguments: {note}"
     except UnsupportedError as error:
         chosen, head = (), f"{op} on {key}: nothing can run ({error})"
     lines = [head]

@@ -496,3 +496,28 @@ def int4_linear_fwd(
         stacklevel=2,
     )
     return _triton(*args)
+
+
+def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=None) -> str | None:
+    """For dispatch.explain: where an unforced call with these arguments goes (None: the
+    GEMV / MMA path it would take anyway, CPU tensors, explicit configs)."""
+    if config is not None or not x.is_cuda:
+        return None
+    args = (x, qweight, scales, zeros, bias, out, group_size, kind)
+    m, k = x.shape
+    n = qweight.shape[0]
+    tc = default_tc(m, n, k, group_size, _arch(x.device))
+    if tc is not None and unsupported_call(*args, tc) is None:
+        return f"the tensor-core GEMV ({tc})"
+    if "gemv" in dispatch.forced_names(_OP):
+        return None
+    chosen = [impl.name for impl in dispatch.select(_OP, dispatch.key_for(x, kind))]
+    after = chosen[chosen.index("gemv") + 1 :] if "gemv" in chosen else []
+    target = after[0] if after else "triton"
+    return (
+        f"handed on to {target!r} (the tensor-core GEMV runs M <= {TC_MAX_ROWS} on sm_90 where N and K >= 8192;"
+        f" this is M = {m}, N x K = {n} x {k})"
+    )
+
+
+int4_linear_fwd.route = _route  # type: ignore[attr-defined]

@@ -318,3 +318,15 @@ def launch(x, qweight, scales, zeros, bias, out, group_size: int, config: WgmmaC
     cfg = config or config_for(m, n, k, group_size)
     _Plan(cfg, m, n, k, group_size, x.dtype, scales.dtype, zeros is not None, bias is not None,
           scales.stride(0), out.stride(0))(x, qweight, scales, zeros, bias, out)  # fmt: skip
+
+
+def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=None) -> str | None:
+    """For dispatch.explain: where a call with these arguments goes when it is not the wgmma
+    kernel's (None: the kernel runs it)."""
+    reason = _unsupported_layout(x, qweight, scales, zeros, out, group_size, kind, config)
+    if reason is None and config is None and "wgmma" not in dispatch.forced_names("int4_linear"):
+        reason = slower_than_triton(x.shape[0], qweight.shape[0], x.shape[1])
+    return None if reason is None else f"handed to the Triton launcher ({reason})"
+
+
+int4_linear_fwd.route = _route  # type: ignore[attr-defined]
