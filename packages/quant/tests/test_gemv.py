@@ -157,6 +157,36 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
     DEVICES.append(pytest.param("cuda", id="cuda", marks=pytest.mark.gpu))
 
 
+def _check_mma_cases(cases, symmetric: bool, dtype: torch.dtype, device: str, g, *,
+                     scale_dtypes=(torch.float16, torch.bfloat16)) -> None:  # fmt: skip
+    """int4 (zeros or symmetric) through the tensor-core kernels, each case (M, N, K, group or
+    None for the whole row, bias dtype, config) with each of `scale_dtypes` (None: bfloat16
+    for odd M, float16 for even): within the error contract against float64 (W rounded to x's
+    dtype unless the kernel scales whole 128-code groups after the MMA: the tc GEMV), two
+    runs bitwise equal."""
+    for m, n, k, group, bias_dtype, config in cases:
+        chosen = scale_dtypes or ((torch.bfloat16 if m % 2 else torch.float16),)
+        for sdtype in chosen:
+            weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group)
+            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
+                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
+            size = weight.group_size
+            x = torch.randn(m, k, generator=g).to(dtype).to(device)
+            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
+            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
+            runs = []
+            for _ in range(2):
+                out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+                assert G.unsupported_call(*args, out, size, "int4", config) is None
+                G.int4_linear_fwd(*args, out, size, "int4", config=config)
+                runs.append(out)
+            assert not G._broken, G._broken
+            assert torch.equal(runs[0], runs[1]), "two runs differ"
+            rounded = not (str(config).startswith("tc") and size % 128 == 0)
+            msg = f"{config} sym={symmetric} m={m} {n}x{k} g{size} {dtype} scales {sdtype} bias {bias_dtype}"
+            assert_linear_close(runs[0], x, weight, bias, w_rounded=rounded, msg=msg)
+
+
 def _check_gemv_cases(cases, kind: str, symmetric: bool, dtype: torch.dtype, device: str, g) -> None:
     """One row of x through the GEMV forced to each case's config, (N, K, group, config, bias
     dtype), with float16 and bfloat16 scales: within the error contract against float64 on
@@ -212,24 +242,7 @@ def test_tensor_core_kernel_within_the_error_contract(
     else:
         cases = [(m, n, 8192, 128, None) for m in (1, 2, 8, 16) for n in (8192, 28672)]
         cases += [(16, 4096, 4096, 32, torch.float32), (3, 8192, 28672, 64, torch.bfloat16)]
-    for m, n, k, group, bias_dtype in cases:
-        for sdtype in (torch.float16, torch.bfloat16):
-            weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group)
-            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
-                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
-            x = torch.randn(m, k, generator=g).to(dtype).to(device)
-            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
-            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
-            runs = []
-            for _ in range(2):
-                out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-                assert G.unsupported_call(*args, out, group, "int4", "mma") is None
-                G.int4_linear_fwd(*args, out, group, "int4", config="mma")
-                runs.append(out)
-            assert not G._broken, G._broken
-            assert torch.equal(runs[0], runs[1]), "two runs differ"
-            msg = f"mma sym={symmetric} m={m} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
-            assert_linear_close(runs[0], x, weight, bias, w_rounded=True, msg=msg)
+    _check_mma_cases([(*case, "mma") for case in cases], symmetric, dtype, device, g)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -275,24 +288,8 @@ def test_mma_persistent_within_the_error_contract(symmetric: bool, dtype: torch.
         cases = [(m, n, 8192, 128, c, None) for m, n in shapes for c in G.MMA_PERSISTENT_CONFIGS]
         cases += [(16, 4096, 4096, 32, "mma-persistent", torch.float32),
                   (3, 8192, 28672, 64, "mma-persistent-n64", torch.bfloat16)]  # fmt: skip
-    for m, n, k, group, config, bias_dtype in cases:
-        for sdtype in (torch.float16, torch.bfloat16):
-            weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group)
-            weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
-                                  weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
-            x = torch.randn(m, k, generator=g).to(dtype).to(device)
-            bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
-            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
-            runs = []
-            for _ in range(2):
-                out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-                assert G.unsupported_call(*args, out, group, "int4", config) is None
-                G.int4_linear_fwd(*args, out, group, "int4", config=config)
-                runs.append(out)
-            assert not G._broken, G._broken
-            assert torch.equal(runs[0], runs[1]), "two runs differ"
-            msg = f"{config} sym={symmetric} m={m} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
-            assert_linear_close(runs[0], x, weight, bias, w_rounded=True, msg=msg)
+    _check_mma_cases([(m, n, k, group, bias, config) for m, n, k, group, config, bias in cases], symmetric, dtype,
+                     device, g)  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -316,25 +313,7 @@ def test_tensor_core_gemv_within_the_error_contract(symmetric: bool, dtype: torc
             (3, 8192, 28672, 64, torch.bfloat16, "tc-t4-u1"),
         ]
     assert {c[-1] for c in cases} == set(G.TC_CONFIGS)
-    for m, n, k, group, bias_dtype, config in cases:
-        sdtype = torch.bfloat16 if m % 2 else torch.float16
-        weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group)
-        weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
-                              weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
-        group = weight.group_size
-        x = torch.randn(m, k, generator=g).to(dtype).to(device)
-        bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
-        args = (x, weight.qweight, weight.scales, weight.zeros, bias)
-        runs = []
-        for _ in range(2):
-            out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-            assert G.unsupported_call(*args, out, group, "int4", config) is None
-            G.int4_linear_fwd(*args, out, group, "int4", config=config)
-            runs.append(out)
-        assert not G._broken, G._broken
-        assert torch.equal(runs[0], runs[1]), "two runs differ"
-        msg = f"{config} sym={symmetric} m={m} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
-        assert_linear_close(runs[0], x, weight, bias, w_rounded=group % 128 != 0, msg=msg)
+    _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
 
 
 def test_tc_configs() -> None:
