@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,gemv,tc,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,ncu,gemv,tc,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
 # the studies' time limits can be lowered to fit several families in one call
 # (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, WALL_S, BACKWARD_S,
-# BWDSWEEP_S, SPLIT_S, TC_S, E2E_S, in seconds);
+# BWDSWEEP_S, SPLIT_S, TC_S, E2E_S, NCU_S, in seconds; NCU_SHAPES, NCU_VARIANTS, NCU_OP);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -16,7 +16,7 @@ mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=$PWD/shared/src:$(printf '%s:' "$PWD"/packages/*/src)/tmp/site
+export PYTHONPATH=$PWD/shared/src:$(printf '%s:' "$PWD"/packages/*/src)/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -41,6 +41,20 @@ if [[ $steps == *cluster* && $family == layernorm ]]; then
     | tee "$out/cluster_correctness.txt" | tail -8
   timeout 300 python3 -m pytest -q -rfE packages/layernorm/tests -k "counters_at_zero or long_rows_replay" 2>&1 \
     | tee "$out/split_counters.txt" | tail -8
+fi
+if [[ $steps == *ncu* && $family == layernorm ]]; then
+  # Nsight Compute's counters for one long-row forward call per variant (benchmarks/studies/
+  # norm_ncu_target.py): a copy of the same bytes, the Triton launchers, the staged and
+  # register cluster kernels, QuACK where it imports. Full reports in $out/ncu_norm.txt.
+  for shape in ${NCU_SHAPES:-1024x65536}; do
+    for v in ${NCU_VARIANTS:-copy triton staged regs quack}; do
+      timeout ${NCU_S:-120} ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --section SchedulerStats python3 benchmarks/studies/norm_ncu_target.py "$v" "$shape" ${NCU_OP:-rms} 2>&1 \
+        | tee -a "$out/ncu_norm.txt" \
+        | grep -E "profiled|Error|  [a-z_]*(kernel|Kernel|copy)|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Dynamic Shared|Cluster|Warp Cycles Per Issued|Issued Warp|No Eligible" | head -40
+    done
+  done
 fi
 if [[ $steps == *gemv* && $family == quant ]]; then
   # The CUDA C++ batch-1 GEMV (forced only) under time limits: its tests, then the
