@@ -4,8 +4,9 @@ cudaProfilerStart / Stop, so `ncu --profile-from-start off` reads only that call
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
         python benchmarks/studies/norm_ncu_target.py VARIANT ROWSxCOLS [rms|ln|addrms]
 
-VARIANT: triton (the default launchers), staged / regs (the sm_90 cluster kernels, the
-default chunk shape), staged:T,V (a forced (threads, vectors) shape), quack (QuACK's RMSNorm),
+VARIANT: triton (the default launchers), staged / regs / push / push-hold (the sm_90 cluster
+kernels, the default chunk shape), staged:T,V (a forced (threads, vectors) shape, likewise for
+the others), quack (QuACK's RMSNorm),
 copy (a device copy of the same bytes: the ceiling's counters).
 """
 
@@ -34,9 +35,13 @@ def main() -> None:
     kw = {"eps": EPS, "weight_offset": 0.0, "rms": rms, "h_dtype": DT}
     if variant == "triton":
         call = lambda: T.norm_fwd(*args, **kw)  # noqa: E731
-    elif variant.startswith(("staged", "regs")):
+    elif variant.startswith(("staged", "regs", "push")):
         config = tuple(map(int, variant.split(":")[1].split(","))) if ":" in variant else None
-        call = lambda: C.norm_fwd(*args, **kw, config=config, staged=variant.startswith("staged"))  # noqa: E731
+        kind = variant.split(":")[0]
+        call = lambda: C.norm_fwd(  # noqa: E731
+            *args, **kw, config=config, staged=kind != "regs", push=kind.startswith("push"),
+            hold_weight=kind == "push-hold",
+        )  # fmt: skip
     elif variant == "quack":
         import quack
 

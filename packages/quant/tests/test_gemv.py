@@ -146,7 +146,9 @@ def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
     assert G.default_tc(9, 8192, 8192, 128, "sm_90") is None  # M > 8: wgmma or Triton
     assert G.default_tc(1, 8192, 8192, 128, "sm_80") is None  # not measured there
     assert G.default_tc(1, 8192, 8224, 32, "sm_90") is None  # K not a multiple of 128
-    assert G.default_tc(1, 2048, 2048, 128, "sm_90") is None  # not measured below 8192 x 8192
+    assert G.default_tc(1, 2048, 2048, 128, "sm_90") == "tc-t1-u2"  # the 1B model's shapes
+    assert G.default_tc(4, 16384, 2048, 128, "sm_90") == "tc-t4-u1"
+    assert G.default_tc(1, 8192, 1024, 128, "sm_90") is None  # K below 2048: not measured
     assert "sm_80" in G.supports(DispatchKey("cuda", "sm_75", torch.bfloat16))
     assert "NVIDIA" in G.supports(DispatchKey("rocm", "gfx942", torch.bfloat16))
     assert "bfloat16" in G.supports(DispatchKey("cuda", "sm_90", torch.float32))

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -53,6 +54,10 @@ struct float2 {
   float x, y;
 };
 inline float2 make_float2(float x, float y) { return {x, y}; }
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 // Byte n of the result is byte (selector nibble n & 7) of the 8 bytes {x (0-3), y (4-7)}.
@@ -180,8 +185,9 @@ inline void start(Context& context, char* stack, size_t bytes, void (*entry)()) 
 #endif
 
 // kWarp: a warp-wide operation (shuffle, mma): the 32 lanes of the fiber's warp meet there,
-// other warps run on. The others are CTA-wide: every fiber of the CTA meets there.
-enum class Stop { kNone, kWarp, kBlock, kClusterSync, kClusterArrive, kClusterWait, kDone };
+// other warps run on. kYield: a thread spinning on an mbarrier lets the others run and is run
+// again. The others are CTA-wide: every fiber of the CTA meets there.
+enum class Stop { kNone, kWarp, kYield, kBlock, kClusterSync, kClusterArrive, kClusterWait, kDone };
 constexpr size_t kStackBytes = 128 * 1024;
 
 struct Cluster {
@@ -275,11 +281,25 @@ inline void run_cta(Cta& c) {
         released = true;
       } else if (at_warp > 0) {
         bool others_moving = false;
-        for (int t = 32 * w; t < 32 * w + lanes; ++t) others_moving |= c.stops[t] == Stop::kNone;
+        for (int t = 32 * w; t < 32 * w + lanes; ++t)
+          others_moving |= c.stops[t] == Stop::kNone || c.stops[t] == Stop::kYield;
         if (!others_moving) fail("a warp-wide operation (shuffle, mma) that some lanes of the warp do not reach");
       }
     }
     if (released) continue;
+    // Threads spinning on an mbarrier run again once the others have had their turn (and the
+    // cluster's other CTAs, on their own OS threads, a chance to deliver).
+    bool yielded = false;
+    for (Stop& s : c.stops) {
+      if (s == Stop::kYield) {
+        s = Stop::kNone;
+        yielded = true;
+      }
+    }
+    if (yielded) {
+      std::this_thread::yield();
+      continue;
+    }
     const Stop kind = c.stops[0];
     for (Stop s : c.stops)
       if (s != kind) fail("the threads of a CTA stopped at different barriers (or some returned early)");
@@ -386,6 +406,62 @@ inline unsigned char* dynamic_shared() { return reinterpret_cast<unsigned char*>
 
 inline void cluster_arrive() { stop(Stop::kClusterArrive); }
 inline void cluster_wait() { stop(Stop::kClusterWait); }
+
+// An mbarrier with transaction bytes (cluster_exchange.h): a phase completes when its
+// arrivals and its expected bytes are all in, whatever their order (a peer's bytes may land
+// before this CTA's expect_tx, as on the GPU). A mutex orders the peers' stores before the
+// waiter's reads. One per CTA (a __shared__ variable is the CTA's OS thread's).
+struct Mbarrier {
+  std::mutex mutex;
+  int count = 0, pending = 0;
+  int64_t bytes = 0;  // expected minus landed
+  unsigned phase = 0;
+  bool ready = false;
+  void complete_if_done() {
+    if (pending == 0 && bytes == 0) {
+      ++phase;
+      pending = count;
+    }
+  }
+};
+inline void mbarrier_init(Mbarrier* bar, int count) {
+  std::lock_guard<std::mutex> lock(bar->mutex);
+  bar->count = bar->pending = count;
+  bar->bytes = 0;
+  bar->phase = 0;
+  bar->ready = true;
+}
+inline void mbarrier_arrive_expect_tx(Mbarrier* bar, uint32_t bytes) {
+  std::lock_guard<std::mutex> lock(bar->mutex);
+  if (!bar->ready) fail("mbarrier.arrive.expect_tx on a barrier never initialised");
+  bar->bytes += bytes;
+  --bar->pending;
+  bar->complete_if_done();
+}
+// try_wait.parity in a loop: until the phase of this parity has completed.
+inline void mbarrier_wait(Mbarrier* bar, uint32_t parity) {
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(bar->mutex);
+      if (!bar->ready) fail("mbarrier wait on a barrier never initialised");
+      if ((bar->phase & 1u) != (parity & 1u)) return;
+    }
+    stop(Stop::kYield);
+  }
+}
+// st.async into CTA `peer`'s copy of `slot` (this CTA's address of a __shared__ variable),
+// its bytes counted on the peer's copy of `bar`.
+inline void store_remote(const void* value, size_t bytes, void* slot, Mbarrier* bar, unsigned peer) {
+  Cluster* cl = cta->cluster;
+  if (peer >= cl->anchors.size()) fail("st.async to a CTA outside the cluster");
+  auto peer_copy = [&](void* p) { return cl->anchors[peer] + (static_cast<char*>(p) - &tls_anchor); };
+  auto* remote_bar = reinterpret_cast<Mbarrier*>(peer_copy(bar));
+  std::lock_guard<std::mutex> lock(remote_bar->mutex);
+  if (!remote_bar->ready) fail("st.async to a peer whose mbarrier is not initialised (no cluster wait first?)");
+  std::memcpy(peer_copy(slot), value, bytes);
+  remote_bar->bytes -= static_cast<int64_t>(bytes);
+  remote_bar->complete_if_done();
+}
 
 template <typename... Params, typename... Args>
 cudaError_t launch(const cudaLaunchConfig_t* config, void (*kernel)(Params...), Args&&... args) {

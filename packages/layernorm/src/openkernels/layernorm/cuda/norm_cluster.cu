@@ -31,7 +31,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "async_copy.h"  // openkernels/shared/cuda: cp.async and dynamic shared memory
+#include "async_copy.h"        // openkernels/shared/cuda: cp.async and dynamic shared memory
+#include "cluster_exchange.h"  // openkernels/shared/cuda: st.async into peers, mbarriers
 
 namespace cg = cooperative_groups;
 
@@ -43,6 +44,10 @@ constexpr int kIsRms = 1, kHasResidual = 2, kStoreResidual = 4, kHasWeight = 8, 
 constexpr int kHasDhOut = 32, kWeightGrad = 64, kBiasGrad = 128;
 // Launcher flag of both directions (the kernels never read it): the staged kernels.
 constexpr int kStaged = 256;
+// Launcher flag of the forward: the pushed kernel (norm_fwd_push_kernel), staged as well.
+constexpr int kPush = 512;
+// With kPush: the weight held in registers (the (256, 4) and (256, 8) shapes, 16-bit weights).
+constexpr int kHoldWeight = 1024;
 constexpr size_t kMaxDynamicShared = 227 * 1024;  // sm_90's per-CTA limit
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -365,6 +370,208 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_staged_kernel(
   if (exchange) cluster_wait();
 }
 
+// ---- The pushed forward (kPush): QuACK's schedule, written for this family --------------
+//
+// Nsight Compute on an H100 (1024 x 65536 bf16 RMSNorm, docs/perf.md) put the staged kernel at
+// 61% of DRAM throughput with L2 at 86% and twice QuACK's issued instructions; QuACK at 84% of
+// DRAM. This kernel takes QuACK's steps: the chunk staged by cp.async, the weight (and bias)
+// loaded into registers while it lands, per-warp statistics pushed into every CTA of the
+// cluster by st.async (cluster_exchange.h: no cluster-wide barrier after the start, none
+// before exit, no CTA-wide barrier at all), the chunk normalized from shared memory.
+// Each warp sends (count, mean, M2 about that mean) (RMSNorm: (count, 0, sum of squares)); every
+// warp of every CTA merges the C x WARPS parts in the same order (lane l takes parts l, l + 32,
+// ... in turn, then a butterfly whose merge puts the lower lane first), so every thread of the
+// row gets the same bits, run after run.
+
+// (n, mean, m2) += (nb, mean_b, m2b) (Chan et al.); an empty side leaves the other unchanged.
+__device__ __forceinline__ void chan_merge(float& n, float& mean, float& m2, float nb, float mean_b, float m2b) {
+  const float total = n + nb;
+  if (total == 0.f) return;
+  const float delta = mean_b - mean;
+  mean += delta * (nb / total);
+  m2 += m2b + delta * delta * (n * nb / total);
+  n = total;
+}
+
+__device__ __forceinline__ float warp_sum(float value) {
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;  // the same bits in every lane: each step adds the same two values
+}
+
+// The row's (mean, rstd) from `n_parts` parts (n, mean, m2, -), the same bits in every lane.
+__device__ __forceinline__ float2 merge_parts(const float4* parts, int n_parts, int64_t n_cols, bool is_rms,
+                                              float eps) {
+  const int lane = threadIdx.x & 31;
+  if (is_rms) {
+    float m2 = 0.f;
+    for (int p = lane; p < n_parts; p += 32) m2 += parts[p].z;
+    m2 = warp_sum(m2);
+    return make_float2(0.f, rsqrtf(m2 / static_cast<float>(n_cols) + eps));
+  }
+  float n = 0.f, mean = 0.f, m2 = 0.f;
+  for (int p = lane; p < n_parts; p += 32) chan_merge(n, mean, m2, parts[p].x, parts[p].y, parts[p].z);
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    float on = __shfl_xor_sync(0xffffffffu, n, offset);
+    float omean = __shfl_xor_sync(0xffffffffu, mean, offset);
+    float om2 = __shfl_xor_sync(0xffffffffu, m2, offset);
+    if (lane & offset) {  // the lower lane's part first, in both lanes of the pair
+      float t = n; n = on; on = t;
+      t = mean; mean = omean; omean = t;
+      t = m2; m2 = om2; om2 = t;
+    }
+    chan_merge(n, mean, m2, on, omean, om2);
+  }
+  return make_float2(mean, rsqrtf(m2 / static_cast<float>(n_cols) + eps));
+}
+
+// HOLD: the weight held in registers while the chunk lands (16-bit weights, at most 8
+// vectors: 32 registers); else it is read where it is used, as is the bias. Two CTAs of 256
+// threads per SM at least (at most 128 registers; holding takes 80-106).
+template <typename T, typename W, int THREADS, int VPT, bool HOLD>
+__global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push_kernel(
+    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ weight, const W* __restrict__ bias,
+    T* __restrict__ out, T* __restrict__ res_out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out, int64_t stride_res_out,
+    float eps, float weight_offset, int flags) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNK = THREADS * VPT * VEC;
+  constexpr int WARPS = THREADS / 32;
+  constexpr int STEP = THREADS * VEC;  // columns between a thread's vectors
+  static_assert(!HOLD || VPT * sizeof(W) * VEC <= 8 * 16, "at most 32 registers of weights");
+  using RowVec = Vec<T, VEC>;
+  using WVec = Vec<W, VEC>;
+  __shared__ float4 parts[kMaxCluster * WARPS];  // (rank, warp) -> (n, mean, m2, -)
+  __shared__ OkBarrier full;
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int n_ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.x / n_ranks;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool is_rms = flags & kIsRms;
+  const bool has_residual = flags & kHasResidual;
+  const bool exchange = n_ranks > 1;
+  if (exchange) {
+    if (threadIdx.x == 0) ok_barrier_init(&full, 1);
+    ok_fence_barrier_init();
+    ok_cluster_arrive_relaxed();
+  }
+
+  // This thread's first column; vector i is in the row when i * STEP < left.
+  const int64_t col0 = static_cast<int64_t>(rank) * CHUNK + static_cast<int64_t>(threadIdx.x) * VEC;
+  const int64_t left = n_cols - col0;
+  OK_DYNAMIC_SHARED(stage);
+  RowVec* const h = reinterpret_cast<RowVec*>(stage) + threadIdx.x;  // vector i at h[i * THREADS]
+  const RowVec* const staged_res = h + THREADS * VPT;
+  const T* const x_at = x + row * stride_x + col0;
+  const T* const res_at = res + row * stride_res + col0;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      ok_copy_async<16, true>(&h[i * THREADS], x_at + i * STEP);
+      if (has_residual) ok_copy_async<16, true>(&h[(VPT + i) * THREADS], res_at + i * STEP);
+    }
+  }
+  ok_copy_async_commit();
+  WVec w[HOLD ? VPT : 1];
+  if constexpr (HOLD) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (i * STEP < left && (flags & kHasWeight)) w[i] = *reinterpret_cast<const WVec*>(weight + col0 + i * STEP);
+    }
+  }
+  ok_copy_async_wait_group<0>();  // each thread reads back only its own vectors: no CTA barrier
+
+  // h = x + residual, rounded to T (the residual stream's dtype), written over x.
+  T* const res_out_at = res_out + row * stride_res_out + col0;
+  float sum = 0.f, count = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      RowVec hv = h[i * THREADS];
+      if (has_residual) {
+        const RowVec r = staged_res[i * THREADS];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) hv.v[e] = from_float<T>(to_float(hv.v[e]) + to_float(r.v[e]));
+        h[i * THREADS] = hv;
+      }
+      if (flags & kStoreResidual) store_stream(res_out_at + i * STEP, hv);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float v = to_float(hv.v[e]);
+        sum += is_rms ? v * v : v;
+      }
+      count += VEC;
+    }
+  }
+  // This warp's part: RMSNorm (count, 0, sum of squares); LayerNorm (count, mean, M2 about
+  // the warp's own mean: no cancellation on rows with a large mean).
+  const float n_warp = warp_sum(count);
+  float4 part = make_float4(n_warp, 0.f, 0.f, 0.f);
+  if (is_rms) {
+    part.z = warp_sum(sum);
+  } else {
+    const float mean_warp = n_warp > 0.f ? warp_sum(sum) / n_warp : 0.f;
+    float m2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (i * STEP < left) {
+        const RowVec hv = h[i * THREADS];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float d = to_float(hv.v[e]) - mean_warp;
+          m2 += d * d;
+        }
+      }
+    }
+    part.y = mean_warp;
+    part.z = warp_sum(m2);
+  }
+
+  // Every CTA of the cluster gets every warp's part (a cluster of one: rows of one CTA,
+  // launched without clusters, keeps them in its own shared memory).
+  if (exchange) {
+    ok_cluster_wait();  // every peer's barrier is initialised
+    if (threadIdx.x == 0) ok_barrier_arrive_expect_tx(&full, static_cast<uint32_t>(n_ranks * WARPS * sizeof(float4)));
+    if (lane < n_ranks) ok_store_remote(part, &parts[rank * WARPS + warp], &full, static_cast<uint32_t>(lane));
+    ok_barrier_wait(&full, 0);
+  } else {
+    if (lane == 0) parts[warp] = part;
+    __syncthreads();
+  }
+  const float2 stats = merge_parts(parts, n_ranks * WARPS, n_cols, is_rms, eps);
+  const float mean = stats.x, rstd = stats.y;
+  if (rank == 0 && threadIdx.x == 0) {
+    rstd_out[row] = rstd;
+    if (!is_rms) mean_out[row] = mean;
+  }
+
+  // Normalize from shared memory.
+  T* const out_at = out + row * stride_out + col0;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      WVec wv, bv;
+      if constexpr (HOLD) {
+        wv = w[i];
+      } else {
+        if (flags & kHasWeight) wv = *reinterpret_cast<const WVec*>(weight + col0 + i * STEP);
+      }
+      if (flags & kHasBias) bv = *reinterpret_cast<const WVec*>(bias + col0 + i * STEP);
+      const RowVec hv = h[i * THREADS];
+      RowVec y;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        float v = (to_float(hv.v[e]) - mean) * rstd;
+        if (flags & kHasWeight) v *= to_float(wv.v[e]) + weight_offset;
+        if (flags & kHasBias) v += to_float(bv.v[e]);
+        y.v[e] = from_float<T>(v);
+      }
+      store_stream(out_at + i * STEP, y);
+    }
+  }
+}
+
 template <typename T, typename W, int THREADS, int VPT>
 __global__ void __launch_bounds__(THREADS) norm_bwd_cluster_kernel(
     const T* __restrict__ dy, const T* __restrict__ h, const W* __restrict__ weight,
@@ -672,13 +879,36 @@ auto bwd_kernel(int threads, int vpt, bool staged) -> decltype(&norm_bwd_cluster
   return nullptr;
 }
 
+// The pushed forward of a shape, or nullptr; `hold`: the weight held in registers (16-bit
+// weights of the (256, 4) and (256, 8) shapes only).
+template <typename T, typename W>
+auto fwd_push_kernel(int threads, int vpt, bool hold) -> decltype(&norm_fwd_push_kernel<T, W, 256, 4, false>) {
+  constexpr bool kNarrow = sizeof(W) == sizeof(T) && sizeof(T) == 2;
+  if (hold) {
+    if constexpr (kNarrow) {
+      if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, true>;
+      if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, true>;
+    }
+    return nullptr;
+  }
+  if (threads == 128 && vpt == 2) return norm_fwd_push_kernel<T, W, 128, 2, false>;
+  if (threads == 256 && vpt == 2) return norm_fwd_push_kernel<T, W, 256, 2, false>;
+  if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, false>;
+  if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, false>;
+  if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8, false>;
+  if (threads == 512 && vpt == 16) return norm_fwd_push_kernel<T, W, 512, 16, false>;
+  return nullptr;
+}
+
 template <typename T, typename W>
 int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const void* res, const void* weight,
         const void* bias, void* out, void* res_out, void* mean, void* rstd, int64_t n_cols, int64_t stride_x,
         int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset, int flags,
         cudaStream_t stream) {
-  const bool staged = flags & kStaged;
-  auto kernel = staged ? fwd_kernel<T, W, true>(threads, vpt) : fwd_kernel<T, W, false>(threads, vpt);
+  const bool staged = flags & (kStaged | kPush);
+  auto kernel = (flags & kPush)  ? fwd_push_kernel<T, W>(threads, vpt, flags & kHoldWeight)
+                : staged         ? fwd_kernel<T, W, true>(threads, vpt)
+                                 : fwd_kernel<T, W, false>(threads, vpt);
   if (kernel == nullptr) return -2;
   // Staged: the x chunk and the residual's, 16 bytes per thread and vector each.
   const size_t shared = staged ? static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1) : 0;
@@ -719,7 +949,7 @@ int bwd(int threads, int vpt, int cluster, int64_t n_clusters, const void* dy, c
   if (dtype_code == 0 && weight_code == 0) return FN<float, float>(__VA_ARGS__);                              \
   return -1;
 
-// One forward. flags: kIsRms | kHasResidual | kStoreResidual | kHasWeight | kHasBias | kStaged.
+// One forward. flags: kIsRms | kHasResidual | kStoreResidual | kHasWeight | kHasBias | kStaged | kPush.
 extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,
                                    int64_t n_rows, const void* x, const void* res, const void* weight,
                                    const void* bias, void* out, void* res_out, void* mean, void* rstd,

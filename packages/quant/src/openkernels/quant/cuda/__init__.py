@@ -391,15 +391,24 @@ _OP = "int4_linear"
 def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None:
     """The tensor-core GEMV config the default dispatch runs for this call, or None: the call
     goes on to the implementation below (wgmma on sm_90, else Triton). From kernel times
-    (CUDA graphs, `benchmarks/studies/quant_tc_gemv.py`, H200, bf16 x, group 128, 2026-12-05;
-    docs/perf.md), x F.linear, Triton / tc:
-      8192 x 8192:  M = 1 1.64 / 1.78 (t2-u2), M = 4 1.25 / 1.76 (t2-u2), M = 16 1.22 / 1.27
-      28672 x 8192: M = 1 1.84 / 2.21 (t4-u1), M = 4 1.46 / 2.02 (t4-u1), M = 16 1.54 / 1.30
-    So up to 8 rows of x (one n8 tile) where N and K are at least 8192; smaller shapes were not
-    measured and keep the implementation below, as do other archs."""
-    if not arch.startswith("sm_90") or m > 8 or n < 8192 or k < 8192 or k % 128 or group_size % 32:
+    (CUDA graphs, `benchmarks/studies/quant_tc_gemv.py`, bf16 x, group 128; docs/perf.md),
+    x F.linear, Triton / tc:
+      H200 8192 x 8192:  M = 1 1.64 / 1.78 (t2-u2), M = 4 1.25 / 1.76 (t2-u2), M = 16 1.22 / 1.27
+      H200 28672 x 8192: M = 1 1.84 / 2.21 (t4-u1), M = 4 1.46 / 2.02 (t4-u1), M = 16 1.54 / 1.30
+      H100 16384 x 2048: M = 1 1.81 / 2.35 (t4-u1), M = 4 1.35 / 2.32 (t4-u1)
+      H100 2048 x 2048:  M = 1 0.85 / 1.24 (t1-u2), M = 4 0.57 / 1.21 (t1-u2)
+      H100 3072 x 2048:  M = 1 0.83 / 1.26 (t1-u2), M = 4 0.63 / 1.21 (t1-u2)
+      H100 2048 x 8192:  M = 1 1.48 / 1.45 (t1-u2), M = 4 0.77 / 1.42 (t1-u2)
+    So up to 8 rows of x (one n8 tile), K from 2048 (a CTA's 8 warps split K by 128-code
+    chunks): t4-u1 from N = 16384, t2-u2 from 8192, t1-u2 below. Other archs, and K below 2048
+    (not measured), keep the implementation below."""
+    if not arch.startswith("sm_90") or m > 8 or k < 2048 or k % 128 or group_size % 32:
         return None
-    return "tc-t4-u1" if n >= 16384 and n % 64 == 0 else "tc-t2-u2" if n % 32 == 0 else None
+    if n >= 16384 and n % 64 == 0:
+        return "tc-t4-u1"
+    if n >= 8192 and n % 32 == 0:
+        return "tc-t2-u2"
+    return "tc-t1-u2" if n % 16 == 0 else None
 
 
 def _hand_on(args) -> None:
@@ -515,7 +524,7 @@ def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=Non
     after = chosen[chosen.index("gemv") + 1 :] if "gemv" in chosen else []
     target = after[0] if after else "triton"
     return (
-        f"handed on to {target!r} (the tensor-core GEMV runs M <= {TC_MAX_ROWS} on sm_90 where N and K >= 8192;"
+        f"handed on to {target!r} (the tensor-core GEMV runs M <= {TC_MAX_ROWS} on sm_90 where K >= 2048;"
         f" this is M = {m}, N x K = {n} x {k})"
     )
 
