@@ -1,7 +1,7 @@
 """The sm_90 norm kernels' variants, kernel level, one process (H200, bf16): the Triton
 launchers, the cluster kernels with the chunk in registers, staged in shared memory (each
 chunk shape that fits), the pushed kernel (staged, per-warp statistics stored into every CTA
-by st.async; "push-hold": the weight in registers as well), and QuACK's
+by st.async), and QuACK's
 RMSNorm where it imports. Forward of RMSNorm, LayerNorm and add_rms_norm (prenorm), then the
 backward kernels (registers, staged, CTAs per SM) and RMSNorm forward+backward through
 autograd (ours, ours with the cluster kernels forced, QuACK). GB/s count one read and one
@@ -109,10 +109,6 @@ def forward(shapes: list[tuple[int, int]], ops: list[str], copy: float, qr: obje
                 variants[f"push{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: C.norm_fwd(
                     *a(s), **kw, config=shape, push=True
                 )
-                if shape in ((256, 4), (256, 8)):
-                    variants[f"push-hold{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: C.norm_fwd(
-                        *a(s), **kw, config=shape, push=True, hold_weight=True
-                    )
             if qr is not None and rms:
                 if res:
                     variants["quack"] = lambda s: qr.rmsnorm(

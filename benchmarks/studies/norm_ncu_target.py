@@ -4,7 +4,7 @@ cudaProfilerStart / Stop, so `ncu --profile-from-start off` reads only that call
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
         python benchmarks/studies/norm_ncu_target.py VARIANT ROWSxCOLS [rms|ln|addrms]
 
-VARIANT: triton (the default launchers), staged / regs / push / push-hold (the sm_90 cluster
+VARIANT: triton (the default launchers), staged / regs / push (the sm_90 cluster
 kernels, the default chunk shape), staged:T,V (a forced (threads, vectors) shape, likewise for
 the others), quack (QuACK's RMSNorm),
 copy (a device copy of the same bytes: the ceiling's counters).
@@ -39,8 +39,7 @@ def main() -> None:
         config = tuple(map(int, variant.split(":")[1].split(","))) if ":" in variant else None
         kind = variant.split(":")[0]
         call = lambda: C.norm_fwd(  # noqa: E731
-            *args, **kw, config=config, staged=kind != "regs", push=kind.startswith("push"),
-            hold_weight=kind == "push-hold",
+            *args, **kw, config=config, staged=kind != "regs", push=kind == "push"
         )  # fmt: skip
     elif variant == "quack":
         import quack

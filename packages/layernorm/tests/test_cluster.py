@@ -35,10 +35,8 @@ def test_every_cluster_kernel_compiles_for_sm_90a_without_spills() -> None:
              ("bwd_staged", C.BWD_STAGED_SHAPES))  # fmt: skip
     for kind, shapes in kinds:
         kernels = [r for r in reports if f"norm_{kind}_kernel" in r.name]
-        # 5 (row dtype, weight dtype) pairs x the shapes the host entries dispatch to; the pushed
-        # forward also holds the weight in registers for 2 shapes x 2 (16-bit) pairs.
-        extra = 4 if kind == "fwd_push" else 0
-        assert len(kernels) == 5 * len(set(shapes)) + extra, [r.name for r in reports]
+        # 5 (row dtype, weight dtype) pairs x the shapes the host entries dispatch to.
+        assert len(kernels) == 5 * len(set(shapes)), [r.name for r in reports]
         for r in kernels:
             assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
             assert r.odd_descriptors <= 0, r  # an odd uniform register for a descriptor: illegal on the GPU
@@ -165,7 +163,7 @@ if _sm_90():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["registers", "staged", "push", "push-hold"])
+@pytest.mark.parametrize("kind", ["registers", "staged", "push"])
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, device: str) -> None:
@@ -182,17 +180,10 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
              (2, 200000, (512, 8)), (2, 300000, (512, 16))]  # fmt: skip
     if device == "cpu":  # one CTA, clusters of 3 and 5 with a ragged last chunk, a 32768-element chunk
         cases = [(3, 1000, (128, 2)), (2, 5000, (128, 2)), (2, 9800, (128, 2)), (2, 40000, (512, 8))]
-        if kind == "push-hold":  # the shapes that hold the weight: one CTA, a cluster of 3
-            cases = [(2, 2000, (256, 4)), (2, 20000, (256, 4))]
-    hold = kind == "push-hold"
-    if hold and dtype == torch.float32:
-        pytest.skip("the weight is held in registers for 16-bit weights only")
     for m, n, shape in cases:
         cfg = C.cluster_config(n, dtype, shape)
         staged = kind != "registers"
         if cfg is None or (staged and C.staged_bytes(cfg, True) > C.MAX_STAGED_BYTES):
-            continue
-        if hold and (cfg.threads, cfg.vectors_per_thread) not in ((256, 4), (256, 8)):
             continue
         x = random_tensor((m, n), dtype, device) + (0.0 if rms else 5.0)
         r = random_tensor((m, n), dtype, device)
@@ -206,7 +197,7 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
             rstd = torch.empty(m, device=device)
             assert C.unsupported_call(x, r, w, b, y, h, mean, rstd, dtype) is None
             C.norm_fwd(x, r, w, b, y, h, mean, rstd, eps=1e-6, weight_offset=0.5, rms=rms, h_dtype=dtype,
-                       config=shape, staged=staged, push=kind.startswith("push"), hold_weight=hold)  # fmt: skip
+                       config=shape, staged=staged, push=kind == "push")  # fmt: skip
             runs.append((y, h, rstd, mean))
         assert not C._broken, C._broken
         for a, b_ in zip(runs[0], runs[1]):

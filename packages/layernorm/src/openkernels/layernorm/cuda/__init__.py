@@ -72,8 +72,7 @@ BWD_STAGED_SHAPES: tuple[tuple[int, int], ...] = ((256, 2), (512, 2), (256, 4), 
 _BWD_REGISTERS = 128  # the most any backward kernel takes (ptxas, sm_90a): sets CTAs per SM
 PORTABLE_CLUSTER = 8  # any sm_90 part schedules 8 CTAs per cluster
 MAX_CLUSTER = 16  # the non-portable limit (the launcher opts in per kernel)
-_FLAGS = {"rms": 1, "residual": 2, "store_residual": 4, "weight": 8, "bias": 16, "staged": 256, "push": 512,
-          "hold_weight": 1024}  # fmt: skip
+_FLAGS = {"rms": 1, "residual": 2, "store_residual": 4, "weight": 8, "bias": 16, "staged": 256, "push": 512}  # fmt: skip
 MAX_STAGED_BYTES = 227 * 1024  # sm_90's dynamic shared memory per CTA
 _BWD_FLAGS = {"rms": 1, "weight": 8, "dh_out": 32, "weight_grad": 64, "bias_grad": 128, "staged": 256}
 
@@ -255,13 +254,11 @@ def _launch_failed(status: int, what: str, on_gpu: bool) -> None:
 
 def norm_fwd(
     x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype, config=None,
-    staged=None, push=False, hold_weight=False,
+    staged=None, push=False,
 ) -> None:  # fmt: skip
     """triton.norm_fwd's contract. `config`: (threads, vectors per thread) forced, `staged`: the
     chunk in shared memory (True) or registers (False) forced, `push`: the pushed kernel
-    (staged chunk, statistics sent to every CTA by st.async), `hold_weight`: with it, the weight
-    in registers while the chunk lands ((256, 4) and (256, 8), 16-bit weights) (tests,
-    benchmarks)."""
+    (staged chunk, statistics sent to every CTA by st.async) (tests, benchmarks)."""
     args = (x, residual, weight, bias, out, residual_out, mean, rstd)
     kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
     if (_broken and x.is_cuda) or unsupported_call(*args, h_dtype) is not None:
@@ -276,7 +273,7 @@ def norm_fwd(
         _FLAGS["rms"] * rms + _FLAGS["residual"] * (residual is not None)
         + _FLAGS["store_residual"] * (residual_out is not None) + _FLAGS["weight"] * (weight is not None)
         + _FLAGS["bias"] * (bias is not None)
-        + (_FLAGS["push"] + _FLAGS["hold_weight"] * hold_weight if push and use_staged(cfg, residual is not None, True)
+        + (_FLAGS["push"] if push and use_staged(cfg, residual is not None, True)
            else _FLAGS["staged"] * use_staged(cfg, residual is not None, staged))
     )  # fmt: skip
     params = weight if weight is not None else bias

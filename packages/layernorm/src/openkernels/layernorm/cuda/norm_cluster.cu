@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "async_copy.h"        // openkernels/shared/cuda: cp.async and dynamic shared memory
 #include "cluster_exchange.h"  // openkernels/shared/cuda: st.async into peers, mbarriers
 
@@ -46,8 +48,6 @@ constexpr int kHasDhOut = 32, kWeightGrad = 64, kBiasGrad = 128;
 constexpr int kStaged = 256;
 // Launcher flag of the forward: the pushed kernel (norm_fwd_push_kernel), staged as well.
 constexpr int kPush = 512;
-// With kPush: the weight held in registers (the (256, 4) and (256, 8) shapes, 16-bit weights).
-constexpr int kHoldWeight = 1024;
 constexpr size_t kMaxDynamicShared = 227 * 1024;  // sm_90's per-CTA limit
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -374,10 +374,11 @@ __global__ void __launch_bounds__(THREADS) norm_fwd_staged_kernel(
 //
 // Nsight Compute on an H100 (1024 x 65536 bf16 RMSNorm, docs/perf.md) put the staged kernel at
 // 61% of DRAM throughput with L2 at 86% and twice QuACK's issued instructions; QuACK at 84% of
-// DRAM. This kernel takes QuACK's steps: the chunk staged by cp.async, the weight (and bias)
-// loaded into registers while it lands, per-warp statistics pushed into every CTA of the
-// cluster by st.async (cluster_exchange.h: no cluster-wide barrier after the start, none
-// before exit, no CTA-wide barrier at all), the chunk normalized from shared memory.
+// DRAM. This kernel takes QuACK's steps: the chunk staged by cp.async, per-warp statistics
+// pushed into every CTA of the cluster by st.async (cluster_exchange.h: no cluster-wide
+// barrier after the start, none before exit, no CTA-wide barrier at all), the chunk
+// normalized from shared memory, each pass compiled for the call's options (weight, bias,
+// residual, RMS or not) so that no element pays a branch or a select.
 // Each warp sends (count, mean, M2 about that mean) (RMSNorm: (count, 0, sum of squares)); every
 // warp of every CTA merges the C x WARPS parts in the same order (lane l takes parts l, l + 32,
 // ... in turn, then a butterfly whose merge puts the lower lane first), so every thread of the
@@ -424,10 +425,113 @@ __device__ __forceinline__ float2 merge_parts(const float4* parts, int n_parts, 
   return make_float2(mean, rsqrtf(m2 / static_cast<float>(n_cols) + eps));
 }
 
-// HOLD: the weight held in registers while the chunk lands (16-bit weights, at most 8
-// vectors: 32 registers); else it is read where it is used, as is the bias. Two CTAs of 256
-// threads per SM at least (at most 128 registers; holding takes 80-106).
-template <typename T, typename W, int THREADS, int VPT, bool HOLD>
+// Two floats into two elements of T at `dst` (bf16 / fp16: one packed conversion).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float a, float b) {
+#ifdef OK_CUDA_EMULATION
+  dst[0] = from_float<T>(a);
+  dst[1] = from_float<T>(b);
+#else
+  if constexpr (sizeof(T) == 4) {
+    dst[0] = a;
+    dst[1] = b;
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(a, b);
+    memcpy(dst, &pair, 4);
+  } else {
+    const __half2 pair = __floats2half2_rn(a, b);
+    memcpy(dst, &pair, 4);
+  }
+#endif
+}
+
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
+// The pushed kernel's first pass over its staged chunk, its options compiled in (the kernel
+// picks the instance once: no per-element branches or selects): h = x + residual rounded to
+// T written over x (and stored), the thread's (count, sum) (RMSNorm: sum of squares).
+template <typename T, int THREADS, int VPT, bool RMS, bool RESIDUAL, bool STORE>
+__device__ __forceinline__ float2 push_sum_pass(Vec<T, 16 / sizeof(T)>* h, const Vec<T, 16 / sizeof(T)>* staged_res,
+                                                T* res_out_at, int64_t left) {
+  constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
+  float sum = 0.f, count = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      Vec<T, VEC> hv = h[i * THREADS];
+      if constexpr (RESIDUAL) {
+        const Vec<T, VEC> r = staged_res[i * THREADS];
+#pragma unroll
+        for (int e = 0; e < VEC; e += 2)
+          store_pair(&hv.v[e], to_float(hv.v[e]) + to_float(r.v[e]), to_float(hv.v[e + 1]) + to_float(r.v[e + 1]));
+        h[i * THREADS] = hv;
+      }
+      if constexpr (STORE) store_stream(res_out_at + i * STEP, hv);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float v = to_float(hv.v[e]);
+        if constexpr (RMS) sum = fmaf(v, v, sum); else sum += v;
+      }
+      count += VEC;
+    }
+  }
+  return make_float2(count, sum);
+}
+
+// The thread's M2 about `mean` (LayerNorm's second pass, from shared memory).
+template <typename T, int THREADS, int VPT>
+__device__ __forceinline__ float push_m2_pass(const Vec<T, 16 / sizeof(T)>* h, int64_t left, float mean) {
+  constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
+  float m2 = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      const Vec<T, VEC> hv = h[i * THREADS];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float d = to_float(hv.v[e]) - mean;
+        m2 = fmaf(d, d, m2);
+      }
+    }
+  }
+  return m2;
+}
+
+// y = (h - mean) * rstd * (w + offset) + b from shared memory, options compiled in.
+template <typename T, typename W, int THREADS, int VPT, bool RMS, bool WEIGHT, bool BIAS>
+__device__ __forceinline__ void push_normalize(const Vec<T, 16 / sizeof(T)>* h, const W* weight_at, const W* bias_at,
+                                               T* out_at, int64_t left, float mean, float rstd, float weight_offset) {
+  constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
+  using WVec = Vec<W, VEC>;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      WVec w, b;
+      if constexpr (WEIGHT) w = *reinterpret_cast<const WVec*>(weight_at + i * STEP);
+      if constexpr (BIAS) b = *reinterpret_cast<const WVec*>(bias_at + i * STEP);
+      const Vec<T, VEC> hv = h[i * THREADS];
+      Vec<T, VEC> y;
+#pragma unroll
+      for (int e = 0; e < VEC; e += 2) {
+        float v[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          v[j] = RMS ? to_float(hv.v[e + j]) * rstd : (to_float(hv.v[e + j]) - mean) * rstd;
+          if constexpr (WEIGHT) v[j] *= to_float(w.v[e + j]) + weight_offset;
+          if constexpr (BIAS) v[j] += to_float(b.v[e + j]);
+        }
+        store_pair(&y.v[e], v[0], v[1]);
+      }
+      store_stream(out_at + i * STEP, y);
+    }
+  }
+}
+
+// At least two CTAs of 256 threads per SM (at most 128 registers; the kernel takes 40-60).
+template <typename T, typename W, int THREADS, int VPT>
 __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push_kernel(
     const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ weight, const W* __restrict__ bias,
     T* __restrict__ out, T* __restrict__ res_out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
@@ -437,9 +541,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   constexpr int CHUNK = THREADS * VPT * VEC;
   constexpr int WARPS = THREADS / 32;
   constexpr int STEP = THREADS * VEC;  // columns between a thread's vectors
-  static_assert(!HOLD || VPT * sizeof(W) * VEC <= 8 * 16, "at most 32 registers of weights");
   using RowVec = Vec<T, VEC>;
-  using WVec = Vec<W, VEC>;
   __shared__ float4 parts[kMaxCluster * WARPS];  // (rank, warp) -> (n, mean, m2, -)
   __shared__ OkBarrier full;
 
@@ -472,60 +574,31 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
       if (has_residual) ok_copy_async<16, true>(&h[(VPT + i) * THREADS], res_at + i * STEP);
     }
   }
-  ok_copy_async_commit();
-  WVec w[HOLD ? VPT : 1];
-  if constexpr (HOLD) {
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (i * STEP < left && (flags & kHasWeight)) w[i] = *reinterpret_cast<const WVec*>(weight + col0 + i * STEP);
-    }
-  }
-  ok_copy_async_wait_group<0>();  // each thread reads back only its own vectors: no CTA barrier
+  ok_copy_async_wait_all();  // each thread reads back only its own vectors: no CTA barrier
 
-  // h = x + residual, rounded to T (the residual stream's dtype), written over x.
   T* const res_out_at = res_out + row * stride_res_out + col0;
-  float sum = 0.f, count = 0.f;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    if (i * STEP < left) {
-      RowVec hv = h[i * THREADS];
-      if (has_residual) {
-        const RowVec r = staged_res[i * THREADS];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) hv.v[e] = from_float<T>(to_float(hv.v[e]) + to_float(r.v[e]));
-        h[i * THREADS] = hv;
-      }
-      if (flags & kStoreResidual) store_stream(res_out_at + i * STEP, hv);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const float v = to_float(hv.v[e]);
-        sum += is_rms ? v * v : v;
-      }
-      count += VEC;
-    }
-  }
+  const bool store = flags & kStoreResidual;
+  auto sum_pass = [&](auto rms, auto residual, auto stored) {
+    return push_sum_pass<T, THREADS, VPT, decltype(rms)::value, decltype(residual)::value, decltype(stored)::value>(
+        h, staged_res, res_out_at, left);
+  };
+  auto by_stored = [&](auto rms, auto residual) {
+    return store ? sum_pass(rms, residual, Flag<true>()) : sum_pass(rms, residual, Flag<false>());
+  };
+  auto by_residual = [&](auto rms) {
+    return has_residual ? by_stored(rms, Flag<true>()) : by_stored(rms, Flag<false>());
+  };
+  const float2 counted = is_rms ? by_residual(Flag<true>()) : by_residual(Flag<false>());
+
   // This warp's part: RMSNorm (count, 0, sum of squares); LayerNorm (count, mean, M2 about
   // the warp's own mean: no cancellation on rows with a large mean).
-  const float n_warp = warp_sum(count);
+  const float n_warp = warp_sum(counted.x);
   float4 part = make_float4(n_warp, 0.f, 0.f, 0.f);
   if (is_rms) {
-    part.z = warp_sum(sum);
+    part.z = warp_sum(counted.y);
   } else {
-    const float mean_warp = n_warp > 0.f ? warp_sum(sum) / n_warp : 0.f;
-    float m2 = 0.f;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (i * STEP < left) {
-        const RowVec hv = h[i * THREADS];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const float d = to_float(hv.v[e]) - mean_warp;
-          m2 += d * d;
-        }
-      }
-    }
-    part.y = mean_warp;
-    part.z = warp_sum(m2);
+    part.y = n_warp > 0.f ? warp_sum(counted.y) / n_warp : 0.f;
+    part.z = warp_sum(push_m2_pass<T, THREADS, VPT>(h, left, part.y));
   }
 
   // Every CTA of the cluster gets every warp's part (a cluster of one: rows of one CTA,
@@ -546,29 +619,26 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
     if (!is_rms) mean_out[row] = mean;
   }
 
-  // Normalize from shared memory.
+  // Normalize from shared memory; the weight and bias come from L2 (every row reads them).
+  const W* const weight_at = weight + col0;
+  const W* const bias_at = bias + col0;
   T* const out_at = out + row * stride_out + col0;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    if (i * STEP < left) {
-      WVec wv, bv;
-      if constexpr (HOLD) {
-        wv = w[i];
-      } else {
-        if (flags & kHasWeight) wv = *reinterpret_cast<const WVec*>(weight + col0 + i * STEP);
-      }
-      if (flags & kHasBias) bv = *reinterpret_cast<const WVec*>(bias + col0 + i * STEP);
-      const RowVec hv = h[i * THREADS];
-      RowVec y;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        float v = (to_float(hv.v[e]) - mean) * rstd;
-        if (flags & kHasWeight) v *= to_float(wv.v[e]) + weight_offset;
-        if (flags & kHasBias) v += to_float(bv.v[e]);
-        y.v[e] = from_float<T>(v);
-      }
-      store_stream(out_at + i * STEP, y);
-    }
+  auto normalize = [&](auto rms, auto with_weight, auto with_bias) {
+    push_normalize<T, W, THREADS, VPT, decltype(rms)::value, decltype(with_weight)::value, decltype(with_bias)::value>(
+        h, weight_at, bias_at, out_at, left, mean, rstd, weight_offset);
+  };
+  const bool has_weight = flags & kHasWeight, has_bias = flags & kHasBias;
+  if (is_rms) {
+    if (has_weight) normalize(Flag<true>(), Flag<true>(), Flag<false>());
+    else normalize(Flag<true>(), Flag<false>(), Flag<false>());
+  } else if (has_weight && has_bias) {
+    normalize(Flag<false>(), Flag<true>(), Flag<true>());
+  } else if (has_weight) {
+    normalize(Flag<false>(), Flag<true>(), Flag<false>());
+  } else if (has_bias) {
+    normalize(Flag<false>(), Flag<false>(), Flag<true>());
+  } else {
+    normalize(Flag<false>(), Flag<false>(), Flag<false>());
   }
 }
 
@@ -879,24 +949,15 @@ auto bwd_kernel(int threads, int vpt, bool staged) -> decltype(&norm_bwd_cluster
   return nullptr;
 }
 
-// The pushed forward of a shape, or nullptr; `hold`: the weight held in registers (16-bit
-// weights of the (256, 4) and (256, 8) shapes only).
+// The pushed forward of a shape, or nullptr.
 template <typename T, typename W>
-auto fwd_push_kernel(int threads, int vpt, bool hold) -> decltype(&norm_fwd_push_kernel<T, W, 256, 4, false>) {
-  constexpr bool kNarrow = sizeof(W) == sizeof(T) && sizeof(T) == 2;
-  if (hold) {
-    if constexpr (kNarrow) {
-      if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, true>;
-      if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, true>;
-    }
-    return nullptr;
-  }
-  if (threads == 128 && vpt == 2) return norm_fwd_push_kernel<T, W, 128, 2, false>;
-  if (threads == 256 && vpt == 2) return norm_fwd_push_kernel<T, W, 256, 2, false>;
-  if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, false>;
-  if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, false>;
-  if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8, false>;
-  if (threads == 512 && vpt == 16) return norm_fwd_push_kernel<T, W, 512, 16, false>;
+auto fwd_push_kernel(int threads, int vpt) -> decltype(&norm_fwd_push_kernel<T, W, 256, 4>) {
+  if (threads == 128 && vpt == 2) return norm_fwd_push_kernel<T, W, 128, 2>;
+  if (threads == 256 && vpt == 2) return norm_fwd_push_kernel<T, W, 256, 2>;
+  if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4>;
+  if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8>;
+  if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8>;
+  if (threads == 512 && vpt == 16) return norm_fwd_push_kernel<T, W, 512, 16>;
   return nullptr;
 }
 
@@ -906,7 +967,7 @@ int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const 
         int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset, int flags,
         cudaStream_t stream) {
   const bool staged = flags & (kStaged | kPush);
-  auto kernel = (flags & kPush)  ? fwd_push_kernel<T, W>(threads, vpt, flags & kHoldWeight)
+  auto kernel = (flags & kPush)  ? fwd_push_kernel<T, W>(threads, vpt)
                 : staged         ? fwd_kernel<T, W, true>(threads, vpt)
                                  : fwd_kernel<T, W, false>(threads, vpt);
   if (kernel == nullptr) return -2;
