@@ -10,12 +10,14 @@ measured here; inputs rotated past the 60 MB L2; each variant's output compared 
 Triton one (max abs difference) before it is timed.
 
     python benchmarks/studies/norm_cluster_variants.py [ROWSxCOLS,...] [rms,ln,addrms] [bwd shapes]
+    NORM_EXTRA_FLAGS="-DOK_PLAIN_STORES" python ...   # the CUDA kernels built with extra nvcc flags
 """
 
 # ruff: noqa: B023 (each closure runs within its own loop iteration)
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
@@ -25,7 +27,7 @@ import triton
 import openkernels.layernorm as LN
 from openkernels.layernorm import cuda as C
 from openkernels.layernorm import triton as T
-from openkernels.shared import dispatch
+from openkernels.shared import cuda_build, dispatch
 
 DEV, DT, EPS = "cuda", torch.bfloat16, 1e-6
 SHAPES = "32768x2048,4096x16384,1024x65536,512x131072,256x262144"
@@ -192,6 +194,13 @@ def backward(shapes: list[tuple[int, int]], copy: float, qr: object | None) -> N
 
 def main() -> None:
     torch.manual_seed(0)
+    extra = os.environ.get("NORM_EXTRA_FLAGS")
+    if extra:  # a variant of the CUDA library (say -DOK_PLAIN_STORES), built beside the default
+        C._library = cuda_build.CudaLibrary(
+            C._SOURCE, name="openkernels_layernorm_cuda_variant", arch=C.ARCH, signatures=C._SIGNATURES,
+            extra_flags=tuple(extra.split()),
+        )  # fmt: skip
+        print("CUDA library built with", extra, flush=True)
     argv = sys.argv[1:] + [None] * 3
     qr = _quack()
     copy = _copy_gbs()

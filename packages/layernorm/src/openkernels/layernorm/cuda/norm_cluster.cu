@@ -83,7 +83,11 @@ __device__ __forceinline__ void store_stream(void* p, const V& v) {
   static_assert(sizeof(V) == 16, "one 16-byte access");
   uint4 raw;
   memcpy(&raw, &v, 16);
+#ifdef OK_PLAIN_STORES  // a study's variant (benchmarks/studies/norm_cluster_variants.py)
+  *static_cast<uint4*>(p) = raw;
+#else
   __stcs(static_cast<uint4*>(p), raw);
+#endif
 }
 
 // The first column of a thread's i-th 16-byte vector in a chunk: vector i of the CTA covers
