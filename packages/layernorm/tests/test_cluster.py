@@ -29,9 +29,9 @@ def test_every_cluster_kernel_compiles_for_sm_90a_without_spills() -> None:
         pytest.skip("sm_90 is not among the AOT targets")
     if cuda_build.nvcc() is None:  # the CI image has nvcc (13.0): this skip is for other machines
         pytest.skip("no nvcc: the CUDA C++ compile check cannot run here")
-    reports = cuda_build.ptxas_report(C._SOURCE, C.ARCH)
+    reports = cuda_build.ptxas_report(C._SOURCE, C.ARCH) + cuda_build.ptxas_report(C._PUSH_SOURCE, C.ARCH)
     kinds = (("fwd_cluster", C.SHORT_SHAPES + C.SHAPES), ("fwd_staged", C.SHORT_SHAPES + C.SHAPES),
-             ("fwd_push", C.SHORT_SHAPES + C.SHAPES), ("bwd_cluster", C.BWD_SHAPES),
+             ("fwd_push", C.PUSH_SHAPES), ("bwd_cluster", C.BWD_SHAPES),
              ("bwd_staged", C.BWD_STAGED_SHAPES))  # fmt: skip
     for kind, shapes in kinds:
         kernels = [r for r in reports if f"norm_{kind}_kernel" in r.name]
@@ -138,11 +138,12 @@ def test_which_calls_the_cluster_kernel_takes() -> None:
 
 
 def test_dispatch_runs_the_cluster_kernel_only_when_forced() -> None:
-    """Registered under Triton's priority until it is measured on the H200: usable on sm_90,
-    picked only by name; refused with a reason elsewhere."""
+    """Registered under Triton's priority (the default forward is "push", then Triton): usable
+    on sm_90, picked only by name; refused with a reason elsewhere."""
     hopper = DispatchKey("cuda", "sm_90", torch.bfloat16)
     if C.supports(hopper) is None:
-        assert dispatch.select("rms_norm", hopper)[0].name == "triton"
+        names = [impl.name for impl in dispatch.select("rms_norm", hopper)]
+        assert names.index("triton") < names.index("cluster"), names
         with dispatch.force("cluster"):
             assert dispatch.select("rms_norm", hopper)[0].name == "cluster"
             assert dispatch.select("rms_norm_backward", hopper)[0].name == "cluster"
@@ -180,6 +181,11 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
              (2, 200000, (512, 8)), (2, 300000, (512, 16))]  # fmt: skip
     if device == "cpu":  # one CTA, clusters of 3 and 5 with a ragged last chunk, a 32768-element chunk
         cases = [(3, 1000, (128, 2)), (2, 5000, (128, 2)), (2, 9800, (128, 2)), (2, 40000, (512, 8))]
+    if kind == "push":  # its own shapes: the lengths push_config routes, ragged chunks, one CTA
+        cases = [(3, 32768, (256, 8)), (3, 65536, (256, 4)), (2, 131072, (256, 8)), (2, 262144, (512, 8)),
+                 (2, 262152, (512, 8)), (5, 20000, (256, 4)), (2, 200000, (512, 8))]  # fmt: skip
+        if device == "cpu":
+            cases = [(2, 2000, (256, 4)), (2, 20000, (256, 4)), (2, 40000, (512, 8))]
     for m, n, shape in cases:
         cfg = C.cluster_config(n, dtype, shape)
         staged = kind != "registers"
@@ -218,6 +224,33 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
             assert_close(
                 mean[ok], want[2][ok], dtype=torch.float32, terms=n, term_scale=4.0, msg=f"{msg} mean"
             )
+
+
+def test_push_config_routes_the_lengths_it_measured_faster_at() -> None:
+    """The default forward on sm_90 ("push", above Triton) runs the pushed kernel for 16-bit
+    rows of 32768-262144 columns (32768-65536 with a residual) on portable clusters, and hands
+    every other call to Triton; explain names where a call goes."""
+    bf16 = torch.bfloat16
+    assert C.push_config(65536, bf16, False) == C.ClusterConfig(256, 8, 4)
+    assert C.push_config(32768, torch.float16, False) == C.ClusterConfig(256, 8, 2)
+    assert C.push_config(262144, bf16, False) == C.ClusterConfig(512, 8, 8)
+    assert C.push_config(200000, bf16, False) == C.ClusterConfig(512, 8, 7)
+    assert C.push_config(65536, bf16, True) == C.ClusterConfig(256, 4, 8)
+    for n, residual, dtype in ((16384, False, bf16), (524288, False, bf16), (131072, True, bf16),
+                               (65536, False, torch.float32)):  # fmt: skip
+        assert C.push_config(n, dtype, residual) is None, (n, residual, dtype)
+    for n in (32768, 65536, 131072, 262144):
+        for residual in (False, True):
+            cfg = C.push_config(n, bf16, residual)
+            if cfg is not None:
+                assert cfg.cluster <= C.PORTABLE_CLUSTER and (cfg.threads, cfg.vectors_per_thread) in C.PUSH_SHAPES
+    key = DispatchKey("cuda", "sm_90", bf16)
+    if C.push_supports(key) is None:
+        assert dispatch.select("rms_norm", key)[0].name == "push"
+        assert dispatch.select("rms_norm_backward", key)[0].name == "triton"
+    assert "sm_90" in C.push_supports(DispatchKey("cuda", "sm_80", bf16))
+    assert "bfloat16" in C.push_supports(DispatchKey("cuda", "sm_90", torch.float32))
+    assert C._explain_push(torch.empty(2, 65536, dtype=bf16)) is None  # CPU tensors: no note
 
 
 def test_backward_config_and_calls() -> None:
@@ -327,7 +360,7 @@ def test_forward_flags_emulated(
 
     if rms and bias:
         pytest.skip("RMSNorm has no bias")
-    m, n, dtype = 3, 5000, torch.bfloat16
+    m, n, dtype = 3, 20000 if kind == "push" else 5000, torch.bfloat16  # clusters of 3 (push: 8192 per CTA)
     x = random_tensor((m, n), dtype, "cpu")
     r = random_tensor((m, n), dtype, "cpu") if residual else None
     w = random_tensor((n,), dtype, "cpu") if weight else None
@@ -350,7 +383,7 @@ def test_forward_flags_emulated(
         weight_offset=0.0,
         rms=rms,
         h_dtype=dtype,
-        config=(128, 2),
+        config=(256, 4) if kind == "push" else (128, 2),
         staged=kind != "registers",
         push=kind == "push",
     )

@@ -32,6 +32,7 @@ from openkernels.shared.layout import as_rows
 # The CPU backend's dispatch predicate; importing it compiles nothing (the library
 # builds on its first call).
 from .cpu import supports as _cpu_supports
+from .cuda import push_supports as _push_supports
 from .cuda import supports as _cluster_supports
 from .problem import NORMS, NormSpec, norm_name
 from .reference import stats_dtype
@@ -165,15 +166,24 @@ def _triton_supports(key: dispatch.DispatchKey) -> str | None:
     return dispatch.triton_supports(key)
 
 
-# The sm_90 cluster kernels (CUDA C++): below Triton's priority (20) until the H200 says
-# where it wins, so it runs only when forced by name.
+# The sm_90 cluster kernels (CUDA C++): below Triton's priority (20), so they run only when
+# forced by name; the pushed forward ("push", norm_push.cu) above it: its launcher runs the
+# rows it measured faster on (cuda.push_config: 32768-262144 columns, H200) and hands every
+# other call to the Triton launcher.
 _CLUSTER_PRIORITY = 15
+_PUSH_PRIORITY = 25
 
 
 def _impls(entry: str) -> tuple[opdef.Impl, ...]:
     """`entry`: norm_fwd or norm_bwd."""
     impls = opdef.standard_impls(_PKG, entry, triton_supports=_triton_supports, cpu_supports=_cpu_supports)
+    push = (
+        (opdef.Impl("push", f"{_PKG}.cuda:push_norm_fwd", ("cuda",), _PUSH_PRIORITY, _push_supports),)
+        if entry == "norm_fwd"
+        else ()
+    )
     return (
+        *push,
         *impls,
         opdef.Impl("cluster", f"{_PKG}.cuda:{entry}", ("cuda",), _CLUSTER_PRIORITY, _cluster_supports),
     )

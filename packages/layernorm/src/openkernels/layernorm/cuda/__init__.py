@@ -32,7 +32,11 @@ __all__ = [
     "ClusterConfig",
     "SHAPES",
     "SHORT_SHAPES",
+    "PUSH_SHAPES",
     "cluster_config",
+    "push_config",
+    "push_norm_fwd",
+    "push_supports",
     "staged_bytes",
     "use_staged",
     "norm_bwd",
@@ -55,6 +59,13 @@ _SIGNATURES = {
 _library = cuda_build.CudaLibrary(
     _SOURCE, name="openkernels_layernorm_cuda", arch=ARCH, signatures=_SIGNATURES
 )
+# The pushed forward (norm_push.cu): its own library, so that the default path's first call
+# builds only its few kernels; ok_norm_fwd_cluster's arguments.
+_PUSH_SOURCE = pathlib.Path(__file__).with_name("norm_push.cu")
+_push_library = cuda_build.CudaLibrary(
+    _PUSH_SOURCE, name="openkernels_layernorm_push", arch=ARCH,
+    signatures={"ok_norm_fwd_push": _SIGNATURES["ok_norm_fwd_cluster"]},
+)  # fmt: skip
 
 # (threads per CTA, 16-byte vectors per thread) of the forward, for rows split over a
 # cluster: from the narrowest chunk (bf16: 8192 columns per CTA) to the widest (65536).
@@ -69,10 +80,14 @@ BWD_SHAPES: tuple[tuple[int, int], ...] = ((256, 2), (512, 2))
 # The staged backward (dy and h in shared memory, two rows deep; only the float32 sums in
 # registers) also takes 4 vectors per thread: up to 262144 bf16 columns.
 BWD_STAGED_SHAPES: tuple[tuple[int, int], ...] = ((256, 2), (512, 2), (256, 4), (512, 4))
+# The pushed forward's shapes (norm_push.cu): those push_config picks, bf16 / fp16 chunks of
+# 8192, 16384 and 32768 columns.
+PUSH_SHAPES: tuple[tuple[int, int], ...] = ((256, 4), (256, 8), (512, 8))
+PUSH_DTYPES = (torch.bfloat16, torch.float16)
 _BWD_REGISTERS = 128  # the most any backward kernel takes (ptxas, sm_90a): sets CTAs per SM
 PORTABLE_CLUSTER = 8  # any sm_90 part schedules 8 CTAs per cluster
 MAX_CLUSTER = 16  # the non-portable limit (the launcher opts in per kernel)
-_FLAGS = {"rms": 1, "residual": 2, "store_residual": 4, "weight": 8, "bias": 16, "staged": 256, "push": 512}  # fmt: skip
+_FLAGS = {"rms": 1, "residual": 2, "store_residual": 4, "weight": 8, "bias": 16, "staged": 256}  # fmt: skip
 MAX_STAGED_BYTES = 227 * 1024  # sm_90's dynamic shared memory per CTA
 _BWD_FLAGS = {"rms": 1, "weight": 8, "dh_out": 32, "weight_grad": 64, "bias_grad": 128, "staged": 256}
 
@@ -109,6 +124,37 @@ def cluster_config(
             if cluster <= limit:
                 return ClusterConfig(threads, vpt, cluster)
     return None
+
+
+def push_config(n_cols: int, dtype: torch.dtype, residual: bool) -> ClusterConfig | None:
+    """The pushed forward's launch where it measured faster than the Triton kernels, else
+    None. H200, bf16, kernel time as a fraction of copy (push / Triton; QuACK), 2026-12-05
+    (`benchmarks/studies/norm_cluster_variants.py`, docs/perf.md):
+      RMSNorm   32768 0.82 / 0.69, 65536 0.81 / 0.69, 131072 0.79 / 0.68, 262144 0.75 / 0.66
+      LayerNorm 32768 0.70 / 0.58, 65536 0.69 / 0.56, 131072 0.68 / 0.57, 262144 0.62 / 0.56
+      with a residual (add_rms_norm) 32768 0.88 / 0.86, 65536 0.88 / 0.80; 131072 only with a
+      cluster of 16 (0.84 / 0.82), 262144 0.69 / 0.82 (Triton), 1048576 and 16384 Triton.
+    So rows of 32768-262144 columns (16384 per CTA, 32768 past 131072: clusters of 2-8, all
+    portable), with a residual 32768-65536 (8192 per CTA: clusters of 4-8); 16-bit dtypes."""
+    if dtype not in PUSH_DTYPES:
+        return None
+    vec = _vector(dtype)
+    if residual:
+        shape = (256, 4) if 32768 <= n_cols <= 65536 else None
+    else:
+        shape = (256, 8) if 32768 <= n_cols <= 131072 else (512, 8) if 131072 < n_cols <= 262144 else None
+    if shape is None:
+        return None
+    return ClusterConfig(*shape, -(-n_cols // (shape[0] * shape[1] * vec)))
+
+
+def push_supports(key: DispatchKey) -> str | None:
+    """Dispatch predicate of the pushed forward (the default on sm_90 where push_config says)."""
+    if key.backend != "cuda" or key.arch != "sm_90":
+        return f"thread-block clusters are built for sm_90 (this is {key.backend}/{key.arch})"
+    if key.dtype not in PUSH_DTYPES:
+        return f"dtype {key.dtype}: the pushed forward takes bfloat16 and float16"
+    return cuda_build.no_nvcc_reason()
 
 
 def staged_bytes(cfg: ClusterConfig, residual: bool) -> int:
@@ -222,15 +268,17 @@ def _triton_bwd(*args, **kwargs) -> None:
     triton_norm_bwd(*args, **kwargs)
 
 
-def _load(device: torch.device) -> object | None:
-    """The library for `device`, or None (warned once) when it cannot be built or loaded. CPU
-    tensors (tests without a GPU) take the kernels built for the CPU emulation."""
+def _load(device: torch.device, push: bool = False) -> object | None:
+    """The library for `device` (`push`: norm_push.cu's), or None (warned once) when it cannot
+    be built or loaded. CPU tensors (tests without a GPU) take the kernels built for the CPU
+    emulation."""
+    library = _push_library if push else _library
     if device.type == "cpu":
-        return _library.emulated()
+        return library.emulated()
     if _broken:
         return None
     try:
-        return _library()
+        return library()
     except cuda_build.CudaBuildError as error:
         _broken.append(str(error))
         warnings.warn(
@@ -258,26 +306,32 @@ def norm_fwd(
 ) -> None:  # fmt: skip
     """triton.norm_fwd's contract. `config`: (threads, vectors per thread) forced, `staged`: the
     chunk in shared memory (True) or registers (False) forced, `push`: the pushed kernel
-    (staged chunk, statistics sent to every CTA by st.async) (tests, benchmarks)."""
+    (norm_push.cu: staged chunk, statistics sent to every CTA by st.async; a shape of
+    PUSH_SHAPES) (tests, benchmarks)."""
     args = (x, residual, weight, bias, out, residual_out, mean, rstd)
     kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
     if (_broken and x.is_cuda) or unsupported_call(*args, h_dtype) is not None:
         return _triton_fwd(*args, **kwargs)
-    cfg = cluster_config(x.shape[1], x.dtype, config)
+    cfg = cluster_config(x.shape[1], x.dtype, config, PUSH_SHAPES if push else SHAPES)
     if cfg is None:
         raise ValueError(f"config {config}: a row of {x.shape[1]} columns needs more than {MAX_CLUSTER} CTAs")
-    lib = _load(x.device)
+    if push and (
+        (cfg.threads, cfg.vectors_per_thread) not in PUSH_SHAPES
+        or not use_staged(cfg, residual is not None, True)
+    ):
+        raise ValueError(f"{cfg}: the pushed forward is built for the shapes {PUSH_SHAPES}")
+    lib = _load(x.device, push)
     if lib is None:
         return _triton_fwd(*args, **kwargs)
     flags = (
         _FLAGS["rms"] * rms + _FLAGS["residual"] * (residual is not None)
         + _FLAGS["store_residual"] * (residual_out is not None) + _FLAGS["weight"] * (weight is not None)
         + _FLAGS["bias"] * (bias is not None)
-        + (_FLAGS["push"] if push and use_staged(cfg, residual is not None, True)
-           else _FLAGS["staged"] * use_staged(cfg, residual is not None, staged))
+        + (0 if push else _FLAGS["staged"] * use_staged(cfg, residual is not None, staged))
     )  # fmt: skip
     params = weight if weight is not None else bias
-    status = lib.ok_norm_fwd_cluster(
+    entry = lib.ok_norm_fwd_push if push else lib.ok_norm_fwd_cluster
+    status = entry(
         _device_index(x), _CODES[x.dtype], 0 if params is None else _CODES[params.dtype], cfg.threads,
         cfg.vectors_per_thread, cfg.cluster, x.shape[0], x.data_ptr(),
         0 if residual is None else residual.data_ptr(), 0 if weight is None else weight.data_ptr(),
@@ -288,9 +342,52 @@ def norm_fwd(
         _stream(x),
     )  # fmt: skip
     if status != 0:
-        _launch_failed(status, f"forward {cfg}", x.is_cuda)
+        _launch_failed(status, f"{'pushed ' if push else ''}forward {cfg}", x.is_cuda)
         return _triton_fwd(*args, **kwargs)
     return None
+
+
+def push_norm_fwd(
+    x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype
+) -> None:  # fmt: skip
+    """The default forward on sm_90 (dispatch name "push", above Triton): the pushed kernel
+    where push_config says it measured faster, every other call to the Triton launcher."""
+    args = (x, residual, weight, bias, out, residual_out, mean, rstd)
+    kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
+    cfg = _push_route(x, residual, h_dtype, *args[2:])
+    if cfg is None:
+        return _triton_fwd(*args, **kwargs)
+    return norm_fwd(*args, **kwargs, config=(cfg.threads, cfg.vectors_per_thread), push=True)
+
+
+def _push_route(x, residual, h_dtype, weight, bias, out, residual_out, mean, rstd) -> ClusterConfig | None:
+    cfg = push_config(x.shape[1], x.dtype, residual is not None) if x.dim() == 2 else None
+    if (
+        cfg is None
+        or unsupported_call(x, residual, weight, bias, out, residual_out, mean, rstd, h_dtype) is not None
+    ):
+        return None
+    return cfg
+
+
+def _explain_push(x, residual=None, *_args, **_kwargs) -> str | None:
+    """For dispatch.explain (the public call's arguments or the launcher's): where the default
+    forward sends a call on rows like x's (the launcher also checks alignment and dtypes)."""
+    if not x.is_cuda:
+        return None
+    cfg = push_config(x.shape[-1], x.dtype, residual is not None and torch.is_tensor(residual))
+    if cfg is not None:
+        return (
+            f"the pushed cluster kernel ({cfg.threads} threads x {cfg.vectors_per_thread} vectors,"
+            f" clusters of {cfg.cluster})"
+        )
+    return (
+        "handed on to 'triton' (the pushed kernel runs 32768-262144 columns, 32768-65536 with a residual,"
+        f" bfloat16 / float16; this is {x.shape[-1]} columns, {x.dtype})"
+    )
+
+
+push_norm_fwd.route = _explain_push  # type: ignore[attr-defined]
 
 
 def norm_bwd(

@@ -1,0 +1,114 @@
+// What the layernorm family's CUDA C++ sources share (norm_cluster.cu, norm_push.cu):
+// dtypes, 16-byte row vectors, streamed loads and stores, the launch flags and the clustered
+// launch. Included once per source, after nothing else (it includes the CUDA headers or the
+// CPU emulation's).
+#pragma once
+#ifdef OK_CUDA_EMULATION  // built for the CPU by the tests (openkernels.shared.cuda_build.load_emulated)
+#include "cuda_emulation.h"
+#else
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+#include <stdint.h>
+#include <string.h>
+
+#include "async_copy.h"  // openkernels/shared/cuda: cp.async and dynamic shared memory
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int kMaxCluster = 16;  // the non-portable cluster limit of sm_90
+constexpr int kIsRms = 1, kHasResidual = 2, kStoreResidual = 4, kHasWeight = 8, kHasBias = 16;
+// Backward flags (kIsRms and kHasWeight as above).
+constexpr int kHasDhOut = 32, kWeightGrad = 64, kBiasGrad = 128;
+// Launcher flag of both directions (the kernels never read it): the staged kernels.
+constexpr int kStaged = 256;
+constexpr size_t kMaxDynamicShared = 227 * 1024;  // sm_90's per-CTA limit
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// N elements of U in one aligned block: 16 bytes for the row's dtype, 16 or 32 for weights.
+template <typename U, int N>
+struct alignas(sizeof(U) * N) Vec {
+  U v[N];
+};
+
+// 16 bytes of a row, streamed (read once, written once: keep them out of L1 and early out of L2).
+template <typename V>
+__device__ __forceinline__ V load_stream(const void* p) {
+  static_assert(sizeof(V) == 16, "one 16-byte access");
+  const uint4 raw = __ldcs(static_cast<const uint4*>(p));
+  V v;
+  memcpy(&v, &raw, 16);
+  return v;
+}
+template <typename V>
+__device__ __forceinline__ void store_stream(void* p, const V& v) {
+  static_assert(sizeof(V) == 16, "one 16-byte access");
+  uint4 raw;
+  memcpy(&raw, &v, 16);
+#ifdef OK_PLAIN_STORES  // a study's variant (benchmarks/studies/norm_cluster_variants.py)
+  *static_cast<uint4*>(p) = raw;
+#else
+  __stcs(static_cast<uint4*>(p), raw);
+#endif
+}
+
+// One launch of `kernel` over `ctas` CTAs of `threads` threads in clusters of `cluster`.
+template <typename... Params, typename... Args>
+int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int threads, size_t dynamic_shared,
+                     cudaStream_t stream, Args... args) {
+  if (dynamic_shared > 48 * 1024) {  // past the default limit: allowed per kernel
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(dynamic_shared));
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  if (cluster > 8) {  // past the portable size: allowed per kernel
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(ctas), 1, 1);
+  config.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+  config.dynamicSmemBytes = dynamic_shared;
+  config.stream = stream;
+  // A cluster of one launches without the attribute: every CTA of a plain launch is its own
+  // cluster of one on sm_90, and a plain launch schedules CTAs freely.
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = cluster > 1 ? 1 : 0;
+  return static_cast<int>(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+}
+
+}  // namespace
+
+// The stream is passed as an integer (the handle PyTorch gives): a constant to replay
+// recordings, which key on the stream (openkernels.shared.replay), where a pointer argument
+// would have to be a tensor's. dtype codes: 0 float32, 1 bfloat16, 2 float16; `weight_code` is the weight's and bias's
+// (or 0 without them). Each entry returns 0, a cudaError_t, or -1 (dtypes), -2 (a shape this
+// library was not built for), -3 (a cluster outside 1..16).
+#define OK_NORM_CLUSTER_DTYPES(FN, ...)                                                                         \
+  if (dtype_code == 1 && weight_code == 1) return FN<__nv_bfloat16, __nv_bfloat16>(__VA_ARGS__);              \
+  if (dtype_code == 1 && weight_code == 0) return FN<__nv_bfloat16, float>(__VA_ARGS__);                      \
+  if (dtype_code == 2 && weight_code == 2) return FN<__half, __half>(__VA_ARGS__);                            \
+  if (dtype_code == 2 && weight_code == 0) return FN<__half, float>(__VA_ARGS__);                             \
+  if (dtype_code == 0 && weight_code == 0) return FN<float, float>(__VA_ARGS__);                              \
+  return -1;

@@ -1,0 +1,337 @@
+// RMSNorm / LayerNorm forward for long rows on Hopper (sm_90), the default there for the row
+// lengths it measured fastest at (cuda/__init__.py: push_config): one row per thread-block
+// cluster, each CTA's chunk staged in shared memory, the per-warp statistics pushed into every
+// CTA of the cluster (st.async counted on mbarriers). Its own library (a few shapes, built
+// with nvcc on first use in seconds) beside norm_cluster.cu's forced-only kernels; the host
+// entry ok_norm_fwd_push takes ok_norm_fwd_cluster's arguments.
+// Contract (checked by the Python launcher): as norm_cluster.cu's forward.
+
+#include "norm_common.cuh"  // beside this file: dtypes, row vectors, flags, the clustered launch
+
+#include <type_traits>
+
+#include "cluster_exchange.h"  // openkernels/shared/cuda: st.async into peers, mbarriers
+
+namespace {
+
+// Nsight Compute on an H100 (1024 x 65536 bf16 RMSNorm, docs/perf.md) put the staged kernel at
+// 61% of DRAM throughput with L2 at 86% and twice QuACK's issued instructions; QuACK at 84% of
+// DRAM. This kernel takes QuACK's steps: the chunk staged by cp.async, per-warp statistics
+// pushed into every CTA of the cluster by st.async (cluster_exchange.h: no cluster-wide
+// barrier after the start, none before exit, no CTA-wide barrier at all), the chunk
+// normalized from shared memory, each pass compiled for the call's options (weight, bias,
+// residual, RMS or not) so that no element pays a branch or a select.
+// Each warp sends (count, mean, M2 about that mean) (RMSNorm: (count, 0, sum of squares)); every
+// warp of every CTA merges the C x WARPS parts in the same order (lane l takes parts l, l + 32,
+// ... in turn, then a butterfly whose merge puts the lower lane first), so every thread of the
+// row gets the same bits, run after run.
+
+// (n, mean, m2) += (nb, mean_b, m2b) (Chan et al.); an empty side leaves the other unchanged.
+__device__ __forceinline__ void chan_merge(float& n, float& mean, float& m2, float nb, float mean_b, float m2b) {
+  const float total = n + nb;
+  if (total == 0.f) return;
+  const float delta = mean_b - mean;
+  mean += delta * (nb / total);
+  m2 += m2b + delta * delta * (n * nb / total);
+  n = total;
+}
+
+__device__ __forceinline__ float warp_sum(float value) {
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;  // the same bits in every lane: each step adds the same two values
+}
+
+// The row's (mean, rstd) from `n_parts` parts (n, mean, m2, -), the same bits in every lane.
+__device__ __forceinline__ float2 merge_parts(const float4* parts, int n_parts, int64_t n_cols, bool is_rms,
+                                              float eps) {
+  const int lane = threadIdx.x & 31;
+  if (is_rms) {
+    float m2 = 0.f;
+    for (int p = lane; p < n_parts; p += 32) m2 += parts[p].z;
+    m2 = warp_sum(m2);
+    return make_float2(0.f, rsqrtf(m2 / static_cast<float>(n_cols) + eps));
+  }
+  float n = 0.f, mean = 0.f, m2 = 0.f;
+  for (int p = lane; p < n_parts; p += 32) chan_merge(n, mean, m2, parts[p].x, parts[p].y, parts[p].z);
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    float on = __shfl_xor_sync(0xffffffffu, n, offset);
+    float omean = __shfl_xor_sync(0xffffffffu, mean, offset);
+    float om2 = __shfl_xor_sync(0xffffffffu, m2, offset);
+    if (lane & offset) {  // the lower lane's part first, in both lanes of the pair
+      float t = n; n = on; on = t;
+      t = mean; mean = omean; omean = t;
+      t = m2; m2 = om2; om2 = t;
+    }
+    chan_merge(n, mean, m2, on, omean, om2);
+  }
+  return make_float2(mean, rsqrtf(m2 / static_cast<float>(n_cols) + eps));
+}
+
+// Two floats into two elements of T at `dst` (bf16 / fp16: one packed conversion).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float a, float b) {
+#ifdef OK_CUDA_EMULATION
+  dst[0] = from_float<T>(a);
+  dst[1] = from_float<T>(b);
+#else
+  if constexpr (sizeof(T) == 4) {
+    dst[0] = a;
+    dst[1] = b;
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(a, b);
+    memcpy(dst, &pair, 4);
+  } else {
+    const __half2 pair = __floats2half2_rn(a, b);
+    memcpy(dst, &pair, 4);
+  }
+#endif
+}
+
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
+// The pushed kernel's first pass over its staged chunk, its options compiled in (the kernel
+// picks the instance once: no per-element branches or selects): h = x + residual rounded to
+// T written over x (and stored), the thread's (count, sum) (RMSNorm: sum of squares).
+template <typename T, int THREADS, int VPT, bool RMS, bool RESIDUAL, bool STORE>
+__device__ __forceinline__ float2 push_sum_pass(Vec<T, 16 / sizeof(T)>* h, const Vec<T, 16 / sizeof(T)>* staged_res,
+                                                T* res_out_at, int64_t left) {
+  constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
+  float sum = 0.f, count = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      Vec<T, VEC> hv = h[i * THREADS];
+      if constexpr (RESIDUAL) {
+        const Vec<T, VEC> r = staged_res[i * THREADS];
+#pragma unroll
+        for (int e = 0; e < VEC; e += 2)
+          store_pair(&hv.v[e], to_float(hv.v[e]) + to_float(r.v[e]), to_float(hv.v[e + 1]) + to_float(r.v[e + 1]));
+        h[i * THREADS] = hv;
+      }
+      if constexpr (STORE) store_stream(res_out_at + i * STEP, hv);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float v = to_float(hv.v[e]);
+        if constexpr (RMS) sum = fmaf(v, v, sum); else sum += v;
+      }
+      count += VEC;
+    }
+  }
+  return make_float2(count, sum);
+}
+
+// The thread's M2 about `mean` (LayerNorm's second pass, from shared memory).
+template <typename T, int THREADS, int VPT>
+__device__ __forceinline__ float push_m2_pass(const Vec<T, 16 / sizeof(T)>* h, int64_t left, float mean) {
+  constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
+  float m2 = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      const Vec<T, VEC> hv = h[i * THREADS];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float d = to_float(hv.v[e]) - mean;
+        m2 = fmaf(d, d, m2);
+      }
+    }
+  }
+  return m2;
+}
+
+// y = (h - mean) * rstd * (w + offset) + b from shared memory, options compiled in.
+template <typename T, typename W, int THREADS, int VPT, bool RMS, bool WEIGHT, bool BIAS>
+__device__ __forceinline__ void push_normalize(const Vec<T, 16 / sizeof(T)>* h, const W* weight_at, const W* bias_at,
+                                               T* out_at, int64_t left, float mean, float rstd, float weight_offset) {
+  constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
+  using WVec = Vec<W, VEC>;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      WVec w, b;
+      if constexpr (WEIGHT) w = *reinterpret_cast<const WVec*>(weight_at + i * STEP);
+      if constexpr (BIAS) b = *reinterpret_cast<const WVec*>(bias_at + i * STEP);
+      const Vec<T, VEC> hv = h[i * THREADS];
+      Vec<T, VEC> y;
+#pragma unroll
+      for (int e = 0; e < VEC; e += 2) {
+        float v[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          v[j] = RMS ? to_float(hv.v[e + j]) * rstd : (to_float(hv.v[e + j]) - mean) * rstd;
+          if constexpr (WEIGHT) v[j] *= to_float(w.v[e + j]) + weight_offset;
+          if constexpr (BIAS) v[j] += to_float(b.v[e + j]);
+        }
+        store_pair(&y.v[e], v[0], v[1]);
+      }
+      store_stream(out_at + i * STEP, y);
+    }
+  }
+}
+
+// At least two CTAs of 256 threads per SM (at most 128 registers; the kernel takes 40-60).
+template <typename T, typename W, int THREADS, int VPT>
+__global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push_kernel(
+    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ weight, const W* __restrict__ bias,
+    T* __restrict__ out, T* __restrict__ res_out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out, int64_t stride_res_out,
+    float eps, float weight_offset, int flags) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CHUNK = THREADS * VPT * VEC;
+  constexpr int WARPS = THREADS / 32;
+  constexpr int STEP = THREADS * VEC;  // columns between a thread's vectors
+  using RowVec = Vec<T, VEC>;
+  __shared__ float4 parts[kMaxCluster * WARPS];  // (rank, warp) -> (n, mean, m2, -)
+  __shared__ OkBarrier full;
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int n_ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.x / n_ranks;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool is_rms = flags & kIsRms;
+  const bool has_residual = flags & kHasResidual;
+  const bool exchange = n_ranks > 1;
+  if (exchange) {
+    if (threadIdx.x == 0) ok_barrier_init(&full, 1);
+    ok_fence_barrier_init();
+    ok_cluster_arrive_relaxed();
+  }
+
+  // This thread's first column; vector i is in the row when i * STEP < left.
+  const int64_t col0 = static_cast<int64_t>(rank) * CHUNK + static_cast<int64_t>(threadIdx.x) * VEC;
+  const int64_t left = n_cols - col0;
+  OK_DYNAMIC_SHARED(stage);
+  RowVec* const h = reinterpret_cast<RowVec*>(stage) + threadIdx.x;  // vector i at h[i * THREADS]
+  const RowVec* const staged_res = h + THREADS * VPT;
+  const T* const x_at = x + row * stride_x + col0;
+  const T* const res_at = res + row * stride_res + col0;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      ok_copy_async<16, true>(&h[i * THREADS], x_at + i * STEP);
+      if (has_residual) ok_copy_async<16, true>(&h[(VPT + i) * THREADS], res_at + i * STEP);
+    }
+  }
+  ok_copy_async_wait_all();  // each thread reads back only its own vectors: no CTA barrier
+
+  T* const res_out_at = res_out + row * stride_res_out + col0;
+  const bool store = flags & kStoreResidual;
+  auto sum_pass = [&](auto rms, auto residual, auto stored) {
+    return push_sum_pass<T, THREADS, VPT, decltype(rms)::value, decltype(residual)::value, decltype(stored)::value>(
+        h, staged_res, res_out_at, left);
+  };
+  auto by_stored = [&](auto rms, auto residual) {
+    return store ? sum_pass(rms, residual, Flag<true>()) : sum_pass(rms, residual, Flag<false>());
+  };
+  auto by_residual = [&](auto rms) {
+    return has_residual ? by_stored(rms, Flag<true>()) : by_stored(rms, Flag<false>());
+  };
+  const float2 counted = is_rms ? by_residual(Flag<true>()) : by_residual(Flag<false>());
+
+  // This warp's part: RMSNorm (count, 0, sum of squares); LayerNorm (count, mean, M2 about
+  // the warp's own mean: no cancellation on rows with a large mean).
+  const float n_warp = warp_sum(counted.x);
+  float4 part = make_float4(n_warp, 0.f, 0.f, 0.f);
+  if (is_rms) {
+    part.z = warp_sum(counted.y);
+  } else {
+    part.y = n_warp > 0.f ? warp_sum(counted.y) / n_warp : 0.f;
+    part.z = warp_sum(push_m2_pass<T, THREADS, VPT>(h, left, part.y));
+  }
+
+  // Every CTA of the cluster gets every warp's part (a cluster of one: rows of one CTA,
+  // launched without clusters, keeps them in its own shared memory).
+  if (exchange) {
+    ok_cluster_wait();  // every peer's barrier is initialised
+    if (threadIdx.x == 0) ok_barrier_arrive_expect_tx(&full, static_cast<uint32_t>(n_ranks * WARPS * sizeof(float4)));
+    if (lane < n_ranks) ok_store_remote(part, &parts[rank * WARPS + warp], &full, static_cast<uint32_t>(lane));
+    ok_barrier_wait(&full, 0);
+  } else {
+    if (lane == 0) parts[warp] = part;
+    __syncthreads();
+  }
+  const float2 stats = merge_parts(parts, n_ranks * WARPS, n_cols, is_rms, eps);
+  const float mean = stats.x, rstd = stats.y;
+  if (rank == 0 && threadIdx.x == 0) {
+    rstd_out[row] = rstd;
+    if (!is_rms) mean_out[row] = mean;
+  }
+
+  // Normalize from shared memory; the weight and bias come from L2 (every row reads them).
+  const W* const weight_at = weight + col0;
+  const W* const bias_at = bias + col0;
+  T* const out_at = out + row * stride_out + col0;
+  auto normalize = [&](auto rms, auto with_weight, auto with_bias) {
+    push_normalize<T, W, THREADS, VPT, decltype(rms)::value, decltype(with_weight)::value, decltype(with_bias)::value>(
+        h, weight_at, bias_at, out_at, left, mean, rstd, weight_offset);
+  };
+  const bool has_weight = flags & kHasWeight, has_bias = flags & kHasBias;
+  if (is_rms) {
+    if (has_weight) normalize(Flag<true>(), Flag<true>(), Flag<false>());
+    else normalize(Flag<true>(), Flag<false>(), Flag<false>());
+  } else if (has_weight && has_bias) {
+    normalize(Flag<false>(), Flag<true>(), Flag<true>());
+  } else if (has_weight) {
+    normalize(Flag<false>(), Flag<true>(), Flag<false>());
+  } else if (has_bias) {
+    normalize(Flag<false>(), Flag<false>(), Flag<true>());
+  } else {
+    normalize(Flag<false>(), Flag<false>(), Flag<false>());
+  }
+}
+
+// The kernel of a shape (PUSH_SHAPES in cuda/__init__.py), or nullptr.
+template <typename T, typename W>
+auto fwd_push_kernel(int threads, int vpt) -> decltype(&norm_fwd_push_kernel<T, W, 256, 4>) {
+  if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4>;
+  if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8>;
+  if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8>;
+  return nullptr;
+}
+
+template <typename T, typename W>
+int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const void* res, const void* weight,
+        const void* bias, void* out, void* res_out, void* mean, void* rstd, int64_t n_cols, int64_t stride_x,
+        int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset, int flags,
+        cudaStream_t stream) {
+  auto kernel = fwd_push_kernel<T, W>(threads, vpt);
+  if (kernel == nullptr) return -2;
+  // The x chunk and the residual's, 16 bytes per thread and vector each.
+  const size_t shared = static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1);
+  if (shared > kMaxDynamicShared) return -2;
+  return launch_clustered(kernel, cluster, cluster * n_rows, threads, shared, stream, x, res, weight, bias, out, res_out,
+                          mean, rstd, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset,
+                          flags);
+}
+
+}  // namespace
+
+// One forward, ok_norm_fwd_cluster's arguments and answers (flags: kIsRms | kHasResidual |
+// kStoreResidual | kHasWeight | kHasBias).
+extern "C" int ok_norm_fwd_push(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,
+                                int64_t n_rows, const void* x, const void* res, const void* weight, const void* bias,
+                                void* out, void* res_out, void* mean, void* rstd, int64_t n_cols, int64_t stride_x,
+                                int64_t stride_res, int64_t stride_out, int64_t stride_res_out, double eps,
+                                double weight_offset, int flags, int64_t stream) {
+  if (cluster < 1 || cluster > kMaxCluster) return -3;
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  OK_NORM_CLUSTER_DTYPES(fwd, threads, vpt, cluster, n_rows, x, res, weight, bias, out, res_out, mean, rstd, n_cols,
+                         stride_x, stride_res, stride_out, stride_res_out, static_cast<float>(eps),
+                         static_cast<float>(weight_offset), flags, reinterpret_cast<cudaStream_t>(stream))
+}
+
+// Every argument in one 64-bit slot (doubles as their bits): what replayed calls run.
+extern "C" int ok_norm_fwd_push_packed(const int64_t* a) {
+  double eps, offset;
+  memcpy(&eps, &a[20], sizeof eps);
+  memcpy(&offset, &a[21], sizeof offset);
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_norm_fwd_push(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), a[6], p(7), p(8), p(9), p(10), p(11),
+                          p(12), p(13), p(14), a[15], a[16], a[17], a[18], a[19], eps, offset, i32(22), a[23]);
+}
