@@ -243,7 +243,10 @@ def test_push_config_routes_the_lengths_it_measured_faster_at() -> None:
         for residual in (False, True):
             cfg = C.push_config(n, bf16, residual)
             if cfg is not None:
-                assert cfg.cluster <= C.PORTABLE_CLUSTER and (cfg.threads, cfg.vectors_per_thread) in C.PUSH_SHAPES
+                assert (
+                    cfg.cluster <= C.PORTABLE_CLUSTER
+                    and (cfg.threads, cfg.vectors_per_thread) in C.PUSH_SHAPES
+                )
     key = DispatchKey("cuda", "sm_90", bf16)
     if C.push_supports(key) is None:
         assert dispatch.select("rms_norm", key)[0].name == "push"
