@@ -11,6 +11,7 @@ Triton one (max abs difference) before it is timed.
 
     python benchmarks/studies/norm_cluster_variants.py [ROWSxCOLS,...] [rms,ln,addrms] [bwd shapes]
     NORM_EXTRA_FLAGS="-DOK_PLAIN_STORES" python ...   # the CUDA kernels built with extra nvcc flags
+    PUSH_VARIANT_FLAGS="-DOK_PUSH_PREDICATED" python ...  # also the pushed forward built that way
 """
 
 # ruff: noqa: B023 (each closure runs within its own loop iteration)
@@ -62,6 +63,17 @@ def _copy_gbs() -> float:
     return 2 * a.numel() / ms / 1e6
 
 
+PUSH_VARIANT = None  # norm_push.cu built with PUSH_VARIANT_FLAGS (main), run as "push-variant"
+
+
+def _with_push(library: object, call: Callable[[], object]) -> object:
+    saved, C._push_library = C._push_library, library
+    try:
+        return call()
+    finally:
+        C._push_library = saved
+
+
 def _report(label: str, variants: dict, sets: list[dict], nbytes: int, copy: float, check) -> None:
     line = []
     for name, fn in variants.items():
@@ -108,9 +120,14 @@ def forward(shapes: list[tuple[int, int]], ops: list[str], copy: float, qr: obje
                 variants[f"staged{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: C.norm_fwd(
                     *a(s), **kw, config=shape, staged=True
                 )
-                variants[f"push{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: C.norm_fwd(
-                    *a(s), **kw, config=shape, push=True
-                )
+                if shape in C.PUSH_SHAPES:
+                    variants[f"push{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: C.norm_fwd(
+                        *a(s), **kw, config=shape, push=True
+                    )
+                    if PUSH_VARIANT is not None:
+                        variants[f"push-variant{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: (
+                            _with_push(PUSH_VARIANT, lambda: C.norm_fwd(*a(s), **kw, config=shape, push=True))
+                        )
             if qr is not None and rms:
                 if res:
                     variants["quack"] = lambda s: qr.rmsnorm(
@@ -201,6 +218,13 @@ def main() -> None:
             extra_flags=tuple(extra.split()),
         )  # fmt: skip
         print("CUDA library built with", extra, flush=True)
+    push_flags = os.environ.get("PUSH_VARIANT_FLAGS")
+    if push_flags:  # the pushed forward built a second way (say -DOK_PUSH_PREDICATED), beside the default
+        global PUSH_VARIANT
+        PUSH_VARIANT = cuda_build.CudaLibrary(
+            C._PUSH_SOURCE, name="openkernels_layernorm_push_variant", arch=C.ARCH,
+            signatures={"ok_norm_fwd_push": C._SIGNATURES["ok_norm_fwd_cluster"]}, extra_flags=tuple(push_flags.split()),
+        )  # fmt: skip
     argv = sys.argv[1:] + [None] * 3
     qr = _quack()
     copy = _copy_gbs()
