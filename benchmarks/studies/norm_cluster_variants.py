@@ -12,6 +12,7 @@ Triton one (max abs difference) before it is timed.
     python benchmarks/studies/norm_cluster_variants.py [ROWSxCOLS,...] [rms,ln,addrms] [bwd shapes]
     NORM_EXTRA_FLAGS="-DOK_PLAIN_STORES" python ...   # the CUDA kernels built with extra nvcc flags
     PUSH_VARIANT_FLAGS="-DOK_PUSH_PREDICATED" python ...  # also the pushed forward built that way
+    NORM_VARIANTS=triton,push,quack python ...           # only the variants whose names start so
 """
 
 # ruff: noqa: B023 (each closure runs within its own loop iteration)
@@ -76,7 +77,10 @@ def _with_push(library: object, call: Callable[[], object]) -> object:
 
 def _report(label: str, variants: dict, sets: list[dict], nbytes: int, copy: float, check) -> None:
     line = []
+    only = os.environ.get("NORM_VARIANTS")  # e.g. "triton,push,quack": the names that start so
     for name, fn in variants.items():
+        if only and not name.startswith(tuple(only.split(","))):
+            continue
         try:
             fn(sets[0])
             err = check()
