@@ -11,7 +11,7 @@ Triton one (max abs difference) before it is timed.
 
     python benchmarks/studies/norm_cluster_variants.py [ROWSxCOLS,...] [rms,ln,addrms] [bwd shapes]
     NORM_EXTRA_FLAGS="-DOK_PLAIN_STORES" python ...   # the CUDA kernels built with extra nvcc flags
-    PUSH_VARIANT_FLAGS="-DOK_PUSH_PREDICATED" python ...  # also the pushed forward built that way
+    PUSH_VARIANT_FLAGS="-DOK_PLAIN_STORES" python ...    # also the pushed forward built that way
     NORM_VARIANTS=triton,push,quack python ...           # only the variants whose names start so
 """
 
@@ -223,7 +223,7 @@ def main() -> None:
         )  # fmt: skip
         print("CUDA library built with", extra, flush=True)
     push_flags = os.environ.get("PUSH_VARIANT_FLAGS")
-    if push_flags:  # the pushed forward built a second way (say -DOK_PUSH_PREDICATED), beside the default
+    if push_flags:  # the pushed forward built a second way (say -DOK_PLAIN_STORES), beside the default
         global PUSH_VARIANT
         PUSH_VARIANT = cuda_build.CudaLibrary(
             C._PUSH_SOURCE, name="openkernels_layernorm_push_variant", arch=C.ARCH,

@@ -94,16 +94,15 @@ struct Flag {
 
 // The pushed kernel's first pass over its staged chunk, its options compiled in (the kernel
 // picks the instance once: no per-element branches or selects): h = x + residual rounded to
-// T written over x (and stored), the thread's (count, sum) (RMSNorm: sum of squares). FULL:
-// every vector of the thread is in the row (all but a ragged last chunk): no predicates.
-template <typename T, int THREADS, int VPT, bool RMS, bool RESIDUAL, bool STORE, bool FULL>
+// T written over x (and stored), the thread's (count, sum) (RMSNorm: sum of squares).
+template <typename T, int THREADS, int VPT, bool RMS, bool RESIDUAL, bool STORE>
 __device__ __forceinline__ float2 push_sum_pass(Vec<T, 16 / sizeof(T)>* h, const Vec<T, 16 / sizeof(T)>* staged_res,
                                                 T* res_out_at, int64_t left) {
   constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
   float sum = 0.f, count = 0.f;
-#pragma unroll 4  // a 4-vector window in flight: full unrolling (every vector's loads first) took 90-128 registers
+#pragma unroll
   for (int i = 0; i < VPT; ++i) {
-    if (FULL || i * STEP < left) {
+    if (i * STEP < left) {
       Vec<T, VEC> hv = h[i * THREADS];
       if constexpr (RESIDUAL) {
         const Vec<T, VEC> r = staged_res[i * THREADS];
@@ -125,13 +124,13 @@ __device__ __forceinline__ float2 push_sum_pass(Vec<T, 16 / sizeof(T)>* h, const
 }
 
 // The thread's M2 about `mean` (LayerNorm's second pass, from shared memory).
-template <typename T, int THREADS, int VPT, bool FULL>
+template <typename T, int THREADS, int VPT>
 __device__ __forceinline__ float push_m2_pass(const Vec<T, 16 / sizeof(T)>* h, int64_t left, float mean) {
   constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
   float m2 = 0.f;
-#pragma unroll 4  // a 4-vector window in flight: full unrolling (every vector's loads first) took 90-128 registers
+#pragma unroll
   for (int i = 0; i < VPT; ++i) {
-    if (FULL || i * STEP < left) {
+    if (i * STEP < left) {
       const Vec<T, VEC> hv = h[i * THREADS];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
@@ -144,14 +143,14 @@ __device__ __forceinline__ float push_m2_pass(const Vec<T, 16 / sizeof(T)>* h, i
 }
 
 // y = (h - mean) * rstd * (w + offset) + b from shared memory, options compiled in.
-template <typename T, typename W, int THREADS, int VPT, bool RMS, bool WEIGHT, bool BIAS, bool FULL>
+template <typename T, typename W, int THREADS, int VPT, bool RMS, bool WEIGHT, bool BIAS>
 __device__ __forceinline__ void push_normalize(const Vec<T, 16 / sizeof(T)>* h, const W* weight_at, const W* bias_at,
                                                T* out_at, int64_t left, float mean, float rstd, float weight_offset) {
   constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
   using WVec = Vec<W, VEC>;
-#pragma unroll 4  // a 4-vector window in flight: full unrolling (every vector's loads first) took 90-128 registers
+#pragma unroll
   for (int i = 0; i < VPT; ++i) {
-    if (FULL || i * STEP < left) {
+    if (i * STEP < left) {
       WVec w, b;
       if constexpr (WEIGHT) w = *reinterpret_cast<const WVec*>(weight_at + i * STEP);
       if constexpr (BIAS) b = *reinterpret_cast<const WVec*>(bias_at + i * STEP);
@@ -186,7 +185,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   constexpr int STEP = THREADS * VEC;  // columns between a thread's vectors
   using RowVec = Vec<T, VEC>;
   __shared__ float4 parts[kMaxCluster * WARPS];  // (rank, warp) -> (n, mean, m2, -)
-  __shared__ OkBarrier parts_in;  // completes when every part addressed to this CTA has landed
+  __shared__ OkBarrier full;
 
   cg::cluster_group cluster = cg::this_cluster();
   const int n_ranks = static_cast<int>(cluster.num_blocks());
@@ -197,7 +196,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   const bool has_residual = flags & kHasResidual;
   const bool exchange = n_ranks > 1;
   if (exchange) {
-    if (threadIdx.x == 0) ok_barrier_init(&parts_in, 1);
+    if (threadIdx.x == 0) ok_barrier_init(&full, 1);
     ok_fence_barrier_init();
     ok_cluster_arrive_relaxed();
   }
@@ -210,27 +209,11 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   const RowVec* const staged_res = h + THREADS * VPT;
   const T* const x_at = x + row * stride_x + col0;
   const T* const res_at = res + row * stride_res + col0;
-  // Every vector of this thread in the row (all but a ragged last chunk): the passes below
-  // run without a predicate per vector.
-#ifdef OK_PUSH_PREDICATED  // a study's variant: every vector predicated, full chunks or not
-  const bool full = false;
-#else
-  const bool full = left > static_cast<int64_t>(VPT - 1) * STEP;
-#endif
-  if (full) {
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) ok_copy_async<16, true>(&h[i * THREADS], x_at + i * STEP);
-    if (has_residual) {
-#pragma unroll
-      for (int i = 0; i < VPT; ++i) ok_copy_async<16, true>(&h[(VPT + i) * THREADS], res_at + i * STEP);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (i * STEP < left) {
-        ok_copy_async<16, true>(&h[i * THREADS], x_at + i * STEP);
-        if (has_residual) ok_copy_async<16, true>(&h[(VPT + i) * THREADS], res_at + i * STEP);
-      }
+  for (int i = 0; i < VPT; ++i) {
+    if (i * STEP < left) {
+      ok_copy_async<16, true>(&h[i * THREADS], x_at + i * STEP);
+      if (has_residual) ok_copy_async<16, true>(&h[(VPT + i) * THREADS], res_at + i * STEP);
     }
   }
   ok_copy_async_wait_all();  // each thread reads back only its own vectors: no CTA barrier
@@ -238,9 +221,8 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   T* const res_out_at = res_out + row * stride_res_out + col0;
   const bool store = flags & kStoreResidual;
   auto sum_pass = [&](auto rms, auto residual, auto stored) {
-    constexpr bool R = decltype(rms)::value, S = decltype(residual)::value, O = decltype(stored)::value;
-    return full ? push_sum_pass<T, THREADS, VPT, R, S, O, true>(h, staged_res, res_out_at, left)
-                : push_sum_pass<T, THREADS, VPT, R, S, O, false>(h, staged_res, res_out_at, left);
+    return push_sum_pass<T, THREADS, VPT, decltype(rms)::value, decltype(residual)::value, decltype(stored)::value>(
+        h, staged_res, res_out_at, left);
   };
   auto by_stored = [&](auto rms, auto residual) {
     return store ? sum_pass(rms, residual, Flag<true>()) : sum_pass(rms, residual, Flag<false>());
@@ -258,17 +240,16 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
     part.z = warp_sum(counted.y);
   } else {
     part.y = n_warp > 0.f ? warp_sum(counted.y) / n_warp : 0.f;
-    part.z = warp_sum(full ? push_m2_pass<T, THREADS, VPT, true>(h, left, part.y)
-                           : push_m2_pass<T, THREADS, VPT, false>(h, left, part.y));
+    part.z = warp_sum(push_m2_pass<T, THREADS, VPT>(h, left, part.y));
   }
 
   // Every CTA of the cluster gets every warp's part (a cluster of one: rows of one CTA,
   // launched without clusters, keeps them in its own shared memory).
   if (exchange) {
     ok_cluster_wait();  // every peer's barrier is initialised
-    if (threadIdx.x == 0) ok_barrier_arrive_expect_tx(&parts_in, static_cast<uint32_t>(n_ranks * WARPS * sizeof(float4)));
-    if (lane < n_ranks) ok_store_remote(part, &parts[rank * WARPS + warp], &parts_in, static_cast<uint32_t>(lane));
-    ok_barrier_wait(&parts_in, 0);
+    if (threadIdx.x == 0) ok_barrier_arrive_expect_tx(&full, static_cast<uint32_t>(n_ranks * WARPS * sizeof(float4)));
+    if (lane < n_ranks) ok_store_remote(part, &parts[rank * WARPS + warp], &full, static_cast<uint32_t>(lane));
+    ok_barrier_wait(&full, 0);
   } else {
     if (lane == 0) parts[warp] = part;
     __syncthreads();
@@ -285,13 +266,8 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   const W* const bias_at = bias + col0;
   T* const out_at = out + row * stride_out + col0;
   auto normalize = [&](auto rms, auto with_weight, auto with_bias) {
-    constexpr bool R = decltype(rms)::value, WT = decltype(with_weight)::value, B = decltype(with_bias)::value;
-    if (full) {
-      push_normalize<T, W, THREADS, VPT, R, WT, B, true>(h, weight_at, bias_at, out_at, left, mean, rstd, weight_offset);
-    } else {
-      push_normalize<T, W, THREADS, VPT, R, WT, B, false>(h, weight_at, bias_at, out_at, left, mean, rstd,
-                                                           weight_offset);
-    }
+    push_normalize<T, W, THREADS, VPT, decltype(rms)::value, decltype(with_weight)::value, decltype(with_bias)::value>(
+        h, weight_at, bias_at, out_at, left, mean, rstd, weight_offset);
   };
   const bool has_weight = flags & kHasWeight, has_bias = flags & kHasBias;
   if (is_rms) {
