@@ -622,19 +622,7 @@ int bwd(int threads, int vpt, int cluster, int64_t n_clusters, const void* dy, c
 
 
 // One forward. flags: kIsRms | kHasResidual | kStoreResidual | kHasWeight | kHasBias | kStaged.
-extern "C" int ok_norm_fwd_cluster(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,
-                                   int64_t n_rows, const void* x, const void* res, const void* weight,
-                                   const void* bias, void* out, void* res_out, void* mean, void* rstd,
-                                   int64_t n_cols, int64_t stride_x, int64_t stride_res, int64_t stride_out,
-                                   int64_t stride_res_out, double eps, double weight_offset, int flags,
-                                   int64_t stream) {
-  if (cluster < 1 || cluster > kMaxCluster) return -3;
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  OK_NORM_CLUSTER_DTYPES(fwd, threads, vpt, cluster, n_rows, x, res, weight, bias, out, res_out, mean, rstd, n_cols,
-                         stride_x, stride_res, stride_out, stride_res_out, static_cast<float>(eps),
-                         static_cast<float>(weight_offset), flags, reinterpret_cast<cudaStream_t>(stream))
-}
+OK_NORM_FWD_ENTRIES(ok_norm_fwd_cluster, ok_norm_fwd_cluster_packed)
 
 // One backward over n_clusters clusters of rows_per_cluster rows each; dw_part / db_part are
 // (n_clusters, n_cols) float32. flags: kIsRms | kHasWeight | kHasDhOut | kWeightGrad | kBiasGrad | kStaged.
@@ -652,17 +640,8 @@ extern "C" int ok_norm_bwd_cluster(int device, int dtype_code, int weight_code, 
                          static_cast<float>(weight_offset), flags, reinterpret_cast<cudaStream_t>(stream))
 }
 
-// Every argument in one 64-bit slot (doubles as their bits): what replayed calls run.
-extern "C" int ok_norm_fwd_cluster_packed(const int64_t* a) {
-  double eps, offset;
-  memcpy(&eps, &a[20], sizeof eps);
-  memcpy(&offset, &a[21], sizeof offset);
-  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
-  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_norm_fwd_cluster(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), a[6], p(7), p(8), p(9), p(10), p(11),
-                             p(12), p(13), p(14), a[15], a[16], a[17], a[18], a[19], eps, offset, i32(22), a[23]);
-}
-
+// Its packed twin: every argument in one 64-bit slot (doubles as their bits), what replayed
+// calls run.
 extern "C" int ok_norm_bwd_cluster_packed(const int64_t* a) {
   double offset;
   memcpy(&offset, &a[23], sizeof offset);
