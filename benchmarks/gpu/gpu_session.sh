@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,ncu,gemv,tc,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
 # the studies' time limits can be lowered to fit several families in one call
 # (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, WALL_S, BACKWARD_S,
-# BWDSWEEP_S, SPLIT_S, TC_S, E2E_S, NCU_S, in seconds; NCU_SHAPES, NCU_VARIANTS, NCU_OP);
+# BWDSWEEP_S, SPLIT_S, TC_S, E2E_S, NCU_S, PUSH_S, in seconds; NCU_SHAPES, NCU_VARIANTS, NCU_OP,
+# PUSH_SHAPES);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -41,6 +42,18 @@ if [[ $steps == *cluster* && $family == layernorm ]]; then
     | tee "$out/cluster_correctness.txt" | tail -8
   timeout 300 python3 -m pytest -q -rfE packages/layernorm/tests -k "counters_at_zero or long_rows_replay" 2>&1 \
     | tee "$out/split_counters.txt" | tail -8
+fi
+if [[ $steps == *push* && $family == layernorm ]]; then
+  # The pushed forward (norm_push.cu, the sm_90 default for long rows since layernorm 0.11.0):
+  # its GPU tests and the long-row replay, the kernel-level variants against Triton and QuACK
+  # (source .whl-cute-b/install.sh first for QuACK), then the public op's wall and kernel time.
+  timeout 240 python3 -m pytest -q -rfE packages/layernorm/tests/test_cluster.py packages/layernorm/tests/test_replay.py \
+    -k "cuda or long_rows or replay or push" -m "not aot and not interpreter" 2>&1 | tee "$out/push_tests.txt" | tail -4
+  NORM_VARIANTS=triton,push,quack timeout ${PUSH_S:-200} python3 benchmarks/studies/norm_cluster_variants.py \
+    ${PUSH_SHAPES:-2048x32768,1024x65536,512x131072,256x262144} rms,ln,addrms 8x4096 2>&1 \
+    | tee "$out/push_variants.txt" | grep -v "^bwd\|^fwd+bwd" | tail -14
+  timeout ${PUSH_S:-200} python3 benchmarks/peers/run.py layernorm --shapes ${PUSH_SHAPES:-2048x32768,1024x65536,512x131072,256x262144} \
+    --directions fwd --peers torch,quack --kernel-time --json "$out/push_public.json" 2>&1 | tail -40
 fi
 if [[ $steps == *ncu* && $family == layernorm ]]; then
   # Nsight Compute's counters for one long-row forward call per variant (benchmarks/studies/
