@@ -256,6 +256,30 @@ def test_push_config_routes_the_lengths_it_measured_faster_at() -> None:
     assert C._explain_push(torch.empty(2, 65536, dtype=bf16)) is None  # CPU tensors: no note
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_the_default_launcher_runs_the_pushed_kernel_emulated(residual: bool) -> None:
+    """cuda.push_norm_fwd (dispatch "push") on rows push_config routes: the pushed kernel, under
+    the emulation here (2 rows of 32768 bf16 columns: clusters of 2, of 4 with a residual)."""
+    from openkernels.layernorm import reference as R
+
+    m, n, dtype = 2, 32768, torch.bfloat16
+    x, w = random_tensor((m, n), dtype, "cpu"), random_tensor((n,), dtype, "cpu")
+    r = random_tensor((m, n), dtype, "cpu") if residual else None
+    y, h, rstd = torch.empty_like(x), torch.empty_like(x) if residual else None, torch.empty(m)
+    assert C.push_config(n, dtype, residual) is not None
+    C.push_norm_fwd(x, r, w, None, y, h, None, rstd, eps=1e-6, weight_offset=0.0, rms=True, h_dtype=dtype)
+    want = [torch.empty(m, n, dtype=torch.float64) for _ in range(2)] + [
+        None,
+        torch.empty(m, dtype=torch.float64),
+    ]
+    R.norm_fwd(x.double(), None if r is None else r.double(), w.double(), None, *want, eps=1e-6,
+               weight_offset=0.0, rms=True, h_dtype=dtype)  # fmt: skip
+    assert_close(y, want[0], dtype=dtype, terms=n, msg="y")
+    assert_close(rstd, want[3], dtype=torch.float32, terms=n, msg="rstd")
+    if residual:
+        assert_close(h, want[1], dtype=dtype, msg="h")
+
+
 def test_backward_config_and_calls() -> None:
     assert tuple(C.cluster_config(65536, torch.bfloat16, shapes=C.BWD_SHAPES)) == (512, 2, 8)
     assert tuple(C.cluster_config(16384, torch.bfloat16, shapes=C.BWD_SHAPES)) == (256, 2, 4)

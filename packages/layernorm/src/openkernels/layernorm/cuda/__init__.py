@@ -1,14 +1,16 @@
 """CUDA C++ backend of the layernorm family on Hopper: a row split over a thread-block
-cluster, the row's partial sums exchanged through distributed shared memory (norm_cluster.cu).
+cluster, the row's partial sums exchanged through distributed shared memory.
 
-Dispatch name "cluster", registered for the forward and the backward on sm_90 below the
-Triton kernels' priority: it runs only when forced (`dispatch.force("cluster")`) until its
-H200 measurements say where it wins. Same entry points as triton.norm_fwd / norm_bwd; a call
-they do not take (dtypes other than one 16-bit or float32 row dtype with a weight of that
-dtype or float32, rows not a whole number of 16-byte vectors, misaligned rows or parameters,
-rows longer than 16 CTAs hold: 1048576 bf16 columns forward, 131072 backward) goes to the
-Triton launcher, which takes every call. The library is built with nvcc on first use
-(openkernels.shared.cuda_build); if that fails the Triton kernels run, with one warning.
+Dispatch name "push" (norm_push.cu, the forward only, above Triton's priority): the pushed
+kernel for the rows it measured faster on (push_config), every other call to Triton. Dispatch
+name "cluster" (norm_cluster.cu, forward and backward, below Triton's priority): runs only
+when forced (`dispatch.force("cluster")`); slower than Triton where measured. Same entry
+points as triton.norm_fwd / norm_bwd; a call they do not take (dtypes other than one 16-bit
+or float32 row dtype with a weight of that dtype or float32, rows not a whole number of
+16-byte vectors, misaligned rows or parameters, rows longer than 16 CTAs hold: 1048576 bf16
+columns forward, 131072 backward) goes to the Triton launcher, which takes every call. Each
+library is built with nvcc on first use (openkernels.shared.cuda_build); if that fails the
+Triton kernels run, with one warning.
 CPU tensors run the same source built for the CPU emulation (cuda_build.load_emulated): how
 the tests check the kernels without a GPU.
 """
@@ -87,7 +89,7 @@ PUSH_DTYPES = (torch.bfloat16, torch.float16)
 _BWD_REGISTERS = 128  # the most any backward kernel takes (ptxas, sm_90a): sets CTAs per SM
 PORTABLE_CLUSTER = 8  # any sm_90 part schedules 8 CTAs per cluster
 MAX_CLUSTER = 16  # the non-portable limit (the launcher opts in per kernel)
-_FLAGS = {"rms": 1, "residual": 2, "store_residual": 4, "weight": 8, "bias": 16, "staged": 256}  # fmt: skip
+_FLAGS = {"rms": 1, "residual": 2, "store_residual": 4, "weight": 8, "bias": 16, "staged": 256}
 MAX_STAGED_BYTES = 227 * 1024  # sm_90's dynamic shared memory per CTA
 _BWD_FLAGS = {"rms": 1, "weight": 8, "dh_out": 32, "weight_grad": 64, "bias_grad": 128, "staged": 256}
 
@@ -351,23 +353,14 @@ def push_norm_fwd(
     x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype
 ) -> None:  # fmt: skip
     """The default forward on sm_90 (dispatch name "push", above Triton): the pushed kernel
-    where push_config says it measured faster, every other call to the Triton launcher."""
+    where push_config says it measured faster, every other call to the Triton launcher
+    (norm_fwd also sends there the calls the kernel cannot take: dtypes, alignment)."""
     args = (x, residual, weight, bias, out, residual_out, mean, rstd)
     kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
-    cfg = _push_route(x, residual, h_dtype, *args[2:])
+    cfg = push_config(x.shape[1], x.dtype, residual is not None)
     if cfg is None:
         return _triton_fwd(*args, **kwargs)
     return norm_fwd(*args, **kwargs, config=(cfg.threads, cfg.vectors_per_thread), push=True)
-
-
-def _push_route(x, residual, h_dtype, weight, bias, out, residual_out, mean, rstd) -> ClusterConfig | None:
-    cfg = push_config(x.shape[1], x.dtype, residual is not None) if x.dim() == 2 else None
-    if (
-        cfg is None
-        or unsupported_call(x, residual, weight, bias, out, residual_out, mean, rstd, h_dtype) is not None
-    ):
-        return None
-    return cfg
 
 
 def _explain_push(x, residual=None, *_args, **_kwargs) -> str | None:
