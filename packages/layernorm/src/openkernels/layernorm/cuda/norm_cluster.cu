@@ -572,6 +572,15 @@ auto fwd_kernel(int threads, int vpt) -> decltype(&norm_fwd_cluster_kernel<T, W,
   return nullptr;
 }
 
+// The launch's kernel (kStaged: the chunk in dynamic shared memory, x's and the residual's, 16
+// bytes per thread and vector each; else registers).
+template <typename T, typename W>
+FwdKernel<T, W> pick_fwd(int threads, int vpt, int flags, size_t& dynamic_shared) {
+  const bool staged = flags & kStaged;
+  dynamic_shared = staged ? static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1) : 0;
+  return staged ? fwd_kernel<T, W, true>(threads, vpt) : fwd_kernel<T, W, false>(threads, vpt);
+}
+
 // The backward's shapes: it holds dy and h (16 bytes each) and two float32 accumulators per
 // element, so 2 vectors per thread (4 spill at 512 threads, run at 1 CTA per SM at 256).
 template <typename T, typename W>
@@ -584,22 +593,6 @@ auto bwd_kernel(int threads, int vpt, bool staged) -> decltype(&norm_bwd_cluster
   if (staged && threads == 256 && vpt == 4) return norm_bwd_staged_kernel<T, W, 256, 4>;
   if (staged && threads == 512 && vpt == 4) return norm_bwd_staged_kernel<T, W, 512, 4>;
   return nullptr;
-}
-
-template <typename T, typename W>
-int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const void* res, const void* weight,
-        const void* bias, void* out, void* res_out, void* mean, void* rstd, int64_t n_cols, int64_t stride_x,
-        int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset, int flags,
-        cudaStream_t stream) {
-  const bool staged = flags & kStaged;
-  auto kernel = staged ? fwd_kernel<T, W, true>(threads, vpt) : fwd_kernel<T, W, false>(threads, vpt);
-  if (kernel == nullptr) return -2;
-  // Staged: the x chunk and the residual's, 16 bytes per thread and vector each.
-  const size_t shared = staged ? static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1) : 0;
-  if (shared > kMaxDynamicShared) return -2;
-  return launch_clustered(kernel, cluster, cluster * n_rows, threads, shared, stream, x, res, weight, bias, out, res_out,
-                          mean, rstd, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset,
-                          flags);
 }
 
 template <typename T, typename W>

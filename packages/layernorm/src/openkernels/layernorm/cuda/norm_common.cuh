@@ -98,6 +98,31 @@ int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int t
   return static_cast<int>(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
+// Every forward kernel's signature (x, res, weight, bias, out, res_out, mean, rstd, n_cols,
+// the four row strides, eps, weight_offset, flags).
+template <typename T, typename W>
+using FwdKernel = void (*)(const T*, const T*, const W*, const W*, T*, T*, float*, float*, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, float, float, int);
+
+// Each source's forward kernel for a (threads, vectors per thread) shape and the launch's flags
+// (nullptr: not built), and the dynamic shared memory it takes; defined by the source.
+template <typename T, typename W>
+FwdKernel<T, W> pick_fwd(int threads, int vpt, int flags, size_t& dynamic_shared);
+
+// One forward over n_rows rows, a cluster of `cluster` CTAs per row.
+template <typename T, typename W>
+int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const void* res, const void* weight,
+        const void* bias, void* out, void* res_out, void* mean, void* rstd, int64_t n_cols, int64_t stride_x,
+        int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset, int flags,
+        cudaStream_t stream) {
+  size_t shared = 0;
+  FwdKernel<T, W> kernel = pick_fwd<T, W>(threads, vpt, flags, shared);
+  if (kernel == nullptr || shared > kMaxDynamicShared) return -2;
+  return launch_clustered(kernel, cluster, cluster * n_rows, threads, shared, stream, x, res, weight, bias, out, res_out,
+                          mean, rstd, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset,
+                          flags);
+}
+
 }  // namespace
 
 // The stream is passed as an integer (the handle PyTorch gives): a constant to replay

@@ -284,28 +284,15 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   }
 }
 
-// The kernel of a shape (PUSH_SHAPES in cuda/__init__.py), or nullptr.
+// The kernel of a shape (PUSH_SHAPES in cuda/__init__.py), or nullptr; it stages the x chunk
+// and the residual's, 16 bytes per thread and vector each.
 template <typename T, typename W>
-auto fwd_push_kernel(int threads, int vpt) -> decltype(&norm_fwd_push_kernel<T, W, 256, 4>) {
+FwdKernel<T, W> pick_fwd(int threads, int vpt, int flags, size_t& dynamic_shared) {
+  dynamic_shared = static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1);
   if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4>;
   if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8>;
   if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8>;
   return nullptr;
-}
-
-template <typename T, typename W>
-int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const void* res, const void* weight,
-        const void* bias, void* out, void* res_out, void* mean, void* rstd, int64_t n_cols, int64_t stride_x,
-        int64_t stride_res, int64_t stride_out, int64_t stride_res_out, float eps, float weight_offset, int flags,
-        cudaStream_t stream) {
-  auto kernel = fwd_push_kernel<T, W>(threads, vpt);
-  if (kernel == nullptr) return -2;
-  // The x chunk and the residual's, 16 bytes per thread and vector each.
-  const size_t shared = static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1);
-  if (shared > kMaxDynamicShared) return -2;
-  return launch_clustered(kernel, cluster, cluster * n_rows, threads, shared, stream, x, res, weight, bias, out, res_out,
-                          mean, rstd, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset,
-                          flags);
 }
 
 }  // namespace
