@@ -623,8 +623,13 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
     const A* hc = refetch ? tb : h + c;
     if (one_pass) {
       A sum_d;
-      m2 += double(centered_sums<A>(hc, h[0], m, &sum_d));
-      mu += double(sum_d);
+      const A ss = centered_sums<A>(hc, h[0], m, &sum_d);
+      if (m == N) {
+        short_row_stats<A>(hc, m, h[0], ss, sum_d, mu, m2);  // a short row: its statistics in A
+      } else {
+        m2 += double(ss);
+        mu += double(sum_d);
+      }
       if (ro) store(f.res_out_code, hc, ro + c * elem_size(f.res_out_code), m, stream_res);
       continue;
     }
@@ -715,7 +720,7 @@ void fwd_row(const Fwd& f, AffineFn<A> affine_fn, int64_t r, A* __restrict hb, A
       cnt = n1;
     }
   }
-  if (one_pass) first_value_stats<A>(h, N, mu, m2);
+  if (one_pass && N > kChunk) first_value_stats<A>(h, N, mu, m2);
   A mean = 0, var;
   if (f.rms) {
     var = A(s / double(N));  // mean(h^2)
