@@ -46,7 +46,8 @@ fi
 if [[ $steps == *push* && $family == layernorm ]]; then
   # The pushed forward (norm_push.cu, the sm_90 default for long rows since layernorm 0.11.0):
   # its GPU tests and the long-row replay, the kernel-level variants against Triton and QuACK
-  # (source .whl-cute-b/install.sh first for QuACK), then the public op's wall and kernel time.
+  # (the study builds push-trim / push-bulk / push-lean included: cuda.PUSH_VARIANTS; source
+  # .whl-cute-b/install.sh first for QuACK), then the public op's wall and kernel time.
   timeout 240 python3 -m pytest -q -rfE packages/layernorm/tests/test_cluster.py packages/layernorm/tests/test_replay.py \
     -k "cuda or long_rows or replay or push" -m "not aot and not interpreter" 2>&1 | tee "$out/push_tests.txt" | tail -4
   NORM_VARIANTS=triton,push,quack timeout ${PUSH_S:-200} python3 benchmarks/studies/norm_cluster_variants.py \
@@ -57,10 +58,10 @@ if [[ $steps == *push* && $family == layernorm ]]; then
 fi
 if [[ $steps == *ncu* && $family == layernorm ]]; then
   # Nsight Compute's counters for one long-row forward call per variant (benchmarks/studies/
-  # norm_ncu_target.py): a copy of the same bytes, the Triton launchers, the staged and
-  # register cluster kernels, QuACK where it imports. Full reports in $out/ncu_norm.txt.
+  # norm_ncu_target.py): a copy of the same bytes, the Triton launchers, the pushed kernel and
+  # its lean study build, QuACK where it imports. Full reports in $out/ncu_norm.txt.
   for shape in ${NCU_SHAPES:-1024x65536}; do
-    for v in ${NCU_VARIANTS:-copy triton staged regs quack}; do
+    for v in ${NCU_VARIANTS:-copy triton push push-lean quack}; do
       timeout ${NCU_S:-120} ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
         --section SchedulerStats python3 benchmarks/studies/norm_ncu_target.py "$v" "$shape" ${NCU_OP:-rms} 2>&1 \

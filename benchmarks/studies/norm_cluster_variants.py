@@ -1,7 +1,7 @@
 """The sm_90 norm kernels' variants, kernel level, one process (H200, bf16): the Triton
 launchers, the cluster kernels with the chunk in registers, staged in shared memory (each
 chunk shape that fits), the pushed kernel (staged, per-warp statistics stored into every CTA
-by st.async), and QuACK's
+by st.async) and its study variants (cuda.PUSH_VARIANTS: push-trim, push-bulk, push-lean), and QuACK's
 RMSNorm where it imports. Forward of RMSNorm, LayerNorm and add_rms_norm (prenorm), then the
 backward kernels (registers, staged, CTAs per SM) and RMSNorm forward+backward through
 autograd (ours, ours with the cluster kernels forced, QuACK). GB/s count one read and one
@@ -128,6 +128,12 @@ def forward(shapes: list[tuple[int, int]], ops: list[str], copy: float, qr: obje
                     variants[f"push{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: C.norm_fwd(
                         *a(s), **kw, config=shape, push=True
                     )
+                    for name in C.PUSH_VARIANTS:  # the study's builds of it: push-trim, push-bulk, push-lean
+                        variants[f"push-{name}{tuple(cfg)}"] = (
+                            lambda s, a=args, kw=kw, shape=shape, name=name: C.norm_fwd(
+                                *a(s), **kw, config=shape, push=name
+                            )
+                        )
                     if PUSH_VARIANT is not None:
                         variants[f"push-variant{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: (
                             _with_push(PUSH_VARIANT, lambda: C.norm_fwd(*a(s), **kw, config=shape, push=True))

@@ -30,6 +30,12 @@ def test_every_cluster_kernel_compiles_for_sm_90a_without_spills() -> None:
     if cuda_build.nvcc() is None:  # the CI image has nvcc (13.0): this skip is for other machines
         pytest.skip("no nvcc: the CUDA C++ compile check cannot run here")
     reports = cuda_build.ptxas_report(C._SOURCE, C.ARCH) + cuda_build.ptxas_report(C._PUSH_SOURCE, C.ARCH)
+    # The pushed forward's study variants with every macro on (bulk copies, trimmed passes).
+    lean = cuda_build.ptxas_report(C._PUSH_SOURCE, C.ARCH, C.PUSH_VARIANTS["lean"])
+    assert len(lean) == 5 * len(C.PUSH_SHAPES), [r.name for r in lean]
+    for r in lean:
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+        assert r.odd_descriptors <= 0, r
     kinds = (("fwd_cluster", C.SHORT_SHAPES + C.SHAPES), ("fwd_staged", C.SHORT_SHAPES + C.SHAPES),
              ("fwd_push", C.PUSH_SHAPES), ("bwd_cluster", C.BWD_SHAPES),
              ("bwd_staged", C.BWD_STAGED_SHAPES))  # fmt: skip
@@ -164,7 +170,7 @@ if _sm_90():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["registers", "staged", "push"])
+@pytest.mark.parametrize("kind", ["registers", "staged", "push", "push-lean"])
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, device: str) -> None:
@@ -173,7 +179,9 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
     large mean (LayerNorm), a NaN row; two runs bitwise equal. The chunk held in registers,
     and staged in shared memory (cp.async: the emulation fills shared memory with NaN bytes
     and copies only at the wait, so a read before it fails), and the pushed kernel (staged,
-    per-warp statistics stored into every CTA by st.async, counted on mbarriers)."""
+    per-warp statistics stored into every CTA by st.async, counted on mbarriers), also built as
+    its "lean" study variant (each chunk staged by one bulk copy: in the emulation it lands
+    only when the barrier's phase completes; bfloat16 pairs by shift and mask)."""
     from openkernels.layernorm import reference as R
 
     cases = [(300, 2048, None), (64, 4096, None), (7, 8192, None), (5, 1000, (128, 2)), (3, 65536, None),
@@ -181,7 +189,8 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
              (2, 200000, (512, 8)), (2, 300000, (512, 16))]  # fmt: skip
     if device == "cpu":  # one CTA, clusters of 3 and 5 with a ragged last chunk, a 32768-element chunk
         cases = [(3, 1000, (128, 2)), (2, 5000, (128, 2)), (2, 9800, (128, 2)), (2, 40000, (512, 8))]
-    if kind == "push":  # its own shapes: the lengths push_config routes, ragged chunks, one CTA
+    push = {"push": True, "push-lean": "lean"}.get(kind, False)
+    if push:  # its own shapes: the lengths push_config routes, ragged chunks, one CTA
         cases = [(3, 32768, (256, 8)), (3, 65536, (256, 4)), (2, 131072, (256, 8)), (2, 262144, (512, 8)),
                  (2, 262152, (512, 8)), (5, 20000, (256, 4)), (2, 200000, (512, 8))]  # fmt: skip
         if device == "cpu":
@@ -203,7 +212,7 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
             rstd = torch.empty(m, device=device)
             assert C.unsupported_call(x, r, w, b, y, h, mean, rstd, dtype) is None
             C.norm_fwd(x, r, w, b, y, h, mean, rstd, eps=1e-6, weight_offset=0.5, rms=rms, h_dtype=dtype,
-                       config=shape, staged=staged, push=kind == "push")  # fmt: skip
+                       config=shape, staged=staged, push=push)  # fmt: skip
             runs.append((y, h, rstd, mean))
         assert not C._broken, C._broken
         for a, b_ in zip(runs[0], runs[1]):
@@ -377,7 +386,7 @@ def test_backward_against_float64(rms: bool, dtype: torch.dtype, staged: bool, d
         (True, True, True, True),
     ],
 )
-@pytest.mark.parametrize("kind", ["registers", "staged", "push"])
+@pytest.mark.parametrize("kind", ["registers", "staged", "push", "push-lean"])
 def test_forward_flags_emulated(
     rms: bool, residual: bool, store: bool, weight: bool, bias: bool, kind: str
 ) -> None:
@@ -387,7 +396,8 @@ def test_forward_flags_emulated(
 
     if rms and bias:
         pytest.skip("RMSNorm has no bias")
-    m, n, dtype = 3, 20000 if kind == "push" else 5000, torch.bfloat16  # clusters of 3 (push: 8192 per CTA)
+    push = {"push": True, "push-lean": "lean"}.get(kind, False)
+    m, n, dtype = 3, 20000 if push else 5000, torch.bfloat16  # clusters of 3 (push: 8192 per CTA)
     x = random_tensor((m, n), dtype, "cpu")
     r = random_tensor((m, n), dtype, "cpu") if residual else None
     w = random_tensor((n,), dtype, "cpu") if weight else None
@@ -410,9 +420,9 @@ def test_forward_flags_emulated(
         weight_offset=0.0,
         rms=rms,
         h_dtype=dtype,
-        config=(256, 4) if kind == "push" else (128, 2),
+        config=(256, 4) if push else (128, 2),
         staged=kind != "registers",
-        push=kind == "push",
+        push=push,
     )
     want = [torch.empty(m, n, dtype=torch.float64) for _ in range(2)]
     want += [None if rms else torch.empty(m, dtype=torch.float64), torch.empty(m, dtype=torch.float64)]

@@ -110,12 +110,13 @@ def load_library(
         raise CudaBuildError(f"building {name} with nvcc: {error}") from error
 
 
-def load_emulated(source: pathlib.Path, *, name: str) -> ctypes.CDLL:
+def load_emulated(source: pathlib.Path, *, name: str, defines: Sequence[str] = ()) -> ctypes.CDLL:
     """`source` built for the CPU (C++20, -DOK_CUDA_EMULATION, cuda_emulation.h) with the host
-    compiler and loaded: its host entries then launch the kernels on CPU memory. Cached as the
-    CPU libraries are (the shared headers' digest is part of the flags, hence of the key);
-    cpu_build.CpuBuildError where it cannot be built."""
-    flags = ("-std=c++20", "-pthread", "-DOK_CUDA_EMULATION", *_header_flags(), "-x", "c++")
+    compiler and loaded: its host entries then launch the kernels on CPU memory. `defines`:
+    more -D flags (a variant of the source). Cached as the CPU libraries are (the shared
+    headers' digest is part of the flags, hence of the key); cpu_build.CpuBuildError where it
+    cannot be built."""
+    flags = ("-std=c++20", "-pthread", "-DOK_CUDA_EMULATION", *defines, *_header_flags(), "-x", "c++")
     return cpu_build.load_library(source, name=f"{name}_emulated", extra_flags=flags)
 
 
@@ -146,7 +147,9 @@ class CudaLibrary:
 
             with self._lock:
                 if self._emulated is None:
-                    lib = load_emulated(self.source, name=self.name)
+                    # The variant's -D flags too (nvcc's other flags mean nothing to the host compiler).
+                    defines = [f for f in self.extra_flags if f.startswith("-D")]
+                    lib = load_emulated(self.source, name=self.name, defines=defines)
                     for entry, argtypes in self.signatures.items():
                         fn = getattr(lib, entry)
                         fn.argtypes, fn.restype = argtypes, ctypes.c_int

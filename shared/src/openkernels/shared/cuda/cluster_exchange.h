@@ -4,7 +4,8 @@
 // every peer's bytes have landed. No cluster-wide barrier on the critical path (only the
 // relaxed arrive at the start that makes the barriers' initialisation visible) and no barrier
 // before exit: a CTA has received everything addressed to it before it reads it, and reads
-// no peer's memory. With their CPU-emulation twins (cuda_emulation.h). sm_90.
+// no peer's memory. The same barriers count bulk copies from global memory (ok_bulk_copy).
+// With their CPU-emulation twins (cuda_emulation.h). sm_90.
 //
 //   __shared__ OkBarrier full;                     // one per exchange (one phase each)
 //   if (threadIdx.x == 0) ok_barrier_init(&full, 1);
@@ -30,6 +31,9 @@ __device__ __forceinline__ void ok_barrier_arrive_expect_tx(OkBarrier* bar, uint
 __device__ __forceinline__ void ok_barrier_wait(OkBarrier* bar, uint32_t parity) { ok_emu::mbarrier_wait(bar, parity); }
 __device__ __forceinline__ void ok_store_remote(const float4& value, void* slot, OkBarrier* bar, uint32_t peer) {
   ok_emu::store_remote(&value, sizeof(value), slot, bar, peer);
+}
+__device__ __forceinline__ void ok_bulk_copy(void* smem, const void* gmem, uint32_t bytes, OkBarrier* bar) {
+  ok_emu::bulk_copy(smem, gmem, bytes, bar);
 }
 #else
 using OkBarrier = uint64_t;  // an mbarrier: 8 bytes of shared memory, 8-byte aligned
@@ -77,5 +81,15 @@ __device__ __forceinline__ void ok_store_remote(const float4& value, void* slot,
       "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(remote_slot),
       "f"(value.x), "f"(value.y), "f"(value.z), "f"(value.w), "r"(remote_bar)
       : "memory");
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this
+// CTA's shared memory by the TMA unit (cp.async.bulk, one instruction for the whole range),
+// counted on this CTA's `bar`: the issuing thread arrives with expect_tx first (or after: the
+// phase waits for both), every reader waits on the barrier.
+__device__ __forceinline__ void ok_bulk_copy(void* smem, const void* gmem, uint32_t bytes, OkBarrier* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   ok_shared_address(smem)),
+               "l"(gmem), "r"(bytes), "r"(ok_shared_address(bar))
+               : "memory");
 }
 #endif

@@ -30,6 +30,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 // ---- language ------------------------------------------------------------------------------
@@ -417,11 +418,22 @@ struct Mbarrier {
   int64_t bytes = 0;  // expected minus landed
   unsigned phase = 0;
   bool ready = false;
+  // cp.async.bulk copies counted here land at the first wait that sees their phase complete,
+  // so a kernel that reads their destination without waiting on the barrier reads the 0xff
+  // fill (the fiber that issued them would otherwise run on and hide the missing wait).
+  using Copy = std::tuple<void*, const void*, size_t>;
+  std::vector<Copy> in_flight, completed;
   void complete_if_done() {
     if (pending == 0 && bytes == 0) {
+      completed.insert(completed.end(), in_flight.begin(), in_flight.end());
+      in_flight.clear();
       ++phase;
       pending = count;
     }
+  }
+  void land() {
+    for (const auto& [dst, src, n] : completed) std::memcpy(dst, src, n);
+    completed.clear();
   }
 };
 inline void mbarrier_init(Mbarrier* bar, int count) {
@@ -444,7 +456,10 @@ inline void mbarrier_wait(Mbarrier* bar, uint32_t parity) {
     {
       std::lock_guard<std::mutex> lock(bar->mutex);
       if (!bar->ready) fail("mbarrier wait on a barrier never initialised");
-      if ((bar->phase & 1u) != (parity & 1u)) return;
+      if ((bar->phase & 1u) != (parity & 1u)) {
+        bar->land();
+        return;
+      }
     }
     stop(Stop::kYield);
   }
@@ -461,6 +476,23 @@ inline void store_remote(const void* value, size_t bytes, void* slot, Mbarrier* 
   std::memcpy(peer_copy(slot), value, bytes);
   remote_bar->bytes -= static_cast<int64_t>(bytes);
   remote_bar->complete_if_done();
+}
+
+// cp.async.bulk global -> this CTA's dynamic shared memory, `bytes` (a multiple of 16, both
+// addresses 16-byte aligned) counted on `bar` (the issuing CTA's): lands at a wait (Mbarrier).
+inline void bulk_copy(void* dst, const void* src, uint32_t bytes, Mbarrier* bar) {
+  Cta* c = cta;
+  const auto* base = reinterpret_cast<const char*>(c->dynamic_shared.get());
+  const auto* at = static_cast<const char*>(dst);
+  if (at < base || at + bytes > base + c->dynamic_bytes) fail("cp.async.bulk outside the dynamic shared memory");
+  if (bytes == 0 || bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(src) % 16 != 0)
+    fail("cp.async.bulk: sizes and addresses must be multiples of 16 bytes");
+  std::lock_guard<std::mutex> lock(bar->mutex);
+  if (!bar->ready) fail("cp.async.bulk counted on a barrier never initialised");
+  bar->in_flight.emplace_back(dst, src, bytes);
+  bar->bytes -= static_cast<int64_t>(bytes);
+  bar->complete_if_done();
 }
 
 template <typename... Params, typename... Args>

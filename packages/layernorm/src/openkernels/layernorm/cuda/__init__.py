@@ -68,6 +68,27 @@ _push_library = cuda_build.CudaLibrary(
     _PUSH_SOURCE, name="openkernels_layernorm_push", arch=ARCH,
     signatures={"ok_norm_fwd_push": _SIGNATURES["ok_norm_fwd_cluster"]},
 )  # fmt: skip
+# The pushed forward built with a study's macros (norm_push.cu), not the default until timed on
+# an H200 (docs/perf.md): "trim" (bfloat16 pairs by a shift and a mask, no add of a zero
+# weight_offset), "bulk" (each CTA's chunk staged by one TMA bulk copy per tensor instead of a
+# cp.async per 16 bytes), "lean" (both). norm_fwd(..., push=<name>) runs one (tests, studies).
+PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
+    "trim": ("-DOK_PUSH_TRIM",), "bulk": ("-DOK_PUSH_BULK",), "lean": ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK"),
+}  # fmt: skip
+_push_variants: dict[str, cuda_build.CudaLibrary] = {}
+
+
+def push_variant_library(variant: str) -> cuda_build.CudaLibrary:
+    """norm_push.cu built with PUSH_VARIANTS[variant]'s flags (built on first use)."""
+    if variant not in PUSH_VARIANTS:
+        raise ValueError(f"pushed forward variant {variant!r}: one of {sorted(PUSH_VARIANTS)}")
+    if variant not in _push_variants:
+        _push_variants[variant] = cuda_build.CudaLibrary(
+            _PUSH_SOURCE, name=f"openkernels_layernorm_push_{variant}", arch=ARCH,
+            signatures=_push_library.signatures, extra_flags=PUSH_VARIANTS[variant],
+        )  # fmt: skip
+    return _push_variants[variant]
+
 
 # (threads per CTA, 16-byte vectors per thread) of the forward, for rows split over a
 # cluster: from the narrowest chunk (bf16: 8192 columns per CTA) to the widest (65536).
@@ -270,11 +291,11 @@ def _triton_bwd(*args, **kwargs) -> None:
     triton_norm_bwd(*args, **kwargs)
 
 
-def _load(device: torch.device, push: bool = False) -> object | None:
-    """The library for `device` (`push`: norm_push.cu's), or None (warned once) when it cannot
-    be built or loaded. CPU tensors (tests without a GPU) take the kernels built for the CPU
-    emulation."""
-    library = _push_library if push else _library
+def _load(device: torch.device, push: bool | str = False) -> object | None:
+    """The library for `device` (`push`: norm_push.cu's; a name of PUSH_VARIANTS: that
+    variant's), or None (warned once) when it cannot be built or loaded. CPU tensors (tests
+    without a GPU) take the kernels built for the CPU emulation."""
+    library = push_variant_library(push) if isinstance(push, str) else _push_library if push else _library
     if device.type == "cpu":
         return library.emulated()
     if _broken:
@@ -304,12 +325,12 @@ def _launch_failed(status: int, what: str, on_gpu: bool) -> None:
 
 def norm_fwd(
     x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype, config=None,
-    staged=None, push=False,
+    staged=None, push: bool | str = False,
 ) -> None:  # fmt: skip
     """triton.norm_fwd's contract. `config`: (threads, vectors per thread) forced, `staged`: the
     chunk in shared memory (True) or registers (False) forced, `push`: the pushed kernel
     (norm_push.cu: staged chunk, statistics sent to every CTA by st.async; a shape of
-    PUSH_SHAPES) (tests, benchmarks)."""
+    PUSH_SHAPES), or a name of PUSH_VARIANTS: that variant of it (tests, benchmarks)."""
     args = (x, residual, weight, bias, out, residual_out, mean, rstd)
     kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
     if (_broken and x.is_cuda) or unsupported_call(*args, h_dtype) is not None:

@@ -87,6 +87,26 @@ __device__ __forceinline__ void store_pair(T* dst, float a, float b) {
 #endif
 }
 
+// Elements e and e + 1 of a vector as floats. With OK_PUSH_TRIM (a study's variant,
+// benchmarks/studies/norm_cluster_variants.py), bfloat16 pairs come from their 32-bit word by
+// one shift and one mask (the default conversion takes a byte permute and a shift for the
+// upper element); the same values either way.
+template <typename T, int N>
+__device__ __forceinline__ float2 pair_at(const Vec<T, N>& vec, int e) {
+#ifdef OK_PUSH_TRIM
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    uint32_t word;
+    memcpy(&word, &vec.v[e], 4);
+    const uint32_t lo = word << 16, hi = word & 0xffff0000u;
+    float2 pair;
+    memcpy(&pair.x, &lo, 4);
+    memcpy(&pair.y, &hi, 4);
+    return pair;
+  }
+#endif
+  return make_float2(to_float(vec.v[e]), to_float(vec.v[e + 1]));
+}
+
 template <bool B>
 struct Flag {
   static constexpr bool value = B;
@@ -107,15 +127,23 @@ __device__ __forceinline__ float2 push_sum_pass(Vec<T, 16 / sizeof(T)>* h, const
       if constexpr (RESIDUAL) {
         const Vec<T, VEC> r = staged_res[i * THREADS];
 #pragma unroll
-        for (int e = 0; e < VEC; e += 2)
-          store_pair(&hv.v[e], to_float(hv.v[e]) + to_float(r.v[e]), to_float(hv.v[e + 1]) + to_float(r.v[e + 1]));
+        for (int e = 0; e < VEC; e += 2) {
+          const float2 a = pair_at(hv, e), b = pair_at(r, e);
+          store_pair(&hv.v[e], a.x + b.x, a.y + b.y);
+        }
         h[i * THREADS] = hv;
       }
       if constexpr (STORE) store_stream(res_out_at + i * STEP, hv);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const float v = to_float(hv.v[e]);
-        if constexpr (RMS) sum = fmaf(v, v, sum); else sum += v;
+      for (int e = 0; e < VEC; e += 2) {
+        const float2 v = pair_at(hv, e);
+        if constexpr (RMS) {
+          sum = fmaf(v.x, v.x, sum);
+          sum = fmaf(v.y, v.y, sum);
+        } else {
+          sum += v.x;
+          sum += v.y;
+        }
       }
       count += VEC;
     }
@@ -133,17 +161,20 @@ __device__ __forceinline__ float push_m2_pass(const Vec<T, 16 / sizeof(T)>* h, i
     if (i * STEP < left) {
       const Vec<T, VEC> hv = h[i * THREADS];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const float d = to_float(hv.v[e]) - mean;
-        m2 = fmaf(d, d, m2);
+      for (int e = 0; e < VEC; e += 2) {
+        const float2 v = pair_at(hv, e);
+        const float dx = v.x - mean, dy = v.y - mean;
+        m2 = fmaf(dx, dx, m2);
+        m2 = fmaf(dy, dy, m2);
       }
     }
   }
   return m2;
 }
 
-// y = (h - mean) * rstd * (w + offset) + b from shared memory, options compiled in.
-template <typename T, typename W, int THREADS, int VPT, bool RMS, bool WEIGHT, bool BIAS>
+// y = (h - mean) * rstd * (w + offset) + b from shared memory, options compiled in (OFFSET:
+// weight_offset is not 0).
+template <typename T, typename W, int THREADS, int VPT, bool RMS, bool WEIGHT, bool BIAS, bool OFFSET = true>
 __device__ __forceinline__ void push_normalize(const Vec<T, 16 / sizeof(T)>* h, const W* weight_at, const W* bias_at,
                                                T* out_at, int64_t left, float mean, float rstd, float weight_offset) {
   constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
@@ -158,12 +189,17 @@ __device__ __forceinline__ void push_normalize(const Vec<T, 16 / sizeof(T)>* h, 
       Vec<T, VEC> y;
 #pragma unroll
       for (int e = 0; e < VEC; e += 2) {
-        float v[2];
+        const float2 pair = pair_at(hv, e);
+        float v[2] = {pair.x, pair.y};
+        float2 wp = make_float2(0.f, 0.f), bp = wp;
+        if constexpr (WEIGHT) wp = pair_at(w, e);
+        if constexpr (BIAS) bp = pair_at(b, e);
+        const float ws[2] = {wp.x, wp.y}, bs[2] = {bp.x, bp.y};
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          v[j] = RMS ? to_float(hv.v[e + j]) * rstd : (to_float(hv.v[e + j]) - mean) * rstd;
-          if constexpr (WEIGHT) v[j] *= to_float(w.v[e + j]) + weight_offset;
-          if constexpr (BIAS) v[j] += to_float(b.v[e + j]);
+          v[j] = RMS ? v[j] * rstd : (v[j] - mean) * rstd;
+          if constexpr (WEIGHT) v[j] *= OFFSET ? ws[j] + weight_offset : ws[j];
+          if constexpr (BIAS) v[j] += bs[j];
         }
         store_pair(&y.v[e], v[0], v[1]);
       }
@@ -186,6 +222,9 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   using RowVec = Vec<T, VEC>;
   __shared__ float4 parts[kMaxCluster * WARPS];  // (rank, warp) -> (n, mean, m2, -)
   __shared__ OkBarrier full;
+#ifdef OK_PUSH_BULK
+  __shared__ OkBarrier staged;  // the chunk's bulk copies (OK_PUSH_BULK) land on it
+#endif
 
   cg::cluster_group cluster = cg::this_cluster();
   const int n_ranks = static_cast<int>(cluster.num_blocks());
@@ -195,11 +234,18 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   const bool is_rms = flags & kIsRms;
   const bool has_residual = flags & kHasResidual;
   const bool exchange = n_ranks > 1;
+#ifdef OK_PUSH_BULK
+  if (threadIdx.x == 0) ok_barrier_init(&staged, 1);
+#endif
   if (exchange) {
     if (threadIdx.x == 0) ok_barrier_init(&full, 1);
     ok_fence_barrier_init();
     ok_cluster_arrive_relaxed();
   }
+#ifdef OK_PUSH_BULK
+  if (!exchange) ok_fence_barrier_init();
+  __syncthreads();  // every thread waits on `staged`: it is initialised before anyone does
+#endif
 
   // This thread's first column; vector i is in the row when i * STEP < left.
   const int64_t col0 = static_cast<int64_t>(rank) * CHUNK + static_cast<int64_t>(threadIdx.x) * VEC;
@@ -207,6 +253,22 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   OK_DYNAMIC_SHARED(stage);
   RowVec* const h = reinterpret_cast<RowVec*>(stage) + threadIdx.x;  // vector i at h[i * THREADS]
   const RowVec* const staged_res = h + THREADS * VPT;
+#ifdef OK_PUSH_BULK
+  // A study's variant (benchmarks/studies/norm_cluster_variants.py): the CTA's chunk of x (and
+  // of the residual) in one bulk copy each, issued by one thread (the TMA unit splits it),
+  // instead of a cp.async per thread and 16 bytes with its address and bounds arithmetic. The
+  // shared layout is the chunk's own order, as below.
+  if (threadIdx.x == 0) {
+    const int64_t first = static_cast<int64_t>(rank) * CHUNK;
+    const int64_t cols = n_cols - first < CHUNK ? n_cols - first : CHUNK;
+    const uint32_t bytes = static_cast<uint32_t>(cols * static_cast<int64_t>(sizeof(T)));
+    ok_barrier_arrive_expect_tx(&staged, has_residual ? 2 * bytes : bytes);
+    ok_bulk_copy(stage, x + row * stride_x + first, bytes, &staged);
+    if (has_residual)
+      ok_bulk_copy(stage + THREADS * VPT * sizeof(RowVec), res + row * stride_res + first, bytes, &staged);
+  }
+  ok_barrier_wait(&staged, 0);
+#else
   const T* const x_at = x + row * stride_x + col0;
   const T* const res_at = res + row * stride_res + col0;
 #pragma unroll
@@ -217,6 +279,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
     }
   }
   ok_copy_async_wait_all();  // each thread reads back only its own vectors: no CTA barrier
+#endif
 
   T* const res_out_at = res_out + row * stride_res_out + col0;
   const bool store = flags & kStoreResidual;
@@ -265,9 +328,17 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   const W* const weight_at = weight + col0;
   const W* const bias_at = bias + col0;
   T* const out_at = out + row * stride_out + col0;
+  auto normalize_as = [&](auto rms, auto with_weight, auto with_bias, auto offset) {
+    push_normalize<T, W, THREADS, VPT, decltype(rms)::value, decltype(with_weight)::value, decltype(with_bias)::value,
+                   decltype(offset)::value>(h, weight_at, bias_at, out_at, left, mean, rstd, weight_offset);
+  };
   auto normalize = [&](auto rms, auto with_weight, auto with_bias) {
-    push_normalize<T, W, THREADS, VPT, decltype(rms)::value, decltype(with_weight)::value, decltype(with_bias)::value>(
-        h, weight_at, bias_at, out_at, left, mean, rstd, weight_offset);
+#ifdef OK_PUSH_TRIM  // no add of a zero weight_offset per element
+    if constexpr (decltype(with_weight)::value) {
+      if (weight_offset == 0.f) return normalize_as(rms, with_weight, with_bias, Flag<false>());
+    }
+#endif
+    normalize_as(rms, with_weight, with_bias, Flag<true>());
   };
   const bool has_weight = flags & kHasWeight, has_bias = flags & kHasBias;
   if (is_rms) {
