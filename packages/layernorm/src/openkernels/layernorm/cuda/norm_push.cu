@@ -88,9 +88,10 @@ __device__ __forceinline__ void store_pair(T* dst, float a, float b) {
 }
 
 // Elements e and e + 1 of a vector as floats. With OK_PUSH_TRIM (a study's variant,
-// benchmarks/studies/norm_cluster_variants.py), bfloat16 pairs come from their 32-bit word by
-// one shift and one mask (the default conversion takes a byte permute and a shift for the
-// upper element); the same values either way.
+// benchmarks/studies/norm_cluster_variants.py, which also drops the add of a zero
+// weight_offset and takes weight and bias in one FMA), bfloat16 pairs come from their 32-bit
+// word by one shift and one mask (the default conversion takes a byte permute and a shift for
+// the upper element); the same values either way.
 template <typename T, int N>
 __device__ __forceinline__ float2 pair_at(const Vec<T, N>& vec, int e) {
 #ifdef OK_PUSH_TRIM
@@ -198,6 +199,12 @@ __device__ __forceinline__ void push_normalize(const Vec<T, 16 / sizeof(T)>* h, 
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           v[j] = RMS ? v[j] * rstd : (v[j] - mean) * rstd;
+#ifdef OK_PUSH_TRIM  // weight and bias in one FMA
+          if constexpr (WEIGHT && BIAS) {
+            v[j] = fmaf(v[j], OFFSET ? ws[j] + weight_offset : ws[j], bs[j]);
+            continue;
+          }
+#endif
           if constexpr (WEIGHT) v[j] *= OFFSET ? ws[j] + weight_offset : ws[j];
           if constexpr (BIAS) v[j] += bs[j];
         }
