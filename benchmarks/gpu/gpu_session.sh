@@ -106,7 +106,13 @@ if [[ $steps == *tc* && $family == quant ]]; then
   # The tensor-core GEMV (int4_tc.cu, the default for 1-8 rows of x on sm_90): its variants
   # against Triton, tinygemm and F.linear (kernel time), its GPU tests, the public op's eager
   # wall time, then one Llama-style 1B decode step in a CUDA graph, int4 against bf16 weights.
-  timeout ${TC_S:-240} python3 benchmarks/studies/quant_tc_gemv.py \
+  # The ring-fed study variant (config "tcr-...", bulk copies) is timed only if each of its
+  # configs first ran clean in its own process (check_tc_gpu.py).
+  tcr=$(python3 -c "from openkernels.quant import cuda as G; print(','.join(G.TCR_CONFIGS))")
+  tc=$(python3 -c "from openkernels.quant import cuda as G; print(','.join(G.TC_CONFIGS))")
+  if timeout ${TCR_CHECK_S:-200} python3 benchmarks/gpu/check_tc_gpu.py --configs "$tcr" 2>&1 | tee "$out/tcr_check.txt" | tail -16 \
+      && [[ ${PIPESTATUS[0]} == 0 ]]; then tc="$tc,$tcr"; fi
+  timeout ${TC_S:-240} python3 benchmarks/studies/quant_tc_gemv.py --configs "$tc" \
     --shapes ${TC_SHAPES:-8192x8192,28672x8192,2048x2048,3072x2048,16384x2048,2048x8192} 2>&1 \
     | tee "$out/tc_study.txt" | grep -v '^\[ *[0-9.]*s\]   ' | tail -100
   timeout 150 python3 -m pytest -q -rfE packages/quant/tests/test_gemv.py -k "tensor_core_gemv" -m "not aot" -x 2>&1 \

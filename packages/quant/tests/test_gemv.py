@@ -42,8 +42,12 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     mma_persistent = [r for r in report if "int4_mma_persistent_kernel" in r.name]
     # dtype pairs x (zeros, symmetric) x (columns, depth)
     assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
-    tc = cuda_build.ptxas_report(G._TC_SOURCE, arch)  # int4_tc.cu: the tensor-core GEMV's own library
-    assert len(tc) == 4 * len(G.TC_SHAPES), [r.name for r in tc]  # dtype pairs x shapes
+    tc_all = cuda_build.ptxas_report(G._TC_SOURCE, arch)  # int4_tc.cu: the tensor-core GEMV's own library
+    tc = [r for r in tc_all if "int4_tc_kernel" in r.name]
+    assert len(tc) == 4 * len(G.TC_SHAPES), [r.name for r in tc_all]  # dtype pairs x shapes
+    ring = [r for r in tc_all if "int4_tc_ring_kernel" in r.name]  # sm_80: empty bodies (no bulk copies)
+    assert len(ring) == 4 * len(G.TCR_SHAPES) and len(tc_all) == len(tc) + len(ring), [r.name for r in tc_all]
+    tc += ring
     for r in kernels + mma + persistent + mma_persistent + tc:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
         assert r.odd_descriptors <= 0, r  # an odd uniform register for a descriptor: illegal on the GPU
@@ -316,6 +320,47 @@ def test_tensor_core_gemv_within_the_error_contract(symmetric: bool, dtype: torc
         ]
     assert {c[-1] for c in cases} == set(G.TC_CONFIGS)
     _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ring_fed_tensor_core_gemv_within_the_error_contract(
+    symmetric: bool, dtype: torch.dtype, device: str
+) -> None:
+    """The tensor-core GEMV fed by a producer warp's ring of bulk copies ("tcr"), every shape
+    built, against float64: K over more stages than the ring holds (stages refilled after the
+    consumers free them), a last stage of fewer chunks than warps, a single short stage,
+    groups of 128 and the whole row, 1-8 rows of x, both scale dtypes, bias dtypes; two
+    runs bitwise equal. In the emulation a bulk copy lands only at a wait on its barrier, so
+    a consumer that reads a stage before waiting for it reads NaN bytes."""
+    g = torch.Generator().manual_seed(17)
+    if device == "cpu":  # (M, N, K, group, bias, config)
+        cases = [(1, 32, 5504, 128, None, "tcr-t1-s4"), (8, 32, 3072, None, None, "tcr-t2-s4"),
+                 (3, 64, 1152, 128, torch.float32, "tcr-t2-s4"), (2, 64, 4096, None, torch.float16, "tcr-t4-s2"),
+                 (5, 64, 640, 128, torch.bfloat16, "tcr-t4-s2")]  # fmt: skip
+    else:
+        cases = [(m, n, 8192, 128, None, c) for c in G.TCR_CONFIGS for m, n in ((1, 28672), (8, 8192))]
+        cases += [(5, 4096, 4096, None, torch.float32, "tcr-t2-s4"), (1, 2048, 2048, 128, None, "tcr-t1-s4"),
+                  (3, 8192, 28672, 128, torch.bfloat16, "tcr-t4-s2")]  # fmt: skip
+    assert {c[-1] for c in cases} == set(G.TCR_CONFIGS)
+    _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
+
+
+def test_tcr_configs() -> None:
+    assert G.tcr_config("tc-t2-u2") is None and G.tcr_config(4) is None
+    assert G.tcr_config("tcr") == G.TcRingConfig(2, 4)
+    assert G.tcr_config("tcr-t4-s2") == G.TcRingConfig(4, 2)
+    for bad in ("tcr-t3-s4", "tcr-t2-u2", "tcr-x", "tcr-t1-s8"):
+        with pytest.raises(ValueError):
+            G.tcr_config(bad)
+    x, qweight, scales, zeros, bias, out, group, kind = _call(n=64, k=1024)
+    assert G.unsupported_call(x, qweight, scales, zeros, bias, out, group, kind, "tcr-t2-s4") is None
+    assert "multiple of 128" in G.unsupported_call(*_call(n=64, k=1024, group=64), "tcr-t1-s4")
+    assert "multiple of 64" in G.unsupported_call(*_call(n=32, k=1024), "tcr-t4-s2")
+    assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tcr")
+    wide = torch.empty(64, 3, dtype=torch.float16)[:, :2]  # scale rows 6 bytes apart
+    assert "aligned" in G.unsupported_call(x, qweight, wide.t(), None, bias, out, group, kind, "tcr-t1-s4")
 
 
 def test_tc_configs() -> None:

@@ -29,6 +29,7 @@ __device__ __forceinline__ void ok_barrier_arrive_expect_tx(OkBarrier* bar, uint
   ok_emu::mbarrier_arrive_expect_tx(bar, bytes);
 }
 __device__ __forceinline__ void ok_barrier_wait(OkBarrier* bar, uint32_t parity) { ok_emu::mbarrier_wait(bar, parity); }
+__device__ __forceinline__ void ok_barrier_arrive(OkBarrier* bar) { ok_emu::mbarrier_arrive(bar); }
 __device__ __forceinline__ void ok_store_remote(const float4& value, void* slot, OkBarrier* bar, uint32_t peer) {
   ok_emu::store_remote(&value, sizeof(value), slot, bar, peer);
 }
@@ -57,6 +58,11 @@ __device__ __forceinline__ void ok_cluster_wait() { asm volatile("barrier.cluste
 __device__ __forceinline__ void ok_barrier_arrive_expect_tx(OkBarrier* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(ok_shared_address(bar)), "r"(bytes)
                : "memory");
+}
+// One arrival (no transaction bytes), release at CTA scope: what this thread read or wrote
+// before it is ordered before whatever follows a wait on the phase (a ring's "stage free").
+__device__ __forceinline__ void ok_barrier_arrive(OkBarrier* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(ok_shared_address(bar)) : "memory");
 }
 // Until the phase of this parity has completed; acquire at cluster scope (the peers' st.async
 // release their bytes with their complete_tx).

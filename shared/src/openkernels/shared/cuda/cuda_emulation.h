@@ -20,7 +20,9 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -195,6 +197,10 @@ struct Cluster {
   explicit Cluster(int n) : barrier(n), anchors(n) {}
   std::barrier<> barrier;
   std::vector<char*> anchors;  // each CTA's address of tls_anchor
+  // Where this launch's bulk copies land (Mbarrier): at the first wait that sees their phase
+  // complete (even launches), or at once (odd launches). Run a kernel twice and compare: the
+  // first shows a read before the wait, the second a refill before the readers freed a stage.
+  bool bulk_lands_at_issue = false;
 };
 
 struct Cta {
@@ -418,9 +424,10 @@ struct Mbarrier {
   int64_t bytes = 0;  // expected minus landed
   unsigned phase = 0;
   bool ready = false;
-  // cp.async.bulk copies counted here land at the first wait that sees their phase complete,
-  // so a kernel that reads their destination without waiting on the barrier reads the 0xff
-  // fill (the fiber that issued them would otherwise run on and hide the missing wait).
+  // cp.async.bulk copies counted here land at the first wait that sees their phase complete
+  // (or at once: Cluster::bulk_lands_at_issue), so a kernel that reads their destination
+  // without waiting on the barrier reads the 0xff fill (the fiber that issued them would
+  // otherwise run on and hide the missing wait).
   using Copy = std::tuple<void*, const void*, size_t>;
   std::vector<Copy> in_flight, completed;
   void complete_if_done() {
@@ -450,9 +457,21 @@ inline void mbarrier_arrive_expect_tx(Mbarrier* bar, uint32_t bytes) {
   --bar->pending;
   bar->complete_if_done();
 }
+inline void mbarrier_arrive(Mbarrier* bar) {
+  std::lock_guard<std::mutex> lock(bar->mutex);
+  if (!bar->ready) fail("mbarrier.arrive on a barrier never initialised");
+  if (bar->pending <= 0) fail("mbarrier.arrive past the phase's expected arrivals");
+  --bar->pending;
+  bar->complete_if_done();
+}
 // try_wait.parity in a loop: until the phase of this parity has completed.
 inline void mbarrier_wait(Mbarrier* bar, uint32_t parity) {
+  const auto start = std::chrono::steady_clock::now();
   for (;;) {
+    // A kernel bug (a phase its waiter skipped, arrivals or bytes that never come) would spin
+    // forever; the tests' problems finish in well under this.
+    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(30))
+      fail("an mbarrier wait still spinning after 30 s: a phase skipped, or arrivals / bytes that never come");
     {
       std::lock_guard<std::mutex> lock(bar->mutex);
       if (!bar->ready) fail("mbarrier wait on a barrier never initialised");
@@ -479,7 +498,8 @@ inline void store_remote(const void* value, size_t bytes, void* slot, Mbarrier* 
 }
 
 // cp.async.bulk global -> this CTA's dynamic shared memory, `bytes` (a multiple of 16, both
-// addresses 16-byte aligned) counted on `bar` (the issuing CTA's): lands at a wait (Mbarrier).
+// addresses 16-byte aligned) counted on `bar` (the issuing CTA's): lands at a wait or at once
+// (Cluster::bulk_lands_at_issue).
 inline void bulk_copy(void* dst, const void* src, uint32_t bytes, Mbarrier* bar) {
   Cta* c = cta;
   const auto* base = reinterpret_cast<const char*>(c->dynamic_shared.get());
@@ -490,7 +510,10 @@ inline void bulk_copy(void* dst, const void* src, uint32_t bytes, Mbarrier* bar)
     fail("cp.async.bulk: sizes and addresses must be multiples of 16 bytes");
   std::lock_guard<std::mutex> lock(bar->mutex);
   if (!bar->ready) fail("cp.async.bulk counted on a barrier never initialised");
-  bar->in_flight.emplace_back(dst, src, bytes);
+  if (c->cluster->bulk_lands_at_issue)
+    std::memcpy(dst, src, bytes);
+  else
+    bar->in_flight.emplace_back(dst, src, bytes);
   bar->bytes -= static_cast<int64_t>(bytes);
   bar->complete_if_done();
 }
@@ -504,8 +527,11 @@ cudaError_t launch(const cudaLaunchConfig_t* config, void (*kernel)(Params...), 
   if (cluster_size == 0 || grid % cluster_size != 0 || threads == 0 || threads > 1024 || threads % 32 != 0)
     return cudaErrorInvalidConfiguration;
   const std::function<void()> body = [=]() { kernel(static_cast<Params>(args)...); };
+  static std::atomic<unsigned> launches{0};
+  const bool lands_at_issue = (launches++ % 2) == 1;
   for (unsigned first = 0; first < grid; first += cluster_size) {
     Cluster cluster(static_cast<int>(cluster_size));
+    cluster.bulk_lands_at_issue = lands_at_issue;
     std::vector<Cta> ctas(cluster_size);
     std::vector<std::thread> workers;
     for (unsigned r = 0; r < cluster_size; ++r) {
@@ -535,6 +561,9 @@ cudaError_t launch(const cudaLaunchConfig_t* config, void (*kernel)(Params...), 
 // (blockDim and gridDim are not emulated: the launch config's fields carry those names.)
 
 inline void __syncthreads() { ok_emu::stop(ok_emu::Stop::kBlock); }
+// The emulation runs a warp's lanes one after another between stops: a warp-wide stop orders
+// what each lane did before it with what any lane does after it.
+inline void __syncwarp(unsigned = 0xffffffffu) { ok_emu::stop(ok_emu::Stop::kWarp); }
 template <typename T>
 T __shfl_xor_sync(unsigned, T value, int offset) {
   return ok_emu::shuffle(value, [offset](int me) { return me ^ offset; });

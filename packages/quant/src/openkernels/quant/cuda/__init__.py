@@ -14,7 +14,10 @@ dispatch still runs the one-round GEMV.
 tensor-core GEMV. W's 16-row tiles are mma.m16n8k16's A operand and x the B operand, so one
 MMA takes 256 codes; the codes enter the MMA as (base + q) - (base + zero), exact, and where
 the group size is a multiple of 128 the scale multiplies each 128-code chunk's fp32 sum once.
-The default for up to 8 rows of x on sm_90 where measured (default_tc).
+The default for up to 8 rows of x on sm_90 where measured (default_tc). Config
+"tcr[-t<tiles>][-s<stages>]": the same math fed by a producer warp that keeps `stages` stages of
+1024 codes per row (with their scales, zeros and x) in flight in shared memory by bulk copies
+(cp.async.bulk on mbarriers); group sizes that are multiples of 128. Forced only, until timed.
 
 2-16 rows, persistent (config "mma-persistent[-n<columns>][-d<depth>][-c<ctas per SM>][-g<grid>]"):
 SMs x CTAs per SM CTAs walk tiles of 32 or 64 columns grid-stride, each thread's code windows,
@@ -102,6 +105,12 @@ MMA_PERSISTENT_CONFIGS = (
 TC_SHAPES = ((1, 2), (2, 2), (4, 1))
 TC_CONFIGS = tuple(f"tc-t{t}-u{u}" for t, u in TC_SHAPES)
 TC_MAX_ROWS = 8  # rows of x the tensor-core GEMV takes (one n8 tile)
+# The same GEMV fed by a producer warp's ring of bulk copies (int4_tc_ring_kernel, config
+# "tcr-t<tiles>-s<stages>"): (16-row tiles of W per CTA, stages in flight) built. A study's
+# variant, forced only until timed on an H200 against the register kernel.
+TCR_SHAPES = ((1, 4), (2, 4), (4, 2))
+TCR_CONFIGS = tuple(f"tcr-t{t}-s{s}" for t, s in TCR_SHAPES)
+_TCR_MAX_SHARED = 200 * 1024  # the ring's dynamic shared memory (int4_tc.cu's launch_tc_ring)
 _EMULATED_SMS = 2  # what the CPU emulation counts as SMs (a grid of 2 x CTAs per SM)
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -120,6 +129,7 @@ _TC_SIGNATURES = {
     "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                    _I64, _I64, _I64],
 }  # fmt: skip
+_TC_SIGNATURES["ok_int4_tc_ring"] = _TC_SIGNATURES["ok_int4_tc"]
 
 
 @functools.cache
@@ -256,6 +266,38 @@ def tc_config(config: object) -> TcConfig | None:
     return out
 
 
+@dataclass(frozen=True)
+class TcRingConfig:
+    """The ring-fed tensor-core GEMV's knobs: 16-row tiles of W per CTA, stages of 1024 codes
+    per row (with their scales, zeros and x) in flight."""
+
+    tiles: int = 2
+    stages: int = 4
+
+    def shared_bytes(self, m: int, x_size: int, s_size: int) -> int:
+        """Dynamic shared memory of a launch (int4_tc.cu: ring_stage_bytes x stages)."""
+        rows = 16 * self.tiles
+        return self.stages * (rows * (8 * 64 + 64) + 2 * 8 * rows * s_size + m * 8 * 128 * x_size)
+
+
+_TCR = re.compile(r"tcr(?:-t(\d+))?(?:-s(\d+))?")
+
+
+def tcr_config(config: object) -> TcRingConfig | None:
+    """`config` "tcr[-t<tiles>][-s<stages>]" as its knobs (2 and 4 where left out), None for any
+    other config; ValueError for a pair that is not built."""
+    if not isinstance(config, str) or not (config == "tcr" or config.startswith("tcr-")):
+        return None
+    match = _TCR.fullmatch(config)
+    if match is None:
+        raise ValueError(f"config {config!r}: not tcr[-t<tiles>][-s<stages>]")
+    tiles, stages = (None if g is None else int(g) for g in match.groups())
+    out = TcRingConfig(tiles or 2, stages or 4)
+    if (out.tiles, out.stages) not in TCR_SHAPES:
+        raise ValueError(f"config {config!r}: (tiles, stages) not among {sorted(TCR_SHAPES)}")
+    return out
+
+
 def _path(m: int, config: int | str | None) -> str:
     """ "gemv" for one row of x (or `config` an int, its rows per CTA), "mma" for 2-16 rows (or
     `config` "mma", which also takes one row), "persistent" for `config` "persistent...",
@@ -264,6 +306,8 @@ def _path(m: int, config: int | str | None) -> str:
         return "mma-persistent"
     if tc_config(config) is not None:
         return "tc"
+    if tcr_config(config) is not None:
+        return "tcr"
     if config == "mma" or (config is None and m > 1):
         return "mma"
     if persistent_config(config) is not None:
@@ -293,6 +337,26 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         return "a strided output"
     if qweight.data_ptr() % 16 or qweight.stride(0) % 16 or x.data_ptr() % 16:
         return "qweight rows or x not 16-byte aligned"
+    ring = tcr_config(config)
+    if ring is not None:
+        if x.is_cuda and not _arch(x.device).startswith("sm_90"):
+            return "the ring-fed tensor-core GEMV on a GPU older than sm_90 (it needs bulk copies)"
+        if m > TC_MAX_ROWS:
+            return f"{m} rows of x for the tensor-core GEMV (it takes up to {TC_MAX_ROWS})"
+        if kind == "nf4":
+            return "NF4 on the tensor-core GEMV (it takes int4)"
+        if k % 128 or group_size % 128:
+            return f"K = {k} or group size {group_size} not a multiple of 128 (the ring's scale per chunk)"
+        if n % (16 * ring.tiles):
+            return f"N = {n} not a multiple of {16 * ring.tiles} (the tensor-core GEMV's rows per CTA)"
+        if x.stride(0) * x.element_size() % 16:
+            return "rows of x not 16-byte aligned"
+        params = [scales] if zeros is None else [scales, zeros]
+        if any(t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16 for t in params):
+            return "scale or zero rows not contiguous and 16-byte aligned (the ring copies them in bulk)"
+        if ring.shared_bytes(m, x.element_size(), scales.element_size()) > _TCR_MAX_SHARED:
+            return f"{ring.stages} stages for {m} rows of x do not fit in shared memory"
+        return None
     tc = tc_config(config)
     if tc is not None:
         if m > TC_MAX_ROWS:
@@ -435,7 +499,8 @@ def int4_linear_fwd(
     """triton.int4_linear_fwd's contract. `config` (tests, benchmarks): an int forces the GEMV
     with that many rows of W per CTA, "mma" the tensor-core kernel, "persistent..." the
     persistent GEMV (persistent_config), "mma-persistent..." the persistent tensor-core kernel
-    (mma_persistent_config), "tc..." the tensor-core GEMV with W as the A operand (tc_config)."""
+    (mma_persistent_config), "tc..." the tensor-core GEMV with W as the A operand (tc_config),
+    "tcr..." the same fed by a ring of bulk copies (tcr_config)."""
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     if config is None and x.is_cuda:  # the tensor-core GEMV where it measured fastest, else on
         config = default_tc(x.shape[0], qweight.shape[0], x.shape[1], group_size, _arch(x.device))
@@ -446,7 +511,7 @@ def int4_linear_fwd(
     if (_broken and x.is_cuda) or unsupported_call(*args, config) is not None:
         return _triton(*args)
     m, k = x.shape
-    lib = _load(x.device, tc=_path(m, config) == "tc")
+    lib = _load(x.device, tc=_path(m, config) in ("tc", "tcr"))
     if lib is None:
         return _triton(*args)
     n = qweight.shape[0]
@@ -466,6 +531,13 @@ def int4_linear_fwd(
         p = tc_config(config)
         status = lib.ok_int4_tc(
             device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, x.data_ptr(), qweight.data_ptr(),
+            scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0),
+            qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
+        )  # fmt: skip
+    elif _path(m, config) == "tcr":
+        p = tcr_config(config)
+        status = lib.ok_int4_tc_ring(
+            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.stages, x.data_ptr(), qweight.data_ptr(),
             scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0),
             qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip

@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "async_copy.h"        // openkernels/shared/cuda: dynamic shared memory
+#include "cluster_exchange.h"  // openkernels/shared/cuda: mbarriers and bulk copies
+
 namespace {
 
 #include "int4_mma_common.cuh"  // beside this file: conversions, the MMA and its operands
@@ -107,20 +110,25 @@ __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint3
 
 // The 8 warps' sums (acc, per lane) added in warp order through `partial` (kTcWarps x slots x
 // 32 floats), the bias added, the CTA's 16 TILES columns of out written for every row of x.
+// Every thread of the CTA calls it; a warp past the 8 (the ring kernel's producer) only meets
+// the barrier.
 template <typename T, int TILES, int NB>
 __device__ __forceinline__ void tc_finish(float* partial, const float (&acc)[TILES][NB][4], const void* bias,
                                           int bias_code, T* out, int64_t m, int64_t n0, int64_t stride_out) {
   constexpr int kSlots = TILES * NB * 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp < kTcWarps) {
 #pragma unroll
-  for (int tile = 0; tile < TILES; ++tile) {
+    for (int tile = 0; tile < TILES; ++tile) {
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
+      for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) partial[(warp * kSlots + (tile * NB + nb) * 4 + i) * 32 + lane] = acc[tile][nb][i];
+        for (int i = 0; i < 4; ++i) partial[(warp * kSlots + (tile * NB + nb) * 4 + i) * 32 + lane] = acc[tile][nb][i];
+      }
     }
   }
   __syncthreads();
+  if (warp >= kTcWarps) return;
   for (int o = threadIdx.x; o < 16 * TILES * m; o += kTcWarps * 32) {
     const int local = o % (16 * TILES), row = o / (16 * TILES);  // W row (output column), x row
     const int tile = local / 16, r = local % 16, nb = row / 8, cc = row % 8;
@@ -210,6 +218,161 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
   tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out, m, n0, stride_out);
 }
 
+// ---- the same GEMV fed by a ring of bulk copies (a study's variant, config "tcr-...") ------
+//
+// int4_tc_kernel issues each warp trip's loads into registers and waits for them before its
+// math: the warps of an SM load in bursts, and at M = 1 the H200 streams the weight at
+// 0.44-0.53 of copy (docs/perf.md). Here a ninth warp (the producer) keeps STAGES stages of
+// the CTA's data in flight in shared memory with bulk copies (cp.async.bulk, counted on a
+// `full` mbarrier per stage): per stage 8 chunks (1024 codes) of each of the CTA's 16 TILES
+// rows of W, their scales and zeros (group size a multiple of 128: one group per chunk), and
+// x's 1024 values per row. The 8 consumer warps each take one chunk of a stage, copy their
+// operands out of shared memory into registers, free the stage (an arrival on its `empty`
+// barrier, which the producer waits on before it refills it) and run int4_tc_kernel's math
+// (tc_chunk), so that loads never wait on math. Rows of codes sit kRingCodeStride bytes apart
+// (512 + 64): the two rows of a quarter warp's 16-byte reads fall in different banks.
+constexpr int kRingChunks = kTcWarps;                 // chunks per stage: one per consumer warp
+constexpr int kRingCodeStride = kRingChunks * 64 + 64;  // a row's 512 code bytes, padded
+
+// Bytes of one stage in shared memory: codes, the scales' and zeros' group rows, x's rows.
+template <typename T, typename S, int TILES>
+__host__ __device__ constexpr size_t ring_stage_bytes(int64_t m) {
+  return static_cast<size_t>(16 * TILES) * kRingCodeStride + 2 * kRingChunks * 16 * TILES * sizeof(S) +
+         static_cast<size_t>(m) * kRingChunks * 128 * sizeof(T);
+}
+
+template <typename T, typename S, int TILES, int STAGES>
+__global__ void __launch_bounds__((kTcWarps + 1) * 32) int4_tc_ring_kernel(
+    const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
+    const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
+    int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
+    int64_t group_size) {
+#if defined(OK_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)  // bulk copies: sm_90
+  constexpr int ROWS = 16 * TILES;
+  constexpr size_t kGroupBytes = ROWS * sizeof(S);  // one group's scales (or zeros) of the CTA's rows
+  constexpr size_t kCodeBytes = static_cast<size_t>(ROWS) * kRingCodeStride;
+  constexpr size_t kXRowBytes = kRingChunks * 128 * sizeof(T);
+  __shared__ float partial[kTcWarps * TILES * 4 * 32];
+  __shared__ OkBarrier full[STAGES], empty[STAGES];
+  OK_DYNAMIC_SHARED(ring);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * ROWS;
+  const int64_t n_chunks = k / 128, n_stages = (n_chunks + kRingChunks - 1) / kRingChunks;
+  const size_t stage_bytes = ring_stage_bytes<T, S, TILES>(m);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      ok_barrier_init(&full[s], 1);
+      ok_barrier_init(&empty[s], kTcWarps);
+    }
+  }
+  ok_fence_barrier_init();
+  __syncthreads();  // every barrier is initialised before anyone waits on it
+  float acc[TILES][1][4];
+  tc_zero<T, TILES, 1>(acc);
+  if (warp == kTcWarps) {  // the producer: each lane issues its share of a stage's copies
+    for (int64_t j = 0; j < n_stages; ++j) {
+      const int s = static_cast<int>(j % STAGES);
+      if (j >= STAGES) ok_barrier_wait(&empty[s], static_cast<uint32_t>((j / STAGES - 1) & 1));
+      const int64_t c0 = j * kRingChunks;
+      const int chunks = static_cast<int>(n_chunks - c0 < kRingChunks ? n_chunks - c0 : kRingChunks);
+      const int64_t g0 = c0 * 128 / group_size;
+      const int groups = static_cast<int>((c0 + chunks) * 128 / group_size - g0 + ((c0 + chunks) * 128 % group_size != 0));
+      const uint32_t row_bytes = static_cast<uint32_t>(chunks) * 64, x_bytes = static_cast<uint32_t>(chunks) * 128 * sizeof(T);
+      const uint32_t bytes = ROWS * row_bytes + static_cast<uint32_t>(groups * kGroupBytes) * (zeros != nullptr ? 2 : 1) +
+                             static_cast<uint32_t>(m) * x_bytes;
+      unsigned char* stage = ring + s * stage_bytes;
+      if (lane == 0) ok_barrier_arrive_expect_tx(&full[s], bytes);
+      for (int r = lane; r < ROWS; r += 32)
+        ok_bulk_copy(stage + r * kRingCodeStride, qweight + (n0 + r) * stride_q + c0 * 64, row_bytes, &full[s]);
+      unsigned char* scale_rows = stage + kCodeBytes;
+      for (int gi = lane; gi < groups; gi += 32) {
+        ok_bulk_copy(scale_rows + gi * kGroupBytes, scales + (g0 + gi) * stride_s + n0, kGroupBytes, &full[s]);
+        if (zeros != nullptr)
+          ok_bulk_copy(scale_rows + (kRingChunks + gi) * kGroupBytes, zeros + (g0 + gi) * stride_s + n0, kGroupBytes,
+                       &full[s]);
+      }
+      unsigned char* x_rows = scale_rows + 2 * kRingChunks * kGroupBytes;
+      for (int r = lane; r < m; r += 32)
+        ok_bulk_copy(x_rows + r * kXRowBytes, x + r * stride_x + c0 * 128, x_bytes, &full[s]);
+    }
+  } else {  // a consumer: chunk `warp` of every stage
+    const bool chunk_scaled = true;  // the launcher takes group sizes that are multiples of 128 only
+    for (int64_t j = 0; j < n_stages; ++j) {
+      const int s = static_cast<int>(j % STAGES);
+      const int64_t chunk = j * kRingChunks + warp;
+      ok_barrier_wait(&full[s], static_cast<uint32_t>((j / STAGES) & 1));
+      const unsigned char* stage = ring + s * stage_bytes;
+      uint32_t words[TILES][2][4];
+      float scale[TILES][2], zero[TILES][2];
+      uint32_t xw[1][16];
+      const bool mine = chunk < n_chunks;  // warp-uniform
+      if (mine) {
+        const int gi = static_cast<int>(chunk * 128 / group_size - (j * kRingChunks * 128) / group_size);
+        const S* scale_row = reinterpret_cast<const S*>(stage + kCodeBytes + gi * kGroupBytes);
+        const S* zero_row = reinterpret_cast<const S*>(stage + kCodeBytes + (kRingChunks + gi) * kGroupBytes);
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = 16 * tile + g + 8 * h;
+            const uint4 v = *reinterpret_cast<const uint4*>(stage + r * kRingCodeStride + warp * 64 + 16 * t);
+            words[tile][h][0] = v.x;
+            words[tile][h][1] = v.y;
+            words[tile][h][2] = v.z;
+            words[tile][h][3] = v.w;
+            scale[tile][h] = to_float(scale_row[r]);
+            zero[tile][h] = zeros != nullptr ? to_float(zero_row[r]) : 8.f;
+          }
+        }
+        const unsigned char* x_row = stage + kCodeBytes + 2 * kRingChunks * kGroupBytes + g * kXRowBytes;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint4 v = {0, 0, 0, 0};
+          if (g < m) v = *reinterpret_cast<const uint4*>(x_row + (warp * 128 + 32 * t + 8 * q) * sizeof(T));
+          xw[0][4 * q] = v.x;
+          xw[0][4 * q + 1] = v.y;
+          xw[0][4 * q + 2] = v.z;
+          xw[0][4 * q + 3] = v.w;
+        }
+      }
+      __syncwarp();  // every lane has its operands: the stage is free
+      if (lane == 0) ok_barrier_arrive(&empty[s]);
+      if (mine) tc_chunk<T, TILES, 1>(acc, words, scale, zero, xw, chunk_scaled);
+    }
+  }
+  tc_finish<T, TILES, 1>(partial, acc, bias, bias_code, out, m, n0, stride_out);
+#endif  // (an sm_80 build holds an empty kernel: the launcher sends no call there)
+}
+
+// (tiles, stages) pairs built: TCR_SHAPES in cuda/__init__.py.
+template <typename T, typename S>
+int launch_tc_ring(int tiles, int stages, const void* x, const void* qweight, const void* scales, const void* zeros,
+                   const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
+                   int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles)), 1, 1);
+  config.blockDim = dim3((kTcWarps + 1) * 32, 1, 1);
+  config.stream = stream;
+  config.numAttrs = 0;
+  auto run = [&](auto kernel, size_t stage_bytes) {
+    config.dynamicSmemBytes = stages * stage_bytes;
+    if (config.dynamicSmemBytes > 200 * 1024) return -3;  // the launcher's check missed it
+    if (config.dynamicSmemBytes > 48 * 1024) {
+      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(config.dynamicSmemBytes));
+      if (err != cudaSuccess) return static_cast<int>(err);
+    }
+    return static_cast<int>(cudaLaunchKernelEx(
+        &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
+        static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
+        stride_x, stride_q, stride_s, stride_out, group_size));
+  };
+  if (tiles == 1 && stages == 4) return run(int4_tc_ring_kernel<T, S, 1, 4>, ring_stage_bytes<T, S, 1>(m));
+  if (tiles == 2 && stages == 4) return run(int4_tc_ring_kernel<T, S, 2, 4>, ring_stage_bytes<T, S, 2>(m));
+  if (tiles == 4 && stages == 2) return run(int4_tc_ring_kernel<T, S, 4, 2>, ring_stage_bytes<T, S, 4>(m));
+  return -2;
+}
+
 // (tiles, unroll) pairs built: TC_SHAPES in cuda/__init__.py; up to 8 rows of x (one n8 tile).
 template <typename T, typename S>
 int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const void* scales, const void* zeros,
@@ -255,6 +418,35 @@ extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unr
   if (x_code == 2 && s_code == 2) return launch_tc<__half, __half>(OK_INT4_TC_ARGS);
 #undef OK_INT4_TC_ARGS
   return -1;
+}
+
+// The same product through int4_tc_ring_kernel (`tiles`, `stages`: a built pair), for group
+// sizes that are multiples of 128, scale / zero rows and x rows 16-byte aligned. Returns as
+// ok_int4_tc, or -3 (the stages do not fit in shared memory).
+extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, int stages, const void* x,
+                               const void* qweight, const void* scales, const void* zeros, const void* bias,
+                               int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
+                               int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
+                               int64_t stream) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (m < 1 || m > 8 || group_size % 128 != 0) return -1;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+#define OK_INT4_TC_ARGS tiles, stages, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x, stride_q, \
+                        stride_s, stride_out, group_size, s
+  if (x_code == 1 && s_code == 1) return launch_tc_ring<__nv_bfloat16, __nv_bfloat16>(OK_INT4_TC_ARGS);
+  if (x_code == 1 && s_code == 2) return launch_tc_ring<__nv_bfloat16, __half>(OK_INT4_TC_ARGS);
+  if (x_code == 2 && s_code == 1) return launch_tc_ring<__half, __nv_bfloat16>(OK_INT4_TC_ARGS);
+  if (x_code == 2 && s_code == 2) return launch_tc_ring<__half, __half>(OK_INT4_TC_ARGS);
+#undef OK_INT4_TC_ARGS
+  return -1;
+}
+
+extern "C" int ok_int4_tc_ring_packed(const int64_t* a) {
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_int4_tc_ring(i32(0), i32(1), i32(2), i32(3), i32(4), p(5), p(6), p(7), p(8), p(9), i32(10), p(11), a[12],
+                         a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20]);
 }
 
 extern "C" int ok_int4_tc_packed(const int64_t* a) {
