@@ -25,12 +25,14 @@ Tolerances (logits, relative to the largest |logit| of the float32 unquantized r
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import os
 import shutil
 import subprocess
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -622,6 +624,51 @@ def test_static_left_padded_batch_gives_transformers_tokens(models) -> None:
             torch.testing.assert_close(torch.stack(logits), torch.stack(want_logits), rtol=1e-4, atol=1e-4)
         else:  # int4 keys and values: the tokens may differ after a while, not the prompt
             assert torch.equal(got[:, :PROMPT], want[:, :PROMPT]) and got.shape == want.shape
+
+
+def test_static_mask_is_checked_once_per_forward(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers hands every layer the same mask tensor: the first layer's check (a host
+    read in eager calls) serves the others in that forward, and each forward checks again (a
+    left-padded batch, so the check's padding is what every layer attends with)."""
+    from openkernels.attention import hf
+
+    calls = []
+    real = hf._check_cache_mask
+    monkeypatch.setattr(hf, "_check_cache_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
+    p = models["prompt"].clone()
+    mask = torch.ones_like(p)
+    p[0, :3], mask[0, :3] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    got = models["ours"].generate(p, **kwargs, **{CACHE_KW: _static(models["ours"])})
+    assert torch.equal(got, models["ref"].generate(p, **kwargs))
+    assert LAYERS > 1 and len(calls) == NEW  # the prefill and NEW - 1 steps: one check each
+
+
+def test_once_per_step_reuses_a_value_within_one_forward_only() -> None:
+    from openkernels.attention import hf
+
+    class Layer:
+        pass
+
+    layers, mask, computed = [Layer(), Layer(), Layer()], torch.zeros(2, 1, 1, 4), []
+
+    def run(layer, m=mask, options=("o",)):
+        return hf._once_per_step(m, layer, options, lambda: computed.append(1) or len(computed))
+
+    assert [run(layer) for layer in layers] == [1, 1, 1]  # one forward: computed by the first layer
+    assert [run(layer) for layer in layers] == [2, 2, 2]  # the first layer again: the next forward
+    assert run(layers[1], options=("other",)) == 3 and run(layers[2]) == 2  # per options
+    other = mask.clone()
+    assert run(layers[1], m=other) == 4  # another mask object
+    other.add_(1)
+    assert run(layers[2], m=other) == 5  # the same mask, changed in place
+    assert run(Layer(), m=other) == 5  # any other layer of that forward
+    owner, third = Layer(), torch.ones(1)
+    watch = weakref.ref(owner)
+    assert run(owner, m=third) == 6
+    del owner
+    gc.collect()
+    assert watch() is None  # the memo keeps no layer (and no cache storage) alive
 
 
 def test_static_left_padding_under_torch_compile(models) -> None:
