@@ -717,6 +717,17 @@ def test_static_errors(models) -> None:
         ours(p, use_cache=True, **{CACHE_KW: _static(ours)})
     with pytest.raises(NotImplementedError, match="batch size is fixed"):
         _static(ours).batch_repeat_interleave(2)
+    # A mask that hides a token in the middle is refused, and the failed call leaves every
+    # layer's length where it was (the attention advances it only after its call).
+    cache = _static(ours)
+    with torch.no_grad():
+        ours(p, use_cache=True, **{CACHE_KW: cache})
+        held = [int(layer.cumulative_length) for layer in cache.layers]
+        mask = torch.ones(p.shape[0], PROMPT + 1, dtype=torch.long)
+        mask[:, PROMPT // 2] = 0
+        with pytest.raises(NotImplementedError, match="hide tokens"):
+            ours(p[:, -1:], attention_mask=mask, use_cache=True, **{CACHE_KW: cache})
+    assert [int(layer.cumulative_length) for layer in cache.layers] == held == [PROMPT] * LAYERS
 
 
 def test_sdpa_route_only_for_plain_float32_on_the_cpu():

@@ -185,18 +185,22 @@ def _attend_static(
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
     options = dict(causal=is_causal, softmax_scale=scaling, window=window, softcap=float(softcap or 0.0))
     k_new, v_new = key.k_new.transpose(1, 2), key.v_new.transpose(1, 2)
+    new = k_new.shape[1]
     if pad is None:
-        return attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, key.cache_seqlens,
-                                      k_new=k_new, v_new=v_new, **options)  # fmt: skip
-    seqlens = key.cache_seqlens
-    if query.shape[2] > 1:  # the padding may be among the new tokens: append, then attend
-        _append(layer, k_new, v_new, seqlens)
-        seqlens, k_new, v_new = seqlens + k_new.shape[1], None, None
-    # cache_leftpad counts cached tokens (a mask that hides every key gives the capacity).
-    pad = torch.minimum(pad, seqlens)
-    return attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, seqlens, k_new=k_new,
-                                  v_new=v_new, cache_leftpad=pad, check=not tracing,
-                                  **options)  # fmt: skip
+        out = attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, key.cache_seqlens,
+                                     k_new=k_new, v_new=v_new, **options)  # fmt: skip
+    else:
+        seqlens = key.cache_seqlens
+        if query.shape[2] > 1:  # the padding may be among the new tokens: append, then attend
+            _append(layer, k_new, v_new, seqlens)
+            seqlens, k_new, v_new = seqlens + new, None, None
+        # cache_leftpad counts cached tokens (a mask that hides every key gives the capacity).
+        pad = torch.minimum(pad, seqlens)
+        out = attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, seqlens, k_new=k_new,
+                                     v_new=v_new, cache_leftpad=pad, check=not tracing,
+                                     **options)  # fmt: skip
+    layer.cumulative_length.add_(new)  # after the calls that read the lengths before it (update)
+    return out
 
 
 class _StepMemo(threading.local):

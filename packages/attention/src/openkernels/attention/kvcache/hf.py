@@ -88,9 +88,10 @@ class CachedKV:
 class StaticCachedKV:
     """What `OpenKernelsStaticLayer.update` returns in place of key/value tensors: the layer (its
     preallocated `k_cache` / `v_cache`), the new keys and values (batch, heads_kv, new, head_dim),
-    not yet written, and `cache_seqlens`, the layer's length before them as a fresh (batch,) int32
-    tensor. `hf_attention_forward` appends and attends with them in one attention_with_kvcache
-    call; anything that treats the handle as a tensor gets an error that says so."""
+    not yet written, and `cache_seqlens`, the layer's length before them as a (batch,) int32
+    tensor (batch 1: a view of the layer's length). `hf_attention_forward` appends and attends
+    with them in one attention_with_kvcache call, then advances the layer's length; anything
+    that treats the handle as a tensor gets an error that says so."""
 
     __slots__ = ("cache_seqlens", "k_new", "layer", "v_new")
 
@@ -378,8 +379,8 @@ def _build_classes() -> dict[str, type]:
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
         ) -> tuple[StaticCachedKV, StaticCachedKV]:
             """Return the handle (twice, where transformers expects the keys and the values) of keys
-            and values (batch, heads_kv, new, head_dim) to append, and advance the length by `new`.
-            Nothing is written here: the attention appends them in the same kernel call."""
+            and values (batch, heads_kv, new, head_dim) to append. Nothing is written here: the
+            attention appends them in the same kernel call and then advances the length by `new`."""
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             if key_states.shape[0] != self.batch_size:
@@ -394,9 +395,11 @@ def _build_classes() -> dict[str, type]:
                 if held + new > self.max_seqlen:
                     raise ValueError(f"OpenKernelsStaticCache: {held} cached tokens plus {new} new ones are outside "
                                      f"the cache's capacity of {self.max_seqlen} tokens")  # fmt: skip
-            # A copy (not a view): the length advances below, before the attention reads these.
-            cache_seqlens = self.cumulative_length.expand(self.batch_size).clone()
-            self.cumulative_length.add_(new)
+            # The lengths before the new tokens; the attention advances the length after its call
+            # (a call that fails leaves it as it was). One sequence: the length itself, a (1,)
+            # view (one launch fewer per layer and step); several: a (batch,) copy.
+            held = self.cumulative_length
+            cache_seqlens = held.expand(1) if self.batch_size == 1 else held.expand(self.batch_size).clone()
             handle = StaticCachedKV(self, key_states, value_states, cache_seqlens)
             return handle, handle
 
