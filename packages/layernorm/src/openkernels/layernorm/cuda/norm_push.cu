@@ -115,12 +115,13 @@ struct Flag {
 
 // The pushed kernel's first pass over its staged chunk, its options compiled in (the kernel
 // picks the instance once: no per-element branches or selects): h = x + residual rounded to
-// T written over x (and stored), the thread's (count, sum) (RMSNorm: sum of squares).
-template <typename T, int THREADS, int VPT, bool RMS, bool RESIDUAL, bool STORE>
-__device__ __forceinline__ float2 push_sum_pass(Vec<T, 16 / sizeof(T)>* h, const Vec<T, 16 / sizeof(T)>* staged_res,
-                                                T* res_out_at, int64_t left) {
+// T written over x (and stored), the thread's (count, sum, -) (RMSNorm: (count, sum of
+// squares, -); SHIFTED, LayerNorm in one pass: (count, sum of h - shift, sum of its squares)).
+template <typename T, int THREADS, int VPT, bool RMS, bool RESIDUAL, bool STORE, bool SHIFTED = false>
+__device__ __forceinline__ float4 push_sum_pass(Vec<T, 16 / sizeof(T)>* h, const Vec<T, 16 / sizeof(T)>* staged_res,
+                                                T* res_out_at, int64_t left, float shift = 0.f) {
   constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
-  float sum = 0.f, count = 0.f;
+  float sum = 0.f, sum2 = 0.f, count = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     if (i * STEP < left) {
@@ -141,6 +142,12 @@ __device__ __forceinline__ float2 push_sum_pass(Vec<T, 16 / sizeof(T)>* h, const
         if constexpr (RMS) {
           sum = fmaf(v.x, v.x, sum);
           sum = fmaf(v.y, v.y, sum);
+        } else if constexpr (SHIFTED) {
+          const float dx = v.x - shift, dy = v.y - shift;
+          sum += dx;
+          sum2 = fmaf(dx, dx, sum2);
+          sum += dy;
+          sum2 = fmaf(dy, dy, sum2);
         } else {
           sum += v.x;
           sum += v.y;
@@ -149,7 +156,7 @@ __device__ __forceinline__ float2 push_sum_pass(Vec<T, 16 / sizeof(T)>* h, const
       count += VEC;
     }
   }
-  return make_float2(count, sum);
+  return make_float4(count, sum, sum2, 0.f);
 }
 
 // The thread's M2 about `mean` (LayerNorm's second pass, from shared memory).
@@ -290,9 +297,27 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
 
   T* const res_out_at = res_out + row * stride_res_out + col0;
   const bool store = flags & kStoreResidual;
+#ifdef OK_PUSH_TRIM
+  // LayerNorm in one pass: each warp sums h - c and its squares about c, the first h of the
+  // warp (lane 0's first element, x + residual rounded as the pass rounds it), sent to every
+  // lane (lane 0 overwrites that element with h during its pass).
+  constexpr bool kShifted = true;
+  float shift = 0.f;
+  if (!is_rms) {
+    if (lane == 0) {
+      shift = to_float(h[0].v[0]);
+      if (has_residual) shift = to_float(from_float<T>(shift + to_float(staged_res[0].v[0])));
+    }
+    shift = __shfl_sync(0xffffffffu, shift, 0);
+  }
+#else
+  constexpr bool kShifted = false;
+  const float shift = 0.f;
+#endif
   auto sum_pass = [&](auto rms, auto residual, auto stored) {
-    return push_sum_pass<T, THREADS, VPT, decltype(rms)::value, decltype(residual)::value, decltype(stored)::value>(
-        h, staged_res, res_out_at, left);
+    constexpr bool rms_v = decltype(rms)::value;
+    return push_sum_pass<T, THREADS, VPT, rms_v, decltype(residual)::value, decltype(stored)::value,
+                         kShifted && !rms_v>(h, staged_res, res_out_at, left, shift);
   };
   auto by_stored = [&](auto rms, auto residual) {
     return store ? sum_pass(rms, residual, Flag<true>()) : sum_pass(rms, residual, Flag<false>());
@@ -300,7 +325,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   auto by_residual = [&](auto rms) {
     return has_residual ? by_stored(rms, Flag<true>()) : by_stored(rms, Flag<false>());
   };
-  const float2 counted = is_rms ? by_residual(Flag<true>()) : by_residual(Flag<false>());
+  const float4 counted = is_rms ? by_residual(Flag<true>()) : by_residual(Flag<false>());
 
   // This warp's part: RMSNorm (count, 0, sum of squares); LayerNorm (count, mean, M2 about
   // the warp's own mean: no cancellation on rows with a large mean).
@@ -308,6 +333,16 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   float4 part = make_float4(n_warp, 0.f, 0.f, 0.f);
   if (is_rms) {
     part.z = warp_sum(counted.y);
+  } else if (kShifted) {
+    // (mean, M2) from the shifted sums: M2 = S2 - S1^2 / n loses about (mean - c)^2 / variance
+    // of its digits, so a warp whose shift lies more than 4 standard deviations from its mean
+    // (an outlier first element; or sums that are not finite) takes M2 again about its mean
+    // (a warp-uniform branch: every lane holds the same sums).
+    const float s1 = warp_sum(counted.y), s2 = warp_sum(counted.z);
+    const float dc = n_warp > 0.f ? s1 / n_warp : 0.f;
+    part.y = shift + dc;
+    part.z = fmaxf(s2 - dc * s1, 0.f);
+    if (!(dc * dc * n_warp <= 16.f * part.z)) part.z = warp_sum(push_m2_pass<T, THREADS, VPT>(h, left, part.y));
   } else {
     part.y = n_warp > 0.f ? warp_sum(counted.y) / n_warp : 0.f;
     part.z = warp_sum(push_m2_pass<T, THREADS, VPT>(h, left, part.y));
