@@ -43,7 +43,7 @@ import functools
 import pathlib
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 
 import torch
 from torch import Tensor
@@ -248,22 +248,32 @@ class TcConfig:
     unroll: int = 2
 
 
-_TC = re.compile(r"tc(?:-t(\d+))?(?:-u(\d+))?")
+def _two_knobs(config: object, name: str, knobs: str, cls: type, shapes: tuple) -> object | None:
+    """`config` "<name>[-<k1><int>][-<k2><int>]" (knobs: the two letters) as cls(k1, k2) (its
+    defaults where left out), None for a config not of that name; ValueError for a pair not in
+    `shapes`."""
+    if not isinstance(config, str) or not (config == name or config.startswith(name + "-")):
+        return None
+    match = re.fullmatch(rf"{name}(?:-{knobs[0]}(\d+))?(?:-{knobs[1]}(\d+))?", config)
+    syntax = f"{name}[-{knobs[0]}<int>][-{knobs[1]}<int>]"
+    if match is None:
+        raise ValueError(f"config {config!r}: not {syntax}")
+    default = cls()
+    values = [
+        default_value if g is None else int(g) for g, default_value in zip(match.groups(), astuple(default))
+    ]
+    out = cls(*values)
+    if tuple(values) not in shapes:
+        raise ValueError(
+            f"config {config!r}: ({', '.join(f.name for f in fields(cls))}) not among {sorted(shapes)}"
+        )
+    return out
 
 
 def tc_config(config: object) -> TcConfig | None:
     """`config` "tc[-t<tiles>][-u<unroll>]" as its knobs (2 and 2 where left out), None for any
     other config; ValueError for a pair that is not built."""
-    if not isinstance(config, str) or not (config == "tc" or config.startswith("tc-")):
-        return None
-    match = _TC.fullmatch(config)
-    if match is None:
-        raise ValueError(f"config {config!r}: not tc[-t<tiles>][-u<unroll>]")
-    tiles, unroll = (None if g is None else int(g) for g in match.groups())
-    out = TcConfig(tiles or 2, unroll or 2)
-    if (out.tiles, out.unroll) not in TC_SHAPES:
-        raise ValueError(f"config {config!r}: (tiles, unroll) not among {sorted(TC_SHAPES)}")
-    return out
+    return _two_knobs(config, "tc", "tu", TcConfig, TC_SHAPES)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -280,22 +290,10 @@ class TcRingConfig:
         return self.stages * (rows * (8 * 64 + 64) + 2 * 8 * rows * s_size + m * 8 * 128 * x_size)
 
 
-_TCR = re.compile(r"tcr(?:-t(\d+))?(?:-s(\d+))?")
-
-
 def tcr_config(config: object) -> TcRingConfig | None:
     """`config` "tcr[-t<tiles>][-s<stages>]" as its knobs (2 and 4 where left out), None for any
     other config; ValueError for a pair that is not built."""
-    if not isinstance(config, str) or not (config == "tcr" or config.startswith("tcr-")):
-        return None
-    match = _TCR.fullmatch(config)
-    if match is None:
-        raise ValueError(f"config {config!r}: not tcr[-t<tiles>][-s<stages>]")
-    tiles, stages = (None if g is None else int(g) for g in match.groups())
-    out = TcRingConfig(tiles or 2, stages or 4)
-    if (out.tiles, out.stages) not in TCR_SHAPES:
-        raise ValueError(f"config {config!r}: (tiles, stages) not among {sorted(TCR_SHAPES)}")
-    return out
+    return _two_knobs(config, "tcr", "ts", TcRingConfig, TCR_SHAPES)  # type: ignore[return-value]
 
 
 def _path(m: int, config: int | str | None) -> str:

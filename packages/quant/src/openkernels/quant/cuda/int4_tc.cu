@@ -395,6 +395,28 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
   return -2;
 }
 
+
+// The call's (x, scale) dtype pair as template arguments: launch(T{}, S{}) for the codes
+// 1 (bfloat16) and 2 (float16); -1 for any other pair.
+template <typename Launch>
+int by_dtypes(int x_code, int s_code, Launch&& launch) {
+  if (x_code == 1 && s_code == 1) return launch(__nv_bfloat16{}, __nv_bfloat16{});
+  if (x_code == 1 && s_code == 2) return launch(__nv_bfloat16{}, __half{});
+  if (x_code == 2 && s_code == 1) return launch(__half{}, __nv_bfloat16{});
+  if (x_code == 2 && s_code == 2) return launch(__half{}, __half{});
+  return -1;
+}
+
+// An entry's arguments from the replay's packed int64 array (both entries take the same 21).
+template <int (*Entry)(int, int, int, int, int, const void*, const void*, const void*, const void*, const void*, int,
+                       void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t)>
+int from_packed(const int64_t* a) {
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return Entry(i32(0), i32(1), i32(2), i32(3), i32(4), p(5), p(6), p(7), p(8), p(9), i32(10), p(11), a[12], a[13], a[14],
+               a[15], a[16], a[17], a[18], a[19], a[20]);
+}
+
 }  // namespace
 
 // out (M, N) = x W^T + bias for 1-8 rows of x, W as the tensor cores' A operand
@@ -409,15 +431,11 @@ extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unr
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (m < 1 || m > 8) return -1;
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-#define OK_INT4_TC_ARGS tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x, stride_q, \
-                        stride_s, stride_out, group_size, s
-  if (x_code == 1 && s_code == 1) return launch_tc<__nv_bfloat16, __nv_bfloat16>(OK_INT4_TC_ARGS);
-  if (x_code == 1 && s_code == 2) return launch_tc<__nv_bfloat16, __half>(OK_INT4_TC_ARGS);
-  if (x_code == 2 && s_code == 1) return launch_tc<__half, __nv_bfloat16>(OK_INT4_TC_ARGS);
-  if (x_code == 2 && s_code == 2) return launch_tc<__half, __half>(OK_INT4_TC_ARGS);
-#undef OK_INT4_TC_ARGS
-  return -1;
+  return by_dtypes(x_code, s_code, [&](auto t, auto s) {
+    return launch_tc<decltype(t), decltype(s)>(tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k,
+                                               stride_x, stride_q, stride_s, stride_out, group_size,
+                                               reinterpret_cast<cudaStream_t>(stream));
+  });
 }
 
 // The same product through int4_tc_ring_kernel (`tiles`, `stages`: a built pair), for group
@@ -431,27 +449,12 @@ extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, in
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (m < 1 || m > 8 || group_size % 128 != 0) return -1;
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-#define OK_INT4_TC_ARGS tiles, stages, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x, stride_q, \
-                        stride_s, stride_out, group_size, s
-  if (x_code == 1 && s_code == 1) return launch_tc_ring<__nv_bfloat16, __nv_bfloat16>(OK_INT4_TC_ARGS);
-  if (x_code == 1 && s_code == 2) return launch_tc_ring<__nv_bfloat16, __half>(OK_INT4_TC_ARGS);
-  if (x_code == 2 && s_code == 1) return launch_tc_ring<__half, __nv_bfloat16>(OK_INT4_TC_ARGS);
-  if (x_code == 2 && s_code == 2) return launch_tc_ring<__half, __half>(OK_INT4_TC_ARGS);
-#undef OK_INT4_TC_ARGS
-  return -1;
+  return by_dtypes(x_code, s_code, [&](auto t, auto s) {
+    return launch_tc_ring<decltype(t), decltype(s)>(tiles, stages, x, qweight, scales, zeros, bias, bias_code, out, m,
+                                                    n, k, stride_x, stride_q, stride_s, stride_out, group_size,
+                                                    reinterpret_cast<cudaStream_t>(stream));
+  });
 }
 
-extern "C" int ok_int4_tc_ring_packed(const int64_t* a) {
-  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
-  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_int4_tc_ring(i32(0), i32(1), i32(2), i32(3), i32(4), p(5), p(6), p(7), p(8), p(9), i32(10), p(11), a[12],
-                         a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20]);
-}
-
-extern "C" int ok_int4_tc_packed(const int64_t* a) {
-  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
-  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), p(5), p(6), p(7), p(8), p(9), i32(10), p(11), a[12],
-                    a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20]);
-}
+extern "C" int ok_int4_tc_packed(const int64_t* a) { return from_packed<ok_int4_tc>(a); }
+extern "C" int ok_int4_tc_ring_packed(const int64_t* a) { return from_packed<ok_int4_tc_ring>(a); }
