@@ -46,7 +46,7 @@ fi
 if [[ $steps == *push* && $family == layernorm ]]; then
   # The pushed forward (norm_push.cu, the sm_90 default for long rows since layernorm 0.11.0):
   # its GPU tests and the long-row replay, the kernel-level variants against Triton and QuACK
-  # (the study builds push-trim / push-bulk / push-lean included: cuda.PUSH_VARIANTS; source
+  # (its other builds push-plain / -trim / -bulk / -lean included: cuda.PUSH_VARIANTS; source
   # .whl-cute-b/install.sh first for QuACK), then the public op's wall and kernel time.
   timeout 240 python3 -m pytest -q -rfE packages/layernorm/tests/test_cluster.py packages/layernorm/tests/test_replay.py \
     -k "cuda or long_rows or replay or push" -m "not aot and not interpreter" 2>&1 | tee "$out/push_tests.txt" | tail -4
@@ -61,7 +61,7 @@ if [[ $steps == *ncu* && $family == layernorm ]]; then
   # norm_ncu_target.py): a copy of the same bytes, the Triton launchers, the pushed kernel and
   # its lean study build, QuACK where it imports. Full reports in $out/ncu_norm.txt.
   for shape in ${NCU_SHAPES:-1024x65536}; do
-    for v in ${NCU_VARIANTS:-copy triton push push-lean quack}; do
+    for v in ${NCU_VARIANTS:-copy triton push push-plain quack}; do
       timeout ${NCU_S:-120} ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
         --section SchedulerStats python3 benchmarks/studies/norm_ncu_target.py "$v" "$shape" ${NCU_OP:-rms} 2>&1 \

@@ -1,8 +1,9 @@
 """The sm_90 norm kernels' variants, kernel level, one process (H200, bf16): the Triton
 launchers, the cluster kernels with the chunk in registers, staged in shared memory (each
 chunk shape that fits), the pushed kernel (staged, per-warp statistics stored into every CTA
-by st.async) and its study variants (cuda.PUSH_VARIANTS: push-trim, push-bulk, push-lean), and QuACK's
-RMSNorm where it imports. Forward of RMSNorm, LayerNorm and add_rms_norm (prenorm), then the
+by st.async; built with bulk staging and trimmed passes since layernorm 0.11.1) and its other
+builds (cuda.PUSH_VARIANTS: push-plain, push-trim, push-bulk, push-lean), and QuACK's RMSNorm
+where it imports. Forward of RMSNorm, LayerNorm and add_rms_norm (prenorm), then the
 backward kernels (registers, staged, CTAs per SM) and RMSNorm forward+backward through
 autograd (ours, ours with the cluster kernels forced, QuACK). GB/s count one read and one
 write per pass (forward 2 or 4, backward 3, forward+backward 4), fraction of a device copy
@@ -128,7 +129,9 @@ def forward(shapes: list[tuple[int, int]], ops: list[str], copy: float, qr: obje
                     variants[f"push{tuple(cfg)}"] = lambda s, a=args, kw=kw, shape=shape: C.norm_fwd(
                         *a(s), **kw, config=shape, push=True
                     )
-                    for name in C.PUSH_VARIANTS:  # the study's builds of it: push-trim, push-bulk, push-lean
+                    for (
+                        name
+                    ) in C.PUSH_VARIANTS:  # its other builds: push-plain, push-trim, push-bulk, push-lean
                         variants[f"push-{name}{tuple(cfg)}"] = (
                             lambda s, a=args, kw=kw, shape=shape, name=name: C.norm_fwd(
                                 *a(s), **kw, config=shape, push=name

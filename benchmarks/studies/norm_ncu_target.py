@@ -5,8 +5,8 @@ cudaProfilerStart / Stop, so `ncu --profile-from-start off` reads only that call
         python benchmarks/studies/norm_ncu_target.py VARIANT ROWSxCOLS [rms|ln|addrms]
 
 VARIANT: triton (the default launchers), staged / regs / push (the sm_90 cluster
-kernels, the default chunk shape), push-trim / push-bulk / push-lean (the pushed kernel's
-study builds, cuda.PUSH_VARIANTS), staged:T,V (a forced (threads, vectors) shape, likewise for
+kernels, the default chunk shape), push-plain / push-trim / push-bulk / push-lean (the pushed kernel's
+other builds, cuda.PUSH_VARIANTS), staged:T,V (a forced (threads, vectors) shape, likewise for
 the others), quack (QuACK's RMSNorm),
 copy (a device copy of the same bytes: the ceiling's counters).
 """
@@ -39,7 +39,7 @@ def main() -> None:
     elif variant.startswith(("staged", "regs", "push")):
         config = tuple(map(int, variant.split(":")[1].split(","))) if ":" in variant else None
         kind = variant.split(":")[0]
-        # push-trim / push-bulk / push-lean: the study variants of the pushed kernel (cuda.PUSH_VARIANTS)
+        # push-plain / push-trim / push-bulk / push-lean: other builds of the pushed kernel (cuda.PUSH_VARIANTS)
         push = kind.removeprefix("push-") if kind.startswith("push-") else kind == "push"
         call = lambda: C.norm_fwd(  # noqa: E731
             *args, **kw, config=config, staged=kind != "regs", push=push

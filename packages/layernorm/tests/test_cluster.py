@@ -29,11 +29,12 @@ def test_every_cluster_kernel_compiles_for_sm_90a_without_spills() -> None:
         pytest.skip("sm_90 is not among the AOT targets")
     if cuda_build.nvcc() is None:  # the CI image has nvcc (13.0): this skip is for other machines
         pytest.skip("no nvcc: the CUDA C++ compile check cannot run here")
-    reports = cuda_build.ptxas_report(C._SOURCE, C.ARCH) + cuda_build.ptxas_report(C._PUSH_SOURCE, C.ARCH)
-    # The pushed forward's study variants with every macro on (bulk copies, trimmed passes).
-    lean = cuda_build.ptxas_report(C._PUSH_SOURCE, C.ARCH, C.PUSH_VARIANTS["lean"])
-    assert len(lean) == 5 * len(C.PUSH_SHAPES), [r.name for r in lean]
-    for r in lean:
+    reports = cuda_build.ptxas_report(C._SOURCE, C.ARCH)
+    reports += cuda_build.ptxas_report(C._PUSH_SOURCE, C.ARCH, C.PUSH_DEFAULT_FLAGS)
+    # The pushed forward's plain build (neither macro: cp.async staging, untrimmed passes).
+    plain = cuda_build.ptxas_report(C._PUSH_SOURCE, C.ARCH)
+    assert len(plain) == 5 * len(C.PUSH_SHAPES), [r.name for r in plain]
+    for r in plain:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
         assert r.odd_descriptors <= 0, r
     kinds = (("fwd_cluster", C.SHORT_SHAPES + C.SHAPES), ("fwd_staged", C.SHORT_SHAPES + C.SHAPES),
@@ -170,7 +171,7 @@ if _sm_90():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["registers", "staged", "push", "push-lean"])
+@pytest.mark.parametrize("kind", ["registers", "staged", "push", "push-plain"])
 @pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, device: str) -> None:
@@ -180,9 +181,10 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
     equal. The chunk held in registers,
     and staged in shared memory (cp.async: the emulation fills shared memory with NaN bytes
     and copies only at the wait, so a read before it fails), and the pushed kernel (staged,
-    per-warp statistics stored into every CTA by st.async, counted on mbarriers), also built as
-    its "lean" study variant (each chunk staged by one bulk copy: in the emulation it lands
-    only when the barrier's phase completes; bfloat16 pairs by shift and mask)."""
+    per-warp statistics stored into every CTA by st.async, counted on mbarriers; its chunk
+    staged by one bulk copy, which in the emulation lands only at a wait or, on alternate
+    launches, at once; bfloat16 pairs by shift and mask, LayerNorm in one pass), also in its
+    plain build (cp.async staging, untrimmed passes)."""
     from openkernels.layernorm import reference as R
 
     cases = [(300, 2048, None), (64, 4096, None), (7, 8192, None), (5, 1000, (128, 2)), (3, 65536, None),
@@ -190,7 +192,7 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
              (2, 200000, (512, 8)), (2, 300000, (512, 16))]  # fmt: skip
     if device == "cpu":  # one CTA, clusters of 3 and 5 with a ragged last chunk, a 32768-element chunk
         cases = [(3, 1000, (128, 2)), (2, 5000, (128, 2)), (2, 9800, (128, 2)), (2, 40000, (512, 8))]
-    push = {"push": True, "push-lean": "lean"}.get(kind, False)
+    push = {"push": True, "push-plain": "plain"}.get(kind, False)
     if push:  # its own shapes: the lengths push_config routes, ragged chunks, one CTA
         cases = [(3, 32768, (256, 8)), (3, 65536, (256, 4)), (2, 131072, (256, 8)), (2, 262144, (512, 8)),
                  (2, 262152, (512, 8)), (5, 20000, (256, 4)), (2, 200000, (512, 8))]  # fmt: skip
@@ -206,7 +208,7 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
         w = random_tensor((n,), dtype, device)
         b = None if rms else random_tensor((n,), dtype, device)
         x[m - 1, n // 3] = float("nan")
-        if not rms:  # an outlier first element: the lean build's warp shift is far from its mean there
+        if not rms:  # an outlier first element: the default build's warp shift is far from its mean there
             x[0, 0] = 3000.0
         runs = []
         for _ in range(2):
@@ -389,7 +391,7 @@ def test_backward_against_float64(rms: bool, dtype: torch.dtype, staged: bool, d
         (True, True, True, True),
     ],
 )
-@pytest.mark.parametrize("kind", ["registers", "staged", "push", "push-lean"])
+@pytest.mark.parametrize("kind", ["registers", "staged", "push", "push-plain"])
 def test_forward_flags_emulated(
     rms: bool, residual: bool, store: bool, weight: bool, bias: bool, kind: str
 ) -> None:
@@ -399,7 +401,7 @@ def test_forward_flags_emulated(
 
     if rms and bias:
         pytest.skip("RMSNorm has no bias")
-    push = {"push": True, "push-lean": "lean"}.get(kind, False)
+    push = {"push": True, "push-plain": "plain"}.get(kind, False)
     m, n, dtype = 3, 20000 if push else 5000, torch.bfloat16  # clusters of 3 (push: 8192 per CTA)
     x = random_tensor((m, n), dtype, "cpu")
     r = random_tensor((m, n), dtype, "cpu") if residual else None

@@ -64,16 +64,22 @@ _library = cuda_build.CudaLibrary(
 # The pushed forward (norm_push.cu): its own library, so that the default path's first call
 # builds only its few kernels; ok_norm_fwd_cluster's arguments.
 _PUSH_SOURCE = pathlib.Path(__file__).with_name("norm_push.cu")
+# norm_push.cu's build macros: OK_PUSH_TRIM (bfloat16 pairs by a shift and a mask, no add of a
+# zero weight_offset, weight and bias in one FMA, LayerNorm's statistics in one pass) and
+# OK_PUSH_BULK (each CTA's chunk staged by one TMA bulk copy per tensor instead of a cp.async
+# per 16 bytes). Both are on in the default build since layernorm 0.11.1: on an H100 they took
+# LayerNorm from 0.76-0.82 to 0.79-0.87 of copy and left RMSNorm and add_rms_norm where they
+# were (docs/perf.md).
+PUSH_DEFAULT_FLAGS: tuple[str, ...] = ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK")
 _push_library = cuda_build.CudaLibrary(
     _PUSH_SOURCE, name="openkernels_layernorm_push", arch=ARCH,
-    signatures={"ok_norm_fwd_push": _SIGNATURES["ok_norm_fwd_cluster"]},
+    signatures={"ok_norm_fwd_push": _SIGNATURES["ok_norm_fwd_cluster"]}, extra_flags=PUSH_DEFAULT_FLAGS,
 )  # fmt: skip
-# The pushed forward built with a study's macros (norm_push.cu), not the default until timed on
-# an H200 (docs/perf.md): "trim" (bfloat16 pairs by a shift and a mask, no add of a zero
-# weight_offset), "bulk" (each CTA's chunk staged by one TMA bulk copy per tensor instead of a
-# cp.async per 16 bytes), "lean" (both). norm_fwd(..., push=<name>) runs one (tests, studies).
+# Other builds of it, for studies and tests (norm_fwd(..., push=<name>)): "plain" (neither
+# macro: the default until layernorm 0.11.0), "trim" and "bulk" (one each), "lean" (both: the
+# default's flags, built apart).
 PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
-    "trim": ("-DOK_PUSH_TRIM",), "bulk": ("-DOK_PUSH_BULK",), "lean": ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK"),
+    "plain": (), "trim": ("-DOK_PUSH_TRIM",), "bulk": ("-DOK_PUSH_BULK",), "lean": PUSH_DEFAULT_FLAGS,
 }  # fmt: skip
 _push_variants: dict[str, cuda_build.CudaLibrary] = {}
 

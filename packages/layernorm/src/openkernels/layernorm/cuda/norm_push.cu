@@ -87,10 +87,10 @@ __device__ __forceinline__ void store_pair(T* dst, float a, float b) {
 #endif
 }
 
-// Elements e and e + 1 of a vector as floats. With OK_PUSH_TRIM (a study's variant,
-// benchmarks/studies/norm_cluster_variants.py, which also drops the add of a zero
-// weight_offset and takes weight and bias in one FMA), bfloat16 pairs come from their 32-bit
-// word by one shift and one mask (the default conversion takes a byte permute and a shift for
+// Elements e and e + 1 of a vector as floats. With OK_PUSH_TRIM (on in the default build,
+// cuda.PUSH_DEFAULT_FLAGS; it also drops the add of a zero weight_offset, takes weight and bias
+// in one FMA and LayerNorm's statistics in one pass), bfloat16 pairs come from their 32-bit
+// word by one shift and one mask (the plain conversion takes a byte permute and a shift for
 // the upper element); the same values either way.
 template <typename T, int N>
 __device__ __forceinline__ float2 pair_at(const Vec<T, N>& vec, int e) {
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   __shared__ float4 parts[kMaxCluster * WARPS];  // (rank, warp) -> (n, mean, m2, -)
   __shared__ OkBarrier full;
 #ifdef OK_PUSH_BULK
-  __shared__ OkBarrier staged;  // the chunk's bulk copies (OK_PUSH_BULK) land on it
+  __shared__ OkBarrier staged;  // the chunk's bulk copies land on it
 #endif
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -268,10 +268,10 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   RowVec* const h = reinterpret_cast<RowVec*>(stage) + threadIdx.x;  // vector i at h[i * THREADS]
   const RowVec* const staged_res = h + THREADS * VPT;
 #ifdef OK_PUSH_BULK
-  // A study's variant (benchmarks/studies/norm_cluster_variants.py): the CTA's chunk of x (and
-  // of the residual) in one bulk copy each, issued by one thread (the TMA unit splits it),
-  // instead of a cp.async per thread and 16 bytes with its address and bounds arithmetic. The
-  // shared layout is the chunk's own order, as below.
+  // (On in the default build.) The CTA's chunk of x (and of the residual) in one bulk copy
+  // each, issued by one thread (the TMA unit splits it), instead of a cp.async per thread and
+  // 16 bytes with its address and bounds arithmetic. The shared layout is the chunk's own
+  // order, as in the plain build below.
   if (threadIdx.x == 0) {
     const int64_t first = static_cast<int64_t>(rank) * CHUNK;
     const int64_t cols = n_cols - first < CHUNK ? n_cols - first : CHUNK;

@@ -357,10 +357,15 @@ int launch_tc_ring(int tiles, int stages, const void* x, const void* qweight, co
   auto run = [&](auto kernel, size_t stage_bytes) {
     config.dynamicSmemBytes = stages * stage_bytes;
     if (config.dynamicSmemBytes > 200 * 1024) return -3;  // the launcher's check missed it
-    if (config.dynamicSmemBytes > 48 * 1024) {
+    // Static plus dynamic shared memory past 48 KB needs the kernel's opt-in (the static part,
+    // `partial` and the barriers, is 4-16 KB: 47 KB of stages alone already passes it). Raised
+    // once per kernel to the largest size asked so far.
+    static size_t allowed = 0;
+    if (config.dynamicSmemBytes > allowed) {
       cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(config.dynamicSmemBytes));
       if (err != cudaSuccess) return static_cast<int>(err);
+      allowed = config.dynamicSmemBytes;
     }
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
