@@ -7,7 +7,7 @@
 # the studies' time limits can be lowered to fit several families in one call
 # (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, WALL_S, BACKWARD_S,
 # BWDSWEEP_S, SPLIT_S, TC_S, E2E_S, NCU_S, PUSH_S, in seconds; NCU_SHAPES, NCU_VARIANTS, NCU_OP,
-# PUSH_SHAPES);
+# PUSH_SHAPES; E2E_PROFILE=steps lists the decode step's kernels per variant);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -119,8 +119,8 @@ if [[ $steps == *tc* && $family == quant ]]; then
     | tee "$out/tc_tests.txt" | tail -4
   timeout ${WALL_S:-150} python3 benchmarks/studies/quant_wgmma_wall.py --shapes 8192x8192,28672x8192 --ms 1,4,16 2>&1 \
     | tee "$out/tc_wall.txt" | tail -30
-  (cd benchmarks/peers && timeout ${E2E_S:-200} python3 e2e_decode_step.py --context 4096 --reps 50 --mode graph 2>&1 \
-    | tee "$out/tc_e2e.txt" | tail -12)
+  (cd benchmarks/peers && timeout ${E2E_S:-200} python3 e2e_decode_step.py --context 4096 --reps 50 --mode graph ${E2E_PROFILE:+--profile $E2E_PROFILE} 2>&1 \
+    | tee "$out/tc_e2e.txt" | grep -v "^ *[\"{}\[]" | tail -100)
 fi
 if [[ $steps == *wall* && $family == quant ]]; then
   # The wgmma kernel through the public op (launch plan, direct launch): its GPU tests, then

@@ -18,6 +18,11 @@ timings of `reps` replays), the ratios, and the largest |logit difference| of ea
 step against sdpa's relative to sdpa's largest |logit|. A variant whose capture fails is
 timed eagerly instead, and says so. --tiny runs a 2-layer model (a smoke test, CPU too,
 where every variant is timed eagerly).
+
+--profile: after its timing, each variant's step runs `reps` more times under torch.profiler
+and the kernels are listed per step (launches, microseconds, share of the kernel time), with
+the kernel time's sum against the step's time: what the weights' bytes cost and what the
+rest of the step (small kernels, gaps between launches) does.
 """
 
 from __future__ import annotations
@@ -109,18 +114,67 @@ def _graphed(step, device: torch.device):
     return graph.replay, logits
 
 
-def run(shape: dict, device: torch.device, context: int, reps: int, mode: str = "graph") -> dict:
+def _kernel_profile(fn, reps: int, device: torch.device, top: int = 24) -> dict:
+    """Per-step kernel launches and device time of `reps` calls of fn, by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    with profile(activities=activities) as prof:
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if device.type == "cuda" and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if device.type != "cuda" and not event.name.startswith("aten::"):
+            continue
+        entry = kernels.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time if device.type == "cuda" else event.cpu_time
+    rows = sorted(((n, c / reps, us / reps) for n, (c, us) in kernels.items()), key=lambda r: -r[2])
+    total_us = sum(r[2] for r in rows)
+    launches = sum(r[1] for r in rows)
+    print(f"    kernels per step: {launches:.0f} launches, {total_us:.1f} us of kernel time", flush=True)
+    for name, calls, us in rows[:top]:
+        print(
+            f"    {us:8.1f} us {100 * us / max(total_us, 1e-9):5.1f}% {calls:5.1f}x  {name[:110]}", flush=True
+        )
+    return {
+        "launches_per_step": launches,
+        "kernel_us_per_step": total_us,
+        "top": [{"name": n, "launches": c, "us": us} for n, c, us in rows[:top]],
+    }
+
+
+def run(
+    shape: dict,
+    device: torch.device,
+    context: int,
+    reps: int,
+    mode: str = "graph",
+    profile_steps: int = 0,
+    skip: tuple[str, ...] = (),
+) -> dict:
     base = build(shape, device)
-    results: dict = {"context": context, "reps": reps, "device": str(device), "mode": mode}
+    results: dict = {
+        "context": context,
+        "reps": reps,
+        "device": str(device),
+        "mode": mode,
+        "skip": list(skip),
+    }
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(device)
     logits: dict[str, torch.Tensor] = {}
     for variant in ("sdpa", "ours-bf16", "ours-int4"):
         model = copy.deepcopy(base)
         if variant == "ours-bf16":
-            kernelize(model)
+            kernelize(model, skip=skip)
         elif variant == "ours-int4":
-            kernelize(model, quantize="int4")
+            kernelize(model, quantize="int4", skip=skip)
         # Room for every step timed: a cache that counts its length on the device moves one
         # slot per replay (the context grows by at most ~6 * reps + 8 tokens).
         cache = _caches(model, variant, context + 8 * reps + 64, device)
@@ -142,6 +196,8 @@ def run(shape: dict, device: torch.device, context: int, reps: int, mode: str = 
         ms = _time(fn, reps, device)
         results[variant] = {"ms_per_step": ms, "timed": how}
         print(f"  {variant}: {ms:.3f} ms per step ({how})", flush=True)
+        if profile_steps:
+            results[variant]["profile"] = _kernel_profile(fn, profile_steps, device)
         del model, step, fn, cache
     ref = logits["sdpa"]
     for variant in ("ours-bf16", "ours-int4"):
@@ -167,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
                         "torch.compile(mode='reduce-overhead') as generate() does for static caches")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="list each variant's kernels per step over STEPS profiled steps")  # fmt: skip
+    parser.add_argument("--skip", default="", help="comma-separated module names / globs kernelize leaves "
+                        "(model.layers.?,model.layers.?? : the decoder layers' add + norm fusion off)")  # fmt: skip
     args = parser.parse_args(argv)
-    results = run(
-        TINY if args.tiny else LLAMA_1B, torch.device(args.device), args.context, args.reps, args.mode
-    )
+    shape = TINY if args.tiny else LLAMA_1B
+    skip = tuple(s for s in args.skip.split(",") if s)
+    results = run(shape, torch.device(args.device), args.context, args.reps, args.mode, args.profile, skip)
     print(json.dumps(results, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -36,6 +36,7 @@ ROLES = REQUIRED | {
     "cuda/*",
     "gluon/*",
     "kernelize.py",
+    "kernelize/*",
     "manifest.py",
 }
 # Data modules every backend of one family shares (docs/adding-a-kernel.md names each).

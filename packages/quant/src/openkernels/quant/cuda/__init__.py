@@ -318,6 +318,21 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _tc_shape_unsupported(
+    m: int, n: int, k: int, group_size: int, kind: str, tiles: int, group_multiple: int
+) -> str | None:
+    """The tensor-core GEMV's shape limits, one list for its register and ring-fed builds."""
+    if m > TC_MAX_ROWS:
+        return f"{m} rows of x for the tensor-core GEMV (it takes up to {TC_MAX_ROWS})"
+    if kind == "nf4":
+        return "NF4 on the tensor-core GEMV (it takes int4)"
+    if k % 128 or group_size % group_multiple:
+        return f"K = {k} not a multiple of 128 or group size {group_size} not of {group_multiple}"
+    if n % (16 * tiles):
+        return f"N = {n} not a multiple of {16 * tiles} (the tensor-core GEMV's rows per CTA)"
+    return None
+
+
 def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config=None) -> str | None:
     """Why this call goes to the Triton kernels instead (None: a kernel here takes it)."""
     m, k = x.shape
@@ -339,14 +354,10 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
     if ring is not None:
         if x.is_cuda and not _arch(x.device).startswith("sm_90"):
             return "the ring-fed tensor-core GEMV on a GPU older than sm_90 (it needs bulk copies)"
-        if m > TC_MAX_ROWS:
-            return f"{m} rows of x for the tensor-core GEMV (it takes up to {TC_MAX_ROWS})"
-        if kind == "nf4":
-            return "NF4 on the tensor-core GEMV (it takes int4)"
-        if k % 128 or group_size % 128:
-            return f"K = {k} or group size {group_size} not a multiple of 128 (the ring's scale per chunk)"
-        if n % (16 * ring.tiles):
-            return f"N = {n} not a multiple of {16 * ring.tiles} (the tensor-core GEMV's rows per CTA)"
+        # group_size % 128: the ring stages one scale (zero) per 1024-code chunk and row.
+        why = _tc_shape_unsupported(m, n, k, group_size, kind, ring.tiles, group_multiple=128)
+        if why is not None:
+            return why
         if x.stride(0) * x.element_size() % 16:
             return "rows of x not 16-byte aligned"
         params = [scales] if zeros is None else [scales, zeros]
@@ -357,14 +368,9 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         return None
     tc = tc_config(config)
     if tc is not None:
-        if m > TC_MAX_ROWS:
-            return f"{m} rows of x for the tensor-core GEMV (it takes up to {TC_MAX_ROWS})"
-        if kind == "nf4":
-            return "NF4 on the tensor-core GEMV (it takes int4)"
-        if k % 128 or group_size % 32:
-            return f"K = {k} not a multiple of 128 or group size {group_size} not of 32"
-        if n % (16 * tc.tiles):
-            return f"N = {n} not a multiple of {16 * tc.tiles} (the tensor-core GEMV's rows per CTA)"
+        why = _tc_shape_unsupported(m, n, k, group_size, kind, tc.tiles, group_multiple=32)
+        if why is not None:
+            return why
         if m > 1 and x.stride(0) % 8:
             return "rows of x not 16-byte aligned"
         return None

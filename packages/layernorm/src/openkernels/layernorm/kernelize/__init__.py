@@ -1,5 +1,6 @@
-"""What `openkernels.shared.kernelize` swaps for this family: torch's LayerNorm and RMSNorm
-and the RMSNorm classes of Hugging Face transformers models.
+"""What `openkernels.shared.kernelize` swaps for this family: torch's LayerNorm and RMSNorm,
+the RMSNorm classes of Hugging Face transformers models, and their pre-norm decoder layers'
+residual add before the post-attention norm (decoder_fusion).
 
 Classes are matched by name, each one checked against its transformers source: the
 Llama-style norms normalize in float32, round to the input dtype, then multiply by the
@@ -15,22 +16,12 @@ from torch import nn
 
 from openkernels.shared.kernelize import KernelizeContext, Swap
 
-from .api import layer_norm, rms_norm
+from ..api import layer_norm, rms_norm
+from .decoder_fusion import DECODER_LAYERS, decoder_check, decoder_forward
+from .hf_norm_classes import GEMMA_STYLE_RMS_NORMS, LLAMA_STYLE_RMS_NORMS
 
 __all__ = ["replacements", "LLAMA_STYLE_RMS_NORMS", "GEMMA_STYLE_RMS_NORMS", "POST_NORM_OUTPUTS"]
 
-# weight * normalized(x).to(x.dtype), eps in `variance_epsilon`.
-LLAMA_STYLE_RMS_NORMS = (
-    "LlamaRMSNorm",
-    "MistralRMSNorm",
-    "MixtralRMSNorm",
-    "Qwen2RMSNorm",
-    "Qwen2MoeRMSNorm",
-    "Qwen3RMSNorm",
-    "Qwen3MoeRMSNorm",
-)
-# (normalized(x.float()) * (1 + weight.float())).to(x.dtype), eps in `eps`.
-GEMMA_STYLE_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 # Post-norm block outputs, forward(h, input_tensor) = LayerNorm(dropout(dense(h)) + input_tensor):
 # the residual add fuses into the norm (one pass over the hidden state instead of two).
 POST_NORM_OUTPUTS = ("BertSelfOutput", "BertOutput", "RobertaSelfOutput", "RobertaOutput")
@@ -95,6 +86,7 @@ def replacements() -> list[Swap]:
     """The entry point `openkernels.kernelize` calls."""
     family = "layernorm"
     return [
+        Swap(family, "add_rms_norm(decoder layer)", DECODER_LAYERS, decoder_forward, check=decoder_check),
         Swap(
             family,
             "add_layer_norm",
