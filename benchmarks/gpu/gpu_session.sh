@@ -7,7 +7,8 @@
 # the studies' time limits can be lowered to fit several families in one call
 # (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, WALL_S, BACKWARD_S,
 # BWDSWEEP_S, SPLIT_S, TC_S, E2E_S, NCU_S, PUSH_S, in seconds; NCU_SHAPES, NCU_VARIANTS, NCU_OP,
-# PUSH_SHAPES; E2E_PROFILE=steps lists the decode step's kernels per variant);
+# PUSH_SHAPES; E2E_PROFILE=steps lists the decode step's kernels per variant, E2E_AB=1 runs it
+# again without the decoder layers' add + norm fusion, TC_WALL=0 skips the tc tests and wall times);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -115,12 +116,19 @@ if [[ $steps == *tc* && $family == quant ]]; then
   timeout ${TC_S:-240} python3 benchmarks/studies/quant_tc_gemv.py --configs "$tc" \
     --shapes ${TC_SHAPES:-8192x8192,28672x8192,2048x2048,3072x2048,16384x2048,2048x8192} 2>&1 \
     | tee "$out/tc_study.txt" | grep -v '^\[ *[0-9.]*s\]   ' | tail -100
-  timeout 150 python3 -m pytest -q -rfE packages/quant/tests/test_gemv.py -k "tensor_core_gemv" -m "not aot" -x 2>&1 \
-    | tee "$out/tc_tests.txt" | tail -4
-  timeout ${WALL_S:-150} python3 benchmarks/studies/quant_wgmma_wall.py --shapes 8192x8192,28672x8192 --ms 1,4,16 2>&1 \
-    | tee "$out/tc_wall.txt" | tail -30
+  if [[ ${TC_WALL:-1} == 1 ]]; then
+    timeout 150 python3 -m pytest -q -rfE packages/quant/tests/test_gemv.py -k "tensor_core_gemv" -m "not aot" -x 2>&1 \
+      | tee "$out/tc_tests.txt" | tail -4
+    timeout ${WALL_S:-150} python3 benchmarks/studies/quant_wgmma_wall.py --shapes 8192x8192,28672x8192 --ms 1,4,16 2>&1 \
+      | tee "$out/tc_wall.txt" | tail -30
+  fi
   (cd benchmarks/peers && timeout ${E2E_S:-200} python3 e2e_decode_step.py --context 4096 --reps 50 --mode graph ${E2E_PROFILE:+--profile $E2E_PROFILE} 2>&1 \
     | tee "$out/tc_e2e.txt" | grep -v "^ *[\"{}\[]" | tail -100)
+  if [[ ${E2E_AB:-0} == 1 ]]; then  # the same step with kernelize leaving the decoder layers (no add + norm fusion)
+    (cd benchmarks/peers && timeout ${E2E_S:-200} python3 e2e_decode_step.py --context 4096 --reps 50 --mode graph \
+      ${E2E_PROFILE:+--profile $E2E_PROFILE} --skip 'model.layers.?,model.layers.??' 2>&1 \
+      | tee "$out/tc_e2e_unfused.txt" | grep -v "^ *[\"{}\[]" | tail -100)
+  fi
 fi
 if [[ $steps == *wall* && $family == quant ]]; then
   # The wgmma kernel through the public op (launch plan, direct launch): its GPU tests, then

@@ -2,7 +2,7 @@
 bf16 weights, with Python's generate loop out of the timing (the 4-bit linear issue's
 end-to-end bar).
 
-    python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile]
+    python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile|eager]
         [--json PATH] [--tiny --device cpu]
 
 Variants, each a copy of the same random-weight model:
@@ -184,7 +184,7 @@ def run(
         if mode == "compile":
             for _ in range(3):  # cudagraph trees record on the first calls
                 step()
-        elif device.type == "cuda":
+        elif device.type == "cuda" and mode == "graph":
             try:
                 fn = _graphed(step, device)[0]
                 fn()
@@ -218,9 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
-    parser.add_argument("--mode", choices=("graph", "compile"), default="graph",
+    parser.add_argument("--mode", choices=("graph", "compile", "eager"), default="graph",
                         help="graph: capture the eager step in a CUDA graph (eager where that fails); compile: "
-                        "torch.compile(mode='reduce-overhead') as generate() does for static caches")  # fmt: skip
+                        "torch.compile(mode='reduce-overhead') as generate() does for static caches; eager: the "
+                        "Python step itself, host path included")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
