@@ -730,6 +730,88 @@ def test_static_errors(models) -> None:
     assert [int(layer.cumulative_length) for layer in cache.layers] == held == [PROMPT] * LAYERS
 
 
+def _host_reads(fn) -> tuple[int, int]:
+    """(device values read by int() / .item() / bool(), attention_with_kvcache length checks
+    that read cache_seqlens on the host) while fn() runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from openkernels.attention.kvcache import api
+
+    counts = [0, 0]
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[0] += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    real = api.check_lengths
+
+    def counting(*args):
+        counts[1] += 1
+        return real(*args)
+
+    api.check_lengths = counting
+    try:
+        with Reads():
+            fn()
+    finally:
+        api.check_lengths = real
+    return counts[0], counts[1]
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_static_eager_decode_counts_lengths_on_the_host(models, bits: int) -> None:
+    """An eager decode step reads no layer's length from the device: each layer counts it on
+    the host (a read per layer and step would stall the host on the GPU). What is left is the
+    mask's check, once per forward. The logits stay those of the layer that reads."""
+    model, p, t = models["ours"], models["prompt"], models["tokens"][:, :4]
+    want = _logits(model, _static(model, bits, max_seqlen=PROMPT + 4), p, t)
+    cache = _static(model, bits, max_seqlen=PROMPT + 4)
+    rows, reads = [], []
+    with torch.no_grad():
+        rows.append(model(p, use_cache=True, **{CACHE_KW: cache}).logits)
+        for token in t.unbind(1):
+            step = lambda token=token: rows.append(
+                model(token[:, None], use_cache=True, **{CACHE_KW: cache}).logits
+            )  # noqa: E731
+            reads.append(_host_reads(step))
+        # Full: the next token is refused before anything changes, from the host's count.
+        with pytest.raises(ValueError, match="capacity"):
+            model(t[:, :1], use_cache=True, **{CACHE_KW: cache})
+    assert all(length_checks == 0 for _, length_checks in reads), reads
+    assert all(values < LAYERS for values, _ in reads), reads  # per forward, not per layer
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [PROMPT + 4] * LAYERS
+    err = _step_errors(torch.cat(rows, 1), want, float(want.abs().max()))
+    assert (err <= 1e-5).all(), err.tolist()
+
+
+def test_static_host_count_stops_after_a_captured_or_compiled_call(models, monkeypatch) -> None:
+    """A captured (or compiled) call advances the length without Python: from the first one on,
+    each eager call reads the length from the device (here moved behind the host's back, as
+    graph replays move it) and the capacity check sees the true value."""
+    from openkernels.attention import hf as attn_hf
+    from openkernels.attention.kvcache import hf as kv_hf
+
+    model, p, t = models["ours"], models["prompt"], models["tokens"]
+    cache = _static(model, max_seqlen=PROMPT + 4)
+    with torch.no_grad():
+        model(p, use_cache=True, **{CACHE_KW: cache})
+        with monkeypatch.context() as patch:  # one step as under a CUDA-graph capture
+            for module in (attn_hf, kv_hf):
+                patch.setattr(module, "graph_capturing", lambda device: True)
+            model(t[:, :1], use_cache=True, **{CACHE_KW: cache})
+        assert all(layer._host_length is None and not layer._host_counts for layer in cache.layers)
+        for layer in cache.layers:
+            layer.cumulative_length.add_(2)  # two replays the host never saw
+        with pytest.raises(ValueError, match=f"{PROMPT + 3} cached tokens"):
+            model(t[:, :2], use_cache=True, **{CACHE_KW: cache})
+        reads, _ = _host_reads(lambda: model(t[:, :1], use_cache=True, **{CACHE_KW: cache}))
+    assert reads >= LAYERS  # every layer read its length
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [PROMPT + 4] * LAYERS
+    cache.reset()  # the count stays off: a reset does not bring it back
+    assert all(layer._host_length is None for layer in cache.layers)
+
+
 def test_sdpa_route_only_for_plain_float32_on_the_cpu():
     """hf.py hands plain float32 CPU attention to SDPA and keeps everything else (GPUs: the
     attention op's own dispatch picks cuDNN where it is faster, test_cudnn.py), and stands

@@ -43,7 +43,7 @@ from openkernels.shared import dispatch
 from openkernels.shared.platform import graph_capturing
 
 from .core.api import attention
-from .kvcache.api import attention_with_kvcache
+from .kvcache.api import _kvcache_call, attention_with_kvcache
 from .kvcache.format import QuantizedKV
 from .kvcache.hf import CachedKV, StaticCachedKV
 
@@ -187,8 +187,13 @@ def _attend_static(
     k_new, v_new = key.k_new.transpose(1, 2), key.v_new.transpose(1, 2)
     new = k_new.shape[1]
     if pad is None:
-        out = attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, key.cache_seqlens,
-                                     k_new=k_new, v_new=v_new, **options)  # fmt: skip
+        # Eager calls: the lengths the layer counts on the host (checked against the capacity by
+        # its update), so no device read here either.
+        host = None if tracing else layer.host_lengths_after(new)
+        out, _ = _kvcache_call(
+            query.transpose(1, 2), layer.k_cache, layer.v_cache, key.cache_seqlens, k_new, v_new, None,
+            is_causal, scaling, window, None, float(softcap or 0.0), None, None, False, host, check=not tracing,
+        )  # fmt: skip
     else:
         seqlens = key.cache_seqlens
         if query.shape[2] > 1:  # the padding may be among the new tokens: append, then attend
@@ -199,7 +204,7 @@ def _attend_static(
         out = attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, seqlens, k_new=k_new,
                                      v_new=v_new, cache_leftpad=pad, check=not tracing,
                                      **options)  # fmt: skip
-    layer.cumulative_length.add_(new)  # after the calls that read the lengths before it (update)
+    layer.advance(new)  # after the calls that read the lengths before it (update)
     return out
 
 

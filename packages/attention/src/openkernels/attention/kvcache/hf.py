@@ -343,6 +343,13 @@ def _build_classes() -> dict[str, type]:
             self.v_cache: torch.Tensor | QuantizedKV | None = None
             # A tensor, so that its value changing is no recompile (transformers' static layers do the same).
             self.cumulative_length = torch.zeros((), dtype=torch.int32, device=self.device)
+            # Its value counted on the host while only eager calls change it: an eager decode step
+            # then reads no length from the device (a read per layer stalls the host until the GPU
+            # has caught up). A compiled or captured call advances the length without running
+            # Python, so the first one turns the counting off for good (_host_counts) and every
+            # later eager call reads the length once.
+            self._host_length: int | None = 0
+            self._host_counts = True
 
         def __repr__(self) -> str:
             fmt = self.kv_dtype if self.kv_dtype is not None else "model dtype"
@@ -389,9 +396,14 @@ def _build_classes() -> dict[str, type]:
             if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
                 raise RuntimeError("OpenKernelsStaticCache is for inference: run under torch.no_grad()")
             new = key_states.shape[-2]
-            if not (torch.compiler.is_compiling() or graph_capturing(key_states.device)):
-                # eager: one small device-to-host read, before any change
-                held = int(self.cumulative_length)
+            if torch.compiler.is_compiling() or graph_capturing(key_states.device):
+                self._host_counts, self._host_length = False, None
+            else:
+                held = self._host_length
+                if held is None:  # one small device-to-host read, before any change
+                    held = int(self.cumulative_length)
+                    if self._host_counts:
+                        self._host_length = held
                 if held + new > self.max_seqlen:
                     raise ValueError(f"OpenKernelsStaticCache: {held} cached tokens plus {new} new ones are outside "
                                      f"the cache's capacity of {self.max_seqlen} tokens")  # fmt: skip
@@ -402,6 +414,19 @@ def _build_classes() -> dict[str, type]:
             cache_seqlens = held.expand(1) if self.batch_size == 1 else held.expand(self.batch_size).clone()
             handle = StaticCachedKV(self, key_states, value_states, cache_seqlens)
             return handle, handle
+
+        def host_lengths_after(self, new: int) -> list[int] | None:
+            """Every sequence's length after `new` more tokens when the host counts it (eager
+            calls only so far), else None (the caller reads or trusts the device)."""
+            if self._host_length is None:
+                return None
+            return [self._host_length + new] * self.batch_size
+
+        def advance(self, new: int) -> None:
+            """The length plus `new` (in place on the device; counted on the host as well)."""
+            self.cumulative_length.add_(new)
+            if self._host_length is not None:
+                self._host_length += new
 
         def get_seq_length(self) -> torch.Tensor | int:
             """The tokens held, as the device 0-d tensor (as transformers' static layers: reading it
@@ -415,6 +440,8 @@ def _build_classes() -> dict[str, type]:
         def reset(self) -> None:
             """Forget every token (the length set to 0 in place); the storage is kept."""
             self.cumulative_length.zero_()
+            if self._host_counts:
+                self._host_length = 0
 
         def crop(self, tokens_to_remove: int) -> None:
             """Drop the last -tokens_to_remove tokens (a negative int, as transformers' layers take
@@ -423,6 +450,8 @@ def _build_classes() -> dict[str, type]:
             if tokens_to_remove == 0 or not self.is_initialized:
                 return
             self.cumulative_length.sub_(-tokens_to_remove).clamp_(min=0)
+            if self._host_length is not None:
+                self._host_length = max(0, self._host_length + tokens_to_remove)
 
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
             """Beam search: sequence b takes sequence beam_idx[b]'s tokens (rows copied in place)."""
