@@ -157,6 +157,7 @@ def run(
     mode: str = "graph",
     profile_steps: int = 0,
     skip: tuple[str, ...] = (),
+    read_lengths: bool = False,
 ) -> dict:
     base = build(shape, device)
     results: dict = {
@@ -178,6 +179,9 @@ def run(
         # Room for every step timed: a cache that counts its length on the device moves one
         # slot per replay (the context grows by at most ~6 * reps + 8 tokens).
         cache = _caches(model, variant, context + 8 * reps + 64, device)
+        if read_lengths and variant != "sdpa":  # A/B: the eager read per layer of attention < 0.8.5
+            for layer in cache.layers:
+                layer._host_counts, layer._host_length = False, None
         step = _step_runner(model, cache, context, device, compiled=mode == "compile")
         logits[variant] = step().float().clone()  # the first step, at position context - 1
         how, fn = "eager" if mode != "compile" else "torch.compile reduce-overhead", step
@@ -228,10 +232,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="list each variant's kernels per step over STEPS profiled steps")  # fmt: skip
     parser.add_argument("--skip", default="", help="comma-separated module names / globs kernelize leaves "
                         "(model.layers.?,model.layers.?? : the decoder layers' add + norm fusion off)")  # fmt: skip
+    parser.add_argument("--read-lengths", action="store_true",
+                        help="A/B: the static cache's layers read their lengths from the device in eager calls")  # fmt: skip
     args = parser.parse_args(argv)
     shape = TINY if args.tiny else LLAMA_1B
     skip = tuple(s for s in args.skip.split(",") if s)
-    results = run(shape, torch.device(args.device), args.context, args.reps, args.mode, args.profile, skip)
+    results = run(
+        shape,
+        torch.device(args.device),
+        args.context,
+        args.reps,
+        args.mode,
+        args.profile,
+        skip,
+        args.read_lengths,
+    )
     print(json.dumps(results, indent=1))
     if args.json:
         with open(args.json, "w") as f:
