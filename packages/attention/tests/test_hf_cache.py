@@ -760,26 +760,33 @@ def _host_reads(fn) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("bits", [16, 4])
-def test_static_eager_decode_counts_lengths_on_the_host(models, bits: int) -> None:
+def test_static_eager_decode_counts_lengths_on_the_host(models, bits: int, monkeypatch) -> None:
     """An eager decode step reads no layer's length from the device: each layer counts it on
     the host (a read per layer and step would stall the host on the GPU). What is left is the
-    mask's check, once per forward. The logits stay those of the layer that reads."""
+    mask's check, once per forward. The arguments are checked once per layer and signature
+    (prefill, decode). The logits stay those of the layer that reads."""
+    from openkernels.attention import hf as attn_hf
+
     model, p, t = models["ours"], models["prompt"], models["tokens"][:, :4]
     want = _logits(model, _static(model, bits, max_seqlen=PROMPT + 4), p, t)
     cache = _static(model, bits, max_seqlen=PROMPT + 4)
-    rows, reads = [], []
+    rows, reads, plans = [], [], []
+    real_plan = attn_hf._kvcache_plan
+    monkeypatch.setattr(attn_hf, "_kvcache_plan", lambda *a: plans.append(1) or real_plan(*a))
     with torch.no_grad():
         rows.append(model(p, use_cache=True, **{CACHE_KW: cache}).logits)
         for token in t.unbind(1):
-            step = lambda token=token: rows.append(
-                model(token[:, None], use_cache=True, **{CACHE_KW: cache}).logits
-            )  # noqa: E731
+
+            def step(token=token):
+                rows.append(model(token[:, None], use_cache=True, **{CACHE_KW: cache}).logits)
+
             reads.append(_host_reads(step))
         # Full: the next token is refused before anything changes, from the host's count.
         with pytest.raises(ValueError, match="capacity"):
             model(t[:, :1], use_cache=True, **{CACHE_KW: cache})
     assert all(length_checks == 0 for _, length_checks in reads), reads
     assert all(values < LAYERS for values, _ in reads), reads  # per forward, not per layer
+    assert len(plans) == 2 * LAYERS  # the prefill's and the decode steps' signatures, per layer
     assert [int(layer.cumulative_length) for layer in cache.layers] == [PROMPT + 4] * LAYERS
     err = _step_errors(torch.cat(rows, 1), want, float(want.abs().max()))
     assert (err <= 1e-5).all(), err.tolist()

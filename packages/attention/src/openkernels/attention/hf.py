@@ -43,7 +43,8 @@ from openkernels.shared import dispatch
 from openkernels.shared.platform import graph_capturing
 
 from .core.api import attention
-from .kvcache.api import _kvcache_call, attention_with_kvcache
+from .kvcache.api import _kvcache_call, _kvcache_plan, attention_with_kvcache
+from .kvcache.cache import _call_signature, keep_plan, reusable_plan
 from .kvcache.format import QuantizedKV
 from .kvcache.hf import CachedKV, StaticCachedKV
 
@@ -187,12 +188,22 @@ def _attend_static(
     k_new, v_new = key.k_new.transpose(1, 2), key.v_new.transpose(1, 2)
     new = k_new.shape[1]
     if pad is None:
-        # Eager calls: the lengths the layer counts on the host (checked against the capacity by
-        # its update), so no device read here either.
-        host = None if tracing else layer.host_lengths_after(new)
+        q = query.transpose(1, 2)
+        plan = host = None
+        if not tracing:
+            # The lengths the layer counts on the host (checked against the capacity by its
+            # update): no device read here either; and the argument checks once per signature.
+            host = layer.host_lengths_after(new)
+            sig = _call_signature(q, k_new, v_new, options)
+            plan = reusable_plan(layer.plans, sig, layer.k_cache, layer.v_cache, None)
+            if plan is None:
+                plan = _kvcache_plan("attention_with_kvcache", q, layer.k_cache, layer.v_cache, key.cache_seqlens,
+                                     k_new, v_new, None, is_causal, scaling, window, None, options["softcap"], None,
+                                     None, False, None, None, None)  # fmt: skip
+                keep_plan(layer.plans, sig, plan)
         out, _ = _kvcache_call(
-            query.transpose(1, 2), layer.k_cache, layer.v_cache, key.cache_seqlens, k_new, v_new, None,
-            is_causal, scaling, window, None, float(softcap or 0.0), None, None, False, host, check=not tracing,
+            q, layer.k_cache, layer.v_cache, key.cache_seqlens, k_new, v_new, None, is_causal, scaling, window, None,
+            options["softcap"], None, None, False, host, check=not tracing, plan=plan,
         )  # fmt: skip
     else:
         seqlens = key.cache_seqlens

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import ops, problem
@@ -57,6 +59,22 @@ def _call_signature(q: object, k_new: object, v_new: object, options: dict) -> t
             return None
         parts += (name, value, type(value))
     return tuple(parts)
+
+
+def reusable_plan(plans: dict, sig: tuple | None, k: Any, v: Any, block_table: Any) -> KVCallPlan | None:
+    """The checked plan kept under `sig` when it was made for these cache sides and table."""
+    plan = plans.get(sig) if sig is not None else None
+    if plan is not None and plan.k_cache is k and plan.v_cache is v and plan.block_table is block_table:
+        return plan
+    return None  # none kept, or the sides or the table were replaced since
+
+
+def keep_plan(plans: dict, sig: tuple | None, plan: KVCallPlan) -> None:
+    if sig is None:
+        return
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[sig] = plan
 
 
 class KVCache:
@@ -268,10 +286,7 @@ class KVCache:
         n = 0 if k_new is None else k_new.shape[1]
         compiling = torch.compiler.is_compiling()
         sig = None if compiling else _call_signature(q, k_new, v_new, options)
-        plan = self._plans.get(sig) if sig is not None else None
-        if plan is not None and not (plan.k_cache is self.k and plan.v_cache is self.v
-                                     and plan.block_table is self._block_table):  # fmt: skip
-            plan = None  # the sides or the table were replaced since
+        plan = reusable_plan(self._plans, sig, self.k, self.v, self._block_table)
         fmt = None
         if plan is None:
             # The storage's format is checked once per (q dtype, head_dim, device): a decode step
@@ -296,9 +311,7 @@ class KVCache:
                 options.get("causal", True), options.get("softmax_scale"), options.get("window", (-1, -1)), None,
                 options.get("softcap", 0.0), None, None, options.get("rotary_interleaved", False), fmt, None, None,
             )  # fmt: skip
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()
-            self._plans[sig] = plan
+            keep_plan(self._plans, sig, plan)
         out, lse = _kvcache_call(
             q, self.k, self.v, self.seqlens, k_new, v_new, self.block_table, options.get("causal", True),
             options.get("softmax_scale"), options.get("window", (-1, -1)), options.get("alibi_slopes"),

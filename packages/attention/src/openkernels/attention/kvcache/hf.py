@@ -350,6 +350,7 @@ def _build_classes() -> dict[str, type]:
             # later eager call reads the length once.
             self._host_length: int | None = 0
             self._host_counts = True
+            self.plans: dict = {}  # call signature -> checked KVCallPlan (eager calls; see hf._attend_static)
 
         def __repr__(self) -> str:
             fmt = self.kv_dtype if self.kv_dtype is not None else "model dtype"
