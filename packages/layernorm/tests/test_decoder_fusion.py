@@ -194,3 +194,20 @@ def test_fused_layer_on_cuda_bf16():
     assert LABEL in report.swapped
     assert torch.isfinite(got).all()
     assert (got - exact).abs().max() <= 1.5 * (plain - exact).abs().max() + 1e-3
+
+
+def test_mixed_dtypes_promote_as_the_add_does():
+    """A float32 residual stream with bfloat16 attention output (a hook casts it): the sum and
+    the norm come out in float32, as `residual + hidden_states` and the norm give them."""
+    model = _llama()
+    kernelize(model)
+    layer = model.model.layers[0]
+    layer.self_attn.register_forward_hook(lambda m, i, out: (out[0].bfloat16(), out[1]))
+    original = layer._openkernels_original_class
+    x = torch.randn(2, 5, CONFIG["hidden_size"])
+    cos_sin = model.model.rotary_emb(x, position_ids=torch.arange(5)[None])
+    with torch.no_grad():
+        ref = original.forward(layer, x, position_embeddings=cos_sin)
+        got = layer(x, position_embeddings=cos_sin)
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

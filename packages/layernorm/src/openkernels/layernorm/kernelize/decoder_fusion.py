@@ -163,8 +163,9 @@ def decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwarg
     hidden_states = self.input_layernorm(hidden_states)
     attended, _ = self.self_attn(hidden_states=hidden_states, **passed)
     eps, weight_offset = _norm_args(norm)
+    h_dtype = torch.promote_types(residual.dtype, attended.dtype)  # what `residual + attended` gives
     # Llama-style norms return the promotion of input and weight dtypes, Gemma's the input's.
-    out_dtype = torch.promote_types(attended.dtype, norm.weight.dtype) if weight_offset == 0.0 else None
+    out_dtype = torch.promote_types(h_dtype, norm.weight.dtype) if weight_offset == 0.0 else h_dtype
     hidden_states, residual = rms_norm(
         attended,
         norm.weight,
@@ -173,6 +174,6 @@ def decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwarg
         prenorm=True,
         weight_offset=weight_offset,
         out_dtype=out_dtype,
-        residual_dtype=torch.promote_types(residual.dtype, attended.dtype),  # what `+` gives
+        residual_dtype=h_dtype,
     )
     return residual + self.mlp(hidden_states)
