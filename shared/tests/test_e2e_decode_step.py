@@ -1,0 +1,61 @@
+"""benchmarks/peers/e2e_decode_step.py on the CPU with its tiny model (a smoke test of the
+script the 4-bit linear issue's end-to-end bar is measured with): every mode and switch runs,
+reports times, kernel profiles and logit differences, and the A/B switches do what they say."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+for _family in ("activations", "layernorm", "attention", "quant"):
+    pytest.importorskip(f"openkernels.{_family}")
+
+PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
+
+
+@pytest.fixture(scope="module")
+def script():
+    sys.path.insert(0, str(PEERS))
+    try:
+        import e2e_decode_step
+
+        yield e2e_decode_step
+    finally:
+        sys.path.remove(str(PEERS))
+
+
+def test_eager_step_with_profile_and_switches(script, monkeypatch, tmp_path) -> None:
+    import json
+
+    from openkernels.layernorm.kernelize import decoder_fusion
+
+    fused = []
+    real = decoder_fusion.rms_norm
+    monkeypatch.setattr(decoder_fusion, "rms_norm", lambda *a, **k: fused.append(1) or real(*a, **k))
+    out = tmp_path / "step.json"
+    argv = [
+        "--tiny",
+        "--device",
+        "cpu",
+        "--context",
+        "24",
+        "--reps",
+        "1",
+        "--mode",
+        "eager",
+        "--profile",
+        "1",
+    ]
+    assert script.main([*argv, "--read-lengths", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert fused  # the decoder layers took the add + norm fusion
+    for variant in ("sdpa", "ours-bf16", "ours-int4"):
+        assert results[variant]["ms_per_step"] > 0 and results[variant]["timed"] == "eager"
+        assert results[variant]["profile"]["launches_per_step"] > 0
+    assert results["ours-bf16"]["max_logit_diff_vs_sdpa"] < 0.05  # bf16 against bf16
+    fused.clear()
+    assert script.main([*argv, "--skip", "model.layers.?,model.layers.??", "--json", str(out)]) == 0
+    assert not fused and json.loads(out.read_text())["skip"] == ["model.layers.?", "model.layers.??"]
