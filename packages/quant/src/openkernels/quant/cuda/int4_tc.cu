@@ -358,15 +358,13 @@ int launch_tc_ring(int tiles, int stages, const void* x, const void* qweight, co
     config.dynamicSmemBytes = stages * stage_bytes;
     if (config.dynamicSmemBytes > 200 * 1024) return -3;  // the launcher's check missed it
     // Static plus dynamic shared memory past 48 KB needs the kernel's opt-in (the static part,
-    // `partial` and the barriers, is 4-16 KB: 47 KB of stages alone already passes it). Raised
-    // once per kernel to the largest size asked so far.
-    static size_t allowed = 0;
-    if (config.dynamicSmemBytes > allowed) {
-      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(config.dynamicSmemBytes));
-      if (err != cudaSuccess) return static_cast<int>(err);
-      allowed = config.dynamicSmemBytes;
-    }
+    // `partial` and the barriers, is 4-16 KB: 47 KB of stages alone already passes it). Set at
+    // every launch, as the other launchers do: a cache of the size allowed kept in this lambda
+    // was one variable for all three kernels (they share a type), so the second kernel
+    // launched in a process skipped its own opt-in and failed (cudaErrorInvalidValue).
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(config.dynamicSmemBytes));
+    if (err != cudaSuccess) return static_cast<int>(err);
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
