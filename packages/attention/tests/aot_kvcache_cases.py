@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+from openkernels.attention.core.triton.plan import softcap_flag
 from openkernels.attention.kvcache.triton import configs
 from openkernels.attention.kvcache.triton.configs import kv_append_keys_warps
 
@@ -69,6 +70,7 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
                   "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim,
                   **(_LEFTPAD_FLAGS if leftpad else _ALL_FLAGS), "FAST_DEQUANT": arch.startswith("sm_"),
+                  "HAS_SOFTCAP": softcap_flag(1.0, arch),
                   "FP8": fp8, "FP8_NATIVE": fp8 and arch == "sm_90", "KEY_GROUP": key_group}  # fmt: skip
     if key_group:  # pages hold whole groups (the API's rule)
         constexprs["PAGE_SIZE"] = 64

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openkernels.attention.core.triton import configs
+from openkernels.attention.core.triton import configs, plan
 from openkernels.shared.platform import triton_interpreting
 
 from .aot_gluon_cases import cases_for as gluon_cases_for
@@ -28,6 +28,11 @@ _ALL = dict.fromkeys(_FLAGS, True)
 _CAUSAL = _NONE | {"HAS_WINDOW_RIGHT": True}
 _WINDOWS = _NONE | {"IS_VARLEN": True, "HAS_WINDOW_LEFT": True, "HAS_WINDOW_RIGHT": True}
 _OPTIONS = _ALL | {"IS_VARLEN": False}  # every option the fast configs serve
+
+
+def _for_arch(flags: dict, arch: str) -> dict:
+    """flags with HAS_SOFTCAP as the launchers set it on `arch` (NVIDIA: the tanh instruction)."""
+    return flags | {"HAS_SOFTCAP": plan.softcap_flag(1.0 if flags["HAS_SOFTCAP"] else 0.0, arch)}
 
 
 def _strides(*names: str) -> dict[str, str]:
@@ -126,10 +131,10 @@ def cases_for(arch: str) -> list:
         if general and head_dim == 128 and direction == "fwd":
             variants.append(("fp16", _ALL, False))
         for dtype, flags, aligned in variants:
-            c = _case(direction, head_dim, cfg, dtype, flags, aligned_seqlens=aligned)
+            c = _case(direction, head_dim, cfg, dtype, _for_arch(flags, arch), aligned_seqlens=aligned)
             out[c.label] = c
     for head_dim, direction, cfg in configs.options_configs(arch):
-        c = _case(direction, head_dim, cfg, "bf16", _OPTIONS, aligned_seqlens=True)
+        c = _case(direction, head_dim, cfg, "bf16", _for_arch(_OPTIONS, arch), aligned_seqlens=True)
         out[c.label] = c
     for head_dim in (32, 64, 96, 128, 192, 256):
         c = _preprocess_case(head_dim)

@@ -263,6 +263,23 @@ def test_float32_is_the_slower_path_on_gpus() -> None:
     assert "float16" not in (triton.supports(DispatchKey("cuda", "sm_90", BF16)) or "")
 
 
+def test_softcap_takes_the_tanh_instruction_on_hopper_only() -> None:
+    # HAS_SOFTCAP 2 compiles NVIDIA inline asm: never for ROCm, the interpreter or sm_80
+    # (whose general backward configs spill with it); both the dense and the KV-cache plans.
+    from openkernels.attention.core.triton import plan as dense_plan
+    from openkernels.attention.core.triton.plan import softcap_flag
+
+    assert [softcap_flag(30.0, a) for a in ("sm_90", "sm_90a", "sm_100")] == [2, 2, 2]
+    assert [
+        softcap_flag(30.0, a) for a in ("sm_80", "sm_86", "gfx942", "gfx950", "interpreter", "x86_64")
+    ] == [1] * 6
+    assert softcap_flag(0.0, "sm_90") == 0
+    p = dense_plan.Problem(1, 64, 64, 2, 2, 64, False, 0.125, -1, -1, False, 30.0)
+    strides = ((0, 128, 64),) * 4
+    assert dense_plan.fwd(p, "sm_90", BF16, strides, (128, 64)).args["HAS_SOFTCAP"] == 2
+    assert dense_plan.fwd(p, "gfx942", BF16, strides, (128, 64)).args["HAS_SOFTCAP"] == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_explain_float32_on_gpu_mentions_the_slower_path() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..problem import Problem, dropout_threshold
-from .configs import AttnConfig, block_d, launch_config, preprocess_block_m
+from .configs import AttnConfig, arch_family, block_d, launch_config, preprocess_block_m
 
 __all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "cdiv", "stride_args", "dropout_args", "fwd", "preprocess", "bwd",
            "contiguous", "lse_layout", "Contiguous", "contiguous_launches"]  # fmt: skip
@@ -53,7 +53,16 @@ class Launch:
     config: object | None = None  # the config the plan chose: AttnConfig, or the rotary plan's RotaryConfig
 
 
-def _flags(p: Problem) -> dict[str, Any]:
+def softcap_flag(softcap: float, arch: str) -> int:
+    """The kernels' HAS_SOFTCAP: 0 without a softcap, 2 on Hopper (tanh in one instruction),
+    else 1 (the portable formula). sm_80 keeps the formula: with the instruction three of
+    its general backward configs spill 4 B (AOT check), and it was measured on sm_90 only."""
+    if softcap <= 0:
+        return 0
+    return 2 if arch_family(arch) == "hopper" else 1
+
+
+def _flags(p: Problem, arch: str) -> dict[str, Any]:
     return {
         "HEAD_DIM": p.head_dim,
         "BLOCK_D": block_d(p.head_dim),
@@ -61,7 +70,7 @@ def _flags(p: Problem) -> dict[str, Any]:
         "HAS_WINDOW_LEFT": p.window_left >= 0,
         "HAS_WINDOW_RIGHT": p.window_right >= 0,
         "HAS_ALIBI": p.alibi,
-        "HAS_SOFTCAP": p.softcap > 0,
+        "HAS_SOFTCAP": softcap_flag(p.softcap, arch),
     }
 
 
@@ -119,7 +128,7 @@ def fwd(
     args = {
         **stride_args(("q", "k", "v", "o"), strides), **_sizes(p, lse_strides), "qk_scale": qk_scale,
         "cap_scale": cap_scale, "cap_out": cap_out, "window_left": p.window_left, "window_right": p.window_right,
-        **_flags(p), **dropout_args(p.dropout), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        **_flags(p, arch), **dropout_args(p.dropout), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
     }  # fmt: skip
     grid = (cdiv(p.seqlen_q, cfg.block_m), p.n_seqs * p.heads_q)
     return Launch(grid, cfg.num_warps, cfg.num_stages, args, cfg)
@@ -164,7 +173,7 @@ def bwd(
     args = {
         **stride_args(("q", "k", "v", "do", *_BWD_OUTPUTS[kernel]), strides), **_sizes(p, lse_strides),
         "qk_scale": qk_scale, "sm_scale": p.scale, "cap_scale": cap_scale, "cap_out": cap_out,
-        "window_left": p.window_left, "window_right": p.window_right, **_flags(p), **dropout_args(p.dropout),
+        "window_left": p.window_left, "window_right": p.window_right, **_flags(p, arch), **dropout_args(p.dropout),
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
     }  # fmt: skip
     blocks = cdiv(p.seqlen_k, cfg.block_n) if kernel == "dkdv" else cdiv(p.seqlen_q, cfg.block_m)

@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass
 
 from ...core.triton.configs import AttnConfig, block_d
-from ...core.triton.plan import Launch, Strides, cdiv, contiguous, scales
+from ...core.triton.plan import Launch, Strides, cdiv, contiguous, scales, softcap_flag
 from ..problem import KVProblem
 from .configs import kv_config, kv_splits, lean_decode, lean_pays, short_decode_splits
 
@@ -111,7 +111,7 @@ def kvcache(
         "BLOCK_D": block_d(p.head_dim), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BITS": p.bits,
         "GROUP": p.group_size, "PAGE_SIZE": p.page_size, "HAS_ROTARY": p.rot_half > 0, "INTERLEAVED": p.interleaved,
         "HAS_WINDOW_LEFT": p.window_left >= 0, "HAS_WINDOW_RIGHT": p.window_right >= 0, "HAS_ALIBI": p.alibi,
-        "HAS_SOFTCAP": p.softcap > 0, "FAST_DEQUANT": fast_dequant, "SCALE_GATHER": scale_gather,
+        "HAS_SOFTCAP": softcap_flag(p.softcap, arch), "FAST_DEQUANT": fast_dequant, "SCALE_GATHER": scale_gather,
         "HAS_LEFTPAD": p.leftpad, "ROW_TABLE": p.row_table, "FP8": p.fp8, "FP8_NATIVE": p.fp8 and fp8_native,
         "stride_gb": key_strides[0][0], "stride_gg": key_strides[0][1], "stride_gh": key_strides[0][2],
         "stride_rb": key_strides[1][0], "stride_rs": key_strides[1][1], "stride_rh": key_strides[1][2],
