@@ -29,7 +29,7 @@ namespace {
 // (n, mean, m2) += (nb, mean_b, m2b) (Chan et al.); an empty side leaves the other unchanged.
 __device__ __forceinline__ void chan_merge(float& n, float& mean, float& m2, float nb, float mean_b, float m2b) {
   const float total = n + nb;
-  if (total == 0.f) return;
+  if (nb == 0.f) return;  // an empty part: nothing to add (its mean may be anything)
   const float delta = mean_b - mean;
   mean += delta * (nb / total);
   m2 += m2b + delta * delta * (n * nb / total);
@@ -339,8 +339,10 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
     // (an outlier first element; or sums that are not finite) takes M2 again about its mean
     // (a warp-uniform branch: every lane holds the same sums).
     const float s1 = warp_sum(counted.y), s2 = warp_sum(counted.z);
+    // A warp past the row's end (a ragged last CTA) has no elements: its lane 0 read a stale
+    // shared-memory word as the shift, which must not reach the part's mean (NaN * 0 is NaN).
     const float dc = n_warp > 0.f ? s1 / n_warp : 0.f;
-    part.y = shift + dc;
+    part.y = n_warp > 0.f ? shift + dc : 0.f;
     part.z = fmaxf(s2 - dc * s1, 0.f);
     if (!(dc * dc * n_warp <= 16.f * part.z)) part.z = warp_sum(push_m2_pass<T, THREADS, VPT>(h, left, part.y));
   } else {
