@@ -10,6 +10,8 @@ Variants, each a copy of the same random-weight model:
                 StaticCache
   ours-bf16     kernelize(model) with OpenKernelsStaticCache (bf16 KV)
   ours-int4     kernelize(model, quantize="int4") with OpenKernelsStaticCache (bf16 KV)
+  ours-int4-head  (--int4-head) the same with the lm_head quantized too (quantize's skip=();
+                the 1B model ties it to the embedding, which keeps its bf16 weight)
 Each cache is filled by a prefill of `context - 1` tokens; the step is a 1-token forward
 (batch 1) captured once in a CUDA graph and replayed `reps` times per timing (a cache that
 keeps its length on the device appends one token per replay, so the context grows by a few
@@ -158,6 +160,7 @@ def run(
     profile_steps: int = 0,
     skip: tuple[str, ...] = (),
     read_lengths: bool = False,
+    int4_head: bool = False,
 ) -> dict:
     base = build(shape, device)
     results: dict = {
@@ -170,12 +173,15 @@ def run(
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(device)
     logits: dict[str, torch.Tensor] = {}
-    for variant in ("sdpa", "ours-bf16", "ours-int4"):
+    variants = ("sdpa", "ours-bf16", "ours-int4", *(("ours-int4-head",) if int4_head else ()))
+    for variant in variants:
         model = copy.deepcopy(base)
         if variant == "ours-bf16":
             kernelize(model, skip=skip)
         elif variant == "ours-int4":
             kernelize(model, quantize="int4", skip=skip)
+        elif variant == "ours-int4-head":
+            kernelize(model, quantize={"kind": "int4", "skip": ()}, skip=skip)
         # Room for every step timed: a cache that counts its length on the device moves one
         # slot per replay (the context grows by at most ~6 * reps + 8 tokens).
         cache = _caches(model, variant, context + 8 * reps + 64, device)
@@ -204,7 +210,7 @@ def run(
             results[variant]["profile"] = _kernel_profile(fn, profile_steps, device)
         del model, step, fn, cache
     ref = logits["sdpa"]
-    for variant in ("ours-bf16", "ours-int4"):
+    for variant in variants[1:]:
         results[variant]["max_logit_diff_vs_sdpa"] = float(
             (logits[variant] - ref).abs().max() / ref.abs().max()
         )
@@ -214,6 +220,12 @@ def run(
     results["ours_bf16_x_sdpa"] = results["sdpa"]["ms_per_step"] / bf16
     print(f"  int4 weights: {results['int4_x_ours_bf16']:.2f}x ours bf16, {results['int4_x_sdpa']:.2f}x sdpa; "
           f"ours bf16 {results['ours_bf16_x_sdpa']:.2f}x sdpa", flush=True)  # fmt: skip
+    if int4_head:
+        results["int4_head_x_ours_bf16"] = bf16 / results["ours-int4-head"]["ms_per_step"]
+        print(f"  int4 weights and lm_head: {results['int4_head_x_ours_bf16']:.2f}x ours bf16", flush=True)
+    for variant in variants[1:]:
+        print(f"  {variant}: max |logit - sdpa's| / max |sdpa logit| = "
+              f"{results[variant]['max_logit_diff_vs_sdpa']:.3g}", flush=True)  # fmt: skip
     return results
 
 
@@ -232,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="list each variant's kernels per step over STEPS profiled steps")  # fmt: skip
     parser.add_argument("--skip", default="", help="comma-separated module names / globs kernelize leaves "
                         "(model.layers.?,model.layers.?? : the decoder layers' add + norm fusion off)")  # fmt: skip
+    parser.add_argument("--int4-head", action="store_true",
+                        help="also time int4 weights with the lm_head quantized (variant ours-int4-head)")  # fmt: skip
     parser.add_argument("--read-lengths", action="store_true",
                         help="A/B: the static cache's layers read their lengths from the device in eager calls")  # fmt: skip
     args = parser.parse_args(argv)
@@ -246,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         args.profile,
         skip,
         args.read_lengths,
+        args.int4_head,
     )
     print(json.dumps(results, indent=1))
     if args.json:

@@ -59,3 +59,26 @@ def test_eager_step_with_profile_and_switches(script, monkeypatch, tmp_path) -> 
     fused.clear()
     assert script.main([*argv, "--skip", "model.layers.?,model.layers.??", "--json", str(out)]) == 0
     assert not fused and json.loads(out.read_text())["skip"] == ["model.layers.?", "model.layers.??"]
+
+
+def test_int4_head_variant_quantizes_the_lm_head(script, monkeypatch, tmp_path) -> None:
+    import json
+
+    from openkernels.quant import linear
+
+    reports = []
+    real = linear.quantize_model
+    monkeypatch.setattr(
+        linear, "quantize_model", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1]
+    )
+    from openkernels.quant import kernelize as quant_kernelize
+
+    monkeypatch.setattr(quant_kernelize, "quantize_model", linear.quantize_model)
+    out = tmp_path / "step.json"
+    argv = ["--tiny", "--device", "cpu", "--context", "24", "--reps", "1", "--mode", "eager", "--int4-head"]
+    assert script.main([*argv, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["ours-int4-head"]["ms_per_step"] > 0 and results["int4_head_x_ours_bf16"] > 0
+    plain, head = reports  # ours-int4, then ours-int4-head
+    assert "lm_head" not in plain.quantized and "lm_head" in head.quantized
+    assert results["ours-int4-head"]["max_logit_diff_vs_sdpa"] < 1.0
