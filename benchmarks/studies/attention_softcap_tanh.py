@@ -89,21 +89,31 @@ def _reference(q, k, v, causal: bool):
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
 
 
-def _times(inputs: list, causal: bool, cap: float) -> tuple[float, float]:
-    """(forward ms, forward+backward ms) of the public call, rotating over `inputs` (q, k, v)."""
+def times(inputs: list, causal: bool, **options) -> tuple[float, float]:
+    """(forward ms, forward+backward ms) of the public call with `options`, rotating over
+    `inputs` (q, k, v triples, bf16, requires_grad)."""
     calls = iter(range(10**9))
 
     def fwd():
         q, k, v = inputs[next(calls) % len(inputs)]
         with torch.no_grad():
-            return attention(q, k, v, causal=causal, softcap=cap)
+            return attention(q, k, v, causal=causal, **options)
 
     def fwd_bwd():
         q, k, v = inputs[next(calls) % len(inputs)]
-        out = attention(q, k, v, causal=causal, softcap=cap)
+        out = attention(q, k, v, causal=causal, **options)
         out.backward(torch.ones_like(out))
 
     return do_bench(fwd, warmup=50, rep=300), do_bench(fwd_bwd, warmup=20, rep=300)
+
+
+def timing_inputs(B: int, H: int, S: int, D: int) -> list:
+    """Enough (q, k, v) copies of (B, S, H, D) bf16 that 200 MB of them rotate past L2."""
+    copies = max(1, int(200e6 // (3 * B * S * H * D * 2)))
+    return [
+        [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        for _ in range(copies)
+    ]
 
 
 def run_variant(name: str) -> int:
@@ -135,16 +145,9 @@ def run_variant(name: str) -> int:
             f"[{name}] | shape | mask | fwd plain | fwd cap | fwd ratio | f+b plain | f+b cap | f+b ratio |"
         )
         for B, H, S, D in SHAPES:
-            copies = max(1, int(200e6 // (3 * B * S * H * D * 2)))
-            qs = [
-                [
-                    torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                    for _ in range(3)
-                ]
-                for _ in range(copies)
-            ]
+            qs = timing_inputs(B, H, S, D)
             for causal in (True, False):
-                ms = {cap: _times(qs, causal, cap) for cap in (0.0, CAP)}
+                ms = {cap: times(qs, causal, softcap=cap) for cap in (0.0, CAP)}
                 (fp, bp), (fc, bc) = ms[0.0], ms[CAP]
                 print(f"[{name}] | B{B} H{H} S{S} D{D} | {'causal' if causal else 'full'} | {fp:.3f} | {fc:.3f} | "
                       f"{fc / fp:.2f}x | {bp:.3f} | {bc:.3f} | {bc / bp:.2f}x |")  # fmt: skip

@@ -182,6 +182,13 @@ def _row_block(
 
 
 @triton.jit
+def _alibi_distance(i, j, diag):
+    # |i + diag - j| as float32 (ALiBi's distance; a helper so that
+    # benchmarks/studies/attention_alibi_distance.py can time other forms in its place).
+    return tl.abs(i + diag - j).to(tl.float32)
+
+
+@triton.jit
 def _log2_scores(
     qk, i, j, seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
     MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
@@ -201,7 +208,7 @@ def _log2_scores(
     else:
         s = qk * qk_scale
     if HAS_ALIBI:
-        s -= slope_log2 * tl.abs(i + diag - j).to(tl.float32)
+        s -= slope_log2 * _alibi_distance(i, j, diag)
     if MASK:
         visible = tl.broadcast_to(j < seqlen_k, s.shape)
         if HAS_WINDOW_LEFT:
