@@ -18,19 +18,22 @@ Variants:
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from attention_softcap_tanh import SHAPES, times, timing_inputs
+from attention_option_cost import check, cost_table, run_variants
 
-from openkernels.attention import attention
 from openkernels.attention.core.triton import kernels
-from openkernels.shared import dispatch
 
 VARIANTS = ("int", "float")
+SLOPES = (0.5, 0.25, 0.125, 0.0625)  # the accuracy check's 4 heads
+
+
+def _slopes(heads: int) -> torch.Tensor:
+    """ALiBi's slopes for `heads` heads (the paper's geometric series), float32 on the GPU."""
+    return torch.exp2(-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)
 
 
 @triton.jit
@@ -38,11 +41,12 @@ def alibi_distance_float(i, j, diag):
     return tl.abs((i + diag).to(tl.float32) - j.to(tl.float32))
 
 
-def _reference(q, k, v, slopes, causal: bool):
-    """float64 attention with ALiBi, (B, S, H, D) in and out (bottom-right aligned, sq == sk)."""
+def _reference(q, k, v, causal: bool):
+    """float64 attention with ALiBi (SLOPES), (B, S, H, D) in and out (sq == sk)."""
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
     pos = torch.arange(q.shape[1], device=q.device, dtype=torch.float64)
-    s = s - slopes.double()[None, :, None, None] * (pos[:, None] - pos[None, :]).abs()
+    slopes = torch.tensor(SLOPES, device=q.device, dtype=torch.float64)
+    s = s - slopes[None, :, None, None] * (pos[:, None] - pos[None, :]).abs()
     if causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
@@ -52,49 +56,10 @@ def _reference(q, k, v, slopes, causal: bool):
 def run_variant(name: str) -> int:
     if name == "float":
         kernels._alibi_distance = alibi_distance_float  # before the first compile in this process
-    failed = False
-    torch.manual_seed(0)
-    with dispatch.force("triton"):
-        for dtype, tol in ((torch.float16, 4e-3), (torch.bfloat16, 2.5e-2)):
-            q, k, v = (torch.randn(2, 333, 4, 64, device="cuda", dtype=dtype) for _ in range(3))
-            slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
-            for t in (q, k, v):
-                t.requires_grad_(True)
-            for causal in (False, True):
-                out = attention(q, k, v, causal=causal, alibi_slopes=slopes)
-                g = torch.randn_like(out)
-                grads = torch.autograd.grad(out, (q, k, v), g)
-                qf, kf, vf = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-                ref = _reference(qf, kf, vf, slopes, causal)
-                rgrads = torch.autograd.grad(ref, (qf, kf, vf), g.double())
-                errs = [((out.double() - ref).abs().max() / ref.abs().max()).item()]
-                errs += [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, rgrads)]
-                ok = all(e <= tol for e in errs)  # NaN fails
-                failed |= not ok
-                print(f"[{name}] {str(dtype)[6:]} causal={causal} out rel {errs[0]:.2e}, "
-                      f"dq/dk/dv rel {errs[1]:.2e}/{errs[2]:.2e}/{errs[3]:.2e} {'ok' if ok else 'FAIL'}")  # fmt: skip
-        print(
-            f"[{name}] | shape | mask | fwd plain | fwd alibi | fwd ratio | f+b plain | f+b alibi | f+b ratio |"
-        )
-        for B, H, S, D in SHAPES:
-            qs = timing_inputs(B, H, S, D)
-            slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device="cuda") / H)
-            for causal in (True, False):
-                fp, bp = times(qs, causal)
-                fa, ba = times(qs, causal, alibi_slopes=slopes)
-                print(f"[{name}] | B{B} H{H} S{S} D{D} | {'causal' if causal else 'full'} | {fp:.3f} | {fa:.3f} | "
-                      f"{fa / fp:.2f}x | {bp:.3f} | {ba:.3f} | {ba / bp:.2f}x |")  # fmt: skip
-    return 1 if failed else 0
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) == 2 and argv[0] == "--one":
-        return run_variant(argv[1])
-    status = 0
-    for name in argv or VARIANTS:
-        status |= subprocess.call([sys.executable, __file__, "--one", name])
-    return status
+    passed = check(name, _reference, lambda heads: {"alibi_slopes": torch.tensor(SLOPES, device="cuda")})
+    cost_table(name, "alibi", lambda heads: {"alibi_slopes": _slopes(heads)})
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_variants(sys.argv[1:], VARIANTS, run_variant, __file__))

@@ -1,5 +1,5 @@
 """The softcap's tanh in the Triton attention kernels (issue 23: options at most 10% slower than
-the plain call). On NVIDIA GPUs the kernels compute it with `kernels._tanh_mufu` (HAS_SOFTCAP
+the plain call). On Hopper GPUs the kernels compute it with `kernels._tanh_mufu` (HAS_SOFTCAP
 == 2, attention 0.8.6); each variant below takes its place in its own process (Triton
 resolves the helper when it compiles), is checked against float64 tanh (every float32 in
 [-20, 20]) and float64 attention, then timed forward and forward+backward beside the plain
@@ -20,20 +20,16 @@ Variants:
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
+from attention_option_cost import check, cost_table, run_variants
 
-from openkernels.attention import attention
 from openkernels.attention.core.triton import kernels
-from openkernels.shared import dispatch
 
 VARIANTS = ("mufu", "formula", "fma")
-SHAPES = ((8, 16, 2048, 128), (2, 16, 8192, 128), (8, 32, 2048, 64))
 CAP = 30.0
 
 
@@ -89,79 +85,15 @@ def _reference(q, k, v, causal: bool):
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
 
 
-def times(inputs: list, causal: bool, **options) -> tuple[float, float]:
-    """(forward ms, forward+backward ms) of the public call with `options`, rotating over
-    `inputs` (q, k, v triples, bf16, requires_grad)."""
-    calls = iter(range(10**9))
-
-    def fwd():
-        q, k, v = inputs[next(calls) % len(inputs)]
-        with torch.no_grad():
-            return attention(q, k, v, causal=causal, **options)
-
-    def fwd_bwd():
-        q, k, v = inputs[next(calls) % len(inputs)]
-        out = attention(q, k, v, causal=causal, **options)
-        out.backward(torch.ones_like(out))
-
-    return do_bench(fwd, warmup=50, rep=300), do_bench(fwd_bwd, warmup=20, rep=300)
-
-
-def timing_inputs(B: int, H: int, S: int, D: int) -> list:
-    """Enough (q, k, v) copies of (B, S, H, D) bf16 that 200 MB of them rotate past L2."""
-    copies = max(1, int(200e6 // (3 * B * S * H * D * 2)))
-    return [
-        [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
-        for _ in range(copies)
-    ]
-
-
 def run_variant(name: str) -> int:
     global _TANH
     _TANH = kernels._tanh_mufu = {"mufu": kernels._tanh_mufu, "formula": kernels._tanh, "fma": tanh_fma}[name]
-    failed = False
     err_abs, err_rel = tanh_error()
     print(f"[{name}] every float32 in [-20, 20]: max |tanh error| {err_abs:.2e}, relative {err_rel:.2e}")
-    torch.manual_seed(0)
-    with dispatch.force("triton"):
-        for dtype, tol in ((torch.float16, 4e-3), (torch.bfloat16, 2.5e-2)):
-            q, k, v = (torch.randn(2, 333, 4, 64, device="cuda", dtype=dtype) * 3 for _ in range(3))
-            for t in (q, k, v):
-                t.requires_grad_(True)
-            for causal in (False, True):
-                out = attention(q, k, v, causal=causal, softcap=CAP)
-                g = torch.randn_like(out)
-                grads = torch.autograd.grad(out, (q, k, v), g)
-                qf, kf, vf = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-                ref = _reference(qf, kf, vf, causal)
-                rgrads = torch.autograd.grad(ref, (qf, kf, vf), g.double())
-                errs = [((out.double() - ref).abs().max() / ref.abs().max()).item()]
-                errs += [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, rgrads)]
-                ok = all(e <= tol for e in errs)  # NaN fails
-                failed |= not ok
-                print(f"[{name}] {str(dtype)[6:]} causal={causal} out rel {errs[0]:.2e}, "
-                      f"dq/dk/dv rel {errs[1]:.2e}/{errs[2]:.2e}/{errs[3]:.2e} {'ok' if ok else 'FAIL'}")  # fmt: skip
-        print(
-            f"[{name}] | shape | mask | fwd plain | fwd cap | fwd ratio | f+b plain | f+b cap | f+b ratio |"
-        )
-        for B, H, S, D in SHAPES:
-            qs = timing_inputs(B, H, S, D)
-            for causal in (True, False):
-                ms = {cap: times(qs, causal, softcap=cap) for cap in (0.0, CAP)}
-                (fp, bp), (fc, bc) = ms[0.0], ms[CAP]
-                print(f"[{name}] | B{B} H{H} S{S} D{D} | {'causal' if causal else 'full'} | {fp:.3f} | {fc:.3f} | "
-                      f"{fc / fp:.2f}x | {bp:.3f} | {bc:.3f} | {bc / bp:.2f}x |")  # fmt: skip
-    return 1 if failed else 0
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) == 2 and argv[0] == "--one":
-        return run_variant(argv[1])
-    status = 0
-    for name in argv or VARIANTS:
-        status |= subprocess.call([sys.executable, __file__, "--one", name])
-    return status
+    passed = check(name, _reference, lambda heads: {"softcap": CAP}, scale=3.0)
+    cost_table(name, "cap", lambda heads: {"softcap": CAP})
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_variants(sys.argv[1:], VARIANTS, run_variant, __file__))
