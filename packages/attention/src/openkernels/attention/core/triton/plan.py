@@ -24,7 +24,7 @@ from ..problem import Problem, dropout_threshold
 from .configs import AttnConfig, arch_family, block_d, launch_config, preprocess_block_m
 
 __all__ = ["Problem", "Launch", "Strides", "aligned", "scales", "cdiv", "stride_args", "dropout_args", "fwd", "preprocess", "bwd",
-           "contiguous", "lse_layout", "Contiguous", "contiguous_launches"]  # fmt: skip
+           "contiguous", "lse_layout", "Contiguous", "contiguous_launches", "softcap_flag"]  # fmt: skip
 
 LOG2E = 1.0 / math.log(2.0)
 # Threads of the backward's delta pass (memory-bound, fixed).
