@@ -229,6 +229,40 @@ def run(
     return results
 
 
+def parse_tc_routes(spec: str) -> dict[tuple[int, int], str]:
+    """--tc-routes as {(N, K): config}."""
+    if spec.startswith("from:"):
+        with open(spec.removeprefix("from:")) as f:
+            rows = json.load(f)
+        best: dict[tuple[int, int], tuple[float, str]] = {}
+        for row in rows:
+            if row["m"] == 1 and row["us"] is not None and str(row["name"]).startswith("tc"):
+                key = (row["n"], row["k"])
+                best[key] = min(best.get(key, (float("inf"), "")), (row["us"], row["name"]))
+        return {key: name for key, (_, name) in best.items()}
+    routes = {}
+    for item in filter(None, spec.split(",")):
+        shape, config = item.split("=")
+        n, k = (int(v) for v in shape.split("x"))
+        routes[(n, k)] = config
+    return routes
+
+
+def route_tc(routes: dict[tuple[int, int], str]) -> None:
+    """Send int4 calls of up to 8 rows with these weight shapes to the given tensor-core GEMV
+    configs (quant.cuda.default_tc wrapped for this process)."""
+    from openkernels.quant import cuda as quant_cuda
+
+    default = quant_cuda.default_tc
+
+    def routed(m: int, n: int, k: int, group_size: int, arch: str) -> str | None:
+        config = routes.get((n, k))
+        return config if config is not None and m <= 8 else default(m, n, k, group_size, arch)
+
+    quant_cuda.default_tc = routed
+    print(f"  tc routes: {', '.join(f'{n}x{k}={c}' for (n, k), c in sorted(routes.items()))}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4096)
@@ -248,7 +282,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time int4 weights with the lm_head quantized (variant ours-int4-head)")  # fmt: skip
     parser.add_argument("--read-lengths", action="store_true",
                         help="A/B: the static cache's layers read their lengths from the device in eager calls")  # fmt: skip
+    parser.add_argument("--tc-routes", default="",
+                        help="A/B: the int4 layers' tensor-core GEMV config per weight shape instead of quant's "
+                        "default_tc: 'NxK=config,...', or 'from:PATH' for the fastest tc config per shape at M = 1 in "
+                        "benchmarks/studies/quant_tc_gemv.py --json PATH")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.tc_routes:
+        route_tc(parse_tc_routes(args.tc_routes))
     shape = TINY if args.tiny else LLAMA_1B
     skip = tuple(s for s in args.skip.split(",") if s)
     results = run(

@@ -15,6 +15,7 @@ process; "frac" is weight bytes / kernel time over it.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import threading
 import time
@@ -58,7 +59,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ms", default="1,4,16")
     parser.add_argument("--shapes", default="8192x8192,28672x8192")
-    parser.add_argument("--configs", default=",".join(G.TC_CONFIGS))
+    parser.add_argument("--configs", default=",".join(G.TC_CONFIGS + G.TC_SPLIT_CONFIGS))
+    parser.add_argument(
+        "--json", default=None, help="every row as {n, k, m, name, us} (e2e_decode_step.py --tc-routes)"
+    )
     args = parser.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -152,6 +156,10 @@ def main() -> None:
                 continue
             gbps = nbytes / (t * 1e-3) / 1e9
             print(f"  {name:18s} {t * 1e3:7.1f} {gbps:6.0f} {gbps / copy:5.2f} {base / t:6.2f}x  {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"n": n, "k": k, "m": m, "name": name, "us": None if t is None else t * 1e3}
+                       for n, k, m, rows in table for name, t, _, _ in rows], f, indent=1)  # fmt: skip
     print(f"\ntotal {time.time() - T0:.0f} s")
 
 

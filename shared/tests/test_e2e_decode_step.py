@@ -82,3 +82,33 @@ def test_int4_head_variant_quantizes_the_lm_head(script, monkeypatch, tmp_path) 
     plain, head = reports  # ours-int4, then ours-int4-head
     assert "lm_head" not in plain.quantized and "lm_head" in head.quantized
     assert results["ours-int4-head"]["max_logit_diff_vs_sdpa"] < 1.0
+
+
+def test_tc_routes_parse_and_wrap_default_tc(script, monkeypatch, tmp_path) -> None:
+    """--tc-routes: explicit 'NxK=config' pairs, or the fastest tc row per shape at M = 1 of a
+    quant_tc_gemv.py --json file; the wrapped default_tc answers for those shapes (M <= 8)
+    and leaves every other call to quant's own choice."""
+    import json
+
+    from openkernels.quant import cuda as quant_cuda
+
+    assert script.parse_tc_routes("2048x8192=tc-t1-u2-k4,3072x2048=tc-t1-u2") == {
+        (2048, 8192): "tc-t1-u2-k4",
+        (3072, 2048): "tc-t1-u2",
+    }
+    rows = [
+        {"n": 2048, "k": 8192, "m": 1, "name": "F.linear bf16", "us": 1.0},  # not a tc config
+        {"n": 2048, "k": 8192, "m": 1, "name": "tc-t1-u2", "us": 10.3},
+        {"n": 2048, "k": 8192, "m": 1, "name": "tc-t1-u2-k4", "us": 5.1},
+        {"n": 2048, "k": 8192, "m": 4, "name": "tc-t1-u2-k8", "us": 4.0},  # another M
+        {"n": 2048, "k": 8192, "m": 1, "name": "tc-t1-u2-k8", "us": None},  # failed its check
+    ]
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(rows))
+    routes = script.parse_tc_routes(f"from:{path}")
+    assert routes == {(2048, 8192): "tc-t1-u2-k4"}
+    monkeypatch.setattr(quant_cuda, "default_tc", quant_cuda.default_tc)  # undone after the test
+    script.route_tc(routes)
+    assert quant_cuda.default_tc(1, 2048, 8192, 128, "sm_90") == "tc-t1-u2-k4"
+    assert quant_cuda.default_tc(9, 2048, 8192, 128, "sm_90") is None
+    assert quant_cuda.default_tc(1, 2048, 2048, 128, "sm_90") == "tc-t1-u2"

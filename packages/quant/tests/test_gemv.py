@@ -46,8 +46,11 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     tc = [r for r in tc_all if "int4_tc_kernel" in r.name]
     assert len(tc) == 4 * len(G.TC_SHAPES), [r.name for r in tc_all]  # dtype pairs x shapes
     ring = [r for r in tc_all if "int4_tc_ring_kernel" in r.name]  # sm_80: empty bodies (no bulk copies)
-    assert len(ring) == 4 * len(G.TCR_SHAPES) and len(tc_all) == len(tc) + len(ring), [r.name for r in tc_all]
-    tc += ring
+    assert len(ring) == 4 * len(G.TCR_SHAPES), [r.name for r in tc_all]
+    split = [r for r in tc_all if "int4_tc_split_kernel" in r.name]  # sm_80: empty bodies (no clusters)
+    assert len(split) == 4 * len(G.TC_SHAPES), [r.name for r in tc_all]
+    assert len(tc_all) == len(tc) + len(ring) + len(split), [r.name for r in tc_all]
+    tc += ring + split
     for r in kernels + mma + persistent + mma_persistent + tc:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
         assert r.odd_descriptors <= 0, r  # an odd uniform register for a descriptor: illegal on the GPU
@@ -152,6 +155,8 @@ def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
     assert G.default_tc(1, 8192, 8224, 32, "sm_90") is None  # K not a multiple of 128
     assert G.default_tc(1, 2048, 2048, 128, "sm_90") == "tc-t1-u2"  # the 1B model's shapes
     assert G.default_tc(4, 16384, 2048, 128, "sm_90") == "tc-t4-u1"
+    assert G.default_tc(1, 2048, 8192, 128, "sm_90") == "tc-t1-u2-k2"  # the down projection: K split
+    assert G.default_tc(4, 2048, 8192, 128, "sm_90") == "tc-t1-u2"  # (M > 1 not measured split)
     assert G.default_tc(1, 8192, 1024, 128, "sm_90") is None  # K below 2048: not measured
     assert "sm_80" in G.supports(DispatchKey("cuda", "sm_75", torch.bfloat16))
     assert "NVIDIA" in G.supports(DispatchKey("rocm", "gfx942", torch.bfloat16))
@@ -325,6 +330,36 @@ def test_tensor_core_gemv_within_the_error_contract(symmetric: bool, dtype: torc
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_k_tensor_core_gemv_within_the_error_contract(
+    symmetric: bool, dtype: torch.dtype, device: str
+) -> None:
+    """The tensor-core GEMV with K split over a cluster ("tc-...-k<splits>"), every shape and
+    split size, against float64: K not a multiple of the splits' chunks (a short last rank),
+    more ranks than chunks (ranks with nothing to add), 1-8 rows of x, groups of 32 / 64 /
+    128 and the whole row, both scale dtypes, bias dtypes; two runs bitwise equal (rank 0 adds
+    the ranks' totals in rank order)."""
+    if device == "cuda" and not G._arch(torch.device("cuda")).startswith("sm_90"):
+        pytest.skip("thread-block clusters: sm_90")
+    g = torch.Generator().manual_seed(19)
+    if device == "cpu":  # (M, N, K, group, bias, config)
+        cases = [(1, 32, 1152, 128, None, "tc-t1-u2-k2"), (8, 16, 640, 32, torch.float32, "tc-t1-u2-k4"),
+                 (3, 32, 384, 64, None, "tc-t1-u2-k8"), (1, 64, 2176, None, torch.float16, "tc-t2-u2-k2"),
+                 (5, 64, 1024, 128, torch.bfloat16, "tc-t2-u2-k4"), (2, 128, 1152, 64, None, "tc-t4-u1-k2")]  # fmt: skip
+    else:
+        cases = [
+            (m, n, k, 128, None, c)
+            for c in G.TC_SPLIT_CONFIGS
+            for m, n, k in ((1, 2048, 8192), (8, 4096, 2048))
+        ]
+        cases += [(5, 2048, 8192, 32, torch.float32, "tc-t1-u2-k4"), (3, 16384, 2048, 64, torch.bfloat16, "tc-t4-u1-k2"),
+                  (1, 2048, 1152, 128, None, "tc-t1-u2-k8")]  # fmt: skip
+    assert {c[-1] for c in cases} == set(G.TC_SPLIT_CONFIGS)
+    _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_ring_fed_tensor_core_gemv_within_the_error_contract(
     symmetric: bool, dtype: torch.dtype, device: str
 ) -> None:
@@ -368,7 +403,10 @@ def test_tc_configs() -> None:
     assert G.tc_config("tc") == G.TcConfig(2, 2)
     assert G.tc_config("tc-t4-u1") == G.TcConfig(4, 1)
     assert G.tc_config("tc-t1-u2") == G.TcConfig(1, 2)
-    for bad in ("tc-t3-u2", "tc-t2-d4", "tc-x", "tc-t2-u4"):
+    assert G.tc_config("tc-t1-u2-k4") == G.TcConfig(1, 2, 4)
+    assert G.tc_config("tc-k2") == G.TcConfig(2, 2, 2)
+    assert all(G.tc_config(c).splits > 1 for c in G.TC_SPLIT_CONFIGS)
+    for bad in ("tc-t3-u2", "tc-t2-d4", "tc-x", "tc-t2-u4", "tc-t1-u2-k3", "tc-t1-u2-k16", "tc-t3-u2-k2"):
         with pytest.raises(ValueError):
             G.tc_config(bad)
     x, qweight, scales, zeros, bias, out, group, kind = _call(n=48, k=1024)

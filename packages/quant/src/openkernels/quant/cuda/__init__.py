@@ -65,6 +65,8 @@ __all__ = [
     "MmaPersistentConfig",
     "TC_CONFIGS",
     "TC_SHAPES",
+    "TC_SPLITS",
+    "TC_SPLIT_CONFIGS",
     "TcConfig",
     "tc_config",
     "int4_linear_fwd",
@@ -104,6 +106,10 @@ MMA_PERSISTENT_CONFIGS = (
 # int4_tc.cu (launch_tc), and what a GPU run times ("tc" is t2-u2).
 TC_SHAPES = ((1, 2), (2, 2), (4, 1))
 TC_CONFIGS = tuple(f"tc-t{t}-u{u}" for t, u in TC_SHAPES)
+# The same shapes with K split over a cluster of CTAs (int4_tc_split_kernel, sm_90; config
+# "tc-t<tiles>-u<unroll>-k<splits>"): cluster sizes taken, and what a GPU run times.
+TC_SPLITS = (2, 4, 8)
+TC_SPLIT_CONFIGS = ("tc-t1-u2-k2", "tc-t1-u2-k4", "tc-t1-u2-k8", "tc-t2-u2-k2", "tc-t2-u2-k4", "tc-t4-u1-k2")
 TC_MAX_ROWS = 8  # rows of x the tensor-core GEMV takes (one n8 tile)
 # The same GEMV fed by a producer warp's ring of bulk copies (int4_tc_ring_kernel, config
 # "tcr-t<tiles>-s<stages>"): (16-row tiles of W per CTA, stages in flight) built. A study's
@@ -130,6 +136,11 @@ _TC_SIGNATURES = {
                    _I64, _I64, _I64],
 }  # fmt: skip
 _TC_SIGNATURES["ok_int4_tc_ring"] = _TC_SIGNATURES["ok_int4_tc"]
+_TC_SIGNATURES["ok_int4_tc_split"] = [
+    *_TC_SIGNATURES["ok_int4_tc"][:5],
+    _I32,
+    *_TC_SIGNATURES["ok_int4_tc"][5:],
+]
 
 
 @functools.cache
@@ -242,10 +253,11 @@ def mma_persistent_config(config: object) -> MmaPersistentConfig | None:
 @dataclass(frozen=True)
 class TcConfig:
     """The tensor-core GEMV's knobs: 16-row tiles of W per CTA, 128-code chunks per warp trip
-    (their loads issued before their math)."""
+    (their loads issued before their math), and the CTAs of a cluster that split K (1: none)."""
 
     tiles: int = 2
     unroll: int = 2
+    splits: int = 1
 
 
 def _two_knobs(config: object, name: str, knobs: str, cls: type, shapes: tuple) -> object | None:
@@ -271,9 +283,16 @@ def _two_knobs(config: object, name: str, knobs: str, cls: type, shapes: tuple) 
 
 
 def tc_config(config: object) -> TcConfig | None:
-    """`config` "tc[-t<tiles>][-u<unroll>]" as its knobs (2 and 2 where left out), None for any
-    other config; ValueError for a pair that is not built."""
-    return _two_knobs(config, "tc", "tu", TcConfig, TC_SHAPES)  # type: ignore[return-value]
+    """`config` "tc[-t<tiles>][-u<unroll>][-k<splits>]" as its knobs (2, 2 and 1 where left
+    out), None for any other config; ValueError for a pair that is not built or splits not
+    in TC_SPLITS."""
+    splits = 1
+    if isinstance(config, str) and (match := re.fullmatch(r"(tc(?:-.*)?)-k(\d+)", config)) is not None:
+        config, splits = match.group(1), int(match.group(2))
+        if splits not in TC_SPLITS:
+            raise ValueError(f"config {config}-k{splits}: splits not among {TC_SPLITS}")
+    out = _two_knobs(config, "tc", "tu", TcConfig, TC_SHAPES)
+    return None if out is None else TcConfig(out.tiles, out.unroll, splits)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -371,6 +390,8 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         why = _tc_shape_unsupported(m, n, k, group_size, kind, tc.tiles, group_multiple=32)
         if why is not None:
             return why
+        if tc.splits > 1 and x.is_cuda and not _arch(x.device).startswith("sm_90"):
+            return "K split over a cluster on a GPU older than sm_90 (it needs thread-block clusters)"
         if m > 1 and x.stride(0) % 8:
             return "rows of x not 16-byte aligned"
         return None
@@ -468,14 +489,20 @@ def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None
       H100 3072 x 2048:  M = 1 0.83 / 1.26 (t1-u2), M = 4 0.63 / 1.21 (t1-u2)
       H100 2048 x 8192:  M = 1 1.48 / 1.45 (t1-u2), M = 4 0.77 / 1.42 (t1-u2)
     So up to 8 rows of x (one n8 tile), K from 2048 (a CTA's 8 warps split K by 128-code
-    chunks): t4-u1 from N = 16384, t2-u2 from 8192, t1-u2 below. Other archs, and K below 2048
-    (not measured), keep the implementation below."""
+    chunks): t4-u1 from N = 16384, t2-u2 from 8192, t1-u2 below. With K split over clusters
+    (H100, 2026-12-06, M = 1, us): 2048 x 8192 t1-u2 10.6, -k2 8.3, -k4 11.7, -k8 13.7 (more
+    CTAs than fit at once: a second wave); 2048 x 2048 3.9 / 4.1, 3072 x 2048 4.6 / 6.5,
+    16384 x 2048 t4-u1 10.4 / 12.6: so K split in two only where one 16-row tile per CTA
+    leaves the SMs one CTA each (N <= 2048) over a long K (>= 8192), one row of x (M > 1 not
+    measured). Other archs, and K below 2048 (not measured), keep the implementation below."""
     if not arch.startswith("sm_90") or m > 8 or k < 2048 or k % 128 or group_size % 32:
         return None
     if n >= 16384 and n % 64 == 0:
         return "tc-t4-u1"
     if n >= 8192 and n % 32 == 0:
         return "tc-t2-u2"
+    if m == 1 and n <= 2048 and k >= 8192 and n % 16 == 0:
+        return "tc-t1-u2-k2"
     return "tc-t1-u2" if n % 16 == 0 else None
 
 
@@ -530,6 +557,13 @@ def int4_linear_fwd(
             device, _CODES[x.dtype], _CODES[scales.dtype], code, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
             zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0), qweight.stride(0),
             scales.stride(0), out.stride(0), group_size, stream,
+        )  # fmt: skip
+    elif _path(m, config) == "tc" and tc_config(config).splits > 1:
+        p = tc_config(config)
+        status = lib.ok_int4_tc_split(
+            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.splits, x.data_ptr(),
+            qweight.data_ptr(), scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k,
+            x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip
     elif _path(m, config) == "tc":
         p = tc_config(config)

@@ -50,6 +50,7 @@ namespace {
 // (LDGSTS ... desc[UR1]), an illegal instruction on the H100 (docs/perf.md).
 
 constexpr int kTcWarps = 8;
+constexpr int kTcMaxRows = 8;  // rows of x: one n8 tile
 
 // acc += one 128-code chunk's products for TILES 16-row tiles of W: `words` the lane's two
 // 16-byte code windows per tile (rows g and g + 8), `scale` / `zero` those rows' values in the
@@ -157,28 +158,23 @@ __device__ __forceinline__ void tc_zero(float (&acc)[TILES][NB][4]) {
 }
 
 // Registers: each warp trip issues UNROLL chunks' loads (codes evict-first, scales, zeros,
-// x) before their math.
+// x) before their math. Warp w takes chunks c0 + w, c0 + w + 8, ... below c1.
 template <typename T, typename S, int TILES, int NB, int UNROLL>
-__global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
-    const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
-    const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
-    int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
-    int64_t group_size) {
-  __shared__ float partial[kTcWarps * TILES * NB * 4 * 32];
+__device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const T* __restrict__ x,
+                                              const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
+                                              const S* __restrict__ zeros, int64_t m, int64_t n0, int64_t c0,
+                                              int64_t c1, int64_t stride_x, int64_t stride_q, int64_t stride_s,
+                                              int64_t group_size) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16 * TILES;
-  const int64_t n_chunks = k / 128;
   const bool chunk_scaled = group_size % 128 == 0;
-  float acc[TILES][NB][4];
-  tc_zero<T, TILES, NB>(acc);
-  for (int64_t first = warp; first < n_chunks; first += kTcWarps * UNROLL) {  // the same trips in every lane
+  for (int64_t first = c0 + warp; first < c1; first += kTcWarps * UNROLL) {  // the same trips in every lane
     uint32_t words[UNROLL][TILES][2][4];
     float scale[UNROLL][TILES][2], zero[UNROLL][TILES][2];
     uint32_t xw[UNROLL][NB][16];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int64_t chunk = first + static_cast<int64_t>(u) * kTcWarps;
-      if (chunk >= n_chunks) continue;  // warp-uniform
+      if (chunk >= c1) continue;  // warp-uniform
       const int64_t k0 = chunk * 128 + 32 * t;  // this lane's 32-code window
       const int64_t group = k0 / group_size;
 #pragma unroll
@@ -211,11 +207,103 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      if (first + static_cast<int64_t>(u) * kTcWarps >= n_chunks) continue;
+      if (first + static_cast<int64_t>(u) * kTcWarps >= c1) continue;
       tc_chunk<T, TILES, NB>(acc, words[u], scale[u], zero[u], xw[u], chunk_scaled);
     }
   }
+}
+
+template <typename T, typename S, int TILES, int NB, int UNROLL>
+__global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
+    const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
+    const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
+    int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
+    int64_t group_size) {
+  __shared__ float partial[kTcWarps * TILES * NB * 4 * 32];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16 * TILES;
+  float acc[TILES][NB][4];
+  tc_zero<T, TILES, NB>(acc);
+  tc_accumulate<T, S, TILES, NB, UNROLL>(acc, x, qweight, scales, zeros, m, n0, 0, k / 128, stride_x, stride_q,
+                                         stride_s, group_size);
   tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out, m, n0, stride_out);
+}
+
+// ---- split K over a thread-block cluster (config "tc-...-k<splits>", sm_90) ----------------
+//
+// At N = 2048 a 16-row tile per CTA gives 128 CTAs, one per SM: at K = 8192 (the 1B model's
+// down projection) each warp runs 4 trips of 2 chunks one after another, and the memory idles
+// between them (10.3 us for 8.4 MB on an H100, a third of the bandwidth). Here the `splits`
+// CTAs of a cluster (consecutive blocks) each take a contiguous 1 / splits of K's chunks, so
+// that splits times the loads are in flight at once; each CTA adds its 8 warps' sums in warp
+// order (as tc_finish) and pushes its 16 TILES x m totals into rank 0's shared memory
+// (st.async, counted on rank 0's mbarrier: cluster_exchange.h); rank 0 adds the ranks' totals
+// in rank order, the bias, and writes out (the same bits on every run). No global workspace,
+// no atomics, nothing to zero between launches.
+constexpr int kTcMaxSplits = 8;  // the portable cluster size
+
+template <typename T, typename S, int TILES, int UNROLL>
+__global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
+    const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
+    const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
+    int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
+    int64_t group_size, int splits) {
+#if defined(OK_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)  // clusters: sm_90
+  constexpr int kOuts = 16 * TILES * kTcMaxRows;  // a CTA's totals at most (16 TILES x 8 rows)
+  __shared__ float partial[kTcWarps * TILES * 4 * 32];
+  __shared__ float4 totals4[kOuts / 4];                // this CTA's, by (x row, W row)
+  __shared__ float4 slots[kTcMaxSplits * kOuts / 4];  // rank 0: every rank's totals
+  float* totals = reinterpret_cast<float*>(totals4);
+  __shared__ OkBarrier full;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rank = static_cast<int>(blockIdx.x % splits);
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x / splits) * 16 * TILES;
+  if (threadIdx.x == 0) ok_barrier_init(&full, 1);
+  ok_fence_barrier_init();
+  ok_cluster_arrive_relaxed();
+  const int64_t n_chunks = k / 128, per = (n_chunks + splits - 1) / splits;
+  const int64_t c0 = per * rank < n_chunks ? per * rank : n_chunks;
+  const int64_t c1 = c0 + per < n_chunks ? c0 + per : n_chunks;
+  float acc[TILES][1][4];
+  tc_zero<T, TILES, 1>(acc);
+  tc_accumulate<T, S, TILES, 1, UNROLL>(acc, x, qweight, scales, zeros, m, n0, c0, c1, stride_x, stride_q, stride_s,
+                                        group_size);
+  constexpr int kSlots = TILES * 4;
+#pragma unroll
+  for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[(warp * kSlots + tile * 4 + i) * 32 + lane] = acc[tile][0][i];
+  }
+  __syncthreads();
+  const int outs = static_cast<int>(16 * TILES * m);  // a multiple of 16
+  for (int o = threadIdx.x; o < outs; o += kTcWarps * 32) {
+    const int local = o % (16 * TILES), row = o / (16 * TILES);  // W row (output column), x row
+    const int tile = local / 16, r = local % 16, cc = row % 8;
+    const int owner = (r % 8) * 4 + cc / 2, slot = tile * 4 + 2 * (r >= 8) + cc % 2;
+    float total = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kTcWarps; ++wi) total += partial[(wi * kSlots + slot) * 32 + owner];
+    totals[o] = total;
+  }
+  __syncthreads();
+  ok_cluster_wait();  // rank 0's barrier is initialised
+  if (rank == 0 && threadIdx.x == 0) ok_barrier_arrive_expect_tx(&full, static_cast<uint32_t>(splits * outs * 4));
+  for (int v = threadIdx.x; v < outs / 4; v += kTcWarps * 32) {
+    ok_store_remote(totals4[v], &slots[rank * (kOuts / 4) + v], &full, 0);
+  }
+  if (rank != 0) return;  // rank 0 waits for every push before it exits
+  ok_barrier_wait(&full, 0);
+  const float* received = reinterpret_cast<const float*>(slots);
+  for (int o = threadIdx.x; o < outs; o += kTcWarps * 32) {
+    float total = 0.f;
+    for (int r = 0; r < splits; ++r) total += received[r * kOuts + o];
+    const int local = o % (16 * TILES), row = o / (16 * TILES);
+    const int64_t c = n0 + local;
+    if (bias_code == 1) total += static_cast<const float*>(bias)[c];
+    if (bias_code == 2) total += to_float(static_cast<const __nv_bfloat16*>(bias)[c]);
+    if (bias_code == 3) total += to_float(static_cast<const __half*>(bias)[c]);
+    out[row * stride_out + c] = from_float<T>(total);
+  }
+#endif  // (an sm_80 build holds an empty kernel: the launcher sends no call there)
 }
 
 // ---- the same GEMV fed by a ring of bulk copies (a study's variant, config "tcr-...") ------
@@ -399,6 +487,36 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
 }
 
 
+// The split kernel over clusters of `splits` CTAs (2-8) along x: N / (16 tiles) x splits CTAs.
+template <typename T, typename S>
+int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void* qweight, const void* scales,
+                    const void* zeros, const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k,
+                    int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
+                    cudaStream_t stream) {
+  if (splits < 2 || splits > kTcMaxSplits) return -1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles) * splits), 1, 1);
+  config.blockDim = dim3(kTcWarps * 32, 1, 1);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = static_cast<unsigned>(splits);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  auto run = [&](auto kernel) {
+    return static_cast<int>(cudaLaunchKernelEx(
+        &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
+        static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
+        stride_x, stride_q, stride_s, stride_out, group_size, splits));
+  };
+  if (tiles == 1 && unroll == 2) return run(int4_tc_split_kernel<T, S, 1, 2>);
+  if (tiles == 2 && unroll == 2) return run(int4_tc_split_kernel<T, S, 2, 2>);
+  if (tiles == 4 && unroll == 1) return run(int4_tc_split_kernel<T, S, 4, 1>);
+  return -2;
+}
+
 // The call's (x, scale) dtype pair as template arguments: launch(T{}, S{}) for the codes
 // 1 (bfloat16) and 2 (float16); -1 for any other pair.
 template <typename Launch>
@@ -441,6 +559,23 @@ extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unr
   });
 }
 
+// The same product with K split over clusters of `splits` CTAs (int4_tc_split_kernel; 2-8,
+// sm_90). Returns as ok_int4_tc.
+extern "C" int ok_int4_tc_split(int device, int x_code, int s_code, int tiles, int unroll, int splits, const void* x,
+                                const void* qweight, const void* scales, const void* zeros, const void* bias,
+                                int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
+                                int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
+                                int64_t stream) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (m < 1 || m > kTcMaxRows) return -1;
+  return by_dtypes(x_code, s_code, [&](auto t, auto s) {
+    return launch_tc_split<decltype(t), decltype(s)>(tiles, unroll, splits, x, qweight, scales, zeros, bias,
+                                                     bias_code, out, m, n, k, stride_x, stride_q, stride_s,
+                                                     stride_out, group_size, reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
 // The same product through int4_tc_ring_kernel (`tiles`, `stages`: a built pair), for group
 // sizes that are multiples of 128, scale / zero rows and x rows 16-byte aligned. Returns as
 // ok_int4_tc, or -3 (the stages do not fit in shared memory).
@@ -461,3 +596,9 @@ extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, in
 
 extern "C" int ok_int4_tc_packed(const int64_t* a) { return from_packed<ok_int4_tc>(a); }
 extern "C" int ok_int4_tc_ring_packed(const int64_t* a) { return from_packed<ok_int4_tc_ring>(a); }
+extern "C" int ok_int4_tc_split_packed(const int64_t* a) {
+  auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
+  auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  return ok_int4_tc_split(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), p(6), p(7), p(8), p(9), p(10), i32(11), p(12),
+                          a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21]);
+}
