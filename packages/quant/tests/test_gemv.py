@@ -156,7 +156,12 @@ def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
     assert G.default_tc(1, 2048, 2048, 128, "sm_90") == "tc-t1-u2"  # the 1B model's shapes
     assert G.default_tc(4, 16384, 2048, 128, "sm_90") == "tc-t4-u1"
     assert G.default_tc(1, 2048, 8192, 128, "sm_90") == "tc-t1-u2-k2"  # the down projection: K split
-    assert G.default_tc(4, 2048, 8192, 128, "sm_90") == "tc-t1-u2"  # (M > 1 not measured split)
+    assert G.default_tc(8, 2048, 8192, 128, "sm_90") == "tc-t1-u2-k2"
+    assert G.default_tc(1, 4096, 8192, 128, "sm_90") == "tc-t2-u2-k2"
+    assert G.default_tc(4, 8192, 8192, 128, "sm_90") == "tc-t4-u1-k2"
+    assert G.default_tc(1, 8192 + 32, 8192, 128, "sm_90") == "tc-t2-u2"  # N not a multiple of 64
+    assert G.default_tc(1, 28672, 8192, 128, "sm_90") == "tc-t4-u1"
+    assert G.default_tc(1, 8192, 2048, 128, "sm_90") == "tc-t2-u2"  # K = 2048: no split
     assert G.default_tc(1, 8192, 1024, 128, "sm_90") is None  # K below 2048: not measured
     assert "sm_80" in G.supports(DispatchKey("cuda", "sm_75", torch.bfloat16))
     assert "NVIDIA" in G.supports(DispatchKey("rocm", "gfx942", torch.bfloat16))

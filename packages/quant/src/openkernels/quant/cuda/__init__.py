@@ -490,19 +490,27 @@ def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None
       H100 2048 x 8192:  M = 1 1.48 / 1.45 (t1-u2), M = 4 0.77 / 1.42 (t1-u2)
     So up to 8 rows of x (one n8 tile), K from 2048 (a CTA's 8 warps split K by 128-code
     chunks): t4-u1 from N = 16384, t2-u2 from 8192, t1-u2 below. With K split over clusters
-    (H100, 2026-12-06, M = 1, us): 2048 x 8192 t1-u2 10.6, -k2 8.3, -k4 11.7, -k8 13.7 (more
-    CTAs than fit at once: a second wave); 2048 x 2048 3.9 / 4.1, 3072 x 2048 4.6 / 6.5,
-    16384 x 2048 t4-u1 10.4 / 12.6: so K split in two only where one 16-row tile per CTA
-    leaves the SMs one CTA each (N <= 2048) over a long K (>= 8192), one row of x (M > 1 not
-    measured). Other archs, and K below 2048 (not measured), keep the implementation below."""
+    (H100, 2026-12-06, M = 1 / 4 / 8, us): 2048 x 8192 t1-u2 10.5 / 10.6 / 11.0, t1-u2-k2
+    8.3 / 8.4 / 8.6 (-k4 11.7, -k8 13.7: more CTAs than fit at once, a second wave); 4096 x
+    8192 t1-u2 12.9 / 13.1, t2-u2-k2 12.3 / 12.4; 8192 x 8192 t2-u2 19.7 / 20.0 / 20.5,
+    t4-u1-k2 18.2 / 18.6 / 19.3; 16384 x 8192 t4-u1 31.0, -k2 33.2; 28672 x 8192 t4-u1 55.4,
+    -k2 55.2 (M = 4, 8: 55.7 / 57.1 against 56.2 / 58.4); at K = 2048 every split was slower.
+    So from K = 8192 the tile that gives 128 CTAs unsplit (one per SM) is split in two (256
+    CTAs, two per SM): t1 to N = 2048, t2 below 8192, t4 below 16384. Other archs, and K
+    below 2048 (not measured), keep the implementation below."""
     if not arch.startswith("sm_90") or m > 8 or k < 2048 or k % 128 or group_size % 32:
         return None
     if n >= 16384 and n % 64 == 0:
         return "tc-t4-u1"
+    if k >= 8192:  # a long K over one CTA per SM: split in two
+        if n <= 2048 and n % 16 == 0:
+            return "tc-t1-u2-k2"
+        if n < 8192 and n % 32 == 0:
+            return "tc-t2-u2-k2"
+        if n % 64 == 0:
+            return "tc-t4-u1-k2"
     if n >= 8192 and n % 32 == 0:
         return "tc-t2-u2"
-    if m == 1 and n <= 2048 and k >= 8192 and n % 16 == 0:
-        return "tc-t1-u2-k2"
     return "tc-t1-u2" if n % 16 == 0 else None
 
 
