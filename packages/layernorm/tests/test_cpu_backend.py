@@ -79,6 +79,10 @@ FWD_CASES = [
     # id, (M, N), rms, x, residual, h_dtype, residual_out stored, out, weight, bias, weight_offset, pad
     ("rms-f32", (7, 127), True, F32, None, F32, False, F32, F32, None, 0.0, 0),
     ("ln-f32", (7, 127), False, F32, None, F32, False, F32, F32, F32, 0.0, 0),
+    # float x read in place, one chunk: rows two at a time (fwd_short_pair), the odd last row alone
+    ("ln-f32-pairs-strided", (10, 384), False, F32, None, F32, False, F32, F32, F32, 0.0, 3),
+    ("ln-f32-pairs-odd-chunk", (9, 1024), False, F32, None, F32, False, F32, None, F32, 0.0, 0),
+    ("ln-f64-pairs", (6, 384), False, F64, None, F64, False, F64, F64, None, 0.0, 0),
     ("rms-bf16-res-prenorm-strided", (33, 4097), True, BF16, BF16, BF16, True, BF16, BF16, None, 0.0, 5),
     ("rms-bf16-res-f32", (9, 300), True, BF16, F32, F32, True, F32, BF16, None, 0.0, 0),
     ("ln-f16-res-h-not-stored", (3, 4097), False, F16, F16, F16, False, F16, F16, F16, 0.0, 3),
@@ -195,6 +199,31 @@ def test_layer_norm_statistics_large_mean():
     _, mean64, rstd64 = _fwd64(x, None, None, eps=1e-12, weight_offset=0.0, rms=False)
     assert_close(mean, mean64, dtype=F32)
     assert_close(rstd, rstd64, dtype=F32)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=str)
+def test_short_rows_in_pairs_match_rows_alone(dtype):
+    """Short LayerNorm rows of x read in place run two at a time: each row's outputs (y, mean, rstd)
+    are bitwise the same whichever row it is paired with, or alone (an odd count's last row): x and
+    x[1:] pair every row differently. A row far from its first value takes the second pass."""
+    M, N = 9, 384
+    x = random_tensor((M, N), dtype)
+    x[4] += 1e4 * torch.linspace(0, 1, N, dtype=dtype)  # first value far from the mean
+    weight, bias = random_tensor((N,), dtype), random_tensor((N,), dtype)
+    outs = []
+    for rows in (x, x[1:], x[3:4]):
+        m = rows.shape[0]
+        out, mean, rstd = _nan((m, N), dtype), _nan((m,), dtype), _nan((m,), dtype)
+        cpu.norm_fwd(rows, None, weight, bias, out, None, mean, rstd,
+                     eps=1e-5, weight_offset=0.0, rms=False, h_dtype=dtype)  # fmt: skip
+        outs.append((out, mean, rstd))
+    for whole, shifted, alone in zip(*outs):
+        assert not whole.isnan().any()
+        assert torch.equal(whole[1:], shifted)
+        assert torch.equal(whole[3:4], alone)
+    _, mean64, rstd64 = _fwd64(x, weight, bias, eps=1e-5, weight_offset=0.0, rms=False)
+    assert_close(outs[0][1], mean64, dtype=dtype)
+    assert_close(outs[0][2], rstd64, dtype=dtype)
 
 
 def test_backward_deterministic():
