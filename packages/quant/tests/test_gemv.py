@@ -362,6 +362,39 @@ def test_split_k_tensor_core_gemv_within_the_error_contract(
     _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
 
 
+@pytest.mark.parametrize("config", ["tc-t1-u2", "tc-t1-u2-k2", "tc-t2-u2-k4"])
+def test_tensor_core_gemv_replays_from_cpp(config: str) -> None:
+    """A replayable body around the tensor-core GEMV (register and split builds, the emulated
+    library): from its third call the recorded launch replays through the entry's packed
+    twin (ok_int4_tc_packed / ok_int4_tc_split_packed), bitwise the direct call's output on
+    each new x and output."""
+    from openkernels.shared import replay
+
+    before = replay.mode()
+    replay.set_mode("cpu")
+    try:
+        python_runs = []
+
+        @replay.replayable
+        def linear(x, qweight, scales, zeros):
+            python_runs.append(1)
+            out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+            G.int4_linear_fwd(x, qweight, scales, zeros, None, out, 128, "int4", config=config)
+            return out
+
+        g = torch.Generator().manual_seed(23)
+        weight = quantize(make_weight(64, 1024, generator=g), "int4", False, 128)
+        scales, zeros = weight.scales.to(torch.float16), weight.zeros.to(torch.float16)
+        for _ in range(5):
+            x = torch.randn(3, 1024, generator=g).to(torch.bfloat16)
+            direct = torch.empty(3, 64, dtype=torch.bfloat16)
+            G.int4_linear_fwd(x, weight.qweight, scales, zeros, None, direct, 128, "int4", config=config)
+            assert torch.equal(linear(x, weight.qweight, scales, zeros), direct)
+        assert len(python_runs) == 2, python_runs  # calls 3-5 replayed
+    finally:
+        replay.set_mode({"off": "0", "cpu": "cpu", "all": "all"}[before])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
