@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -129,6 +129,23 @@ if [[ $steps == *tc* && $family == quant ]]; then
       ${E2E_PROFILE:+--profile $E2E_PROFILE} --skip 'model.layers.?,model.layers.??' 2>&1 \
       | tee "$out/tc_e2e_unfused.txt" | grep -v "^ *[\"{}\[]" | tail -100)
   fi
+fi
+if [[ $steps == *pdl* && $family == quant ]]; then
+  # The tensor-core GEMV launched as a programmatic dependent (config suffix "-p", quant 0.10.5,
+  # forced only): its GPU tests, its configs beside the plain ones back to back in a graph (each
+  # GEMV a dependent of the one before), then the 1B decode step with the default configs and
+  # with their "-p" variants (two runs; carry .whl: transformers 5.24).
+  timeout ${PDL_TESTS_S:-300} python3 -m pytest -q -rfE packages/quant/tests/test_gemv.py -k "dependent and cuda" -m "not aot" -x \
+    2>&1 | tee "$out/pdl_tests.txt" | tail -4
+  pdl=$(python3 -c "from openkernels.quant import cuda as G; print(','.join(G.TC_PDL_CONFIGS + ('tc-t1-u2', 'tc-t2-u2', 'tc-t4-u1') + G.TC_SPLIT_CONFIGS[:1] + G.TC_SPLIT_CONFIGS[3:4] + G.TC_SPLIT_CONFIGS[5:]))")
+  timeout ${TC_S:-240} python3 benchmarks/studies/quant_tc_gemv.py --ms 1 --configs "$pdl" \
+    --shapes ${TC_SHAPES:-2048x2048,3072x2048,16384x2048,2048x8192,8192x8192,28672x8192} 2>&1 \
+    | tee "$out/pdl_study.txt" | grep -v '^\[ *[0-9.]*s\]   ' | tail -80
+  for routes in "" pdl; do
+    (cd benchmarks/peers && timeout ${E2E_S:-200} python3 e2e_decode_step.py --context 4096 --reps 50 --mode graph --int4-head \
+      ${routes:+--tc-routes $routes} ${E2E_PROFILE:+--profile $E2E_PROFILE} 2>&1 \
+      | tee "$out/pdl_e2e_${routes:-default}.txt" | grep -v "^ *[\"{}\[]" | tail -60)
+  done
 fi
 if [[ $steps == *wall* && $family == quant ]]; then
   # The wgmma kernel through the public op (launch plan, direct launch): its GPU tests, then

@@ -263,6 +263,21 @@ def route_tc(routes: dict[tuple[int, int], str]) -> None:
     print(f"  tc routes: {', '.join(f'{n}x{k}={c}' for (n, k), c in sorted(routes.items()))}", flush=True)
 
 
+def route_tc_pdl() -> None:
+    """Every call default_tc sends to a tensor-core GEMV config goes to its "-p" variant (a
+    programmatic dependent launch, its weights fetched into L2 while the kernel before it runs)."""
+    from openkernels.quant import cuda as quant_cuda
+
+    default = quant_cuda.default_tc
+
+    def routed(m: int, n: int, k: int, group_size: int, arch: str) -> str | None:
+        config = default(m, n, k, group_size, arch)
+        return None if config is None else f"{config}-p"
+
+    quant_cuda.default_tc = routed
+    print("  tc routes: default_tc's configs as programmatic dependents (-p)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4096)
@@ -284,10 +299,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="A/B: the static cache's layers read their lengths from the device in eager calls")  # fmt: skip
     parser.add_argument("--tc-routes", default="",
                         help="A/B: the int4 layers' tensor-core GEMV config per weight shape instead of quant's "
-                        "default_tc: 'NxK=config,...', or 'from:PATH' for the fastest tc config per shape at M = 1 in "
-                        "benchmarks/studies/quant_tc_gemv.py --json PATH")  # fmt: skip
+                        "default_tc: 'NxK=config,...', 'from:PATH' for the fastest tc config per shape at M = 1 in "
+                        "benchmarks/studies/quant_tc_gemv.py --json PATH, or 'pdl' for default_tc's own configs "
+                        "launched as programmatic dependents (their '-p' variants)")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.tc_routes:
+    if args.tc_routes == "pdl":
+        route_tc_pdl()
+    elif args.tc_routes:
         route_tc(parse_tc_routes(args.tc_routes))
     shape = TINY if args.tiny else LLAMA_1B
     skip = tuple(s for s in args.skip.split(",") if s)

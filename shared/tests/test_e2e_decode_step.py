@@ -112,3 +112,14 @@ def test_tc_routes_parse_and_wrap_default_tc(script, monkeypatch, tmp_path) -> N
     assert quant_cuda.default_tc(1, 2048, 8192, 128, "sm_90") == "tc-t1-u2-k4"
     assert quant_cuda.default_tc(9, 2048, 8192, 128, "sm_90") is None
     assert quant_cuda.default_tc(1, 2048, 2048, 128, "sm_90") == "tc-t1-u2"
+
+
+def test_tc_routes_pdl_wraps_default_tc(script, monkeypatch) -> None:
+    """--tc-routes pdl: default_tc's configs, each as its "-p" variant; None stays None."""
+    from openkernels.quant import cuda as quant_cuda
+
+    monkeypatch.setattr(quant_cuda, "default_tc", quant_cuda.default_tc)  # undone after the test
+    script.route_tc_pdl()
+    assert quant_cuda.default_tc(1, 2048, 8192, 128, "sm_90") == "tc-t1-u2-k2-p"
+    assert quant_cuda.tc_config(quant_cuda.default_tc(1, 16384, 2048, 128, "sm_90")).pdl
+    assert quant_cuda.default_tc(9, 2048, 8192, 128, "sm_90") is None

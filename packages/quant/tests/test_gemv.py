@@ -44,11 +44,12 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
     tc_all = cuda_build.ptxas_report(G._TC_SOURCE, arch)  # int4_tc.cu: the tensor-core GEMV's own library
     tc = [r for r in tc_all if "int4_tc_kernel" in r.name]
-    assert len(tc) == 4 * len(G.TC_SHAPES), [r.name for r in tc_all]  # dtype pairs x shapes
+    # dtype pairs x shapes x (PDL or not)
+    assert len(tc) == 4 * len(G.TC_SHAPES) * 2, [r.name for r in tc_all]
     ring = [r for r in tc_all if "int4_tc_ring_kernel" in r.name]  # sm_80: empty bodies (no bulk copies)
     assert len(ring) == 4 * len(G.TCR_SHAPES), [r.name for r in tc_all]
     split = [r for r in tc_all if "int4_tc_split_kernel" in r.name]  # sm_80: empty bodies (no clusters)
-    assert len(split) == 4 * len(G.TC_SHAPES), [r.name for r in tc_all]
+    assert len(split) == 4 * len(G.TC_SHAPES) * 2, [r.name for r in tc_all]
     assert len(tc_all) == len(tc) + len(ring) + len(split), [r.name for r in tc_all]
     tc += ring + split
     for r in kernels + mma + persistent + mma_persistent + tc:
@@ -362,12 +363,35 @@ def test_split_k_tensor_core_gemv_within_the_error_contract(
     _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
 
 
-@pytest.mark.parametrize("config", ["tc-t1-u2", "tc-t1-u2-k2", "tc-t2-u2-k4"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dependent_launch_tensor_core_gemv_within_the_error_contract(dtype: torch.dtype, device: str) -> None:
+    """The tensor-core GEMV launched as a programmatic dependent ("-p": its codes, scales and
+    zeros fetched into L2 before it waits for the kernel before it), every config timed on a
+    GPU, against float64: the split and unsplit builds, 1-8 rows, groups of 32 / 128 and the
+    whole row, K over several trips and over ranks with no chunks, zeros and symmetric (through
+    both scale dtypes); two runs bitwise equal. In the emulation the prefetch and the wait are
+    no-ops: this checks that the prologue leaves the product alone (and, on a GPU, the launch)."""
+    if device == "cuda" and not G._arch(torch.device("cuda")).startswith("sm_90"):
+        pytest.skip("programmatic dependent launch: sm_90")
+    g = torch.Generator().manual_seed(29)
+    if device == "cpu":  # (M, N, K, group, bias, config)
+        cases = [(1, 16, 2176, 128, None, "tc-t1-u2-p"), (8, 32, 512, 32, torch.float32, "tc-t2-u2-p"),
+                 (3, 64, 1152, None, None, "tc-t4-u1-p"), (1, 32, 384, 128, torch.bfloat16, "tc-t1-u2-k2-p"),
+                 (5, 64, 1024, 32, None, "tc-t2-u2-k2-p"), (2, 128, 256, 128, torch.float16, "tc-t4-u1-k2-p")]  # fmt: skip
+    else:
+        cases = [(m, n, 8192, 128, None, c) for c in G.TC_PDL_CONFIGS for m, n in ((1, 8192), (8, 2048))]
+    assert {c[-1] for c in cases} == set(G.TC_PDL_CONFIGS)
+    for symmetric in (False, True):
+        _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
+
+
+@pytest.mark.parametrize("config", ["tc-t1-u2", "tc-t1-u2-k2", "tc-t2-u2-k4-p"])
 def test_tensor_core_gemv_replays_from_cpp(config: str) -> None:
-    """A replayable body around the tensor-core GEMV (register and split builds, the emulated
-    library): from its third call the recorded launch replays through the entry's packed
-    twin (ok_int4_tc_packed / ok_int4_tc_split_packed), bitwise the direct call's output on
-    each new x and output."""
+    """A replayable body around the tensor-core GEMV (register, split and dependent-launch
+    builds, the emulated library): from its third call the recorded launch replays through the
+    entry's packed twin (ok_int4_tc_packed), bitwise the direct call's output on each new x and
+    output."""
     from openkernels.shared import replay
 
     before = replay.mode()
@@ -443,8 +467,13 @@ def test_tc_configs() -> None:
     assert G.tc_config("tc-t1-u2") == G.TcConfig(1, 2)
     assert G.tc_config("tc-t1-u2-k4") == G.TcConfig(1, 2, 4)
     assert G.tc_config("tc-k2") == G.TcConfig(2, 2, 2)
+    assert G.tc_config("tc-t4-u1-k2-p") == G.TcConfig(4, 1, 2, True)
+    assert G.tc_config("tc-p") == G.TcConfig(2, 2, 1, True)
     assert all(G.tc_config(c).splits > 1 for c in G.TC_SPLIT_CONFIGS)
-    for bad in ("tc-t3-u2", "tc-t2-d4", "tc-x", "tc-t2-u4", "tc-t1-u2-k3", "tc-t1-u2-k16", "tc-t3-u2-k2"):
+    assert all(G.tc_config(c).pdl for c in G.TC_PDL_CONFIGS)
+    bad_configs = ("tc-t3-u2", "tc-t2-d4", "tc-x", "tc-t2-u4", "tc-t1-u2-k3", "tc-t1-u2-k16", "tc-t3-u2-k2",
+                   "tc-t1-u2-p-k2", "tc-t1-u2-pp")  # fmt: skip
+    for bad in bad_configs:
         with pytest.raises(ValueError):
             G.tc_config(bad)
     x, qweight, scales, zeros, bias, out, group, kind = _call(n=48, k=1024)

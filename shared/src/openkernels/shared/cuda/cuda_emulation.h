@@ -102,12 +102,16 @@ enum cudaFuncAttribute {
   cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
   cudaFuncAttributeNonPortableClusterSizeAllowed = 16
 };
-enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension = 4 };
+enum cudaLaunchAttributeID {
+  cudaLaunchAttributeClusterDimension = 4,
+  cudaLaunchAttributeProgrammaticStreamSerialization = 5  // launches run one after another here anyway
+};
 using cudaStream_t = struct CUstream_st*;
 struct cudaLaunchAttributeValue {
   struct {
     unsigned x, y, z;
   } clusterDim;
+  int programmaticStreamSerializationAllowed;
 };
 struct cudaLaunchAttribute {
   cudaLaunchAttributeID id;

@@ -65,6 +65,7 @@ __all__ = [
     "MmaPersistentConfig",
     "TC_CONFIGS",
     "TC_SHAPES",
+    "TC_PDL_CONFIGS",
     "TC_SPLITS",
     "TC_SPLIT_CONFIGS",
     "TcConfig",
@@ -110,6 +111,10 @@ TC_CONFIGS = tuple(f"tc-t{t}-u{u}" for t, u in TC_SHAPES)
 # "tc-t<tiles>-u<unroll>-k<splits>"): cluster sizes taken, and what a GPU run times.
 TC_SPLITS = (2, 4, 8)
 TC_SPLIT_CONFIGS = ("tc-t1-u2-k2", "tc-t1-u2-k4", "tc-t1-u2-k8", "tc-t2-u2-k2", "tc-t2-u2-k4", "tc-t4-u1-k2")
+# Any tc config with "-p": launched as a programmatic dependent of the kernel before it (sm_90),
+# its codes, scales and zeros fetched into L2 before it waits for that kernel (int4_tc.cu
+# tc_prologue). A study's variant, forced only until timed; what a GPU run times.
+TC_PDL_CONFIGS = ("tc-t1-u2-p", "tc-t2-u2-p", "tc-t4-u1-p", "tc-t1-u2-k2-p", "tc-t2-u2-k2-p", "tc-t4-u1-k2-p")
 TC_MAX_ROWS = 8  # rows of x the tensor-core GEMV takes (one n8 tile)
 # The same GEMV fed by a producer warp's ring of bulk copies (int4_tc_ring_kernel, config
 # "tcr-t<tiles>-s<stages>"): (16-row tiles of W per CTA, stages in flight) built. A study's
@@ -132,15 +137,13 @@ _SIGNATURES = {
 
 
 _TC_SIGNATURES = {
-    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                   _I64, _I64, _I64],
+    # (device, x, scale dtype codes, tiles, unroll, splits, pdl, the pointers, bias code, out, sizes, strides,
+    # group size, stream)
+    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64,
+                   _I64, _I64, _I64, _I64, _I64],
+    "ok_int4_tc_ring": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64,
+                        _I64, _I64, _I64, _I64],
 }  # fmt: skip
-_TC_SIGNATURES["ok_int4_tc_ring"] = _TC_SIGNATURES["ok_int4_tc"]
-_TC_SIGNATURES["ok_int4_tc_split"] = [
-    *_TC_SIGNATURES["ok_int4_tc"][:5],
-    _I32,
-    *_TC_SIGNATURES["ok_int4_tc"][5:],
-]
 
 
 @functools.cache
@@ -258,6 +261,7 @@ class TcConfig:
     tiles: int = 2
     unroll: int = 2
     splits: int = 1
+    pdl: bool = False
 
 
 def _two_knobs(config: object, name: str, knobs: str, cls: type, shapes: tuple) -> object | None:
@@ -283,16 +287,20 @@ def _two_knobs(config: object, name: str, knobs: str, cls: type, shapes: tuple) 
 
 
 def tc_config(config: object) -> TcConfig | None:
-    """`config` "tc[-t<tiles>][-u<unroll>][-k<splits>]" as its knobs (2, 2 and 1 where left
-    out), None for any other config; ValueError for a pair that is not built or splits not
+    """`config` "tc[-t<tiles>][-u<unroll>][-k<splits>][-p]" as its knobs (2, 2, 1 and no PDL where
+    left out), None for any other config; ValueError for a pair that is not built or splits not
     in TC_SPLITS."""
-    splits = 1
-    if isinstance(config, str) and (match := re.fullmatch(r"(tc(?:-.*)?)-k(\d+)", config)) is not None:
-        config, splits = match.group(1), int(match.group(2))
-        if splits not in TC_SPLITS:
+    splits, pdl = 1, False
+    if isinstance(config, str) and (config == "tc" or config.startswith("tc-")):
+        match = re.fullmatch(r"(tc(?:-t\d+)?(?:-u\d+)?)(?:-k(\d+))?(-p)?", config)
+        if match is None:
+            raise ValueError(f"config {config!r}: not tc[-t<tiles>][-u<unroll>][-k<splits>][-p]")
+        config, pdl = match.group(1), match.group(3) is not None
+        splits = 1 if match.group(2) is None else int(match.group(2))
+        if splits != 1 and splits not in TC_SPLITS:
             raise ValueError(f"config {config}-k{splits}: splits not among {TC_SPLITS}")
     out = _two_knobs(config, "tc", "tu", TcConfig, TC_SHAPES)
-    return None if out is None else TcConfig(out.tiles, out.unroll, splits)  # type: ignore[attr-defined]
+    return None if out is None else TcConfig(out.tiles, out.unroll, splits, pdl)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -392,6 +400,8 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
             return why
         if tc.splits > 1 and x.is_cuda and not _arch(x.device).startswith("sm_90"):
             return "K split over a cluster on a GPU older than sm_90 (it needs thread-block clusters)"
+        if tc.pdl and x.is_cuda and not _arch(x.device).startswith("sm_90"):
+            return "a programmatic dependent launch on a GPU older than sm_90"
         if m > 1 and x.stride(0) % 8:
             return "rows of x not 16-byte aligned"
         return None
@@ -566,19 +576,12 @@ def int4_linear_fwd(
             zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0), qweight.stride(0),
             scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip
-    elif _path(m, config) == "tc" and tc_config(config).splits > 1:
-        p = tc_config(config)
-        status = lib.ok_int4_tc_split(
-            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.splits, x.data_ptr(),
-            qweight.data_ptr(), scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k,
-            x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
-        )  # fmt: skip
     elif _path(m, config) == "tc":
         p = tc_config(config)
         status = lib.ok_int4_tc(
-            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, x.data_ptr(), qweight.data_ptr(),
-            scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k, x.stride(0),
-            qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
+            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.splits, int(p.pdl), x.data_ptr(),
+            qweight.data_ptr(), scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k,
+            x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip
     elif _path(m, config) == "tcr":
         p = tcr_config(config)

@@ -13,10 +13,12 @@
 #include <cuda_runtime.h>
 #endif
 #include <stdint.h>
+#include <type_traits>
 #include <string.h>
 
 #include "async_copy.h"        // openkernels/shared/cuda: dynamic shared memory
 #include "cluster_exchange.h"  // openkernels/shared/cuda: mbarriers and bulk copies
+#include "grid_dependency.h"   // openkernels/shared/cuda: programmatic dependent launch
 
 namespace {
 
@@ -213,7 +215,31 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
   }
 }
 
-template <typename T, typename S, int TILES, int NB, int UNROLL>
+// Launched as a programmatic dependent (`pdl`, config suffix "-p"; sm_90): while the kernel before
+// it finishes, the CTA's codes for chunks [c0, c1) and their scales and zeros (constants: no kernel
+// writes them) are fetched into L2, one 128-byte line per thread and step; then it waits for that
+// kernel (x is its output, and `out` may be memory it still reads) and lets the next dependent
+// start. The loads that follow hit L2 instead of waiting on DRAM after the launch.
+template <bool PDL, typename S>
+__device__ __forceinline__ void tc_prologue(const uint8_t* qweight, const S* scales, const S* zeros,
+                                            int64_t n0, int rows, int64_t c0, int64_t c1, int64_t stride_q,
+                                            int64_t stride_s, int64_t group_size, int threads) {
+  if constexpr (!PDL) return;
+  const int64_t line_bytes = 128, row_lines = ((c1 - c0) * 64 + line_bytes - 1) / line_bytes;
+  for (int64_t l = threadIdx.x; l < rows * row_lines; l += threads) {
+    const int64_t row = n0 + l / row_lines;
+    ok_prefetch_l2(qweight + row * stride_q + c0 * 64 + (l % row_lines) * line_bytes);
+  }
+  const int64_t g0 = c0 * 128 / group_size, g1 = (c1 * 128 + group_size - 1) / group_size;
+  for (int64_t g = g0 + threadIdx.x; g < g1; g += threads) {  // the CTA's rows of a group: <= 128 bytes
+    ok_prefetch_l2(scales + g * stride_s + n0);
+    if (zeros != nullptr) ok_prefetch_l2(zeros + g * stride_s + n0);
+  }
+  ok_grid_dependency_wait();
+  ok_launch_dependents();
+}
+
+template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL>
 __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
@@ -221,6 +247,8 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
     int64_t group_size) {
   __shared__ float partial[kTcWarps * TILES * NB * 4 * 32];
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16 * TILES;
+  tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, 0, k / 128, stride_q, stride_s, group_size,
+                 kTcWarps * 32);
   float acc[TILES][NB][4];
   tc_zero<T, TILES, NB>(acc);
   tc_accumulate<T, S, TILES, NB, UNROLL>(acc, x, qweight, scales, zeros, m, n0, 0, k / 128, stride_x, stride_q,
@@ -241,7 +269,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
 // no atomics, nothing to zero between launches.
 constexpr int kTcMaxSplits = 8;  // the portable cluster size
 
-template <typename T, typename S, int TILES, int UNROLL>
+template <typename T, typename S, int TILES, int UNROLL, bool PDL>
 __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
@@ -263,6 +291,8 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
   const int64_t n_chunks = k / 128, per = (n_chunks + splits - 1) / splits;
   const int64_t c0 = per * rank < n_chunks ? per * rank : n_chunks;
   const int64_t c1 = c0 + per < n_chunks ? c0 + per : n_chunks;
+  tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, c0, c1, stride_q, stride_s, group_size,
+                 kTcWarps * 32);
   float acc[TILES][1][4];
   tc_zero<T, TILES, 1>(acc);
   tc_accumulate<T, S, TILES, 1, UNROLL>(acc, x, qweight, scales, zeros, m, n0, c0, c1, stride_x, stride_q, stride_s,
@@ -468,22 +498,31 @@ int launch_tc_ring(int tiles, int stages, const void* x, const void* qweight, co
 template <typename T, typename S>
 int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const void* scales, const void* zeros,
               const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
-              int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, cudaStream_t stream) {
+              int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int pdl,
+              cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles)), 1, 1);
   config.blockDim = dim3(kTcWarps * 32, 1, 1);
   config.stream = stream;
-  config.numAttrs = 0;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
   auto run = [&](auto kernel) {
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
         stride_x, stride_q, stride_s, stride_out, group_size));
   };
-  if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2>);
-  if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 1, 2>);
-  if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1>);
-  return -2;
+  auto build = [&](auto pdl_flag) {
+    constexpr bool P = decltype(pdl_flag)::value;
+    if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2, P>);
+    if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 1, 2, P>);
+    if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, P>);
+    return -2;
+  };
+  return pdl ? build(std::true_type{}) : build(std::false_type{});
 }
 
 
@@ -492,29 +531,35 @@ template <typename T, typename S>
 int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void* qweight, const void* scales,
                     const void* zeros, const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k,
                     int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
-                    cudaStream_t stream) {
+                    int pdl, cudaStream_t stream) {
   if (splits < 2 || splits > kTcMaxSplits) return -1;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles) * splits), 1, 1);
   config.blockDim = dim3(kTcWarps * 32, 1, 1);
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
+  cudaLaunchAttribute attribute[2];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
   attribute[0].val.clusterDim.x = static_cast<unsigned>(splits);
   attribute[0].val.clusterDim.y = 1;
   attribute[0].val.clusterDim.z = 1;
+  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = pdl ? 2 : 1;
   auto run = [&](auto kernel) {
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
         stride_x, stride_q, stride_s, stride_out, group_size, splits));
   };
-  if (tiles == 1 && unroll == 2) return run(int4_tc_split_kernel<T, S, 1, 2>);
-  if (tiles == 2 && unroll == 2) return run(int4_tc_split_kernel<T, S, 2, 2>);
-  if (tiles == 4 && unroll == 1) return run(int4_tc_split_kernel<T, S, 4, 1>);
-  return -2;
+  auto build = [&](auto pdl_flag) {
+    constexpr bool P = decltype(pdl_flag)::value;
+    if (tiles == 1 && unroll == 2) return run(int4_tc_split_kernel<T, S, 1, 2, P>);
+    if (tiles == 2 && unroll == 2) return run(int4_tc_split_kernel<T, S, 2, 2, P>);
+    if (tiles == 4 && unroll == 1) return run(int4_tc_split_kernel<T, S, 4, 1, P>);
+    return -2;
+  };
+  return pdl ? build(std::true_type{}) : build(std::false_type{});
 }
 
 // The call's (x, scale) dtype pair as template arguments: launch(T{}, S{}) for the codes
@@ -528,7 +573,7 @@ int by_dtypes(int x_code, int s_code, Launch&& launch) {
   return -1;
 }
 
-// An entry's arguments from the replay's packed int64 array (both entries take the same 21).
+// ok_int4_tc_ring's arguments from the replay's packed int64 array.
 template <int (*Entry)(int, int, int, int, int, const void*, const void*, const void*, const void*, const void*, int,
                        void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t)>
 int from_packed(const int64_t* a) {
@@ -542,37 +587,28 @@ int from_packed(const int64_t* a) {
 
 // out (M, N) = x W^T + bias for 1-8 rows of x, W as the tensor cores' A operand
 // (int4_tc_kernel; int4 with zeros, or symmetric where `zeros` is null). `tiles` (16 rows of W
-// each per CTA) and `unroll` (chunks per warp trip) pick a built shape. N a multiple of 16 x
-// tiles, K of 128, the group size of 32. Returns 0, a cudaError_t, -1 (dtypes or M), -2 (shape
-// not built).
-extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, const void* x,
-                          const void* qweight, const void* scales, const void* zeros, const void* bias, int bias_code,
-                          void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x, int64_t stride_q,
-                          int64_t stride_s, int64_t stride_out, int64_t group_size, int64_t stream) {
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  if (m < 1 || m > 8) return -1;
-  return by_dtypes(x_code, s_code, [&](auto t, auto s) {
-    return launch_tc<decltype(t), decltype(s)>(tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k,
-                                               stride_x, stride_q, stride_s, stride_out, group_size,
-                                               reinterpret_cast<cudaStream_t>(stream));
-  });
-}
-
-// The same product with K split over clusters of `splits` CTAs (int4_tc_split_kernel; 2-8,
-// sm_90). Returns as ok_int4_tc.
-extern "C" int ok_int4_tc_split(int device, int x_code, int s_code, int tiles, int unroll, int splits, const void* x,
-                                const void* qweight, const void* scales, const void* zeros, const void* bias,
-                                int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
-                                int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
-                                int64_t stream) {
+// each per CTA) and `unroll` (chunks per warp trip) pick a built shape; `splits` > 1 (2-8, sm_90)
+// splits K over clusters of that many CTAs (int4_tc_split_kernel); `pdl` (sm_90) launches it as a
+// programmatic dependent of the kernel before it (tc_prologue). N a multiple of 16 x tiles, K of
+// 128, the group size of 32. Returns 0, a cudaError_t, -1 (dtypes, M or splits), -2 (shape not
+// built).
+extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, int splits, int pdl,
+                          const void* x, const void* qweight, const void* scales, const void* zeros, const void* bias,
+                          int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
+                          int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int64_t stream) {
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (m < 1 || m > kTcMaxRows) return -1;
+  const auto s_ = reinterpret_cast<cudaStream_t>(stream);
   return by_dtypes(x_code, s_code, [&](auto t, auto s) {
-    return launch_tc_split<decltype(t), decltype(s)>(tiles, unroll, splits, x, qweight, scales, zeros, bias,
-                                                     bias_code, out, m, n, k, stride_x, stride_q, stride_s,
-                                                     stride_out, group_size, reinterpret_cast<cudaStream_t>(stream));
+    using T = decltype(t);
+    using S = decltype(s);
+    if (splits == 1) {
+      return launch_tc<T, S>(tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x,
+                             stride_q, stride_s, stride_out, group_size, pdl, s_);
+    }
+    return launch_tc_split<T, S>(tiles, unroll, splits, x, qweight, scales, zeros, bias, bias_code, out, m, n, k,
+                                 stride_x, stride_q, stride_s, stride_out, group_size, pdl, s_);
   });
 }
 
@@ -594,11 +630,10 @@ extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, in
   });
 }
 
-extern "C" int ok_int4_tc_packed(const int64_t* a) { return from_packed<ok_int4_tc>(a); }
-extern "C" int ok_int4_tc_ring_packed(const int64_t* a) { return from_packed<ok_int4_tc_ring>(a); }
-extern "C" int ok_int4_tc_split_packed(const int64_t* a) {
+extern "C" int ok_int4_tc_packed(const int64_t* a) {
   auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_int4_tc_split(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), p(6), p(7), p(8), p(9), p(10), i32(11), p(12),
-                          a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21]);
+  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), i32(6), p(7), p(8), p(9), p(10), p(11), i32(12),
+                    p(13), a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22]);
 }
+extern "C" int ok_int4_tc_ring_packed(const int64_t* a) { return from_packed<ok_int4_tc_ring>(a); }
