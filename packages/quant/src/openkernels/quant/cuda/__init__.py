@@ -286,6 +286,7 @@ def _two_knobs(config: object, name: str, knobs: str, cls: type, shapes: tuple) 
     return out
 
 
+@functools.lru_cache(maxsize=256)  # parsed once per config: the launcher asks per call
 def tc_config(config: object) -> TcConfig | None:
     """`config` "tc[-t<tiles>][-u<unroll>][-k<splits>][-p]" as its knobs (2, 2, 1 and no PDL where
     left out), None for any other config; ValueError for a pair that is not built or splits not
