@@ -111,39 +111,59 @@ __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint3
   }
 }
 
-// The 8 warps' sums (acc, per lane) added in warp order through `partial` (kTcWarps x slots x
-// 32 floats), the bias added, the CTA's 16 TILES columns of out written for every row of x.
-// Every thread of the CTA calls it; a warp past the 8 (the ring kernel's producer) only meets
-// the barrier.
+// The 8 warps' sums (acc, per lane) into `partial` (kTcWarps x slots x 32 floats); a warp past
+// the 8 (the ring kernel's producer) writes nothing.
+template <int TILES, int NB>
+__device__ __forceinline__ void tc_stage(float* partial, const float (&acc)[TILES][NB][4]) {
+  constexpr int kSlots = TILES * NB * 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp >= kTcWarps) return;
+#pragma unroll
+  for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[(warp * kSlots + (tile * NB + nb) * 4 + i) * 32 + lane] = acc[tile][nb][i];
+    }
+  }
+}
+
+// Output o (x row o / (16 TILES), W row o % (16 TILES) of the CTA's) summed over the warps'
+// staged sums in warp order (the same bits on every run).
+template <int TILES, int NB>
+__device__ __forceinline__ float tc_warp_total(const float* partial, int o) {
+  constexpr int kSlots = TILES * NB * 4;
+  const int local = o % (16 * TILES), row = o / (16 * TILES);
+  const int tile = local / 16, r = local % 16, nb = row / 8, cc = row % 8;
+  const int owner = (r % 8) * 4 + cc / 2, slot = (tile * NB + nb) * 4 + 2 * (r >= 8) + cc % 2;
+  float total = 0.f;
+#pragma unroll
+  for (int wi = 0; wi < kTcWarps; ++wi) total += partial[(wi * kSlots + slot) * 32 + owner];
+  return total;
+}
+
+// out[row, c] = total + bias[c] (bias_code 0: none, 1: float32, 2: bfloat16, 3: float16).
+template <typename T>
+__device__ __forceinline__ void tc_store(float total, const void* bias, int bias_code, T* out, int64_t row, int64_t c,
+                                         int64_t stride_out) {
+  if (bias_code == 1) total += static_cast<const float*>(bias)[c];
+  if (bias_code == 2) total += to_float(static_cast<const __nv_bfloat16*>(bias)[c]);
+  if (bias_code == 3) total += to_float(static_cast<const __half*>(bias)[c]);
+  out[row * stride_out + c] = from_float<T>(total);
+}
+
+// The 8 warps' sums added in warp order, the bias added, the CTA's 16 TILES columns of out
+// written for every row of x. Every thread of the CTA calls it; a warp past the 8 (the ring
+// kernel's producer) only meets the barrier.
 template <typename T, int TILES, int NB>
 __device__ __forceinline__ void tc_finish(float* partial, const float (&acc)[TILES][NB][4], const void* bias,
                                           int bias_code, T* out, int64_t m, int64_t n0, int64_t stride_out) {
-  constexpr int kSlots = TILES * NB * 4;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (warp < kTcWarps) {
-#pragma unroll
-    for (int tile = 0; tile < TILES; ++tile) {
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) partial[(warp * kSlots + (tile * NB + nb) * 4 + i) * 32 + lane] = acc[tile][nb][i];
-      }
-    }
-  }
+  tc_stage<TILES, NB>(partial, acc);
   __syncthreads();
-  if (warp >= kTcWarps) return;
+  if ((threadIdx.x >> 5) >= kTcWarps) return;
   for (int o = threadIdx.x; o < 16 * TILES * m; o += kTcWarps * 32) {
-    const int local = o % (16 * TILES), row = o / (16 * TILES);  // W row (output column), x row
-    const int tile = local / 16, r = local % 16, nb = row / 8, cc = row % 8;
-    const int owner = (r % 8) * 4 + cc / 2, slot = (tile * NB + nb) * 4 + 2 * (r >= 8) + cc % 2;
-    float total = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < kTcWarps; ++wi) total += partial[(wi * kSlots + slot) * 32 + owner];
-    const int64_t c = n0 + local;
-    if (bias_code == 1) total += static_cast<const float*>(bias)[c];
-    if (bias_code == 2) total += to_float(static_cast<const __nv_bfloat16*>(bias)[c]);
-    if (bias_code == 3) total += to_float(static_cast<const __half*>(bias)[c]);
-    out[row * stride_out + c] = from_float<T>(total);
+    tc_store<T>(tc_warp_total<TILES, NB>(partial, o), bias, bias_code, out, o / (16 * TILES), n0 + o % (16 * TILES),
+                stride_out);
   }
 }
 
@@ -248,7 +268,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
   __shared__ float partial[kTcWarps * TILES * NB * 4 * 32];
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16 * TILES;
   tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, 0, k / 128, stride_q, stride_s, group_size,
-                 kTcWarps * 32);
+                      kTcWarps * 32);
   float acc[TILES][NB][4];
   tc_zero<T, TILES, NB>(acc);
   tc_accumulate<T, S, TILES, NB, UNROLL>(acc, x, qweight, scales, zeros, m, n0, 0, k / 128, stride_x, stride_q,
@@ -282,7 +302,6 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
   __shared__ float4 slots[kTcMaxSplits * kOuts / 4];  // rank 0: every rank's totals
   float* totals = reinterpret_cast<float*>(totals4);
   __shared__ OkBarrier full;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rank = static_cast<int>(blockIdx.x % splits);
   const int64_t n0 = static_cast<int64_t>(blockIdx.x / splits) * 16 * TILES;
   if (threadIdx.x == 0) ok_barrier_init(&full, 1);
@@ -291,29 +310,15 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
   const int64_t n_chunks = k / 128, per = (n_chunks + splits - 1) / splits;
   const int64_t c0 = per * rank < n_chunks ? per * rank : n_chunks;
   const int64_t c1 = c0 + per < n_chunks ? c0 + per : n_chunks;
-  tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, c0, c1, stride_q, stride_s, group_size,
-                 kTcWarps * 32);
+  tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, c0, c1, stride_q, stride_s, group_size, kTcWarps * 32);
   float acc[TILES][1][4];
   tc_zero<T, TILES, 1>(acc);
   tc_accumulate<T, S, TILES, 1, UNROLL>(acc, x, qweight, scales, zeros, m, n0, c0, c1, stride_x, stride_q, stride_s,
                                         group_size);
-  constexpr int kSlots = TILES * 4;
-#pragma unroll
-  for (int tile = 0; tile < TILES; ++tile) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) partial[(warp * kSlots + tile * 4 + i) * 32 + lane] = acc[tile][0][i];
-  }
+  tc_stage<TILES, 1>(partial, acc);
   __syncthreads();
   const int outs = static_cast<int>(16 * TILES * m);  // a multiple of 16
-  for (int o = threadIdx.x; o < outs; o += kTcWarps * 32) {
-    const int local = o % (16 * TILES), row = o / (16 * TILES);  // W row (output column), x row
-    const int tile = local / 16, r = local % 16, cc = row % 8;
-    const int owner = (r % 8) * 4 + cc / 2, slot = tile * 4 + 2 * (r >= 8) + cc % 2;
-    float total = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < kTcWarps; ++wi) total += partial[(wi * kSlots + slot) * 32 + owner];
-    totals[o] = total;
-  }
+  for (int o = threadIdx.x; o < outs; o += kTcWarps * 32) totals[o] = tc_warp_total<TILES, 1>(partial, o);
   __syncthreads();
   ok_cluster_wait();  // rank 0's barrier is initialised
   if (rank == 0 && threadIdx.x == 0) ok_barrier_arrive_expect_tx(&full, static_cast<uint32_t>(splits * outs * 4));
@@ -326,12 +331,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
   for (int o = threadIdx.x; o < outs; o += kTcWarps * 32) {
     float total = 0.f;
     for (int r = 0; r < splits; ++r) total += received[r * kOuts + o];
-    const int local = o % (16 * TILES), row = o / (16 * TILES);
-    const int64_t c = n0 + local;
-    if (bias_code == 1) total += static_cast<const float*>(bias)[c];
-    if (bias_code == 2) total += to_float(static_cast<const __nv_bfloat16*>(bias)[c]);
-    if (bias_code == 3) total += to_float(static_cast<const __half*>(bias)[c]);
-    out[row * stride_out + c] = from_float<T>(total);
+    tc_store<T>(total, bias, bias_code, out, o / (16 * TILES), n0 + o % (16 * TILES), stride_out);
   }
 #endif  // (an sm_80 build holds an empty kernel: the launcher sends no call there)
 }
