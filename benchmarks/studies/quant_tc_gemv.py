@@ -1,7 +1,7 @@
 """The tensor-core GEMV (quant's CUDA config "tc...": W as mma.m16n8k16's A operand) against
-the kernels that take M = 1-16 today (issue 24): openkernels' Triton kernel (the default),
-the CUDA GEMV (M = 1) and the one-round tensor-core kernel "mma" (M > 1), torch's tinygemm
-(M = 1) and F.linear on the bf16 weight.
+the kernels that take M = 1-16 today (issue 24): the public op's default route, openkernels'
+Triton kernel, the CUDA GEMV (M = 1) and the one-round tensor-core kernel "mma" (M > 1),
+torch's tinygemm (M = 1) and F.linear on the bf16 weight.
 
     PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/quant_tc_gemv.py [--ms 1,4,16] [--shapes 8192x8192,28672x8192]
 
@@ -15,6 +15,7 @@ process; "frac" is weight bytes / kernel time over it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import threading
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from openkernels.quant import cuda as G
+from openkernels.quant import int4_linear
 from openkernels.quant.bench.peers import run_tinygemm, setup_tinygemm
 from openkernels.quant.quantize import quantize_int4
 from openkernels.quant.reference import int4_linear_ref
@@ -117,6 +119,10 @@ def main() -> None:
                     tensor_bytes(tg[0]["tiled"], tg[0]["sz"]),
                 )
                 del tg
+            # What a user's call runs today (dispatch's default: the tc GEMV up to 8 rows on sm_90,
+            # wgmma or Triton past it), through the public op.
+            public = [dataclasses.replace(q, qweight=c[0], scales=c[1], zeros=c[2]) for c in qs]
+            timed("public default", [lambda p=p, x=x: int4_linear(x, p) for p in public], qbytes)
             old = [("gemv r8", 8)] if m == 1 else [("mma (one-round)", "mma")]
             for name, config in old + [(c, c) for c in args.configs.split(",")]:
                 why = G.unsupported_call(x, *qs[0], None, out, GROUP, "int4", config)

@@ -44,8 +44,8 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
     tc_all = cuda_build.ptxas_report(G._TC_SOURCE, arch)  # int4_tc.cu: the tensor-core GEMV's own library
     tc = [r for r in tc_all if "int4_tc_kernel" in r.name]
-    # dtype pairs x shapes x (PDL or not)
-    assert len(tc) == 4 * len(G.TC_SHAPES) * 2, [r.name for r in tc_all]
+    # dtype pairs x shapes x (one n8 tile of x with PDL or without, two tiles without)
+    assert len(tc) == 4 * len(G.TC_SHAPES) * 3, [r.name for r in tc_all]
     ring = [r for r in tc_all if "int4_tc_ring_kernel" in r.name]  # sm_80: empty bodies (no bulk copies)
     assert len(ring) == 4 * len(G.TCR_SHAPES), [r.name for r in tc_all]
     split = [r for r in tc_all if "int4_tc_split_kernel" in r.name]  # sm_80: empty bodies (no clusters)
@@ -144,7 +144,8 @@ def test_mma_persistent_configs() -> None:
 
 def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
     """ "gemv" is above wgmma and Triton; its launcher runs the tensor-core GEMV only where it
-    measured fastest (sm_90, up to 8 rows of x) and hands every other call on."""
+    measured fastest (sm_90, up to 8 rows of x; 9-16 rows with the one-round kernel) and hands
+    every other call on."""
     key = DispatchKey("cuda", "sm_90", torch.bfloat16, frozenset({"int4"}))
     if G.supports(key) is None:
         chosen = [impl.name for impl in dispatch.select("int4_linear", key)]
@@ -164,6 +165,17 @@ def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
     assert G.default_tc(1, 28672, 8192, 128, "sm_90") == "tc-t4-u1"
     assert G.default_tc(1, 8192, 2048, 128, "sm_90") == "tc-t2-u2"  # K = 2048: no split
     assert G.default_tc(1, 8192, 1024, 128, "sm_90") is None  # K below 2048: not measured
+    # 9-16 rows: the two-tile tensor-core GEMV to N = 2048, the one-round kernel above it where
+    # wgmma would hand the call to Triton, wgmma's own calls left to it.
+    assert G.default_config(4, 16384, 2048, 128, "sm_90") == G.default_tc(4, 16384, 2048, 128, "sm_90")
+    assert G.default_config(16, 2048, 2048, 128, "sm_90") == "tc-t1-u2"
+    assert G.default_config(9, 2048, 8192, 128, "sm_90") == "tc-t1-u2"
+    assert G.default_config(16, 16384, 2048, 128, "sm_90") == "mma"  # wgmma not measured below K = 4096
+    assert G.default_config(16, 8192, 8192, 128, "sm_90") == "mma"
+    assert G.default_config(16, 28672, 8192, 128, "sm_90") is None  # wgmma's
+    assert G.default_config(17, 2048, 2048, 128, "sm_90") is None
+    assert G.default_config(16, 2048, 2048, 128, "sm_80") is None
+    assert G.default_config(16, 8192, 1024, 128, "sm_90") is None
     assert "sm_80" in G.supports(DispatchKey("cuda", "sm_75", torch.bfloat16))
     assert "NVIDIA" in G.supports(DispatchKey("rocm", "gfx942", torch.bfloat16))
     assert "bfloat16" in G.supports(DispatchKey("cuda", "sm_90", torch.float32))
@@ -313,8 +325,8 @@ def test_mma_persistent_within_the_error_contract(symmetric: bool, dtype: torch.
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tensor_core_gemv_within_the_error_contract(symmetric: bool, dtype: torch.dtype, device: str) -> None:
-    """The tensor-core GEMV (W as the A operand), every shape built, against float64: 1-8 rows
-    of x (rows of the n8 tile past M), groups of 128 and the whole row (the scale after the
+    """The tensor-core GEMV (W as the A operand), every shape built, against float64: 1-16 rows
+    of x (one n8 tile to 8 rows, two past it; rows of the last tile past M), groups of 128 and the whole row (the scale after the
     MMA: W not rounded) and 32 / 64 (the scale in the pairs: W rounded to x's dtype), K of an
     odd number of chunks (warps with fewer chunks than others, or none), both scale dtypes,
     bias dtypes; two runs bitwise equal."""
@@ -322,12 +334,17 @@ def test_tensor_core_gemv_within_the_error_contract(symmetric: bool, dtype: torc
     if device == "cpu":  # (M, N, K, group, bias, config)
         cases = [(1, 64, 1152, 128, None, "tc-t1-u2"), (8, 64, 256, 32, None, "tc-t1-u2"),
                  (3, 32, 384, 64, torch.float32, "tc-t2-u2"), (1, 128, 4096, None, torch.float16, "tc-t2-u2"),
-                 (5, 64, 2176, 128, torch.bfloat16, "tc-t4-u1"), (2, 128, 1152, 64, None, "tc-t4-u1")]  # fmt: skip
+                 (5, 64, 2176, 128, torch.bfloat16, "tc-t4-u1"), (2, 128, 1152, 64, None, "tc-t4-u1"),
+                 (9, 32, 1152, 128, torch.float32, "tc-t1-u2"), (16, 64, 384, None, None, "tc-t2-u2"),
+                 (13, 64, 640, 32, torch.bfloat16, "tc-t4-u1")]  # fmt: skip
     else:
-        cases = [(m, n, 8192, 128, None, c) for c in G.TC_CONFIGS for m, n in ((1, 28672), (8, 8192))]
+        cases = [
+            (m, n, 8192, 128, None, c) for c in G.TC_CONFIGS for m, n in ((1, 28672), (8, 8192), (16, 8192))
+        ]
         cases += [
             (5, 4096, 4096, 32, torch.float32, "tc-t2-u2"),
             (3, 8192, 28672, 64, torch.bfloat16, "tc-t4-u1"),
+            (11, 4096, 4096, 64, torch.float16, "tc-t1-u2"),
         ]
     assert {c[-1] for c in cases} == set(G.TC_CONFIGS)
     _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
@@ -482,7 +499,10 @@ def test_tc_configs() -> None:
         x, qweight, scales, zeros, bias, out, group, kind, "tc-t2-u2"
     )
     assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc")
-    assert "up to 8" in G.unsupported_call(*_call(m=9, n=64, k=1024), "tc-t1-u2")
+    assert G.unsupported_call(*_call(m=16, n=64, k=1024), "tc-t1-u2") is None  # two n8 tiles of x
+    assert "up to 16" in G.unsupported_call(*_call(m=17, n=64, k=1024), "tc-t1-u2")
+    for config in ("tc-t1-u2-k2", "tc-t1-u2-p", "tcr-t1-s4"):  # one n8 tile only
+        assert "up to 8" in G.unsupported_call(*_call(m=9, n=64, k=1024), config)
     assert "multiple of 128" in G.unsupported_call(*_call(n=64, k=1056, group=32), "tc-t1-u2")
 
 

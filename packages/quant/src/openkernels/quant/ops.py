@@ -95,8 +95,8 @@ def _gemv_supports(key: dispatch.DispatchKey) -> str | None:
 
 
 # The CUDA C++ kernels for 1-16 rows of x: above wgmma (25) and Triton (20); the launcher runs
-# the tensor-core GEMV where it measured fastest (cuda.default_tc: sm_90, up to 8 rows of x)
-# and hands every other call to the implementation below it.
+# the tensor-core GEMV or the one-round kernel where they measured fastest (cuda.default_config:
+# sm_90, up to 16 rows of x) and hands every other call to the implementation below it.
 _GEMV_PRIORITY = 30
 # The Gluon Hopper kernel (gluon/, asynchronous wgmma, M = 16-256): above Triton (20) on
 # sm_90, where its launcher sends the calls it measured slower on (gluon.slower_than_triton:

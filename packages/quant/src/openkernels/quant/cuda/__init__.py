@@ -10,11 +10,11 @@ weight loads in flight during the current one's math, x kept in registers where 
 Forced only (by `config`) until it is timed on an H200 against the kernel above: the default
 dispatch still runs the one-round GEMV.
 
-1-8 rows, W as the A operand (config "tc[-t<tiles>][-u<unroll>]", int4_tc.cu, its own library): a
-tensor-core GEMV. W's 16-row tiles are mma.m16n8k16's A operand and x the B operand, so one
+1-16 rows, W as the A operand (config "tc[-t<tiles>][-u<unroll>][-k<splits>][-p]", int4_tc.cu, its
+own library; 1-8 rows where K is split over a cluster or the launch is a dependent): a tensor-core GEMV. W's 16-row tiles are mma.m16n8k16's A operand and x the B operand, so one
 MMA takes 256 codes; the codes enter the MMA as (base + q) - (base + zero), exact, and where
 the group size is a multiple of 128 the scale multiplies each 128-code chunk's fp32 sum once.
-The default for up to 8 rows of x on sm_90 where measured (default_tc). Config
+The default for up to 16 rows of x on sm_90 where measured (default_config). Config
 "tcr[-t<tiles>][-s<stages>]": the same math fed by a producer warp that keeps `stages` stages of
 1024 codes per row (with their scales, zeros and x) in flight in shared memory by bulk copies
 (cp.async.bulk on mbarriers); group sizes that are multiples of 128. Forced only, until timed.
@@ -26,8 +26,8 @@ the math. Forced only (by `config`) until timed on an H200 against the one-round
 the default dispatch still runs for 2-16 rows.
 
 Dispatch name "gemv", registered on CUDA (sm_80 and newer) above wgmma and Triton: unforced,
-it runs the tensor-core GEMV where default_tc says it measured fastest and hands every other
-call to the implementation dispatch ranks next; forced by name (`dispatch.force("gemv")`) it
+it runs the tensor-core GEMV or the one-round kernel where default_config says they measured
+fastest and hands every other call to the implementation dispatch ranks next; forced by name (`dispatch.force("gemv")`) it
 runs the tensor-core GEMV there and the GEMV / one-round MMA kernel elsewhere. Same entry
 point as triton.int4_linear_fwd; a call these kernels do not take (more than 16 rows of x, NF4 past one row, K or the group size not a multiple of 32 (K of 128 past
 one row), 16-bit dtypes other than bf16 / fp16, misaligned parts, N not a multiple of 4 (32
@@ -115,7 +115,9 @@ TC_SPLIT_CONFIGS = ("tc-t1-u2-k2", "tc-t1-u2-k4", "tc-t1-u2-k8", "tc-t2-u2-k2", 
 # its codes, scales and zeros fetched into L2 before it waits for that kernel (int4_tc.cu
 # tc_prologue). A study's variant, forced only until timed; what a GPU run times.
 TC_PDL_CONFIGS = ("tc-t1-u2-p", "tc-t2-u2-p", "tc-t4-u1-p", "tc-t1-u2-k2-p", "tc-t2-u2-k2-p", "tc-t4-u1-k2-p")
-TC_MAX_ROWS = 8  # rows of x the tensor-core GEMV takes (one n8 tile)
+TC_MAX_ROWS = 16  # rows of x the tensor-core GEMV takes (two n8 tiles)
+TC_SPLIT_MAX_ROWS = 8  # ... where K is split over a cluster or the launch is a dependent (one n8 tile)
+TC_SMALL_N = 2048  # 9-16 rows: the two-tile tensor-core GEMV up to this N (default_config)
 # The same GEMV fed by a producer warp's ring of bulk copies (int4_tc_ring_kernel, config
 # "tcr-t<tiles>-s<stages>"): (16-row tiles of W per CTA, stages in flight) built. A study's
 # variant, forced only until timed on an H200 against the register kernel.
@@ -347,11 +349,11 @@ def _sm_count(index: int) -> int:
 
 
 def _tc_shape_unsupported(
-    m: int, n: int, k: int, group_size: int, kind: str, tiles: int, group_multiple: int
+    m: int, n: int, k: int, group_size: int, kind: str, tiles: int, group_multiple: int, max_rows: int
 ) -> str | None:
     """The tensor-core GEMV's shape limits, one list for its register and ring-fed builds."""
-    if m > TC_MAX_ROWS:
-        return f"{m} rows of x for the tensor-core GEMV (it takes up to {TC_MAX_ROWS})"
+    if m > max_rows:
+        return f"{m} rows of x for this tensor-core GEMV (it takes up to {max_rows})"
     if kind == "nf4":
         return "NF4 on the tensor-core GEMV (it takes int4)"
     if k % 128 or group_size % group_multiple:
@@ -383,7 +385,9 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         if x.is_cuda and not _arch(x.device).startswith("sm_90"):
             return "the ring-fed tensor-core GEMV on a GPU older than sm_90 (it needs bulk copies)"
         # group_size % 128: the ring stages one scale (zero) per 1024-code chunk and row.
-        why = _tc_shape_unsupported(m, n, k, group_size, kind, ring.tiles, group_multiple=128)
+        why = _tc_shape_unsupported(
+            m, n, k, group_size, kind, ring.tiles, group_multiple=128, max_rows=TC_SPLIT_MAX_ROWS
+        )
         if why is not None:
             return why
         if x.stride(0) * x.element_size() % 16:
@@ -396,9 +400,13 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         return None
     tc = tc_config(config)
     if tc is not None:
-        why = _tc_shape_unsupported(m, n, k, group_size, kind, tc.tiles, group_multiple=32)
+        why = _tc_shape_unsupported(
+            m, n, k, group_size, kind, tc.tiles, group_multiple=32, max_rows=TC_MAX_ROWS
+        )
         if why is not None:
             return why
+        if m > TC_SPLIT_MAX_ROWS and (tc.splits > 1 or tc.pdl):
+            return f"{m} rows of x for a split or dependent tensor-core GEMV (it takes up to {TC_SPLIT_MAX_ROWS})"
         if tc.splits > 1 and x.is_cuda and not _arch(x.device).startswith("sm_90"):
             return "K split over a cluster on a GPU older than sm_90 (it needs thread-block clusters)"
         if tc.pdl and x.is_cuda and not _arch(x.device).startswith("sm_90"):
@@ -525,6 +533,28 @@ def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None
     return "tc-t1-u2" if n % 16 == 0 else None
 
 
+def default_config(m: int, n: int, k: int, group_size: int, arch: str) -> str | None:
+    """The config the default dispatch runs here for this call, or None: the call goes on to the
+    implementation below (wgmma on sm_90, else Triton). Up to 8 rows of x: default_tc. 9-16
+    rows on sm_90 (H100 kernel times, 2026-12-06, `quant_tc_gemv.py --ms 16`, us, Triton /
+    one-round mma / tc-t1-u2 with two n8 tiles): 2048 x 2048 9.0 / 6.3 / 5.0, 16384 x 2048 18.7
+    / 15.1 / 20.7, 8192 x 8192 28.1 / 25.5 / 32.0, 28672 x 8192 84.0 / 86.3 / 100.9 (wgmma, the
+    default there, 89.2; on the H200 it measured 1.77x F.linear against the one-round kernel's
+    1.46-1.49x). So: the two-tile tensor-core GEMV to N = 2048, the one-round kernel above it
+    where wgmma would hand the call to Triton; wgmma keeps the calls it takes."""
+    if m <= TC_SPLIT_MAX_ROWS:
+        return default_tc(m, n, k, group_size, arch)
+    if not arch.startswith("sm_90") or m > TC_MAX_ROWS or k < 2048 or k % 128 or group_size % 32:
+        return None
+    if n <= TC_SMALL_N and n % 16 == 0:
+        return "tc-t1-u2"
+    from .. import gluon  # the wgmma launcher's own routing (imported on use: gluon needs Triton)
+
+    if gluon.slower_than_triton(m, n, k) is None:
+        return None  # wgmma takes it
+    return "mma"
+
+
 def _hand_on(args) -> None:
     """The call to the implementation dispatch would pick after this one (Triton when none)."""
     x, kind = args[0], args[7]
@@ -553,7 +583,7 @@ def int4_linear_fwd(
     "tcr..." the same fed by a ring of bulk copies (tcr_config)."""
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     if config is None and x.is_cuda:  # the tensor-core GEMV where it measured fastest, else on
-        config = default_tc(x.shape[0], qweight.shape[0], x.shape[1], group_size, _arch(x.device))
+        config = default_config(x.shape[0], qweight.shape[0], x.shape[1], group_size, _arch(x.device))
         if config is None or unsupported_call(*args, config) is not None:
             if "gemv" not in dispatch.forced_names(_OP):
                 return _hand_on(args)
@@ -637,9 +667,13 @@ def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=Non
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     m, k = x.shape
     n = qweight.shape[0]
-    tc = default_tc(m, n, k, group_size, _arch(x.device))
-    if tc is not None and unsupported_call(*args, tc) is None:
-        return f"the tensor-core GEMV ({tc})"
+    config = default_config(m, n, k, group_size, _arch(x.device))
+    if config is not None and unsupported_call(*args, config) is None:
+        return (
+            f"the tensor-core GEMV ({config})"
+            if config.startswith("tc")
+            else "the one-round tensor-core kernel"
+        )
     if "gemv" in dispatch.forced_names(_OP):
         return None
     chosen = [impl.name for impl in dispatch.select(_OP, dispatch.key_for(x, kind))]

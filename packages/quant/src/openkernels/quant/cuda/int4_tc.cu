@@ -1,4 +1,4 @@
-// int4 linear for 1-8 rows of x (decode) on tensor cores, W as mma.m16n8k16's A operand:
+// int4 linear for 1-16 rows of x (decode) on tensor cores, W as mma.m16n8k16's A operand:
 // W (N, K) in format.py's layout read at the memory's pace. Built by openkernels.shared.cuda_build
 // (nvcc, the device's arch) and, for tests, for the CPU emulation; its own library, so that
 // the default path's first call builds only these kernels. Contract (checked by
@@ -24,14 +24,14 @@ namespace {
 
 #include "int4_mma_common.cuh"  // beside this file: conversions, the MMA and its operands
 
-// ---- 1-8 rows of x, W as the A operand: a tensor-core GEMV ---------------------------------
+// ---- 1-16 rows of x, W as the A operand: a tensor-core GEMV --------------------------------
 //
 // The kernels of int4_gemv.cu turn every code into a float (GEMV: a LOP3, a FADD and an FFMA
 // per code) or into a scaled 16-bit weight (int4_mma_kernel: W as the B operand, a packed
 // subtraction and a packed multiply per pair), and issue-bound at M = 1 they stream the weight
 // at about half the copy bandwidth. Here W is mma.m16n8k16's A operand (16 rows of W per tile)
-// and x the B operand (n8: up to 8 rows of x per n8 tile; NB tiles, one built), so one MMA
-// takes 256 codes. A
+// and x the B operand (n8: up to 8 rows of x per n8 tile; NB tiles: one, or two for 9-16 rows,
+// where each dequantized A fragment feeds two MMAs), so one MMA takes 256 codes. A
 // lane (g, t) holds A pairs of rows g and g + 8 at k = 2t, 2t+1, 2t+8, 2t+9 and B pairs of x's
 // row g at the same k; as in int4_mma_kernel the k order inside a 128-code chunk is free, so
 // a lane reads one contiguous 16-byte window (32 codes) of each of its two rows and x's 32
@@ -52,7 +52,8 @@ namespace {
 // (LDGSTS ... desc[UR1]), an illegal instruction on the H100 (docs/perf.md).
 
 constexpr int kTcWarps = 8;
-constexpr int kTcMaxRows = 8;  // rows of x: one n8 tile
+constexpr int kTcMaxRows = 16;       // rows of x: two n8 tiles (the unsplit kernel without PDL)
+constexpr int kTcSplitMaxRows = 8;   // the split and PDL builds: one n8 tile
 
 // acc += one 128-code chunk's products for TILES 16-row tiles of W: `words` the lane's two
 // 16-byte code windows per tile (rows g and g + 8), `scale` / `zero` those rows' values in the
@@ -296,7 +297,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
     int64_t group_size, int splits) {
 #if defined(OK_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)  // clusters: sm_90
-  constexpr int kOuts = 16 * TILES * kTcMaxRows;  // a CTA's totals at most (16 TILES x 8 rows)
+  constexpr int kOuts = 16 * TILES * kTcSplitMaxRows;  // a CTA's totals at most (16 TILES x 8 rows)
   __shared__ float partial[kTcWarps * TILES * 4 * 32];
   __shared__ float4 totals4[kOuts / 4];                // this CTA's, by (x row, W row)
   __shared__ float4 slots[kTcMaxSplits * kOuts / 4];  // rank 0: every rank's totals
@@ -494,7 +495,8 @@ int launch_tc_ring(int tiles, int stages, const void* x, const void* qweight, co
   return -2;
 }
 
-// (tiles, unroll) pairs built: TC_SHAPES in cuda/__init__.py; up to 8 rows of x (one n8 tile).
+// (tiles, unroll) pairs built: TC_SHAPES in cuda/__init__.py; up to 8 rows of x (one n8 tile), or
+// 9-16 (two; no PDL build).
 template <typename T, typename S>
 int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const void* scales, const void* zeros,
               const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
@@ -522,6 +524,13 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
     if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, P>);
     return -2;
   };
+  if (m > 8) {  // two n8 tiles of x (9-16 rows): the same weight stream, twice the MMAs
+    if (pdl) return -1;
+    if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 2, 2, false>);
+    if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 2, 2, false>);
+    if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 2, 1, false>);
+    return -2;
+  }
   return pdl ? build(std::true_type{}) : build(std::false_type{});
 }
 
@@ -585,7 +594,7 @@ int from_packed(const int64_t* a) {
 
 }  // namespace
 
-// out (M, N) = x W^T + bias for 1-8 rows of x, W as the tensor cores' A operand
+// out (M, N) = x W^T + bias for 1-16 rows of x (1-8 where split or PDL), W as the tensor cores' A operand
 // (int4_tc_kernel; int4 with zeros, or symmetric where `zeros` is null). `tiles` (16 rows of W
 // each per CTA) and `unroll` (chunks per warp trip) pick a built shape; `splits` > 1 (2-8, sm_90)
 // splits K over clusters of that many CTAs (int4_tc_split_kernel); `pdl` (sm_90) launches it as a
@@ -598,7 +607,7 @@ extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unr
                           int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int64_t stream) {
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
-  if (m < 1 || m > kTcMaxRows) return -1;
+  if (m < 1 || m > kTcMaxRows || (m > kTcSplitMaxRows && splits > 1)) return -1;
   const auto s_ = reinterpret_cast<cudaStream_t>(stream);
   return by_dtypes(x_code, s_code, [&](auto t, auto s) {
     using T = decltype(t);
