@@ -6,13 +6,15 @@ the bf16 weight, on one sm_90 GPU; "wgmma" and "triton" are those implementation
 call, so that dispatch could pick it there?
 
     PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/quant_wgmma_wall.py \
-        [--shapes 8192x8192,28672x8192] [--ms 16,32,64,96,128,192,256] [--no-routing 1]
+        [--shapes 8192x8192,28672x8192] [--ms 16,32,64,96,128,192,256] [--no-routing 1] [--scale-dtype float16]
 
+--scale-dtype (bfloat16 unless given): the scales' and zeros' dtype (quantize_int4's default is
+float16).
 --no-routing 1: the default takes the wgmma kernel for every call it can (gluon.slower_than_triton
 answers None), to measure it where the routing would send calls to Triton; the default's
 calls replay from C++ (shared.replay), forced ones never do.
 
-bf16 x, bf16 scales with zeros, group 128, N x K in {8192x8192, 28672x8192}, M in {16, 32,
+bf16 x, bf16 scales (or --scale-dtype) with zeros, group 128, N x K in {8192x8192, 28672x8192}, M in {16, 32,
 64, 96, 128, 192, 256}. Each contender rotates over weight copies totalling >= 200 MB (L2:
 60 MB): `rotating_do_bench_ms` (median wall per call: the host's time where it is longer than
 the kernel's) and `rotating_graph_ms` (a CUDA graph of the calls: kernel time). First, per
@@ -55,6 +57,8 @@ def main() -> int:
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+    scale_dtype = getattr(torch, args.get("--scale-dtype", "bfloat16"))
+    print(f"scales and zeros in {scale_dtype}", flush=True)
     if args.get("--no-routing") == "1":
         from openkernels.quant import gluon
 
@@ -70,7 +74,7 @@ def main() -> int:
     for n, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(n + k)
         w = torch.randn(n, k, device=dev, generator=gen) * 0.02
-        q = Q.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
+        q = Q.quantize_int4(w, GROUP, scale_dtype=scale_dtype)
         w_deq = Q.dequantize_int4(q, torch.float32)
         per_copy = tensor_bytes(q.qweight, q.scales, q.zeros)
         weights = [q] + [

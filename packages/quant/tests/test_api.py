@@ -169,6 +169,31 @@ def test_from_linear_matches_dequantized_weight_and_keeps_bias() -> None:
     assert "group_size=64" in repr(mod)
 
 
+def test_scales_default_to_the_weights_16_bit_dtype() -> None:
+    """quant 0.10.6: scales (and zeros) in the weight's own 16-bit dtype unless asked, float16
+    for float32 weights; an explicit scale_dtype wins."""
+    for dtype, want in (
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float16),
+    ):
+        lin = nn.Linear(128, 32).to(dtype)
+        mod = Int4Linear.from_linear(lin, group_size=64)
+        assert mod.scales.dtype == want and mod.zeros.dtype == want, (dtype, mod.scales.dtype)
+        assert (
+            Int4Linear.from_linear(lin, group_size=64, scale_dtype=torch.float16).scales.dtype
+            == torch.float16
+        )
+    model = _Tiny().to(torch.bfloat16)
+    quantize_model(model, group_size=32, progress=False)
+    assert model.up.scales.dtype == torch.bfloat16
+    model = _Tiny().to(torch.bfloat16)
+    quantize_model(model, group_size=32, progress=False, scale_dtype=torch.float16)
+    assert model.up.scales.dtype == torch.float16
+    nf4 = Int4Linear.from_linear(nn.Linear(128, 32).to(torch.bfloat16), group_size=64, kind="nf4")
+    assert nf4.scales.dtype == torch.bfloat16
+
+
 def test_quantize_model_report_and_skips() -> None:
     torch.manual_seed(0)
     model = _Tiny()

@@ -96,9 +96,11 @@ class Int4Linear(nn.Module):
         kind: str = "int4",
         symmetric: bool = False,
         search: str | None = None,
-        scale_dtype: torch.dtype = torch.float16,
+        scale_dtype: torch.dtype | None = None,
     ) -> Int4Linear:
-        """Quantize an nn.Linear's weight (on its device); the bias is copied unchanged."""
+        """Quantize an nn.Linear's weight (on its device); the bias is copied unchanged. Scales
+        (and zeros) in `scale_dtype`, by default the weight's dtype where it is 16-bit, else
+        float16 (scale_dtype_for)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
         q = _quantize_weight(linear.weight.detach(), group_size, kind, symmetric, search, scale_dtype)
@@ -195,8 +197,20 @@ class Int4Linear(nn.Module):
                                       error_msgs)  # fmt: skip
 
 
+def scale_dtype_for(weight: Tensor, scale_dtype: torch.dtype | None) -> torch.dtype:
+    """`scale_dtype`, or where None the weight's own 16-bit dtype (float16 for any other): scales
+    in the activations' dtype take the wgmma kernel's 16-bit dequantization (H100, quant 0.10.6:
+    float16 scales with bfloat16 x made it 1.2-1.43x slower at 16-64 rows; docs/perf.md), and
+    the quantization error is the same to 4 digits (bfloat16 keeps 8 bits of each scale,
+    against the 4-bit step's error)."""
+    if scale_dtype is not None:
+        return scale_dtype
+    return weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
 def _quantize_weight(w: Tensor, group_size: int | None, kind: str, symmetric: bool, search: str | None,
-                     scale_dtype: torch.dtype) -> Int4Weight:  # fmt: skip
+                     scale_dtype: torch.dtype | None) -> Int4Weight:  # fmt: skip
+    scale_dtype = scale_dtype_for(w, scale_dtype)
     if kind == "nf4":
         return quantize_nf4(w, group_size, search=search, scale_dtype=scale_dtype)
     if kind == "int4":
@@ -291,7 +305,7 @@ def _tp_layout(name: str, linear: nn.Linear, group_size: int | None) -> _TPLayou
 
 
 def _quantize_shard(linear: nn.Linear, layout: _TPLayout, group_size: int | None, kind: str, symmetric: bool,
-                    search: str | None, scale_dtype: torch.dtype) -> Int4Linear:  # fmt: skip
+                    search: str | None, scale_dtype: torch.dtype | None) -> Int4Linear:  # fmt: skip
     """An Int4Linear of this rank's shard, hooked by the linear's own tensor-parallel style.
 
     transformers' `_hf_quantized_needs_local_tp` path runs it on plain local tensors: a
@@ -368,7 +382,7 @@ def quantize_model(
     symmetric: bool = False,
     search: str | None = None,
     skip: Iterable[str] = ("lm_head",),
-    scale_dtype: torch.dtype = torch.float16,
+    scale_dtype: torch.dtype | None = None,
     progress: bool = True,
 ) -> QuantizeReport:
     """Replace every nn.Linear of `model` (in place) by an Int4Linear.
@@ -378,7 +392,8 @@ def quantize_model(
     weight is quantized on its current device. Returns a QuantizeReport. A weight that cannot
     be quantized (NaN, infinity) raises naming its layer; the layers before it stay quantized
     (their 16-bit weights are freed as it goes; kernelize(quantize=...) keeps them and puts
-    them back).
+    them back). `scale_dtype`: the scales' (and zeros') dtype; None (the default since quant
+    0.10.6; float16 before) takes each weight's own 16-bit dtype, float16 for any other.
 
     Tensor parallelism (transformers' tp_plan="auto": DTensor weights): each rank quantizes
     its own shard, which gives the unsharded weight's codes, scales and zeros sliced, and the
