@@ -10,8 +10,9 @@ weight loads in flight during the current one's math, x kept in registers where 
 Forced only (by `config`) until it is timed on an H200 against the kernel above: the default
 dispatch still runs the one-round GEMV.
 
-1-16 rows, W as the A operand (config "tc[-t<tiles>][-u<unroll>][-k<splits>][-p]", int4_tc.cu, its
-own library; 1-8 rows where K is split over a cluster or the launch is a dependent): a tensor-core GEMV. W's 16-row tiles are mma.m16n8k16's A operand and x the B operand, so one
+1-16 rows, W as the A operand (config "tc[-t<tiles>][-u<unroll>][-k<splits>][-p]", int4_tc.cu,
+its own library; 1-8 rows where K is split over a cluster or the launch is a dependent): a
+tensor-core GEMV. W's 16-row tiles are mma.m16n8k16's A operand and x the B operand, so one
 MMA takes 256 codes; the codes enter the MMA as (base + q) - (base + zero), exact, and where
 the group size is a multiple of 128 the scale multiplies each 128-code chunk's fp32 sum once.
 The default for up to 16 rows of x on sm_90 where measured (default_config). Config
@@ -27,8 +28,8 @@ the default dispatch still runs for 2-16 rows.
 
 Dispatch name "gemv", registered on CUDA (sm_80 and newer) above wgmma and Triton: unforced,
 it runs the tensor-core GEMV or the one-round kernel where default_config says they measured
-fastest and hands every other call to the implementation dispatch ranks next; forced by name (`dispatch.force("gemv")`) it
-runs the tensor-core GEMV there and the GEMV / one-round MMA kernel elsewhere. Same entry
+fastest and hands every other call to the implementation dispatch ranks next; forced by name
+(`dispatch.force("gemv")`) it runs the tensor-core GEMV there and the GEMV / one-round MMA kernel elsewhere. Same entry
 point as triton.int4_linear_fwd; a call these kernels do not take (more than 16 rows of x, NF4 past one row, K or the group size not a multiple of 32 (K of 128 past
 one row), 16-bit dtypes other than bf16 / fp16, misaligned parts, N not a multiple of 4 (32
 past one row)) goes to the Triton launcher. The library is built with nvcc for the device's
@@ -536,12 +537,13 @@ def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None
 def default_config(m: int, n: int, k: int, group_size: int, arch: str) -> str | None:
     """The config the default dispatch runs here for this call, or None: the call goes on to the
     implementation below (wgmma on sm_90, else Triton). Up to 8 rows of x: default_tc. 9-16
-    rows on sm_90 (H100 kernel times, 2026-12-06, `quant_tc_gemv.py --ms 16`, us, Triton /
-    one-round mma / tc-t1-u2 with two n8 tiles): 2048 x 2048 9.0 / 6.3 / 5.0, 16384 x 2048 18.7
-    / 15.1 / 20.7, 8192 x 8192 28.1 / 25.5 / 32.0, 28672 x 8192 84.0 / 86.3 / 100.9 (wgmma, the
-    default there, 89.2; on the H200 it measured 1.77x F.linear against the one-round kernel's
-    1.46-1.49x). So: the two-tile tensor-core GEMV to N = 2048, the one-round kernel above it
-    where wgmma would hand the call to Triton; wgmma keeps the calls it takes."""
+    rows on sm_90, kernel times at M = 16 (2026-12-06, `quant_tc_gemv.py --ms 16`, float16
+    scales; us, Triton / one-round mma / tc-t1-u2 with two n8 tiles), H200: 2048 x 2048 8.1 /
+    6.4 / 5.3, 2048 x 8192 19.9 / 18.5 / 13.5, 3072 x 2048 9.3 / 6.7 / 6.5, 16384 x 2048 17.8 /
+    15.5 / 21.2, 8192 x 8192 27.8 / 25.4 / 33.0 (the H100 alike where it ran the same shapes).
+    So: the two-tile tensor-core GEMV to N = 2048, the one-round kernel above it where wgmma
+    would hand the call to Triton; wgmma keeps the calls it takes (28672 x 8192: 67.3 us with
+    bfloat16 scales on the H100, 89.9 with float16 ones, Triton 84.5; docs/perf.md)."""
     if m <= TC_SPLIT_MAX_ROWS:
         return default_tc(m, n, k, group_size, arch)
     if not arch.startswith("sm_90") or m > TC_MAX_ROWS or k < 2048 or k % 128 or group_size % 32:

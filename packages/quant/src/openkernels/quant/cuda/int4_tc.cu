@@ -524,7 +524,7 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
     if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, P>);
     return -2;
   };
-  if (m > 8) {  // two n8 tiles of x (9-16 rows): the same weight stream, twice the MMAs
+  if (m > kTcSplitMaxRows) {  // two n8 tiles of x (9-16 rows): the same weight stream, twice the MMAs
     if (pdl) return -1;
     if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 2, 2, false>);
     if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 2, 2, false>);
