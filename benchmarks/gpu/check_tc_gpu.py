@@ -5,6 +5,10 @@ With --sanitize, a faulting case runs again under compute-sanitizer (memcheck), 
 report lines name the kernel and the access.
 
     PYTHONPATH=... python3 benchmarks/gpu/check_tc_gpu.py [--sanitize] [--configs tcr-t1-s4,...]
+        [--ms 1,8] [--memcheck-first]
+
+--ms: the rows of x per case (9-16: the two-tile build, quant 0.10.6). --memcheck-first: the
+first case (smallest shape) runs under compute-sanitizer memcheck whatever its result.
 
 Exits 1 when any case faults or misses (so a script can time only configs that ran clean).
 """
@@ -49,6 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sanitize", action="store_true")
     parser.add_argument("--configs", default=None, help="comma-separated (default: every tc and tcr config)")
+    parser.add_argument("--ms", default="1,8", help="rows of x, comma-separated")
+    parser.add_argument("--memcheck-first", action="store_true")
     args = parser.parse_args()
     from openkernels.quant import cuda as G
 
@@ -59,9 +65,25 @@ def main() -> None:
         if os.path.exists("/usr/local/cuda/bin/compute-sanitizer")
         else None
     )
-    cases = [(c, m, 8192, 8192, 128) for c in configs for m in (1, 8)]
-    cases += [(c, 1, 2048, 2048, 128) for c in configs] + [(c, 1, 28672, 8192, 128) for c in configs]
+    ms = [int(v) for v in args.ms.split(",")]
+    cases = [(c, m, 2048, 2048, 128) for c in configs for m in ms]
+    cases += [(c, m, 8192, 8192, 128) for c in configs for m in ms]
+    cases += [(c, ms[0], 28672, 8192, 128) for c in configs]
     sanitized = failed = 0
+    if args.memcheck_first and sanitizer:
+        san = subprocess.run(
+            [sanitizer, "--tool", "memcheck", "--print-limit", "3", sys.executable, "-c", CHILD,
+             *(str(v) for v in cases[0])],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        tail = [ln for ln in (san.stdout + san.stderr).splitlines() if ln.startswith("=========")]
+        print(
+            f"memcheck {' '.join(str(v) for v in cases[0])}: rc={san.returncode}",
+            *tail[-6:],
+            sep="\n",
+            flush=True,
+        )
+        failed += san.returncode != 0
     for case in cases:
         argv = [str(v) for v in case]
         run = subprocess.run(
