@@ -1,7 +1,8 @@
 """The tensor-core GEMV (quant's CUDA config "tc...": W as mma.m16n8k16's A operand) against
 the kernels that take M = 1-16 today (issue 24): the public op's default route, openkernels'
 Triton kernel, the CUDA GEMV (M = 1) and the one-round tensor-core kernel "mma" (M > 1),
-torch's tinygemm (M = 1) and F.linear on the bf16 weight.
+torch's tinygemm (M = 1) and F.linear on the bf16 weight; with --tiled each tc config also on
+the tiled codes (format.tile_codes).
 
     PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/quant_tc_gemv.py [--ms 1,4,16] [--shapes 8192x8192,28672x8192]
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from openkernels.quant import cuda as G
 from openkernels.quant import int4_linear
 from openkernels.quant.bench.peers import run_tinygemm, setup_tinygemm
+from openkernels.quant.format import tile_codes
 from openkernels.quant.quantize import quantize_int4
 from openkernels.quant.reference import int4_linear_ref
 from openkernels.quant.triton import int4_linear_fwd as triton_fwd
@@ -63,6 +65,11 @@ def main() -> None:
     parser.add_argument("--shapes", default="8192x8192,28672x8192")
     parser.add_argument("--configs", default=",".join(G.TC_CONFIGS + G.TC_SPLIT_CONFIGS))
     parser.add_argument(
+        "--tiled",
+        action="store_true",
+        help="each tc config also on format.tile_codes' layout (rows named '<config> tiled')",
+    )
+    parser.add_argument(
         "--json", default=None, help="every row as {n, k, m, name, us} (e2e_decode_step.py --tc-routes)"
     )
     args = parser.parse_args()
@@ -90,6 +97,7 @@ def main() -> None:
         qbytes = tensor_bytes(q.qweight, q.scales, q.zeros)
         copies = max(2, math.ceil(SERIES_BYTES / qbytes))
         qs = [(q.qweight.clone(), q.scales.clone(), q.zeros.clone()) for _ in range(copies)]
+        tiled_qs = [(tile_codes(c[0]), c[1], c[2]) for c in qs] if args.tiled else []
         for m in ms:
             x = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
             out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
@@ -124,13 +132,15 @@ def main() -> None:
             public = [dataclasses.replace(q, qweight=c[0], scales=c[1], zeros=c[2]) for c in qs]
             timed("public default", [lambda p=p, x=x: int4_linear(x, p) for p in public], qbytes)
             old = [("gemv r8", 8)] if m == 1 else [("mma (one-round)", "mma")]
-            for name, config in old + [(c, c) for c in args.configs.split(",")]:
-                why = G.unsupported_call(x, *qs[0], None, out, GROUP, "int4", config)
+            tc_configs = [(c, c, qs) for c in args.configs.split(",")]
+            tc_configs += [(f"{c} tiled", c, tiled_qs) for c in args.configs.split(",") if tiled_qs]
+            for name, config, weights in [(name, config, qs) for name, config in old] + tc_configs:
+                why = G.unsupported_call(x, *weights[0], None, out, GROUP, "int4", config)
                 if why is not None:
                     log(f"  {name}: not taken: {why}")
                     continue
                 out.fill_(float("nan"))
-                G.int4_linear_fwd(x, *qs[0], None, out, GROUP, "int4", config=config)
+                G.int4_linear_fwd(x, *weights[0], None, out, GROUP, "int4", config=config)
                 torch.cuda.synchronize()
                 err = (out.double() - ref).abs().max().item()
                 if G._broken or not err <= bound:
@@ -143,7 +153,7 @@ def main() -> None:
                         lambda c=c, x=x, out=out, config=config: G.int4_linear_fwd(
                             x, *c, None, out, GROUP, "int4", config=config
                         )
-                        for c in qs
+                        for c in weights
                     ],
                     qbytes,
                     f"max|err| {err:.2g}",

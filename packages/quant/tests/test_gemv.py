@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from openkernels.quant import cuda as G
+from openkernels.quant.format import tile_codes, untile_codes
 from openkernels.shared import cuda_build, dispatch
 from openkernels.shared.dispatch import DispatchKey
 
@@ -378,6 +379,61 @@ def test_split_k_tensor_core_gemv_within_the_error_contract(
                   (1, 2048, 1152, 128, None, "tc-t1-u2-k8")]  # fmt: skip
     assert {c[-1] for c in cases} == set(G.TC_SPLIT_CONFIGS)
     _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+def test_tiled_codes_give_the_rows_result_bit_for_bit(symmetric: bool, device: str) -> None:
+    """format.tile_codes' layout through the tensor-core GEMV (unsplit and split builds, every
+    shape, 1-8 rows of x, groups 32 / 128 / the whole row, K of an odd number of chunks) gives
+    the same bits as the stored rows, and within the error contract; the round trip restores the
+    codes; calls the tiled codes cannot take (two n8 tiles, -p, other kernels, a K that is not
+    the codes') raise before any launch instead of reading them as rows."""
+    if device == "cuda" and not G._arch(torch.device("cuda")).startswith("sm_90"):
+        pytest.skip("the split builds need thread-block clusters: sm_90")
+    g = torch.Generator().manual_seed(29)
+    cases = [(1, 64, 1152, 128, "tc-t1-u2"), (8, 64, 640, 32, "tc-t2-u2"), (3, 128, 2176, None, "tc-t4-u1"),
+             (1, 32, 1152, 128, "tc-t1-u2-k2"), (5, 64, 1024, 128, "tc-t2-u2-k4"), (2, 128, 1152, 64, "tc-t4-u1-k2")]  # fmt: skip
+    if device == "cuda":
+        cases += [
+            (1, 8192, 8192, 128, "tc-t4-u1-k2"),
+            (4, 28672, 8192, 128, "tc-t4-u1"),
+            (1, 2048, 8192, 128, "tc-t1-u2-k2"),
+        ]
+    for m, n, k, group, config in cases:
+        weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group).to(device)
+        tiled = tile_codes(weight.qweight)
+        assert tiled.shape == (n // 16, k // 128, 1024)
+        assert torch.equal(untile_codes(tiled), weight.qweight)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
+        outs = []
+        for codes in (weight.qweight, tiled):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+            args = (x, codes, weight.scales, weight.zeros, None, out, weight.group_size, "int4")
+            assert G.unsupported_call(*args, config) is None
+            G.int4_linear_fwd(*args, config=config)
+            outs.append(out)
+        assert not G._broken, G._broken
+        assert torch.equal(outs[0], outs[1]), f"{config} m={m} {n}x{k}: tiled codes differ from the rows"
+        assert_linear_close(
+            outs[1], x, weight, None, w_rounded=weight.group_size % 128 != 0, msg=f"{config} tiled"
+        )
+    weight = quantize(make_weight(64, 256, generator=g), "int4", False, 128).to(device)
+    tiled = tile_codes(weight.qweight)
+    for m, k, config in (
+        (9, 256, "tc-t1-u2"),
+        (1, 256, "tc-t1-u2-p"),
+        (1, 256, "mma"),
+        (1, 256, 8),
+        (1, 384, "tc"),
+    ):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
+        out = torch.zeros(m, 64, dtype=torch.bfloat16, device=device)
+        with pytest.raises(ValueError, match="tiled codes"):
+            G.int4_linear_fwd(x, tiled, weight.scales, weight.zeros, None, out, 128, "int4", config=config)
+        assert not out.any(), "a refused call wrote its output"
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tile_codes(weight.qweight[:8])
 
 
 @pytest.mark.parametrize("device", DEVICES)

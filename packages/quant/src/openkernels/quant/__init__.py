@@ -12,7 +12,7 @@ from .format import NF4_VALUES, Int4Weight
 from .linear import Int4Linear, QuantizeReport, load_quantized, quantize_model, save_quantized
 from .quantize import quantize_int4, quantize_nf4
 
-__version__ = "0.10.6"
+__version__ = "0.10.7"
 
 __all__ = [
     "Int4Weight",

@@ -40,6 +40,8 @@ __all__ = [
     "nf4_values",
     "check_parts",
     "check_scale_values",
+    "tile_codes",
+    "untile_codes",
 ]
 
 KINDS = problem.KINDS
@@ -103,6 +105,38 @@ def check_parts(
             f"{where}: qweight, scales, zeros and perm must be on one device, got {sorted(map(str, devices))}"
         )
     return k
+
+
+def tile_codes(qweight: Tensor) -> Tensor:
+    """qweight (N, K // 2) uint8 in the tiled layout of the tensor-core GEMV (quant's CUDA
+    "tc..." configs): (N // 16, K // 128, 1024) uint8, N a multiple of 16 and K of 128.
+
+    Block [R, c] holds the codes of rows 16 R .. 16 R + 15 in columns 128 c .. 128 c + 127: byte
+    h * 512 + 64 g + 16 t + b of it is byte 64 c + 16 t + b of row 16 R + 8 h + g (g < 8, t < 4,
+    b < 16; the nibble order inside a byte as in the stored rows). Lane 4 g + t of a warp reads
+    its 16 bytes of rows g and g + 8 at 16 (4 g + t) and 512 + 16 (4 g + t): one 512-byte
+    contiguous read per warp instruction, where the stored rows give 64 bytes of 8 rows. A
+    permutation of 16-byte pieces, nothing recomputed; untile_codes inverts it."""
+    if qweight.dim() != 2 or qweight.dtype != torch.uint8:
+        raise ValueError(
+            f"tile_codes: qweight must be (N, K // 2) uint8, got {tuple(qweight.shape)} {qweight.dtype}"
+        )
+    n, half_k = qweight.shape
+    if n % 16 or half_k % 64:
+        raise ValueError(f"tile_codes: N = {n} must be a multiple of 16 and K = {2 * half_k} of 128")
+    blocks = qweight.reshape(n // 16, 2, 8, half_k // 64, 4, 16).permute(0, 3, 1, 2, 4, 5)
+    return blocks.reshape(n // 16, half_k // 64, 1024).contiguous()
+
+
+def untile_codes(tiled: Tensor) -> Tensor:
+    """tile_codes' input back: (N // 16, K // 128, 1024) uint8 -> (N, K // 2)."""
+    if tiled.dim() != 3 or tiled.shape[2] != 1024 or tiled.dtype != torch.uint8:
+        raise ValueError(
+            f"untile_codes: expected (N // 16, K // 128, 1024) uint8, got {tuple(tiled.shape)} {tiled.dtype}"
+        )
+    tiles, chunks, _ = tiled.shape
+    rows = tiled.reshape(tiles, chunks, 2, 8, 4, 16).permute(0, 2, 3, 1, 4, 5)
+    return rows.reshape(16 * tiles, 64 * chunks).contiguous()
 
 
 def _part(t: Tensor | None) -> problem.Part | None:

@@ -140,9 +140,9 @@ _SIGNATURES = {
 
 
 _TC_SIGNATURES = {
-    # (device, x, scale dtype codes, tiles, unroll, splits, pdl, the pointers, bias code, out, sizes, strides,
-    # group size, stream)
-    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64,
+    # (device, x, scale dtype codes, tiles, unroll, splits, pdl, tiled, the pointers, bias code, out, sizes,
+    # strides, group size, stream)
+    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64,
                    _I64, _I64, _I64, _I64, _I64],
     "ok_int4_tc_ring": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64,
                         _I64, _I64, _I64, _I64],
@@ -364,10 +364,21 @@ def _tc_shape_unsupported(
     return None
 
 
+def _n_of(qweight: Tensor) -> int:
+    """N of codes in the stored rows (N, K // 2) or format.tile_codes' layout (N // 16, K // 128, 1024)."""
+    return qweight.shape[0] * (16 if qweight.dim() == 3 else 1)
+
+
 def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config=None) -> str | None:
     """Why this call goes to the Triton kernels instead (None: a kernel here takes it)."""
     m, k = x.shape
-    n = qweight.shape[0]
+    n = _n_of(qweight)
+    if qweight.dim() == 3:  # tiled codes: the tensor-core GEMV's one-tile builds, not the dependent launch
+        tc = tc_config(config)
+        if tc is None or tc.pdl or m > TC_SPLIT_MAX_ROWS:
+            return "tiled codes (format.tile_codes) outside the tensor-core GEMV's configs without -p, up to 8 rows"
+        if qweight.shape[1] * 128 != k or not qweight.is_contiguous():
+            return "tiled codes not contiguous or not of x's K"
     if m > MMA_MAX_ROWS:
         return f"{m} rows of x (these kernels take up to {MMA_MAX_ROWS})"
     dtypes_ok = (
@@ -584,6 +595,13 @@ def int4_linear_fwd(
     (mma_persistent_config), "tc..." the tensor-core GEMV with W as the A operand (tc_config),
     "tcr..." the same fed by a ring of bulk copies (tcr_config)."""
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
+    tiled = qweight.dim() == 3
+    if tiled:  # format.tile_codes: only the tensor-core GEMV reads them, so nothing to fall back to
+        if config is None and x.is_cuda:
+            config = default_config(x.shape[0], _n_of(qweight), x.shape[1], group_size, _arch(x.device))
+        why = unsupported_call(*args, config) or ("the CUDA library is unavailable" if _broken else None)
+        if why is not None:
+            raise ValueError(f"int4_linear_fwd: {why}")
     if config is None and x.is_cuda:  # the tensor-core GEMV where it measured fastest, else on
         config = default_config(x.shape[0], qweight.shape[0], x.shape[1], group_size, _arch(x.device))
         if config is None or unsupported_call(*args, config) is not None:
@@ -595,8 +613,10 @@ def int4_linear_fwd(
     m, k = x.shape
     lib = _load(x.device, tc=_path(m, config) in ("tc", "tcr"))
     if lib is None:
+        if tiled:
+            raise ValueError("int4_linear_fwd: tiled codes and the CUDA library could not be built")
         return _triton(*args)
-    n = qweight.shape[0]
+    n = _n_of(qweight)
     code = _kind(kind, zeros)
     device = x.device.index if x.is_cuda else -1
     stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
@@ -612,7 +632,8 @@ def int4_linear_fwd(
     elif _path(m, config) == "tc":
         p = tc_config(config)
         status = lib.ok_int4_tc(
-            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.splits, int(p.pdl), x.data_ptr(),
+            device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.splits, int(p.pdl),
+            int(tiled), x.data_ptr(),
             qweight.data_ptr(), scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k,
             x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip

@@ -182,14 +182,25 @@ __device__ __forceinline__ void tc_zero(float (&acc)[TILES][NB][4]) {
 
 // Registers: each warp trip issues UNROLL chunks' loads (codes evict-first, scales, zeros,
 // x) before their math. Warp w takes chunks c0 + w, c0 + w + 8, ... below c1.
+//
+// `tiled` (format.py's tiled layout): the codes of a (16-row tile, chunk) pair are 1024 contiguous
+// bytes, in lane order (half h of lane l at h * 512 + 16 l), and stride_q is a tile's bytes; so a
+// warp's 16-byte loads read 512 contiguous bytes where the stored rows give 64 bytes of 8 rows
+// (a study measured the rows' pattern alone at 0.73-0.74 of a streaming read of the same bytes
+// on an H100, the tiled one at 0.91-0.93: docs/perf.md). A warp-uniform switch: the same build
+// reads both layouts.
 template <typename T, typename S, int TILES, int NB, int UNROLL>
 __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const T* __restrict__ x,
                                               const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
                                               const S* __restrict__ zeros, int64_t m, int64_t n0, int64_t c0,
                                               int64_t c1, int64_t stride_x, int64_t stride_q, int64_t stride_s,
-                                              int64_t group_size) {
+                                              int64_t group_size, bool tiled) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool chunk_scaled = group_size % 128 == 0;
+  // The lane's code bytes of (tile, h, chunk): base + tile * tile_step + h * half_step + chunk * chunk_step.
+  const uint8_t* base = tiled ? qweight + (n0 / 16) * stride_q + 16 * lane : qweight + (n0 + g) * stride_q + 16 * t;
+  const int64_t tile_step = tiled ? stride_q : 16 * stride_q, half_step = tiled ? 512 : 8 * stride_q;
+  const int64_t chunk_step = tiled ? 1024 : 64;
   for (int64_t first = c0 + warp; first < c1; first += kTcWarps * UNROLL) {  // the same trips in every lane
     uint32_t words[UNROLL][TILES][2][4];
     float scale[UNROLL][TILES][2], zero[UNROLL][TILES][2];
@@ -205,7 +216,8 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int64_t row = n0 + 16 * tile + g + 8 * h;
-          const uint4 v = __ldcs(reinterpret_cast<const uint4*>(qweight + row * stride_q + k0 / 2));
+          const uint4 v =
+              __ldcs(reinterpret_cast<const uint4*>(base + tile * tile_step + h * half_step + chunk * chunk_step));
           words[u][tile][h][0] = v.x;
           words[u][tile][h][1] = v.y;
           words[u][tile][h][2] = v.z;
@@ -265,7 +277,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
-    int64_t group_size) {
+    int64_t group_size, int tiled) {
   __shared__ float partial[kTcWarps * TILES * NB * 4 * 32];
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16 * TILES;
   tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, 0, k / 128, stride_q, stride_s, group_size,
@@ -273,7 +285,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
   float acc[TILES][NB][4];
   tc_zero<T, TILES, NB>(acc);
   tc_accumulate<T, S, TILES, NB, UNROLL>(acc, x, qweight, scales, zeros, m, n0, 0, k / 128, stride_x, stride_q,
-                                         stride_s, group_size);
+                                         stride_s, group_size, tiled != 0);
   tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out, m, n0, stride_out);
 }
 
@@ -295,7 +307,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
-    int64_t group_size, int splits) {
+    int64_t group_size, int splits, int tiled) {
 #if defined(OK_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)  // clusters: sm_90
   constexpr int kOuts = 16 * TILES * kTcSplitMaxRows;  // a CTA's totals at most (16 TILES x 8 rows)
   __shared__ float partial[kTcWarps * TILES * 4 * 32];
@@ -315,7 +327,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
   float acc[TILES][1][4];
   tc_zero<T, TILES, 1>(acc);
   tc_accumulate<T, S, TILES, 1, UNROLL>(acc, x, qweight, scales, zeros, m, n0, c0, c1, stride_x, stride_q, stride_s,
-                                        group_size);
+                                        group_size, tiled != 0);
   tc_stage<TILES, 1>(partial, acc);
   __syncthreads();
   const int outs = static_cast<int>(16 * TILES * m);  // a multiple of 16
@@ -500,7 +512,7 @@ int launch_tc_ring(int tiles, int stages, const void* x, const void* qweight, co
 template <typename T, typename S>
 int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const void* scales, const void* zeros,
               const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
-              int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int pdl,
+              int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int pdl, int tiled,
               cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles)), 1, 1);
@@ -515,7 +527,7 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
-        stride_x, stride_q, stride_s, stride_out, group_size));
+        stride_x, stride_q, stride_s, stride_out, group_size, tiled));
   };
   auto build = [&](auto pdl_flag) {
     constexpr bool P = decltype(pdl_flag)::value;
@@ -540,7 +552,7 @@ template <typename T, typename S>
 int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void* qweight, const void* scales,
                     const void* zeros, const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k,
                     int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
-                    int pdl, cudaStream_t stream) {
+                    int pdl, int tiled, cudaStream_t stream) {
   if (splits < 2 || splits > kTcMaxSplits) return -1;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles) * splits), 1, 1);
@@ -559,7 +571,7 @@ int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
-        stride_x, stride_q, stride_s, stride_out, group_size, splits));
+        stride_x, stride_q, stride_s, stride_out, group_size, splits, tiled));
   };
   auto build = [&](auto pdl_flag) {
     constexpr bool P = decltype(pdl_flag)::value;
@@ -601,23 +613,24 @@ int from_packed(const int64_t* a) {
 // programmatic dependent of the kernel before it (tc_prologue). N a multiple of 16 x tiles, K of
 // 128, the group size of 32. Returns 0, a cudaError_t, -1 (dtypes, M or splits), -2 (shape not
 // built).
-extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, int splits, int pdl,
+extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, int splits, int pdl, int tiled,
                           const void* x, const void* qweight, const void* scales, const void* zeros, const void* bias,
                           int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
                           int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int64_t stream) {
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (m < 1 || m > kTcMaxRows || (m > kTcSplitMaxRows && splits > 1)) return -1;
+  if (tiled && pdl) return -1;  // the dependent launch's L2 prefetch walks the stored rows
   const auto s_ = reinterpret_cast<cudaStream_t>(stream);
   return by_dtypes(x_code, s_code, [&](auto t, auto s) {
     using T = decltype(t);
     using S = decltype(s);
     if (splits == 1) {
       return launch_tc<T, S>(tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x,
-                             stride_q, stride_s, stride_out, group_size, pdl, s_);
+                             stride_q, stride_s, stride_out, group_size, pdl, tiled, s_);
     }
     return launch_tc_split<T, S>(tiles, unroll, splits, x, qweight, scales, zeros, bias, bias_code, out, m, n, k,
-                                 stride_x, stride_q, stride_s, stride_out, group_size, pdl, s_);
+                                 stride_x, stride_q, stride_s, stride_out, group_size, pdl, tiled, s_);
   });
 }
 
@@ -642,7 +655,7 @@ extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, in
 extern "C" int ok_int4_tc_packed(const int64_t* a) {
   auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), i32(6), p(7), p(8), p(9), p(10), p(11), i32(12),
-                    p(13), a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22]);
+  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), i32(6), i32(7), p(8), p(9), p(10), p(11), p(12),
+                    i32(13), p(14), a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22], a[23]);
 }
 extern "C" int ok_int4_tc_ring_packed(const int64_t* a) { return from_packed<ok_int4_tc_ring>(a); }
