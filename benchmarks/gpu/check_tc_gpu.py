@@ -31,11 +31,13 @@ gen = torch.Generator(device="cuda").manual_seed(m + n)
 q = quantize_int4(torch.randn(n, k, device="cuda", generator=gen) * 0.02, group)
 x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-why = G.unsupported_call(x, q.qweight, q.scales, q.zeros, None, out, group, "int4", config)
+from openkernels.quant.format import tile_codes
+codes = tile_codes(q.qweight) if config.startswith("tcr") else q.qweight  # the ring reads tiled codes
+why = G.unsupported_call(x, codes, q.scales, q.zeros, None, out, group, "int4", config)
 if why is not None:
     print("not taken:", why)
     sys.exit(0)
-G.int4_linear_fwd(x, q.qweight, q.scales, q.zeros, None, out, group, "int4", config=config)
+G.int4_linear_fwd(x, codes, q.scales, q.zeros, None, out, group, "int4", config=config)
 torch.cuda.synchronize()
 if G._broken:  # the launch failed and the Triton kernels answered: not this config's result
     print("FALLBACK:", G._broken)

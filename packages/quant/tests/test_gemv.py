@@ -61,9 +61,14 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
         assert G.PERSISTENT_SHAPES[(rows, depth)] == 1 or r.registers <= 128, r
 
 
-def _call(n=64, k=1024, group=128, *, m=1, dtype=torch.bfloat16, sdtype=torch.float16, zeros=True, offset=0):
+def _call(n=64, k=1024, group=128, *, m=1, dtype=torch.bfloat16, sdtype=torch.float16, zeros=True, offset=0,
+          tiled=False):  # fmt: skip
     x = torch.empty(m, k + offset, dtype=dtype)[:, offset:]
-    qweight = torch.empty(n, k // 2, dtype=torch.uint8)
+    qweight = (
+        torch.empty(n // 16, k // 128, 1024, dtype=torch.uint8)
+        if tiled
+        else torch.empty(n, k // 2, dtype=torch.uint8)
+    )
     scales = torch.empty(k // group, n, dtype=sdtype)
     z = torch.empty_like(scales) if zeros else None
     out = torch.empty(m, n, dtype=dtype)
@@ -166,14 +171,16 @@ def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
     assert G.default_tc(1, 28672, 8192, 128, "sm_90") == "tc-t4-u1"
     assert G.default_tc(1, 8192, 2048, 128, "sm_90") == "tc-t2-u2"  # K = 2048: no split
     assert G.default_tc(1, 8192, 1024, 128, "sm_90") is None  # K below 2048: not measured
-    # 9-16 rows: the two-tile tensor-core GEMV to N = 2048, the one-round kernel above it where
-    # wgmma would hand the call to Triton, wgmma's own calls left to it.
+    # 9-16 rows: the two-tile tensor-core GEMV, t1-u2 to N = 2048 and t4-u1 from 8192; between
+    # them the one-round kernel where wgmma would hand the call to Triton, else wgmma.
     assert G.default_config(4, 16384, 2048, 128, "sm_90") == G.default_tc(4, 16384, 2048, 128, "sm_90")
     assert G.default_config(16, 2048, 2048, 128, "sm_90") == "tc-t1-u2"
     assert G.default_config(9, 2048, 8192, 128, "sm_90") == "tc-t1-u2"
-    assert G.default_config(16, 16384, 2048, 128, "sm_90") == "mma"  # wgmma not measured below K = 4096
-    assert G.default_config(16, 8192, 8192, 128, "sm_90") == "mma"
-    assert G.default_config(16, 28672, 8192, 128, "sm_90") is None  # wgmma's
+    assert G.default_config(16, 16384, 2048, 128, "sm_90") == "tc-t4-u1"
+    assert G.default_config(16, 8192, 8192, 128, "sm_90") == "tc-t4-u1"
+    assert G.default_config(16, 28672, 8192, 128, "sm_90") == "tc-t4-u1"
+    assert G.default_config(16, 4096, 8192, 128, "sm_90") == "mma"  # wgmma hands this one on
+    assert G.default_config(16, 8192 + 32, 8192, 128, "sm_90") == "mma"  # N not of 64
     assert G.default_config(17, 2048, 2048, 128, "sm_90") is None
     assert G.default_config(16, 2048, 2048, 128, "sm_80") is None
     assert G.default_config(16, 8192, 1024, 128, "sm_90") is None
@@ -203,7 +210,10 @@ def _check_mma_cases(cases, symmetric: bool, dtype: torch.dtype, device: str, g,
             size = weight.group_size
             x = torch.randn(m, k, generator=g).to(dtype).to(device)
             bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).to(device)
-            args = (x, weight.qweight, weight.scales, weight.zeros, bias)
+            codes = (
+                tile_codes(weight.qweight) if str(config).startswith("tcr") else weight.qweight
+            )  # the ring's
+            args = (x, codes, weight.scales, weight.zeros, bias)
             runs = []
             for _ in range(2):
                 out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
@@ -501,14 +511,15 @@ def test_ring_fed_tensor_core_gemv_within_the_error_contract(
     """The tensor-core GEMV fed by a producer warp's ring of bulk copies ("tcr"), every shape
     built, against float64: K over more stages than the ring holds (stages refilled after the
     consumers free them), a last stage of fewer chunks than warps, a single short stage,
-    groups of 128 and the whole row, 1-8 rows of x, both scale dtypes, bias dtypes; two
-    runs bitwise equal. In the emulation a bulk copy lands only at a wait on its barrier, so
-    a consumer that reads a stage before waiting for it reads NaN bytes."""
+    groups of 128 and the whole row, 1-8 rows of x, both scale dtypes, bias dtypes, on tiled
+    codes (its only layout since quant 0.10.7); two runs bitwise equal. In the emulation a
+    bulk copy lands only at a wait on its barrier, so a consumer that reads a stage before
+    waiting for it reads NaN bytes."""
     g = torch.Generator().manual_seed(17)
     if device == "cpu":  # (M, N, K, group, bias, config)
         cases = [(1, 32, 5504, 128, None, "tcr-t1-s4"), (8, 32, 3072, None, None, "tcr-t2-s4"),
                  (3, 64, 1152, 128, torch.float32, "tcr-t2-s4"), (2, 64, 4096, None, torch.float16, "tcr-t4-s2"),
-                 (5, 64, 640, 128, torch.bfloat16, "tcr-t4-s2")]  # fmt: skip
+                 (5, 64, 640, 128, torch.bfloat16, "tcr-t4-s2"), (2, 16, 9216, 128, None, "tcr-t1-s8")]  # fmt: skip
     else:
         cases = [(m, n, 8192, 128, None, c) for c in G.TCR_CONFIGS for m, n in ((1, 28672), (8, 8192))]
         cases += [(5, 4096, 4096, None, torch.float32, "tcr-t2-s4"), (1, 2048, 2048, 128, None, "tcr-t1-s4"),
@@ -521,13 +532,14 @@ def test_tcr_configs() -> None:
     assert G.tcr_config("tc-t2-u2") is None and G.tcr_config(4) is None
     assert G.tcr_config("tcr") == G.TcRingConfig(2, 4)
     assert G.tcr_config("tcr-t4-s2") == G.TcRingConfig(4, 2)
-    for bad in ("tcr-t3-s4", "tcr-t2-u2", "tcr-x", "tcr-t1-s8"):
+    for bad in ("tcr-t3-s4", "tcr-t2-u2", "tcr-x", "tcr-t1-s6"):
         with pytest.raises(ValueError):
             G.tcr_config(bad)
-    x, qweight, scales, zeros, bias, out, group, kind = _call(n=64, k=1024)
+    x, qweight, scales, zeros, bias, out, group, kind = _call(n=64, k=1024, tiled=True)
     assert G.unsupported_call(x, qweight, scales, zeros, bias, out, group, kind, "tcr-t2-s4") is None
-    assert "multiple of 128" in G.unsupported_call(*_call(n=64, k=1024, group=64), "tcr-t1-s4")
-    assert "multiple of 64" in G.unsupported_call(*_call(n=32, k=1024), "tcr-t4-s2")
+    assert "tiled codes only" in G.unsupported_call(*_call(n=64, k=1024), "tcr-t2-s4")
+    assert "multiple of 128" in G.unsupported_call(*_call(n=64, k=1024, group=64, tiled=True), "tcr-t1-s4")
+    assert "multiple of 64" in G.unsupported_call(*_call(n=32, k=1024, tiled=True), "tcr-t4-s2")
     assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tcr")
     wide = torch.empty(64, 3, dtype=torch.float16)[:, :2]  # scale rows 6 bytes apart
     assert "aligned" in G.unsupported_call(x, qweight, wide.t(), None, bias, out, group, kind, "tcr-t1-s4")
@@ -558,7 +570,9 @@ def test_tc_configs() -> None:
     assert G.unsupported_call(*_call(m=16, n=64, k=1024), "tc-t1-u2") is None  # two n8 tiles of x
     assert "up to 16" in G.unsupported_call(*_call(m=17, n=64, k=1024), "tc-t1-u2")
     for config in ("tc-t1-u2-k2", "tc-t1-u2-p", "tcr-t1-s4"):  # one n8 tile only
-        assert "up to 8" in G.unsupported_call(*_call(m=9, n=64, k=1024), config)
+        assert "up to 8" in G.unsupported_call(
+            *_call(m=9, n=64, k=1024, tiled=config.startswith("tcr")), config
+        )
     assert "multiple of 128" in G.unsupported_call(*_call(n=64, k=1056, group=32), "tc-t1-u2")
 
 

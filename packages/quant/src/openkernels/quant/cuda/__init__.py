@@ -122,7 +122,7 @@ TC_SMALL_N = 2048  # 9-16 rows: the two-tile tensor-core GEMV up to this N (defa
 # The same GEMV fed by a producer warp's ring of bulk copies (int4_tc_ring_kernel, config
 # "tcr-t<tiles>-s<stages>"): (16-row tiles of W per CTA, stages in flight) built. A study's
 # variant, forced only until timed on an H200 against the register kernel.
-TCR_SHAPES = ((1, 4), (2, 4), (4, 2))
+TCR_SHAPES = ((1, 4), (1, 8), (2, 4), (4, 2))
 TCR_CONFIGS = tuple(f"tcr-t{t}-s{s}" for t, s in TCR_SHAPES)
 _TCR_MAX_SHARED = 200 * 1024  # the ring's dynamic shared memory (int4_tc.cu's launch_tc_ring)
 _EMULATED_SMS = 2  # what the CPU emulation counts as SMs (a grid of 2 x CTAs per SM)
@@ -318,7 +318,7 @@ class TcRingConfig:
     def shared_bytes(self, m: int, x_size: int, s_size: int) -> int:
         """Dynamic shared memory of a launch (int4_tc.cu: ring_stage_bytes x stages)."""
         rows = 16 * self.tiles
-        return self.stages * (rows * (8 * 64 + 64) + 2 * 8 * rows * s_size + m * 8 * 128 * x_size)
+        return self.stages * (self.tiles * 8 * 1024 + 2 * 8 * rows * s_size + m * 8 * 128 * x_size)
 
 
 def tcr_config(config: object) -> TcRingConfig | None:
@@ -375,7 +375,7 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
     n = _n_of(qweight)
     if qweight.dim() == 3:  # tiled codes: the tensor-core GEMV's one-tile builds, not the dependent launch
         tc = tc_config(config)
-        if tc is None or tc.pdl or m > TC_SPLIT_MAX_ROWS:
+        if tcr_config(config) is None and (tc is None or tc.pdl or m > TC_SPLIT_MAX_ROWS):
             return "tiled codes (format.tile_codes) outside the tensor-core GEMV's configs without -p, up to 8 rows"
         if qweight.shape[1] * 128 != k or not qweight.is_contiguous():
             return "tiled codes not contiguous or not of x's K"
@@ -394,6 +394,8 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         return "qweight rows or x not 16-byte aligned"
     ring = tcr_config(config)
     if ring is not None:
+        if qweight.dim() != 3:
+            return "the ring-fed tensor-core GEMV reads tiled codes only (format.tile_codes)"
         if x.is_cuda and not _arch(x.device).startswith("sm_90"):
             return "the ring-fed tensor-core GEMV on a GPU older than sm_90 (it needs bulk copies)"
         # group_size % 128: the ring stages one scale (zero) per 1024-code chunk and row.
@@ -548,19 +550,22 @@ def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None
 def default_config(m: int, n: int, k: int, group_size: int, arch: str) -> str | None:
     """The config the default dispatch runs here for this call, or None: the call goes on to the
     implementation below (wgmma on sm_90, else Triton). Up to 8 rows of x: default_tc. 9-16
-    rows on sm_90, kernel times at M = 16 (2026-12-06, `quant_tc_gemv.py --ms 16`, float16
-    scales; us, Triton / one-round mma / tc-t1-u2 with two n8 tiles), H200: 2048 x 2048 8.1 /
-    6.4 / 5.3, 2048 x 8192 19.9 / 18.5 / 13.5, 3072 x 2048 9.3 / 6.7 / 6.5, 16384 x 2048 17.8 /
-    15.5 / 21.2, 8192 x 8192 27.8 / 25.4 / 33.0 (the H100 alike where it ran the same shapes).
-    So: the two-tile tensor-core GEMV to N = 2048, the one-round kernel above it where wgmma
-    would hand the call to Triton; wgmma keeps the calls it takes (28672 x 8192: 67.3 us with
-    bfloat16 scales on the H100, 89.9 with float16 ones, Triton 84.5; docs/perf.md)."""
+    rows on sm_90, kernel times at M = 16 (`quant_tc_gemv.py --ms 16`, float16 scales, us):
+    quant 0.10.7 (one LOP3 per dequantized pair, the chunk's scaling a template argument), H100:
+    8192 x 8192 one-round mma 25.3 / tc-t4-u1 20.4 (t2-u2 26.5), 28672 x 8192 wgmma (the
+    default before) 89.3 / mma 86.4 / tc-t4-u1 70.3, 16384 x 2048 mma 15.1 / tc-t4-u1 14.5,
+    2048 x 8192 tc-t1-u2 11.3 (mma 18.1), 2048 x 2048 tc-t1-u2 4.6 (mma 6.3). quant 0.10.6, H200:
+    3072 x 2048 Triton 9.3 / mma 6.7 / tc-t1-u2 6.5. So the two-tile tensor-core GEMV: t1-u2 to
+    N = 2048, t4-u1 from N = 8192; between them the one-round kernel where wgmma would hand
+    the call to Triton, and wgmma where it takes it."""
     if m <= TC_SPLIT_MAX_ROWS:
         return default_tc(m, n, k, group_size, arch)
     if not arch.startswith("sm_90") or m > TC_MAX_ROWS or k < 2048 or k % 128 or group_size % 32:
         return None
     if n <= TC_SMALL_N and n % 16 == 0:
         return "tc-t1-u2"
+    if n >= 8192 and n % 64 == 0:
+        return "tc-t4-u1"
     from .. import gluon  # the wgmma launcher's own routing (imported on use: gluon needs Triton)
 
     if gluon.slower_than_triton(m, n, k) is None:

@@ -110,6 +110,20 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, const uin
 #endif
 }
 
+// (v & MASK) | BITS in one LOP3: written in C, the two constants take two LOP3s (the
+// instruction holds one immediate), a third of the dequantization's instructions in the
+// tensor-core GEMV's SASS; here ptxas keeps one constant in a register.
+template <uint32_t MASK, uint32_t BITS>
+__device__ __forceinline__ uint32_t and_or(uint32_t v) {
+#ifdef OK_CUDA_EMULATION
+  return (v & MASK) | BITS;
+#else
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(v), "n"(MASK), "n"(BITS));  // 0xEA: (a & b) | c
+  return d;
+#endif
+}
+
 // Values i and j of 32 packed 16-bit values (16 words), as one register: i low, j high. One
 // byte permute (i, j compile-time): bytes 0-3 of the first word, 4-7 of the second.
 __device__ __forceinline__ uint32_t pick2(const uint32_t* words, int i, int j) {

@@ -58,11 +58,14 @@ constexpr int kTcSplitMaxRows = 8;   // the split and PDL builds: one n8 tile
 // acc += one 128-code chunk's products for TILES 16-row tiles of W: `words` the lane's two
 // 16-byte code windows per tile (rows g and g + 8), `scale` / `zero` those rows' values in the
 // chunk's group (the lane's own group where a chunk spans several), `xw` x's 32-value windows
-// (row 8 nb + g of x; zeros past M). chunk_scaled: the chunk is one group (scale after the MMA).
-template <typename T, int TILES, int NB>
+// (row 8 nb + g of x; zeros past M). SCALED: the chunk is one group (scale after the MMA); a
+// template argument, not a run-time flag: as a flag it took a branch around every step's
+// dequantization in the SASS, which also kept ptxas from interleaving the steps.
+template <typename T, int TILES, int NB, bool SCALED>
 __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint32_t (&words)[TILES][2][4],
                                          const float (&scale)[TILES][2], const float (&zero)[TILES][2],
-                                         const uint32_t (&xw)[NB][16], bool chunk_scaled) {
+                                         const uint32_t (&xw)[NB][16]) {
+  constexpr bool chunk_scaled = SCALED;
   uint32_t b[NB][8][2];  // x's B pairs for the chunk's 8 steps (shared by every tile)
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -94,7 +97,7 @@ __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint3
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int h = r % 2;
-        const uint32_t v = ((words[tile][h][word] >> (shift + 4 * (r / 2))) & 0x000F000Fu) | MmaMagic<T>::kBits;
+        const uint32_t v = and_or<0x000F000Fu, MmaMagic<T>::kBits>(words[tile][h][word] >> (shift + 4 * (r / 2)));
         a[r] = chunk_scaled ? sub2<T>(v, sub[h]) : sub_mul2<T>(v, sub[h], mul[h]);
       }
 #pragma unroll
@@ -243,7 +246,11 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (first + static_cast<int64_t>(u) * kTcWarps >= c1) continue;
-      tc_chunk<T, TILES, NB>(acc, words[u], scale[u], zero[u], xw[u], chunk_scaled);
+      if (chunk_scaled) {
+        tc_chunk<T, TILES, NB, true>(acc, words[u], scale[u], zero[u], xw[u]);
+      } else {
+        tc_chunk<T, TILES, NB, false>(acc, words[u], scale[u], zero[u], xw[u]);
+      }
     }
   }
 }
@@ -272,8 +279,16 @@ __device__ __forceinline__ void tc_prologue(const uint8_t* qweight, const S* sca
   ok_launch_dependents();
 }
 
+// CTAs of 8 warps per SM that ptxas must fit (registers <= 128 for 2): the kernel is latency-bound
+// and occupancy decides; with the dequantization's steps interleaved (and_or, SCALED as a template
+// argument) ptxas left to itself took 127-147 registers for one n8 tile and 156-211 for two.
+// Two tiles of x stay unbounded (held to 128, t1-u2 spilled 244 bytes), and so do the split
+// kernel's dependent-launch builds (forced only; t2-u2 spilled 8 bytes).
+template <int TILES, int NB>
+constexpr int kTcMinBlocks = NB == 1 ? 2 : 1;
+
 template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL>
-__global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
+__global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_tc_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
@@ -303,7 +318,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_kernel(
 constexpr int kTcMaxSplits = 8;  // the portable cluster size
 
 template <typename T, typename S, int TILES, int UNROLL, bool PDL>
-__global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
+__global__ void __launch_bounds__(kTcWarps * 32, PDL ? 1 : 2) int4_tc_split_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
@@ -360,15 +375,18 @@ __global__ void __launch_bounds__(kTcWarps * 32) int4_tc_split_kernel(
 // x's 1024 values per row. The 8 consumer warps each take one chunk of a stage, copy their
 // operands out of shared memory into registers, free the stage (an arrival on its `empty`
 // barrier, which the producer waits on before it refills it) and run int4_tc_kernel's math
-// (tc_chunk), so that loads never wait on math. Rows of codes sit kRingCodeStride bytes apart
-// (512 + 64): the two rows of a quarter warp's 16-byte reads fall in different banks.
+// (tc_chunk), so that loads never wait on math. The codes are format.py's tiled layout (quant
+// 0.10.7; the stored rows took one bulk copy of 512 bytes per row and stage, 16-64 per stage
+// from one warp, and ran slower than the register kernel on an H100): a tile's 8 chunks of a
+// stage are 8 KB in one piece, one bulk copy, and a lane's 16-byte reads of them are
+// consecutive in shared memory (no bank conflict).
 constexpr int kRingChunks = kTcWarps;                 // chunks per stage: one per consumer warp
-constexpr int kRingCodeStride = kRingChunks * 64 + 64;  // a row's 512 code bytes, padded
+constexpr int kRingTileBytes = kRingChunks * 1024;    // a 16-row tile's codes of one stage
 
 // Bytes of one stage in shared memory: codes, the scales' and zeros' group rows, x's rows.
 template <typename T, typename S, int TILES>
 __host__ __device__ constexpr size_t ring_stage_bytes(int64_t m) {
-  return static_cast<size_t>(16 * TILES) * kRingCodeStride + 2 * kRingChunks * 16 * TILES * sizeof(S) +
+  return static_cast<size_t>(TILES) * kRingTileBytes + 2 * kRingChunks * 16 * TILES * sizeof(S) +
          static_cast<size_t>(m) * kRingChunks * 128 * sizeof(T);
 }
 
@@ -381,7 +399,7 @@ __global__ void __launch_bounds__((kTcWarps + 1) * 32) int4_tc_ring_kernel(
 #if defined(OK_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)  // bulk copies: sm_90
   constexpr int ROWS = 16 * TILES;
   constexpr size_t kGroupBytes = ROWS * sizeof(S);  // one group's scales (or zeros) of the CTA's rows
-  constexpr size_t kCodeBytes = static_cast<size_t>(ROWS) * kRingCodeStride;
+  constexpr size_t kCodeBytes = static_cast<size_t>(TILES) * kRingTileBytes;
   constexpr size_t kXRowBytes = kRingChunks * 128 * sizeof(T);
   __shared__ float partial[kTcWarps * TILES * 4 * 32];
   __shared__ OkBarrier full[STAGES], empty[STAGES];
@@ -408,13 +426,13 @@ __global__ void __launch_bounds__((kTcWarps + 1) * 32) int4_tc_ring_kernel(
       const int chunks = static_cast<int>(n_chunks - c0 < kRingChunks ? n_chunks - c0 : kRingChunks);
       const int64_t g0 = c0 * 128 / group_size;
       const int groups = static_cast<int>((c0 + chunks) * 128 / group_size - g0 + ((c0 + chunks) * 128 % group_size != 0));
-      const uint32_t row_bytes = static_cast<uint32_t>(chunks) * 64, x_bytes = static_cast<uint32_t>(chunks) * 128 * sizeof(T);
-      const uint32_t bytes = ROWS * row_bytes + static_cast<uint32_t>(groups * kGroupBytes) * (zeros != nullptr ? 2 : 1) +
+      const uint32_t tile_bytes = static_cast<uint32_t>(chunks) * 1024, x_bytes = static_cast<uint32_t>(chunks) * 128 * sizeof(T);
+      const uint32_t bytes = TILES * tile_bytes + static_cast<uint32_t>(groups * kGroupBytes) * (zeros != nullptr ? 2 : 1) +
                              static_cast<uint32_t>(m) * x_bytes;
       unsigned char* stage = ring + s * stage_bytes;
       if (lane == 0) ok_barrier_arrive_expect_tx(&full[s], bytes);
-      for (int r = lane; r < ROWS; r += 32)
-        ok_bulk_copy(stage + r * kRingCodeStride, qweight + (n0 + r) * stride_q + c0 * 64, row_bytes, &full[s]);
+      for (int tl = lane; tl < TILES; tl += 32)  // stride_q: a tile's bytes (tiled codes)
+        ok_bulk_copy(stage + tl * kRingTileBytes, qweight + (n0 / 16 + tl) * stride_q + c0 * 1024, tile_bytes, &full[s]);
       unsigned char* scale_rows = stage + kCodeBytes;
       for (int gi = lane; gi < groups; gi += 32) {
         ok_bulk_copy(scale_rows + gi * kGroupBytes, scales + (g0 + gi) * stride_s + n0, kGroupBytes, &full[s]);
@@ -427,7 +445,7 @@ __global__ void __launch_bounds__((kTcWarps + 1) * 32) int4_tc_ring_kernel(
         ok_bulk_copy(x_rows + r * kXRowBytes, x + r * stride_x + c0 * 128, x_bytes, &full[s]);
     }
   } else {  // a consumer: chunk `warp` of every stage
-    const bool chunk_scaled = true;  // the launcher takes group sizes that are multiples of 128 only
+    constexpr bool chunk_scaled = true;  // the launcher takes group sizes that are multiples of 128 only
     for (int64_t j = 0; j < n_stages; ++j) {
       const int s = static_cast<int>(j % STAGES);
       const int64_t chunk = j * kRingChunks + warp;
@@ -446,7 +464,7 @@ __global__ void __launch_bounds__((kTcWarps + 1) * 32) int4_tc_ring_kernel(
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int r = 16 * tile + g + 8 * h;
-            const uint4 v = *reinterpret_cast<const uint4*>(stage + r * kRingCodeStride + warp * 64 + 16 * t);
+            const uint4 v = *reinterpret_cast<const uint4*>(stage + tile * kRingTileBytes + warp * 1024 + h * 512 + 16 * lane);
             words[tile][h][0] = v.x;
             words[tile][h][1] = v.y;
             words[tile][h][2] = v.z;
@@ -468,7 +486,7 @@ __global__ void __launch_bounds__((kTcWarps + 1) * 32) int4_tc_ring_kernel(
       }
       __syncwarp();  // every lane has its operands: the stage is free
       if (lane == 0) ok_barrier_arrive(&empty[s]);
-      if (mine) tc_chunk<T, TILES, 1>(acc, words, scale, zero, xw, chunk_scaled);
+      if (mine) tc_chunk<T, TILES, 1, chunk_scaled>(acc, words, scale, zero, xw);
     }
   }
   tc_finish<T, TILES, 1>(partial, acc, bias, bias_code, out, m, n0, stride_out);
@@ -502,6 +520,7 @@ int launch_tc_ring(int tiles, int stages, const void* x, const void* qweight, co
         stride_x, stride_q, stride_s, stride_out, group_size));
   };
   if (tiles == 1 && stages == 4) return run(int4_tc_ring_kernel<T, S, 1, 4>, ring_stage_bytes<T, S, 1>(m));
+  if (tiles == 1 && stages == 8) return run(int4_tc_ring_kernel<T, S, 1, 8>, ring_stage_bytes<T, S, 1>(m));
   if (tiles == 2 && stages == 4) return run(int4_tc_ring_kernel<T, S, 2, 4>, ring_stage_bytes<T, S, 2>(m));
   if (tiles == 4 && stages == 2) return run(int4_tc_ring_kernel<T, S, 4, 2>, ring_stage_bytes<T, S, 4>(m));
   return -2;
@@ -634,7 +653,8 @@ extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unr
   });
 }
 
-// The same product through int4_tc_ring_kernel (`tiles`, `stages`: a built pair), for group
+// The same product through int4_tc_ring_kernel (`tiles`, `stages`: a built pair) on tiled codes
+// (format.py's tile_codes; stride_q a tile's bytes), for group
 // sizes that are multiples of 128, scale / zero rows and x rows 16-byte aligned. Returns as
 // ok_int4_tc, or -3 (the stages do not fit in shared memory).
 extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, int stages, const void* x,
