@@ -178,7 +178,9 @@ def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
     assert G.default_config(9, 2048, 8192, 128, "sm_90") == "tc-t1-u2"
     assert G.default_config(16, 16384, 2048, 128, "sm_90") == "tc-t4-u1"
     assert G.default_config(16, 8192, 8192, 128, "sm_90") == "tc-t4-u1"
-    assert G.default_config(16, 28672, 8192, 128, "sm_90") == "tc-t4-u1"
+    assert G.default_config(16, 28672, 8192, 128, "sm_90") == "tc-t4-u1"  # float16 scales, bfloat16 x
+    assert G.default_config(16, 28672, 8192, 128, "sm_90", scales_in_x_dtype=True) is None  # wgmma's
+    assert G.default_config(16, 8192, 8192, 128, "sm_90", scales_in_x_dtype=True) == "tc-t4-u1"  # not wgmma's
     assert G.default_config(16, 4096, 8192, 128, "sm_90") == "mma"  # wgmma hands this one on
     assert G.default_config(16, 8192 + 32, 8192, 128, "sm_90") == "mma"  # N not of 64
     assert G.default_config(17, 2048, 2048, 128, "sm_90") is None

@@ -547,7 +547,9 @@ def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None
     return "tc-t1-u2" if n % 16 == 0 else None
 
 
-def default_config(m: int, n: int, k: int, group_size: int, arch: str) -> str | None:
+def default_config(
+    m: int, n: int, k: int, group_size: int, arch: str, *, scales_in_x_dtype: bool = False
+) -> str | None:
     """The config the default dispatch runs here for this call, or None: the call goes on to the
     implementation below (wgmma on sm_90, else Triton). Up to 8 rows of x: default_tc. 9-16
     rows on sm_90, kernel times at M = 16 (`quant_tc_gemv.py --ms 16`, float16 scales, us):
@@ -555,22 +557,25 @@ def default_config(m: int, n: int, k: int, group_size: int, arch: str) -> str | 
     8192 x 8192 one-round mma 25.3 / tc-t4-u1 20.4 (t2-u2 26.5), 28672 x 8192 wgmma (the
     default before) 89.3 / mma 86.4 / tc-t4-u1 70.3, 16384 x 2048 mma 15.1 / tc-t4-u1 14.5,
     2048 x 8192 tc-t1-u2 11.3 (mma 18.1), 2048 x 2048 tc-t1-u2 4.6 (mma 6.3). quant 0.10.6, H200:
-    3072 x 2048 Triton 9.3 / mma 6.7 / tc-t1-u2 6.5. So the two-tile tensor-core GEMV: t1-u2 to
-    N = 2048, t4-u1 from N = 8192; between them the one-round kernel where wgmma would hand
-    the call to Triton, and wgmma where it takes it."""
+    3072 x 2048 Triton 9.3 / mma 6.7 / tc-t1-u2 6.5. With scales in x's dtype (`scales_in_x_dtype`,
+    the models' default since quant 0.10.6) wgmma dequantizes in packed 16-bit arithmetic and
+    stays ahead where it takes the call: H100, 28672 x 8192, bfloat16 scales, kernel / eager
+    wall 67.1 / 75.5 us against tc-t4-u1's 71.5 / 81.6 (`quant_wgmma_wall.py --ms 16`). So the
+    two-tile tensor-core GEMV: t1-u2 to N = 2048, t4-u1 from N = 8192 unless wgmma takes the
+    call with such scales; between them the one-round kernel where wgmma would hand the call
+    to Triton, and wgmma where it takes it."""
     if m <= TC_SPLIT_MAX_ROWS:
         return default_tc(m, n, k, group_size, arch)
     if not arch.startswith("sm_90") or m > TC_MAX_ROWS or k < 2048 or k % 128 or group_size % 32:
         return None
     if n <= TC_SMALL_N and n % 16 == 0:
         return "tc-t1-u2"
-    if n >= 8192 and n % 64 == 0:
-        return "tc-t4-u1"
     from .. import gluon  # the wgmma launcher's own routing (imported on use: gluon needs Triton)
 
-    if gluon.slower_than_triton(m, n, k) is None:
-        return None  # wgmma takes it
-    return "mma"
+    wgmma_takes_it = gluon.slower_than_triton(m, n, k) is None
+    if n >= 8192 and n % 64 == 0 and not (wgmma_takes_it and scales_in_x_dtype):
+        return "tc-t4-u1"
+    return None if wgmma_takes_it else "mma"
 
 
 def _hand_on(args) -> None:
@@ -603,12 +608,18 @@ def int4_linear_fwd(
     tiled = qweight.dim() == 3
     if tiled:  # format.tile_codes: only the tensor-core GEMV reads them, so nothing to fall back to
         if config is None and x.is_cuda:
-            config = default_config(x.shape[0], _n_of(qweight), x.shape[1], group_size, _arch(x.device))
+            config = default_config(
+                x.shape[0], _n_of(qweight), x.shape[1], group_size, _arch(x.device),
+                scales_in_x_dtype=scales.dtype == x.dtype,
+            )  # fmt: skip
         why = unsupported_call(*args, config) or ("the CUDA library is unavailable" if _broken else None)
         if why is not None:
             raise ValueError(f"int4_linear_fwd: {why}")
     if config is None and x.is_cuda:  # the tensor-core GEMV where it measured fastest, else on
-        config = default_config(x.shape[0], qweight.shape[0], x.shape[1], group_size, _arch(x.device))
+        config = default_config(
+            x.shape[0], qweight.shape[0], x.shape[1], group_size, _arch(x.device),
+            scales_in_x_dtype=scales.dtype == x.dtype,
+        )  # fmt: skip
         if config is None or unsupported_call(*args, config) is not None:
             if "gemv" not in dispatch.forced_names(_OP):
                 return _hand_on(args)
@@ -695,7 +706,7 @@ def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=Non
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     m, k = x.shape
     n = qweight.shape[0]
-    config = default_config(m, n, k, group_size, _arch(x.device))
+    config = default_config(m, n, k, group_size, _arch(x.device), scales_in_x_dtype=scales.dtype == x.dtype)
     if config is not None and unsupported_call(*args, config) is None:
         return (
             f"the tensor-core GEMV ({config})"
