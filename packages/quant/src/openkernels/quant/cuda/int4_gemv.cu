@@ -548,8 +548,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) int4_mma_kernel(
         const uint32_t words[4] = {codes[tile].x, codes[tile].y, codes[tile].z, codes[tile].w};
         const uint32_t wd = words[word];
         const uint32_t b[2] = {
-            sub_mul2<T>(((wd >> shift) & 0x000F000Fu) | MmaMagic<T>::kBits, sub[tile], mul[tile]),
-            sub_mul2<T>(((wd >> (shift + 4)) & 0x000F000Fu) | MmaMagic<T>::kBits, sub[tile], mul[tile])};
+            sub_mul2<T>(and_or<0x000F000Fu, MmaMagic<T>::kBits>(wd >> shift), sub[tile], mul[tile]),
+            sub_mul2<T>(and_or<0x000F000Fu, MmaMagic<T>::kBits>(wd >> (shift + 4)), sub[tile], mul[tile])};
         mma_16816<T>(acc[tile], a, b);
       }
     }
@@ -729,8 +729,8 @@ __device__ __forceinline__ void mma_stage_math(unsigned char* ring, int stage, c
       const uint32_t words[4] = {codes[j].x, codes[j].y, codes[j].z, codes[j].w};
       const uint32_t wd = words[word];
       const uint32_t b[2] = {
-          sub_mul2<T>(((wd >> shift) & 0x000F000Fu) | MmaMagic<T>::kBits, sub[j], mul[j]),
-          sub_mul2<T>(((wd >> (shift + 4)) & 0x000F000Fu) | MmaMagic<T>::kBits, sub[j], mul[j])};
+          sub_mul2<T>(and_or<0x000F000Fu, MmaMagic<T>::kBits>(wd >> shift), sub[j], mul[j]),
+          sub_mul2<T>(and_or<0x000F000Fu, MmaMagic<T>::kBits>(wd >> (shift + 4)), sub[j], mul[j])};
       mma_16816<T>(acc[j], a, b);
     }
   }
