@@ -32,15 +32,20 @@ def targets(op: str = "int4_linear"):
 
 
 def make_weight(
-    n: int, k: int, *, heavy: bool = False, generator: torch.Generator | None = None
+    n: int, k: int, *, heavy: bool = False, generator: torch.Generator | None = None, device: str = "cpu"
 ) -> torch.Tensor:
-    """A float32 weight (N, K): Gaussian, or heavy-tailed like trained LLM weights (Student-t
-    with 3 degrees of freedom plus a few outlier input channels 20x larger)."""
-    w = torch.randn(n, k, generator=generator) * 0.02
+    """A float32 weight (N, K) on `device`: Gaussian, or heavy-tailed like trained LLM weights
+    (Student-t with 3 degrees of freedom plus a few outlier input channels 20x larger). Off the
+    CPU the values come from a generator on that device seeded from `generator` (the CPU took
+    tens of seconds per 28672 x 8192 heavy weight)."""
+    if device != "cpu":
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        generator = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, generator=generator, device=device) * 0.02
     if heavy:
-        chi = torch.randn(n, k, 3, generator=generator).square().sum(-1)
-        w = 0.02 * torch.randn(n, k, generator=generator) / (chi / 3).sqrt()
-        cols = torch.randperm(k, generator=generator)[: max(1, k // 64)]
+        chi = torch.randn(n, k, 3, generator=generator, device=device).square().sum(-1)
+        w = 0.02 * torch.randn(n, k, generator=generator, device=device) / (chi / 3).sqrt()
+        cols = torch.randperm(k, generator=generator, device=device)[: max(1, k // 64)]
         w[:, cols] *= 20
     return w
 
@@ -106,14 +111,25 @@ def _zero_folded_abs_sum(out, xd, weight: Q.Int4Weight):
 def assert_linear_close(out, x, weight: Q.Int4Weight, bias, *, w_rounded: bool, msg: str = "") -> None:
     """|out - ref| within reference.linear_error_bound, elementwise, with ref the float64
     product of x and the dequantized weight; NaN never passes."""
-    xd = x.detach().double().cpu()
-    w = Q.dequantize_int4(weight.to("cpu"), torch.float64)
+    # On the output's device: at the GPU cases' sizes (28672 x 8192) the CPU's float64 reference
+    # took minutes per case, and GPU test runs ran out of their time limits (docs/perf.md).
+    dev = out.device
+    xd = x.detach().double().to(dev)
+    if dev.type == "cpu":
+        w = Q.dequantize_int4(weight.to("cpu"), torch.float64)
+    else:  # float64 through the reference (the op's GPU kernels need not take float64)
+        w = R.dequantize_int4_ref(weight.qweight, weight.scales, weight.zeros, weight.group_size, weight.kind,
+                                  torch.float64)  # fmt: skip
+        if weight.perm is not None:
+            restored = torch.empty_like(w)
+            restored[:, weight.perm] = w
+            w = restored
     ref = xd @ w.t()
     if bias is not None:
-        ref = ref + bias.detach().double().cpu()
+        ref = ref + bias.detach().double().to(dev)
     bound = R.linear_error_bound(xd, w, ref, out.dtype, weight_rounded_to=x.dtype if w_rounded else None,
                                  abs_sum=_zero_folded_abs_sum(out, xd, weight))  # fmt: skip
-    got = out.detach().double().cpu()
+    got = out.detach().double()
     assert got.shape == ref.shape, f"{msg}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     assert not torch.isnan(got).any(), f"{msg}: NaN in the output"
     excess = (got - ref).abs() - bound

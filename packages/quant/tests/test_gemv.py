@@ -206,7 +206,9 @@ def _check_mma_cases(cases, symmetric: bool, dtype: torch.dtype, device: str, g,
     for m, n, k, group, bias_dtype, config in cases:
         chosen = scale_dtypes or ((torch.bfloat16 if m % 2 else torch.float16),)
         for sdtype in chosen:
-            weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group)
+            weight = quantize(
+                make_weight(n, k, heavy=True, generator=g, device=device), "int4", symmetric, group
+            )
             weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
                                   weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
             size = weight.group_size
@@ -235,7 +237,7 @@ def _check_gemv_cases(cases, kind: str, symmetric: bool, dtype: torch.dtype, dev
     heavy-tailed weights, two runs bitwise equal."""
     for n, k, group, config, bias_dtype in cases:
         for sdtype in (torch.float16, torch.bfloat16):
-            w = make_weight(n, k, heavy=True, generator=g)
+            w = make_weight(n, k, heavy=True, generator=g, device=device)
             weight = quantize(w, kind, symmetric, group)
             weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
                                   weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
@@ -413,7 +415,9 @@ def test_tiled_codes_give_the_rows_result_bit_for_bit(symmetric: bool, device: s
             (1, 2048, 8192, 128, "tc-t1-u2-k2"),
         ]
     for m, n, k, group, config in cases:
-        weight = quantize(make_weight(n, k, heavy=True, generator=g), "int4", symmetric, group).to(device)
+        weight = quantize(
+            make_weight(n, k, heavy=True, generator=g, device=device), "int4", symmetric, group
+        ).to(device)
         tiled = tile_codes(weight.qweight)
         assert tiled.shape == (n // 16, k // 128, 1024)
         assert torch.equal(untile_codes(tiled), weight.qweight)
