@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -152,6 +152,17 @@ if [[ $steps == *wall* && $family == quant ]]; then
   # eager wall and kernel time against the default and F.linear (benchmarks/studies/quant_wgmma_wall.py).
   timeout ${WGMMA_TESTS_S:-150} python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x 2>&1 | tee "$out/wgmma_tests.txt" | tail -8
   timeout ${WALL_S:-240} python3 benchmarks/studies/quant_wgmma_wall.py 2>&1 | tee "$out/wgmma_wall.txt" | tail -40
+fi
+if [[ $steps == *bars* && $family == quant ]]; then
+  # Issue 24's bars in one call (carry .whl: transformers for the decode step): M = 1 and 16
+  # kernel time at the bar's shapes beside tinygemm and F.linear, the stored rows and the tiled
+  # codes (quant 0.10.7); the public op's eager wall at M = 1, 16, 128, 2048; the 1B decode step.
+  timeout ${TC_S:-200} python3 benchmarks/studies/quant_tc_gemv.py --ms 1,16 --shapes 8192x8192,28672x8192 \
+    --configs tc-t2-u2,tc-t4-u1,tc-t4-u1-k2 --tiled 2>&1 | tee "$out/bars_tc.txt" | grep -v "^\[" | tail -40
+  timeout ${WALL_S:-200} python3 benchmarks/studies/quant_wgmma_wall.py --shapes 8192x8192,28672x8192 \
+    --ms 1,16,128,2048 2>&1 | tee "$out/bars_wall.txt" | tail -8
+  timeout ${E2E_S:-150} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode graph \
+    --int4-head 2>&1 | tee "$out/bars_e2e.txt" | grep -E "ms per step|x ours bf16"
 fi
 if [[ $steps == *backward* && $family == attention ]]; then
   # The Gluon backward behind the default (cuDNN) forward at every study shape, against the
