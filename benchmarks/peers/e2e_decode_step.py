@@ -3,7 +3,7 @@ bf16 weights, with Python's generate loop out of the timing (the 4-bit linear is
 end-to-end bar).
 
     python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile|eager]
-        [--json PATH] [--tiny --device cpu]
+        [--json PATH] [--tiny --device cpu] [--int4-head] [--tiled]
 
 Variants, each a copy of the same random-weight model:
   sdpa          transformers' own model (attn_implementation="sdpa", bf16 weights) with its
@@ -41,6 +41,7 @@ import torch
 
 from e2e_kv_decode import TINY, build
 from e2e_models import LLAMA_1B
+from openkernels.quant import use_tiled_codes
 from openkernels.shared.kernelize import kernelize
 
 
@@ -161,6 +162,7 @@ def run(
     skip: tuple[str, ...] = (),
     read_lengths: bool = False,
     int4_head: bool = False,
+    tiled: bool = False,
 ) -> dict:
     base = build(shape, device)
     results: dict = {
@@ -182,6 +184,8 @@ def run(
             kernelize(model, quantize="int4", skip=skip)
         elif variant == "ours-int4-head":
             kernelize(model, quantize={"kind": "int4", "skip": ()}, skip=skip)
+        if tiled and variant.startswith("ours-int4"):
+            results.setdefault("tiled_layers", {})[variant] = use_tiled_codes(model)
         # Room for every step timed: a cache that counts its length on the device moves one
         # slot per replay (the context grows by at most ~6 * reps + 8 tokens).
         cache = _caches(model, variant, context + 8 * reps + 64, device)
@@ -295,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(model.layers.?,model.layers.?? : the decoder layers' add + norm fusion off)")  # fmt: skip
     parser.add_argument("--int4-head", action="store_true",
                         help="also time int4 weights with the lm_head quantized (variant ours-int4-head)")  # fmt: skip
+    parser.add_argument(
+        "--tiled",
+        action="store_true",
+        help="the int4 variants keep tiled codes too (quant's use_tiled_codes, quant 0.10.7)",
+    )
     parser.add_argument("--read-lengths", action="store_true",
                         help="A/B: the static cache's layers read their lengths from the device in eager calls")  # fmt: skip
     parser.add_argument("--tc-routes", default="",
@@ -319,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         skip,
         args.read_lengths,
         args.int4_head,
+        args.tiled,
     )
     print(json.dumps(results, indent=1))
     if args.json:

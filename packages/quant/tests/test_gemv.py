@@ -592,3 +592,43 @@ def test_the_launchers_say_where_they_route_a_call() -> None:
     impls = {impl.name: impl for impl in dispatch.implementations("int4_linear")}
     assert impls["gemv"].fn.route(*args) is None
     assert "Triton launcher" in impls["wgmma"].fn.route(*args) and "rows of x" in gluon._route(*args)
+
+
+def test_int4_linear_keeps_tiled_codes_for_the_tensor_core_gemv() -> None:
+    """Int4Linear.use_tiled_codes: a non-persistent tiled copy of the codes (not in the state
+    dict, rebuilt when one is loaded, dropped on request), refused for layers the tiled layout
+    cannot hold; off sm_90 (here the CPU) the stored rows run and the output does not change.
+    The routing: cuda.tiled_config is the default tc config without -p up to 8 rows, None
+    elsewhere; tiled codes handed to the op where the tensor-core GEMV does not take the call
+    raise before any kernel runs; the op's fake tensor gets N from the tiled shape."""
+    from openkernels.quant import Int4Linear, ops, use_tiled_codes
+
+    g = torch.Generator().manual_seed(31)
+    layer = Int4Linear.from_linear(torch.nn.Linear(256, 64, bias=True), group_size=128)
+    x = torch.randn(3, 256, generator=g)
+    before = layer(x)
+    assert layer.use_tiled_codes() is layer
+    assert torch.equal(layer.qweight_tiled, tile_codes(layer.qweight))
+    assert "qweight_tiled" not in layer.state_dict()
+    assert torch.equal(layer(x), before)
+    other = Int4Linear.from_linear(torch.nn.Linear(256, 64, bias=True), group_size=128)
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer.qweight_tiled, tile_codes(other.qweight)), "the tiled copy kept the old codes"
+    layer.use_tiled_codes(False)
+    assert layer.qweight_tiled is None and torch.equal(layer(x), other(x))
+    with pytest.raises(ValueError, match="out_features a multiple of 16"):
+        Int4Linear.from_linear(torch.nn.Linear(256, 40), group_size=128).use_tiled_codes()
+    with pytest.raises(ValueError, match="int4"):
+        Int4Linear.from_linear(torch.nn.Linear(256, 64), group_size=128, kind="nf4").use_tiled_codes()
+    model = torch.nn.Sequential(
+        layer, torch.nn.ReLU(), Int4Linear.from_linear(torch.nn.Linear(64, 48), group_size=64)
+    )
+    assert use_tiled_codes(model) == 1  # the second layer's in_features (64) is not a multiple of 128
+    assert G.tiled_config(1, 8192, 8192, 128, "sm_90") == G.default_tc(1, 8192, 8192, 128, "sm_90")
+    assert G.tiled_config(9, 8192, 8192, 128, "sm_90") is None  # two n8 tiles of x: rows only
+    assert G.tiled_config(1, 8192, 8192, 128, "sm_80") is None
+    tiled = tile_codes(layer.qweight)
+    with pytest.raises(ValueError, match="tiled codes"):
+        ops.INT4_LINEAR(x.to(torch.bfloat16), tiled, layer.scales, layer.zeros, None, 128, "int4")
+    meta = [t.to("meta") for t in (x.to(torch.bfloat16), tiled, layer.scales, layer.zeros)]
+    assert ops.INT4_LINEAR.library(*meta, None, 128, "int4").shape == (3, 64)

@@ -9,7 +9,14 @@ from . import problem as _problem
 from .api import *  # noqa: F403 - the op table's functions (problem.OPS), and linear_parts
 from .checkpoints import from_awq, from_gptq, load_awq_state_dict, load_gptq_state_dict
 from .format import NF4_VALUES, Int4Weight
-from .linear import Int4Linear, QuantizeReport, load_quantized, quantize_model, save_quantized
+from .linear import (
+    Int4Linear,
+    QuantizeReport,
+    load_quantized,
+    quantize_model,
+    save_quantized,
+    use_tiled_codes,
+)
 from .quantize import quantize_int4, quantize_nf4
 
 __version__ = "0.10.7"
@@ -25,6 +32,7 @@ __all__ = [
     "quantize_model",
     "save_quantized",
     "load_quantized",
+    "use_tiled_codes",
     "from_gptq",
     "from_awq",
     "load_gptq_state_dict",

@@ -23,7 +23,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_call(x: Tensor, qweight: Tensor, bias: Tensor | None) -> None:
+def _check_call(x: Tensor, qweight: Tensor, bias: Tensor | None) -> None:  # qweight: the stored rows
     """problem.py's rules on x and bias, plus what is PyTorch's own: tensors, one device."""
     if not isinstance(x, Tensor):
         raise TypeError(f"int4_linear: x must be a tensor, got {type(x).__name__}")
@@ -47,15 +47,24 @@ def linear_parts(
     group_size: int,
     kind: str,
     perm: Tensor | None = None,
+    tiled: Tensor | None = None,
 ) -> Tensor:
     """int4_linear on the weight's parts (what Int4Linear.forward calls; the parts were
-    checked when the module was built or loaded)."""
+    checked when the module was built or loaded). `tiled`: the same codes in format.tile_codes'
+    layout (Int4Linear.use_tiled_codes), run where the tensor-core GEMV takes the call
+    (cuda.takes_tiled: sm_90, up to 8 rows of x, no autograd); the stored rows elsewhere."""
     _check_call(x, qweight, bias)
     if perm is not None:
         x = x.index_select(-1, perm)
+    codes = qweight
+    if tiled is not None and x.is_cuda:
+        from . import cuda
+
+        if cuda.takes_tiled(x, tiled, scales, zeros, bias, group_size, kind):
+            codes = tiled
     # Plain eager tensors: the kernel directly, or one autograd.Function; anything else
     # (torch.compile, meta and fake tensors, tensor subclasses such as DTensor): the library op.
-    return ops.INT4_LINEAR(x, qweight, scales, zeros, bias, group_size, kind)
+    return ops.INT4_LINEAR(x, codes, scales, zeros, bias, group_size, kind)
 
 
 def int4_linear(x: Tensor, weight: Int4Weight, bias: Tensor | None = None) -> Tensor:

@@ -31,17 +31,29 @@ _LIB = torch.library.Library("openkernels", "FRAGMENT")
 _LINEAR, _DEQUANTIZE = problem.OPS  # the op table's names (problem.OPS)
 
 
+def _out_features(qweight: Tensor) -> int:
+    """N of the stored rows (N, K // 2) or of format.tile_codes' tiled codes (N // 16, K // 128, 1024)."""
+    return qweight.shape[0] * 16 if qweight.dim() == 3 else qweight.shape[0]
+
+
 def forward(x: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str) -> Tensor:
     """x (..., K) @ W^T + bias -> (..., N) in x's dtype, by the best backend (the weight's
-    parts as format.py lays them out; zeros and bias may be None)."""
-    n, k = qweight.shape[0], x.shape[-1]
+    parts as format.py lays them out; zeros and bias may be None). Tiled codes (3-D,
+    format.tile_codes; api.linear_parts passes them only where cuda.takes_tiled said the
+    tensor-core GEMV takes the call) go to that launcher alone: no other kernel reads them."""
+    n, k = _out_features(qweight), x.shape[-1]
     flat = x.dim() == 2 and x.stride(1) == 1  # the common case: no reshape, no view (host time)
     rows = x if flat else x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0] and n:
-        dispatch.run(_LINEAR, rows, qweight, scales, zeros, bias, out, group_size, kind)
+        if qweight.dim() == 3:
+            from . import cuda
+
+            cuda.int4_linear_fwd(rows, qweight, scales, zeros, bias, out, group_size, kind)
+        else:
+            dispatch.run(_LINEAR, rows, qweight, scales, zeros, bias, out, group_size, kind)
     return out if flat else out.view(*x.shape[:-1], n)
 
 
@@ -130,20 +142,24 @@ def _impls(op: str, triton_supports) -> tuple[opdef.Impl, ...]:
 
 
 def _linear_fake(x, qweight, scales, zeros, bias, group_size, kind):
-    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+    return x.new_empty((*x.shape[:-1], _out_features(qweight)))
 
 
 def _linear_backward(grad_out, qweight, scales, zeros, bias, group_size, kind, dtype, x_grad, bias_grad):
     """(grad_x (..., K) in x's dtype, or empty; grad_bias (N,) in bias's dtype, or empty)."""
     grad_x = grad_out.new_empty((0,), dtype=dtype)
     if x_grad:
+        if qweight.dim() == 3:  # tiled codes (api passes them without autograd; kept correct anyway)
+            from .format import untile_codes
+
+            qweight = untile_codes(qweight)
         grad_x = grad_out.to(dtype) @ dequantize(qweight, scales, zeros, group_size, kind, dtype)
     grad_bias = grad_out.new_empty((0,)) if bias is None or not bias_grad else _grad_bias(grad_out, bias)
     return grad_x, grad_bias
 
 
 def _linear_backward_fake(grad_out, qweight, scales, zeros, bias, group_size, kind, dtype, x_grad, bias_grad):
-    k = 2 * qweight.shape[1]
+    k = qweight.shape[1] * (128 if qweight.dim() == 3 else 2)
     grad_x = grad_out.new_empty((*grad_out.shape[:-1], k) if x_grad else (0,), dtype=dtype)
     grad_bias = grad_out.new_empty((0,)) if bias is None or not bias_grad else torch.empty_like(bias)
     return grad_x, grad_bias

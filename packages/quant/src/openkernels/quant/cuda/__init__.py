@@ -66,6 +66,8 @@ __all__ = [
     "MmaPersistentConfig",
     "TC_CONFIGS",
     "TC_SHAPES",
+    "takes_tiled",
+    "tiled_config",
     "TC_PDL_CONFIGS",
     "TC_SPLITS",
     "TC_SPLIT_CONFIGS",
@@ -578,6 +580,45 @@ def default_config(
     return None if wgmma_takes_it else "mma"
 
 
+_CONTIGUOUS = torch.empty(0)  # unsupported_call's stand-in for the output ops.forward makes (contiguous)
+
+
+def tiled_config(
+    m: int, n: int, k: int, group_size: int, arch: str, *, scales_in_x_dtype: bool = False
+) -> str | None:
+    """The default config where it is a tensor-core GEMV config that reads tiled codes
+    (format.tile_codes: no programmatic dependent launch, up to 8 rows of x), else None."""
+    if m > TC_SPLIT_MAX_ROWS:
+        return None
+    config = default_config(m, n, k, group_size, arch, scales_in_x_dtype=scales_in_x_dtype)
+    tc = tc_config(config)
+    return config if tc is not None and not tc.pdl else None
+
+
+def takes_tiled(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> bool:
+    """Whether int4_linear_fwd, chosen by dispatch for this call, runs it on the tensor-core GEMV
+    with the tiled codes (x (..., K) as ops.forward passes it on): api.linear_parts then passes
+    the tiled codes instead of the stored rows. Without autograd only (the backward reads rows),
+    and not while compiling (the checks read data pointers; compiled graphs run the rows)."""
+    if not x.is_cuda or _broken or kind != "int4" or x.dim() < 1 or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    k = x.shape[-1]
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        return False  # ops.forward would copy it: a new tensor, nothing to check here
+    chosen = dispatch.select(_OP, dispatch.key_for(rows, kind))
+    if not chosen or chosen[0].name != "gemv":
+        return False
+    config = tiled_config(rows.shape[0], 16 * tiled.shape[0], k, group_size, _arch(x.device),
+                          scales_in_x_dtype=scales.dtype == x.dtype)  # fmt: skip
+    return (
+        config is not None
+        and unsupported_call(rows, tiled, scales, zeros, bias, _CONTIGUOUS, group_size, kind, config) is None
+    )
+
+
 def _hand_on(args) -> None:
     """The call to the implementation dispatch would pick after this one (Triton when none)."""
     x, kind = args[0], args[7]
@@ -608,7 +649,7 @@ def int4_linear_fwd(
     tiled = qweight.dim() == 3
     if tiled:  # format.tile_codes: only the tensor-core GEMV reads them, so nothing to fall back to
         if config is None and x.is_cuda:
-            config = default_config(
+            config = tiled_config(
                 x.shape[0], _n_of(qweight), x.shape[1], group_size, _arch(x.device),
                 scales_in_x_dtype=scales.dtype == x.dtype,
             )  # fmt: skip
@@ -705,7 +746,7 @@ def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=Non
         return None
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     m, k = x.shape
-    n = qweight.shape[0]
+    n = _n_of(qweight)
     config = default_config(m, n, k, group_size, _arch(x.device), scales_in_x_dtype=scales.dtype == x.dtype)
     if config is not None and unsupported_call(*args, config) is None:
         return (
