@@ -48,8 +48,8 @@ def cases_for(family: str) -> list:
     for cfg in dict.fromkeys(configs):
         c = wgmma_case(cfg)
         out[c.label] = c
-    # Every dtype / format / bias variant on the M = 16, 128 and 256 defaults.
-    for m in (16, 128, 256):
+    # Every dtype / format / bias variant on the M = 16, 128, 256 and 2048 defaults.
+    for m in (16, 128, 256, 2048):
         cfg = gluon.config_for(m, 8192, 8192, 128)
         for x in ("bf16", "fp16"):
             for scales in ("bf16", "fp16"):

@@ -6,7 +6,7 @@ kernel's tiling (programs, the stage ring with its one-outstanding-wgmma reuse r
 mantissa-trick dequantization rounded to x's dtype, the transposed masked store) against the
 reference within the error contract. On an sm_90 GPU, forced: against the reference within
 reference.linear_error_bound (W rounded to x's dtype: the kernel scales before the product)
-for odd N, M = 16-256, groups 64 / 128 / one per row, symmetric and with zeros, a bias,
+for odd N, M = 16-2053, groups 64 / 128 / one per row, symmetric and with zeros, a bias,
 fp16 / bf16, strided x, NaN; and against the Triton path. Its compile checks (sm_90a, every
 config; the PTX's asynchronous wgmma) are in test_aot.py."""
 
@@ -61,8 +61,13 @@ def test_routing_by_measured_speed() -> None:
     )
     assert "M = 16" in gluon.slower_than_triton(16, 8192, 8192)
     assert "M = 64" in gluon.slower_than_triton(64, 4096, 14336)
-    assert "not measured" in gluon.slower_than_triton(256, 2048, 8192)
-    assert "not measured" in gluon.slower_than_triton(256, 8192, 2048)
+    assert "not measured" in gluon.slower_than_triton(128, 2048, 8192)
+    assert "not measured" in gluon.slower_than_triton(256, 8192, 1024)
+    # From M = 256 the kernel beat dequantize + cuBLAS at every shape measured (2048 x 2048 up).
+    assert (
+        gluon.slower_than_triton(256, 2048, 8192) is None
+        and gluon.slower_than_triton(4096, 2048, 2048) is None
+    )
     call = _call(m=64, n=96, k=256)
     assert gluon._plan(*call, None).routed is not None
     assert gluon._plan(*call, gluon.WgmmaConfig(64, 64, 128, 3)).routed is None
@@ -85,7 +90,7 @@ def test_refusals_go_to_triton() -> None:
     assert gluon.unsupported_call(*_call()) is None
     assert gluon.unsupported_call(*_call(m=16)) is None and gluon.unsupported_call(*_call(m=256)) is None
     assert "rows of x" in gluon.unsupported_call(*_call(m=15))
-    assert "rows of x" in gluon.unsupported_call(*_call(m=257))
+    assert gluon.unsupported_call(*_call(m=257)) is None  # large M: no upper limit since quant 0.10.8
     assert "nf4" in gluon.unsupported_call(*_call(kind="nf4", zeros=False))
     assert "bfloat16 / float16" in gluon.unsupported_call(*_call(dtype=torch.float32))
     call = _call()
@@ -135,6 +140,16 @@ def test_configs() -> None:
     assert gluon.config_for(16, 8192, 8192, 128) == gluon.WgmmaConfig(16, 64, 128, 3)
     assert gluon.config_for(128, 8192, 8192, 128) == gluon.WgmmaConfig(128, 64, 128, 3)
     assert gluon.config_for(256, 8192, 8192, 128) == gluon.WgmmaConfig(128, 128, 128, 4)
+    # The largest tile that still fills a wave (gluon.TILES_FOR_A_WAVE programs).
+    assert gluon.config_for(2048, 8192, 8192, 128) == gluon.WgmmaConfig(256, 128, 64, 4)
+    assert gluon.config_for(256, 14336, 4096, 128) == gluon.WgmmaConfig(256, 128, 64, 4)
+    assert gluon.config_for(512, 4096, 14336, 128) == gluon.WgmmaConfig(128, 128, 128, 4)
+    assert gluon.config_for(256, 4096, 4096, 128) == gluon.WgmmaConfig(128, 64, 128, 3)
+    assert gluon.config_for(128, 28672, 8192, 128) == gluon.WgmmaConfig(128, 128, 128, 4)
+    assert gluon.config_for(256, 2048, 8192, 128) == gluon.WgmmaConfig(
+        128, 64, 128, 3
+    )  # no tile fills a wave
+    assert gluon.config_for(4096, 8192, 8192, 64) == gluon.WgmmaConfig(256, 128, 64, 4)
     assert gluon.config_for(17, 8192, 8192, 128).block_m == 32
     assert gluon.config_for(200, 8192, 8192, 128).block_m == 128
     assert gluon.config_for(128, 8192, 8192, 64).block_k == 64
@@ -309,6 +324,20 @@ def test_transliteration_matches_the_reference(
     assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated {cfg}")
 
 
+def test_transliteration_of_256_row_bands() -> None:
+    """The large-M tile (256-row bands of x on 128-row weight tiles, 64-column steps): a ragged
+    last band and weight tile, a bias."""
+    gen = torch.Generator().manual_seed(256)
+    m, n, k, group = 300, 136, 256, 64
+    cfg = gluon.WgmmaConfig(256, 128, 64, 4)
+    weight = Q.quantize_int4(make_weight(n, k, heavy=True, generator=gen), group)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen)
+    out = torch.full((m, n), float("nan"), dtype=x.dtype)
+    _emulate(x, weight.qweight, weight.scales, weight.zeros, b, out, group, cfg)
+    assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated {cfg}")
+
+
 def test_rounding_the_scaled_weight_fits_the_contract() -> None:
     """W = (q - z) s rounded to x's dtype (the kernel's A operand) equals the reference's
     float32 dequantization rounded once to x's dtype, bit for bit, for scales in x's dtype
@@ -424,6 +453,30 @@ def test_refused_calls_run_the_triton_path() -> None:
     with dispatch.force("int4_linear:wgmma"):
         out = Q.int4_linear(x, weight)
     assert_linear_close(out, x, weight, None, w_rounded=False, msg="triton fallback")
+
+
+@pytest.mark.gpu
+@_needs_sm90
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(300, 4100, 2048, 128), (2053, 2056, 2048, 64)], ids=str)
+def test_large_m_default_runs_the_kernel(m, n, k, group) -> None:
+    """From M = 256 the default (unforced) call runs this kernel, 256-row bands where they fill
+    a wave, instead of the Triton launcher's dequantize + cuBLAS: a ragged last band and a
+    ragged last weight tile, a bias, within the contract."""
+    gen = torch.Generator().manual_seed(m)
+    weight = Q.quantize_int4(make_weight(n, k, heavy=True, generator=gen), group).to("cuda")
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to("cuda")
+    out = torch.empty(m, n, dtype=x.dtype, device="cuda")
+    assert (
+        gluon.unsupported_call(x, weight.qweight, weight.scales, weight.zeros, bias, out, group, "int4")
+        is None
+    )
+    assert gluon.slower_than_triton(m, n, k) is None
+    got = Q.int4_linear(x, weight, bias)
+    assert_linear_close(got, x, weight, bias, w_rounded=True, msg=f"M={m}")
+    with dispatch.force("int4_linear:wgmma"):
+        forced = Q.int4_linear(x, weight, bias)
+    assert torch.equal(got, forced)  # the same kernel and config: the default ran it
 
 
 @pytest.mark.gpu

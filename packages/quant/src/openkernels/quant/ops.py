@@ -110,10 +110,10 @@ def _gemv_supports(key: dispatch.DispatchKey) -> str | None:
 # the tensor-core GEMV or the one-round kernel where they measured fastest (cuda.default_config:
 # sm_90, up to 16 rows of x) and hands every other call to the implementation below it.
 _GEMV_PRIORITY = 30
-# The Gluon Hopper kernel (gluon/, asynchronous wgmma, M = 16-256): above Triton (20) on
-# sm_90, where its launcher sends the calls it measured slower on (gluon.slower_than_triton:
-# M < 96 at N < 8192, M < 64 at N < 12288, shapes not measured) and those it cannot take to
-# the Triton launcher.
+# The Gluon Hopper kernel (gluon/, asynchronous wgmma, M >= 16): above Triton (20) on sm_90,
+# where its launcher sends the calls it measured slower on (gluon.slower_than_triton: M < 96
+# at N < 8192, M < 64 at N < 12288, shapes not measured) and those it cannot take to the
+# Triton launcher.
 _WGMMA_PRIORITY = 25
 
 

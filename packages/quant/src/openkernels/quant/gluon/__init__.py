@@ -3,7 +3,8 @@ the dequantization of step i + 1 overlapping the tensor cores' product of step i
 
 Registered as implementation "wgmma" of `int4_linear` above the Triton kernels' priority on
 sm_90: its launcher sends to the Triton launcher the calls it measured slower on
-(`slower_than_triton`: M < 96 at N < 8192, M < 64 at N < 12288, and shapes not measured)
+(`slower_than_triton`: M < 96 at N < 8192, M < 64 at N < 12288, and shapes not measured;
+from M = 256 it takes the large-M calls the Triton launcher ran as dequantize + cuBLAS)
 unless forced by name
 (`dispatch.force("int4_linear:wgmma")`). Host path: a launch plan per call shape, dtype and
 stride, descriptors built per call: ~40 us of host time per call on the H200's host (23 us
@@ -11,7 +12,7 @@ of it in shared.launch with both descriptors built, 6-8 us building them); from 
 third call the C++ replay runs it in ~10 us (its tensor maps encoded per call: shared.replay),
 as it does the Triton path's. Gluon's own JIT launch took ~0.1 ms. Same entry point as
 triton.int4_linear_fwd; a call this kernel does not take goes to the Triton launcher
-(`unsupported_call` says why): fewer than MIN_M or more than MAX_M rows of x, NF4, x or
+(`unsupported_call` says why): fewer than MIN_M rows of x, NF4, x or
 scales other than bfloat16 / float16, zeros in another dtype than the scales, K not a
 multiple of 64, a group size (below K) not a multiple of 64, or rows of x / qweight, the
 output or their base addresses not 16-byte aligned (TMA), an output or scales with a
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 ARCHS = ("sm_90",)
-MIN_M, MAX_M = 16, 256  # rows of x this kernel takes; the Triton launcher takes the rest
+MIN_M, MAX_M = 16, 2**31 - 1  # rows of x this kernel takes; the Triton launcher takes fewer
 DTYPES = (torch.bfloat16, torch.float16)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90
 
@@ -84,36 +85,47 @@ def _block_k(k: int, group: int) -> int | None:
     return None
 
 
+TILES_FOR_A_WAVE = 96  # weight x band tiles that keep most of an H100 / H200's 132 SMs busy
+
+
 def config_for(m: int, n: int, k: int, group: int) -> WgmmaConfig | None:
     """The launch config for x (M, K) @ W^T, W (N, K) with groups of `group`; None when K and
-    the group admit no step. From the H200 sweep of 2026-12-05 (benchmarks/studies/
-    quant_wgmma.py, bf16, group 128, N x K 8192 x 8192 and 28672 x 8192, CUDA-graph kernel
-    time as a fraction of F.linear's; docs/perf.md):
+    the group admit no step. From the sweeps of 2026-12-05 (H200) and 2026-12-06 (H100)
+    (benchmarks/studies/quant_wgmma.py and quant_wgmma_large_m.py, bf16, group 128, CUDA-graph
+    kernel time as a fraction of F.linear's; docs/perf.md):
       M <= 64    BLOCK_M the smallest of 16 / 32 / 64 holding M, 64-row weight tiles (one
-                 warpgroup), 3 stages (M = 16: 0.98x / 1.60x; M = 64: 0.92x / 1.19x; 4 stages
-                 0.89x / 1.61x and 0.85x / 1.22x).
-      M <= 128   one 128-row band of x on 64-row weight tiles, 3 stages (M = 128: 0.81x /
-                 1.04x, where the two 64-row bands on 128-row tiles first chosen by a model ran
-                 0.69x / 0.66x; 128 x 128 tiles at 4 stages: 0.62x / 1.10x).
-      M <= 256   128-row bands on 128-row weight tiles, 4 stages (M = 256: 0.83x / 0.82x)."""
+                 warpgroup), 3 stages (M = 16: 0.98x / 1.60x at 8192 x 8192 / 28672 x 8192).
+      M > 64     the largest tile that still gives TILES_FOR_A_WAVE programs, of: 256-row bands
+                 of x on 128-row weight tiles, 64-column steps, 4 stages (from M = 256: the
+                 dequantized weight serves twice the columns; M = 2048 0.95x / 0.97x, where
+                 128 x 128 tiles ran 0.82x / 0.78x and dequantize + cuBLAS 0.71x / 0.79x);
+                 128-row bands on 128-row tiles, 4 stages (M = 256 at 8192 x 8192: 0.90x);
+                 128-row bands on 64-row tiles, 3 stages (M = 128 at 8192 x 8192: 1.03x; the
+                 fallback when no tile fills a wave: 2048 x 8192 at M = 256 0.46x, where
+                 128 x 128 tiles ran 0.35x). Fewer, larger tiles lost whenever they left SMs
+                 idle (8192 x 8192 M = 256 on 256 x 128 tiles: 0.61x, 64 programs)."""
     bk = _block_k(k, group)
     if bk is None:
         return None
     if m <= 64:
         return WgmmaConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, bk, 3)
-    if m <= 128:
-        return WgmmaConfig(128, 64, bk, 3)
-    return WgmmaConfig(128, 128, bk, 4)
+    candidates = [WgmmaConfig(256, 128, 64, 4)] if m >= 256 else []
+    candidates += [WgmmaConfig(128, 128, bk, 4), WgmmaConfig(128, 64, bk, 3)]
+    for cfg in candidates:
+        if -(-n // cfg.block_n) * -(-m // cfg.block_m) >= TILES_FOR_A_WAVE:
+            return cfg
+    return candidates[-1]
 
 
 def all_configs() -> list[WgmmaConfig]:
     """Every config config_for can return (compile-only checks)."""
     seen: dict[WgmmaConfig, None] = {}
-    for m in (16, 17, 32, 33, 64, 65, 128, 200, 256):
-        for k, group in ((4096, 128), (4096, 64), (4096, 4096), (192, 64)):
-            cfg = config_for(m, 4096, k, group)
-            if cfg is not None:
-                seen[cfg] = None
+    for m in (16, 17, 32, 33, 64, 65, 128, 200, 256, 2048):
+        for n in (1024, 4096, 28672):
+            for k, group in ((4096, 128), (4096, 64), (4096, 4096), (192, 64)):
+                cfg = config_for(m, n, k, group)
+                if cfg is not None:
+                    seen[cfg] = None
     return list(seen)
 
 
@@ -145,8 +157,14 @@ def slower_than_triton(m: int, n: int, k: int) -> str | None:
         1.45 / 1.91), M = 128 0.68 / 1.06 and 0.68 / 1.45.
       4096 x 4096 and 4096 x 14336 (H100): Triton up to M = 64 (4096 x 4096 M = 64 0.85 /
         0.71), the kernel from M = 96 (0.55 / 0.63, 4096 x 14336 M = 96 0.54 / 0.65).
-    Shapes below N = 4096 or K = 4096 were not measured and stay on Triton. A forced "wgmma"
-    ignores this."""
+      From M = 256 (H100, 2026-12-06, `quant_wgmma_large_m.py`; the Triton launcher runs
+        dequantize + cuBLAS from M = 512): the kernel at every shape measured, 2048 x 2048 to
+        28672 x 8192, M = 256-4096 (e.g. M = 2048: 0.84-0.97x against 0.65-0.80x; M = 256 at
+        2048 x 8192: 0.46x against 0.26x).
+    Other shapes below N = 4096 or K = 4096 were not measured and stay on Triton. A forced
+    "wgmma" ignores this."""
+    if m >= 256 and n >= 2048 and k >= 2048:
+        return None
     if n < 4096 or k < 4096:
         return f"N x K = {n} x {k}: the wgmma kernel was not measured below 4096 x 4096"
     if n >= 12288 or (n >= 8192 and m >= 64) or m >= 96:
