@@ -70,14 +70,18 @@ def configs(gluon, m: int) -> list:
 
 
 def label(cfg) -> str:
-    return f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}"
+    return f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="128,512,1024,2048")
     ap.add_argument("--shapes", default="8192x8192,28672x8192")
-    ap.add_argument("--configs", default="", help="e.g. m256n128k64s4,m128n128k128s4 instead of the sweep")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="e.g. m256n128k64s4,m128n64k128s3a2 instead of the sweep (aN: scales N steps ahead)",
+    )
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -89,8 +93,8 @@ def main() -> int:
     from openkernels.quant import reference as R
 
     for spec in filter(None, args.configs.split(",")):
-        bm, bn, bk, st = (int(v) for v in re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)", spec).groups())
-        ONLY.append(gluon.WgmmaConfig(bm, bn, bk, st))
+        bm, bn, bk, st, ahead = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)(?:a(\d))?", spec).groups()
+        ONLY.append(gluon.WgmmaConfig(int(bm), int(bn), int(bk), int(st), int(ahead or 1)))
     gluon.MAX_M = 1 << 16  # this study's calls only: the launcher's own routing is not used
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)

@@ -28,8 +28,8 @@ def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True
         "M": "i32", "N": "i32", "K": "i32", "stride_sg": "i32", "stride_om": "i32",
     }  # fmt: skip
     constexprs = {"GROUP": group, "STAGES": cfg.stages, "HAS_ZEROS": zeros, "HAS_BIAS": bias is not None,
-                  "SCALE_16": scales == x}  # fmt: skip
-    label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}-{x}-{scales}"
+                  "SCALE_16": scales == x, "SCALES_AHEAD": cfg.scales_ahead}  # fmt: skip
+    label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}-{x}-{scales}"
              f"{'-zeros' if zeros else '-sym'}{f'-bias{bias}' if bias else ''}-g{group}")  # fmt: skip
     # K, N, the strides: the launcher passes what the call has (no "D" specialization assumed).
     return AotCase(_KERNEL, signature, constexprs, num_warps=cfg.num_warps, label=label,

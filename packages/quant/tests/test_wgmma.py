@@ -125,7 +125,8 @@ def test_launch_plans_decide_all_but_the_addresses() -> None:
     plan = gluon._plan(*call, None)
     cfg = gluon.config_for(64, 200, 512, 128)
     assert plan.grid == (-(-200 // cfg.block_n),) and plan.ints == (64, 200, 512, call[2].stride(0), 200)
-    assert plan.flags == dict(GROUP=128, STAGES=cfg.stages, HAS_ZEROS=True, HAS_BIAS=False, SCALE_16=True)
+    assert plan.flags == dict(GROUP=128, STAGES=cfg.stages, HAS_ZEROS=True, HAS_BIAS=False, SCALE_16=True,
+                              SCALES_AHEAD=cfg.scales_ahead)  # fmt: skip
     assert plan.num_warps == cfg.num_warps and plan.x_block == (cfg.block_m, cfg.block_k)
     assert plan.w_block == (cfg.block_n, cfg.block_k // 2)
     refused = _call(m=8)

@@ -57,12 +57,14 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90
 class WgmmaConfig:
     """block_m: rows of x per program (16, 32, 64, 128: the wgmma's N); block_n: rows of W
     (64: one warpgroup, 128: two; num_warps = block_n // 16); block_k: columns per step (64
-    or 128, a divisor of the group); stages: depth of the TMA ring."""
+    or 128, a divisor of the group); stages: depth of the TMA ring; scales_ahead: how many K
+    steps ahead of its use a step's scales and zeros are loaded (1 or 2)."""
 
     block_m: int = 128
     block_n: int = 64
     block_k: int = 128
     stages: int = 4
+    scales_ahead: int = 1
 
     @property
     def num_warps(self) -> int:
@@ -261,7 +263,8 @@ class _Plan:
         self.grid = (-(-n // cfg.block_n) * -(-m // cfg.block_m),)
         self.ints = (m, n, k, s_stride, o_stride)
         self.flags = dict(GROUP=kernel_group(group_size, k), STAGES=cfg.stages, HAS_ZEROS=has_zeros,
-                          HAS_BIAS=has_bias, SCALE_16=scales_dtype == x_dtype)  # fmt: skip
+                          HAS_BIAS=has_bias, SCALE_16=scales_dtype == x_dtype,
+                          SCALES_AHEAD=cfg.scales_ahead)  # fmt: skip
         self.num_warps = cfg.num_warps
         self.x_block = (cfg.block_m, cfg.block_k)
         self.w_block = (cfg.block_n, cfg.block_k // 2)

@@ -178,13 +178,16 @@ def _dequantize(words, scale, zero, words3: gl.constexpr, a_layout: gl.constexpr
 
 
 @gluon.jit
-def _step(i, acc, w_other, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
-          stride_sg, n_k, off_m, off_n, words3: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr,
-          GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, SCALE_16: gl.constexpr):  # fmt: skip
+def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr,
+          offs_n, mask_n, stride_sg, n_k, off_m, off_n, words3: gl.constexpr, a_layout: gl.constexpr,
+          DTYPE: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr,
+          SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr):  # fmt: skip
     """K step i: wait for its stage, dequantize its codes (scale, zero: its group's), issue its
-    wgmma, load the next step's scales, wait until one wgmma is outstanding (step i - 1's,
-    whose operand is w_other, has retired), refill the freed stage with step i + STAGES - 1.
-    Returns (acc, this step's operand, the next step's scale and zero)."""
+    wgmma, load the scales SCALES_AHEAD steps on, wait until one wgmma is outstanding (step
+    i - 1's, whose operand is w_other, has retired), refill the freed stage with step
+    i + STAGES - 1. (scale_next, zero_next): step i + 1's when SCALES_AHEAD is 2 (unused at 1).
+    Returns (acc, this step's operand, step i + 1's scale and zero, step i + 2's or the
+    unused pair)."""
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     slot = i % STAGES
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
@@ -194,16 +197,20 @@ def _step(i, acc, w_other, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready,
     )
     w = _dequantize(words.load(gl.SliceLayout(2, words3)), scale, zero, words3, a_layout, DTYPE, SCALE_16)
     acc = warpgroup_mma(w, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-    # The next step's scales (and zeros) while the product runs: their loads' latency is
-    # hidden under the wait below and the next step's barrier.
-    g_next = (gl.minimum(i + 1, n_k - 1) * BLOCK_K) // GROUP
-    scale, zero = _row_params(s_ptr, z_ptr, g_next, stride_sg, offs_n, mask_n, HAS_ZEROS)
+    # Later steps' scales (and zeros) while the product runs. One step ahead, their loads'
+    # latency (an L2 round trip) lands right after the wait below, on the next step's
+    # dequantization; two steps ahead it has a whole step to hide under.
+    g_load = (gl.minimum(i + SCALES_AHEAD, n_k - 1) * BLOCK_K) // GROUP
+    scale_load, zero_load = _row_params(s_ptr, z_ptr, g_load, stride_sg, offs_n, mask_n, HAS_ZEROS)
     # wgmma i - 1 has retired: its stage (i - 1) % STAGES is free for step i + STAGES - 1.
     acc, w_other = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_other))
     nxt = i + STAGES - 1
     if nxt < n_k:
         _issue(x_desc, qw_desc, x_smem, qw_smem, ready, nxt, off_m, off_n, BLOCK_K, STAGES)
-    return acc, w, scale, zero
+    if SCALES_AHEAD == 2:
+        return acc, w, scale_next, zero_next, scale_load, zero_load
+    else:
+        return acc, w, scale_load, zero_load, scale_next, zero_next
 
 
 @gluon.jit
@@ -211,7 +218,7 @@ def int4_linear_wgmma_kernel(
     x_desc, qw_desc, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, stride_sg, stride_om,
     GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
-    SCALE_16: gl.constexpr,
+    SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr = 1,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ W^T (+ bias). x_desc: (M, K) blocks (BLOCK_M, BLOCK_K); qw_desc:
     codes (N, K // 2) blocks (BLOCK_N, BLOCK_K // 2). K % BLOCK_K == 0 and BLOCK_K divides
@@ -225,6 +232,7 @@ def int4_linear_wgmma_kernel(
     gl.static_assert(qw_desc.block_type.shape[1] * 2 == BLOCK_K)
     gl.static_assert(STAGES >= 2)
     gl.static_assert(GROUP % BLOCK_K == 0)
+    gl.static_assert(SCALES_AHEAD == 1 or SCALES_AHEAD == 2)
 
     mma_layout: gl.constexpr = acc_layout(WARPS, BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -253,6 +261,8 @@ def int4_linear_wgmma_kernel(
     offs_n = off_n + gl.arange(0, BLOCK_N, rows_layout)
     mask_n = offs_n < N
     scale, zero = _row_params(s_ptr, z_ptr, 0, stride_sg, offs_n, mask_n, HAS_ZEROS)
+    g1 = (gl.minimum(1, n_k - 1) * BLOCK_K) // GROUP
+    scale_next, zero_next = _row_params(s_ptr, z_ptr, g1, stride_sg, offs_n, mask_n, HAS_ZEROS)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
     # Two steps per trip, each with its own A-operand registers: the wgmma of one step is in
     # flight while the other step's weight is dequantized, and a step's registers are
@@ -261,18 +271,21 @@ def int4_linear_wgmma_kernel(
     # as a dependence, which keeps it live (in its own registers) up to that wait.
     w_odd = gl.zeros([BLOCK_N, BLOCK_K], DTYPE, a_layout)
     for i in range(0, n_k - 1, 2):
-        acc, w_even, scale, zero = _step(
-            i, acc, w_odd, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
-            stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+        acc, w_even, scale, zero, scale_next, zero_next = _step(
+            i, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
+            z_ptr, offs_n, mask_n, stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
+            SCALE_16, SCALES_AHEAD,
         )  # fmt: skip
-        acc, w_odd, scale, zero = _step(
-            i + 1, acc, w_even, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
-            stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+        acc, w_odd, scale, zero, scale_next, zero_next = _step(
+            i + 1, acc, w_even, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
+            z_ptr, offs_n, mask_n, stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
+            SCALE_16, SCALES_AHEAD,
         )  # fmt: skip
     if n_k % 2 == 1:
-        acc, w_even, scale, zero = _step(
-            n_k - 1, acc, w_odd, scale, zero, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, offs_n, mask_n,
-            stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+        acc, w_even, scale, zero, scale_next, zero_next = _step(
+            n_k - 1, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
+            z_ptr, offs_n, mask_n, stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
+            SCALE_16, SCALES_AHEAD,
         )  # fmt: skip
         w_odd = w_even
     acc, w_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_odd))
