@@ -138,19 +138,20 @@ def test_launch_plans_decide_all_but_the_addresses() -> None:
 
 
 def test_configs() -> None:
-    assert gluon.config_for(16, 8192, 8192, 128) == gluon.WgmmaConfig(16, 64, 128, 3)
-    assert gluon.config_for(128, 8192, 8192, 128) == gluon.WgmmaConfig(128, 64, 128, 3)
-    assert gluon.config_for(256, 8192, 8192, 128) == gluon.WgmmaConfig(128, 128, 128, 4)
+    cfg = gluon.WgmmaConfig
+    assert gluon.config_for(16, 8192, 8192, 128) == cfg(16, 64, 128, 3, 2)
+    assert gluon.config_for(128, 8192, 8192, 128) == cfg(128, 64, 128, 3, 2)
+    assert gluon.config_for(256, 8192, 8192, 128) == cfg(128, 128, 128, 4, 2)
     # The largest tile that still fills a wave (gluon.TILES_FOR_A_WAVE programs).
-    assert gluon.config_for(2048, 8192, 8192, 128) == gluon.WgmmaConfig(256, 128, 64, 4)
-    assert gluon.config_for(256, 14336, 4096, 128) == gluon.WgmmaConfig(256, 128, 64, 4)
-    assert gluon.config_for(512, 4096, 14336, 128) == gluon.WgmmaConfig(128, 128, 128, 4)
-    assert gluon.config_for(256, 4096, 4096, 128) == gluon.WgmmaConfig(128, 64, 128, 3)
-    assert gluon.config_for(128, 28672, 8192, 128) == gluon.WgmmaConfig(128, 128, 128, 4)
-    assert gluon.config_for(256, 2048, 8192, 128) == gluon.WgmmaConfig(
-        128, 64, 128, 3
-    )  # no tile fills a wave
-    assert gluon.config_for(4096, 8192, 8192, 64) == gluon.WgmmaConfig(256, 128, 64, 4)
+    assert gluon.config_for(2048, 8192, 8192, 128) == cfg(256, 128, 64, 4, 1)
+    assert gluon.config_for(256, 14336, 4096, 128) == cfg(256, 128, 64, 4, 1)
+    assert gluon.config_for(512, 4096, 14336, 128) == cfg(128, 128, 128, 4, 2)
+    assert gluon.config_for(256, 4096, 4096, 128) == cfg(128, 64, 128, 3, 2)
+    assert gluon.config_for(128, 28672, 8192, 128) == cfg(128, 128, 128, 4, 2)
+    assert gluon.config_for(256, 2048, 8192, 128) == cfg(128, 64, 128, 3, 2)  # no tile fills a wave
+    # Scales two steps ahead where every step starts a group; one group per row: one ahead.
+    assert gluon.config_for(4096, 8192, 8192, 64) == cfg(256, 128, 64, 4, 2)
+    assert gluon.config_for(128, 8192, 4096, 4096).scales_ahead == 1
     assert gluon.config_for(17, 8192, 8192, 128).block_m == 32
     assert gluon.config_for(200, 8192, 8192, 128).block_m == 128
     assert gluon.config_for(128, 8192, 8192, 64).block_k == 64

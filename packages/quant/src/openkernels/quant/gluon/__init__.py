@@ -109,10 +109,15 @@ def config_for(m: int, n: int, k: int, group: int) -> WgmmaConfig | None:
     bk = _block_k(k, group)
     if bk is None:
         return None
+    # Where every step starts a group, its scales are loaded two steps ahead (H100, quant
+    # 0.10.8: M = 64 8192 x 8192 1.17x -> 1.31x F.linear, M = 128 1.04x -> 1.15x, 28672 x 8192
+    # M = 128 1.31x -> 1.35x); with 64-column steps in groups of 128 one step ahead measured
+    # 0.02-0.03x better (M = 2048).
+    ahead = 2 if group == bk else 1
     if m <= 64:
-        return WgmmaConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, bk, 3)
-    candidates = [WgmmaConfig(256, 128, 64, 4)] if m >= 256 else []
-    candidates += [WgmmaConfig(128, 128, bk, 4), WgmmaConfig(128, 64, bk, 3)]
+        return WgmmaConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, bk, 3, ahead)
+    candidates = [WgmmaConfig(256, 128, 64, 4, 2 if group == 64 else 1)] if m >= 256 else []
+    candidates += [WgmmaConfig(128, 128, bk, 4, ahead), WgmmaConfig(128, 64, bk, 3, ahead)]
     for cfg in candidates:
         if -(-n // cfg.block_n) * -(-m // cfg.block_m) >= TILES_FOR_A_WAVE:
             return cfg
