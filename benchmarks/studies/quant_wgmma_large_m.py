@@ -70,7 +70,7 @@ def configs(gluon, m: int) -> list:
 
 
 def label(cfg) -> str:
-    return f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}"
+    return f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}x{cfg.split_k}"
 
 
 def main() -> int:
@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument(
         "--configs",
         default="",
-        help="e.g. m256n128k64s4,m128n64k128s3a2 instead of the sweep (aN: scales N steps ahead)",
+        help="e.g. m256n128k64s4,m128n64k128s3a2x2 instead of the sweep (aN: scales N steps ahead, xS: split K S ways)",
     )
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -93,8 +93,10 @@ def main() -> int:
     from openkernels.quant import reference as R
 
     for spec in filter(None, args.configs.split(",")):
-        bm, bn, bk, st, ahead = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)(?:a(\d))?", spec).groups()
-        ONLY.append(gluon.WgmmaConfig(int(bm), int(bn), int(bk), int(st), int(ahead or 1)))
+        bm, bn, bk, st, ahead, split = re.fullmatch(
+            r"m(\d+)n(\d+)k(\d+)s(\d+)(?:a(\d))?(?:x(\d))?", spec
+        ).groups()
+        ONLY.append(gluon.WgmmaConfig(int(bm), int(bn), int(bk), int(st), int(ahead or 1), int(split or 1)))
     gluon.MAX_M = 1 << 16  # this study's calls only: the launcher's own routing is not used
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -107,7 +109,7 @@ def main() -> int:
     weight = Q.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
     b = torch.randn(n, device=dev, generator=gen)
     wd = R.dequantize_int4_ref(weight.qweight, weight.scales, weight.zeros, GROUP, "int4", torch.float64)
-    for m in (300, 2048):
+    for m in (20, 300, 2048):
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         ref = x.double() @ wd.t() + b.double()
         bound = R.linear_error_bound(x.double(), wd, ref, x.dtype, weight_rounded_to=x.dtype)

@@ -25,15 +25,16 @@ def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True
     signature = {
         "x_desc": _desc(x, [cfg.block_m, cfg.block_k]), "qw_desc": _desc("u8", [cfg.block_n, cfg.block_k // 2]),
         "s_ptr": _T[scales], "z_ptr": _T[scales], "bias_ptr": _T[bias or scales], "out_ptr": _T[x],
-        "M": "i32", "N": "i32", "K": "i32", "stride_sg": "i32", "stride_om": "i32",
+        "ws_ptr": "*fp32" if cfg.split_k > 1 else _T[x], "counter_ptr": "*i32" if cfg.split_k > 1 else _T[x],
+        "M": "i32", "N": "i32", "K": "i32", "stride_sg": "i32", "stride_om": "i32", "steps_per_split": "i32",
     }  # fmt: skip
     constexprs = {"GROUP": group, "STAGES": cfg.stages, "HAS_ZEROS": zeros, "HAS_BIAS": bias is not None,
-                  "SCALE_16": scales == x, "SCALES_AHEAD": cfg.scales_ahead}  # fmt: skip
-    label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}-{x}-{scales}"
+                  "SCALE_16": scales == x, "SCALES_AHEAD": cfg.scales_ahead, "SPLIT_K": cfg.split_k}  # fmt: skip
+    label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}k{cfg.split_k}-{x}-{scales}"
              f"{'-zeros' if zeros else '-sym'}{f'-bias{bias}' if bias else ''}-g{group}")  # fmt: skip
     # K, N, the strides: the launcher passes what the call has (no "D" specialization assumed).
     return AotCase(_KERNEL, signature, constexprs, num_warps=cfg.num_warps, label=label,
-                   attrs={"M": "", "N": "", "K": "", "stride_sg": "", "stride_om": ""})  # fmt: skip
+                   attrs={"M": "", "N": "", "K": "", "stride_sg": "", "stride_om": "", "steps_per_split": ""})  # fmt: skip
 
 
 def cases_for(family: str) -> list:
@@ -56,6 +57,10 @@ def cases_for(family: str) -> list:
                 for zeros in (True, False):
                     c = wgmma_case(cfg, x, scales, zeros=zeros, bias="fp32" if zeros else x)
                     out[c.label] = c
+    # K split over programs (the split-K epilogue: partials, the arrival counter).
+    for split_cfg in (gluon.WgmmaConfig(128, 64, 128, 3, 2, 2), gluon.WgmmaConfig(16, 64, 128, 3, 2, 4)):
+        c = wgmma_case(split_cfg, bias="fp32")
+        out[c.label] = c
     # 64-column steps (group 64) and one group per row.
     for group, k in ((64, 4096), (4096, 4096)):
         cfg = gluon.config_for(128, 4096, k, group)

@@ -463,8 +463,9 @@ def a_register_hazards(sass: str, trips: int = 3) -> tuple[list[str], list[list[
 def _wgmma_configs() -> list:
     from openkernels.quant import gluon
 
+    split = [gluon.WgmmaConfig(128, 64, 128, 3, 2, 2), gluon.WgmmaConfig(16, 64, 128, 3, 2, 4)]
     return list(
-        dict.fromkeys([*gluon.all_configs(), *(c for m in (16, 64, 128) for c in gluon.sweep_configs(m))])
+        dict.fromkeys([*gluon.all_configs(), *(c for m in (16, 64, 128) for c in gluon.sweep_configs(m)), *split])
     )
 
 

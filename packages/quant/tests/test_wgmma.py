@@ -124,9 +124,9 @@ def test_launch_plans_decide_all_but_the_addresses() -> None:
     call = _call(m=64, n=200, k=512, group=128)
     plan = gluon._plan(*call, None)
     cfg = gluon.config_for(64, 200, 512, 128)
-    assert plan.grid == (-(-200 // cfg.block_n),) and plan.ints == (64, 200, 512, call[2].stride(0), 200)
+    assert plan.grid == (-(-200 // cfg.block_n),) and plan.ints == (64, 200, 512, call[2].stride(0), 200, 4)
     assert plan.flags == dict(GROUP=128, STAGES=cfg.stages, HAS_ZEROS=True, HAS_BIAS=False, SCALE_16=True,
-                              SCALES_AHEAD=cfg.scales_ahead)  # fmt: skip
+                              SCALES_AHEAD=cfg.scales_ahead, SPLIT_K=1)  # fmt: skip
     assert plan.num_warps == cfg.num_warps and plan.x_block == (cfg.block_m, cfg.block_k)
     assert plan.w_block == (cfg.block_n, cfg.block_k // 2)
     refused = _call(m=8)
@@ -230,7 +230,8 @@ def _dequantize_words(codes, scale, zero, dtype, scale_16: bool) -> torch.Tensor
 
 def _emulate(x, qweight, scales, zeros, bias, out, group: int, cfg: gluon.WgmmaConfig) -> None:
     """int4_linear_wgmma_kernel, program by program (the grid's order: the M tiles of a weight
-    tile consecutive), in float64 products of the 16-bit operands."""
+    tile and split consecutive), in float64 products of the 16-bit operands; a split's partial
+    rounded to float32 (its workspace), the partials added in split order after the bias."""
     from openkernels.quant.triton.configs import kernel_group
 
     m, k = x.shape
@@ -238,18 +239,41 @@ def _emulate(x, qweight, scales, zeros, bias, out, group: int, cfg: gluon.WgmmaC
     g_size = kernel_group(group, k)
     assert k % cfg.block_k == 0 and g_size % cfg.block_k == 0
     tiles_m = -(-m // cfg.block_m)
-    for pid in range(-(-n // cfg.block_n) * tiles_m):
-        _program(x, qweight, scales, zeros, bias, out, g_size, cfg, (pid // tiles_m) * cfg.block_n,
-                 (pid % tiles_m) * cfg.block_m)  # fmt: skip
+    steps = k // cfg.block_k
+    per_split = -(-steps // cfg.split_k)
+    partials: dict[tuple[int, int], list] = {}
+    for pid in range(-(-n // cfg.block_n) * cfg.split_k * tiles_m):
+        tile_m, split, tile_n = pid % tiles_m, (pid // tiles_m) % cfg.split_k, pid // (tiles_m * cfg.split_k)
+        k0 = split * per_split
+        acc = _program(x, qweight, scales, zeros, g_size, cfg, tile_n * cfg.block_n, tile_m * cfg.block_m, k0,
+                       min(per_split, steps - k0))  # fmt: skip
+        partials.setdefault((tile_n, tile_m), []).append(
+            (split, acc if cfg.split_k == 1 else acc.float().double())
+        )
+    for (tile_n, tile_m), parts in partials.items():
+        assert sorted(s for s, _ in parts) == list(range(cfg.split_k))
+        off_n, off_m = tile_n * cfg.block_n, tile_m * cfg.block_m
+        rows = torch.arange(off_n, off_n + cfg.block_n)
+        in_n = rows < n
+        acc = torch.zeros(cfg.block_n, cfg.block_m, dtype=torch.float64)
+        if bias is not None:
+            acc += torch.where(in_n, bias.double()[rows.clamp(max=n - 1)], 0.0)[:, None]
+        for _, part in sorted(parts, key=lambda p: p[0]):
+            acc += part
+        cols = torch.arange(off_m, off_m + cfg.block_m)
+        keep_m = cols < m
+        tile = acc.to(out.dtype)[in_n][:, keep_m]  # acc[n, m] -> y[m, n]
+        out[off_m : off_m + int(keep_m.sum()), off_n : off_n + int(in_n.sum())] = tile.t()
 
 
-def _program(x, qweight, scales, zeros, bias, out, g_size: int, cfg, off_n: int, off_m: int) -> None:
-    """One program. The ring: a stage is refilled only once the wgmma that read it has retired
-    (one wgmma outstanding after each step's wait), and each step reads its own step's tiles."""
-    m, k = x.shape
+def _program(
+    x, qweight, scales, zeros, g_size: int, cfg, off_n: int, off_m: int, k0: int, n_k: int
+) -> torch.Tensor:
+    """One program's accumulator (float64, no bias) over K steps k0 .. k0 + n_k - 1. The ring: a
+    stage is refilled only once the wgmma that read it has retired (one wgmma outstanding after
+    each step's wait), and each step reads its own step's tiles."""
     n = qweight.shape[0]
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
-    n_k = k // bk
     ring: list[tuple[int, torch.Tensor, torch.Tensor] | None] = [None] * stages
     retired = [-1]  # the last step whose wgmma has completed
 
@@ -259,8 +283,8 @@ def _program(x, qweight, scales, zeros, bias, out, g_size: int, cfg, off_n: int,
         assert held is None or held[0] <= retired[0], f"stage {slot} refilled while wgmma {held[0]} reads it"
         ring[slot] = (
             step,
-            _tma(x, off_m, step * bk, bm, bk),
-            _tma(qweight, off_n, step * bk // 2, bn, bk // 2),
+            _tma(x, off_m, (k0 + step) * bk, bm, bk),
+            _tma(qweight, off_n, (k0 + step) * bk // 2, bn, bk // 2),
         )
 
     rows = torch.arange(off_n, off_n + bn)
@@ -277,23 +301,17 @@ def _program(x, qweight, scales, zeros, bias, out, g_size: int, cfg, off_n: int,
 
     for j in range(min(stages - 1, n_k)):
         issue(j)
-    scale, zero = params(0)
     acc = torch.zeros(bn, bm, dtype=torch.float64)
     for i in range(n_k):
         step, x_tile, codes = ring[i % stages]
         assert step == i, f"step {i} read stage {i % stages} holding step {step}"
+        scale, zero = params(((k0 + i) * bk) // g_size)  # loaded ahead in the kernel: the same group
         w = _dequantize_words(codes, scale, zero, x.dtype, scales.dtype == x.dtype)
         acc += w.double() @ x_tile.double().t()  # wgmma i (exact products, float32 sums ~ float64)
-        scale, zero = params((min(i + 1, n_k - 1) * bk) // g_size)
         retired[0] = i - 1  # warpgroup_mma_wait(1): wgmma i - 1 retired
         if i + stages - 1 < n_k:
             issue(i + stages - 1)
-    if bias is not None:
-        acc += torch.where(in_n, bias.double()[rows.clamp(max=n - 1)], 0.0)[:, None]
-    cols = torch.arange(off_m, off_m + bm)
-    keep_m = cols < m
-    tile = acc.to(out.dtype)[in_n][:, keep_m]  # acc[n, m] -> y[m, n]
-    out[off_m : off_m + int(keep_m.sum()), off_n : off_n + int(in_n.sum())] = tile.t()
+    return acc
 
 
 @pytest.mark.parametrize(
@@ -322,6 +340,21 @@ def test_transliteration_matches_the_reference(
     assert gluon.unsupported_call(x, weight.qweight, weight.scales, weight.zeros, b, torch.empty(m, n, dtype=dtype),
                                   group, "int4", cfg) is None  # fmt: skip
     out = torch.full((m, n), float("nan"), dtype=dtype)
+    _emulate(x, weight.qweight, weight.scales, weight.zeros, b, out, group, cfg)
+    assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated {cfg}")
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_transliteration_of_split_k(split) -> None:
+    """K split over programs (SPLIT_K): ragged shares (7 steps over 2 or 3 programs), a bias,
+    a ragged last weight tile and x band."""
+    gen = torch.Generator().manual_seed(split)
+    m, n, k, group = 20, 72, 7 * 64, 64
+    cfg = gluon.WgmmaConfig(32, 64, 64, 3, 2, split)
+    weight = Q.quantize_int4(make_weight(n, k, heavy=True, generator=gen), group)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen)
+    out = torch.full((m, n), float("nan"), dtype=x.dtype)
     _emulate(x, weight.qweight, weight.scales, weight.zeros, b, out, group, cfg)
     assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated {cfg}")
 
@@ -479,6 +512,36 @@ def test_large_m_default_runs_the_kernel(m, n, k, group) -> None:
     with dispatch.force("int4_linear:wgmma"):
         forced = Q.int4_linear(x, weight, bias)
     assert torch.equal(got, forced)  # the same kernel and config: the default ran it
+
+
+@pytest.mark.gpu
+@_needs_sm90
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        gluon.WgmmaConfig(128, 64, 128, 3, 2, 2),
+        gluon.WgmmaConfig(16, 64, 128, 3, 2, 4),
+        gluon.WgmmaConfig(64, 64, 64, 3, 2, 3),
+    ],
+    ids=str,
+)
+def test_split_k_configs(cfg) -> None:
+    """K split over programs, finished in the launch: against the reference, twice (the
+    counters left at zero by the first call), and bitwise equal run to run."""
+    gen = torch.Generator().manual_seed(13)
+    m, n, k = cfg.block_m + 3, 777, 1024
+    weight = Q.quantize_int4(make_weight(n, k, generator=gen), 128).to("cuda")
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to("cuda")
+    outs = []
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda")
+        gluon.int4_linear_fwd(
+            x, weight.qweight, weight.scales, weight.zeros, bias, out, 128, "int4", config=cfg
+        )
+        assert_linear_close(out, x, weight, bias, w_rounded=True, msg=str(cfg))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

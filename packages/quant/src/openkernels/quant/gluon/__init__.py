@@ -58,13 +58,17 @@ class WgmmaConfig:
     """block_m: rows of x per program (16, 32, 64, 128: the wgmma's N); block_n: rows of W
     (64: one warpgroup, 128: two; num_warps = block_n // 16); block_k: columns per step (64
     or 128, a divisor of the group); stages: depth of the TMA ring; scales_ahead: how many K
-    steps ahead of its use a step's scales and zeros are loaded (1 or 2)."""
+    steps ahead of its use a step's scales and zeros are loaded (1 or 2); split_k: programs
+    per output tile, each a contiguous share of the K steps, finished in the same launch (the
+    Triton kernels' protocol: float32 partials, a self-resetting arrival counter per tile,
+    the last split adding them in split order)."""
 
     block_m: int = 128
     block_n: int = 64
     block_k: int = 128
     stages: int = 4
     scales_ahead: int = 1
+    split_k: int = 1
 
     @property
     def num_warps(self) -> int:
@@ -257,7 +261,8 @@ class _Plan:
     (the compiled kernel called directly after the first call) instead of Gluon's own JIT
     launch, most of the ~0.1 ms of host time per call measured on the H200 (quant 0.9.3)."""
 
-    __slots__ = ("flags", "grid", "ints", "kernel", "num_warps", "routed", "w_block", "x_block")
+    __slots__ = ("device", "flags", "grid", "ints", "kernel", "num_warps", "partials", "routed", "tiles", "w_block",
+                 "x_block")  # fmt: skip
 
     def __init__(self, cfg: WgmmaConfig, m: int, n: int, k: int, group_size: int, x_dtype: torch.dtype,
                  scales_dtype: torch.dtype, has_zeros: bool, has_bias: bool, s_stride: int, o_stride: int) -> None:  # fmt: skip
@@ -265,22 +270,32 @@ class _Plan:
         from .kernels import int4_linear_wgmma_kernel  # imports Gluon: once per plan, not per call
 
         self.kernel = int4_linear_wgmma_kernel
-        self.grid = (-(-n // cfg.block_n) * -(-m // cfg.block_m),)
-        self.ints = (m, n, k, s_stride, o_stride)
+        self.tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+        self.grid = (self.tiles * cfg.split_k,)
+        steps = k // cfg.block_k
+        per_split = -(-steps // cfg.split_k)
+        self.partials = cfg.split_k * m * n if cfg.split_k > 1 else 0
+        self.ints = (m, n, k, s_stride, o_stride, per_split)
         self.flags = dict(GROUP=kernel_group(group_size, k), STAGES=cfg.stages, HAS_ZEROS=has_zeros,
                           HAS_BIAS=has_bias, SCALE_16=scales_dtype == x_dtype,
-                          SCALES_AHEAD=cfg.scales_ahead)  # fmt: skip
+                          SCALES_AHEAD=cfg.scales_ahead, SPLIT_K=cfg.split_k)  # fmt: skip
         self.num_warps = cfg.num_warps
         self.x_block = (cfg.block_m, cfg.block_k)
         self.w_block = (cfg.block_n, cfg.block_k // 2)
         self.routed: str | None = None  # why unforced calls go to Triton (slower_than_triton)
 
     def __call__(self, x: Tensor, qweight: Tensor, scales: Tensor, zeros, bias, out: Tensor) -> None:
+        if self.partials:
+            from ..triton import _split_scratch  # the Triton kernels' split-K scratch and counters
+
+            ws, counters = _split_scratch(out.device, self.partials, self.tiles)
+        else:
+            ws, counters = out, out  # not read without a split
         direct_launch(
             self.kernel, self.grid,
             _desc(x, self.x_block), _desc(qweight, self.w_block),
-            scales, scales if zeros is None else zeros, scales if bias is None else bias, out, *self.ints,
-            num_warps=self.num_warps, **self.flags,
+            scales, scales if zeros is None else zeros, scales if bias is None else bias, out, ws, counters,
+            *self.ints, num_warps=self.num_warps, **self.flags,
         )  # fmt: skip
 
 

@@ -104,14 +104,16 @@ def _store_layout(block_n, block_m, warps):
 
 
 @gluon.jit
-def _issue(x_desc, qw_desc, x_smem, qw_smem, ready, step, off_m, off_n, BLOCK_K: gl.constexpr,
+def _issue(x_desc, qw_desc, x_smem, qw_smem, ready, step, k0, off_m, off_n, BLOCK_K: gl.constexpr,
            STAGES: gl.constexpr):  # fmt: skip
-    """The TMA of step `step`'s x and code tiles into stage step % STAGES."""
+    """The TMA of the program's step `step` (K step k0 + step)'s x and code tiles into stage
+    step % STAGES."""
     s = step % STAGES
     bar = ready.index(s)
+    col = (k0 + step) * BLOCK_K
     mbarrier.expect(bar, x_desc.block_type.nbytes + qw_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [off_m, step * BLOCK_K], bar, x_smem.index(s))
-    tma.async_copy_global_to_shared(qw_desc, [off_n, step * (BLOCK_K // 2)], bar, qw_smem.index(s))
+    tma.async_copy_global_to_shared(x_desc, [off_m, col], bar, x_smem.index(s))
+    tma.async_copy_global_to_shared(qw_desc, [off_n, col // 2], bar, qw_smem.index(s))
 
 
 @gluon.jit
@@ -179,10 +181,10 @@ def _dequantize(words, scale, zero, words3: gl.constexpr, a_layout: gl.constexpr
 
 @gluon.jit
 def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr,
-          offs_n, mask_n, stride_sg, n_k, off_m, off_n, words3: gl.constexpr, a_layout: gl.constexpr,
+          offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3: gl.constexpr, a_layout: gl.constexpr,
           DTYPE: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr,
           SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr):  # fmt: skip
-    """K step i: wait for its stage, dequantize its codes (scale, zero: its group's), issue its
+    """The program's K step i (of n_k, K step k0 + i of the row): wait for its stage, dequantize its codes (scale, zero: its group's), issue its
     wgmma, load the scales SCALES_AHEAD steps on, wait until one wgmma is outstanding (step
     i - 1's, whose operand is w_other, has retired), refill the freed stage with step
     i + STAGES - 1. (scale_next, zero_next): step i + 1's when SCALES_AHEAD is 2 (unused at 1).
@@ -200,13 +202,13 @@ def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, 
     # Later steps' scales (and zeros) while the product runs. One step ahead, their loads'
     # latency (an L2 round trip) lands right after the wait below, on the next step's
     # dequantization; two steps ahead it has a whole step to hide under.
-    g_load = (gl.minimum(i + SCALES_AHEAD, n_k - 1) * BLOCK_K) // GROUP
+    g_load = ((k0 + gl.minimum(i + SCALES_AHEAD, n_k - 1)) * BLOCK_K) // GROUP
     scale_load, zero_load = _row_params(s_ptr, z_ptr, g_load, stride_sg, offs_n, mask_n, HAS_ZEROS)
     # wgmma i - 1 has retired: its stage (i - 1) % STAGES is free for step i + STAGES - 1.
     acc, w_other = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_other))
     nxt = i + STAGES - 1
     if nxt < n_k:
-        _issue(x_desc, qw_desc, x_smem, qw_smem, ready, nxt, off_m, off_n, BLOCK_K, STAGES)
+        _issue(x_desc, qw_desc, x_smem, qw_smem, ready, nxt, k0, off_m, off_n, BLOCK_K, STAGES)
     if SCALES_AHEAD == 2:
         return acc, w, scale_next, zero_next, scale_load, zero_load
     else:
@@ -215,15 +217,18 @@ def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, 
 
 @gluon.jit
 def int4_linear_wgmma_kernel(
-    x_desc, qw_desc, s_ptr, z_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_sg, stride_om,
+    x_desc, qw_desc, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
+    M, N, K, stride_sg, stride_om, steps_per_split,
     GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
-    SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr = 1,
+    SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr = 1, SPLIT_K: gl.constexpr = 1,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ W^T (+ bias). x_desc: (M, K) blocks (BLOCK_M, BLOCK_K); qw_desc:
     codes (N, K // 2) blocks (BLOCK_N, BLOCK_K // 2). K % BLOCK_K == 0 and BLOCK_K divides
     GROUP (the launcher checks). Launched with num_warps = BLOCK_N // 16 (4 or 8). Grid:
-    cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), the M tiles of one weight tile consecutive."""
+    cdiv(N, BLOCK_N) * SPLIT_K * cdiv(M, BLOCK_M), the M tiles of one weight tile and split
+    consecutive. SPLIT_K > 1: split s takes K steps [s * steps_per_split, + steps_per_split)
+    and finishes as the Triton kernels' split-K does (`_finish_split`): ws_ptr (SPLIT_K, M, N)
+    float32 partials, counter_ptr int32 per (weight tile, x band), zeros, left at zero."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = qw_desc.block_type.shape[0]
@@ -244,8 +249,11 @@ def int4_linear_wgmma_kernel(
 
     tiles_m = gl.cdiv(M, BLOCK_M)
     pid = gl.program_id(0)
-    off_n = (pid // tiles_m) * BLOCK_N
-    off_m = (pid % tiles_m) * BLOCK_M
+    tile_m = pid % tiles_m
+    split = (pid // tiles_m) % SPLIT_K
+    tile_n = pid // (tiles_m * SPLIT_K)
+    off_n = tile_n * BLOCK_N
+    off_m = tile_m * BLOCK_M
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)  # noqa: RUF005
     qw_smem = gl.allocate_shared_memory(qw_desc.dtype, [STAGES] + qw_desc.block_type.shape, qw_desc.layout)  # noqa: RUF005
@@ -253,15 +261,20 @@ def int4_linear_wgmma_kernel(
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
 
-    n_k = K // BLOCK_K
+    if SPLIT_K == 1:
+        k0 = 0
+        n_k = K // BLOCK_K
+    else:
+        k0 = split * steps_per_split
+        n_k = gl.minimum(steps_per_split, K // BLOCK_K - k0)
     for j in gl.static_range(STAGES - 1):
         if j < n_k:
-            _issue(x_desc, qw_desc, x_smem, qw_smem, ready, j, off_m, off_n, BLOCK_K, STAGES)
+            _issue(x_desc, qw_desc, x_smem, qw_smem, ready, j, k0, off_m, off_n, BLOCK_K, STAGES)
 
     offs_n = off_n + gl.arange(0, BLOCK_N, rows_layout)
     mask_n = offs_n < N
-    scale, zero = _row_params(s_ptr, z_ptr, 0, stride_sg, offs_n, mask_n, HAS_ZEROS)
-    g1 = (gl.minimum(1, n_k - 1) * BLOCK_K) // GROUP
+    scale, zero = _row_params(s_ptr, z_ptr, (k0 * BLOCK_K) // GROUP, stride_sg, offs_n, mask_n, HAS_ZEROS)
+    g1 = ((k0 + gl.minimum(1, n_k - 1)) * BLOCK_K) // GROUP
     scale_next, zero_next = _row_params(s_ptr, z_ptr, g1, stride_sg, offs_n, mask_n, HAS_ZEROS)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
     # Two steps per trip, each with its own A-operand registers: the wgmma of one step is in
@@ -273,18 +286,18 @@ def int4_linear_wgmma_kernel(
     for i in range(0, n_k - 1, 2):
         acc, w_even, scale, zero, scale_next, zero_next = _step(
             i, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
-            z_ptr, offs_n, mask_n, stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
+            z_ptr, offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
             SCALE_16, SCALES_AHEAD,
         )  # fmt: skip
         acc, w_odd, scale, zero, scale_next, zero_next = _step(
             i + 1, acc, w_even, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
-            z_ptr, offs_n, mask_n, stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
+            z_ptr, offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
             SCALE_16, SCALES_AHEAD,
         )  # fmt: skip
     if n_k % 2 == 1:
         acc, w_even, scale, zero, scale_next, zero_next = _step(
             n_k - 1, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
-            z_ptr, offs_n, mask_n, stride_sg, n_k, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
+            z_ptr, offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
             SCALE_16, SCALES_AHEAD,
         )  # fmt: skip
         w_odd = w_even
@@ -292,12 +305,45 @@ def int4_linear_wgmma_kernel(
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
 
-    if HAS_BIAS:
-        offs_b = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma_layout))
-        acc = acc + gl.load(bias_ptr + offs_b, mask=offs_b < N, other=0.0).to(gl.float32)[:, None]
     out_layout: gl.constexpr = _store_layout(BLOCK_N, BLOCK_M, WARPS)
-    y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
     rows = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, out_layout))
     cols = off_m + gl.arange(0, BLOCK_M, gl.SliceLayout(0, out_layout))
     ptrs = out_ptr + cols.to(gl.int64)[None, :] * stride_om + rows[:, None]
-    gl.store(ptrs, y, mask=(rows[:, None] < N) & (cols[None, :] < M))
+    mask = (rows[:, None] < N) & (cols[None, :] < M)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            offs_b = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma_layout))
+            acc = acc + gl.load(bias_ptr + offs_b, mask=offs_b < N, other=0.0).to(gl.float32)[:, None]
+        y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+        gl.store(ptrs, y, mask=mask)
+    else:
+        _finish_split(gl.convert_layout(acc, out_layout), bias_ptr, ws_ptr, counter_ptr, ptrs, mask, rows, cols,
+                      tile_n * tiles_m + tile_m, split, M, N, HAS_BIAS, SPLIT_K)  # fmt: skip
+
+
+@gluon.jit
+def _finish_split(partial, bias_ptr, ws_ptr, counter_ptr, ptrs, mask, rows, cols, tile, split, M, N,
+                  HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):  # fmt: skip
+    """Split-K epilogue (the Triton kernels' protocol, triton/kernels.py): this split's float32
+    partial into ws (SPLIT_K, M, N); every thread's stores before one acq_rel count of the
+    tile's arrivals; the split that arrives last adds the partials in split order after the
+    bias (the same bits whichever split is last), rounds once, stores, and resets the counter
+    for the next call (CUDA-graph replays included)."""
+    offs = cols.to(gl.int64)[None, :] * N + rows[:, None]
+    gl.store(ws_ptr + (split * M).to(gl.int64) * N + offs, partial, mask=mask)
+    gl.thread_barrier()  # every thread's partial before the release below
+    arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        gl.thread_barrier()
+        if HAS_BIAS:
+            total = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[
+                :, None
+            ] + gl.zeros_like(partial)
+        else:
+            total = gl.zeros_like(partial)
+        for s in gl.static_range(SPLIT_K):
+            total += gl.load(
+                ws_ptr + (s * M).to(gl.int64) * N + offs, mask=mask, other=0.0, cache_modifier=".cg"
+            )
+        gl.store(ptrs, total.to(ptrs.dtype.element_ty), mask=mask)
+        gl.atomic_xchg(counter_ptr + tile, 0)
