@@ -17,8 +17,9 @@ scales other than bfloat16 / float16, zeros in another dtype than the scales, K 
 multiple of 64, a group size (below K) not a multiple of 64, or rows of x / qweight, the
 output or their base addresses not 16-byte aligned (TMA), an output or scales with a
 non-unit column stride. The act-order perm is applied before any backend (api.py); the
-bias is added in float32 before the single rounding, as the Triton kernels do. No split-K:
-N / BLOCK_N programs per band of BLOCK_M rows (128 at N = 8192).
+bias is added in float32 before the single rounding, as the Triton kernels do. No split-K by
+default (N / BLOCK_N programs per band of BLOCK_M rows: 128 at N = 8192); a forced config's
+split_k splits K over programs, finished in the launch (kernels.py, `_finish_split`).
 """
 
 from __future__ import annotations
