@@ -61,7 +61,8 @@ def test_routing_by_measured_speed() -> None:
     )
     assert "M = 16" in gluon.slower_than_triton(16, 8192, 8192)
     assert "M = 64" in gluon.slower_than_triton(64, 4096, 14336)
-    assert "not measured" in gluon.slower_than_triton(128, 2048, 8192)
+    assert "not measured" in gluon.slower_than_triton(128, 2048, 4096)
+    assert gluon.slower_than_triton(128, 2048, 8192) is None  # K split 4 ways: 0.93x against 0.36x
     assert "not measured" in gluon.slower_than_triton(256, 8192, 1024)
     # From M = 256 the kernel beat dequantize + cuBLAS at every shape measured (2048 x 2048 up).
     assert (
@@ -139,19 +140,25 @@ def test_launch_plans_decide_all_but_the_addresses() -> None:
 
 def test_configs() -> None:
     cfg = gluon.WgmmaConfig
-    assert gluon.config_for(16, 8192, 8192, 128) == cfg(16, 64, 128, 3, 2)
-    assert gluon.config_for(128, 8192, 8192, 128) == cfg(128, 64, 128, 3, 2)
+    assert gluon.config_for(16, 8192, 8192, 128) == cfg(16, 64, 128, 3, 2, 2)  # 128 tiles: K split in 2
+    assert gluon.config_for(128, 8192, 8192, 128) == cfg(128, 64, 128, 3, 2, 2)
     assert gluon.config_for(256, 8192, 8192, 128) == cfg(128, 128, 128, 4, 2)
     # The largest tile that still fills a wave (gluon.TILES_FOR_A_WAVE programs).
     assert gluon.config_for(2048, 8192, 8192, 128) == cfg(256, 128, 64, 4, 1)
     assert gluon.config_for(256, 14336, 4096, 128) == cfg(256, 128, 64, 4, 1)
     assert gluon.config_for(512, 4096, 14336, 128) == cfg(128, 128, 128, 4, 2)
-    assert gluon.config_for(256, 4096, 4096, 128) == cfg(128, 64, 128, 3, 2)
+    assert gluon.config_for(256, 4096, 4096, 128) == cfg(128, 64, 128, 3, 2)  # no split past 128 rows
     assert gluon.config_for(128, 28672, 8192, 128) == cfg(128, 128, 128, 4, 2)
     assert gluon.config_for(256, 2048, 8192, 128) == cfg(128, 64, 128, 3, 2)  # no tile fills a wave
     # Scales two steps ahead where every step starts a group; one group per row: one ahead.
     assert gluon.config_for(4096, 8192, 8192, 64) == cfg(256, 128, 64, 4, 2)
     assert gluon.config_for(128, 8192, 4096, 4096).scales_ahead == 1
+    # K split where the tiles leave less than two programs per SM, each split >= 16 steps.
+    assert gluon.config_for(128, 2048, 8192, 128).split_k == 4  # 32 tiles, 64 steps
+    assert gluon.config_for(128, 4096, 4096, 128).split_k == 2  # 64 tiles, 32 steps
+    assert gluon.config_for(64, 8192, 8192, 128).split_k == 2
+    assert gluon.config_for(16, 28672, 8192, 128).split_k == 1  # 448 tiles
+    assert gluon.config_for(128, 4096, 1024, 128).split_k == 1  # 8 steps
     assert gluon.config_for(17, 8192, 8192, 128).block_m == 32
     assert gluon.config_for(200, 8192, 8192, 128).block_m == 128
     assert gluon.config_for(128, 8192, 8192, 64).block_k == 64

@@ -17,15 +17,15 @@ scales other than bfloat16 / float16, zeros in another dtype than the scales, K 
 multiple of 64, a group size (below K) not a multiple of 64, or rows of x / qweight, the
 output or their base addresses not 16-byte aligned (TMA), an output or scales with a
 non-unit column stride. The act-order perm is applied before any backend (api.py); the
-bias is added in float32 before the single rounding, as the Triton kernels do. No split-K by
-default (N / BLOCK_N programs per band of BLOCK_M rows: 128 at N = 8192); a forced config's
-split_k splits K over programs, finished in the launch (kernels.py, `_finish_split`).
+bias is added in float32 before the single rounding, as the Triton kernels do. Up to M = 128
+the config may split K over programs where the weight tiles alone leave SMs short of two
+programs (`_split`), finished in the launch (kernels.py, `_finish_split`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -120,13 +120,31 @@ def config_for(m: int, n: int, k: int, group: int) -> WgmmaConfig | None:
     # 0.02-0.03x better (M = 2048).
     ahead = 2 if group == bk else 1
     if m <= 64:
-        return WgmmaConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, bk, 3, ahead)
+        return _split(WgmmaConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, bk, 3, ahead), m, n, k)
     candidates = [WgmmaConfig(256, 128, 64, 4, 2 if group == 64 else 1)] if m >= 256 else []
     candidates += [WgmmaConfig(128, 128, bk, 4, ahead), WgmmaConfig(128, 64, bk, 3, ahead)]
     for cfg in candidates:
         if -(-n // cfg.block_n) * -(-m // cfg.block_m) >= TILES_FOR_A_WAVE:
-            return cfg
-    return candidates[-1]
+            return _split(cfg, m, n, k) if m <= 128 else cfg
+    return _split(candidates[-1], m, n, k) if m <= 128 else candidates[-1]
+
+
+SPLIT_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
+SPLIT_MIN_STEPS = 16  # K steps per split below which the split's own prologue and epilogue cost more
+
+
+def _split(cfg: WgmmaConfig, m: int, n: int, k: int) -> WgmmaConfig:
+    """cfg with K split 4 or 2 ways where the weight tiles alone leave an SM with less than two
+    programs (one warpgroup of 4 warps each) and every split keeps SPLIT_MIN_STEPS K steps.
+    H100, 2026-12-06 (quant_wgmma_large_m.py, x F.linear, split 1 / 2 / 4): M = 128 8192 x 8192
+    1.22 / 1.27 / 0.88 (128 tiles), 4096 x 4096 0.75 / 0.82 / 0.76 (64 tiles, 32 steps),
+    2048 x 8192 0.48 / 0.72 / 0.93 (32 tiles); M = 64 8192 x 8192 1.36 / 1.53 / -."""
+    tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+    steps = k // cfg.block_k
+    for split in (4, 2):
+        if tiles * split <= SPLIT_PROGRAMS and steps // split >= SPLIT_MIN_STEPS:
+            return replace(cfg, split_k=split)
+    return cfg
 
 
 def all_configs() -> list[WgmmaConfig]:
@@ -172,10 +190,11 @@ def slower_than_triton(m: int, n: int, k: int) -> str | None:
       From M = 256 (H100, 2026-12-06, `quant_wgmma_large_m.py`; the Triton launcher runs
         dequantize + cuBLAS from M = 512): the kernel at every shape measured, 2048 x 2048 to
         28672 x 8192, M = 256-4096 (e.g. M = 2048: 0.84-0.97x against 0.65-0.80x; M = 256 at
-        2048 x 8192: 0.46x against 0.26x).
+        2048 x 8192: 0.46x against 0.26x); from M = 96 at N >= 2048 with K >= 8192 (M = 128 at
+        2048 x 8192 with K split 4 ways: 0.93x against Triton's 0.36x).
     Other shapes below N = 4096 or K = 4096 were not measured and stay on Triton. A forced
     "wgmma" ignores this."""
-    if m >= 256 and n >= 2048 and k >= 2048:
+    if (m >= 256 and n >= 2048 and k >= 2048) or (m >= 96 and n >= 2048 and k >= 8192):
         return None
     if n < 4096 or k < 4096:
         return f"N x K = {n} x {k}: the wgmma kernel was not measured below 4096 x 4096"
