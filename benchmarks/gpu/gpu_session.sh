@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,largem,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -152,6 +152,15 @@ if [[ $steps == *wall* && $family == quant ]]; then
   # eager wall and kernel time against the default and F.linear (benchmarks/studies/quant_wgmma_wall.py).
   timeout ${WGMMA_TESTS_S:-150} python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x 2>&1 | tee "$out/wgmma_tests.txt" | tail -8
   timeout ${WALL_S:-240} python3 benchmarks/studies/quant_wgmma_wall.py 2>&1 | tee "$out/wgmma_wall.txt" | tail -40
+fi
+if [[ $steps == *largem* && $family == quant ]]; then
+  # The wgmma kernel's quant 0.10.8 defaults (256-row bands from M = 256, scales two steps
+  # ahead, K split up to M = 128): their GPU tests, the public op as routed against F.linear
+  # (the split defaults were timed only as forced configs), and the large-M study's defaults.
+  timeout ${WGMMA_TESTS_S:-150} python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x \
+    -k "split_k or large_m or fp16_scales or repeated or (forced and 4096)" 2>&1 | tee "$out/largem_tests.txt" | tail -4
+  timeout ${WALL_S:-200} python3 benchmarks/studies/quant_wgmma_wall.py --shapes 8192x8192,28672x8192,2048x8192,4096x4096 \
+    --ms 64,128,256,2048 2>&1 | tee "$out/largem_wall.txt" | tail -20
 fi
 if [[ $steps == *bars* && $family == quant ]]; then
   # Issue 24's bars in one call (carry .whl: transformers for the decode step): M = 1 and 16
