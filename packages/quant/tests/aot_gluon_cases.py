@@ -18,7 +18,7 @@ def _desc(dtype: str, shape: list[int]) -> str:
 
 
 def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True, bias: str | None = None,
-               group: int = 128):  # fmt: skip
+               group: int = 128, nf4: bool = False):  # fmt: skip
     """The launch of gluon.launch for config `cfg` (a gluon.WgmmaConfig)."""
     from openkernels.shared.dev.testing.aot import AotCase
 
@@ -29,9 +29,9 @@ def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True
         "M": "i32", "N": "i32", "K": "i32", "stride_sg": "i32", "stride_om": "i32", "steps_per_split": "i32",
     }  # fmt: skip
     constexprs = {"GROUP": group, "STAGES": cfg.stages, "HAS_ZEROS": zeros, "HAS_BIAS": bias is not None,
-                  "SCALE_16": scales == x, "SCALES_AHEAD": cfg.scales_ahead, "SPLIT_K": cfg.split_k}  # fmt: skip
+                  "SCALE_16": scales == x, "SCALES_AHEAD": cfg.scales_ahead, "SPLIT_K": cfg.split_k, "NF4": nf4}  # fmt: skip
     label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}k{cfg.split_k}-{x}-{scales}"
-             f"{'-zeros' if zeros else '-sym'}{f'-bias{bias}' if bias else ''}-g{group}")  # fmt: skip
+             f"{'-nf4' if nf4 else '-zeros' if zeros else '-sym'}{f'-bias{bias}' if bias else ''}-g{group}")  # fmt: skip
     # K, N, the strides: the launcher passes what the call has (no "D" specialization assumed).
     return AotCase(_KERNEL, signature, constexprs, num_warps=cfg.num_warps, label=label,
                    attrs={"M": "", "N": "", "K": "", "stride_sg": "", "stride_om": "", "steps_per_split": ""})  # fmt: skip
@@ -57,6 +57,13 @@ def cases_for(family: str) -> list:
                 for zeros in (True, False):
                     c = wgmma_case(cfg, x, scales, zeros=zeros, bias="fp32" if zeros else x)
                     out[c.label] = c
+    # NF4 (the register lookup of the levels), both dtypes, scales in x's dtype or not.
+    for m in (128, 2048):
+        cfg = gluon.config_for(m, 8192, 8192, 128)
+        for x in ("bf16", "fp16"):
+            for scales in ("bf16", "fp16"):
+                c = wgmma_case(cfg, x, scales, zeros=False, nf4=True)
+                out[c.label] = c
     # K split over programs (the split-K epilogue: partials, the arrival counter).
     for split_cfg in (gluon.WgmmaConfig(128, 64, 128, 3, 2, 2), gluon.WgmmaConfig(16, 64, 128, 3, 2, 4)):
         c = wgmma_case(split_cfg, bias="fp32")

@@ -78,7 +78,7 @@ def rounds_weight(
 
         if (
             gluon.MIN_M <= m <= gluon.MAX_M
-            and kind == "int4"
+            and kind in ("int4", "nf4")
             and gluon.config_for(m, n, k, group) is not None
         ):
             return True

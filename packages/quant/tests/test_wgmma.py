@@ -92,7 +92,11 @@ def test_refusals_go_to_triton() -> None:
     assert gluon.unsupported_call(*_call(m=16)) is None and gluon.unsupported_call(*_call(m=256)) is None
     assert "rows of x" in gluon.unsupported_call(*_call(m=15))
     assert gluon.unsupported_call(*_call(m=257)) is None  # large M: no upper limit since quant 0.10.8
-    assert "nf4" in gluon.unsupported_call(*_call(kind="nf4", zeros=False))
+    # NF4 runs here (the register lookup, quant 0.10.8), forced only until timed.
+    nf4_call = _call(kind="nf4", zeros=False)
+    assert gluon.unsupported_call(*nf4_call) is None
+    assert gluon._plan(*nf4_call, None).routed == gluon.NF4_NOT_TIMED
+    assert gluon._plan(*nf4_call, None).flags["NF4"] and not gluon._plan(*_call(), None).flags["NF4"]
     assert "bfloat16 / float16" in gluon.unsupported_call(*_call(dtype=torch.float32))
     call = _call()
     call[3] = call[3].half()  # zeros in another dtype than the scales
@@ -127,7 +131,7 @@ def test_launch_plans_decide_all_but_the_addresses() -> None:
     cfg = gluon.config_for(64, 200, 512, 128)
     assert plan.grid == (-(-200 // cfg.block_n),) and plan.ints == (64, 200, 512, call[2].stride(0), 200, 4)
     assert plan.flags == dict(GROUP=128, STAGES=cfg.stages, HAS_ZEROS=True, HAS_BIAS=False, SCALE_16=True,
-                              SCALES_AHEAD=cfg.scales_ahead, SPLIT_K=1)  # fmt: skip
+                              SCALES_AHEAD=cfg.scales_ahead, SPLIT_K=cfg.split_k, NF4=False)  # fmt: skip
     assert plan.num_warps == cfg.num_warps and plan.x_block == (cfg.block_m, cfg.block_k)
     assert plan.w_block == (cfg.block_n, cfg.block_k // 2)
     refused = _call(m=8)
@@ -198,16 +202,40 @@ def _dequantize(packed, scale, zero, dtype, scale_16: bool) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
 
 
-def _prmt(a: torch.Tensor, b: torch.Tensor, select: int) -> torch.Tensor:
+def _prmt(a, b, select) -> torch.Tensor:
     """PTX prmt.b32 (default mode) on int64 tensors holding 32-bit values: output byte k is
-    byte (select >> 4k) & 7 of {a's bytes 0-3, b's bytes 4-7} (selector nibbles below 8)."""
-    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = torch.zeros_like(a)
+    byte (select >> 4k) & 7 of {a's bytes 0-3, b's bytes 4-7}, or with the nibble's bit 3 set
+    that byte's top bit copied into all 8 bits. `select` an int or a tensor (per element)."""
+    a, b, select = torch.broadcast_tensors(*(torch.as_tensor(v, dtype=torch.int64) for v in (a, b, select)))
+    src = torch.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+    out = torch.zeros(src.shape[1:], dtype=torch.int64)
     for k in range(4):
-        nibble = (select >> (4 * k)) & 0xF
-        assert nibble < 8
-        out |= src[nibble] << (8 * k)
+        nibble = ((select >> (4 * k)) & 0xF).expand(src.shape[1:])
+        byte = torch.gather(src, 0, (nibble & 7)[None])[0]
+        byte = torch.where((nibble & 8) != 0, torch.where((byte & 0x80) != 0, 0xFF, 0), byte)
+        out |= byte << (8 * k)
     return out
+
+
+def _lop3_select(a, b, mask) -> torch.Tensor:
+    """lop3.b32 with LUT 0xD8: mask ? b : a, bit by bit."""
+    return (a & ~mask & 0xFFFFFFFF) | (b & mask)
+
+
+def _nf4_pair_words(byte: torch.Tensor, dtype) -> torch.Tensor:
+    """kernels._dequantize_nf4's lookup, instruction by instruction, for code bytes `byte` (the
+    word's byte t already chosen): the 32-bit register (level[low nibble], level[high nibble])."""
+    from openkernels.quant.gluon.kernels import nf4_table_words
+
+    table = [w & 0xFFFFFFFF for w in nf4_table_words.fn("bf16" if dtype == torch.bfloat16 else "fp16")]
+    word = byte.to(torch.int64)  # bytes 1-3 of the word do not reach the result: zero here
+    x = _prmt(word, word, 0x00)  # byte 0 (t = 0: the selector's nibbles 0 and 1 both t)
+    s = x & 0x7777
+    y = (x << 4) & 0xFFFFFFFF
+    m = _prmt(y, x, 0xD8D8)
+    pl, ph = _prmt(table[0], table[1], s), _prmt(table[2], table[3], s)
+    ql, qh = _prmt(table[4], table[5], s), _prmt(table[6], table[7], s)
+    return _prmt(_lop3_select(pl, ph, m), _lop3_select(ql, qh, m), 0x5140)
 
 
 def _dequantize_words(codes, scale, zero, dtype, scale_16: bool) -> torch.Tensor:
@@ -235,7 +263,29 @@ def _dequantize_words(codes, scale, zero, dtype, scale_16: bool) -> torch.Tensor
     return out.reshape(rows, 2 * cols)  # column 8a + 2t + e
 
 
-def _emulate(x, qweight, scales, zeros, bias, out, group: int, cfg: gluon.WgmmaConfig) -> None:
+def _dequantize_words_nf4(codes, scale, dtype, scale_16: bool) -> torch.Tensor:
+    """kernels._dequantize_nf4 as the kernel computes it: byte t of each word (thread t of a
+    lane quad) looked up by _nf4_pair_words, then the product with the scale (16-bit, or float32
+    rounded once)."""
+    rows, cols = codes.shape
+    b = codes.to(torch.int64).reshape(rows, cols // 4, 4)
+    out = torch.empty(rows, cols // 4, 4, 2, dtype=dtype)
+    for t in range(4):
+        u = _nf4_pair_words(b[..., t], dtype)
+        low = (u & 0xFFFF).to(torch.int32).to(torch.int16).view(dtype)
+        high = (u >> 16).to(torch.int32).to(torch.int16).view(dtype)
+        if scale_16:
+            s16 = scale.to(dtype)[:, None]
+            low, high = low * s16, high * s16
+        else:
+            low, high = (low.float() * scale[:, None]).to(dtype), (high.float() * scale[:, None]).to(dtype)
+        out[:, :, t, 0], out[:, :, t, 1] = low, high
+    return out.reshape(rows, 2 * cols)  # column 8a + 2t + e
+
+
+def _emulate(
+    x, qweight, scales, zeros, bias, out, group: int, cfg: gluon.WgmmaConfig, kind: str = "int4"
+) -> None:
     """int4_linear_wgmma_kernel, program by program (the grid's order: the M tiles of a weight
     tile and split consecutive), in float64 products of the 16-bit operands; a split's partial
     rounded to float32 (its workspace), the partials added in split order after the bias."""
@@ -253,7 +303,7 @@ def _emulate(x, qweight, scales, zeros, bias, out, group: int, cfg: gluon.WgmmaC
         tile_m, split, tile_n = pid % tiles_m, (pid // tiles_m) % cfg.split_k, pid // (tiles_m * cfg.split_k)
         k0 = split * per_split
         acc = _program(x, qweight, scales, zeros, g_size, cfg, tile_n * cfg.block_n, tile_m * cfg.block_m, k0,
-                       min(per_split, steps - k0))  # fmt: skip
+                       min(per_split, steps - k0), kind)  # fmt: skip
         partials.setdefault((tile_n, tile_m), []).append(
             (split, acc if cfg.split_k == 1 else acc.float().double())
         )
@@ -274,7 +324,7 @@ def _emulate(x, qweight, scales, zeros, bias, out, group: int, cfg: gluon.WgmmaC
 
 
 def _program(
-    x, qweight, scales, zeros, g_size: int, cfg, off_n: int, off_m: int, k0: int, n_k: int
+    x, qweight, scales, zeros, g_size: int, cfg, off_n: int, off_m: int, k0: int, n_k: int, kind: str = "int4"
 ) -> torch.Tensor:
     """One program's accumulator (float64, no bias) over K steps k0 .. k0 + n_k - 1. The ring: a
     stage is refilled only once the wgmma that read it has retired (one wgmma outstanding after
@@ -313,7 +363,10 @@ def _program(
         step, x_tile, codes = ring[i % stages]
         assert step == i, f"step {i} read stage {i % stages} holding step {step}"
         scale, zero = params(((k0 + i) * bk) // g_size)  # loaded ahead in the kernel: the same group
-        w = _dequantize_words(codes, scale, zero, x.dtype, scales.dtype == x.dtype)
+        if kind == "nf4":
+            w = _dequantize_words_nf4(codes, scale, x.dtype, scales.dtype == x.dtype)
+        else:
+            w = _dequantize_words(codes, scale, zero, x.dtype, scales.dtype == x.dtype)
         acc += w.double() @ x_tile.double().t()  # wgmma i (exact products, float32 sums ~ float64)
         retired[0] = i - 1  # warpgroup_mma_wait(1): wgmma i - 1 retired
         if i + stages - 1 < n_k:
@@ -366,6 +419,23 @@ def test_transliteration_of_split_k(split) -> None:
     assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated {cfg}")
 
 
+@pytest.mark.parametrize(("dtype", "scale_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16)],
+                         ids=str)  # fmt: skip
+def test_transliteration_of_nf4(dtype, scale_dtype) -> None:
+    """NF4 through the kernel's tiling with the register lookup: the level rounded to x's
+    dtype, then its product with the scale rounded (two roundings, inside the contract's
+    4-u random walk), against the float64 reference; a ragged weight tile, a bias, a split."""
+    gen = torch.Generator().manual_seed(4)
+    m, n, k, group = 40, 72, 512, 128
+    weight = Q.quantize_nf4(make_weight(n, k, heavy=True, generator=gen), group, scale_dtype=scale_dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen)
+    for cfg in (gluon.config_for(m, n, k, group), gluon.WgmmaConfig(64, 64, 128, 3, 2, 2)):
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        _emulate(x, weight.qweight, weight.scales, None, b, out, group, cfg, "nf4")
+        assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated nf4 {cfg}")
+
+
 def test_transliteration_of_256_row_bands() -> None:
     """The large-M tile (256-row bands of x on 128-row weight tiles, 64-column steps): a ragged
     last band and weight tile, a bias."""
@@ -378,6 +448,28 @@ def test_transliteration_of_256_row_bands() -> None:
     out = torch.full((m, n), float("nan"), dtype=x.dtype)
     _emulate(x, weight.qweight, weight.scales, weight.zeros, b, out, group, cfg)
     assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated {cfg}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_nf4_register_lookup_gives_every_level(dtype) -> None:
+    """The NF4 lookup's permutes and selects, emulated bit by bit, give for all 256 code bytes
+    the pair (level[low nibble], level[high nibble]) rounded to x's dtype: a table word or a
+    selector wrong in one nibble fails here."""
+    import inspect
+
+    from openkernels.quant.format import NF4_VALUES
+    from openkernels.quant.gluon import kernels
+
+    # The emulation's constants are the kernel's (its inline PTX, kernels._dequantize_nf4).
+    source = inspect.getsource(kernels)
+    for piece in ("and.b32 s, x, 0x7777", "shl.b32 y, x, 4", "prmt.b32 m, y, x, 0xD8D8", "lop3.b32 pl, pl, ph, m, 0xD8",
+                  "lop3.b32 ql, ql, qh, m, 0xD8", "prmt.b32 u, pl, ql, 0x5140", "(t | (t << 4))"):  # fmt: skip
+        assert piece in source, piece
+    byte = torch.arange(256)
+    pair = _nf4_pair_words(byte, dtype)
+    levels = torch.tensor(NF4_VALUES).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    assert torch.equal(pair & 0xFFFF, levels[byte & 0xF])
+    assert torch.equal(pair >> 16, levels[byte >> 4])
 
 
 def test_rounding_the_scaled_weight_fits_the_contract() -> None:
@@ -438,6 +530,25 @@ def _bound(x, weight, bias, dtype) -> torch.Tensor:
     w = Q.dequantize_int4(weight.to("cpu"), torch.float64)
     ref = xd @ w.t() + (0 if bias is None else bias.double().cpu())
     return R.linear_error_bound(xd, w, ref, dtype, weight_rounded_to=x.dtype)
+
+
+@pytest.mark.gpu
+@_needs_sm90
+@pytest.mark.parametrize("m", [16, 100, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forced_nf4_matches_the_reference(m, dtype) -> None:
+    """NF4 through the register lookup (forced: unforced NF4 calls run the Triton path until
+    timed), odd N, a bias, against the reference and the Triton path."""
+    n, k = 1000 + 8 * (m % 3) + 4, 2048
+    gen = torch.Generator().manual_seed(m)
+    weight = Q.quantize_nf4(make_weight(n, k, heavy=True, generator=gen), 64).to("cuda")
+    x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+    bias = torch.randn(n, generator=gen).to("cuda")
+    with dispatch.force("int4_linear:wgmma"):
+        out = Q.int4_linear(x, weight, bias)
+    assert gluon.unsupported_call(x, weight.qweight, weight.scales, None, bias, out, 64, "nf4") is None
+    assert_linear_close(out, x, weight, bias, w_rounded=True, msg=f"wgmma nf4 m={m}")
+    assert_linear_close(Q.int4_linear(x, weight, bias), x, weight, bias, w_rounded=True, msg="triton nf4")
 
 
 @pytest.mark.gpu

@@ -134,6 +134,72 @@ def _splat_pair(v):
     return bits | (bits << 16)
 
 
+@gluon.constexpr_function
+def nf4_table_words(dtype):
+    """The 16 NF4 levels rounded to `dtype` (bf16 / fp16) as eight 32-bit words: four of their
+    low bytes (levels 4j .. 4j + 3 in word j), then four of their high bytes: the tables
+    _dequantize_nf4's byte permutes read (a register lookup, no memory)."""
+    import torch
+
+    from ..format import NF4_VALUES
+
+    torch_dtype = torch.bfloat16 if str(dtype) in ("bf16", "bfloat16") else torch.float16
+    bits = [int(v) & 0xFFFF for v in torch.tensor(NF4_VALUES).to(torch_dtype).view(torch.int16).tolist()]
+    words = []
+    for shift in (0, 8):
+        for j in range(4):
+            word = sum(((bits[4 * j + i] >> shift) & 0xFF) << (8 * i) for i in range(4))
+            words.append(word - (1 << 32) if word >= 1 << 31 else word)  # as int32
+    return words
+
+
+@gluon.jit
+def _dequantize_nf4(words, scale, words3: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr,
+                    SCALE_16: gl.constexpr):  # fmt: skip
+    """NF4 as _dequantize does int4: thread t of a lane quad takes byte t of each word, whose
+    low nibble a and high nibble b are the codes of its column pair, and builds the register
+    (level[a], level[b]) by byte permutes from eight table registers (nf4_table_words):
+    prmt puts byte t twice in the low half, an and leaves the selector (a & 7, b & 7, a & 7,
+    b & 7), four prmts read the low and high bytes of levels 0-7 and 8-15, a shift and a
+    sign-replicating prmt make the byte masks of bit 3 (a's in bytes 0 and 2, b's in 1 and 3),
+    two lop3s pick between the halves of the table and one prmt interleaves low and high bytes:
+    12 instructions per pair with the scale's product (int4: 5). W = level rounded to x's
+    dtype, then its product with the scale rounded: two roundings (docs/ops/quant.md)."""
+    t = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, words3)))
+    select = (t | (t << 4))[None, None, :]  # bytes 0 and 1 <- word byte t
+    table: gl.constexpr = nf4_table_words(DTYPE)
+    zero3 = select * 0
+    lo0, lo1, lo2, lo3 = zero3 + table[0], zero3 + table[1], zero3 + table[2], zero3 + table[3]
+    hi0, hi1, hi2, hi3 = zero3 + table[4], zero3 + table[5], zero3 + table[6], zero3 + table[7]
+    lookup: gl.constexpr = (
+        "{ .reg .b32 x, y, s, m, pl, ph, ql, qh, u; "
+        "prmt.b32 x, $2, $2, $3; and.b32 s, x, 0x7777; shl.b32 y, x, 4; prmt.b32 m, y, x, 0xD8D8; "
+        "prmt.b32 pl, $4, $5, s; prmt.b32 ph, $6, $7, s; prmt.b32 ql, $8, $9, s; prmt.b32 qh, $10, $11, s; "
+        "lop3.b32 pl, pl, ph, m, 0xD8; lop3.b32 ql, ql, qh, m, 0xD8; prmt.b32 u, pl, ql, 0x5140; "
+    )
+    tables = [words[:, :, None], select, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3]
+    if SCALE_16:
+        if DTYPE == gl.bfloat16:  # noqa: SIM300 - DTYPE is a constexpr argument
+            mul: gl.constexpr = "mul.rn.bf16x2 u, u, $12; "
+        else:
+            mul: gl.constexpr = "mul.rn.f16x2 u, u, $12; "
+        s2 = _splat_pair(scale.to(DTYPE))[:, None, None]
+        low, high = gl.inline_asm_elementwise(
+            lookup + mul + "mov.b32 {$0, $1}, u; }", "=h,=h" + ",r" * 11, tables + [s2],  # noqa: RUF005
+            dtype=(DTYPE.value, DTYPE.value), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        low, high = gl.inline_asm_elementwise(
+            lookup + "mov.b32 {$0, $1}, u; }", "=h,=h" + ",r" * 10, tables, dtype=(DTYPE.value, DTYPE.value),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+        low = (low.to(gl.float32) * scale[:, None, None]).to(DTYPE)
+        high = (high.to(gl.float32) * scale[:, None, None]).to(DTYPE)
+    w = gl.join(low, high)  # (BLOCK_N, BLOCK_K // 8, 4, 2): column 8a + 2t + e
+    w = w.reshape([words.shape[0], 8 * words.shape[1]])
+    return gl.convert_layout(w, a_layout)
+
+
 @gluon.jit
 def _dequantize(words, scale, zero, words3: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr,
                 SCALE_16: gl.constexpr):  # fmt: skip
@@ -183,7 +249,7 @@ def _dequantize(words, scale, zero, words3: gl.constexpr, a_layout: gl.constexpr
 def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr,
           offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3: gl.constexpr, a_layout: gl.constexpr,
           DTYPE: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr,
-          SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr):  # fmt: skip
+          SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr, NF4: gl.constexpr):  # fmt: skip
     """The program's K step i (of n_k, K step k0 + i of the row): wait for its stage, dequantize its codes (scale, zero: its group's), issue its
     wgmma, load the scales SCALES_AHEAD steps on, wait until one wgmma is outstanding (step
     i - 1's, whose operand is w_other, has retired), refill the freed stage with step
@@ -197,7 +263,10 @@ def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, 
     words = codes._reinterpret(
         gl.int32, [codes.shape[0], codes.shape[1] // 4], _words_smem_layout(codes.layout)
     )
-    w = _dequantize(words.load(gl.SliceLayout(2, words3)), scale, zero, words3, a_layout, DTYPE, SCALE_16)
+    if NF4:
+        w = _dequantize_nf4(words.load(gl.SliceLayout(2, words3)), scale, words3, a_layout, DTYPE, SCALE_16)
+    else:
+        w = _dequantize(words.load(gl.SliceLayout(2, words3)), scale, zero, words3, a_layout, DTYPE, SCALE_16)
     acc = warpgroup_mma(w, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
     # Later steps' scales (and zeros) while the product runs. One step ahead, their loads'
     # latency (an L2 round trip) lands right after the wait below, on the next step's
@@ -220,7 +289,7 @@ def int4_linear_wgmma_kernel(
     x_desc, qw_desc, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
     M, N, K, stride_sg, stride_om, steps_per_split,
     GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
-    SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr = 1, SPLIT_K: gl.constexpr = 1,
+    SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr = 1, SPLIT_K: gl.constexpr = 1, NF4: gl.constexpr = False,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ W^T (+ bias). x_desc: (M, K) blocks (BLOCK_M, BLOCK_K); qw_desc:
     codes (N, K // 2) blocks (BLOCK_N, BLOCK_K // 2). K % BLOCK_K == 0 and BLOCK_K divides
@@ -238,6 +307,7 @@ def int4_linear_wgmma_kernel(
     gl.static_assert(STAGES >= 2)
     gl.static_assert(GROUP % BLOCK_K == 0)
     gl.static_assert(SCALES_AHEAD == 1 or SCALES_AHEAD == 2)
+    gl.static_assert(not (NF4 and HAS_ZEROS))  # NF4: W = level * scale
 
     mma_layout: gl.constexpr = acc_layout(WARPS, BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -287,18 +357,18 @@ def int4_linear_wgmma_kernel(
         acc, w_even, scale, zero, scale_next, zero_next = _step(
             i, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
             z_ptr, offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
-            SCALE_16, SCALES_AHEAD,
+            SCALE_16, SCALES_AHEAD, NF4,
         )  # fmt: skip
         acc, w_odd, scale, zero, scale_next, zero_next = _step(
             i + 1, acc, w_even, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
             z_ptr, offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
-            SCALE_16, SCALES_AHEAD,
+            SCALE_16, SCALES_AHEAD, NF4,
         )  # fmt: skip
     if n_k % 2 == 1:
         acc, w_even, scale, zero, scale_next, zero_next = _step(
             n_k - 1, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
             z_ptr, offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
-            SCALE_16, SCALES_AHEAD,
+            SCALE_16, SCALES_AHEAD, NF4,
         )  # fmt: skip
         w_odd = w_even
     acc, w_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_odd))
