@@ -158,9 +158,12 @@ if [[ $steps == *largem* && $family == quant ]]; then
   # ahead, K split up to M = 128): their GPU tests, the public op as routed against F.linear
   # (the split defaults were timed only as forced configs), and the large-M study's defaults.
   timeout ${WGMMA_TESTS_S:-150} python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x \
-    -k "split_k or large_m or fp16_scales or repeated or (forced and 4096)" 2>&1 | tee "$out/largem_tests.txt" | tail -4
+    -k "split_k or large_m or nf4 or fp16_scales or repeated or (forced and 4096)" 2>&1 | tee "$out/largem_tests.txt" | tail -4
   timeout ${WALL_S:-200} python3 benchmarks/studies/quant_wgmma_wall.py --shapes 8192x8192,28672x8192,2048x8192,4096x4096 \
     --ms 64,128,256,2048 2>&1 | tee "$out/largem_wall.txt" | tail -20
+  # NF4 on the wgmma kernel (forced only until this says where it beats the routed Triton path).
+  timeout ${NF4_S:-150} python3 benchmarks/studies/quant_wgmma_large_m.py --kind nf4 --ms 64,128,2048 \
+    --shapes 8192x8192,28672x8192 --configs m64n64k128s3a2x2,m128n64k128s3a2x2,m256n128k64s4 2>&1 | tee "$out/largem_nf4.txt" | grep -v "^\[" | tail -12
 fi
 if [[ $steps == *bars* && $family == quant ]]; then
   # Issue 24's bars in one call (carry .whl: transformers for the decode step): M = 1 and 16

@@ -32,6 +32,7 @@ from openkernels.shared.dev.bench import rotating_graph_ms as _graph_ms
 from openkernels.shared.dev.bench import tensor_bytes
 
 GROUP = 128
+KIND = "int4"  # --kind
 SERIES_BYTES = 200e6
 CALLS = 20
 T0 = time.perf_counter()
@@ -78,11 +79,16 @@ def main() -> int:
     ap.add_argument("--ms", default="128,512,1024,2048")
     ap.add_argument("--shapes", default="8192x8192,28672x8192")
     ap.add_argument(
+        "--kind", default="int4", choices=("int4", "nf4"), help="nf4: the public op runs Triton (routed)"
+    )
+    ap.add_argument(
         "--configs",
         default="",
         help="e.g. m256n128k64s4,m128n64k128s3a2x2 instead of the sweep (aN: scales N steps ahead, xS: split K S ways)",
     )
     args = ap.parse_args()
+    global KIND
+    KIND = args.kind
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -97,6 +103,12 @@ def main() -> int:
             r"m(\d+)n(\d+)k(\d+)s(\d+)(?:a(\d))?(?:x(\d))?", spec
         ).groups()
         ONLY.append(gluon.WgmmaConfig(int(bm), int(bn), int(bk), int(st), int(ahead or 1), int(split or 1)))
+
+    def quantize(w):
+        if KIND == "nf4":
+            return Q.quantize_nf4(w, GROUP, scale_dtype=torch.bfloat16)
+        return Q.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
+
     gluon.MAX_M = 1 << 16  # this study's calls only: the launcher's own routing is not used
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -106,9 +118,9 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     n, k = 4100, 4096
     w = torch.randn(n, k, device=dev, generator=gen) * 0.02
-    weight = Q.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
+    weight = quantize(w)
     b = torch.randn(n, device=dev, generator=gen)
-    wd = R.dequantize_int4_ref(weight.qweight, weight.scales, weight.zeros, GROUP, "int4", torch.float64)
+    wd = R.dequantize_int4_ref(weight.qweight, weight.scales, weight.zeros, GROUP, KIND, torch.float64)
     for m in (20, 300, 2048):
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         ref = x.double() @ wd.t() + b.double()
@@ -116,7 +128,7 @@ def main() -> int:
         for cfg in configs(gluon, m):
             o = torch.full((m, n), float("nan"), device=dev, dtype=x.dtype)
             gluon.int4_linear_fwd(
-                x, weight.qweight, weight.scales, weight.zeros, b, o, GROUP, "int4", config=cfg
+                x, weight.qweight, weight.scales, weight.zeros, b, o, GROUP, KIND, config=cfg
             )
             over = int(((o.double() - ref).abs() > bound).sum())
             if torch.isnan(o).any() or over:
@@ -135,9 +147,10 @@ def main() -> int:
         w = torch.randn(n, k, device=dev, generator=gen) * 0.02
         w16 = [w.to(torch.bfloat16)]
         w16 += [w16[0].clone() for _ in range(max(1, math.ceil(SERIES_BYTES / tensor_bytes(w16[0]))) - 1)]
-        q = Q.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
-        copies = [Q.Int4Weight(q.qweight.clone(), q.scales.clone(), q.zeros.clone(), q.group_size, q.kind)
-                  for _ in range(max(2, math.ceil(SERIES_BYTES / tensor_bytes(q.qweight, q.scales, q.zeros))))]  # fmt: skip
+        q = quantize(w)
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        copies = [Q.Int4Weight(q.qweight.clone(), q.scales.clone(), clone(q.zeros), q.group_size, q.kind)
+                  for _ in range(max(2, math.ceil(SERIES_BYTES / q.nbytes())))]  # fmt: skip
         for m in ms:
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
@@ -155,7 +168,7 @@ def main() -> int:
             )
             for cfg in configs(gluon, m):
                 fns = [lambda c=c, cfg=cfg, x=x, out=out: gluon.int4_linear_fwd(x, c.qweight, c.scales, c.zeros, None, out, GROUP,
-                                                                  "int4", config=cfg) for c in copies]  # fmt: skip
+                                                                  KIND, config=cfg) for c in copies]  # fmt: skip
                 rows.append((label(cfg), rotating_graph_ms(fns, CALLS)))
             base = rows[0][1]
             flops = 2 * m * n * k
