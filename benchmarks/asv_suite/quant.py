@@ -32,7 +32,9 @@ def _case(dev: Any, kind: str, m: str, shape: str, dtype: str, peers: list[str])
 class Int4Linear(_h.Suite, _h.GBps):
     gpu_shapes = ["8192x8192", "28672x8192"]
     cpu_shapes = ["4096x4096"]
-    gpu_only = {"m": ["2048"]}  # a GPU path (Hopper: the wgmma kernel; else dequantize + GEMM); CPUs stop at M = 128
+    gpu_only = {
+        "m": ["2048"]
+    }  # a GPU path (Hopper: the wgmma kernel; else dequantize + GEMM); CPUs stop at M = 128
     params = [["int4", "nf4"], ["1", "16", "128", "2048"], gpu_shapes + cpu_shapes, _h.DTYPES, _h.BACKENDS]
     param_names = ["kind", "m", "shape", "dtype", "backend"]
     case = staticmethod(_case)

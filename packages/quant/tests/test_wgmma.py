@@ -163,6 +163,7 @@ def test_configs() -> None:
     assert gluon.config_for(64, 8192, 8192, 128).split_k == 2
     assert gluon.config_for(16, 28672, 8192, 128).split_k == 1  # 448 tiles
     assert gluon.config_for(128, 4096, 1024, 128).split_k == 1  # 8 steps
+    assert gluon.config_for(128, 12288, 8192, 128) == cfg(128, 128, 128, 4, 2)  # 8 warps: not split
     assert gluon.config_for(17, 8192, 8192, 128).block_m == 32
     assert gluon.config_for(200, 8192, 8192, 128).block_m == 128
     assert gluon.config_for(128, 8192, 8192, 64).block_k == 64

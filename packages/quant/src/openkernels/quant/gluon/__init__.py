@@ -139,6 +139,8 @@ def _split(cfg: WgmmaConfig, m: int, n: int, k: int) -> WgmmaConfig:
     H100, 2026-12-06 (quant_wgmma_large_m.py, x F.linear, split 1 / 2 / 4): M = 128 8192 x 8192
     1.22 / 1.27 / 0.88 (128 tiles), 4096 x 4096 0.75 / 0.82 / 0.76 (64 tiles, 32 steps),
     2048 x 8192 0.48 / 0.72 / 0.93 (32 tiles); M = 64 8192 x 8192 1.36 / 1.53 / -."""
+    if cfg.block_n != 64:  # two 8-warp programs do not fit an SM (~210 registers a thread)
+        return cfg
     tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
     steps = k // cfg.block_k
     for split in (4, 2):

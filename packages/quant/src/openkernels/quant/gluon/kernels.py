@@ -35,6 +35,10 @@ Triton tiled kernel does (triton/kernels.py, SWAP_AB):
   operand as a dependence to keep it live up to that wait.
 * Epilogue: float32 bias added, rounded once to x's dtype, stored transposed
   (y[m, n] = acc[n, m]) after a conversion to a layout with 8 consecutive n per thread.
+  SPLIT_K > 1: the program takes a contiguous share of the K steps and finishes as the Triton
+  kernels' split-K does (`_finish_split`).
+* NF4 (`_dequantize_nf4`): the same pairs built by a register lookup of the levels instead of
+  the mantissa trick.
 
 Where this differs from the Triton kernel (and why): the scale is applied to the weight
 *before* the product (W = (q - z) s rounded to x's dtype), not per group after it: an
