@@ -152,7 +152,7 @@ def test_configs() -> None:
     assert gluon.config_for(256, 14336, 4096, 128) == cfg(256, 128, 64, 4, 1)
     assert gluon.config_for(512, 4096, 14336, 128) == cfg(128, 128, 128, 4, 2)
     assert gluon.config_for(256, 4096, 4096, 128) == cfg(128, 64, 128, 3, 2)  # no split past 128 rows
-    assert gluon.config_for(128, 28672, 8192, 128) == cfg(128, 128, 128, 4, 2)
+    assert gluon.config_for(128, 28672, 8192, 128) == cfg(128, 64, 128, 3, 2)  # 448 tiles: no split
     assert gluon.config_for(256, 2048, 8192, 128) == cfg(128, 64, 128, 3, 2)  # no tile fills a wave
     # Scales two steps ahead where every step starts a group; one group per row: one ahead.
     assert gluon.config_for(4096, 8192, 8192, 64) == cfg(256, 128, 64, 4, 2)
@@ -163,7 +163,7 @@ def test_configs() -> None:
     assert gluon.config_for(64, 8192, 8192, 128).split_k == 2
     assert gluon.config_for(16, 28672, 8192, 128).split_k == 1  # 448 tiles
     assert gluon.config_for(128, 4096, 1024, 128).split_k == 1  # 8 steps
-    assert gluon.config_for(128, 12288, 8192, 128) == cfg(128, 128, 128, 4, 2)  # 8 warps: not split
+    assert gluon.config_for(192, 12288, 8192, 128) == cfg(128, 128, 128, 4, 2)  # past 128 rows: not split
     assert gluon.config_for(17, 8192, 8192, 128).block_m == 32
     assert gluon.config_for(200, 8192, 8192, 128).block_m == 128
     assert gluon.config_for(128, 8192, 8192, 64).block_k == 64

@@ -102,7 +102,10 @@ def config_for(m: int, n: int, k: int, group: int) -> WgmmaConfig | None:
     kernel time as a fraction of F.linear's; docs/perf.md):
       M <= 64    BLOCK_M the smallest of 16 / 32 / 64 holding M, 64-row weight tiles (one
                  warpgroup), 3 stages (M = 16: 0.98x / 1.60x at 8192 x 8192 / 28672 x 8192).
-      M > 64     the largest tile that still gives TILES_FOR_A_WAVE programs, of: 256-row bands
+      M <= 128   one 128-row band on 64-row weight tiles, 3 stages (M = 128 at 28672 x 8192,
+                 scales two steps ahead: 1.35x, where 128 x 128 tiles ran 1.23x), K split where
+                 the tiles leave SMs short of two programs (_split).
+      M > 128    the largest tile that still gives TILES_FOR_A_WAVE programs, of: 256-row bands
                  of x on 128-row weight tiles, 64-column steps, 4 stages (from M = 256: the
                  dequantized weight serves twice the columns; M = 2048 0.95x / 0.97x, where
                  128 x 128 tiles ran 0.82x / 0.78x and dequantize + cuBLAS 0.71x / 0.79x);
@@ -121,12 +124,14 @@ def config_for(m: int, n: int, k: int, group: int) -> WgmmaConfig | None:
     ahead = 2 if group == bk else 1
     if m <= 64:
         return _split(WgmmaConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, bk, 3, ahead), m, n, k)
+    if m <= 128:  # 128 x 128 tiles lost here even where they filled a wave (28672 x 8192: 1.23x / 1.35x)
+        return _split(WgmmaConfig(128, 64, bk, 3, ahead), m, n, k)
     candidates = [WgmmaConfig(256, 128, 64, 4, 2 if group == 64 else 1)] if m >= 256 else []
     candidates += [WgmmaConfig(128, 128, bk, 4, ahead), WgmmaConfig(128, 64, bk, 3, ahead)]
     for cfg in candidates:
         if -(-n // cfg.block_n) * -(-m // cfg.block_m) >= TILES_FOR_A_WAVE:
-            return _split(cfg, m, n, k) if m <= 128 else cfg
-    return _split(candidates[-1], m, n, k) if m <= 128 else candidates[-1]
+            return cfg
+    return candidates[-1]
 
 
 SPLIT_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
