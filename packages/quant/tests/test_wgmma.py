@@ -405,13 +405,21 @@ def test_transliteration_matches_the_reference(
     assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated {cfg}")
 
 
-@pytest.mark.parametrize("split", [2, 3])
-def test_transliteration_of_split_k(split) -> None:
-    """K split over programs (SPLIT_K): ragged shares (7 steps over 2 or 3 programs), a bias,
-    a ragged last weight tile and x band."""
-    gen = torch.Generator().manual_seed(split)
-    m, n, k, group = 20, 72, 7 * 64, 64
-    cfg = gluon.WgmmaConfig(32, 64, 64, 3, 2, split)
+@pytest.mark.parametrize(
+    ("cfg", "m", "n", "k", "group"),
+    [
+        # K split over programs: ragged shares (7 steps over 2 or 3 programs).
+        (gluon.WgmmaConfig(32, 64, 64, 3, 2, 2), 20, 72, 7 * 64, 64),
+        (gluon.WgmmaConfig(32, 64, 64, 3, 2, 3), 20, 72, 7 * 64, 64),
+        # The large-M tile: 256-row bands of x on 128-row weight tiles, 64-column steps.
+        (gluon.WgmmaConfig(256, 128, 64, 4), 300, 136, 256, 64),
+    ],
+    ids=str,
+)
+def test_transliteration_of_configs(cfg, m, n, k, group) -> None:
+    """Configs config_for picks beyond the table above: a ragged last weight tile and x band,
+    a bias."""
+    gen = torch.Generator().manual_seed(m + cfg.split_k)
     weight = Q.quantize_int4(make_weight(n, k, heavy=True, generator=gen), group)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, generator=gen)
@@ -435,20 +443,6 @@ def test_transliteration_of_nf4(dtype, scale_dtype) -> None:
         out = torch.full((m, n), float("nan"), dtype=dtype)
         _emulate(x, weight.qweight, weight.scales, None, b, out, group, cfg, "nf4")
         assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated nf4 {cfg}")
-
-
-def test_transliteration_of_256_row_bands() -> None:
-    """The large-M tile (256-row bands of x on 128-row weight tiles, 64-column steps): a ragged
-    last band and weight tile, a bias."""
-    gen = torch.Generator().manual_seed(256)
-    m, n, k, group = 300, 136, 256, 64
-    cfg = gluon.WgmmaConfig(256, 128, 64, 4)
-    weight = Q.quantize_int4(make_weight(n, k, heavy=True, generator=gen), group)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, generator=gen)
-    out = torch.full((m, n), float("nan"), dtype=x.dtype)
-    _emulate(x, weight.qweight, weight.scales, weight.zeros, b, out, group, cfg)
-    assert_linear_close(out, x, weight, b, w_rounded=True, msg=f"emulated {cfg}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
