@@ -288,7 +288,18 @@ class _Plan:
     (the compiled kernel called directly after the first call) instead of Gluon's own JIT
     launch, most of the ~0.1 ms of host time per call measured on the H200 (quant 0.9.3)."""
 
-    __slots__ = ("flags", "grid", "ints", "kernel", "num_warps", "partials", "routed", "tiles", "w_block", "x_block")
+    __slots__ = (
+        "flags",
+        "grid",
+        "ints",
+        "kernel",
+        "num_warps",
+        "partials",
+        "routed",
+        "tiles",
+        "w_block",
+        "x_block",
+    )
 
     def __init__(self, cfg: WgmmaConfig, m: int, n: int, k: int, group_size: int, x_dtype: torch.dtype,
                  scales_dtype: torch.dtype, has_zeros: bool, has_bias: bool, s_stride: int, o_stride: int,
