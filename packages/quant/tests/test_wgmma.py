@@ -123,6 +123,21 @@ def test_refusals_go_to_triton() -> None:
     assert "block_k 128" in gluon.unsupported_call(*_call(k=192, group=64), forced)
 
 
+def test_graph_scratch_covers_every_split() -> None:
+    """kernelize's reserved split-K scratch (triton.reserve_graph_scratch) holds the partials of
+    every split config_for picks, so captured and compiled calls do not zero temporaries."""
+    from openkernels.quant import triton as qt
+
+    worst = 0
+    for m in (16, 64, 65, 128):
+        for n in range(64, 40000, 64):
+            cfg = gluon.config_for(m, n, 8192, 128)
+            if cfg.split_k > 1:
+                worst = max(worst, gluon._Plan(cfg, m, n, 8192, 128, torch.bfloat16, torch.bfloat16, True, False,
+                                               n, n).partials)  # fmt: skip
+    assert 0 < worst <= qt.GRAPH_SCRATCH_PARTIALS
+
+
 def test_launch_plans_decide_all_but_the_addresses() -> None:
     """A call's plan (cached per shape, dtype and stride) holds the grid, integer arguments and
     flags, or the reason its calls go to Triton; base addresses are checked per call."""

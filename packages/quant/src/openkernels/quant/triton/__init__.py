@@ -66,12 +66,20 @@ def _current_stream(device_index: int) -> int:
 _graph_scratch: dict[int, tuple[Tensor, Tensor]] = {}
 
 
-def reserve_graph_scratch(device: torch.device, partials: int = 1 << 20, tiles: int = 4096) -> None:
+# The default reserve: the Gluon wgmma kernel's largest split (gluon._split: up to 128 rows of
+# x, split * N / 64 programs <= 264, so split * M * N <= 128 * 64 * 264 floats, 8.6 MB), which
+# also covers every M=1 launch of the Triton kernels up to 65536 output features.
+GRAPH_SCRATCH_PARTIALS = 128 * 64 * 264
+
+
+def reserve_graph_scratch(
+    device: torch.device, partials: int = GRAPH_SCRATCH_PARTIALS, tiles: int = 4096
+) -> None:
     """Make (or grow) the split-K scratch that launches inside compiled graphs and CUDA-graph
     captures on `device` use: `partials` float32 and `tiles` int32 counters (the default
-    covers every M=1 launch up to 65536 output features). Without it such launches allocate
-    and zero temporaries each call (a fill kernel per launch in the graph). No-op on a
-    non-CUDA device or while capturing."""
+    covers every split the launchers pick: GRAPH_SCRATCH_PARTIALS). Without it such launches
+    allocate and zero temporaries each call (a fill kernel per launch in the graph). No-op on
+    a non-CUDA device or while capturing."""
     if device.type != "cuda" or graph_capturing(device):
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
