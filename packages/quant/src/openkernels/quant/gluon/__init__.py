@@ -296,6 +296,7 @@ class _Plan:
         "num_warps",
         "partials",
         "routed",
+        "scratch",
         "tiles",
         "w_block",
         "x_block",
@@ -304,8 +305,11 @@ class _Plan:
     def __init__(self, cfg: WgmmaConfig, m: int, n: int, k: int, group_size: int, x_dtype: torch.dtype,
                  scales_dtype: torch.dtype, has_zeros: bool, has_bias: bool, s_stride: int, o_stride: int,
                  kind: str = "int4") -> None:  # fmt: skip
+        from ..triton import split_scratch  # the Triton kernels' split-K scratch and counters
         from ..triton.configs import kernel_group
         from .kernels import int4_linear_wgmma_kernel  # imports Gluon: once per plan, not per call
+
+        self.scratch = split_scratch
 
         self.kernel = int4_linear_wgmma_kernel
         self.tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
@@ -324,9 +328,7 @@ class _Plan:
 
     def __call__(self, x: Tensor, qweight: Tensor, scales: Tensor, zeros, bias, out: Tensor) -> None:
         if self.partials:
-            from ..triton import _split_scratch  # the Triton kernels' split-K scratch and counters
-
-            ws, counters = _split_scratch(out.device, self.partials, self.tiles)
+            ws, counters = self.scratch(out.device, self.partials, self.tiles)
         else:
             ws, counters = out, out  # not read without a split
         direct_launch(

@@ -91,7 +91,9 @@ def reserve_graph_scratch(
     _graph_scratch[index] = (ws, counters)
 
 
-def _split_scratch(device: torch.device, partials: int, tiles: int) -> tuple[Tensor, Tensor]:
+def split_scratch(device: torch.device, partials: int, tiles: int) -> tuple[Tensor, Tensor]:
+    """(float32 partials, int32 counters) for a split-K launch on `device`: the Triton kernels'
+    and the Gluon wgmma kernel's (one scratch per device and stream)."""
     index = device.index if device.type == "cuda" else -1
     if index >= 0 and (opdef.library_call() or graph_capturing(device)):
         # Inside torch.compile graphs or a CUDA-graph capture: the reserved scratch, or
@@ -144,7 +146,7 @@ class _Plan:
 
     def __call__(self, x: Tensor, weight: tuple, out: Tensor) -> None:
         ws, counters = (
-            _split_scratch(self.device, self.partials, self.tiles) if self.splits > 1 else (out, out)
+            split_scratch(self.device, self.partials, self.tiles) if self.splits > 1 else (out, out)
         )
         if self.gemv:
             for row in range(self.m):  # the table never sends M > 1 here; a forced config may
