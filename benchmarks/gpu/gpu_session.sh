@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,largem,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,largem,route,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -161,9 +161,24 @@ if [[ $steps == *largem* && $family == quant ]]; then
     -k "split_k or large_m or nf4 or fp16_scales or repeated or (forced and 4096)" 2>&1 | tee "$out/largem_tests.txt" | tail -4
   timeout ${WALL_S:-200} python3 benchmarks/studies/quant_wgmma_wall.py --shapes 8192x8192,28672x8192,2048x8192,4096x4096 \
     --ms 64,128,256,2048 2>&1 | tee "$out/largem_wall.txt" | tail -20
-  # NF4 on the wgmma kernel (forced only until this says where it beats the routed Triton path).
+  # NF4 on the wgmma kernel against the routed public op (by default at 64-1024 rows since quant 0.10.9).
   timeout ${NF4_S:-150} python3 benchmarks/studies/quant_wgmma_large_m.py --kind nf4 --ms 64,128,2048 \
     --shapes 8192x8192,28672x8192 --configs m64n64k128s3a2x2,m128n64k128s3a2x2,m256n128k64s4 2>&1 | tee "$out/largem_nf4.txt" | grep -v "^\[" | tail -12
+fi
+if [[ $steps == *route* && $family == quant ]]; then
+  # Routing data for quant 0.10.9: the forced wgmma kernel against Triton below 4096 x 4096 and
+  # at N = 4096 (M = 16-96, the calls slower_than_triton still sends to Triton), K split past
+  # 128 rows (auto = config_for) against one split, and NF4 on the kernel against its Triton path.
+  timeout ${WGMMA_TESTS_S:-120} python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x \
+    -k "split_k or large_m or nf4" 2>&1 | tee "$out/route_tests.txt" | tail -4
+  timeout ${WALL_S:-200} python3 benchmarks/studies/quant_wgmma_wall.py \
+    --shapes 4096x4096,2048x8192,4096x14336,14336x4096,2048x2048,8192x2048 --ms 16,32,64,96 2>&1 \
+    | tee "$out/route_wall.txt" | grep "^|"
+  timeout ${WGMMA_STUDY_S:-150} python3 benchmarks/studies/quant_wgmma_large_m.py --ms 256,512,1024 \
+    --shapes 2048x8192,4096x4096,2048x2048,8192x8192 --configs auto,m128n64k128s3a2x1,m128n64k128s3a2x2,m128n64k128s3a2x4 \
+    2>&1 | tee "$out/route_split.txt" | grep -A40 "best wgmma"
+  timeout ${NF4_S:-150} python3 benchmarks/studies/quant_wgmma_large_m.py --kind nf4 --ms 16,64,128,256,512,1024 \
+    --shapes 8192x8192,28672x8192,4096x4096 --configs auto 2>&1 | tee "$out/route_nf4.txt" | grep -A40 "best wgmma"
 fi
 if [[ $steps == *bars* && $family == quant ]]; then
   # Issue 24's bars in one call (carry .whl: transformers for the decode step): M = 1 and 16

@@ -51,11 +51,11 @@ def log(msg: str) -> None:
 ONLY: list = []  # --configs: these instead of the sweep
 
 
-def configs(gluon, m: int) -> list:
+def configs(gluon, m: int, n: int = 8192, k: int = 8192) -> list:
     """The routed default (where M <= 256) and the variants: 64 / 128 / 256-row x bands on 64- /
     128-row weight tiles, 64- and 128-column steps, within 227 KiB of shared memory."""
-    if ONLY:
-        return ONLY
+    if ONLY:  # "auto": the default config at this shape (gluon.config_for)
+        return list(dict.fromkeys(gluon.config_for(m, n, k, GROUP) if c == "auto" else c for c in ONLY))
     out = {}
     if m <= 256:
         out[gluon.config_for(m, 8192, 8192, GROUP)] = None
@@ -84,7 +84,8 @@ def main() -> int:
     ap.add_argument(
         "--configs",
         default="",
-        help="e.g. m256n128k64s4,m128n64k128s3a2x2 instead of the sweep (aN: scales N steps ahead, xS: split K S ways)",
+        help="e.g. auto,m256n128k64s4,m128n64k128s3a2x2 instead of the sweep (aN: scales N steps ahead, "
+        "xS: split K S ways; auto: gluon.config_for at each shape)",
     )
     args = ap.parse_args()
     global KIND
@@ -99,6 +100,9 @@ def main() -> int:
     from openkernels.quant import reference as R
 
     for spec in filter(None, args.configs.split(",")):
+        if spec == "auto":  # config_for at each shape
+            ONLY.append("auto")
+            continue
         bm, bn, bk, st, ahead, split = re.fullmatch(
             r"m(\d+)n(\d+)k(\d+)s(\d+)(?:a(\d))?(?:x(\d))?", spec
         ).groups()
@@ -125,7 +129,7 @@ def main() -> int:
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         ref = x.double() @ wd.t() + b.double()
         bound = R.linear_error_bound(x.double(), wd, ref, x.dtype, weight_rounded_to=x.dtype)
-        for cfg in configs(gluon, m):
+        for cfg in configs(gluon, m, n, k):
             o = torch.full((m, n), float("nan"), device=dev, dtype=x.dtype)
             gluon.int4_linear_fwd(
                 x, weight.qweight, weight.scales, weight.zeros, b, o, GROUP, KIND, config=cfg
@@ -135,7 +139,7 @@ def main() -> int:
                 failures.append(
                     f"M={m} {n}x{k} {label(cfg)}: {over} outside the contract, NaN {bool(torch.isnan(o).any())}"
                 )
-        log(f"check M={m} {n}x{k}: {len(configs(gluon, m))} configs run")
+        log(f"check M={m} {n}x{k}: {len(configs(gluon, m, n, k))} configs run")
     del w, wd
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))
@@ -166,7 +170,7 @@ def main() -> int:
                     rotating_graph_ms([lambda c=c, x=x: Q.int4_linear(x, c) for c in copies], CALLS),
                 )
             )
-            for cfg in configs(gluon, m):
+            for cfg in configs(gluon, m, n, k):
                 fns = [lambda c=c, cfg=cfg, x=x, out=out: gluon.int4_linear_fwd(x, c.qweight, c.scales, c.zeros, None, out, GROUP,
                                                                   KIND, config=cfg) for c in copies]  # fmt: skip
                 rows.append((label(cfg), rotating_graph_ms(fns, CALLS)))

@@ -51,7 +51,7 @@ def test_the_predicate_and_explain() -> None:
 
 
 def test_routing_by_measured_speed() -> None:
-    """Unforced calls go to Triton where the H200 measured it faster; forced calls and explicit
+    """Unforced calls go to Triton where it measured faster (H200, H100); forced calls and explicit
     configs never do (the plan's `routed`)."""
     assert (
         gluon.slower_than_triton(16, 28672, 8192) is None and gluon.slower_than_triton(64, 8192, 8192) is None
@@ -59,16 +59,32 @@ def test_routing_by_measured_speed() -> None:
     assert (
         gluon.slower_than_triton(16, 14336, 4096) is None and gluon.slower_than_triton(96, 4096, 4096) is None
     )
-    assert "M = 16" in gluon.slower_than_triton(16, 8192, 8192)
-    assert "M = 64" in gluon.slower_than_triton(64, 4096, 14336)
-    assert "not measured" in gluon.slower_than_triton(128, 2048, 4096)
-    assert gluon.slower_than_triton(128, 2048, 8192) is None  # K split 4 ways: 0.93x against 0.36x
+    assert "M = 16" in gluon.slower_than_triton(16, 8192, 8192)  # the tensor-core GEMV
+    assert "M = 16" in gluon.slower_than_triton(16, 4096, 14336)
+    assert "M = 32" in gluon.slower_than_triton(32, 2048, 2048)  # 0.68x against 0.64x
+    # From M = 32 at 4096 x 4096 and up, from M = 64 at 2048 x 2048 (K split, quant 0.10.9).
+    for m, n, k in (
+        (32, 2048, 8192),
+        (32, 4096, 4096),
+        (64, 4096, 14336),
+        (64, 2048, 2048),
+        (96, 8192, 2048),
+    ):
+        assert gluon.slower_than_triton(m, n, k) is None, (m, n, k)
+    assert "not measured" in gluon.slower_than_triton(128, 1024, 4096)
     assert "not measured" in gluon.slower_than_triton(256, 8192, 1024)
-    # From M = 256 the kernel beat dequantize + cuBLAS at every shape measured (2048 x 2048 up).
     assert (
         gluon.slower_than_triton(256, 2048, 8192) is None
         and gluon.slower_than_triton(4096, 2048, 2048) is None
     )
+    # NF4 (12 instructions per pair of codes in its lookup): from 64 rows at 8192 x 8192 and up,
+    # from 96 below, up to 1024 (dequantize + cuBLAS faster at 2048).
+    assert gluon._routed(64, 8192, 8192, "nf4") is None and gluon._routed(1024, 4096, 4096, "nf4") is None
+    assert "M = 16" in gluon._routed(16, 28672, 8192, "nf4")
+    assert "M = 2048" in gluon._routed(2048, 8192, 8192, "nf4")
+    assert "below 8192 x 8192" in gluon._routed(64, 4096, 4096, "nf4")
+    assert gluon._routed(128, 4096, 4096, "nf4") is None
+    assert gluon._routed(128, 1024, 4096, "nf4") is not None  # and int4's limits
     call = _call(m=64, n=96, k=256)
     assert gluon._plan(*call, None).routed is not None
     assert gluon._plan(*call, gluon.WgmmaConfig(64, 64, 128, 3)).routed is None
@@ -92,10 +108,10 @@ def test_refusals_go_to_triton() -> None:
     assert gluon.unsupported_call(*_call(m=16)) is None and gluon.unsupported_call(*_call(m=256)) is None
     assert "rows of x" in gluon.unsupported_call(*_call(m=15))
     assert gluon.unsupported_call(*_call(m=257)) is None  # large M: no upper limit since quant 0.10.8
-    # NF4 runs here (the register lookup, quant 0.10.8), forced only until timed.
+    # NF4 runs here (the register lookup, quant 0.10.8), routed by its own measurements.
     nf4_call = _call(kind="nf4", zeros=False)
     assert gluon.unsupported_call(*nf4_call) is None
-    assert gluon._plan(*nf4_call, None).routed == gluon.NF4_NOT_TIMED
+    assert "NF4 at M = 64" in gluon._plan(*nf4_call, None).routed
     assert gluon._plan(*nf4_call, None).flags["NF4"] and not gluon._plan(*_call(), None).flags["NF4"]
     assert "bfloat16 / float16" in gluon.unsupported_call(*_call(dtype=torch.float32))
     call = _call()
@@ -166,9 +182,12 @@ def test_configs() -> None:
     assert gluon.config_for(2048, 8192, 8192, 128) == cfg(256, 128, 64, 4, 1)
     assert gluon.config_for(256, 14336, 4096, 128) == cfg(256, 128, 64, 4, 1)
     assert gluon.config_for(512, 4096, 14336, 128) == cfg(128, 128, 128, 4, 2)
-    assert gluon.config_for(256, 4096, 4096, 128) == cfg(128, 64, 128, 3, 2)  # no split past 128 rows
+    assert gluon.config_for(256, 4096, 4096, 128) == cfg(128, 64, 128, 3, 2)  # 128 tiles: not split
+    assert gluon.config_for(512, 2048, 8192, 128) == cfg(128, 64, 128, 3, 2)
     assert gluon.config_for(128, 28672, 8192, 128) == cfg(128, 64, 128, 3, 2)  # 448 tiles: no split
-    assert gluon.config_for(256, 2048, 8192, 128) == cfg(128, 64, 128, 3, 2)  # no tile fills a wave
+    # No tile fills a wave: the 128 x 64 tile with K split (64 tiles, 64 steps).
+    assert gluon.config_for(256, 2048, 8192, 128) == cfg(128, 64, 128, 3, 2, 4)
+    assert gluon.config_for(256, 2048, 2048, 128) == cfg(128, 64, 128, 3, 2)  # 16 steps: not split
     # Scales two steps ahead where every step starts a group; one group per row: one ahead.
     assert gluon.config_for(4096, 8192, 8192, 64) == cfg(256, 128, 64, 4, 2)
     assert gluon.config_for(128, 8192, 4096, 4096).scales_ahead == 1

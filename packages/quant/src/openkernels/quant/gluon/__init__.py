@@ -130,8 +130,11 @@ def config_for(m: int, n: int, k: int, group: int) -> WgmmaConfig | None:
     candidates += [WgmmaConfig(128, 128, bk, 4, ahead), WgmmaConfig(128, 64, bk, 3, ahead)]
     for cfg in candidates:
         if -(-n // cfg.block_n) * -(-m // cfg.block_m) >= TILES_FOR_A_WAVE:
+            # Not split: past 128 rows a tile is work enough (H100, quant 0.10.9: M = 256 at
+            # 4096 x 4096 split 1 / 2 0.85x / 0.71x F.linear, M = 512 at 2048 x 8192 0.79x / 0.76x).
             return cfg
-    return candidates[-1]
+    # No tile fills a wave: split K (M = 256 at 2048 x 8192, split 4: 0.51x -> 0.69x).
+    return _split(candidates[-1], m, n, k)
 
 
 SPLIT_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
@@ -199,21 +202,25 @@ def slower_than_triton(m: int, n: int, k: int) -> str | None:
         28672 x 8192, M = 256-4096 (e.g. M = 2048: 0.84-0.97x against 0.65-0.80x; M = 256 at
         2048 x 8192: 0.46x against 0.26x); from M = 96 at N >= 2048 with K >= 8192 (M = 128 at
         2048 x 8192 with K split 4 ways: 0.93x against Triton's 0.36x).
-    Other shapes below N = 4096 or K = 4096 were not measured and stay on Triton. A forced
-    "wgmma" ignores this."""
-    if (m >= 256 and n >= 2048 and k >= 2048) or (m >= 96 and n >= 2048 and k >= 8192):
+      With K split (quant 0.10.8) and from M = 32 (H100, 2026-12-06, quant 0.10.9): M = 32
+        4096 x 14336 1.23 / 1.68, 8192 x 2048 1.03 / 1.28, 2048 x 8192 0.79 / 1.09, 4096 x 4096
+        1.00 / 1.01, 2048 x 2048 0.68 / 0.64 (Triton kept below 4096 x 4096); M = 64 4096 x 4096
+        0.82 / 0.92, 2048 x 8192 0.73 / 1.02, 8192 x 2048 0.67 / 1.32, 2048 x 2048 0.58 / 0.64.
+        At M = 16 the Triton launcher's tensor-core GEMV keeps the calls below N = 12288
+        (4096 x 4096 1.66 / 1.22, 8192 x 8192 2.25 / 1.72; 14336 x 4096 alike, 1.81 / 1.81).
+    Shapes below 2048 x 2048 were not measured and stay on Triton. A forced "wgmma" ignores
+    this."""
+    if n < 2048 or k < 2048:
+        return f"N x K = {n} x {k}: the wgmma kernel was not measured below 2048 x 2048"
+    if m >= 64 or (m >= 32 and n * k >= 4096 * 4096) or (n >= 12288 and k >= 4096):
         return None
-    if n < 4096 or k < 4096:
-        return f"N x K = {n} x {k}: the wgmma kernel was not measured below 4096 x 4096"
-    if n >= 12288 or (n >= 8192 and m >= 64) or m >= 96:
-        return None
-    return f"M = {m} at N = {n}: Triton's split-K kernel measured faster (few weight tiles for one wave)"
+    return f"M = {m} at {n} x {k}: Triton's kernels measured faster (few rows for the tensor-core tile)"
 
 
 def supports(key: dispatch.DispatchKey) -> str | None:
     """Dispatch predicate: None when this kernel can run `key`. Per-call limits are
     unsupported_call's, whose calls go to the Triton launcher, so a forced "wgmma" runs every
-    int4_linear call on sm_90 (NF4 here only when forced: NF4_NOT_TIMED)."""
+    int4_linear call on sm_90 (NF4 included: nf4_slower_than_triton routes the unforced ones)."""
     if key.backend != "cuda":
         return f"the Gluon wgmma kernel runs on NVIDIA GPUs (this is {key.backend}/{key.arch})"
     if key.arch not in ARCHS:
@@ -395,13 +402,29 @@ def _plan(x, qweight, scales, zeros, bias, out, group_size, kind, config) -> _Pl
 def _routed(m: int, n: int, k: int, kind: str) -> str | None:
     """Why unforced calls of this shape and kind go to the Triton launcher (None: they run here)."""
     if kind == "nf4":
-        return NF4_NOT_TIMED
+        reason = nf4_slower_than_triton(m, n, k)
+        if reason is not None:
+            return reason
     return slower_than_triton(m, n, k)
 
 
-# NF4 on this kernel (quant 0.10.8: the levels by a register lookup) was written and checked
-# without a GPU: forced only ("int4_linear:wgmma") until it is timed against the Triton path.
-NF4_NOT_TIMED = "NF4 on the wgmma kernel runs when forced only (not timed yet)"
+NF4_ROWS = (64, 1024)  # rows of x where NF4 runs on this kernel by default (nf4_slower_than_triton)
+
+
+def nf4_slower_than_triton(m: int, n: int, k: int) -> str | None:
+    """Why an NF4 call goes to the Triton launcher (None: slower_than_triton decides). NF4's
+    register lookup costs 12 instructions per pair of codes against int4's 5, so its range is
+    narrower. CUDA-graph kernel time x F.linear, H100, 2026-12-06 (quant_wgmma_large_m.py
+    --kind nf4, bf16, group 128), wgmma / Triton path:
+      M = 16: 8192 x 8192 1.11 / 1.17, 28672 x 8192 1.22 / 1.27, 4096 x 4096 0.93 / 1.08.
+      M = 64: 1.04 / 0.84, 1.07 / 0.98, 4096 x 4096 0.71 / 0.75.
+      M = 128-1024: 0.57-0.93 / 0.33-0.68 (4096 x 4096 at M = 512: 0.46 / 0.49).
+      M = 2048 (dequantize + cuBLAS there): 8192 x 8192 0.73 / 0.81."""
+    if not NF4_ROWS[0] <= m <= NF4_ROWS[1]:
+        return f"NF4 at M = {m}: its Triton path measured faster outside {NF4_ROWS[0]}-{NF4_ROWS[1]} rows"
+    if m < 96 and n * k < 8192 * 8192:
+        return f"NF4 at M = {m}, {n} x {k}: its Triton path measured faster below 8192 x 8192"
+    return None
 
 
 def launch(
