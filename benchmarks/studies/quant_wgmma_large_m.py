@@ -71,7 +71,8 @@ def configs(gluon, m: int, n: int = 8192, k: int = 8192) -> list:
 
 
 def label(cfg) -> str:
-    return f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}x{cfg.split_k}"
+    p = "p" if cfg.persistent else ""
+    return f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}x{cfg.split_k}{p}"
 
 
 def main() -> int:
@@ -85,7 +86,7 @@ def main() -> int:
         "--configs",
         default="",
         help="e.g. auto,m256n128k64s4,m128n64k128s3a2x2 instead of the sweep (aN: scales N steps ahead, "
-        "xS: split K S ways; auto: gluon.config_for at each shape)",
+        "xS: split K S ways; p: persistent; auto: gluon.config_for at each shape)",
     )
     args = ap.parse_args()
     global KIND
@@ -103,10 +104,11 @@ def main() -> int:
         if spec == "auto":  # config_for at each shape
             ONLY.append("auto")
             continue
-        bm, bn, bk, st, ahead, split = re.fullmatch(
-            r"m(\d+)n(\d+)k(\d+)s(\d+)(?:a(\d))?(?:x(\d))?", spec
+        bm, bn, bk, st, ahead, split, persistent = re.fullmatch(
+            r"m(\d+)n(\d+)k(\d+)s(\d+)(?:a(\d))?(?:x(\d))?(p)?", spec
         ).groups()
-        ONLY.append(gluon.WgmmaConfig(int(bm), int(bn), int(bk), int(st), int(ahead or 1), int(split or 1)))
+        ONLY.append(gluon.WgmmaConfig(int(bm), int(bn), int(bk), int(st), int(ahead or 1), int(split or 1),
+                                      bool(persistent)))  # fmt: skip
 
     def quantize(w):
         if KIND == "nf4":

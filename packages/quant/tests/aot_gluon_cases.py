@@ -29,8 +29,9 @@ def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True
         "M": "i32", "N": "i32", "K": "i32", "stride_sg": "i32", "stride_om": "i32", "steps_per_split": "i32",
     }  # fmt: skip
     constexprs = {"GROUP": group, "STAGES": cfg.stages, "HAS_ZEROS": zeros, "HAS_BIAS": bias is not None,
-                  "SCALE_16": scales == x, "SCALES_AHEAD": cfg.scales_ahead, "SPLIT_K": cfg.split_k, "NF4": nf4}  # fmt: skip
-    label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}k{cfg.split_k}-{x}-{scales}"
+                  "SCALE_16": scales == x, "SCALES_AHEAD": cfg.scales_ahead, "SPLIT_K": cfg.split_k, "NF4": nf4,
+                  "PERSISTENT": cfg.persistent}  # fmt: skip
+    label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}k{cfg.split_k}{'p' if cfg.persistent else ''}-{x}-{scales}"
              f"{'-nf4' if nf4 else '-zeros' if zeros else '-sym'}{f'-bias{bias}' if bias else ''}-g{group}")  # fmt: skip
     # K, N, the strides: the launcher passes what the call has (no "D" specialization assumed).
     return AotCase(_KERNEL, signature, constexprs, num_warps=cfg.num_warps, label=label,
@@ -68,6 +69,15 @@ def cases_for(family: str) -> list:
     for split_cfg in (gluon.WgmmaConfig(128, 64, 128, 3, 2, 2), gluon.WgmmaConfig(16, 64, 128, 3, 2, 4)):
         c = wgmma_case(split_cfg, bias="fp32")
         out[c.label] = c
+    # Persistent programs (a tile loop; the next tile's loads before this one's epilogue).
+    for cfg in gluon.PERSISTENT_STUDY:
+        for x, scales, zeros, nf4 in (
+            ("bf16", "bf16", True, False),
+            ("fp16", "bf16", False, False),
+            ("bf16", "bf16", False, True),
+        ):
+            c = wgmma_case(cfg, x, scales, zeros=zeros, bias="fp32" if zeros else None, nf4=nf4)
+            out[c.label] = c
     # 64-column steps (group 64) and one group per row.
     for group, k in ((64, 4096), (4096, 4096)):
         cfg = gluon.config_for(128, 4096, k, group)

@@ -466,7 +466,12 @@ def _wgmma_configs() -> list:
     split = [gluon.WgmmaConfig(128, 64, 128, 3, 2, 2), gluon.WgmmaConfig(16, 64, 128, 3, 2, 4)]
     return list(
         dict.fromkeys(
-            [*gluon.all_configs(), *(c for m in (16, 64, 128) for c in gluon.sweep_configs(m)), *split]
+            [
+                *gluon.all_configs(),
+                *(c for m in (16, 64, 128) for c in gluon.sweep_configs(m)),
+                *split,
+                *gluon.PERSISTENT_STUDY,
+            ]
         )
     )
 

@@ -12,6 +12,8 @@ config; the PTX's asynchronous wgmma) are in test_aot.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -137,6 +139,8 @@ def test_refusals_go_to_triton() -> None:
     assert "column stride" in gluon.unsupported_call(*call)
     forced = gluon.WgmmaConfig(64, 64, 128, 4)
     assert "block_k 128" in gluon.unsupported_call(*_call(k=192, group=64), forced)
+    split_persistent = gluon.WgmmaConfig(128, 128, 128, 4, 2, 2, persistent=True)
+    assert "persistent" in gluon.unsupported_call(*_call(), split_persistent)
 
 
 def test_graph_scratch_covers_every_split() -> None:
@@ -162,7 +166,7 @@ def test_launch_plans_decide_all_but_the_addresses() -> None:
     cfg = gluon.config_for(64, 200, 512, 128)
     assert plan.grid == (-(-200 // cfg.block_n),) and plan.ints == (64, 200, 512, call[2].stride(0), 200, 4)
     assert plan.flags == dict(GROUP=128, STAGES=cfg.stages, HAS_ZEROS=True, HAS_BIAS=False, SCALE_16=True,
-                              SCALES_AHEAD=cfg.scales_ahead, SPLIT_K=cfg.split_k, NF4=False)  # fmt: skip
+                              SCALES_AHEAD=cfg.scales_ahead, SPLIT_K=cfg.split_k, NF4=False, PERSISTENT=False)  # fmt: skip
     assert plan.num_warps == cfg.num_warps and plan.x_block == (cfg.block_m, cfg.block_k)
     assert plan.w_block == (cfg.block_n, cfg.block_k // 2)
     refused = _call(m=8)
@@ -703,3 +707,31 @@ def test_every_swept_config(cfg) -> None:
     out = torch.empty(m, n, dtype=x.dtype, device="cuda")
     gluon.int4_linear_fwd(x, weight.qweight, weight.scales, weight.zeros, bias, out, 128, "int4", config=cfg)
     assert_linear_close(out, x, weight, bias, w_rounded=True, msg=str(cfg))
+
+
+@pytest.mark.gpu
+@_needs_sm90
+@pytest.mark.parametrize("kind", ["int4", "nf4"])
+@pytest.mark.parametrize("cfg", gluon.PERSISTENT_STUDY, ids=str)
+def test_persistent_configs(cfg, kind) -> None:
+    """Persistent programs (a tile loop over more tiles than SMs, the ring's phases running on
+    across tiles, the next tile's loads in flight under the epilogue): a ragged last band and
+    weight tile, a bias, against the reference, and bitwise equal to the one-tile-per-program
+    launch of the same tile."""
+    gen = torch.Generator().manual_seed(17)
+    m, n, k = 2 * cfg.block_m + 37, 60 * cfg.block_n + 12, 1024
+    w = make_weight(n, k, heavy=True, generator=gen)
+    weight = (Q.quantize_nf4(w, 128) if kind == "nf4" else Q.quantize_int4(w, 128)).to("cuda")
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to("cuda")
+    assert (
+        -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        > torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    outs = []
+    for c in (cfg, dataclasses.replace(cfg, persistent=False)):
+        out = torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda")
+        gluon.int4_linear_fwd(x, weight.qweight, weight.scales, weight.zeros, bias, out, 128, kind, config=c)
+        assert_linear_close(out, x, weight, bias, w_rounded=True, msg=f"{c} {kind}")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

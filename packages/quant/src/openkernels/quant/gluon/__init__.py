@@ -62,7 +62,8 @@ class WgmmaConfig:
     steps ahead of its use a step's scales and zeros are loaded (1 or 2); split_k: programs
     per output tile, each a contiguous share of the K steps, finished in the same launch (the
     Triton kernels' protocol: float32 partials, a self-resetting arrival counter per tile,
-    the last split adding them in split order)."""
+    the last split adding them in split order); persistent: one program per SM taking tiles in
+    turn, the next tile's first loads issued before this one's epilogue (split_k 1 only)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -70,6 +71,7 @@ class WgmmaConfig:
     stages: int = 4
     scales_ahead: int = 1
     split_k: int = 1
+    persistent: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -79,8 +81,34 @@ class WgmmaConfig:
 def smem_bytes(cfg: WgmmaConfig) -> int:
     """Shared memory of the ring: STAGES x (x tile (block_m, block_k) 16-bit + codes
     (block_n, block_k / 2) bytes) + one 8-byte mbarrier per stage (the epilogue's layout
-    conversion reuses it)."""
-    return cfg.stages * (cfg.block_m * cfg.block_k * 2 + cfg.block_n * cfg.block_k // 2 + 8)
+    conversion reuses it, except in persistent programs, whose ring is live under it)."""
+    ring = cfg.stages * (cfg.block_m * cfg.block_k * 2 + cfg.block_n * cfg.block_k // 2 + 8)
+    return ring + (cfg.block_m * cfg.block_n * 2 if cfg.persistent else 0)
+
+
+# The persistent configs the large-M study times (forced only until they measure faster).
+PERSISTENT_STUDY = (
+    WgmmaConfig(256, 128, 64, 4, 1, 1, True),
+    WgmmaConfig(128, 128, 128, 4, 2, 1, True),
+)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def programs(cfg: WgmmaConfig, tiles: int, device: torch.device) -> int:
+    """Programs to launch: one per tile and split, or for persistent configs one per SM (the
+    8-warp tiles they are used with take one SM each) where there are more tiles."""
+    if not cfg.persistent:
+        return tiles * cfg.split_k
+    sms = (
+        _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else 132
+    )
+    return min(tiles, sms)
 
 
 def _block_k(k: int, group: int) -> int | None:
@@ -264,6 +292,8 @@ def _unsupported_layout(x, qweight, scales, zeros, out, group_size, kind, config
         return "x, scales or zeros not bfloat16 / float16 (zeros as scales)"
     if (config.block_k if config else _block_k(k, group_size)) is None:
         return f"K = {k} or group size {group_size} not a multiple of 64"
+    if config is not None and config.persistent and config.split_k > 1:
+        return "a persistent config with K split (persistent programs take whole tiles)"
     if config is not None and (k % config.block_k or (group_size < k and group_size % config.block_k)):
         return f"K = {k} or group size {group_size} not a multiple of block_k {config.block_k}"
     if not _rows_aligned(x) or not _rows_aligned(qweight):
@@ -311,7 +341,7 @@ class _Plan:
 
     def __init__(self, cfg: WgmmaConfig, m: int, n: int, k: int, group_size: int, x_dtype: torch.dtype,
                  scales_dtype: torch.dtype, has_zeros: bool, has_bias: bool, s_stride: int, o_stride: int,
-                 kind: str = "int4") -> None:  # fmt: skip
+                 kind: str = "int4", device: torch.device | None = None) -> None:  # fmt: skip
         from ..triton import split_scratch  # the Triton kernels' split-K scratch and counters
         from ..triton.configs import kernel_group
         from .kernels import int4_linear_wgmma_kernel  # imports Gluon: once per plan, not per call
@@ -320,14 +350,15 @@ class _Plan:
 
         self.kernel = int4_linear_wgmma_kernel
         self.tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
-        self.grid = (self.tiles * cfg.split_k,)
+        self.grid = (programs(cfg, self.tiles, device or torch.device("cpu")),)
         steps = k // cfg.block_k
         per_split = -(-steps // cfg.split_k)
         self.partials = cfg.split_k * m * n if cfg.split_k > 1 else 0
         self.ints = (m, n, k, s_stride, o_stride, per_split)
         self.flags = dict(GROUP=kernel_group(group_size, k), STAGES=cfg.stages, HAS_ZEROS=has_zeros,
                           HAS_BIAS=has_bias, SCALE_16=scales_dtype == x_dtype,
-                          SCALES_AHEAD=cfg.scales_ahead, SPLIT_K=cfg.split_k, NF4=kind == "nf4")  # fmt: skip
+                          SCALES_AHEAD=cfg.scales_ahead, SPLIT_K=cfg.split_k, NF4=kind == "nf4",
+                          PERSISTENT=cfg.persistent)  # fmt: skip
         self.num_warps = cfg.num_warps
         self.x_block = (cfg.block_m, cfg.block_k)
         self.w_block = (cfg.block_n, cfg.block_k // 2)
@@ -394,7 +425,7 @@ def _plan(x, qweight, scales, zeros, bias, out, group_size, kind, config) -> _Pl
     n = qweight.shape[0]
     cfg = config or config_for(m, n, k, group_size)
     plan = _Plan(cfg, m, n, k, group_size, x.dtype, scales.dtype, zeros is not None, bias is not None,
-                 scales.stride(0), out.stride(0), kind)  # fmt: skip
+                 scales.stride(0), out.stride(0), kind, x.device)  # fmt: skip
     plan.routed = None if config is not None else _routed(m, n, k, kind)
     return plan
 
@@ -443,7 +474,7 @@ def launch(
     n = qweight.shape[0]
     cfg = config or config_for(m, n, k, group_size)
     _Plan(cfg, m, n, k, group_size, x.dtype, scales.dtype, zeros is not None, bias is not None,
-          scales.stride(0), out.stride(0), kind)(x, qweight, scales, zeros, bias, out)  # fmt: skip
+          scales.stride(0), out.stride(0), kind, x.device)(x, qweight, scales, zeros, bias, out)  # fmt: skip
 
 
 def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=None) -> str | None:

@@ -108,11 +108,12 @@ def _store_layout(block_n, block_m, warps):
 
 
 @gluon.jit
-def _issue(x_desc, qw_desc, x_smem, qw_smem, ready, step, k0, off_m, off_n, BLOCK_K: gl.constexpr,
+def _issue(x_desc, qw_desc, x_smem, qw_smem, ready, step, base, k0, off_m, off_n, BLOCK_K: gl.constexpr,
            STAGES: gl.constexpr):  # fmt: skip
-    """The TMA of the program's step `step` (K step k0 + step)'s x and code tiles into stage
-    step % STAGES."""
-    s = step % STAGES
+    """The TMA of the tile's step `step` (K step k0 + step)'s x and code tiles into stage
+    (base + step) % STAGES: base counts the steps of the program's earlier tiles (persistent
+    programs run several; the ring and its phases run on across them)."""
+    s = (base + step) % STAGES
     bar = ready.index(s)
     col = (k0 + step) * BLOCK_K
     mbarrier.expect(bar, x_desc.block_type.nbytes + qw_desc.block_type.nbytes)
@@ -251,7 +252,7 @@ def _dequantize(words, scale, zero, words3: gl.constexpr, a_layout: gl.constexpr
 
 @gluon.jit
 def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr,
-          offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3: gl.constexpr, a_layout: gl.constexpr,
+          offs_n, mask_n, stride_sg, n_k, base, k0, off_m, off_n, words3: gl.constexpr, a_layout: gl.constexpr,
           DTYPE: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr,
           SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr, NF4: gl.constexpr):  # fmt: skip
     """The program's K step i (of n_k, K step k0 + i of the row): wait for its stage, dequantize its codes (scale, zero: its group's), issue its
@@ -261,8 +262,8 @@ def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, 
     Returns (acc, this step's operand, step i + 1's scale and zero, step i + 2's or the
     unused pair)."""
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    slot = i % STAGES
-    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    slot = (base + i) % STAGES
+    mbarrier.wait(ready.index(slot), ((base + i) // STAGES) & 1)
     codes = qw_smem.index(slot)
     words = codes._reinterpret(
         gl.int32, [codes.shape[0], codes.shape[1] // 4], _words_smem_layout(codes.layout)
@@ -281,7 +282,7 @@ def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, 
     acc, w_other = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_other))
     nxt = i + STAGES - 1
     if nxt < n_k:
-        _issue(x_desc, qw_desc, x_smem, qw_smem, ready, nxt, k0, off_m, off_n, BLOCK_K, STAGES)
+        _issue(x_desc, qw_desc, x_smem, qw_smem, ready, nxt, base, k0, off_m, off_n, BLOCK_K, STAGES)
     if SCALES_AHEAD == 2:
         return acc, w, scale_next, zero_next, scale_load, zero_load
     else:
@@ -294,6 +295,7 @@ def int4_linear_wgmma_kernel(
     M, N, K, stride_sg, stride_om, steps_per_split,
     GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
     SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr = 1, SPLIT_K: gl.constexpr = 1, NF4: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ W^T (+ bias). x_desc: (M, K) blocks (BLOCK_M, BLOCK_K); qw_desc:
     codes (N, K // 2) blocks (BLOCK_N, BLOCK_K // 2). K % BLOCK_K == 0 and BLOCK_K divides
@@ -301,17 +303,20 @@ def int4_linear_wgmma_kernel(
     cdiv(N, BLOCK_N) * SPLIT_K * cdiv(M, BLOCK_M), the M tiles of one weight tile and split
     consecutive. SPLIT_K > 1: split s takes K steps [s * steps_per_split, + steps_per_split)
     and finishes as the Triton kernels' split-K does (`_finish_split`): ws_ptr (SPLIT_K, M, N)
-    float32 partials, counter_ptr int32 per (weight tile, x band), zeros, left at zero."""
+    float32 partials, counter_ptr int32 per (weight tile, x band), zeros, left at zero.
+    PERSISTENT (SPLIT_K 1): any grid; program p takes tiles p, p + grid, ... in the order above,
+    and the TMA of a tile's first STAGES - 1 steps is issued before the previous tile's
+    epilogue, so that the loads run under it."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = qw_desc.block_type.shape[0]
     WARPS: gl.constexpr = BLOCK_N // 16
-    DTYPE: gl.constexpr = x_desc.dtype
     gl.static_assert(qw_desc.block_type.shape[1] * 2 == BLOCK_K)
     gl.static_assert(STAGES >= 2)
     gl.static_assert(GROUP % BLOCK_K == 0)
     gl.static_assert(SCALES_AHEAD == 1 or SCALES_AHEAD == 2)
     gl.static_assert(not (NF4 and HAS_ZEROS))  # NF4: W = level * scale
+    gl.static_assert(not (PERSISTENT and SPLIT_K > 1))
 
     mma_layout: gl.constexpr = acc_layout(WARPS, BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -321,30 +326,78 @@ def int4_linear_wgmma_kernel(
     words3: gl.constexpr = _words_layout(codes_layout)
     rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words3))
 
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    pid = gl.program_id(0)
-    tile_m = pid % tiles_m
-    split = (pid // tiles_m) % SPLIT_K
-    tile_n = pid // (tiles_m * SPLIT_K)
-    off_n = tile_n * BLOCK_N
-    off_m = tile_m * BLOCK_M
-
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)  # noqa: RUF005
     qw_smem = gl.allocate_shared_memory(qw_desc.dtype, [STAGES] + qw_desc.block_type.shape, qw_desc.layout)  # noqa: RUF005
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
 
-    if SPLIT_K == 1:
-        k0 = 0
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    pid = gl.program_id(0)
+    if PERSISTENT:
         n_k = K // BLOCK_K
+        tiles = tiles_m * gl.cdiv(N, BLOCK_N)
+        grid = gl.num_programs(0)
+        off_m = (pid % tiles_m) * BLOCK_M
+        off_n = (pid // tiles_m) * BLOCK_N
+        for j in gl.static_range(STAGES - 1):
+            if j < n_k:
+                _issue(x_desc, qw_desc, x_smem, qw_smem, ready, j, 0, 0, off_m, off_n, BLOCK_K, STAGES)
+        base = 0
+        for tile in range(pid, tiles, grid):
+            off_m = (tile % tiles_m) * BLOCK_M
+            off_n = (tile // tiles_m) * BLOCK_N
+            acc = _tile_product(x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, stride_sg, N, n_k, base, 0,
+                                off_m, off_n, mma_layout, a_layout, words3, rows_layout, GROUP, STAGES, HAS_ZEROS,
+                                SCALE_16, SCALES_AHEAD, NF4)  # fmt: skip
+            base += n_k
+            # Every stage is free (the last steps' loads were waited for): the next tile's
+            # first loads go out now and run under this tile's epilogue.
+            nxt = tile + grid
+            if nxt < tiles:
+                for j in gl.static_range(STAGES - 1):
+                    if j < n_k:
+                        _issue(x_desc, qw_desc, x_smem, qw_smem, ready, j, base, 0, (nxt % tiles_m) * BLOCK_M,
+                               (nxt // tiles_m) * BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
+            _store(acc, bias_ptr, out_ptr, ws_ptr, counter_ptr, M, N, stride_om, off_m, off_n, 0, 0, mma_layout,
+                   HAS_BIAS, 1)  # fmt: skip
+        for j in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(j))
     else:
-        k0 = split * steps_per_split
-        n_k = gl.minimum(steps_per_split, K // BLOCK_K - k0)
-    for j in gl.static_range(STAGES - 1):
-        if j < n_k:
-            _issue(x_desc, qw_desc, x_smem, qw_smem, ready, j, k0, off_m, off_n, BLOCK_K, STAGES)
+        tile_m = pid % tiles_m
+        split = (pid // tiles_m) % SPLIT_K
+        tile_n = pid // (tiles_m * SPLIT_K)
+        off_n = tile_n * BLOCK_N
+        off_m = tile_m * BLOCK_M
+        if SPLIT_K == 1:
+            k0 = 0
+            n_k = K // BLOCK_K
+        else:
+            k0 = split * steps_per_split
+            n_k = gl.minimum(steps_per_split, K // BLOCK_K - k0)
+        for j in gl.static_range(STAGES - 1):
+            if j < n_k:
+                _issue(x_desc, qw_desc, x_smem, qw_smem, ready, j, 0, k0, off_m, off_n, BLOCK_K, STAGES)
+        acc = _tile_product(x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, stride_sg, N, n_k, 0, k0, off_m,
+                            off_n, mma_layout, a_layout, words3, rows_layout, GROUP, STAGES, HAS_ZEROS, SCALE_16,
+                            SCALES_AHEAD, NF4)  # fmt: skip
+        for j in gl.static_range(STAGES):  # the ring is dead: the epilogue's conversion may reuse it
+            mbarrier.invalidate(ready.index(j))
+        _store(acc, bias_ptr, out_ptr, ws_ptr, counter_ptr, M, N, stride_om, off_m, off_n,
+               tile_n * tiles_m + tile_m, split, mma_layout, HAS_BIAS, SPLIT_K)  # fmt: skip
 
+
+@gluon.jit
+def _tile_product(x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, stride_sg, N, n_k, base, k0, off_m, off_n,
+                  mma_layout: gl.constexpr, a_layout: gl.constexpr, words3: gl.constexpr, rows_layout: gl.constexpr,
+                  GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, SCALE_16: gl.constexpr,
+                  SCALES_AHEAD: gl.constexpr, NF4: gl.constexpr):  # fmt: skip
+    """acc^T (BLOCK_N, BLOCK_M) float32 of one tile over its n_k K steps from k0, whose first
+    STAGES - 1 loads the caller issued; every wgmma retired and every load consumed on return."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = qw_desc.block_type.shape[0]
+    DTYPE: gl.constexpr = x_desc.dtype
     offs_n = off_n + gl.arange(0, BLOCK_N, rows_layout)
     mask_n = offs_n < N
     scale, zero = _row_params(s_ptr, z_ptr, (k0 * BLOCK_K) // GROUP, stride_sg, offs_n, mask_n, HAS_ZEROS)
@@ -360,25 +413,33 @@ def int4_linear_wgmma_kernel(
     for i in range(0, n_k - 1, 2):
         acc, w_even, scale, zero, scale_next, zero_next = _step(
             i, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
-            z_ptr, offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
-            SCALE_16, SCALES_AHEAD, NF4,
+            z_ptr, offs_n, mask_n, stride_sg, n_k, base, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES,
+            HAS_ZEROS, SCALE_16, SCALES_AHEAD, NF4,
         )  # fmt: skip
         acc, w_odd, scale, zero, scale_next, zero_next = _step(
             i + 1, acc, w_even, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
-            z_ptr, offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
-            SCALE_16, SCALES_AHEAD, NF4,
+            z_ptr, offs_n, mask_n, stride_sg, n_k, base, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES,
+            HAS_ZEROS, SCALE_16, SCALES_AHEAD, NF4,
         )  # fmt: skip
     if n_k % 2 == 1:
         acc, w_even, scale, zero, scale_next, zero_next = _step(
             n_k - 1, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
-            z_ptr, offs_n, mask_n, stride_sg, n_k, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES, HAS_ZEROS,
-            SCALE_16, SCALES_AHEAD, NF4,
+            z_ptr, offs_n, mask_n, stride_sg, n_k, base, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES,
+            HAS_ZEROS, SCALE_16, SCALES_AHEAD, NF4,
         )  # fmt: skip
         w_odd = w_even
     acc, w_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_odd))
-    for j in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(j))
+    return acc
 
+
+@gluon.jit
+def _store(acc, bias_ptr, out_ptr, ws_ptr, counter_ptr, M, N, stride_om, off_m, off_n, tile, split,
+           mma_layout: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):  # fmt: skip
+    """The tile's epilogue: bias added in float32, rounded once, stored transposed; or the
+    split-K finish."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    BLOCK_M: gl.constexpr = acc.shape[1]
+    WARPS: gl.constexpr = BLOCK_N // 16
     out_layout: gl.constexpr = _store_layout(BLOCK_N, BLOCK_M, WARPS)
     rows = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, out_layout))
     cols = off_m + gl.arange(0, BLOCK_M, gl.SliceLayout(0, out_layout))
@@ -392,7 +453,7 @@ def int4_linear_wgmma_kernel(
         gl.store(ptrs, y, mask=mask)
     else:
         _finish_split(gl.convert_layout(acc, out_layout), bias_ptr, ws_ptr, counter_ptr, ptrs, mask, rows, cols,
-                      tile_n * tiles_m + tile_m, split, M, N, HAS_BIAS, SPLIT_K)  # fmt: skip
+                      tile, split, M, N, HAS_BIAS, SPLIT_K)  # fmt: skip
 
 
 @gluon.jit
