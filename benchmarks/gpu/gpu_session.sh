@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,largem,route,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -180,6 +180,15 @@ if [[ $steps == *route* && $family == quant ]]; then
   timeout ${NF4_S:-150} python3 benchmarks/studies/quant_wgmma_large_m.py --kind nf4 --ms 16,64,128,256,512,1024 \
     --shapes 8192x8192,28672x8192,4096x4096 --configs auto 2>&1 | tee "$out/route_nf4.txt" | grep -A40 "best wgmma"
 fi
+if [[ $steps == *persist* && $family == quant ]]; then
+  # Persistent programs of the wgmma kernel (quant 0.10.9, forced only: gluon.PERSISTENT_STUDY)
+  # against the default tiles at M = 512-4096: their GPU tests, then kernel time.
+  timeout ${WGMMA_TESTS_S:-120} python3 -m pytest -q -rfE packages/quant/tests/test_wgmma.py -x \
+    -k "persistent or split_k or large_m" 2>&1 | tee "$out/persist_tests.txt" | tail -4
+  timeout ${WGMMA_STUDY_S:-240} python3 benchmarks/studies/quant_wgmma_large_m.py --ms 512,1024,2048,4096 \
+    --shapes 8192x8192,28672x8192,14336x4096,4096x14336 --configs auto,m256n128k64s4a1x1p,m128n128k128s4a2x1p \
+    2>&1 | tee "$out/persist_study.txt" | grep -A40 "best wgmma"
+fi
 if [[ $steps == *bars* && $family == quant ]]; then
   # Issue 24's bars in one call (carry .whl: transformers for the decode step): M = 1 and 16
   # kernel time at the bar's shapes beside tinygemm and F.linear, the stored rows and the tiled
@@ -190,6 +199,20 @@ if [[ $steps == *bars* && $family == quant ]]; then
     --ms 1,16,128,2048 2>&1 | tee "$out/bars_wall.txt" | tail -8
   timeout ${E2E_S:-150} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode graph \
     --int4-head 2>&1 | tee "$out/bars_e2e.txt" | grep -E "ms per step|x ours bf16"
+fi
+if [[ $steps == *alibi* && $family == attention ]]; then
+  # Causal ALiBi's split bias (attention 0.8.7, plan.alibi_flag 2): its GPU tests (long
+  # sequences, the option grid's causal ALiBi cases), then its cost against the plain call,
+  # the kernels' forms ("int") beside attention 0.8.6's ("before": the absolute distance, and
+  # ALiBi calls on the override configs for options).
+  timeout ${ALIBI_TESTS_S:-240} python3 -m pytest -q -rfE packages/attention/tests/test_correctness.py -x \
+    -k "cuda and (alibi_causal_long or ((alibi or cap) and (every_option_bf16 or fast_path)))" 2>&1 \
+    | tee "$out/alibi_tests.txt" | tail -4
+  timeout ${ALIBI_STUDY_S:-330} python3 benchmarks/studies/attention_alibi_distance.py ${ALIBI_VARIANTS:-int before} 2>&1 \
+    | tee "$out/alibi_study.txt" | tail -40
+  # A softcap alone on the plain configs too (attention 0.8.7) against 0.8.6's ("narrow").
+  timeout ${SOFTCAP_STUDY_S:-240} python3 benchmarks/studies/attention_softcap_tanh.py ${SOFTCAP_VARIANTS:-mufu narrow} 2>&1 \
+    | tee "$out/softcap_study.txt" | grep "|"
 fi
 if [[ $steps == *backward* && $family == attention ]]; then
   # The Gluon backward behind the default (cuDNN) forward at every study shape, against the

@@ -5,8 +5,14 @@ compiles), is checked against float64 attention with ALiBi (forward and gradient
 timed forward and forward+backward beside the plain call, the Triton kernels forced for both.
 
 Variants:
-  int    float(|i + diag - j|): integer arithmetic and an int-to-float conversion per score
-         (the kernels' form).
+  int    the kernels' forms: causal calls split the bias into a key term added to each
+         score and a row term moved into the log-sum-exp (attention 0.8.7, plan.alibi_flag
+         2); full calls float(|i + diag - j|), integer arithmetic and an int-to-float
+         conversion per score.
+  abs    float(|i + diag - j|) for causal calls too.
+  before attention 0.8.6's kernels: abs, and ALiBi calls on the fast path's override configs
+         for options (configs._OPTIONS_TABLE: narrower backward tiles at D128 on Hopper),
+         which ALiBi alone leaves since attention 0.8.7 (Problem.option_configs).
   float  |float(i + diag) - float(j)|: the row and column vectors converted before they
          broadcast, one subtraction per score (the conversion runs at a quarter of the FMA
          rate). Not the default: untimed, and with it one backward config (the JAX dK/dV
@@ -25,9 +31,10 @@ import triton
 import triton.language as tl
 from attention_option_cost import check, cost_table, run_variants
 
-from openkernels.attention.core.triton import kernels
+from openkernels.attention.core.problem import Problem
+from openkernels.attention.core.triton import kernels, plan
 
-VARIANTS = ("int", "float")
+VARIANTS = ("int", "abs", "before", "float")
 SLOPES = (0.5, 0.25, 0.125, 0.0625)  # the accuracy check's 4 heads
 
 
@@ -56,6 +63,11 @@ def _reference(q, k, v, causal: bool):
 def run_variant(name: str) -> int:
     if name == "float":
         kernels._alibi_distance = alibi_distance_float  # before the first compile in this process
+    if name in ("abs", "before", "float"):
+        plan.SPLIT_ALIBI = False
+    if name == "before":
+        overrides = Problem.option_configs.fget
+        Problem.option_configs = property(lambda p: overrides(p) or p.alibi)
     passed = check(name, _reference, lambda heads: {"alibi_slopes": torch.tensor(SLOPES, device="cuda")})
     cost_table(name, "alibi", lambda heads: {"alibi_slopes": _slopes(heads)})
     return 0 if passed else 1

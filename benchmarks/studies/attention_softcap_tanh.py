@@ -7,6 +7,8 @@ call, the Triton kernels forced for both.
 
 Variants:
   mufu     tanh.approx.f32, one multi-function-unit (MUFU) op: the default since 0.8.6.
+  narrow   mufu on attention 0.8.6's configs (a softcap took the override configs for options,
+           configs._OPTIONS_TABLE; since 0.8.7 a softcap alone keeps the plain ones).
   formula  1 - 2 / (exp2(2x log2 e) + 1): one exp2 and one MUFU reciprocal per score
            (kernels._tanh, the portable formula; the NVIDIA default until 0.8.5).
   fma      t = exp2(-2|x| log2 e) in (0, 1], tanh|x| = (1 - t) / (1 + t), the reciprocal of
@@ -27,9 +29,10 @@ import triton
 import triton.language as tl
 from attention_option_cost import check, cost_table, run_variants
 
+from openkernels.attention.core.problem import Problem
 from openkernels.attention.core.triton import kernels
 
-VARIANTS = ("mufu", "formula", "fma")
+VARIANTS = ("mufu", "narrow", "formula", "fma")
 CAP = 30.0
 
 
@@ -87,7 +90,11 @@ def _reference(q, k, v, causal: bool):
 
 def run_variant(name: str) -> int:
     global _TANH
-    _TANH = kernels._tanh_mufu = {"mufu": kernels._tanh_mufu, "formula": kernels._tanh, "fma": tanh_fma}[name]
+    _TANH = kernels._tanh_mufu = {"mufu": kernels._tanh_mufu, "narrow": kernels._tanh_mufu, "formula": kernels._tanh,
+                                  "fma": tanh_fma}[name]  # fmt: skip
+    if name == "narrow":  # attention 0.8.6's configs: a softcap took the override configs for options
+        overrides = Problem.option_configs.fget
+        Problem.option_configs = property(lambda p: overrides(p) or p.softcap > 0)
     err_abs, err_rel = tanh_error()
     print(f"[{name}] every float32 in [-20, 20]: max |tanh error| {err_abs:.2e}, relative {err_rel:.2e}")
     passed = check(name, _reference, lambda heads: {"softcap": CAP}, scale=3.0)

@@ -28,6 +28,8 @@ _ALL = dict.fromkeys(_FLAGS, True)
 _CAUSAL = _NONE | {"HAS_WINDOW_RIGHT": True}
 _WINDOWS = _NONE | {"IS_VARLEN": True, "HAS_WINDOW_LEFT": True, "HAS_WINDOW_RIGHT": True}
 _OPTIONS = _ALL | {"IS_VARLEN": False}  # every option the fast configs serve
+# The same with ALiBi's split bias (plan.alibi_flag 2: causal, here with a left window too).
+_OPTIONS_CAUSAL_ALIBI = _OPTIONS | {"HAS_ALIBI": 2}
 
 
 def _for_arch(flags: dict, arch: str) -> dict:
@@ -72,7 +74,15 @@ def _case(direction: str, head_dim: int, cfg: configs.AttnConfig, dtype: str, fl
         attrs |= {"seqlen_q": "D", "seqlen_k": "D"}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
                   "BLOCK_N": cfg.block_n, **flags}  # fmt: skip
-    flag_text = "".join(name.split("_")[-1][0] for name, on in flags.items() if on) or "plain"
+    # A flag's initial, with its value where it is a mode (HAS_ALIBI 2, HAS_SOFTCAP 2), not on/off.
+    flag_text = (
+        "".join(
+            name.split("_")[-1][0] + ("" if isinstance(on, bool) or on == 1 else str(on))
+            for name, on in flags.items()
+            if on
+        )
+        or "plain"
+    )
     label = (
         f"{direction}-d{head_dim}-{dtype}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}-{flag_text}"
         f"{'-aligned' if aligned_seqlens else ''}"
@@ -123,7 +133,15 @@ def cases_for(arch: str) -> list:
                 variants
                 and configs.launch_config(head_dim, torch.bfloat16, arch, direction, False, True) == cfg
             ):
-                variants.append(("bf16", _OPTIONS, True))  # no override for options: they run it too
+                # no override for options: they run it too
+                variants += [("bf16", _OPTIONS, True), ("bf16", _OPTIONS_CAUSAL_ALIBI, True)]
+            elif variants:  # an override for options: ALiBi alone and a softcap alone still run this config
+                variants += [
+                    ("bf16", _CAUSAL | {"HAS_ALIBI": 2}, True),
+                    ("bf16", _NONE | {"HAS_ALIBI": True}, True),
+                    ("bf16", _CAUSAL | {"HAS_SOFTCAP": True}, True),
+                    ("bf16", _NONE | {"HAS_SOFTCAP": True}, True),
+                ]
         elif head_dim in (64, 128, 256):
             variants = [("bf16", _WINDOWS, False), ("bf16", _ALL, False)]
         else:
@@ -134,8 +152,9 @@ def cases_for(arch: str) -> list:
             c = _case(direction, head_dim, cfg, dtype, _for_arch(flags, arch), aligned_seqlens=aligned)
             out[c.label] = c
     for head_dim, direction, cfg in configs.options_configs(arch):
-        c = _case(direction, head_dim, cfg, "bf16", _for_arch(_OPTIONS, arch), aligned_seqlens=True)
-        out[c.label] = c
+        for flags in (_OPTIONS, _OPTIONS_CAUSAL_ALIBI):
+            c = _case(direction, head_dim, cfg, "bf16", _for_arch(flags, arch), aligned_seqlens=True)
+            out[c.label] = c
     for head_dim in (32, 64, 96, 128, 192, 256):
         c = _preprocess_case(head_dim)
         out[c.label] = c

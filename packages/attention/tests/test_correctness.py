@@ -5,6 +5,8 @@ torch.compile and opcheck."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,6 +104,10 @@ _FAST_PATH_OPTIONS = [
     Options(window=WINDOWS["w"], alibi="batch"),
     Options(causal=True, softcap=SOFTCAP, softmax_scale=SCALE),
     Options(causal=True, window=(40, -1), alibi="heads", softcap=SOFTCAP, dropout=0.1),
+    # ALiBi alone and a softcap alone keep the plain fast configs (Problem.option_configs).
+    Options(causal=True, alibi="heads"),
+    Options(alibi="batch"),
+    Options(softcap=SOFTCAP),
 ]
 
 
@@ -242,6 +248,22 @@ def test_varlen_large(device: str, impl: str) -> None:
     lens_q, lens_k = [1, 300, 0, 200, 129], [1000, 300, 5, 2, 129]
     for options in (Options(causal=True), Options(window=(64, 64), alibi="heads")):
         check_against_reference(varlen_case(lens_q, lens_k, 2, 1, 64, options, BF16, device), impl)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [Shape(1, 8192, 8192, 2, 2, 128), Shape(1, 3000, 9000, 2, 1, 64)],
+    ids=lambda s: f"{s.seqlen_q}x{s.seqlen_k}",
+)
+def test_alibi_causal_long_sequences(device: str, impl: str, shape: Shape) -> None:
+    """Causal ALiBi at thousands of keys (the Triton kernels split its bias into a key term
+    and a row term moved into the log-sum-exp, plan.alibi_flag 2): a steep and a shallow
+    slope (2^-8: thousands of keys keep weight), out, lse and gradients against float64."""
+    if INTERPRETING or device != "cuda":
+        pytest.skip("long sequences are for the GPU")
+    case = dense_case(shape, Options(causal=True, alibi="heads"), BF16, device)
+    case = dataclasses.replace(case, alibi_slopes=torch.tensor([0.5, 2.0**-8], device=device))
+    check_against_reference(case, impl)
 
 
 # ---- layouts -----------------------------------------------------------------------------

@@ -126,8 +126,8 @@ def launch_config(
 ) -> AttnConfig:
     """The config the launchers use for `direction` ("fwd", "dkdv", "dq") on `arch`
     ("sm_90", "gfx942", ...; a CPU arch means the Triton interpreter); general: the call is
-    off the fast path (see _TABLE); options: a window, ALiBi, softcap or dropout
-    (_OPTIONS_TABLE)."""
+    off the fast path (see _TABLE); options: a window, softcap or dropout (_OPTIONS_TABLE;
+    Problem.option_configs: ALiBi alone keeps the plain configs)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     family = arch_family(arch)

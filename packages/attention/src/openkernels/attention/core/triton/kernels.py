@@ -190,14 +190,23 @@ def _alibi_distance(i, j, diag):
 
 @triton.jit
 def _log2_scores(
-    qk, i, j, seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
+    qk, i, j, seqlen_k, diag, anchor, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
     MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Scores in log2 units from raw dot products qk; i (query rows) and j (key columns)
     broadcast against qk. Returns (s, th): th = tanh of the capped score (for the
     backward's chain rule) when HAS_SOFTCAP, else qk itself (unused). HAS_SOFTCAP: 0/False
-    none, 1/True the portable tanh, 2 NVIDIA's tanh instruction (plan.softcap_flag)."""
+    none, 1/True the portable tanh, 2 NVIDIA's tanh instruction (plan.softcap_flag).
+
+    HAS_ALIBI: 0/False none; 1/True the bias -slope |i + diag - j| per score; 2 (causal
+    calls, plan.alibi_flag: every visible key has j <= i + diag, so the distance is
+    i + diag - j) the bias split into a key term slope (j - anchor), added here (one term
+    per key, folded into the scale's multiply), and a row term slope (i + diag - anchor)
+    that the callers move into the row's log-sum-exp (alibi_row_shift): the row max and
+    sum, and so the probabilities, do not see a per-row constant. anchor: the program's
+    first row + diag (forward, dQ) or first key (dK/dV), so both terms stay small (precise
+    in float32) for the keys that carry weight."""
     th = qk
     if HAS_SOFTCAP:
         if HAS_SOFTCAP == 2:
@@ -207,7 +216,9 @@ def _log2_scores(
         s = th * cap_out
     else:
         s = qk * qk_scale
-    if HAS_ALIBI:
+    if HAS_ALIBI == 2:
+        s += slope_log2 * (j - anchor).to(tl.float32)
+    elif HAS_ALIBI:
         s -= slope_log2 * _alibi_distance(i, j, diag)
     if MASK:
         visible = tl.broadcast_to(j < seqlen_k, s.shape)
@@ -217,6 +228,13 @@ def _log2_scores(
             visible &= j <= i + diag + window_right
         s = tl.where(visible, s, float("-inf"))
     return s, th
+
+
+@triton.jit
+def alibi_row_shift(rows, diag, anchor, slope_log2):
+    """The row term of the split ALiBi bias (HAS_ALIBI 2, _log2_scores), log2 units: the
+    true score is the kernel's minus this, and so is the true log-sum-exp."""
+    return slope_log2 * (rows + diag - anchor).to(tl.float32)
 
 
 @triton.jit
@@ -268,6 +286,7 @@ def _key_sweep(
         rows,
         sk,
         diag,
+        m0 + diag,  # the split ALiBi's anchor (_log2_scores)
         window_left,
         window_right,
         slope_log2,
@@ -295,7 +314,7 @@ def _softmax_step(s, m_i, l_i, MASK: tl.constexpr):
 
 @triton.jit
 def _fwd_blocks(
-    acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start, stop, rows, seqlen_k, diag,
+    acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start, stop, rows, seqlen_k, diag, anchor,
     window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d, drop,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -308,8 +327,8 @@ def _fwd_blocks(
         k = _load_kv(k_base, start_n, cols, stride_ks, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
         s, _ = _log2_scores(
-            qk, rows[:, None], cols[None, :], seqlen_k, diag, window_left, window_right, slope_log2, qk_scale,
-            cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+            qk, rows[:, None], cols[None, :], seqlen_k, diag, anchor, window_left, window_right, slope_log2,
+            qk_scale, cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK)
         if HAS_DROPOUT:
@@ -385,7 +404,10 @@ def _attn_fwd_kernel(
     if HAS_DROPOUT:
         norm = norm / drop_scale  # kept probabilities are scaled by 1 / (1 - dropout_p)
     out = acc / norm[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
+    if HAS_ALIBI == 2:
+        lse2 -= alibi_row_shift(rows, sk - sq, m0 + sk - sq, slope_log2)
+    lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
     o_base = o_ptr + b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
     tl.store(
         o_base + rows[:, None] * stride_os + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask
@@ -451,7 +473,7 @@ def _attn_bwd_group_sum_kernel(
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, start, stop, cols, seqlen_q,
-    seqlen_k, diag, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d, drop,
+    seqlen_k, diag, anchor, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_m, offs_d, drop,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -472,10 +494,12 @@ def _dkdv_blocks(
             lse = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        if HAS_ALIBI == 2:
+            lse2 += alibi_row_shift(rows, diag, anchor, slope_log2)
         qk_t = tl.dot(k, tl.trans(q))
         s_t, th_t = _log2_scores(
-            qk_t, rows[None, :], cols[:, None], seqlen_k, diag, window_left, window_right, slope_log2, qk_scale,
-            cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+            qk_t, rows[None, :], cols[:, None], seqlen_k, diag, anchor, window_left, window_right, slope_log2,
+            qk_scale, cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p_t = tl.exp2(s_t - lse2[None, :])
         if HAS_DROPOUT:
@@ -543,7 +567,7 @@ def _attn_bwd_dkdv_kernel(
     if HAS_ALIBI:
         slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
     bases = (q_base, do_base, lse_base, delta_base, stride_qs, stride_dos)
-    opts = (cols, sq, sk, diag, window_left, window_right)
+    opts = (cols, sq, sk, diag, n0, window_left, window_right)  # n0: the split ALiBi's anchor
     drop = (0, 0, 0, 0, 0.0, 0)
     if HAS_DROPOUT:
         k0, k1 = _dropout_seed(seed_ptr)
@@ -573,7 +597,7 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_blocks(
-    dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, start, stop, rows, seqlen_k, diag,
+    dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, start, stop, rows, seqlen_k, diag, anchor,
     window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d, drop,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -587,8 +611,8 @@ def _dq_blocks(
         v = _load_tile(v_base, cols, stride_vs, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
         s, th = _log2_scores(
-            qk, rows[:, None], cols[None, :], seqlen_k, diag, window_left, window_right, slope_log2, qk_scale,
-            cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
+            qk, rows[:, None], cols[None, :], seqlen_k, diag, anchor, window_left, window_right, slope_log2,
+            qk_scale, cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
@@ -639,6 +663,8 @@ def _attn_bwd_dq_kernel(
         slope_log2 = tl.load(slopes_ptr + b * heads_q + h) * 1.4426950408889634
     k_base = k_ptr + b.to(tl.int64) * stride_kb + k_row0 * stride_ks + hk * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + k_row0 * stride_vs + hk * stride_vh
+    if HAS_ALIBI == 2:
+        lse2 += alibi_row_shift(rows, sk - sq, m0 + sk - sq, slope_log2)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     a, b_full, c_full, end, opts = _key_sweep(
         m0, rows, sq, sk, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out, offs_n, offs_d,

@@ -69,9 +69,23 @@ def _flags(p: Problem, arch: str) -> dict[str, Any]:
         "IS_VARLEN": p.varlen,
         "HAS_WINDOW_LEFT": p.window_left >= 0,
         "HAS_WINDOW_RIGHT": p.window_right >= 0,
-        "HAS_ALIBI": p.alibi,
+        "HAS_ALIBI": alibi_flag(p),
         "HAS_SOFTCAP": softcap_flag(p.softcap, arch),
     }
+
+
+SPLIT_ALIBI = True  # False: the absolute-distance form everywhere (the study's "abs" variant)
+
+
+def alibi_flag(p: Problem) -> int:
+    """The kernels' HAS_ALIBI: 0 without ALiBi; 2 where no key right of the diagonal is
+    visible (window_right 0: causal, with or without a left window), so the distance
+    i + diag - j needs no absolute value and the bias splits into a key term and a row term
+    (kernels._log2_scores: one add per score, folded into the scale's multiply, instead of an
+    integer subtraction, an absolute value and a conversion); 1 otherwise."""
+    if not p.alibi:
+        return 0
+    return 2 if p.window_right == 0 and SPLIT_ALIBI else 1
 
 
 def aligned(*strides: tuple[int, ...]) -> bool:
@@ -123,7 +137,9 @@ def fwd(
 ) -> Launch:
     """`_attn_fwd_kernel`: strides of (q, k, v, out); lse_strides (batch, head) of lse. The
     caller adds USE_TMA (PyTorch decides it from the tensors' addresses)."""
-    cfg = config or launch_config(p.head_dim, dtype, arch, "fwd", p.general(aligned(*strides)), p.options)
+    cfg = config or launch_config(
+        p.head_dim, dtype, arch, "fwd", p.general(aligned(*strides)), p.option_configs
+    )
     qk_scale, cap_scale, cap_out = scales(p.scale, p.softcap)
     args = {
         **stride_args(("q", "k", "v", "o"), strides), **_sizes(p, lse_strides), "qk_scale": qk_scale,
@@ -168,7 +184,9 @@ def bwd(
     strides of (q, k, v, dout, dq)); strides_aligned: every operand of the backward (dout, q,
     k, v, dq, dk, dv) has strides that are multiples of 16 (picks the config, the same for
     both kernels)."""
-    cfg = config or launch_config(p.head_dim, dtype, arch, kernel, p.general(strides_aligned), p.options)
+    cfg = config or launch_config(
+        p.head_dim, dtype, arch, kernel, p.general(strides_aligned), p.option_configs
+    )
     qk_scale, cap_scale, cap_out = scales(p.scale, p.softcap)
     args = {
         **stride_args(("q", "k", "v", "do", *_BWD_OUTPUTS[kernel]), strides), **_sizes(p, lse_strides),
