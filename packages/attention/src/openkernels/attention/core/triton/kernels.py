@@ -190,7 +190,7 @@ def _alibi_distance(i, j, diag):
 
 @triton.jit
 def _log2_scores(
-    qk, i, j, seqlen_k, diag, anchor, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
+    qk, i, j, seqlen_k, diag, key_term, window_left, window_right, slope_log2, qk_scale, cap_scale, cap_out,
     MASK: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
@@ -201,12 +201,12 @@ def _log2_scores(
 
     HAS_ALIBI: 0/False none; 1/True the bias -slope |i + diag - j| per score; 2 (causal
     calls, plan.alibi_flag: every visible key has j <= i + diag, so the distance is
-    i + diag - j) the bias split into a key term slope (j - anchor), added here (one term
-    per key, folded into the scale's multiply), and a row term slope (i + diag - anchor)
-    that the callers move into the row's log-sum-exp (alibi_row_shift): the row max and
-    sum, and so the probabilities, do not see a per-row constant. anchor: the program's
-    first row + diag (forward, dQ) or first key (dK/dV), so both terms stay small (precise
-    in float32) for the keys that carry weight."""
+    i + diag - j) the bias split into a key term slope (j - anchor), key_term (broadcast
+    against qk, alibi_key_term: added here, folded into the scale's multiply), and a row term
+    slope (i + diag - anchor) that the callers move into the row's log-sum-exp
+    (alibi_row_shift): the row max and sum, and so the probabilities, do not see a per-row
+    constant. anchor: the program's first row + diag (forward, dQ) or first key (dK/dV), so
+    both terms stay small (precise in float32) for the keys that carry weight."""
     th = qk
     if HAS_SOFTCAP:
         if HAS_SOFTCAP == 2:
@@ -217,7 +217,7 @@ def _log2_scores(
     else:
         s = qk * qk_scale
     if HAS_ALIBI == 2:
-        s += slope_log2 * (j - anchor).to(tl.float32)
+        s += key_term
     elif HAS_ALIBI:
         s -= slope_log2 * _alibi_distance(i, j, diag)
     if MASK:
@@ -228,6 +228,14 @@ def _log2_scores(
             visible &= j <= i + diag + window_right
         s = tl.where(visible, s, float("-inf"))
     return s, th
+
+
+@triton.jit
+def alibi_key_term(key_base, start_n, anchor, slope_log2):
+    """slope (j - anchor) for the keys start_n + offs_n of a block, from key_base = slope
+    offs_n (float32, loop-invariant): one conversion per block instead of one per key (the
+    conversion runs on the quarter-rate pipe the softmax's exp2 uses)."""
+    return key_base + (start_n - anchor).to(tl.float32) * slope_log2
 
 
 @triton.jit
@@ -322,12 +330,17 @@ def _fwd_blocks(
 ):  # fmt: skip
     """drop: (k0, k1, head, drop_below) of dropout (read under HAS_DROPOUT): the row sums
     take every probability, the output only the kept ones (scaled at the end)."""
+    key_base = offs_n.to(tl.float32) * slope_log2
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         k = _load_kv(k_base, start_n, cols, stride_ks, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
+        if HAS_ALIBI == 2:
+            key_term = alibi_key_term(key_base, start_n, anchor, slope_log2)[None, :]
+        else:
+            key_term = 0.0
         s, _ = _log2_scores(
-            qk, rows[:, None], cols[None, :], seqlen_k, diag, anchor, window_left, window_right, slope_log2,
+            qk, rows[:, None], cols[None, :], seqlen_k, diag, key_term, window_left, window_right, slope_log2,
             qk_scale, cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK)
@@ -482,6 +495,10 @@ def _dkdv_blocks(
     orientation: pT = exp2(sT - lse), dV += pT do, dK += (pT * (dpT - delta)) q. With dropout
     (drop: k0, k1, head, drop_below, drop_scale, the block's first key) dV takes the kept pT (scaled by the caller)
     and dpT the kept entries times the scale."""
+    if HAS_ALIBI == 2:  # this program's keys: the same for every query block
+        key_term = (slope_log2 * (cols - anchor).to(tl.float32))[:, None]
+    else:
+        key_term = 0.0
     for start_m in range(start, stop, BLOCK_M):
         rows = start_m + offs_m
         q = _load_tile(q_base, rows, stride_qs, offs_d, seqlen_q, MASK, HEAD_DIM, BLOCK_D)
@@ -498,7 +515,7 @@ def _dkdv_blocks(
             lse2 += alibi_row_shift(rows, diag, anchor, slope_log2)
         qk_t = tl.dot(k, tl.trans(q))
         s_t, th_t = _log2_scores(
-            qk_t, rows[None, :], cols[:, None], seqlen_k, diag, anchor, window_left, window_right, slope_log2,
+            qk_t, rows[None, :], cols[:, None], seqlen_k, diag, key_term, window_left, window_right, slope_log2,
             qk_scale, cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p_t = tl.exp2(s_t - lse2[None, :])
@@ -610,8 +627,12 @@ def _dq_blocks(
         k = _load_tile(k_base, cols, stride_ks, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
         v = _load_tile(v_base, cols, stride_vs, offs_d, seqlen_k, MASK, HEAD_DIM, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
+        if HAS_ALIBI == 2:  # converted per key: a loop-invariant base spilled the D128 dQ tile (sm_90)
+            key_term = (slope_log2 * (cols - anchor).to(tl.float32))[None, :]
+        else:
+            key_term = 0.0
         s, th = _log2_scores(
-            qk, rows[:, None], cols[None, :], seqlen_k, diag, anchor, window_left, window_right, slope_log2,
+            qk, rows[:, None], cols[None, :], seqlen_k, diag, key_term, window_left, window_right, slope_log2,
             qk_scale, cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p = tl.exp2(s - lse2[:, None])

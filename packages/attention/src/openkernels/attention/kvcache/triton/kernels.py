@@ -670,7 +670,7 @@ def _kv_blocks(
                 else:
                     qk = ks_row * qk + kz_row * qsum[:, None]
         s, _ = _log2_scores(
-            qk, qrow[:, None], cols[None, :], sk, diag, diag, window_left, window_right, slope_log2, qk_scale,
+            qk, qrow[:, None], cols[None, :], sk, diag, 0.0, window_left, window_right, slope_log2, qk_scale,
             cap_scale, cap_out, MASK, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HAS_ALIBI, HAS_SOFTCAP,
         )  # fmt: skip
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASK)
