@@ -93,22 +93,14 @@ PERSISTENT_STUDY = (
 )
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def programs(cfg: WgmmaConfig, tiles: int, device: torch.device) -> int:
     """Programs to launch: one per tile and split, or for persistent configs one per SM (the
     8-warp tiles they are used with take one SM each) where there are more tiles."""
     if not cfg.persistent:
         return tiles * cfg.split_k
-    sms = (
-        _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        if device.type == "cuda"
-        else 132
-    )
-    return min(tiles, sms)
+    from ..triton import _sm_count  # the Triton launchers' (cached per device)
+
+    return min(tiles, _sm_count(device))
 
 
 def _block_k(k: int, group: int) -> int | None:
