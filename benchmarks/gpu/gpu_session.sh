@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -213,6 +213,14 @@ if [[ $steps == *alibi* && $family == attention ]]; then
   # A softcap alone on the plain configs too (attention 0.8.7) against 0.8.6's ("narrow").
   timeout ${SOFTCAP_STUDY_S:-240} python3 benchmarks/studies/attention_softcap_tanh.py ${SOFTCAP_VARIANTS:-mufu narrow} 2>&1 \
     | tee "$out/softcap_study.txt" | grep "|"
+fi
+if [[ $steps == *dropout* && $family == attention ]]; then
+  # Dropout alone in full calls on the plain fast configs (problem.FULL_DROPOUT_ON_PLAIN_CONFIGS,
+  # off by default until this times it): its GPU test, then the study's two variants.
+  timeout ${DROPOUT_TESTS_S:-150} python3 -m pytest -q -rfE packages/attention/tests/test_dropout.py \
+    -k "plain_configs and cuda" 2>&1 | tee "$out/dropout_tests.txt" | tail -3
+  timeout ${DROPOUT_STUDY_S:-200} python3 benchmarks/studies/attention_dropout_configs.py 2>&1 \
+    | tee "$out/dropout_study.txt" | grep "|"
 fi
 if [[ $steps == *backward* && $family == attention ]]; then
   # The Gluon backward behind the default (cuDNN) forward at every study shape, against the

@@ -141,6 +141,7 @@ def cases_for(arch: str) -> list:
                     ("bf16", _NONE | {"HAS_ALIBI": True}, True),
                     ("bf16", _CAUSAL | {"HAS_SOFTCAP": True}, True),
                     ("bf16", _NONE | {"HAS_SOFTCAP": True}, True),
+                    ("bf16", _NONE | {"HAS_DROPOUT": True}, True),  # problem.FULL_DROPOUT_ON_PLAIN_CONFIGS
                 ]
         elif head_dim in (64, 128, 256):
             variants = [("bf16", _WINDOWS, False), ("bf16", _ALL, False)]

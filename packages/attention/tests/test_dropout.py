@@ -59,6 +59,22 @@ def test_dropout_matches_reference(device: str, impl: str, options: Options) -> 
         check_against_reference(dense_case(shape, options, BF16, device), impl)
 
 
+def test_full_dropout_on_the_plain_configs(device: str, impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """problem.FULL_DROPOUT_ON_PLAIN_CONFIGS (off by default until timed): dropout alone in
+    a full call on the fast path's plain configs (16-aligned lengths, D128 and D64), against
+    the reference drawing the same mask; causal dropout keeps the override configs."""
+    if INTERPRETING or device != "cuda":
+        pytest.skip("the fast configs are the GPU's")
+    from openkernels.attention.core import problem
+
+    monkeypatch.setattr(problem, "FULL_DROPOUT_ON_PLAIN_CONFIGS", True)
+    for head_dim in (64, 128):
+        for options in (Options(dropout=0.1), Options(causal=True, dropout=0.1)):
+            check_against_reference(
+                dense_case(Shape(2, 192, 256, 4, 1, head_dim), options, BF16, device), impl
+            )
+
+
 @pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
 def test_dropout_dtypes(device: str, impl: str, dtype: torch.dtype) -> None:
     if not runs_dtype(impl, dtype):
