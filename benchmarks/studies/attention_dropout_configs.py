@@ -8,8 +8,9 @@ spills there too (sm_90, 255 registers; causal dropout spills 24 B): this times 
 variant in its own process, Triton forced, beside the same call without dropout.
 
 Variants:
-  override  the default (problem.FULL_DROPOUT_ON_PLAIN_CONFIGS False).
-  plain     full calls with dropout alone on the plain configs (the flag set).
+  override  attention 0.8.7's default (problem.FULL_DROPOUT_ON_PLAIN_CONFIGS False).
+  plain     full calls with dropout alone on the plain configs (the flag set: the default
+            since attention 0.8.8, after this study's H100 run, docs/perf.md).
 
 Correctness of the plain configs with dropout: `pytest packages/attention/tests/test_dropout.py
 -k "plain_configs and cuda"` (against the float64 reference drawing the same mask).

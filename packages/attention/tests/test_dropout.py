@@ -60,9 +60,10 @@ def test_dropout_matches_reference(device: str, impl: str, options: Options) -> 
 
 
 def test_full_dropout_on_the_plain_configs(device: str, impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """problem.FULL_DROPOUT_ON_PLAIN_CONFIGS (off by default until timed): dropout alone in
-    a full call on the fast path's plain configs (16-aligned lengths, D128 and D64), against
-    the reference drawing the same mask; causal dropout keeps the override configs."""
+    """problem.FULL_DROPOUT_ON_PLAIN_CONFIGS (the default since attention 0.8.8, set here so
+    the test keeps covering it if it is turned off): dropout alone in a full call on the fast
+    path's plain configs (16-aligned lengths, D128 and D64), against the reference drawing the
+    same mask; causal dropout keeps the override configs."""
     if INTERPRETING or device != "cuda":
         pytest.skip("the fast configs are the GPU's")
     from openkernels.attention.core import problem

@@ -576,6 +576,27 @@ def test_left_padding_and_batch_idx(device: str, impl: str, scenario: Scenario, 
         assert torch.equal(raw_bits(t[outside]), raw_bits(old[outside])), "the padding was written"
 
 
+@pytest.mark.parametrize(("device", "impl"), TARGETS)
+@pytest.mark.parametrize("fmt", ["bf16", "int4-g32"])
+def test_left_padding_past_the_length_is_clamped(device: str, impl: str, fmt: str) -> None:
+    """A pad past a sequence's filled slots, as hf.py's captured decode step passes it unchecked
+    (a mask that hides every key gives its width): every backend takes it as the length (no
+    cached token; the new ones still seen), bit for bit the checked call with the pad clamped.
+    The kernels clamp it themselves since attention 0.8.8 (no launch before them)."""
+    call = build(_S(f"pad-past-end-{fmt}", (6, 9), heads=(4, 2), fmt=fmt, capacity=16), device)
+    results = []
+    for pads, check in (([2, 9], True), ([2, 40], False)):
+        copy = copy_call(call)
+        with dispatch.force(impl):
+            out, lse = copy.call(cache_leftpad=_i32(pads, device), check=check)
+        results.append((out, lse, [t.clone() for t in copy.storage()]))
+    (out, lse, cache), (out2, lse2, cache2) = results
+    assert not torch.isnan(out).any()
+    assert torch.equal(raw_bits(out), raw_bits(out2)) and torch.equal(lse, lse2)
+    for a, b in zip(cache, cache2):
+        assert torch.equal(raw_bits(a), raw_bits(b)), "the clamped pad appended elsewhere"
+
+
 def test_left_padding_and_batch_idx_errors() -> None:
     if INTERPRETING:
         pytest.skip("argument checks run before any kernel: once, outside the interpreter")

@@ -210,8 +210,11 @@ def _attend_static(
         if query.shape[2] > 1:  # the padding may be among the new tokens: append, then attend
             _append(layer, k_new, v_new, seqlens)
             seqlens, k_new, v_new = seqlens + new, None, None
-        # cache_leftpad counts cached tokens (a mask that hides every key gives the capacity).
-        pad = torch.minimum(pad, seqlens)
+        # A mask that hides every key gives the capacity: the kernels clamp the pad to the
+        # cached tokens themselves (no launch per layer in a captured step); a checked call
+        # takes it clamped, as the public function requires.
+        if not tracing:
+            pad = torch.minimum(pad, seqlens)
         out = attention_with_kvcache(query.transpose(1, 2), layer.k_cache, layer.v_cache, seqlens, k_new=k_new,
                                      v_new=v_new, cache_leftpad=pad, check=not tracing,
                                      **options)  # fmt: skip

@@ -394,8 +394,9 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     checks are skipped).
 
     cache_batch_idx views the contiguous cache as a paged one with one page per row and the
-    table cache_batch_idx[:, None]; cache_leftpad becomes the backends' per-sequence slot
-    offset, with the lengths counted from there (cache_seqlens - cache_leftpad)."""
+    table cache_batch_idx[:, None]; cache_leftpad goes to the backends as it is, beside
+    cache_seqlens (they take each sequence's first slot and length from the two, clamping the
+    pad to the length: reference.py), so that a left-padded call launches nothing before them."""
     name = "attention_with_kvcache"
     if plan is None:
         plan = _kvcache_plan(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
@@ -412,7 +413,6 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     if cache_batch_idx is not None:
         block_table, label = cache_batch_idx[:, None], (lambda b, i: f"cache_batch_idx[{b}]")
     capacity = kd.shape[1] if block_table is None else block_table.shape[1] * kd.shape[1]
-    seqlens = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
     if host_lengths is None and check and not tracing:  # one small device-to-host copy (two when paged)
         replay.reads_host_values("the checked cache lengths")  # check=False calls replay; these cannot
         rows = None if rotary_cos is None else rotary_cos.shape[0]
@@ -439,7 +439,7 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     # Both ops take the same path (decided here, once, for the pair).
     append = ops.KVCACHE_APPEND.library if library else ops.KVCACHE_APPEND.direct
     forward = ops.ATTENTION_KVCACHE.library if library else ops.ATTENTION_KVCACHE.direct
-    forward_args = (q, kd, vd, *quant, seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
+    forward_args = (q, kd, vd, *quant, cache_seqlens, block_table, rotary_cos, rotary_sin, seqlen_new, max_seqlen_k,
                     scale, left, right, alibi_slopes, plan.softcap, rotary_interleaved, bits, group,
                     cache_leftpad, k_residual, key_group)  # fmt: skip
     if k_new is None or k_new.numel() == 0:
@@ -454,7 +454,7 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
         chosen = dispatch.select("attention_kvcache", dispatch.key_for(q))
         if dispatch.is_strict() or dispatch.is_steered() or len(chosen) == 1:
             written = _written_parts(k_new, cache_seqlens, block_table, kd, vd, quant, k_residual, key_group)
-    append_args = (kd, vd, *quant, k_new, v_new, seqlens, block_table, rotary_cos, rotary_sin,
+    append_args = (kd, vd, *quant, k_new, v_new, cache_seqlens, block_table, rotary_cos, rotary_sin,
                    rotary_interleaved, bits, group, cache_leftpad, k_residual, key_group)  # fmt: skip
     return _append_then_attend(append, forward, written, append_args, forward_args)
 

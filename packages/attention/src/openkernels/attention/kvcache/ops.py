@@ -46,8 +46,9 @@ def kvcache_append(
     k_residual: torch.Tensor | None = None,
     key_group: int = 0,
 ) -> None:
-    """Write k_new/v_new (B, Sn, Hkv, D) into the cache at cache_seqlens (in place), from slot
-    cache_leftpad[b] of sequence b's storage on (reference.py); key_group > 0: keys by
+    """Write k_new/v_new (B, Sn, Hkv, D) into the cache from slot cache_seqlens[b] of sequence
+    b's storage on (in place); with cache_leftpad its tokens (their rotary positions) count
+    from slot min(cache_leftpad[b], cache_seqlens[b]) (reference.py); key_group > 0: keys by
     channel, with k_residual (format.py)."""
     if k_new.numel() == 0:
         return

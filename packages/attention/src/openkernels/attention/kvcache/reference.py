@@ -27,9 +27,11 @@ Hkv, ·) or paged (P, page, Hkv, ·) with block_table (B, max_pages) int32; cach
 int32 (B,) (before the append: attention_kvcache_fwd adds seqlen_new); max_seqlen_k: a bound on every
 cache_seqlens[b] + seqlen_new (for planning splits); scale/zero None for bits == 16; an fp8
 cache (data float8_e4m3fn, bits 8) has scale float32 (Hkv,) and zero None;
-alibi_slopes float32 (B, Hq) contiguous or None; leftpad int32 (B,) or None: sequence b's
-token t sits at position leftpad[b] + t of its storage (the API's cache_leftpad, with
-cache_seqlens then counting tokens from there). The callers check every bound first.
+alibi_slopes float32 (B, Hq) contiguous or None; leftpad int32 (B,) or None: the API's
+cache_leftpad, with cache_seqlens counting storage slots, the padding included (FlashAttention's
+convention): sequence b holds cache_seqlens[b] - p tokens, token t at slot p + t of its
+storage, p = min(leftpad[b], cache_seqlens[b]) (the clamp: a mask that hides every key, in
+hf.py). The callers check every other bound first.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from openkernels.shared import replay
 from ..core.reference import attend, compute_dtype
 from .format import FP8, gather_kv, quantize_channels, quantize_fp8, quantize_unchecked, unpack_codes
 
-__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "keys_by_channel", "rotate"]
+__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "keys_by_channel", "rotate", "token_spans"]
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
@@ -61,6 +63,16 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     return x
 
 
+def token_spans(cache_seqlens: torch.Tensor, leftpad: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """(tokens, first slot) of each sequence, host ints, from the backends' cache_seqlens (storage
+    slots filled) and leftpad (see the contract above). One device-to-host read each."""
+    filled = cache_seqlens.tolist()
+    if leftpad is None:
+        return filled, [0] * len(filled)
+    pads = [min(p, f) for p, f in zip(leftpad.tolist(), filled)]
+    return [f - p for f, p in zip(filled, pads)], pads
+
+
 def _cache_index(b: int, positions: torch.Tensor, block_table: torch.Tensor | None, page: int):
     """Index of sequence b's storage `positions` into a (B, S, ...) or (P, page, ...) tensor."""
     if block_table is None:
@@ -72,8 +84,7 @@ def kvcache_append_fwd(k_data, v_data, k_scale, k_zero, v_scale, v_zero, k_new, 
               rotary_cos, rotary_sin, *, rotary_interleaved, bits, group_size, leftpad=None, k_residual=None,
               key_group=0) -> None:  # fmt: skip
     replay.reads_host_values("cache_seqlens")  # values baked into a recording
-    lengths = cache_seqlens.tolist()
-    offsets = [0] * len(lengths) if leftpad is None else leftpad.tolist()
+    lengths, offsets = token_spans(cache_seqlens, leftpad)
     for b, start in enumerate(lengths):
         pos = torch.arange(start, start + k_new.shape[1], device=k_new.device)
         idx = _cache_index(b, pos + offsets[b], block_table, k_data.shape[1])
@@ -139,9 +150,9 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     sq = q.shape[1]
     acc = compute_dtype(q.dtype)
     replay.reads_host_values("cache_seqlens")  # values baked into a recording
-    offsets = [0] * q.shape[0] if leftpad is None else leftpad.tolist()
+    lengths, offsets = token_spans(cache_seqlens, leftpad)
     with torch.no_grad():
-        for b, cached in enumerate(cache_seqlens.tolist()):
+        for b, cached in enumerate(lengths):
             length = cached + seqlen_new
             k, v = gather_kv((k_data, k_scale, k_zero), (v_data, v_scale, v_zero), b, length, block_table, bits=bits,
                              group_size=group_size, dtype=acc, start=offsets[b], k_residual=k_residual,

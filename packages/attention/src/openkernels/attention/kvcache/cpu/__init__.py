@@ -23,6 +23,9 @@ FORCE_PATH: str | None = None
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
             rotary_interleaved, bits, group_size, leftpad=None, k_residual=None, key_group=0) -> None:  # fmt: skip
+    if leftpad is not None:  # the C++ kernel counts tokens from the pad (reference.py: slots filled)
+        leftpad = torch.minimum(leftpad, cache_seqlens)
+        cache_seqlens = cache_seqlens - leftpad
     if FORCE_PATH != "gather":
         why = decode.why_not(q, k_data, v_data, cache_seqlens, block_table, rotary_cos, bits=bits, key_group=key_group,
                              leftpad=leftpad)  # fmt: skip

@@ -177,8 +177,20 @@ def _check_rows_and_padding(name: str, cache_batch_idx, cache_leftpad, cache_seq
 
 
 def _attend(
-    q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, problem: KVProblem, leftpad=None
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table,
+    cos,
+    sin,
+    slopes,
+    problem: KVProblem,
+    leftpad=None,
+    filled=None,
 ):
+    """cache_seqlens: tokens from each sequence's first (after leftpad); filled: the storage
+    slots (the padding included), what the Triton kernel takes with leftpad."""
     if q.size == 0:
         return jax.numpy.zeros(q.shape, q.dtype), jax.numpy.zeros(
             (q.shape[0], q.shape[2], q.shape[1]), jax.numpy.float32
@@ -186,8 +198,9 @@ def _attend(
     if okjax.backend() != "jnp" and q.dtype in _KERNEL_DTYPES:
         from . import launch
 
+        slots = cache_seqlens if leftpad is None else filled
         return launch.attention_kvcache(
-            q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, problem, leftpad
+            q, k_cache, v_cache, slots, block_table, cos, sin, slopes, problem, leftpad
         )
     p = Problem(q.shape[0], q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], False,
                      problem.scale, problem.window_left, problem.window_right, slopes is not None, problem.softcap)  # fmt: skip
@@ -293,6 +306,16 @@ def attention_with_kvcache(
     )  # fmt: skip
     slopes = None if alibi_slopes is None else jax.numpy.broadcast_to(alibi_slopes, (batch, heads_q))
     out, lse = _attend(
-        q, k_cache, v_cache, seqlens, block_table, rotary_cos, rotary_sin, slopes, problem, cache_leftpad
+        q,
+        k_cache,
+        v_cache,
+        seqlens,
+        block_table,
+        rotary_cos,
+        rotary_sin,
+        slopes,
+        problem,
+        cache_leftpad,
+        cache_seqlens,
     )
     return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)

@@ -28,7 +28,8 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin,
                       leftpad=None):  # fmt: skip
     """out (like q), lse (B, Hq, Sq) float32 from `_attention_kvcache_fwd_kernel` (and the
     combine kernel when the keys are split) on a 16-bit cache, contiguous or paged; cos, sin
-    (rows, R / 2) or None; slopes (B, Hq) float32 or None."""
+    (rows, R / 2) or None; slopes (B, Hq) float32 or None; cache_seqlens and leftpad as the
+    backends take them (../reference.py: storage slots filled, the padding included)."""
     from .. import triton as launcher  # its FORCE_SPLITS pins the splits of both front ends
 
     lse_shape = (p.batch, p.heads_q, p.seqlen_q)

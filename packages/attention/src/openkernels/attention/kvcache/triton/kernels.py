@@ -68,20 +68,22 @@ def _kvcache_append_fwd_kernel(
     HAS_LEFTPAD: tl.constexpr = False, ROW_TABLE: tl.constexpr = False, FP8: tl.constexpr = False,
     SKIP_KEYS: tl.constexpr = False,
 ):  # fmt: skip
-    """One program: BLOCK_T new tokens of one (sequence, KV head), K and V. Positions count
-    from the sequence's first token (rotary); with HAS_LEFTPAD that token sits at slot
-    leftpad[b] of the sequence's storage. ROW_TABLE (PAGE_SIZE 0): sequence b's storage is
-    row block_table[b, 0] of the contiguous cache. SKIP_KEYS: values only (keys by channel
-    are written by _kvcache_append_keys_by_channel_kernel)."""
+    """One program: BLOCK_T new tokens of one (sequence, KV head), K and V, written from slot
+    seqlens[b] of the sequence's storage on. Positions count from the sequence's first token
+    (rotary); with HAS_LEFTPAD that token sits at slot min(leftpad[b], seqlens[b]). ROW_TABLE
+    (PAGE_SIZE 0): sequence b's storage is row block_table[b, 0] of the contiguous cache.
+    SKIP_KEYS: values only (keys by channel are written by
+    _kvcache_append_keys_by_channel_kernel)."""
     bh = tl.program_id(1)
     b = bh // heads_kv
     h = bh % heads_kv
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = t < seqlen_new
-    pos = tl.load(seqlens_ptr + b) + t
-    at = pos
-    if HAS_LEFTPAD:
-        at += tl.load(leftpad_ptr + b)
+    filled = tl.load(seqlens_ptr + b)  # storage slots (the padding included)
+    at = filled + t
+    pos = at
+    if HAS_LEFTPAD:  # clamped and subtracted here: no per-call launches for it before the kernel
+        pos -= tl.minimum(tl.load(leftpad_ptr + b), filled)
     if PAGE_SIZE > 0:
         page = tl.load(block_table_ptr + b * stride_bt + at // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         slot = at % PAGE_SIZE
@@ -730,11 +732,12 @@ def _attention_kvcache_fwd_kernel(
     split = tl.program_id(2)
     b = bh // heads_kv
     hk = bh % heads_kv
-    sk = tl.load(seqlens_ptr + b) + seqlen_new  # keys counted from the sequence's first token
-    diag = sk - seqlen_q
-    slot0 = 0  # HAS_LEFTPAD: where that token sits in the sequence's storage
+    filled = tl.load(seqlens_ptr + b)  # storage slots (the padding included)
+    slot0 = 0  # HAS_LEFTPAD: where the sequence's first token sits in its storage
     if HAS_LEFTPAD:
-        slot0 = tl.load(leftpad_ptr + b)
+        slot0 = tl.minimum(tl.load(leftpad_ptr + b), filled)
+    sk = filled - slot0 + seqlen_new  # keys counted from the sequence's first token
+    diag = sk - seqlen_q
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     qrow = r // group
     head = hk * group + r % group
