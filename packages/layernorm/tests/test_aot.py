@@ -122,7 +122,9 @@ def cases_for(backend: str) -> list:
         tiles = [c for c in all_cfgs if c.mode == "tile"]
         for cfg in {*picked["bf16"], *picked["fp32"]}:
             for dtype in ("bf16", "fp32"):
-                if cfg.mode != "split" or direction == "fwd" or cfg in picked[dtype]:
+                # The backward's split and tile configs depend on the dtype: each in the
+                # dtypes that pick it (a 16-bit tile spills with float32 rows).
+                if cfg.mode == "looped" or direction == "fwd" or cfg in picked[dtype]:
                     c = case(direction, cfg, dtype, every)
                     out[c.label] = c
             if cfg.mode == "tile":  # n_cols == BLOCK_C: the unmasked specialization
@@ -135,9 +137,11 @@ def cases_for(backend: str) -> list:
             for flags in _flag_variants(direction):
                 c = case(direction, cfg, "bf16", flags)
                 out[c.label] = c
-            wide_h = cfg  # a float32 h makes the split backward pick the float32 config
-            if direction == "bwd" and cfg.mode == "split":
-                wide_h = next(c for c in picked["fp32"] if c.mode == "split")
+            wide_h = cfg  # a float32 h makes the backward pick the float32 config
+            if direction == "bwd" and cfg.mode != "looped":
+                wide_h = next(
+                    c for c in picked["fp32"] if c.mode == cfg.mode and c.block_cols == cfg.block_cols
+                )
             for c in (
                 case(direction, cfg, "fp16", every),
                 case(direction, wide_h, "bf16", every, h_dtype="fp32"),
@@ -174,7 +178,8 @@ def cases_for(backend: str) -> list:
         # The backward's tile is picked with prefetching at some widths and without at others.
         for prefetch in (False, True) if direction == "bwd" else (False,):
             cfg = _with_prefetch(unaligned_tile, prefetch)
-            for c in (case(direction, cfg, "bf16", every, aligned=False),
+            narrow = configs.launch_config(cfg.block_cols, torch.bfloat16, backend, direction, aligned=False)
+            for c in (case(direction, _with_prefetch(narrow, prefetch), "bf16", every, aligned=False),
                       case(direction, cfg, "fp32", every, aligned=False, h_dtype="fp32")):  # fmt: skip
                 out[c.label] = c
     from openkernels.shared.dev.testing.aot import AotCase
@@ -198,6 +203,58 @@ def test_kernels_compile_clean_for_every_config(vendor: str) -> None:
     from openkernels.shared.dev.testing.aot import check_vendor
 
     check_vendor(cases_for, vendor)
+
+
+# ---- the persistent backward grid fits in one wave ---------------------------------------
+
+_REGISTERS_PER_SM = 65536  # sm_80 and sm_90
+_THREADS_PER_SM = 2048
+
+
+def _grid_cases() -> list[tuple]:
+    """(AotCase, config) of every backward tile config a CUDA call can pick: row widths up to
+    the tile's limit, aligned or not, 16-bit or float32 rows (and a float32 h under bf16 dy),
+    RMSNorm and LayerNorm, every flag that adds registers on."""
+    out = {}
+    for aligned in (True, False):
+        limit = configs.MAX_TILE_COLS["bwd"] // (1 if aligned else 2)
+        for k in range(2, limit.bit_length()):
+            for dtype, h_dtype, wider in (("bf16", None, torch.bfloat16), ("fp16", None, torch.float16),
+                                          ("fp32", None, torch.float32), ("bf16", "fp32", torch.float32)):  # fmt: skip
+                for rms in (True, False):
+                    cfg = configs.launch_config(1 << k, wider, "cuda", "bwd", aligned, rms)
+                    flags = {**_BWD_ALL, "IS_RMS": rms, "BIAS_GRAD": not rms}
+                    c = _case("bwd", cfg, dtype, flags, aligned=aligned, h_dtype=h_dtype)
+                    out[(c.label, cfg.programs_per_sm)] = (c, cfg)
+    return list(out.values())
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_backward_grid_fits_one_wave(target: str) -> None:
+    """The tile backward's persistent grid (programs_per_sm programs per SM, each over a run
+    of rows) must be resident at once: registers (allocated in steps of 8 per thread), threads
+    and shared memory of programs_per_sm programs within one SM. A grid that asks for more
+    runs the rest as a second wave over the first's tail: layernorm 0.11.4's 2048-column tile
+    (96 registers, 8 programs where 5 fit) ran at 0.56 of copy on an H100, 0.82-0.85 once
+    sized to fit (benchmarks/studies/norm_bwd_occupancy.py)."""
+    from openkernels.shared.dev.testing.aot import check_cases, targets_from_env
+
+    if target not in targets_from_env():
+        pytest.skip(f"{target} is not in OPENKERNELS_AOT_TARGETS")
+    cases = _grid_cases()
+    reports = check_cases([c for c, _ in cases], [target])
+    problems = []
+    for (case, cfg), report in zip(cases, reports):
+        if not report.ok:
+            problems.append(f"{case.label} on {target}: {'; '.join(report.problems)}")
+            continue
+        threads = 32 * cfg.num_warps * cfg.programs_per_sm
+        registers = -(-report.registers // 8) * 8 * threads
+        shared = (report.shared_bytes or 0) * cfg.programs_per_sm
+        if registers > _REGISTERS_PER_SM or threads > _THREADS_PER_SM or shared > report.shared_limit:
+            problems.append(f"{case.label} x {cfg.programs_per_sm} per SM on {target}: {report.registers} registers, "
+                            f"{threads} threads, {shared} B shared")  # fmt: skip
+    assert not problems, "persistent backward grids that do not fit on an SM:\n" + "\n".join(problems)
 
 
 # ---- the JAX specialization: every integer and float argument a constexpr -------------------

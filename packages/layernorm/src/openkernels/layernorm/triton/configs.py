@@ -131,12 +131,14 @@ def launch_config(
         block_rows = max(1, TILE_ELEMENTS[direction, rms] // block_cols)
         if direction == "fwd":
             return NormConfig(block_rows, block_cols, _warps(block_rows * block_cols, per_thread, vendor))
-        # Backward: narrow rows keep 2048-element tiles at 16 per thread on 8 programs per
-        # SM (2048 cols: RMSNorm 0.768-0.783, LayerNorm 0.691-0.706).
+        if vendor == "cuda":
+            return _cuda_bwd_tile(block_cols, dtype, aligned)
+        # ROCm (not re-measured since): narrow rows keep 2048-element tiles at 16 per thread
+        # on 8 programs per CU (H200: 2048 cols RMSNorm 0.768-0.783, LayerNorm 0.691-0.706).
         if block_cols <= 2048:
             block_rows, per_thread = max(1, 2048 // block_cols), 16
         warps = _warps(block_rows * block_cols, per_thread, vendor)
-        lane_warps = 32 if vendor == "cuda" else 16  # half an SM's warp slots
+        lane_warps = 16  # half a CU's wavefront slots
         if block_cols >= 8192:
             # The prefetched 8192-column tile spilled 8-92 B per thread on sm_80/sm_90
             # (float32 h, 32 warps): 16 warps on 4 programs per SM without prefetching.
@@ -164,6 +166,40 @@ def launch_config(
         if -(-n_cols // base) <= MAX_SPLITS:
             return NormConfig(1, base, _warps(base, per_thread, vendor), "split", SPLIT_BWD_PROGRAMS_PER_SM)
     return looped_config(direction, aligned, backend)
+
+
+def _cuda_bwd_tile(block_cols: int, dtype: torch.dtype, aligned: bool) -> NormConfig:
+    """The CUDA backward tile on a persistent grid of as many programs per SM as fit at once,
+    so that every program runs in the first wave (test_aot checks it for sm_80 and sm_90:
+    registers, threads, shared memory). Aligned 16-bit rows: rows of 2048 columns and more on
+    tiles of at least 4096 elements at 16 per thread (ptxas, sm_90, Triton 3.6: 110-128
+    registers, two 8-warp or one 16-warp program per SM), narrower rows stacked into
+    2048-element tiles at 8 per thread, both prefetching the next block. Float16 rows: ptxas
+    held the prefetching tiles to 64 registers and spilled 8-40 B, and the 2048-element ones
+    4 B at 512 columns: 4096-element tiles at 16 per thread loading in turn. Float32 rows (dtype, the wider
+    of dy and h) on 2048-element tiles at 8 per thread (at 16: up to 168 registers), the
+    8192-column one at 16 per thread without prefetching (it spilled 52-88 B with it).
+    Unaligned rows (an address per element: up to 145 registers at 8 per thread, spills at 8
+    and with prefetching) on 1024-element tiles at 4 per thread, one program per SM.
+
+    The layernorm 0.11.4 grids asked for 8 programs of 4 warps at 2048 columns where 4-5 fit,
+    and 4 of 16 warps at 8192 where 1 fits: the rest ran as later waves. H100, bf16, 64M
+    elements, the backward's kernels (benchmarks/studies/norm_bwd_occupancy.py): 2048 columns
+    RMSNorm 0.2419 -> 0.1581 ms, LayerNorm 0.3208 -> 0.1694, with dh_out 0.2775 -> 0.2020; 8192
+    columns 0.2188 -> 0.1564, 0.2847 -> 0.1656, 0.2685 -> 0.2002; 4096 columns RMSNorm 0.1600
+    either way, with dh_out 0.2347 -> 0.2026 (other widths, float16, float32 and unaligned
+    rows: not timed)."""
+    wide = dtype.itemsize > 2
+    if not aligned:
+        block_rows = max(1, 1024 // block_cols)
+        return NormConfig(block_rows, block_cols, _warps(block_rows * block_cols, 4, "cuda"), "tile", 1)
+    if wide and block_cols >= 8192:
+        return NormConfig(1, block_cols, _warps(block_cols, 16, "cuda"), "tile", 1)
+    half = dtype == torch.float16
+    big = (block_cols >= 2048 or half) and not wide
+    block_rows = max(1, (4096 if big else 2048) // block_cols)
+    warps = _warps(block_rows * block_cols, 16 if big else 8, "cuda")
+    return NormConfig(block_rows, block_cols, warps, "tile", max(1, 16 // warps), prefetch=not half)
 
 
 def looped_config(direction: str, aligned: bool, backend: str) -> NormConfig:
