@@ -127,6 +127,10 @@ def cases_for(backend: str) -> list:
                 if cfg.mode == "looped" or direction == "fwd" or cfg in picked[dtype]:
                     c = case(direction, cfg, dtype, every)
                     out[c.label] = c
+                if cfg.mode == "split" and cfg in picked[dtype]:  # RMSNorm's flags too (a residual, no bias)
+                    rms_flags = {k: v and k not in ("HAS_BIAS", "BIAS_GRAD") for k, v in every.items()}
+                    c = case(direction, cfg, dtype, rms_flags | {"IS_RMS": True})
+                    out[c.label] = c
             if cfg.mode == "tile":  # n_cols == BLOCK_C: the unmasked specialization
                 c = case(direction, cfg, "bf16", every, even=True)
                 out[c.label] = c

@@ -154,8 +154,15 @@ def launch_config(
         chunk = base if -(-n_cols // base) <= MAX_SPLITS else 2 * base
         if -(-n_cols // chunk) <= MAX_SPLITS:
             ln_one_pass = one_pass and not rms
-            # Unaligned rows hold an address per element: 32 per thread, as before.
-            per_thread = 32 if not aligned or (not rms and not one_pass and chunk == base) else 64
+            # Unaligned rows hold an address per element: 32 per thread, as before. So do
+            # float32 rows on the doubled chunk (RMSNorm with a residual spilled 4 B on sm_90
+            # at 64 per thread; layernorm 0.11.5, not timed).
+            thin = (
+                not aligned
+                or (not rms and not one_pass and chunk == base)
+                or (dtype.itemsize > 2 and chunk > base)
+            )
+            per_thread = 32 if thin else 64
             return NormConfig(1, chunk, _warps(chunk, per_thread, vendor), "split", one_pass=ln_one_pass)
     if direction == "bwd" and backend in ("cuda", "rocm"):
         base, per_thread = SPLIT_BWD[rms]
