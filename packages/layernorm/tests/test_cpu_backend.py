@@ -129,10 +129,13 @@ def test_forward(shape, rms, xd, rd, hd, store_h, od, wd, bd, offset, pad):
     if residual_out is not None:
         assert torch.equal(residual_out, h), "residual_out differs from the reference's h"
     out64, mean64, rstd64 = _fwd64(h, weight, bias, eps=eps, weight_offset=offset, rms=rms)
-    assert_close(out, out64, dtype=od, msg="out")
-    assert_close(rstd, rstd64, dtype=acc, msg="rstd")
+    # Each row's statistics sum N terms in the accumulator (float32 for 16-bit and float32 rows
+    # of one chunk since layernorm 0.11.1): their rounding reaches the outputs (1.4% of random
+    # float32 LayerNorm rows of 384 failed the bare float32 tolerance, ~2e-6 off).
+    assert_close(out, out64, dtype=od, terms=N, msg="out")
+    assert_close(rstd, rstd64, dtype=acc, terms=N, msg="rstd")
     if mean is not None:
-        assert_close(mean, mean64, dtype=acc, msg="mean")
+        assert_close(mean, mean64, dtype=acc, terms=N, term_scale=4.0, msg="mean")
 
 
 BWD_CASES = [
