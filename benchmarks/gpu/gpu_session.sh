@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -56,6 +56,18 @@ if [[ $steps == *push* && $family == layernorm ]]; then
     | tee "$out/push_variants.txt" | grep -v "^bwd\|^fwd+bwd" | tail -14
   timeout ${PUSH_S:-200} python3 benchmarks/peers/run.py layernorm --shapes ${PUSH_SHAPES:-2048x32768,1024x65536,512x131072,256x262144} \
     --directions fwd --peers torch,quack --kernel-time --json "$out/push_public.json" 2>&1 | tail -40
+fi
+if [[ $steps == *bwdgrid* && $family == layernorm ]]; then
+  # The tile backward's grid sized to fit an SM (layernorm 0.11.5): candidate tiles beside
+  # 0.11.4's, then forward+backward through autograd against Liger and QuACK (source
+  # .whl-cute-b/install.sh first for QuACK), then the GPU correctness suite's CUDA cases.
+  timeout ${BWDGRID_S:-200} python3 benchmarks/studies/norm_bwd_occupancy.py 2048,4096,8192 2>&1 \
+    | tee "$out/bwd_grid.txt" | grep "|"
+  timeout ${BWDGRID_S:-200} python3 benchmarks/peers/run.py layernorm --ops rms_norm,layer_norm,add_rms_norm \
+    --shapes 32768x2048,16384x4096,8192x8192,4096x16384 --directions fwd+bwd --peers liger,quack --kernel-time \
+    2>&1 | tee "$out/bwd_grid_public.txt" | grep -v copy | tail -40
+  timeout ${BWDGRID_TESTS_S:-400} python3 -m pytest -q -rfE packages/layernorm/tests/test_correctness.py \
+    -m "not interpreter and not aot" -k "cuda and not cluster" -x 2>&1 | tee "$out/bwd_grid_tests.txt" | tail -3
 fi
 if [[ $steps == *ncu* && $family == layernorm ]]; then
   # Nsight Compute's counters for one long-row forward call per variant (benchmarks/studies/
