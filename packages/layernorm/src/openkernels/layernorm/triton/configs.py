@@ -64,7 +64,8 @@ SPLIT_BWD_PROGRAMS_PER_SM = 2
 # the backward, loading the next block ahead, on 1-2 programs per SM past 2048 columns:
 # RMSNorm at 8 per thread (4096 cols: 0.757-0.813 at 16 warps x 2 programs vs 0.709 at
 # 4 x 8), LayerNorm at 16 on 8192-element tiles (4096 cols: 0.672 with 2 rows x 16 warps
-# vs 0.564 with 1 row; 8192 cols: 0.662 at 16 warps vs 0.570 at 32).
+# vs 0.564 with 1 row; 8192 cols: 0.662 at 16 warps vs 0.570 at 32). The "bwd" entries are
+# ROCm's now: CUDA's backward tiles come from _cuda_bwd_tile (layernorm 0.11.5).
 ELEMENTS_PER_THREAD = {("fwd", True): 16, ("fwd", False): 32, ("bwd", True): 8, ("bwd", False): 16}
 TILE_ELEMENTS = {("fwd", True): 2048, ("fwd", False): 2048, ("bwd", True): 2048, ("bwd", False): 8192}
 MAX_WARPS = {"cuda": 32, "rocm": 16}

@@ -176,19 +176,8 @@ def _check_rows_and_padding(name: str, cache_batch_idx, cache_leftpad, cache_seq
                 )
 
 
-def _attend(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    block_table,
-    cos,
-    sin,
-    slopes,
-    problem: KVProblem,
-    leftpad=None,
-    filled=None,
-):
+def _attend(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin, slopes, problem: KVProblem, leftpad=None,
+            filled=None):  # fmt: skip
     """cache_seqlens: tokens from each sequence's first (after leftpad); filled: the storage
     slots (the padding included), what the Triton kernel takes with leftpad."""
     if q.size == 0:
@@ -305,17 +294,6 @@ def attention_with_kvcache(
         cache_batch_idx is not None,
     )  # fmt: skip
     slopes = None if alibi_slopes is None else jax.numpy.broadcast_to(alibi_slopes, (batch, heads_q))
-    out, lse = _attend(
-        q,
-        k_cache,
-        v_cache,
-        seqlens,
-        block_table,
-        rotary_cos,
-        rotary_sin,
-        slopes,
-        problem,
-        cache_leftpad,
-        cache_seqlens,
-    )
+    out, lse = _attend(q, k_cache, v_cache, seqlens, block_table, rotary_cos, rotary_sin, slopes, problem,
+                       cache_leftpad, cache_seqlens)  # fmt: skip
     return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
