@@ -228,8 +228,11 @@ def run(
         results["int4_head_x_ours_bf16"] = bf16 / results["ours-int4-head"]["ms_per_step"]
         print(f"  int4 weights and lm_head: {results['int4_head_x_ours_bf16']:.2f}x ours bf16", flush=True)
     for variant in variants[1:]:
+        # The checksum tells two runs' first steps apart bit for bit (an A/B of launch options).
+        results[variant]["first_step_logit_sum"] = float(logits[variant].double().sum())
         print(f"  {variant}: max |logit - sdpa's| / max |sdpa logit| = "
-              f"{results[variant]['max_logit_diff_vs_sdpa']:.3g}", flush=True)  # fmt: skip
+              f"{results[variant]['max_logit_diff_vs_sdpa']:.3g}; first step's logit sum "
+              f"{results[variant]['first_step_logit_sum']!r}", flush=True)  # fmt: skip
     return results
 
 
