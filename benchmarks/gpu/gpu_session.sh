@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,combine,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -225,6 +225,13 @@ if [[ $steps == *alibi* && $family == attention ]]; then
   # A softcap alone on the plain configs too (attention 0.8.7) against 0.8.6's ("narrow").
   timeout ${SOFTCAP_STUDY_S:-240} python3 benchmarks/studies/attention_softcap_tanh.py ${SOFTCAP_VARIANTS:-mufu narrow} 2>&1 \
     | tee "$out/softcap_study.txt" | grep "|"
+fi
+if [[ $steps == *combine* && $family == attention ]]; then
+  # The split combine's one-tile load (attention 0.8.9, plan.COMBINE_SPLITS_TILE, off until
+  # this runs): the split tests with both forms, then both timed in one process.
+  timeout ${COMBINE_TESTS_S:-150} python3 -m pytest -q -rfE packages/attention/tests/test_kvcache.py \
+    -m "not aot and not interpreter" -k "cuda and (forced_splits or long_context)" 2>&1 | tee "$out/combine_tests.txt" | tail -3
+  timeout ${COMBINE_STUDY_S:-150} python3 benchmarks/studies/kvcache_combine_tile.py 2>&1 | tee "$out/combine_tile.txt" | grep "|"
 fi
 if [[ $steps == *dropout* && $family == attention ]]; then
   # Dropout alone in full calls on the plain fast configs (problem.FULL_DROPOUT_ON_PLAIN_CONFIGS,

@@ -157,13 +157,16 @@ def _append_keys_case(head_dim: int, bits: int, key_group: int):
                    label=f"append-keys-by-channel-d{head_dim}-{bits}b-g{key_group}", attrs=attrs)  # fmt: skip
 
 
-def _combine_case(head_dim: int):
+def _combine_case(head_dim: int, tile: bool = False):
+    """The split loop at 128 splits, or (tile) the widest (splits, head_dim) tile the plan loads at once."""
     from openkernels.shared.dev.testing.aot import AotCase
 
     signature, attrs = _signature("_attention_kvcache_combine_kernel", {"o_ptr": "*bf16"})
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_SPLITS": 128}
+    block_d = configs.block_d(head_dim)
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_SPLITS": 4096 // block_d if tile else 128,
+                  "SPLITS_TILE": tile}  # fmt: skip
     return AotCase(f"{_KERNELS}:_attention_kvcache_combine_kernel", signature, constexprs, num_warps=4,
-                   label=f"combine-d{head_dim}", attrs=attrs)  # fmt: skip
+                   label=f"combine-d{head_dim}{'-tile' if tile else ''}", attrs=attrs)  # fmt: skip
 
 
 def cases_for(arch: str) -> list:
@@ -196,4 +199,5 @@ def cases_for(arch: str) -> list:
         out.append(_append_case(head_dim, 8, None, fp8=True))
         out += [_append_keys_case(head_dim, bits, g) for bits in (8, 4) for g in (32, 64)]
         out.append(_combine_case(head_dim))
+    out += [_combine_case(head_dim, tile=True) for head_dim in (64, 128)]
     return list({c.label: c for c in out}.values())

@@ -204,12 +204,20 @@ def test_triton_forced_splits(device: str, impl: str, scenario: Scenario, monkey
         pytest.skip("the split path is the Triton kernel's")
     from openkernels.attention.core.triton.configs import AttnConfig
     from openkernels.attention.kvcache import triton as launcher
+    from openkernels.attention.kvcache.triton import plan as kv_plan
 
     call = build(scenario, device)
     check_call(call, impl, device)  # the default plan (and the append done)
     monkeypatch.setattr(launcher, "FORCE_SPLITS", 5)
     check_call(call, impl, device, "FORCE_SPLITS=5")  # appends the same tokens again
+    # The combine's other form (its split loop, or every split's partial in one tile).
+    other = not kv_plan.COMBINE_SPLITS_TILE
+    monkeypatch.setattr(kv_plan, "COMBINE_SPLITS_TILE", other)
+    monkeypatch.setattr(launcher, "_plans", {})
+    kv_plan.kvcache.cache_clear()
+    check_call(call, impl, device, f"FORCE_SPLITS=5, COMBINE_SPLITS_TILE={other}")
     monkeypatch.undo()
+    kv_plan.kvcache.cache_clear()
     d = call.q.shape[-1]
     left, right = call.window[0], 0 if call.causal else call.window[1]
     slopes = call.alibi_slopes

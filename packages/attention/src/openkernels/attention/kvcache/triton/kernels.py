@@ -852,9 +852,11 @@ def _attention_kvcache_combine_kernel(
     stride_pb, stride_ps, stride_ph, stride_psplit, stride_plb, stride_plh, stride_pls,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     seqlen_q, heads_q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLITS_TILE: tl.constexpr = False,
 ):  # fmt: skip
-    """One program: one (sequence, query, head) row; merges its splits' partials by their lse."""
+    """One program: one (sequence, query, head) row; merges its splits' partials by their lse.
+    SPLITS_TILE: every split's partial in one (splits, head_dim) load, issued together (the
+    split loop waits on one load after another); the plan sets it where the tile is small."""
     row = tl.program_id(0)
     b = row // (seqlen_q * heads_q)
     i = (row // heads_q) % seqlen_q
@@ -867,10 +869,16 @@ def _attention_kvcache_combine_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2((lse - m_safe) * LOG2E), 0)
     base = part_o_ptr + b.to(tl.int64) * stride_pb + i * stride_ps + h * stride_ph
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for s in range(num_splits):  # one split at a time: a (splits, head_dim) tile spilled at D256
-        w = tl.exp2((tl.load(lse_base + s) - m_safe) * LOG2E)
-        acc += w * tl.load(base + s * stride_psplit + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+    if SPLITS_TILE:
+        w = tl.exp2((lse - m_safe) * LOG2E)  # 0 past num_splits (lse -inf there)
+        mask = (splits[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM)
+        parts = tl.load(base + splits[:, None] * stride_psplit + offs_d[None, :], mask=mask, other=0.0)
+        acc = tl.sum(w[:, None] * parts, 0)
+    else:
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for s in range(num_splits):  # one split at a time: a (splits, head_dim) tile spilled at D256
+            w = tl.exp2((tl.load(lse_base + s) - m_safe) * LOG2E)
+            acc += w * tl.load(base + s * stride_psplit + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + i * stride_os + h * stride_oh + offs_d,

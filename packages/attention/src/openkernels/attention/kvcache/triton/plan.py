@@ -14,7 +14,14 @@ from ...core.triton.plan import Launch, Strides, cdiv, contiguous, scales, softc
 from ..problem import KVProblem
 from .configs import kv_config, kv_splits, lean_decode, lean_pays, short_decode_splits
 
-__all__ = ["KVProblem", "KVLaunches", "kvcache", "contiguous"]
+__all__ = ["KVProblem", "KVLaunches", "kvcache", "contiguous", "COMBINE_SPLITS_TILE"]
+
+# True: the combine kernel loads every split's partial in one tile where (splits, head_dim)
+# has at most 4096 elements (32 per thread of its 4 warps), its loads issued together instead
+# of one split's after the other's. Off (the split loop) until a GPU has timed and run it:
+# compile-clean for sm_80 / sm_90 / gfx90a / gfx942 / gfx950 and tested under the interpreter
+# (attention 0.8.9); benchmarks/studies/kvcache_combine_tile.py times both.
+COMBINE_SPLITS_TILE = False
 
 
 @dataclass(frozen=True)
@@ -128,5 +135,8 @@ def kvcache(
             "seqlen_q": p.seqlen_q, "heads_q": p.heads_q, "num_splits": splits, "HEAD_DIM": p.head_dim,
             "BLOCK_D": block_d(p.head_dim), "BLOCK_SPLITS": 1 << (splits - 1).bit_length(),
         }  # fmt: skip
+        combine_args["SPLITS_TILE"] = (
+            COMBINE_SPLITS_TILE and combine_args["BLOCK_SPLITS"] * block_d(p.head_dim) <= 4096
+        )
         combine = Launch((p.batch * p.seqlen_q * p.heads_q,), 4, None, combine_args)
     return KVLaunches(main, combine, splits, partial_out, partial_lse)
