@@ -22,6 +22,7 @@ from triton.testing import do_bench_cudagraph
 from openkernels.attention import KVCache
 from openkernels.attention.kvcache import triton as launcher
 from openkernels.attention.kvcache.triton import plan as kv_plan
+from openkernels.shared.dev.bench import copy_ceiling_gbps
 
 CASES = ("1x4096:32/8:64", "1x32768:32/8:64", "1x4096:32/8:128", "8x4096:32/8:128", "32x4096:32/8:128")
 
@@ -51,11 +52,13 @@ def _use(tile: bool) -> None:
 
 def main(cases: list[str]) -> None:
     dev = torch.device("cuda")
+    ceiling = copy_ceiling_gbps(dev)
+    print(f"{torch.cuda.get_device_name(dev)}; us per call (decode + combine), CUDA-graph replays, median of 5 "
+          f"rounds; GB/s of the cache read, against the copy ceiling {ceiling:.0f} GB/s")  # fmt: skip
     print(
-        f"{torch.cuda.get_device_name(dev)}; us per call (decode + combine), CUDA-graph replays, median of 5 rounds"
+        "| B x S, Hq/Hkv, D | splits | split loop | one tile | tile GB/s (of copy) | loop / tile | max |out diff| |"
     )
-    print("| B x S, Hq/Hkv, D | splits | split loop | one tile | loop / tile | max |out diff| |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for case in cases:
         b, s, hq, hkv, d = _parse(case)
         cache = KVCache(b, s, hkv, d, kv_dtype=torch.bfloat16, device=dev)
@@ -76,9 +79,9 @@ def main(cases: list[str]) -> None:
         splits = next(iter(launcher._plans.values()))[0].splits
         loop, tile = (sorted(times[v])[2] * 1e3 for v in (False, True))
         diff = float((outs[True].float() - outs[False].float()).abs().max())
-        print(
-            f"| {b}x{s}, {hq}/{hkv}, {d} | {splits} | {loop:.1f} | {tile:.1f} | {loop / tile:.2f}x | {diff:.2e} |"
-        )
+        gbps = cache.nbytes / tile / 1e3
+        print(f"| {b}x{s}, {hq}/{hkv}, {d} | {splits} | {loop:.1f} | {tile:.1f} | {gbps:.0f} ({gbps / ceiling:.2f}) | "
+              f"{loop / tile:.2f}x | {diff:.2e} |")  # fmt: skip
         del cache
     _use(False)  # the shipped default
 
