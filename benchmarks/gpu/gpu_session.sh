@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,combine,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -232,6 +232,12 @@ if [[ $steps == *combine* && $family == attention ]]; then
   timeout ${COMBINE_TESTS_S:-150} python3 -m pytest -q -rfE packages/attention/tests/test_kvcache.py \
     -m "not aot and not interpreter" -k "cuda and (forced_splits or long_context)" 2>&1 | tee "$out/combine_tests.txt" | tail -3
   timeout ${COMBINE_STUDY_S:-150} python3 benchmarks/studies/kvcache_combine_tile.py 2>&1 | tee "$out/combine_tile.txt" | grep "|"
+fi
+if [[ $steps == *kvshort* && $family == attention ]]; then
+  # The 1B step's decode attention (B1 S4096 GQA 32/8 D64, 16 caches rotated past the L2):
+  # configs x splits and the combine's one-tile load against the shipped plan.
+  timeout ${KVSHORT_S:-240} python3 benchmarks/studies/kvcache_short_decode.py ${KVSHORT_ARGS:-} 2>&1 \
+    | tee "$out/kvshort.txt" | tail -24
 fi
 if [[ $steps == *dropout* && $family == attention ]]; then
   # Dropout alone in full calls on the plain fast configs (problem.FULL_DROPOUT_ON_PLAIN_CONFIGS,
