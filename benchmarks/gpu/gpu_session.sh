@@ -227,8 +227,8 @@ if [[ $steps == *alibi* && $family == attention ]]; then
     | tee "$out/softcap_study.txt" | grep "|"
 fi
 if [[ $steps == *combine* && $family == attention ]]; then
-  # The split combine's one-tile load (attention 0.8.9, plan.COMBINE_SPLITS_TILE, off until
-  # this runs): the split tests with both forms, then both timed in one process.
+  # The split combine's one-tile load (attention 0.8.9; plan.COMBINE_SPLITS_TILE, the default
+  # from 0.8.10): the split tests with both forms, then both timed in one process.
   timeout ${COMBINE_TESTS_S:-150} python3 -m pytest -q -rfE packages/attention/tests/test_kvcache.py \
     -m "not aot and not interpreter" -k "cuda and (forced_splits or long_context)" 2>&1 | tee "$out/combine_tests.txt" | tail -3
   timeout ${COMBINE_STUDY_S:-150} python3 benchmarks/studies/kvcache_combine_tile.py 2>&1 | tee "$out/combine_tile.txt" | grep "|"

@@ -1,5 +1,5 @@
 """The KV-cache decode's split combine with every split's partial loaded as one tile (attention
-0.8.9, plan.COMBINE_SPLITS_TILE, off until this has run on a GPU) against the split loop, in
+0.8.9, plan.COMBINE_SPLITS_TILE, the default since 0.8.10) against the split loop, in
 one process.
 
 The combine launch merges the decode kernel's float32 partials by their lse. Its split loop

@@ -18,10 +18,12 @@ __all__ = ["KVProblem", "KVLaunches", "kvcache", "contiguous", "COMBINE_SPLITS_T
 
 # True: the combine kernel loads every split's partial in one tile where (splits, head_dim)
 # has at most 4096 elements (32 per thread of its 4 warps), its loads issued together instead
-# of one split's after the other's. Off (the split loop) until a GPU has timed and run it:
-# compile-clean for sm_80 / sm_90 / gfx90a / gfx942 / gfx950 and tested under the interpreter
-# (attention 0.8.9); benchmarks/studies/kvcache_combine_tile.py times both.
-COMBINE_SPLITS_TILE = False
+# of one split's after the other's. The default since attention 0.8.10: H200, decode +
+# combine as CUDA-graph replays (`benchmarks/studies/kvcache_combine_tile.py`, bf16 GQA 32/8),
+# B1 S4096 D64 9.0 -> 7.4 us, B1 S32768 D64 25.6 -> 22.9, B1 S4096 D128 9.4 -> 8.9, B8 / B32
+# S4096 D128 unchanged (5 and 2 splits); with the 1B step's 16 caches rotated past the L2
+# (`kvcache_short_decode.py`) 10.3 -> 8.8 us per layer. False: the split loop.
+COMBINE_SPLITS_TILE = True
 
 
 @dataclass(frozen=True)
