@@ -45,8 +45,8 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
     tc_all = cuda_build.ptxas_report(G._TC_SOURCE, arch)  # int4_tc.cu: the tensor-core GEMV's own library
     tc = [r for r in tc_all if "int4_tc_kernel" in r.name]
-    # dtype pairs x shapes x (one n8 tile of x with PDL or without, two tiles without)
-    assert len(tc) == 4 * len(G.TC_SHAPES) * 3, [r.name for r in tc_all]
+    # dtype pairs x shapes x (one n8 tile of x with PDL or without, two tiles without, the x split)
+    assert len(tc) == 4 * len(G.TC_SHAPES) * 4, [r.name for r in tc_all]
     ring = [r for r in tc_all if "int4_tc_ring_kernel" in r.name]  # sm_80: empty bodies (no bulk copies)
     assert len(ring) == 4 * len(G.TCR_SHAPES), [r.name for r in tc_all]
     split = [r for r in tc_all if "int4_tc_split_kernel" in r.name]  # sm_80: empty bodies (no clusters)
@@ -56,6 +56,9 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     for r in kernels + mma + persistent + mma_persistent + tc:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
         assert r.odd_descriptors <= 0, r  # an odd uniform register for a descriptor: illegal on the GPU
+    x_split = [r for r in tc if re.search(r"int4_tc_kernel.*ELb0ELi2EE", r.name)]
+    assert len(x_split) == 4 * len(G.TC_SHAPES), [r.name for r in tc]
+    assert all(r.registers <= 128 for r in x_split), x_split  # two CTAs per SM, as the one-tile builds
     for r in persistent:  # 2 CTAs of 256 threads per SM where the shape's default says so
         rows, depth = (int(v) for v in re.search(r"Li(\d+)ELi(\d+)ELi\d+ELb", r.name).groups())
         assert G.PERSISTENT_SHAPES[(rows, depth)] == 1 or r.registers <= 128, r
@@ -397,6 +400,40 @@ def test_split_k_tensor_core_gemv_within_the_error_contract(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_x_split_tensor_core_gemv_gives_the_two_tile_result_bit_for_bit(
+    symmetric: bool, dtype: torch.dtype, device: str
+) -> None:
+    """The x-split tensor-core GEMV ("tc-...-x2": each n8 tile of x in its own CTA, two CTAs per
+    tile of W), every shape built, 9-16 rows of x (a second tile of 1-8 rows), groups of 32 /
+    64 / 128 and the whole row, K of an odd number of chunks, both scale dtypes, bias dtypes:
+    within the error contract against float64, and bitwise the unsplit build's output (one CTA
+    with both n8 tiles adds every row's products in the same order)."""
+    g = torch.Generator().manual_seed(31)
+    if device == "cpu":  # (M, N, K, group, bias, config)
+        cases = [(9, 32, 1152, 128, torch.float32, "tc-t1-u2-x2"), (16, 64, 384, None, None, "tc-t2-u2-x2"),
+                 (13, 64, 640, 32, torch.bfloat16, "tc-t4-u1-x2"), (12, 16, 2176, 64, torch.float16, "tc-t1-u2-x2")]  # fmt: skip
+    else:
+        cases = [(m, n, 8192, 128, None, c) for c in G.TC_XSPLIT_CONFIGS for m, n in ((16, 8192), (9, 28672))]
+        cases += [(11, 4096, 4096, 64, torch.float16, "tc-t1-u2-x2"), (14, 2048, 8192, 32, None, "tc-t2-u2-x2")]
+    assert {c[-1] for c in cases} == set(G.TC_XSPLIT_CONFIGS)
+    _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
+    for m, n, k, group, bias_dtype, config in cases:
+        weight = quantize(make_weight(n, k, generator=g, device=device), "int4", symmetric, group).to(device)
+        scales = weight.scales.to(dtype)
+        zeros = None if symmetric else weight.zeros.to(dtype)
+        bias = None if bias_dtype is None else torch.randn(n, generator=g).to(device=device, dtype=bias_dtype)
+        x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+        outs = []
+        for name in (config, config.removesuffix("-x2")):
+            out = torch.empty(m, n, device=device, dtype=dtype)
+            G.int4_linear_fwd(x, weight.qweight, scales, zeros, bias, out, weight.group_size, "int4", config=name)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), (m, n, k, group, config)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
 def test_tiled_codes_give_the_rows_result_bit_for_bit(symmetric: bool, device: str) -> None:
     """format.tile_codes' layout through the tensor-core GEMV (unsplit and split builds, every
     shape, 1-8 rows of x, groups 32 / 128 / the whole row, K of an odd number of chunks) gives
@@ -562,8 +599,11 @@ def test_tc_configs() -> None:
     assert G.tc_config("tc-p") == G.TcConfig(2, 2, 1, True)
     assert all(G.tc_config(c).splits > 1 for c in G.TC_SPLIT_CONFIGS)
     assert all(G.tc_config(c).pdl for c in G.TC_PDL_CONFIGS)
+    assert G.tc_config("tc-t4-u1-x2") == G.TcConfig(4, 1, 1, False, 2)
+    assert all(G.tc_config(c).xtiles == 2 for c in G.TC_XSPLIT_CONFIGS)
     bad_configs = ("tc-t3-u2", "tc-t2-d4", "tc-x", "tc-t2-u4", "tc-t1-u2-k3", "tc-t1-u2-k16", "tc-t3-u2-k2",
-                   "tc-t1-u2-p-k2", "tc-t1-u2-pp")  # fmt: skip
+                   "tc-t1-u2-p-k2", "tc-t1-u2-pp", "tc-t1-u2-x3", "tc-t1-u2-k2-x2", "tc-t1-u2-x2-p",
+                   "tc-t1-u2-x2-k2")  # fmt: skip
     for bad in bad_configs:
         with pytest.raises(ValueError):
             G.tc_config(bad)
@@ -580,6 +620,9 @@ def test_tc_configs() -> None:
             *_call(m=9, n=64, k=1024, tiled=config.startswith("tcr")), config
         )
     assert "multiple of 128" in G.unsupported_call(*_call(n=64, k=1056, group=32), "tc-t1-u2")
+    assert G.unsupported_call(*_call(m=9, n=64, k=1024), "tc-t1-u2-x2") is None
+    assert "9-16" in G.unsupported_call(*_call(m=8, n=64, k=1024), "tc-t1-u2-x2")
+    assert "up to 8 rows" in G.unsupported_call(*_call(m=12, n=64, k=1024, tiled=True), "tc-t1-u2-x2")
 
 
 def test_the_launchers_say_where_they_route_a_call() -> None:

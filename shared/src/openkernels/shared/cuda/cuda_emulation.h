@@ -71,6 +71,7 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned selector) {
   return out;
 }
 inline uint4 __ldcs(const uint4* p) { return *p; }
+inline uint4 __ldcg(const uint4* p) { return *p; }
 inline void __stcs(uint4* p, uint4 v) { *p = v; }
 
 // ---- 16-bit floats ------------------------------------------------------------------------

@@ -118,6 +118,9 @@ TC_SPLIT_CONFIGS = ("tc-t1-u2-k2", "tc-t1-u2-k4", "tc-t1-u2-k8", "tc-t2-u2-k2", 
 # its codes, scales and zeros fetched into L2 before it waits for that kernel (int4_tc.cu
 # tc_prologue). A study's variant, forced only until timed; what a GPU run times.
 TC_PDL_CONFIGS = ("tc-t1-u2-p", "tc-t2-u2-p", "tc-t4-u1-p", "tc-t1-u2-k2-p", "tc-t2-u2-k2-p", "tc-t4-u1-k2-p")
+# Any tc config with "-x2" (9-16 rows of x, neither split nor dependent): each n8 tile of x in
+# its own CTA, two CTAs per tile of W (int4_tc.cu's XT); what a GPU run times.
+TC_XSPLIT_CONFIGS = ("tc-t1-u2-x2", "tc-t2-u2-x2", "tc-t4-u1-x2")
 TC_MAX_ROWS = 16  # rows of x the tensor-core GEMV takes (two n8 tiles)
 TC_SPLIT_MAX_ROWS = 8  # ... where K is split over a cluster or the launch is a dependent (one n8 tile)
 TC_SMALL_N = 2048  # 9-16 rows: the two-tile tensor-core GEMV up to this N (default_config)
@@ -142,10 +145,10 @@ _SIGNATURES = {
 
 
 _TC_SIGNATURES = {
-    # (device, x, scale dtype codes, tiles, unroll, splits, pdl, tiled, the pointers, bias code, out, sizes,
+    # (device, x, scale dtype codes, tiles, unroll, splits, pdl, tiled, xtiles, the pointers, bias code, out, sizes,
     # strides, group size, stream)
-    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64,
-                   _I64, _I64, _I64, _I64, _I64],
+    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64,
+                   _I64, _I64, _I64, _I64, _I64, _I64],
     "ok_int4_tc_ring": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64,
                         _I64, _I64, _I64, _I64],
 }  # fmt: skip
@@ -261,12 +264,14 @@ def mma_persistent_config(config: object) -> MmaPersistentConfig | None:
 @dataclass(frozen=True)
 class TcConfig:
     """The tensor-core GEMV's knobs: 16-row tiles of W per CTA, 128-code chunks per warp trip
-    (their loads issued before their math), and the CTAs of a cluster that split K (1: none)."""
+    (their loads issued before their math), the CTAs of a cluster that split K (1: none), and
+    the CTAs that share a tile of W, one per n8 tile of x (xtiles 2: 9-16 rows)."""
 
     tiles: int = 2
     unroll: int = 2
     splits: int = 1
     pdl: bool = False
+    xtiles: int = 1
 
 
 def _two_knobs(config: object, name: str, knobs: str, cls: type, shapes: tuple) -> object | None:
@@ -293,20 +298,24 @@ def _two_knobs(config: object, name: str, knobs: str, cls: type, shapes: tuple) 
 
 @functools.lru_cache(maxsize=256)  # parsed once per config: the launcher asks per call
 def tc_config(config: object) -> TcConfig | None:
-    """`config` "tc[-t<tiles>][-u<unroll>][-k<splits>][-p]" as its knobs (2, 2, 1 and no PDL where
-    left out), None for any other config; ValueError for a pair that is not built or splits not
-    in TC_SPLITS."""
-    splits, pdl = 1, False
+    """`config` "tc[-t<tiles>][-u<unroll>][-k<splits>][-x2][-p]" as its knobs (2, 2, 1, one CTA
+    per tile of W and no PDL where left out), None for any other config; ValueError for a pair
+    that is not built, splits not in TC_SPLITS, or -x2 with a split or -p."""
+    splits, pdl, xtiles = 1, False, 1
     if isinstance(config, str) and (config == "tc" or config.startswith("tc-")):
-        match = re.fullmatch(r"(tc(?:-t\d+)?(?:-u\d+)?)(?:-k(\d+))?(-p)?", config)
+        match = re.fullmatch(r"(tc(?:-t\d+)?(?:-u\d+)?)(?:-k(\d+))?(?:-x(\d+))?(-p)?", config)
         if match is None:
-            raise ValueError(f"config {config!r}: not tc[-t<tiles>][-u<unroll>][-k<splits>][-p]")
-        config, pdl = match.group(1), match.group(3) is not None
+            raise ValueError(f"config {config!r}: not tc[-t<tiles>][-u<unroll>][-k<splits>][-x2][-p]")
+        full = config
+        config, pdl = match.group(1), match.group(4) is not None
         splits = 1 if match.group(2) is None else int(match.group(2))
+        xtiles = 1 if match.group(3) is None else int(match.group(3))
         if splits != 1 and splits not in TC_SPLITS:
             raise ValueError(f"config {config}-k{splits}: splits not among {TC_SPLITS}")
+        if xtiles != 1 and (xtiles != 2 or splits != 1 or pdl):
+            raise ValueError(f"config {full!r}: -x2 is the only x split, and neither splits K nor takes -p")
     out = _two_knobs(config, "tc", "tu", TcConfig, TC_SHAPES)
-    return None if out is None else TcConfig(out.tiles, out.unroll, splits, pdl)  # type: ignore[attr-defined]
+    return None if out is None else TcConfig(out.tiles, out.unroll, splits, pdl, xtiles)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -423,6 +432,8 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
             return why
         if m > TC_SPLIT_MAX_ROWS and (tc.splits > 1 or tc.pdl):
             return f"{m} rows of x for a split or dependent tensor-core GEMV (it takes up to {TC_SPLIT_MAX_ROWS})"
+        if tc.xtiles > 1 and m <= TC_SPLIT_MAX_ROWS:
+            return f"{m} rows of x for the x-split tensor-core GEMV (it takes {TC_SPLIT_MAX_ROWS + 1}-{TC_MAX_ROWS})"
         if tc.splits > 1 and x.is_cuda and not _arch(x.device).startswith("sm_90"):
             return "K split over a cluster on a GPU older than sm_90 (it needs thread-block clusters)"
         if tc.pdl and x.is_cuda and not _arch(x.device).startswith("sm_90"):
@@ -690,7 +701,7 @@ def int4_linear_fwd(
         p = tc_config(config)
         status = lib.ok_int4_tc(
             device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.splits, int(p.pdl),
-            int(tiled), x.data_ptr(),
+            int(tiled), p.xtiles, x.data_ptr(),
             qweight.data_ptr(), scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k,
             x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip

@@ -192,7 +192,11 @@ __device__ __forceinline__ void tc_zero(float (&acc)[TILES][NB][4]) {
 // (a study measured the rows' pattern alone at 0.73-0.74 of a streaming read of the same bytes
 // on an H100, the tiled one at 0.91-0.93: docs/perf.md). A warp-uniform switch: the same build
 // reads both layouts.
-template <typename T, typename S, int TILES, int NB, int UNROLL>
+//
+// EVICT_FIRST: the codes' loads carry the evict-first hint (each byte is read once); the
+// x-split build (two CTAs read the same codes, XT in int4_tc_kernel) loads them L2-cached
+// instead, so that the second CTA's read can hit what the first one brought in.
+template <typename T, typename S, int TILES, int NB, int UNROLL, bool EVICT_FIRST = true>
 __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const T* __restrict__ x,
                                               const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
                                               const S* __restrict__ zeros, int64_t m, int64_t n0, int64_t c0,
@@ -219,8 +223,8 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int64_t row = n0 + 16 * tile + g + 8 * h;
-          const uint4 v =
-              __ldcs(reinterpret_cast<const uint4*>(base + tile * tile_step + h * half_step + chunk * chunk_step));
+          const uint4* at = reinterpret_cast<const uint4*>(base + tile * tile_step + h * half_step + chunk * chunk_step);
+          const uint4 v = EVICT_FIRST ? __ldcs(at) : __ldcg(at);
           words[u][tile][h][0] = v.x;
           words[u][tile][h][1] = v.y;
           words[u][tile][h][2] = v.z;
@@ -287,21 +291,28 @@ __device__ __forceinline__ void tc_prologue(const uint8_t* qweight, const S* sca
 template <int TILES, int NB>
 constexpr int kTcMinBlocks = NB == 1 ? 2 : 1;
 
-template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL>
+// XT = 2 (config suffix "-x2", 9-16 rows of x): the x split. Two neighbouring CTAs take the same
+// 16 TILES rows of W, each for its own 8 rows of x (one n8 tile), instead of one CTA taking both
+// n8 tiles: twice the CTAs, each with one n8 tile's registers (two CTAs per SM), and the weight
+// read twice from L2 but about once from DRAM (the pair runs at the same time).
+template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL, int XT = 1>
 __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_tc_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
     int64_t group_size, int tiled) {
+  static_assert(XT == 1 || NB == 1, "the x split runs one n8 tile of x per CTA");
   __shared__ float partial[kTcWarps * TILES * NB * 4 * 32];
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16 * TILES;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x / XT) * 16 * TILES;
+  const int64_t first_row = XT == 1 ? 0 : 8 * static_cast<int64_t>(blockIdx.x % XT);
+  const int64_t rows = XT == 1 ? m : (m - first_row < 8 ? m - first_row : 8);
   tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, 0, k / 128, stride_q, stride_s, group_size,
                       kTcWarps * 32);
   float acc[TILES][NB][4];
   tc_zero<T, TILES, NB>(acc);
-  tc_accumulate<T, S, TILES, NB, UNROLL>(acc, x, qweight, scales, zeros, m, n0, 0, k / 128, stride_x, stride_q,
-                                         stride_s, group_size, tiled != 0);
-  tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out, m, n0, stride_out);
+  tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1>(acc, x + first_row * stride_x, qweight, scales, zeros, rows, n0, 0,
+                                                  k / 128, stride_x, stride_q, stride_s, group_size, tiled != 0);
+  tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out + first_row * stride_out, rows, n0, stride_out);
 }
 
 // ---- split K over a thread-block cluster (config "tc-...-k<splits>", sm_90) ----------------
@@ -532,9 +543,9 @@ template <typename T, typename S>
 int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const void* scales, const void* zeros,
               const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
               int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int pdl, int tiled,
-              cudaStream_t stream) {
+              int xtiles, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles)), 1, 1);
+  config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles) * xtiles), 1, 1);
   config.blockDim = dim3(kTcWarps * 32, 1, 1);
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
@@ -555,6 +566,13 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
     if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, P>);
     return -2;
   };
+  if (xtiles == 2) {  // 9-16 rows, one n8 tile of x per CTA, two CTAs per 16 TILES rows of W
+    if (pdl || m <= kTcSplitMaxRows) return -1;
+    if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2, false, 2>);
+    if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 1, 2, false, 2>);
+    if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, false, 2>);
+    return -2;
+  }
   if (m > kTcSplitMaxRows) {  // two n8 tiles of x (9-16 rows): the same weight stream, twice the MMAs
     if (pdl) return -1;
     if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 2, 2, false>);
@@ -629,16 +647,18 @@ int from_packed(const int64_t* a) {
 // (int4_tc_kernel; int4 with zeros, or symmetric where `zeros` is null). `tiles` (16 rows of W
 // each per CTA) and `unroll` (chunks per warp trip) pick a built shape; `splits` > 1 (2-8, sm_90)
 // splits K over clusters of that many CTAs (int4_tc_split_kernel); `pdl` (sm_90) launches it as a
-// programmatic dependent of the kernel before it (tc_prologue). N a multiple of 16 x tiles, K of
-// 128, the group size of 32. Returns 0, a cudaError_t, -1 (dtypes, M or splits), -2 (shape not
-// built).
+// programmatic dependent of the kernel before it (tc_prologue); `xtiles` 2 (9-16 rows of x, stored
+// rows, neither split nor PDL) gives each n8 tile of x its own CTA (int4_tc_kernel's XT). N a
+// multiple of 16 x tiles, K of 128, the group size of 32. Returns 0, a cudaError_t, -1 (dtypes, M,
+// splits or xtiles), -2 (shape not built).
 extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, int splits, int pdl, int tiled,
-                          const void* x, const void* qweight, const void* scales, const void* zeros, const void* bias,
+                          int xtiles, const void* x, const void* qweight, const void* scales, const void* zeros, const void* bias,
                           int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
                           int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int64_t stream) {
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (m < 1 || m > kTcMaxRows || (m > kTcSplitMaxRows && splits > 1)) return -1;
+  if (xtiles != 1 && (xtiles != 2 || splits != 1 || pdl || tiled || m <= kTcSplitMaxRows)) return -1;
   if (tiled && pdl) return -1;  // the dependent launch's L2 prefetch walks the stored rows
   const auto s_ = reinterpret_cast<cudaStream_t>(stream);
   return by_dtypes(x_code, s_code, [&](auto t, auto s) {
@@ -646,7 +666,7 @@ extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unr
     using S = decltype(s);
     if (splits == 1) {
       return launch_tc<T, S>(tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x,
-                             stride_q, stride_s, stride_out, group_size, pdl, tiled, s_);
+                             stride_q, stride_s, stride_out, group_size, pdl, tiled, xtiles, s_);
     }
     return launch_tc_split<T, S>(tiles, unroll, splits, x, qweight, scales, zeros, bias, bias_code, out, m, n, k,
                                  stride_x, stride_q, stride_s, stride_out, group_size, pdl, tiled, s_);
@@ -675,7 +695,7 @@ extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, in
 extern "C" int ok_int4_tc_packed(const int64_t* a) {
   auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), i32(6), i32(7), p(8), p(9), p(10), p(11), p(12),
-                    i32(13), p(14), a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22], a[23]);
+  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), i32(6), i32(7), i32(8), p(9), p(10), p(11), p(12),
+                    p(13), i32(14), p(15), a[16], a[17], a[18], a[19], a[20], a[21], a[22], a[23], a[24]);
 }
 extern "C" int ok_int4_tc_ring_packed(const int64_t* a) { return from_packed<ok_int4_tc_ring>(a); }
