@@ -415,7 +415,10 @@ def test_x_split_tensor_core_gemv_gives_the_two_tile_result_bit_for_bit(
                  (13, 64, 640, 32, torch.bfloat16, "tc-t4-u1-x2"), (12, 16, 2176, 64, torch.float16, "tc-t1-u2-x2")]  # fmt: skip
     else:
         cases = [(m, n, 8192, 128, None, c) for c in G.TC_XSPLIT_CONFIGS for m, n in ((16, 8192), (9, 28672))]
-        cases += [(11, 4096, 4096, 64, torch.float16, "tc-t1-u2-x2"), (14, 2048, 8192, 32, None, "tc-t2-u2-x2")]
+        cases += [
+            (11, 4096, 4096, 64, torch.float16, "tc-t1-u2-x2"),
+            (14, 2048, 8192, 32, None, "tc-t2-u2-x2"),
+        ]
     assert {c[-1] for c in cases} == set(G.TC_XSPLIT_CONFIGS)
     _check_mma_cases(cases, symmetric, dtype, device, g, scale_dtypes=None)
     for m, n, k, group, bias_dtype, config in cases:
@@ -427,7 +430,9 @@ def test_x_split_tensor_core_gemv_gives_the_two_tile_result_bit_for_bit(
         outs = []
         for name in (config, config.removesuffix("-x2")):
             out = torch.empty(m, n, device=device, dtype=dtype)
-            G.int4_linear_fwd(x, weight.qweight, scales, zeros, bias, out, weight.group_size, "int4", config=name)
+            G.int4_linear_fwd(
+                x, weight.qweight, scales, zeros, bias, out, weight.group_size, "int4", config=name
+            )
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), (m, n, k, group, config)
 
