@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -211,6 +211,18 @@ if [[ $steps == *bars* && $family == quant ]]; then
     --ms 1,16,128,2048 2>&1 | tee "$out/bars_wall.txt" | tail -8
   timeout ${E2E_S:-150} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode graph \
     --int4-head 2>&1 | tee "$out/bars_e2e.txt" | grep -E "ms per step|x ours bf16"
+fi
+if [[ $steps == *xsplit* && $family == quant ]]; then
+  # The x-split tensor-core GEMV for 9-16 rows (quant 0.10.10, "-x2": one n8 tile of x per CTA,
+  # two CTAs per tile of W): the tc GEMV's GPU tests (its entry point changed), then the x
+  # split against the two-tile builds at M = 9 and 16.
+  timeout ${XSPLIT_TESTS_S:-200} python3 -m pytest -q -rfE packages/quant/tests/test_gemv.py -m "not aot and not interpreter" \
+    -k "cuda and (x_split or tensor_core_gemv_within or split_k or tiled_codes or replays)" 2>&1 \
+    | tee "$out/xsplit_tests.txt" | tail -4
+  timeout ${XSPLIT_S:-240} python3 benchmarks/studies/quant_tc_gemv.py --ms 9,16 \
+    --shapes ${XSPLIT_SHAPES:-8192x8192,28672x8192,14336x4096,2048x8192,4096x4096} \
+    --configs tc-t1-u2,tc-t2-u2,tc-t4-u1,tc-t1-u2-x2,tc-t2-u2-x2,tc-t4-u1-x2 2>&1 | tee "$out/xsplit.txt" \
+    | grep -v "^\[" | tail -80
 fi
 if [[ $steps == *alibi* && $family == attention ]]; then
   # Causal ALiBi's split bias (attention 0.8.7, plan.alibi_flag 2): its GPU tests (long
