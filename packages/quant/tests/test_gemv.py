@@ -188,6 +188,21 @@ def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
     assert G.default_config(16, 8192 + 32, 8192, 128, "sm_90") == "mma"  # N not of 64
     assert G.default_config(17, 2048, 2048, 128, "sm_90") is None
     assert G.default_config(16, 2048, 2048, 128, "sm_80") is None
+    assert not G.TC_XSPLIT_DEFAULT  # forced only until timed on a GPU
+
+
+def test_the_x_split_default_routes_the_two_tile_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TC_XSPLIT_DEFAULT on: 9-16 rows go to the x-split build of the config they took, and
+    1-8 rows and the calls handed on do not change."""
+    monkeypatch.setattr(G, "TC_XSPLIT_DEFAULT", True)
+    assert G.default_config(16, 2048, 2048, 128, "sm_90") == "tc-t1-u2-x2"
+    assert G.default_config(9, 8192, 8192, 128, "sm_90") == "tc-t4-u1-x2"
+    assert G.default_config(16, 28672, 8192, 128, "sm_90", scales_in_x_dtype=True) is None  # wgmma's
+    assert G.default_config(16, 4096, 8192, 128, "sm_90") == "mma"
+    assert G.default_config(8, 8192, 8192, 128, "sm_90") == "tc-t4-u1-k2"
+    for m, n in ((16, 2048), (9, 8192)):
+        config = G.default_config(m, n, 8192, 128, "sm_90")
+        assert G.unsupported_call(*_call(m=m, n=n, k=8192), config) is None, config
     assert G.default_config(16, 8192, 1024, 128, "sm_90") is None
     assert "sm_80" in G.supports(DispatchKey("cuda", "sm_75", torch.bfloat16))
     assert "NVIDIA" in G.supports(DispatchKey("rocm", "gfx942", torch.bfloat16))

@@ -121,6 +121,10 @@ TC_PDL_CONFIGS = ("tc-t1-u2-p", "tc-t2-u2-p", "tc-t4-u1-p", "tc-t1-u2-k2-p", "tc
 # Any tc config with "-x2" (9-16 rows of x, neither split nor dependent): each n8 tile of x in
 # its own CTA, two CTAs per tile of W (int4_tc.cu's XT); what a GPU run times.
 TC_XSPLIT_CONFIGS = ("tc-t1-u2-x2", "tc-t2-u2-x2", "tc-t4-u1-x2")
+# True: default_config routes 9-16 rows to the x-split builds of the two-tile configs it picks.
+# Off until a GPU has timed them against the two-tile builds (quant 0.10.10: built and tested
+# on the CPU emulation only; `gpu_session.sh quant xsplit` runs their GPU tests and timing).
+TC_XSPLIT_DEFAULT = False
 TC_MAX_ROWS = 16  # rows of x the tensor-core GEMV takes (two n8 tiles)
 TC_SPLIT_MAX_ROWS = 8  # ... where K is split over a cluster or the launch is a dependent (one n8 tile)
 TC_SMALL_N = 2048  # 9-16 rows: the two-tile tensor-core GEMV up to this N (default_config)
@@ -581,13 +585,14 @@ def default_config(
         return default_tc(m, n, k, group_size, arch)
     if not arch.startswith("sm_90") or m > TC_MAX_ROWS or k < 2048 or k % 128 or group_size % 32:
         return None
+    x_split = "-x2" if TC_XSPLIT_DEFAULT else ""
     if n <= TC_SMALL_N and n % 16 == 0:
-        return "tc-t1-u2"
+        return "tc-t1-u2" + x_split
     from .. import gluon  # the wgmma launcher's own routing (imported on use: gluon needs Triton)
 
     wgmma_takes_it = gluon.slower_than_triton(m, n, k) is None
     if n >= 8192 and n % 64 == 0 and not (wgmma_takes_it and scales_in_x_dtype):
-        return "tc-t4-u1"
+        return "tc-t4-u1" + x_split
     return None if wgmma_takes_it else "mma"
 
 
