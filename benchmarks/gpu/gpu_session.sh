@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -223,6 +223,12 @@ if [[ $steps == *xsplit* && $family == quant ]]; then
     --shapes ${XSPLIT_SHAPES:-8192x8192,28672x8192,14336x4096,2048x8192,4096x4096} \
     --configs tc-t1-u2,tc-t2-u2,tc-t4-u1,tc-t1-u2-x2,tc-t2-u2-x2,tc-t4-u1-x2 2>&1 | tee "$out/xsplit.txt" \
     | grep -v "^\[" | tail -80
+fi
+if [[ $steps == *genreport* && $family == quant ]]; then
+  # Issue 24's generate() report: the kernelized 1B model with int4 weights (and lm_head)
+  # against bf16 weights through a compiled generate() (carry .whl: transformers 5.24).
+  (cd benchmarks/peers && timeout ${GENREPORT_S:-400} python3 e2e_kv_decode.py --models bf16,int4,int4-head \
+    --formats bf16 --batches 1 --reps 3 --json "$out/genreport.json") 2>&1 | tee "$out/genreport.txt" | tail -6
 fi
 if [[ $steps == *alibi* && $family == attention ]]; then
   # Causal ALiBi's split bias (attention 0.8.7, plan.alibi_flag 2): its GPU tests (long

@@ -123,3 +123,33 @@ def test_tc_routes_pdl_wraps_default_tc(script, monkeypatch) -> None:
     assert quant_cuda.default_tc(1, 2048, 8192, 128, "sm_90") == "tc-t1-u2-k2-p"
     assert quant_cuda.tc_config(quant_cuda.default_tc(1, 16384, 2048, 128, "sm_90")).pdl
     assert quant_cuda.default_tc(9, 2048, 8192, 128, "sm_90") is None
+
+
+def test_generate_report_runs_kernelized_models(tmp_path) -> None:
+    """e2e_kv_decode.py --models (issue 24's generate() report: int4 weights against bf16
+    weights, both kernelized): a row per model after sdpa's, sdpa on the plain model only, and
+    the kernelized models' weights as asked (int4 layers only where int4 was asked)."""
+    import json
+
+    sys.path.insert(0, str(PEERS))
+    try:
+        import e2e_kv_decode
+    finally:
+        sys.path.remove(str(PEERS))
+    from openkernels.quant import Int4Linear
+
+    out = tmp_path / "generate.json"
+    argv = ["--tiny", "--device", "cpu", "--batches", "1", "--prompt", "16", "--new", "3", "--formats", "bf16",
+            "--models", "bf16,int4", "--reps", "1", "--json", str(out)]  # fmt: skip
+    assert e2e_kv_decode.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["contender"] for r in rows] == ["sdpa", "ours-bf16 [bf16]", "ours-bf16 [int4]"]
+    assert all(r["decode_tok_s"] > 0 for r in rows)
+    assert rows[1]["first_token_logit_err"] < 0.05  # bf16 weights against sdpa's bf16
+    model = e2e_kv_decode.build(e2e_kv_decode.TINY, "cpu")
+    assert not any(isinstance(m, Int4Linear) for m in e2e_kv_decode.kernelized(model, {}).modules())
+    quantized = e2e_kv_decode.kernelized(model, e2e_kv_decode.MODELS["int4"])
+    assert any(isinstance(m, Int4Linear) for m in quantized.modules())
+    assert not any(isinstance(m, Int4Linear) for m in model.modules())  # the plain model stays as it was
+    with pytest.raises(SystemExit):
+        e2e_kv_decode.main(["--models", "fp4"])
