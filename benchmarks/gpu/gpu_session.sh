@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,mconfigs,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -223,6 +223,18 @@ if [[ $steps == *xsplit* && $family == quant ]]; then
     --shapes ${XSPLIT_SHAPES:-8192x8192,28672x8192,14336x4096,2048x8192,4096x4096} \
     --configs tc-t1-u2,tc-t2-u2,tc-t4-u1,tc-t1-u2-x2,tc-t2-u2-x2,tc-t4-u1-x2 2>&1 | tee "$out/xsplit.txt" \
     | grep -v "^\[" | tail -80
+fi
+if [[ $steps == *mconfigs* && $family == quant ]]; then
+  # The wgmma kernel's configs at M = 128 and 2048 on this card (config_for was swept on the
+  # H100 at these rows; issue 24's bars are the H200's): K splits, stages, band and tile sizes.
+  timeout ${MCONF_S:-200} python3 benchmarks/studies/quant_wgmma_large_m.py --ms 128 --shapes 8192x8192,28672x8192 \
+    --configs ${MCONF_128:-auto,m128n64k128s3a2x1,m128n64k128s4a2x2,m128n64k128s3a2x4,m64n64k128s3a2x1,m64n64k128s3a2x2,m128n128k128s3a2x1,m128n128k128s3a2x2,m128n64k64s6a1x2,m256n64k128s3a2x2} \
+    2>&1 | tee "$out/mconfigs_128.txt" | grep -v "^\[" | tail -8
+  grep -E "M=|us " "$out/mconfigs_128.txt" | tail -30
+  timeout ${MCONF_S:-200} python3 benchmarks/studies/quant_wgmma_large_m.py --ms 2048 --shapes 8192x8192,28672x8192 \
+    --configs ${MCONF_2048:-auto,m256n128k64s4a2x1,m256n128k64s3a1x1,m256n128k64s5a1x1,m128n128k128s4a2x1,m256n64k128s3a2x1,m256n128k128s3a2x1,m256n128k64s4a1x1p} \
+    2>&1 | tee "$out/mconfigs_2048.txt" | grep -v "^\[" | tail -8
+  grep -E "M=|us " "$out/mconfigs_2048.txt" | tail -24
 fi
 if [[ $steps == *genreport* && $family == quant ]]; then
   # Issue 24's generate() report: the kernelized 1B model with int4 weights (and lm_head)
