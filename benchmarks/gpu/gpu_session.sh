@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,mconfigs,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,lookup,mconfigs,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -223,6 +223,16 @@ if [[ $steps == *xsplit* && $family == quant ]]; then
     --shapes ${XSPLIT_SHAPES:-8192x8192,28672x8192,14336x4096,2048x8192,4096x4096} \
     --configs tc-t1-u2,tc-t2-u2,tc-t4-u1,tc-t1-u2-x2,tc-t2-u2-x2,tc-t4-u1-x2 2>&1 | tee "$out/xsplit.txt" \
     | grep -v "^\[" | tail -80
+fi
+if [[ $steps == *lookup* && $family == quant ]]; then
+  # NF4 on the tensor-core GEMV (quant 0.10.11, its OK_TC_NF4 build): its GPU tests, then NF4
+  # against int4 on the same configs at M = 1 / 8 / 16 (the public op's default for both kinds,
+  # NF4's Triton path and CUDA GEMV), kernel time (issue 24: NF4 at int4's speed).
+  timeout ${NF4TC_TESTS_S:-200} python3 -m pytest -q -rfE packages/quant/tests/test_gemv.py -m "not aot and not interpreter" \
+    -k "cuda and nf4" 2>&1 | tee "$out/nf4tc_tests.txt" | tail -4
+  timeout ${NF4TC_S:-240} python3 benchmarks/studies/quant_tc_gemv.py --kinds int4,nf4 --ms 1,8,16 \
+    --shapes ${NF4TC_SHAPES:-8192x8192,28672x8192,2048x8192} --configs tc-t1-u2,tc-t2-u2,tc-t4-u1,tc-t1-u2-k2,tc-t4-u1-k2 \
+    2>&1 | tee "$out/nf4tc.txt" | grep -v "^\[" | tail -90
 fi
 if [[ $steps == *mconfigs* && $family == quant ]]; then
   # The wgmma kernel's configs at M = 128 and 2048 on this card (config_for was swept on the

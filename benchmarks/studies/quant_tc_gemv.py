@@ -6,7 +6,9 @@ the tiled codes (format.tile_codes).
 
     PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/studies/quant_tc_gemv.py [--ms 1,4,16] [--shapes 8192x8192,28672x8192]
 
-bf16 x, int4 with zeros, group 128. Kernel time: a CUDA graph of calls rotating over enough
+bf16 x, int4 with zeros, group 128; `--kinds int4,nf4` times NF4 (bfloat16 scales, no zeros) on
+the same configs too (its public default, its Triton path and the CUDA GEMV), beside int4 in
+the same process (issue 24: NF4 at int4's speed). Kernel time: a CUDA graph of calls rotating over enough
 weight copies (>= 200 MB) that L2 holds none, timed with CUDA events. Every CUDA output is
 checked against float64 (the error contract of tests/cases.py) before it is timed; a config
 that fails is reported and not timed. Copy bandwidth (read + write) measured in the same
@@ -29,7 +31,7 @@ from openkernels.quant import cuda as G
 from openkernels.quant import int4_linear
 from openkernels.quant.bench.peers import run_tinygemm, setup_tinygemm
 from openkernels.quant.format import tile_codes
-from openkernels.quant.quantize import quantize_int4
+from openkernels.quant.quantize import quantize_int4, quantize_nf4
 from openkernels.quant.reference import int4_linear_ref
 from openkernels.quant.triton import int4_linear_fwd as triton_fwd
 from openkernels.shared.dev.bench import rotating_graph_ms, tensor_bytes
@@ -69,6 +71,7 @@ def main() -> None:
         action="store_true",
         help="each tc config also on format.tile_codes' layout (rows named '<config> tiled')",
     )
+    parser.add_argument("--kinds", default="int4", help="int4, nf4 or both (comma-separated)")
     parser.add_argument(
         "--json", default=None, help="every row as {n, k, m, name, us} (e2e_decode_step.py --tc-routes)"
     )
@@ -81,31 +84,35 @@ def main() -> None:
         f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}; building the tc library"
     )
     G._tc_library(arch)()
+    if "nf4" in args.kinds:
+        G._tc_library(arch, nf4=True)()
     log("tc library built; the other CUDA kernels build in a thread")
     threading.Thread(target=lambda: G._library(arch)(), daemon=True).start()
     copy = copy_gbps()
     log(f"copy {copy:.0f} GB/s (read + write)")
     table = []
-    for n, k in shapes:
+    kinds = args.kinds.split(",")
+    for n, k, kind in [(n, k, kind) for n, k in shapes for kind in kinds]:
         gen = torch.Generator(device=DEV).manual_seed(n + k)
         w = torch.randn(n, k, device=DEV, generator=gen) * 0.02
-        q = quantize_int4(w, GROUP)
+        q = quantize_nf4(w, GROUP, scale_dtype=torch.bfloat16) if kind == "nf4" else quantize_int4(w, GROUP)
         wbf = [w.to(torch.bfloat16)] + [
             (torch.randn(n, k, device=DEV) * 0.02).to(torch.bfloat16) for _ in range(2)
         ]
         del w
-        qbytes = tensor_bytes(q.qweight, q.scales, q.zeros)
+        qbytes = tensor_bytes(*(t for t in (q.qweight, q.scales, q.zeros) if t is not None))
         copies = max(2, math.ceil(SERIES_BYTES / qbytes))
-        qs = [(q.qweight.clone(), q.scales.clone(), q.zeros.clone()) for _ in range(copies)]
-        tiled_qs = [(tile_codes(c[0]), c[1], c[2]) for c in qs] if args.tiled else []
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        qs = [(q.qweight.clone(), q.scales.clone(), clone(q.zeros)) for _ in range(copies)]
+        tiled_qs = [(tile_codes(c[0]), c[1], c[2]) for c in qs] if args.tiled and kind == "int4" else []
         for m in ms:
             x = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
             out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-            ref = int4_linear_ref(x.double(), q.qweight, q.scales, q.zeros, GROUP, "int4")
+            ref = int4_linear_ref(x.double(), q.qweight, q.scales, q.zeros, GROUP, kind)
             bound = 1e-2 * ref.abs().max().item()  # loose sanity bound; tests/test_gemv.py has the contract
             rows = []
 
-            label = f"{n}x{k} M={m}"
+            label = f"{n}x{k} M={m} {kind}"
 
             def timed(name, fns, nbytes, note="", rows=rows, label=label):
                 t = rotating_graph_ms(fns, CALLS, capture_error_mode="thread_local")
@@ -116,11 +123,11 @@ def main() -> None:
             timed("F.linear bf16", [lambda w=w, x=x: F.linear(x, w) for w in wbf], tensor_bytes(wbf[0]))
             timed(
                 "triton",
-                [lambda c=c, x=x, out=out: triton_fwd(x, *c, None, out, GROUP, "int4") for c in qs],
+                [lambda c=c, x=x, out=out: triton_fwd(x, *c, None, out, GROUP, kind) for c in qs],
                 qbytes,
             )
-            if m == 1:
-                tg = [setup_tinygemm({"x": x, "q": type(q)(*c, GROUP, "int4")}) for c in qs[:4]]
+            if m == 1 and kind == "int4":
+                tg = [setup_tinygemm({"x": x, "q": type(q)(*c, GROUP, kind)}) for c in qs[:4]]
                 timed(
                     "tinygemm",
                     [lambda st=st: run_tinygemm(st) for st in tg],
@@ -135,12 +142,12 @@ def main() -> None:
             tc_configs = [(c, c, qs) for c in args.configs.split(",")]
             tc_configs += [(f"{c} tiled", c, tiled_qs) for c in args.configs.split(",") if tiled_qs]
             for name, config, weights in [(name, config, qs) for name, config in old] + tc_configs:
-                why = G.unsupported_call(x, *weights[0], None, out, GROUP, "int4", config)
+                why = G.unsupported_call(x, *weights[0], None, out, GROUP, kind, config)
                 if why is not None:
                     log(f"  {name}: not taken: {why}")
                     continue
                 out.fill_(float("nan"))
-                G.int4_linear_fwd(x, *weights[0], None, out, GROUP, "int4", config=config)
+                G.int4_linear_fwd(x, *weights[0], None, out, GROUP, kind, config=config)
                 torch.cuda.synchronize()
                 err = (out.double() - ref).abs().max().item()
                 if G._broken or not err <= bound:
@@ -150,21 +157,21 @@ def main() -> None:
                 timed(
                     name,
                     [
-                        lambda c=c, x=x, out=out, config=config: G.int4_linear_fwd(
-                            x, *c, None, out, GROUP, "int4", config=config
+                        lambda c=c, x=x, out=out, config=config, kind=kind: G.int4_linear_fwd(
+                            x, *c, None, out, GROUP, kind, config=config
                         )
                         for c in weights
                     ],
                     qbytes,
                     f"max|err| {err:.2g}",
                 )
-            table.append((n, k, m, rows))
+            table.append((n, k, m, kind, rows))
     print(
         f"\n{props.name}: copy {copy:.0f} GB/s. Kernel time (CUDA graph, weights past L2), bf16 x, group 128"
     )
-    for n, k, m, rows in table:
+    for n, k, m, kind, rows in table:
         base = next(t for name, t, _, _ in rows if name == "F.linear bf16")
-        print(f"\nM={m} N={n} K={k}")
+        print(f"\nM={m} N={n} K={k} {kind}")
         print(f"  {'contender':18s} {'us':>7s} {'GB/s':>6s} {'frac':>5s} {'x F.lin':>7s}  note")
         for name, t, nbytes, note in rows:
             if t is None:
@@ -174,8 +181,8 @@ def main() -> None:
             print(f"  {name:18s} {t * 1e3:7.1f} {gbps:6.0f} {gbps / copy:5.2f} {base / t:6.2f}x  {note}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"n": n, "k": k, "m": m, "name": name, "us": None if t is None else t * 1e3}
-                       for n, k, m, rows in table for name, t, _, _ in rows], f, indent=1)  # fmt: skip
+            json.dump([{"n": n, "k": k, "m": m, "kind": kind, "name": name, "us": None if t is None else t * 1e3}
+                       for n, k, m, kind, rows in table for name, t, _, _ in rows], f, indent=1)  # fmt: skip
     print(f"\ntotal {time.time() - T0:.0f} s")
 
 

@@ -59,6 +59,15 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     x_split = [r for r in tc if re.search(r"int4_tc_kernel.*ELb0ELi2EE", r.name)]
     assert len(x_split) == 4 * len(G.TC_SHAPES), [r.name for r in tc]
     assert all(r.registers <= 128 for r in x_split), x_split  # two CTAs per SM, as the one-tile builds
+    # The NF4 build (-DOK_TC_NF4): the register, two-tile, x-split and split kernels, no dependent
+    # launch or ring; its one-tile builds within two CTAs per SM, as int4's.
+    nf4 = cuda_build.ptxas_report(G._TC_SOURCE, arch, ("-DOK_TC_NF4",))
+    assert len(nf4) == 4 * len(G.TC_SHAPES) * 4, [r.name for r in nf4]
+    assert not [r for r in nf4 if "ring" in r.name or re.search(r"int4_tc_kernel.*ELb1E", r.name)], nf4
+    for r in nf4:
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+    one_tile = [r for r in nf4 if re.search(r"int4_tc_kernel\w*?Li\dELi1ELi\dELb0", r.name)]
+    assert len(one_tile) == 4 * len(G.TC_SHAPES) * 2 and all(r.registers <= 128 for r in one_tile), one_tile
     for r in persistent:  # 2 CTAs of 256 threads per SM where the shape's default says so
         rows, depth = (int(v) for v in re.search(r"Li(\d+)ELi(\d+)ELi\d+ELb", r.name).groups())
         assert G.PERSISTENT_SHAPES[(rows, depth)] == 1 or r.registers <= 128, r
@@ -215,17 +224,17 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
 
 
 def _check_mma_cases(cases, symmetric: bool, dtype: torch.dtype, device: str, g, *,
-                     scale_dtypes=(torch.float16, torch.bfloat16)) -> None:  # fmt: skip
-    """int4 (zeros or symmetric) through the tensor-core kernels, each case (M, N, K, group or
-    None for the whole row, bias dtype, config) with each of `scale_dtypes` (None: bfloat16
-    for odd M, float16 for even): within the error contract against float64 (W rounded to x's
-    dtype unless the kernel scales whole 128-code groups after the MMA: the tc GEMV), two
-    runs bitwise equal."""
+                     scale_dtypes=(torch.float16, torch.bfloat16), kind: str = "int4") -> None:  # fmt: skip
+    """int4 (zeros or symmetric) or NF4 (`kind`) through the tensor-core kernels, each case (M,
+    N, K, group or None for the whole row, bias dtype, config) with each of `scale_dtypes`
+    (None: bfloat16 for odd M, float16 for even): within the error contract against float64
+    (W rounded to x's dtype unless the kernel scales whole 128-code groups of int4 after the
+    MMA: the tc GEMV; NF4's levels are rounded in every kernel), two runs bitwise equal."""
     for m, n, k, group, bias_dtype, config in cases:
         chosen = scale_dtypes or ((torch.bfloat16 if m % 2 else torch.float16),)
         for sdtype in chosen:
             weight = quantize(
-                make_weight(n, k, heavy=True, generator=g, device=device), "int4", symmetric, group
+                make_weight(n, k, heavy=True, generator=g, device=device), kind, symmetric, group
             )
             weight = type(weight)(weight.qweight, weight.scales.to(sdtype), None if weight.zeros is None else
                                   weight.zeros.to(sdtype), weight.group_size, weight.kind).to(device)  # fmt: skip
@@ -239,13 +248,13 @@ def _check_mma_cases(cases, symmetric: bool, dtype: torch.dtype, device: str, g,
             runs = []
             for _ in range(2):
                 out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-                assert G.unsupported_call(*args, out, size, "int4", config) is None
-                G.int4_linear_fwd(*args, out, size, "int4", config=config)
+                assert G.unsupported_call(*args, out, size, kind, config) is None
+                G.int4_linear_fwd(*args, out, size, kind, config=config)
                 runs.append(out)
             assert not G._broken, G._broken
             assert torch.equal(runs[0], runs[1]), "two runs differ"
-            rounded = not (str(config).startswith("tc") and size % 128 == 0)
-            msg = f"{config} sym={symmetric} m={m} {n}x{k} g{size} {dtype} scales {sdtype} bias {bias_dtype}"
+            rounded = kind == "nf4" or not (str(config).startswith("tc") and size % 128 == 0)
+            msg = f"{config} {kind} sym={symmetric} m={m} {n}x{k} g{size} {dtype} scales {sdtype} bias {bias_dtype}"
             assert_linear_close(runs[0], x, weight, bias, w_rounded=rounded, msg=msg)
 
 
@@ -453,6 +462,68 @@ def test_x_split_tensor_core_gemv_gives_the_two_tile_result_bit_for_bit(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nf4_tensor_core_gemv_within_the_error_contract(dtype: torch.dtype, device: str) -> None:
+    """NF4 on the tensor-core GEMV (its OK_TC_NF4 build: the levels looked up in registers by
+    byte permutes), every register build (one and two n8 tiles, the x split, K split over a
+    cluster), 1-16 rows of x, groups of 32 / 64 (the scale in the pairs) and 128 / the whole
+    row (after the MMA), K of an odd number of chunks, both scale dtypes, bias dtypes: within
+    the error contract against float64 (the levels rounded to x's dtype), two runs bitwise
+    equal. Every one of the 16 levels occurs in each case's codes."""
+    split_ok = device == "cpu" or G._arch(torch.device("cuda")).startswith("sm_90")
+    g = torch.Generator().manual_seed(37)
+    if device == "cpu":  # (M, N, K, group, bias, config)
+        cases = [(1, 64, 1152, 128, None, "tc-t1-u2"), (8, 64, 256, 32, torch.float32, "tc-t1-u2"),
+                 (3, 32, 384, 64, None, "tc-t2-u2"), (16, 128, 1152, None, torch.float16, "tc-t2-u2"),
+                 (5, 64, 2176, 128, torch.bfloat16, "tc-t4-u1"), (13, 64, 640, 32, None, "tc-t4-u1"),
+                 (12, 32, 1152, 128, torch.float32, "tc-t1-u2-x2"), (9, 64, 384, 64, None, "tc-t2-u2-x2"),
+                 (16, 64, 640, None, torch.bfloat16, "tc-t4-u1-x2"), (1, 32, 1152, 128, None, "tc-t1-u2-k2"),
+                 (8, 16, 640, 32, torch.float32, "tc-t1-u2-k4"), (2, 128, 1152, 64, None, "tc-t4-u1-k2")]  # fmt: skip
+    else:
+        cases = [(m, n, 8192, 128, None, c) for c in G.TC_CONFIGS for m, n in ((1, 28672), (8, 8192), (16, 8192))]
+        cases += [(m, n, 8192, 128, None, c) for c in G.TC_XSPLIT_CONFIGS for m, n in ((16, 8192), (9, 28672))]
+        cases += [(m, 2048, 8192, 128, None, c) for c in G.TC_SPLIT_CONFIGS for m in (1, 8)]
+        cases += [(5, 4096, 4096, 32, torch.float32, "tc-t2-u2"), (3, 8192, 28672, 64, torch.bfloat16, "tc-t4-u1"),
+                  (11, 4096, 4096, 64, torch.float16, "tc-t1-u2"), (1, 2048, 8192, 32, None, "tc-t1-u2-k2")]  # fmt: skip
+    if not split_ok:
+        cases = [c for c in cases if G.tc_config(c[-1]).splits == 1]
+    _check_mma_cases(cases, True, dtype, device, g, kind="nf4")
+
+
+def test_nf4_tables_of_the_tensor_core_gemv_are_the_levels() -> None:
+    """int4_mma_common.cuh's Nf4Table words are format.NF4_VALUES rounded to bfloat16 and
+    float16: the low bytes of levels 4j .. 4j + 3 in kLowJ, the high bytes in kHighJ."""
+    from openkernels.quant.format import NF4_VALUES
+
+    text = G._TC_SOURCE.with_name("int4_mma_common.cuh").read_text()
+    for name, dtype in (("__nv_bfloat16", torch.bfloat16), ("__half", torch.float16)):
+        body = re.search(r"struct Nf4Table<" + re.escape(name) + r"> \{(.*?)\};", text, re.S).group(1)
+        words = {k: int(v, 16) for k, v in re.findall(r"(k(?:Low|High)\d) = 0x([0-9A-F]+)u", body)}
+        bits = [int(v) & 0xFFFF for v in torch.tensor(NF4_VALUES).to(dtype).view(torch.int16).tolist()]
+        for j in range(4):
+            assert words[f"kLow{j}"] == sum((bits[4 * j + i] & 0xFF) << (8 * i) for i in range(4)), (name, j)
+            assert words[f"kHigh{j}"] == sum((bits[4 * j + i] >> 8) << (8 * i) for i in range(4)), (name, j)
+
+
+def test_nf4_routes_to_the_tensor_core_gemv() -> None:
+    """NF4 of 1-16 rows on sm_90 takes the tensor-core GEMV: up to 8 rows int4's config, 9-16
+    rows a register build for every N a tile divides (the one-round kernel and wgmma, int4's
+    choices there, do not take NF4 at these rows); the dependent-launch and ring builds refuse it."""
+    assert G.default_config(1, 8192, 8192, 128, "sm_90", kind="nf4") == G.default_config(1, 8192, 8192, 128, "sm_90")
+    assert G.default_config(16, 28672, 8192, 128, "sm_90", kind="nf4") == "tc-t4-u1"
+    assert G.default_config(16, 4096, 8192, 128, "sm_90", kind="nf4") == "tc-t2-u2"
+    assert G.default_config(12, 4112, 8192, 128, "sm_90", kind="nf4") == "tc-t1-u2"
+    assert G.default_config(12, 2048, 8192, 128, "sm_90", kind="nf4") == "tc-t1-u2"
+    assert G.default_config(16, 4104, 8192, 128, "sm_90", kind="nf4") is None  # no tile divides N
+    assert G.default_config(16, 8192, 8192, 128, "sm_80", kind="nf4") is None
+    assert G.default_config(16, 4096, 8192, 128, "sm_90") == "mma"  # int4 keeps its choice
+    for m, n in ((16, 28672), (9, 4096), (1, 8192)):
+        config = G.default_config(m, n, 8192, 128, "sm_90", kind="nf4")
+        x, qweight, scales, _, bias, out, group, _ = _call(m=m, n=n, k=8192)
+        assert G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", config) is None, config
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
 def test_tiled_codes_give_the_rows_result_bit_for_bit(symmetric: bool, device: str) -> None:
     """format.tile_codes' layout through the tensor-core GEMV (unsplit and split builds, every
@@ -632,7 +703,9 @@ def test_tc_configs() -> None:
     assert "multiple of 32" in G.unsupported_call(
         x, qweight, scales, zeros, bias, out, group, kind, "tc-t2-u2"
     )
-    assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc")
+    assert G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc-t1-u2") is None  # its NF4 build
+    assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc-t1-u2-p")
+    assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc-t1-u2-k2-p")
     assert G.unsupported_call(*_call(m=16, n=64, k=1024), "tc-t1-u2") is None  # two n8 tiles of x
     assert "up to 16" in G.unsupported_call(*_call(m=17, n=64, k=1024), "tc-t1-u2")
     for config in ("tc-t1-u2-k2", "tc-t1-u2-p", "tcr-t1-s4"):  # one n8 tile only

@@ -166,8 +166,15 @@ def _library(arch: str) -> cuda_build.CudaLibrary:
 
 
 @functools.cache
-def _tc_library(arch: str) -> cuda_build.CudaLibrary:
-    """The tensor-core GEMV alone (int4_tc.cu): what the default path builds on first use."""
+def _tc_library(arch: str, nf4: bool = False) -> cuda_build.CudaLibrary:
+    """The tensor-core GEMV alone (int4_tc.cu): what the default path builds on first use;
+    `nf4`: its NF4 build (-DOK_TC_NF4, the same kernels reading NF4 levels), built on NF4's
+    first call only."""
+    if nf4:
+        return cuda_build.CudaLibrary(
+            _TC_SOURCE, name=f"openkernels_quant_tc_nf4_{arch}", arch=arch, signatures=_TC_SIGNATURES,
+            extra_flags=("-DOK_TC_NF4",),
+        )  # fmt: skip
     return cuda_build.CudaLibrary(
         _TC_SOURCE, name=f"openkernels_quant_tc_{arch}", arch=arch, signatures=_TC_SIGNATURES
     )
@@ -365,13 +372,15 @@ def _sm_count(index: int) -> int:
 
 
 def _tc_shape_unsupported(
-    m: int, n: int, k: int, group_size: int, kind: str, tiles: int, group_multiple: int, max_rows: int
-) -> str | None:
-    """The tensor-core GEMV's shape limits, one list for its register and ring-fed builds."""
+    m: int, n: int, k: int, group_size: int, kind: str, tiles: int, group_multiple: int, max_rows: int,
+    nf4: bool = True,
+) -> str | None:  # fmt: skip
+    """The tensor-core GEMV's shape limits, one list for its register and ring-fed builds
+    (`nf4`: whether the build has an NF4 twin)."""
     if m > max_rows:
         return f"{m} rows of x for this tensor-core GEMV (it takes up to {max_rows})"
-    if kind == "nf4":
-        return "NF4 on the tensor-core GEMV (it takes int4)"
+    if kind == "nf4" and not nf4:
+        return "NF4 on the ring-fed tensor-core GEMV (it takes int4)"
     if k % 128 or group_size % group_multiple:
         return f"K = {k} not a multiple of 128 or group size {group_size} not of {group_multiple}"
     if n % (16 * tiles):
@@ -415,7 +424,7 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
             return "the ring-fed tensor-core GEMV on a GPU older than sm_90 (it needs bulk copies)"
         # group_size % 128: the ring stages one scale (zero) per 1024-code chunk and row.
         why = _tc_shape_unsupported(
-            m, n, k, group_size, kind, ring.tiles, group_multiple=128, max_rows=TC_SPLIT_MAX_ROWS
+            m, n, k, group_size, kind, ring.tiles, group_multiple=128, max_rows=TC_SPLIT_MAX_ROWS, nf4=False
         )
         if why is not None:
             return why
@@ -434,6 +443,8 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
         )
         if why is not None:
             return why
+        if kind == "nf4" and tc.pdl:
+            return "NF4 on a dependent tensor-core GEMV (its NF4 build has no dependent launch)"
         if m > TC_SPLIT_MAX_ROWS and (tc.splits > 1 or tc.pdl):
             return f"{m} rows of x for a split or dependent tensor-core GEMV (it takes up to {TC_SPLIT_MAX_ROWS})"
         if tc.xtiles > 1 and m <= TC_SPLIT_MAX_ROWS:
@@ -508,10 +519,11 @@ def _arch_of(index: int) -> str:
 _broken: list[str] = []  # why the GPU library cannot run (warned once)
 
 
-def _load(device: torch.device, tc: bool = False):
-    """The library for `device` (`tc`: the tensor-core GEMV's), or None (warned once) when it
-    cannot be built. CPU tensors take the kernels built for the CPU emulation."""
-    library = _tc_library if tc else _library
+def _load(device: torch.device, tc: bool = False, nf4: bool = False):
+    """The library for `device` (`tc`: the tensor-core GEMV's, `nf4` its NF4 build), or None
+    (warned once) when it cannot be built. CPU tensors take the kernels built for the CPU
+    emulation."""
+    library = functools.partial(_tc_library, nf4=nf4) if tc else _library
     if device.type == "cpu":
         return library("sm_80").emulated()
     if _broken:
@@ -565,7 +577,7 @@ def default_tc(m: int, n: int, k: int, group_size: int, arch: str) -> str | None
 
 
 def default_config(
-    m: int, n: int, k: int, group_size: int, arch: str, *, scales_in_x_dtype: bool = False
+    m: int, n: int, k: int, group_size: int, arch: str, *, scales_in_x_dtype: bool = False, kind: str = "int4"
 ) -> str | None:
     """The config the default dispatch runs here for this call, or None: the call goes on to the
     implementation below (wgmma on sm_90, else Triton). Up to 8 rows of x: default_tc. 9-16
@@ -580,7 +592,10 @@ def default_config(
     wall 67.1 / 75.5 us against tc-t4-u1's 71.5 / 81.6 (`quant_wgmma_wall.py --ms 16`). So the
     two-tile tensor-core GEMV: t1-u2 to N = 2048, t4-u1 from N = 8192 unless wgmma takes the
     call with such scales; between them the one-round kernel where wgmma would hand the call
-    to Triton, and wgmma where it takes it."""
+    to Triton, and wgmma where it takes it. NF4 (`kind`; the one-round kernel takes int4 only,
+    and wgmma takes NF4 from 64 rows): the tensor-core GEMV at every N, t4-u1 from 8192, t2-u2
+    where N allows below it (not timed against the int4 choices: NF4's alternative here is
+    Triton's gather, 0.15-0.32x F.linear)."""
     if m <= TC_SPLIT_MAX_ROWS:
         return default_tc(m, n, k, group_size, arch)
     if not arch.startswith("sm_90") or m > TC_MAX_ROWS or k < 2048 or k % 128 or group_size % 32:
@@ -588,6 +603,9 @@ def default_config(
     x_split = "-x2" if TC_XSPLIT_DEFAULT else ""
     if n <= TC_SMALL_N and n % 16 == 0:
         return "tc-t1-u2" + x_split
+    if kind == "nf4":
+        tiles = next((t for t in ((4,) if n >= 8192 else ()) + (2, 1) if n % (16 * t) == 0), None)
+        return None if tiles is None else f"tc-t{tiles}-u{1 if tiles == 4 else 2}" + x_split
     from .. import gluon  # the wgmma launcher's own routing (imported on use: gluon needs Triton)
 
     wgmma_takes_it = gluon.slower_than_triton(m, n, k) is None
@@ -675,7 +693,7 @@ def int4_linear_fwd(
     if config is None and x.is_cuda:  # the tensor-core GEMV where it measured fastest, else on
         config = default_config(
             x.shape[0], qweight.shape[0], x.shape[1], group_size, _arch(x.device),
-            scales_in_x_dtype=scales.dtype == x.dtype,
+            scales_in_x_dtype=scales.dtype == x.dtype, kind=kind,
         )  # fmt: skip
         if config is None or unsupported_call(*args, config) is not None:
             if "gemv" not in dispatch.forced_names(_OP):
@@ -684,7 +702,7 @@ def int4_linear_fwd(
     if (_broken and x.is_cuda) or unsupported_call(*args, config) is not None:
         return _triton(*args)
     m, k = x.shape
-    lib = _load(x.device, tc=_path(m, config) in ("tc", "tcr"))
+    lib = _load(x.device, tc=_path(m, config) in ("tc", "tcr"), nf4=kind == "nf4")
     if lib is None:
         if tiled:
             raise ValueError("int4_linear_fwd: tiled codes and the CUDA library could not be built")
@@ -763,7 +781,9 @@ def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=Non
     args = (x, qweight, scales, zeros, bias, out, group_size, kind)
     m, k = x.shape
     n = _n_of(qweight)
-    config = default_config(m, n, k, group_size, _arch(x.device), scales_in_x_dtype=scales.dtype == x.dtype)
+    config = default_config(
+        m, n, k, group_size, _arch(x.device), scales_in_x_dtype=scales.dtype == x.dtype, kind=kind
+    )
     if config is not None and unsupported_call(*args, config) is None:
         return (
             f"the tensor-core GEMV ({config})"

@@ -161,3 +161,95 @@ __device__ __forceinline__ uint32_t sub2(uint32_t v, uint32_t sub) {
   }
 #endif
 }
+
+// prmt.b32 in its default mode: byte n of the result is byte (selector nibble n & 7) of the 8
+// bytes {a (0-3), b (4-7)}, or, where the nibble's bit 3 is set, that byte's sign bit copied
+// over all 8 bits (CUDA's __byte_perm is documented for the low 3 bits only; the emulation's
+// twin ignores bit 3).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+#ifdef OK_CUDA_EMULATION
+  const uint64_t bytes = static_cast<uint64_t>(a) | (static_cast<uint64_t>(b) << 32);
+  uint32_t out = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t nibble = (selector >> (4 * n)) & 0xF;
+    uint32_t byte = static_cast<uint32_t>(bytes >> (8 * (nibble & 7))) & 0xFF;
+    if (nibble & 8) byte = (byte & 0x80) ? 0xFF : 0x00;
+    out |= byte << (8 * n);
+  }
+  return out;
+#else
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+#endif
+}
+
+// v * mul on two packed values of T, rounded as the GPU's packed multiply.
+template <typename T>
+__device__ __forceinline__ uint32_t mul2(uint32_t v, uint32_t mul) {
+#ifdef OK_CUDA_EMULATION
+  auto half = [](uint32_t w, int i) {
+    T h;
+    const uint16_t b = static_cast<uint16_t>(w >> (16 * i));
+    memcpy(&h, &b, 2);
+    return to_float(h);
+  };
+  return pack2<T>(half(v, 0) * half(mul, 0), half(v, 1) * half(mul, 1));
+#else
+  if constexpr (MmaMagic<T>::kBf16) {
+    __nv_bfloat162 a, c;
+    memcpy(&a, &v, 4);
+    memcpy(&c, &mul, 4);
+    const __nv_bfloat162 r = __hmul2(a, c);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  } else {
+    __half2 a, c;
+    memcpy(&a, &v, 4);
+    memcpy(&c, &mul, 4);
+    const __half2 r = __hmul2(a, c);
+    uint32_t out;
+    memcpy(&out, &r, 4);
+    return out;
+  }
+#endif
+}
+
+// The 16 NF4 levels (format.py's NF4_VALUES) rounded to T, as byte tables for prmt: kLowJ
+// holds the low bytes of levels 4J .. 4J + 3 (byte i: level 4J + i), kHighJ their high
+// bytes (scalars: a constexpr array indexed in device code would need device storage). test_gemv.py checks these words against NF4_VALUES.
+template <typename T>
+struct Nf4Table;
+template <>
+struct Nf4Table<__nv_bfloat16> {
+  static constexpr uint32_t kLow0 = 0xCA063280u, kLow1 = 0x00BA3D92u, kLow2 = 0xAD7C25A3u, kLow3 = 0x803910E2u;
+  static constexpr uint32_t kHigh0 = 0xBEBFBFBFu, kHigh1 = 0x00BDBEBEu, kHigh2 = 0x3E3E3E3Du, kHigh3 = 0x3F3F3F3Eu;
+};
+template <>
+struct Nf4Table<__half> {
+  static constexpr uint32_t kLow0 = 0x52339200u, kLow1 = 0x00D4EA8Du, kLow2 = 0x68E02618u, kLow3 = 0x00C9800Du;
+  static constexpr uint32_t kHigh0 = 0xB6B8B9BCu, kHigh1 = 0x00ADB1B4u, kHigh2 = 0x3533312Du, kHigh3 = 0x3C393837u;
+};
+
+// Four NF4 codes of a 32-bit word of codes (nibbles 4 HALF .. 4 HALF + 3; HALF 0 or 1) ->
+// two packed pairs of their levels in T: p0 = (level[nibble 0], level[nibble 1]), p1 =
+// (level[2], level[3]) of the half, the first code in the low half. A register lookup, no
+// memory: the selector (the nibbles' low 3 bits) reads the low and the high bytes of levels
+// 0-7 and of 8-15 (four prmt), a mask of each nibble's bit 3 (one shift and one sign-
+// replicating prmt) picks between the two (two LOP3), and two prmt interleave the low and
+// high bytes into 16-bit values: 11 instructions per 4 codes, the shift shared by both halves.
+template <typename T, int HALF>
+__device__ __forceinline__ void nf4_levels(uint32_t word, uint32_t& p0, uint32_t& p1) {
+  using Table = Nf4Table<T>;
+  const uint32_t selector = (HALF ? word >> 16 : word) & 0x7777u;
+  // Byte n of the mask: 0xFF where nibble 4 HALF + n has bit 3 set. Nibble 2i's bit 3 is bit 7
+  // of (word << 4)'s byte i, nibble 2i + 1's is bit 7 of word's byte i.
+  const uint32_t high_half = prmt(word, word << 4, HALF ? 0xBFAEu : 0x9D8Cu);
+  const uint32_t low = (prmt(Table::kLow0, Table::kLow1, selector) & ~high_half) |
+                       (prmt(Table::kLow2, Table::kLow3, selector) & high_half);
+  const uint32_t high = (prmt(Table::kHigh0, Table::kHigh1, selector) & ~high_half) |
+                        (prmt(Table::kHigh2, Table::kHigh3, selector) & high_half);
+  p0 = prmt(low, high, 0x5140u);
+  p1 = prmt(low, high, 0x7362u);
+}

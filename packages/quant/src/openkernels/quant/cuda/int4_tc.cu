@@ -24,6 +24,16 @@ namespace {
 
 #include "int4_mma_common.cuh"  // beside this file: conversions, the MMA and its operands
 
+// The NF4 build (-DOK_TC_NF4: cuda/__init__.py's second library, built on NF4's first call):
+// the register and split kernels read each code as an NF4 level (nf4_levels) where this build
+// reads int4; the dependent-launch and ring builds are left out of it (their launchers return
+// -1). A library of its own, so that int4's first call compiles none of it.
+#ifdef OK_TC_NF4
+constexpr bool kNf4 = true;
+#else
+constexpr bool kNf4 = false;
+#endif
+
 // ---- 1-16 rows of x, W as the A operand: a tensor-core GEMV --------------------------------
 //
 // The kernels of int4_gemv.cu turn every code into a float (GEMV: a LOP3, a FADD and an FFMA
@@ -71,9 +81,14 @@ __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint3
   for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
     for (int step = 0; step < 8; ++step) {
-      const int p = 8 * (step / 2) + 2 * (step % 2);
-      b[nb][step][0] = pick2(xw[nb], p, p + 4);
-      b[nb][step][1] = pick2(xw[nb], p + 1, p + 5);
+      if constexpr (kNf4) {  // the codes' own pairs: step s takes pairs 2 (s % 2), + 1 of word s / 2
+        b[nb][step][0] = xw[nb][4 * (step / 2) + 2 * (step % 2)];
+        b[nb][step][1] = xw[nb][4 * (step / 2) + 2 * (step % 2) + 1];
+      } else {
+        const int p = 8 * (step / 2) + 2 * (step % 2);
+        b[nb][step][0] = pick2(xw[nb], p, p + 4);
+        b[nb][step][1] = pick2(xw[nb], p + 1, p + 5);
+      }
     }
   }
 #pragma unroll
@@ -94,11 +109,26 @@ __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint3
     for (int step = 0; step < 8; ++step) {
       const int word = step / 2, shift = (step % 2) * 8;
       uint32_t a[4];  // rows g (k 2t, 2t+1), g + 8 (same k), g (2t+8, 2t+9), g + 8
+      if constexpr (kNf4) {  // levels of codes 8 word + 4 (step % 2) .. + 3 of rows g and g + 8
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int h = r % 2;
-        const uint32_t v = and_or<0x000F000Fu, MmaMagic<T>::kBits>(words[tile][h][word] >> (shift + 4 * (r / 2)));
-        a[r] = chunk_scaled ? sub2<T>(v, sub[h]) : sub_mul2<T>(v, sub[h], mul[h]);
+        for (int h = 0; h < 2; ++h) {
+          if (step % 2) {
+            nf4_levels<T, 1>(words[tile][h][word], a[h], a[h + 2]);
+          } else {
+            nf4_levels<T, 0>(words[tile][h][word], a[h], a[h + 2]);
+          }
+        }
+        if (!chunk_scaled) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[r] = mul2<T>(a[r], mul[r % 2]);
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int h = r % 2;
+          const uint32_t v = and_or<0x000F000Fu, MmaMagic<T>::kBits>(words[tile][h][word] >> (shift + 4 * (r / 2)));
+          a[r] = chunk_scaled ? sub2<T>(v, sub[h]) : sub_mul2<T>(v, sub[h], mul[h]);
+        }
       }
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) mma_16816<T>(part[nb], a, b[nb][step]);
@@ -580,7 +610,11 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
     if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 2, 1, false>);
     return -2;
   }
-  return pdl ? build(std::true_type{}) : build(std::false_type{});
+  if constexpr (kNf4) {  // no dependent-launch build of NF4
+    return pdl ? -1 : build(std::false_type{});
+  } else {
+    return pdl ? build(std::true_type{}) : build(std::false_type{});
+  }
 }
 
 
@@ -617,7 +651,11 @@ int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void
     if (tiles == 4 && unroll == 1) return run(int4_tc_split_kernel<T, S, 4, 1, P>);
     return -2;
   };
-  return pdl ? build(std::true_type{}) : build(std::false_type{});
+  if constexpr (kNf4) {  // no dependent-launch build of NF4
+    return pdl ? -1 : build(std::false_type{});
+  } else {
+    return pdl ? build(std::true_type{}) : build(std::false_type{});
+  }
 }
 
 // The call's (x, scale) dtype pair as template arguments: launch(T{}, S{}) for the codes
@@ -644,7 +682,8 @@ int from_packed(const int64_t* a) {
 }  // namespace
 
 // out (M, N) = x W^T + bias for 1-16 rows of x (1-8 where split or PDL), W as the tensor cores' A operand
-// (int4_tc_kernel; int4 with zeros, or symmetric where `zeros` is null). `tiles` (16 rows of W
+// (int4_tc_kernel; int4 with zeros, or symmetric where `zeros` is null; NF4 in the OK_TC_NF4 build,
+// `zeros` ignored). `tiles` (16 rows of W
 // each per CTA) and `unroll` (chunks per warp trip) pick a built shape; `splits` > 1 (2-8, sm_90)
 // splits K over clusters of that many CTAs (int4_tc_split_kernel); `pdl` (sm_90) launches it as a
 // programmatic dependent of the kernel before it (tc_prologue); `xtiles` 2 (9-16 rows of x, stored
@@ -685,11 +724,15 @@ extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, in
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (m < 1 || m > 8 || group_size % 128 != 0) return -1;
+#ifdef OK_TC_NF4
+  return -1;  // no ring-fed build of NF4
+#else
   return by_dtypes(x_code, s_code, [&](auto t, auto s) {
     return launch_tc_ring<decltype(t), decltype(s)>(tiles, stages, x, qweight, scales, zeros, bias, bias_code, out, m,
                                                     n, k, stride_x, stride_q, stride_s, stride_out, group_size,
                                                     reinterpret_cast<cudaStream_t>(stream));
   });
+#endif
 }
 
 extern "C" int ok_int4_tc_packed(const int64_t* a) {
