@@ -123,7 +123,7 @@ def main() -> None:
             timed("F.linear bf16", [lambda w=w, x=x: F.linear(x, w) for w in wbf], tensor_bytes(wbf[0]))
             timed(
                 "triton",
-                [lambda c=c, x=x, out=out: triton_fwd(x, *c, None, out, GROUP, kind) for c in qs],
+                [lambda c=c, x=x, out=out, kind=kind: triton_fwd(x, *c, None, out, GROUP, kind) for c in qs],
                 qbytes,
             )
             if m == 1 and kind == "int4":
