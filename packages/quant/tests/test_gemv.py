@@ -480,8 +480,12 @@ def test_nf4_tensor_core_gemv_within_the_error_contract(dtype: torch.dtype, devi
                  (16, 64, 640, None, torch.bfloat16, "tc-t4-u1-x2"), (1, 32, 1152, 128, None, "tc-t1-u2-k2"),
                  (8, 16, 640, 32, torch.float32, "tc-t1-u2-k4"), (2, 128, 1152, 64, None, "tc-t4-u1-k2")]  # fmt: skip
     else:
-        cases = [(m, n, 8192, 128, None, c) for c in G.TC_CONFIGS for m, n in ((1, 28672), (8, 8192), (16, 8192))]
-        cases += [(m, n, 8192, 128, None, c) for c in G.TC_XSPLIT_CONFIGS for m, n in ((16, 8192), (9, 28672))]
+        cases = [
+            (m, n, 8192, 128, None, c) for c in G.TC_CONFIGS for m, n in ((1, 28672), (8, 8192), (16, 8192))
+        ]
+        cases += [
+            (m, n, 8192, 128, None, c) for c in G.TC_XSPLIT_CONFIGS for m, n in ((16, 8192), (9, 28672))
+        ]
         cases += [(m, 2048, 8192, 128, None, c) for c in G.TC_SPLIT_CONFIGS for m in (1, 8)]
         cases += [(5, 4096, 4096, 32, torch.float32, "tc-t2-u2"), (3, 8192, 28672, 64, torch.bfloat16, "tc-t4-u1"),
                   (11, 4096, 4096, 64, torch.float16, "tc-t1-u2"), (1, 2048, 8192, 32, None, "tc-t1-u2-k2")]  # fmt: skip
@@ -509,7 +513,9 @@ def test_nf4_routes_to_the_tensor_core_gemv() -> None:
     """NF4 of 1-16 rows on sm_90 takes the tensor-core GEMV: up to 8 rows int4's config, 9-16
     rows a register build for every N a tile divides (the one-round kernel and wgmma, int4's
     choices there, do not take NF4 at these rows); the dependent-launch and ring builds refuse it."""
-    assert G.default_config(1, 8192, 8192, 128, "sm_90", kind="nf4") == G.default_config(1, 8192, 8192, 128, "sm_90")
+    assert G.default_config(1, 8192, 8192, 128, "sm_90", kind="nf4") == G.default_config(
+        1, 8192, 8192, 128, "sm_90"
+    )
     assert G.default_config(16, 28672, 8192, 128, "sm_90", kind="nf4") == "tc-t4-u1"
     assert G.default_config(16, 4096, 8192, 128, "sm_90", kind="nf4") == "tc-t2-u2"
     assert G.default_config(12, 4112, 8192, 128, "sm_90", kind="nf4") == "tc-t1-u2"
@@ -703,7 +709,9 @@ def test_tc_configs() -> None:
     assert "multiple of 32" in G.unsupported_call(
         x, qweight, scales, zeros, bias, out, group, kind, "tc-t2-u2"
     )
-    assert G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc-t1-u2") is None  # its NF4 build
+    assert (
+        G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc-t1-u2") is None
+    )  # its NF4 build
     assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc-t1-u2-p")
     assert "NF4" in G.unsupported_call(x, qweight, scales, None, bias, out, group, "nf4", "tc-t1-u2-k2-p")
     assert G.unsupported_call(*_call(m=16, n=64, k=1024), "tc-t1-u2") is None  # two n8 tiles of x
