@@ -125,12 +125,17 @@ def run(model, batch: int, prompt: int, new: int, formats: list[str], eager: boo
         # decode step, and past dynamo's recompile limit (8) the rest ran in eager mode.
         torch._dynamo.reset()
 
-        def call(n: int, attn=attn, kv_dtype=kv_dtype, model=model):
-            if attn == "sdpa":
+        # One cache per contender, emptied before each call (as transformers keeps and resets its
+        # own static cache between generate() calls): a new cache per call gives the compiled
+        # step new static addresses, and CUDA graphs are recorded again in every call.
+        cache = None if attn == "sdpa" else OpenKernelsStaticCache(
+            model.config, batch, prompt + new, kv_dtype=kv_dtype, device=device
+        )  # fmt: skip
+
+        def call(n: int, attn=attn, model=model, cache=cache):
+            if cache is None:
                 return _generate(model, ids, n, None, eager, cache_implementation="static")
-            cache = OpenKernelsStaticCache(
-                model.config, batch, prompt + new, kv_dtype=kv_dtype, device=device
-            )
+            cache.reset()
             return _generate(model, ids, n, cache, eager)
 
         out = call(new)  # warm-up: compiles, captures the graphs

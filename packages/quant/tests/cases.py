@@ -68,6 +68,12 @@ def rounds_weight(
 
         return cpu_rounds_weight(m, dtype, has_bias)
     if impl == "gemv":  # the CUDA C++ kernels; calls they do not take run the Triton launcher
+        if kind == "nf4" and device == "cuda" and torch.cuda.is_available():
+            from openkernels.quant import cuda as G
+
+            config = G.default_config(m, n, k, group, G._arch(torch.device(device)), kind=kind)
+            if str(config).startswith("tc"):
+                return True  # NF4 on the tensor-core GEMV: its levels rounded to x's dtype
         if m == 1 and k % 32 == 0 and group % 32 == 0 and n % 4 == 0:
             return False  # the GEMV: exact weights
         if 1 < m <= 16 and kind == "int4" and k % 128 == 0 and group % 32 == 0 and n % 32 == 0:

@@ -280,7 +280,12 @@ def _check_gemv_cases(cases, kind: str, symmetric: bool, dtype: torch.dtype, dev
             assert not G._broken, G._broken
             assert torch.equal(runs[0], runs[1]), "two runs differ"
             msg = f"config={config} {kind} sym={symmetric} {n}x{k} g{group} {dtype} scales {sdtype} bias {bias_dtype}"
-            assert_linear_close(runs[0], x, weight, bias, w_rounded=False, msg=msg)
+            # Unforced, the call takes the default route: NF4 on the tensor-core GEMV (sm_90)
+            # rounds its levels to x's dtype.
+            tc = config is None and str(G.default_config(1, n, k, group, G._arch(x.device)) or "").startswith(
+                "tc"
+            )
+            assert_linear_close(runs[0], x, weight, bias, w_rounded=tc and kind == "nf4", msg=msg)
 
 
 @pytest.mark.parametrize("device", DEVICES)

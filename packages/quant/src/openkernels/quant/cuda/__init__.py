@@ -15,7 +15,10 @@ its own library; 1-8 rows where K is split over a cluster or the launch is a dep
 tensor-core GEMV. W's 16-row tiles are mma.m16n8k16's A operand and x the B operand, so one
 MMA takes 256 codes; the codes enter the MMA as (base + q) - (base + zero), exact, and where
 the group size is a multiple of 128 the scale multiplies each 128-code chunk's fp32 sum once.
-The default for up to 16 rows of x on sm_90 where measured (default_config). Config
+The default for up to 16 rows of x on sm_90 where measured (default_config). NF4 runs the same
+kernels from a second build of int4_tc.cu (-DOK_TC_NF4, built on NF4's first call): each code's
+level looked up in registers by byte permutes, the levels rounded to x's dtype (quant 0.10.11;
+no dependent-launch or ring build of it). Config
 "tcr[-t<tiles>][-s<stages>]": the same math fed by a producer warp that keeps `stages` stages of
 1024 codes per row (with their scales, zeros and x) in flight in shared memory by bulk copies
 (cp.async.bulk on mbarriers); group sizes that are multiples of 128. Forced only, until timed.
@@ -30,7 +33,8 @@ Dispatch name "gemv", registered on CUDA (sm_80 and newer) above wgmma and Trito
 it runs the tensor-core GEMV or the one-round kernel where default_config says they measured
 fastest and hands every other call to the implementation dispatch ranks next; forced by name
 (`dispatch.force("gemv")`) it runs the tensor-core GEMV there and the GEMV / one-round MMA kernel elsewhere. Same entry
-point as triton.int4_linear_fwd; a call these kernels do not take (more than 16 rows of x, NF4 past one row, K or the group size not a multiple of 32 (K of 128 past
+point as triton.int4_linear_fwd; a call these kernels do not take (more than 16 rows of x, NF4 past one row
+outside the tensor-core GEMV, K or the group size not a multiple of 32 (K of 128 past
 one row), 16-bit dtypes other than bf16 / fp16, misaligned parts, N not a multiple of 4 (32
 past one row)) goes to the Triton launcher. The library is built with nvcc for the device's
 arch on first use; if that fails the Triton kernels run, with one warning. CPU tensors run the same source built for the CPU emulation
