@@ -243,7 +243,8 @@ def parse_tc_routes(spec: str) -> dict[tuple[int, int], str]:
             rows = json.load(f)
         best: dict[tuple[int, int], tuple[float, str]] = {}
         for row in rows:
-            if row["m"] == 1 and row["us"] is not None and str(row["name"]).startswith("tc"):
+            int4 = row.get("kind", "int4") == "int4"  # quant_tc_gemv.py --kinds may add NF4's rows
+            if int4 and row["m"] == 1 and row["us"] is not None and str(row["name"]).startswith("tc"):
                 key = (row["n"], row["k"])
                 best[key] = min(best.get(key, (float("inf"), "")), (row["us"], row["name"]))
         return {key: name for key, (_, name) in best.items()}
