@@ -647,6 +647,40 @@ def test_tensor_core_gemv_replays_from_cpp(config: str) -> None:
         replay.set_mode({"off": "0", "cpu": "cpu", "all": "all"}[before])
 
 
+def test_int4_and_nf4_builds_replay_apart() -> None:
+    """One replayable body calling the tensor-core GEMV for int4 and then for NF4 (two builds of
+    int4_tc.cu with the same entry names): each recorded launch replays through its own
+    library, bitwise the direct calls' outputs."""
+    from openkernels.shared import replay
+
+    before = replay.mode()
+    replay.set_mode("cpu")
+    try:
+        g = torch.Generator().manual_seed(41)
+        w = make_weight(64, 1024, generator=g)
+        int4, nf4 = quantize(w, "int4", False, 128), quantize(w, "nf4", True, 128)
+        parts = (int4.qweight, int4.scales, int4.zeros, nf4.qweight, nf4.scales)
+
+        def both(x, qi, si, zi, qn, sn):
+            outs = []
+            for q, s, z, kind in ((qi, si, zi, "int4"), (qn, sn, None, "nf4")):
+                out = torch.empty(x.shape[0], 64, dtype=x.dtype)
+                G.int4_linear_fwd(x, q, s, z, None, out, 128, kind, config="tc-t1-u2-k2")
+                outs.append(out)
+            return tuple(outs)
+
+        body = replay.replayable(both)
+        for _ in range(5):
+            x = torch.randn(2, 1024, generator=g).to(torch.bfloat16)
+            direct = both(x, *parts)
+            replayed = body(x, *parts)
+            assert torch.equal(replayed[0], direct[0]) and torch.equal(replayed[1], direct[1])
+            assert not torch.equal(direct[0], direct[1])
+        assert replay.stats(body)["hits"] == 3, replay.stats(body)  # calls 3-5 replayed
+    finally:
+        replay.set_mode({"off": "0", "cpu": "cpu", "all": "all"}[before])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
