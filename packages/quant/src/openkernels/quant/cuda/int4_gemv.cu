@@ -27,6 +27,7 @@
 #endif
 #include <stdint.h>
 #include <string.h>
+#include <type_traits>  // int4_mma_common.cuh: std::conditional_t
 
 #include "async_copy.h"  // openkernels/shared/cuda: cp.async and dynamic shared memory
 

@@ -50,42 +50,41 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return static_cast<uint32_t>(ua) | (static_cast<uint32_t>(ub) << 16);
 }
 
+// Two packed values of T: the 16-bit halves of a 32-bit word as floats (the emulation's view),
+// and, on the GPU, the word as the packed type (__nv_bfloat162 / __half2) and back.
+template <typename T>
+__device__ __forceinline__ float half_of(uint32_t w, int i) {
+  T h;
+  const uint16_t b = static_cast<uint16_t>(w >> (16 * i));
+  memcpy(&h, &b, 2);
+  return to_float(h);
+}
+#ifndef OK_CUDA_EMULATION
+template <typename T>
+using Packed2 = std::conditional_t<MmaMagic<T>::kBf16, __nv_bfloat162, __half2>;
+template <typename T>
+__device__ __forceinline__ Packed2<T> as_packed(uint32_t w) {
+  Packed2<T> p;
+  memcpy(&p, &w, 4);
+  return p;
+}
+template <typename P>
+__device__ __forceinline__ uint32_t as_word(P p) {
+  uint32_t w;
+  memcpy(&w, &p, 4);
+  return w;
+}
+#endif
+
 // (v - sub) * mul on two packed values of T, each operation rounded as the GPU's packed ops.
 template <typename T>
 __device__ __forceinline__ uint32_t sub_mul2(uint32_t v, uint32_t sub, uint32_t mul) {
 #ifdef OK_CUDA_EMULATION
-  auto half = [](uint32_t w, int i) {
-    T h;
-    const uint16_t b = static_cast<uint16_t>(w >> (16 * i));
-    memcpy(&h, &b, 2);
-    return to_float(h);
-  };
   float r[2];
-  for (int i = 0; i < 2; ++i) {
-    T d = from_float<T>(half(v, i) - half(sub, i));
-    r[i] = to_float(d) * half(mul, i);
-  }
+  for (int i = 0; i < 2; ++i) r[i] = to_float(from_float<T>(half_of<T>(v, i) - half_of<T>(sub, i))) * half_of<T>(mul, i);
   return pack2<T>(r[0], r[1]);
 #else
-  if constexpr (MmaMagic<T>::kBf16) {
-    __nv_bfloat162 a, b, c;
-    memcpy(&a, &v, 4);
-    memcpy(&b, &sub, 4);
-    memcpy(&c, &mul, 4);
-    const __nv_bfloat162 r = __hmul2(__hsub2(a, b), c);
-    uint32_t out;
-    memcpy(&out, &r, 4);
-    return out;
-  } else {
-    __half2 a, b, c;
-    memcpy(&a, &v, 4);
-    memcpy(&b, &sub, 4);
-    memcpy(&c, &mul, 4);
-    const __half2 r = __hmul2(__hsub2(a, b), c);
-    uint32_t out;
-    memcpy(&out, &r, 4);
-    return out;
-  }
+  return as_word(__hmul2(__hsub2(as_packed<T>(v), as_packed<T>(sub)), as_packed<T>(mul)));
 #endif
 }
 
@@ -131,34 +130,13 @@ __device__ __forceinline__ uint32_t pick2(const uint32_t* words, int i, int j) {
   return __byte_perm(words[i / 2], words[j / 2], selector);
 }
 
+// v - sub on two packed values of T, rounded as the GPU's packed subtraction.
 template <typename T>
 __device__ __forceinline__ uint32_t sub2(uint32_t v, uint32_t sub) {
 #ifdef OK_CUDA_EMULATION
-  auto half = [](uint32_t w, int i) {
-    T h;
-    const uint16_t b = static_cast<uint16_t>(w >> (16 * i));
-    memcpy(&h, &b, 2);
-    return to_float(h);
-  };
-  return pack2<T>(half(v, 0) - half(sub, 0), half(v, 1) - half(sub, 1));
+  return pack2<T>(half_of<T>(v, 0) - half_of<T>(sub, 0), half_of<T>(v, 1) - half_of<T>(sub, 1));
 #else
-  if constexpr (MmaMagic<T>::kBf16) {
-    __nv_bfloat162 a, b;
-    memcpy(&a, &v, 4);
-    memcpy(&b, &sub, 4);
-    const __nv_bfloat162 r = __hsub2(a, b);
-    uint32_t out;
-    memcpy(&out, &r, 4);
-    return out;
-  } else {
-    __half2 a, b;
-    memcpy(&a, &v, 4);
-    memcpy(&b, &sub, 4);
-    const __half2 r = __hsub2(a, b);
-    uint32_t out;
-    memcpy(&out, &r, 4);
-    return out;
-  }
+  return as_word(__hsub2(as_packed<T>(v), as_packed<T>(sub)));
 #endif
 }
 
@@ -188,31 +166,9 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
 template <typename T>
 __device__ __forceinline__ uint32_t mul2(uint32_t v, uint32_t mul) {
 #ifdef OK_CUDA_EMULATION
-  auto half = [](uint32_t w, int i) {
-    T h;
-    const uint16_t b = static_cast<uint16_t>(w >> (16 * i));
-    memcpy(&h, &b, 2);
-    return to_float(h);
-  };
-  return pack2<T>(half(v, 0) * half(mul, 0), half(v, 1) * half(mul, 1));
+  return pack2<T>(half_of<T>(v, 0) * half_of<T>(mul, 0), half_of<T>(v, 1) * half_of<T>(mul, 1));
 #else
-  if constexpr (MmaMagic<T>::kBf16) {
-    __nv_bfloat162 a, c;
-    memcpy(&a, &v, 4);
-    memcpy(&c, &mul, 4);
-    const __nv_bfloat162 r = __hmul2(a, c);
-    uint32_t out;
-    memcpy(&out, &r, 4);
-    return out;
-  } else {
-    __half2 a, c;
-    memcpy(&a, &v, 4);
-    memcpy(&c, &mul, 4);
-    const __half2 r = __hmul2(a, c);
-    uint32_t out;
-    memcpy(&out, &r, 4);
-    return out;
-  }
+  return as_word(__hmul2(as_packed<T>(v), as_packed<T>(mul)));
 #endif
 }
 
