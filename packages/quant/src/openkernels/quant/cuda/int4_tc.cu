@@ -13,7 +13,7 @@
 #include <cuda_runtime.h>
 #endif
 #include <stdint.h>
-#include <type_traits>  // int4_mma_common.cuh: std::conditional_t
+#include <type_traits>  // std::true_type; std::conditional_t (int4_mma_common.cuh)
 #include <string.h>
 
 #include "async_copy.h"        // openkernels/shared/cuda: dynamic shared memory
