@@ -264,6 +264,8 @@ def _parallel_runs(
     .ci/run, 2026-12-05): warm caches 17.2 -> 15.0 minutes; empty caches 28.1 minutes, about
     what one after another took (27 with warm C++ caches). A third run for the AOT checks
     alone was slower cold (31.0 minutes): the runs contended and the AOT run ended last.
+    2026-12-07, warm, the pytest runs alone: main 415 s, interpreter 447 s; side by side 938 s
+    until the interpreter run went to one OpenMP thread (INTERPRETER_RUN): 645 s.
     The first run prints as it goes; the others write to a log under the session's tmp
     directory, printed whole when they end, so no two runs' lines interleave."""
     env = {**os.environ, **{k: v for k, v in session.env.items() if v is not None}}
@@ -312,7 +314,16 @@ def _asv_smoke(session: nox.Session, families: list[str]) -> bool:
     return True
 
 
-INTERPRETER_RUN = ("interpreter", {"TRITON_INTERPRET": "1"})
+# The interpreter run on one torch / OpenMP thread (unless OMP_NUM_THREADS is set): it runs
+# beside the main run, whose CPU kernels are tested on the machine's thread count. Two
+# processes of two OpenMP threads on a 2-core VM stall each other's parallel regions (a
+# region waits for its descheduled thread): measured 2026-12-07 on the 2-core VM, warm
+# caches, the two pytest runs side by side took 938 s with two threads each, 645 s with the
+# interpreter run on one (531 s with both on one: the main run's threaded paths untested).
+INTERPRETER_RUN = (
+    "interpreter",
+    {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+)
 
 
 def _device_suite(session: nox.Session, vendor: str) -> None:
