@@ -11,6 +11,7 @@ the A operand) for every shape built."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -32,7 +33,10 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
         pytest.skip(f"{arch} is not among the AOT targets")
     if cuda_build.nvcc() is None:  # the CI image has nvcc (13.0): this skip is for other machines
         pytest.skip("no nvcc: the CUDA C++ compile check cannot run here")
-    report = cuda_build.ptxas_report(G._SOURCE, arch)
+    # The three builds' nvcc runs side by side (each is one process; cold, ~30 s apiece).
+    builds = ((G._SOURCE, ()), (G._TC_SOURCE, ()), (G._TC_SOURCE, ("-DOK_TC_NF4",)))
+    with ThreadPoolExecutor(len(builds)) as pool:
+        report, tc_all, nf4 = pool.map(lambda b: cuda_build.ptxas_report(b[0], arch, b[1]), builds)
     kernels = [r for r in report if "int4_gemv_kernel" in r.name]
     assert len(kernels) == 4 * len(G.ROWS) * 3, [r.name for r in kernels]  # dtype pairs x rows x kinds
     mma = [r for r in report if "int4_mma_kernel" in r.name]
@@ -43,7 +47,7 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     mma_persistent = [r for r in report if "int4_mma_persistent_kernel" in r.name]
     # dtype pairs x (zeros, symmetric) x (columns, depth)
     assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
-    tc_all = cuda_build.ptxas_report(G._TC_SOURCE, arch)  # int4_tc.cu: the tensor-core GEMV's own library
+    # tc_all: int4_tc.cu, the tensor-core GEMV's own library
     tc = [r for r in tc_all if "int4_tc_kernel" in r.name]
     # dtype pairs x shapes x (one n8 tile of x with PDL or without, two tiles without, the x split)
     assert len(tc) == 4 * len(G.TC_SHAPES) * 4, [r.name for r in tc_all]
@@ -61,7 +65,6 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     assert all(r.registers <= 128 for r in x_split), x_split  # two CTAs per SM, as the one-tile builds
     # The NF4 build (-DOK_TC_NF4): the register, two-tile, x-split and split kernels, no dependent
     # launch or ring; its one-tile builds within two CTAs per SM, as int4's.
-    nf4 = cuda_build.ptxas_report(G._TC_SOURCE, arch, ("-DOK_TC_NF4",))
     assert len(nf4) == 4 * len(G.TC_SHAPES) * 4, [r.name for r in nf4]
     assert not [r for r in nf4 if "ring" in r.name or re.search(r"int4_tc_kernel.*ELb1E", r.name)], nf4
     for r in nf4:
