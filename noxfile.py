@@ -44,6 +44,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -208,25 +209,12 @@ def _install_editable(session: nox.Session, families: list[str]) -> None:
     session.install("--no-build-isolation", *(arg for p in projects for arg in ("-e", p)))
 
 
-def _pytest(
-    session: nox.Session, paths: list[str], args: list[str], marker: str, env: dict[str, str]
-) -> bool:
-    """One pytest run; exit code 5 (the marker selects no test) is not a failure. True if it passed."""
-    try:
-        session.run(
-            "python",
-            "-m",
-            "pytest",
-            *paths,
-            "-m",
-            marker,
-            *args,
-            env={"OPENKERNELS_STRICT": "1", **env},
-            success_codes=[0, PYTEST_NO_TESTS],
-        )
-    except CommandFailed:
-        return False
-    return True
+# One command of a run: its name in messages, the arguments after `python`, its environment.
+Step = tuple[str, list[str], dict[str, str]]
+
+
+def _pytest_step(paths: list[str], args: list[str], marker: str, env: dict[str, str]) -> Step:
+    return (f"pytest -m {marker!r}", ["-m", "pytest", *paths, "-m", marker, *args], env)
 
 
 def _runs(
@@ -234,18 +222,32 @@ def _runs(
     runs: list[tuple[str, dict[str, str]]],
     paths: list[str],
     args: list[str],
-    also_failed: tuple[str, ...] = (),
+    side_steps: list[Step] | None = None,
 ) -> None:
-    """Every (marker, env) run, even after one fails; the session fails if any did (or if
-    `also_failed` names other steps that failed). Several runs go at once (_parallel_runs)
-    unless OPENKERNELS_SERIAL_TESTS is set."""
+    """Every (marker, env) run, even after one fails; the session fails if any did. Several
+    runs go at once (_parallel_runs) unless OPENKERNELS_SERIAL_TESTS is set; `side_steps`
+    (other commands, such as the asv smoke run) go first in the second run's slot, or first
+    of all when the runs go one after another."""
+    side_steps = side_steps or []
+    steps = [_pytest_step(paths, args, m, env) for m, env in runs]
     if len(runs) > 1 and os.environ.get(SERIAL_ENV, "0") in ("", "0") and not _install_only(session):
-        failed = _parallel_runs(session, runs, paths, args)
+        failed = _parallel_runs(session, [[steps[0]], [*side_steps, steps[1]], *([s] for s in steps[2:])])
     else:
-        failed = [f"pytest -m {m!r}" for m, env in runs if not _pytest(session, paths, args, m, env)]
-    failed += also_failed
+        failed = [name for name, argv, env in [*side_steps, *steps] if not _run_step(session, argv, env)]
     if failed:
         session.error(f"failed: {'; '.join(failed)}")
+
+
+def _run_step(session: nox.Session, argv: list[str], env: dict[str, str]) -> bool:
+    """One command through nox; pytest's exit code 5 (the marker selects no test) is not a
+    failure. True if it passed."""
+    try:
+        session.run(
+            "python", *argv, env={"OPENKERNELS_STRICT": "1", **env}, success_codes=[0, PYTEST_NO_TESTS]
+        )
+    except CommandFailed:
+        return False
+    return True
 
 
 def _install_only(session: nox.Session) -> bool:
@@ -254,10 +256,9 @@ def _install_only(session: nox.Session) -> bool:
     return bool(getattr(config, "install_only", False))
 
 
-def _parallel_runs(
-    session: nox.Session, runs: list[tuple[str, dict[str, str]]], paths: list[str], args: list[str]
-) -> list[str]:
-    """The pytest runs as processes side by side; the names of those that failed.
+def _parallel_runs(session: nox.Session, slots: list[list[Step]]) -> list[str]:
+    """Each slot's steps one after another, the slots side by side as processes; the names
+    of the steps that failed (every step runs, even after one failed).
 
     Why: most of each run is one busy core (pytest is serial; the AOT compile checks use two
     worker processes only while they compile). Measured on the 2-core VM (fresh-clone
@@ -265,53 +266,81 @@ def _parallel_runs(
     what one after another took (27 with warm C++ caches). A third run for the AOT checks
     alone was slower cold (31.0 minutes): the runs contended and the AOT run ended last.
     2026-12-07, warm, the pytest runs alone: main 415 s, interpreter 447 s; side by side 938 s
-    until the interpreter run went to one OpenMP thread (INTERPRETER_RUN): 645 s.
-    The first run prints as it goes; the others write to a log under the session's tmp
-    directory, printed whole when they end, so no two runs' lines interleave."""
+    until the interpreter run went to one OpenMP thread (INTERPRETER_RUN): 645 s. The asv
+    smoke run (92 s warm, one core) went before both, the other core idle; it now goes in
+    the interpreter run's slot.
+    The first slot prints as it goes; the others write to a log under the session's tmp
+    directory, printed whole when they end, so no two slots' lines interleave."""
     env = {**os.environ, **{k: v for k, v in session.env.items() if v is not None}}
     env["PATH"] = os.pathsep.join([*(session.bin_paths or []), env.get("PATH", "")])
     env["VIRTUAL_ENV"] = session.virtualenv.location
     python = shutil.which("python", path=env["PATH"]) or "python"
     logs = Path(session.create_tmp())
-    procs: list[tuple[str, subprocess.Popen, Path | None]] = []
-    try:
-        for n, (marker, run_env) in enumerate(runs):
-            cmd = [python, "-m", "pytest", *paths, "-m", marker, *args]
-            log = None if n == 0 else logs / f"pytest-{n}.log"
-            where = "" if log is None else f"   (side by side; output in {log}, printed when it ends)"
-            session.log(" ".join(["python", *cmd[1:]]) + where)
-            full_env = {**env, "OPENKERNELS_STRICT": "1", **run_env}
-            if log is None:
-                procs.append((marker, subprocess.Popen(cmd, env=full_env), None))
-            else:
-                with log.open("w") as out:  # the child keeps its own handle
-                    proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT)
-                procs.append((marker, proc, log))
-        failed = []
-        for marker, proc, log in procs:
+    failed: list[str] = []
+    procs: list[subprocess.Popen] = []
+    lock = threading.Lock()
+
+    def run_slot(n: int, slot: list[Step]) -> None:
+        log = None if n == 0 else logs / f"slot-{n}.log"
+        for name, argv, step_env in slot:
+            where = "" if log is None else f"   (side by side; output in {log}, printed when the slot ends)"
+            session.log(" ".join(["python", *argv]) + where)
+            full_env = {**env, "OPENKERNELS_STRICT": "1", **step_env}
+            with lock:
+                if stopping.is_set():
+                    return
+                if log is None:
+                    proc = subprocess.Popen([python, *argv], env=full_env)
+                else:
+                    with log.open("a") as out:  # the child keeps its own handle
+                        proc = subprocess.Popen(
+                            [python, *argv], env=full_env, stdout=out, stderr=subprocess.STDOUT
+                        )
+                procs.append(proc)
             code = proc.wait()
-            if log is not None:
-                session.log(f"output of pytest -m {marker!r} (exit code {code}):")
-                print(log.read_text(errors="replace"), end="", flush=True)
             if code not in (0, PYTEST_NO_TESTS):
-                failed.append(f"pytest -m {marker!r}")
+                with lock:
+                    failed.append(name)
+            if log is not None:
+                with log.open("a") as out:
+                    out.write(f"[{name}: exit code {code}]\n")
+
+    stopping = threading.Event()
+    threads = [threading.Thread(target=run_slot, args=(n, slot)) for n, slot in enumerate(slots)]
+    try:
+        for t in threads:
+            t.start()
+        for n, t in enumerate(threads):
+            t.join()
+            if n > 0:
+                session.log(f"output of slot {n} ({'; '.join(name for name, _, _ in slots[n])}):")
+                print((logs / f"slot-{n}.log").read_text(errors="replace"), end="", flush=True)
         return failed
     finally:  # interrupted or failed to start: no run outlives the session
-        for _, proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stopping.set()
+        with lock:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for t in threads:
+            t.join()
+
+
+def _asv_smoke_step(session: nox.Session, families: list[str]) -> Step:
+    """Every asv benchmark once on tiny shapes (benchmarks/asv_history.py smoke), its
+    dependencies installed; on one OpenMP thread, as it runs beside the main run."""
+    session.install(*ASV_DEPS)
+    chosen = [] if families == _families() else ["--families", ",".join(families)]
+    env = {"TRITON_INTERPRET": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return ("asv-smoke", ["benchmarks/asv_history.py", "smoke", *chosen], env)
 
 
 def _asv_smoke(session: nox.Session, families: list[str]) -> bool:
-    """Every asv benchmark once on tiny shapes (benchmarks/asv_history.py smoke); True if it passed."""
-    session.install(*ASV_DEPS)
-    chosen = [] if families == _families() else ["--families", ",".join(families)]
-    try:
-        session.run("python", "benchmarks/asv_history.py", "smoke", *chosen, env={"TRITON_INTERPRET": "0"})
-    except CommandFailed:
-        return False
-    return True
+    """The asv smoke run alone (the asv-smoke session); True if it passed."""
+    _, argv, env = _asv_smoke_step(session, families)
+    env = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS" or "OMP_NUM_THREADS" in os.environ}
+    return _run_step(session, argv, env)  # alone: the machine's thread count
 
 
 # The interpreter run on one torch / OpenMP thread (unless OMP_NUM_THREADS is set): it runs
@@ -360,9 +389,8 @@ def test_cpu(session: nox.Session) -> None:
     _install_editable(session, families)
     every_arch = ",".join(a for archs in ARCHS.values() for a in archs)
     main_run = ("not interpreter", {"TRITON_INTERPRET": "0", AOT_TARGETS_ENV: every_arch})
-    # The asv smoke run first: a broken benchmark fails CI like a failed test does.
-    smoke_ok = _asv_smoke(session, families)
-    _runs(session, [main_run, INTERPRETER_RUN], paths, args, also_failed=() if smoke_ok else ("asv-smoke",))
+    # The asv smoke run in the interpreter run's slot: a broken benchmark fails CI as a failed test does.
+    _runs(session, [main_run, INTERPRETER_RUN], paths, args, side_steps=[_asv_smoke_step(session, families)])
 
 
 @nox.session(name="test-jax", default=False)
