@@ -265,3 +265,26 @@ def test_local_kernel_compiles_in_process(cache_dir) -> None:
     (r,) = check_cases([case], ["gfx90a"])
     assert r.ok, r.problems
     assert r.label == "scale_kernel[]w4s1"
+
+
+def test_variants_compile_for_each_vendors_reference_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `variant` case goes to sm_90 / gfx942 when the run includes them, to every asked
+    target otherwise, and everywhere with OPENKERNELS_AOT_VARIANTS=all; others go everywhere."""
+    sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+    base = AotCase(add_kernel, sig, {"BLOCK": 1024}, label="base")
+    variant = AotCase(add_kernel, sig, {"BLOCK": 512}, label="variant", variant=True)
+    every = list(TARGETS)
+    monkeypatch.delenv(aot.VARIANTS_ENV, raising=False)
+    monkeypatch.delenv(aot.TARGETS_ENV, raising=False)
+    jobs = aot.job_list([base, variant], every)
+    assert [t for c, t in jobs if c is base] == every
+    assert [t for c, t in jobs if c is variant] == ["sm_90", "gfx942"]
+    # One target at a time (the families' per-target tests): still only the reference targets.
+    assert [t for t in every if aot.job_list([variant], [t])] == ["sm_90", "gfx942"]
+    # A run without the reference target checks the variant where it can.
+    monkeypatch.setenv(aot.TARGETS_ENV, "sm_80,gfx90a")
+    assert [t for _, t in aot.job_list([variant], ["sm_80", "gfx90a"])] == ["sm_80", "gfx90a"]
+    monkeypatch.setenv(aot.TARGETS_ENV, "sm_80,sm_90")
+    assert [t for _, t in aot.job_list([variant], ["sm_80", "sm_90"])] == ["sm_90"]
+    monkeypatch.setenv(aot.VARIANTS_ENV, "all")
+    assert [t for _, t in aot.job_list([variant], ["sm_80", "sm_90"])] == ["sm_80", "sm_90"]

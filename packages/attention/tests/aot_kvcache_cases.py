@@ -169,6 +169,10 @@ def _combine_case(head_dim: int, tile: bool = False):
                    label=f"combine-d{head_dim}{'-tile' if tile else ''}", attrs=attrs)  # fmt: skip
 
 
+def _variant(case):
+    return dataclasses.replace(case, variant=True)
+
+
 def cases_for(arch: str) -> list:
     """Decode (16 rows) and chunked-prefill configs at head_dim 128 and 256 (the widest tile
     of each config; 96 and 192 pad to them) for every cache format with every flag on; the
@@ -180,19 +184,31 @@ def cases_for(arch: str) -> list:
             for bits, group in _FORMATS:
                 out.append(_attn_case(head_dim, rows, bits, group, arch, split=False))
             out.append(_attn_case(head_dim, rows, 4, 32, arch, split=True))
-            out += [_attn_case(head_dim, rows, bits, None, arch, split=False, plain=True) for bits in (16, 4)]
-            out += [_attn_case(head_dim, rows, bits, group, arch, split=False, leftpad=True)
-                    for bits, group in ((8, None), (4, 32))]  # fmt: skip
-            out += [_attn_case(head_dim, rows, 8, None, arch, split=split, plain=plain, fp8=True)
-                    for split, plain in ((False, False), (True, False), (False, True))]  # fmt: skip
-            out += [_attn_case(head_dim, rows, bits, None, arch, split=split, key_group=g)
-                    for bits in (8, 4) for g in (32, 64) for split in (False, True)]  # fmt: skip
+            # Variants (compiled for each vendor's reference target, aot.REFERENCE_TARGETS):
+            # the plain launches, 8-bit left padding, the split store beside its once-per-config
+            # case, the lean tile's left padding and split.
+            out += [
+                _variant(_attn_case(head_dim, rows, bits, None, arch, split=False, plain=True))
+                for bits in (16, 4)
+            ]
+            out += [_variant(_attn_case(head_dim, rows, 8, None, arch, split=False, leftpad=True)),
+                    _attn_case(head_dim, rows, 4, 32, arch, split=False, leftpad=True)]  # fmt: skip
+            out += [_attn_case(head_dim, rows, 8, None, arch, split=False, plain=False, fp8=True)]
+            out += [_variant(_attn_case(head_dim, rows, 8, None, arch, split=split, plain=plain, fp8=True))
+                    for split, plain in ((True, False), (False, True))]  # fmt: skip
+            out += [_attn_case(head_dim, rows, bits, None, arch, split=False, key_group=g)
+                    for bits in (8, 4) for g in (32, 64)]  # fmt: skip
+            out += [_variant(_attn_case(head_dim, rows, bits, None, arch, split=True, key_group=g))
+                    for bits in (8, 4) for g in (32, 64)]  # fmt: skip
             if rows <= 16 and configs.kv_config(head_dim, 8, rows, arch, lean=True) != configs.kv_config(
                 head_dim, 8, rows, arch
             ):  # the one-warp decode tile, where the arch has one
-                out += [_attn_case(head_dim, rows, bits, None, arch, split=split, fp8=fp8, lean=True, leftpad=leftpad)
+                out += [_attn_case(head_dim, rows, bits, None, arch, split=False, fp8=fp8, lean=True)
+                        for bits, fp8 in ((8, False), (4, False), (8, True))]  # fmt: skip
+                out += [_variant(_attn_case(head_dim, rows, bits, None, arch, split=split, fp8=fp8, lean=True,
+                                            leftpad=leftpad))
                         for bits, fp8 in ((8, False), (4, False), (8, True)) for split in (False, True)
-                        for leftpad in (False, True)]  # fmt: skip
+                        for leftpad in (False, True) if split or leftpad]  # fmt: skip
         for bits, group in _FORMATS:
             out.append(_append_case(head_dim, bits, group))
         out.append(_append_case(head_dim, 4, 32, leftpad=True))

@@ -110,7 +110,8 @@ def cases_for(backend: str) -> list:
     """Every config `launch_config` can return, with and without prefetching for the tile
     kernels, every flag on, in bf16 and fp32; each flag alone on the widest config of each
     kernel; fp16 and a float32 residual stream there; odd-shape (unaligned) and int64-argument
-    specializations; the split kernel for 1..64 splits."""
+    specializations; the split kernel for 1..64 splits. Each flag alone and fp16 are marked
+    `variant` (compiled for each vendor's reference target, aot.REFERENCE_TARGETS)."""
     case = functools.partial(_case, narrow=backend == "cuda")  # as plan.py sets it
     out = {}
     for direction, every in (("fwd", _FWD_ALL), ("bwd", _BWD_ALL)):
@@ -138,16 +139,18 @@ def cases_for(backend: str) -> list:
         widest += [next(c for c in all_cfgs if c.mode == mode) for mode in ("split", "looped") if
                    any(c.mode == mode for c in all_cfgs)]  # fmt: skip
         for cfg in widest:
+            # Each flag alone and fp16: variants, compiled for each vendor's reference target
+            # (aot.REFERENCE_TARGETS); every flag on, in bf16 and fp32, stays on every target.
             for flags in _flag_variants(direction):
                 c = case(direction, cfg, "bf16", flags)
-                out[c.label] = c
+                out.setdefault(c.label, dataclasses.replace(c, variant=True))
             wide_h = cfg  # a float32 h makes the backward pick the float32 config
             if direction == "bwd" and cfg.mode != "looped":
                 wide_h = next(
                     c for c in picked["fp32"] if c.mode == cfg.mode and c.block_cols == cfg.block_cols
                 )
             for c in (
-                case(direction, cfg, "fp16", every),
+                dataclasses.replace(case(direction, cfg, "fp16", every), variant=True),
                 case(direction, wide_h, "bf16", every, h_dtype="fp32"),
                 case(direction, cfg, "bf16", every, int_type="i64"),
                 *([case(direction, cfg, "bf16", every, aligned=False)] if cfg.mode != "tile" else []),
@@ -161,8 +164,9 @@ def cases_for(backend: str) -> list:
                 for flags in _flag_variants(direction):
                     if not flags["IS_RMS"]:
                         c = case(direction, cfg, "bf16", flags)
-                        out[c.label] = c
-                for c in (case(direction, cfg, "fp16", every), case(direction, cfg, "bf16", every, h_dtype="fp32"),
+                        out.setdefault(c.label, dataclasses.replace(c, variant=True))
+                for c in (dataclasses.replace(case(direction, cfg, "fp16", every), variant=True),
+                          case(direction, cfg, "bf16", every, h_dtype="fp32"),
                           case(direction, cfg, "bf16", every, int_type="i64")):  # fmt: skip
                     out[c.label] = c
             unaligned = configs.launch_config(65536, torch.bfloat16, backend, "fwd", aligned=False, rms=False,
