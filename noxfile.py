@@ -289,13 +289,18 @@ def _parallel_runs(session: nox.Session, slots: list[list[Step]]) -> list[str]:
             with lock:
                 if stopping.is_set():
                     return
-                if log is None:
-                    proc = subprocess.Popen([python, *argv], env=full_env)
-                else:
-                    with log.open("a") as out:  # the child keeps its own handle
-                        proc = subprocess.Popen(
-                            [python, *argv], env=full_env, stdout=out, stderr=subprocess.STDOUT
-                        )
+                try:
+                    if log is None:
+                        proc = subprocess.Popen([python, *argv], env=full_env)
+                    else:
+                        with log.open("a") as out:  # the child keeps its own handle
+                            proc = subprocess.Popen(
+                                [python, *argv], env=full_env, stdout=out, stderr=subprocess.STDOUT
+                            )
+                except OSError as exc:  # a step that cannot start failed, as one that exits non-zero
+                    failed.append(name)
+                    session.warn(f"{name} did not start: {exc}")
+                    continue
                 procs.append(proc)
             code = proc.wait()
             if code not in (0, PYTEST_NO_TESTS):
@@ -314,7 +319,8 @@ def _parallel_runs(session: nox.Session, slots: list[list[Step]]) -> list[str]:
             t.join()
             if n > 0:
                 session.log(f"output of slot {n} ({'; '.join(name for name, _, _ in slots[n])}):")
-                print((logs / f"slot-{n}.log").read_text(errors="replace"), end="", flush=True)
+                log = logs / f"slot-{n}.log"
+                print(log.read_text(errors="replace") if log.exists() else "", end="", flush=True)
         return failed
     finally:  # interrupted or failed to start: no run outlives the session
         stopping.set()
