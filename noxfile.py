@@ -276,6 +276,8 @@ def _parallel_runs(session: nox.Session, slots: list[list[Step]]) -> list[str]:
     env["VIRTUAL_ENV"] = session.virtualenv.location
     python = shutil.which("python", path=env["PATH"]) or "python"
     logs = Path(session.create_tmp())
+    for n in range(1, len(slots)):  # the tmp directory outlives a session: no earlier run's lines
+        (logs / f"slot-{n}.log").unlink(missing_ok=True)
     failed: list[str] = []
     procs: list[subprocess.Popen] = []
     lock = threading.Lock()
