@@ -73,6 +73,12 @@ def main() -> None:
     )
     parser.add_argument("--kinds", default="int4", help="int4, nf4 or both (comma-separated)")
     parser.add_argument(
+        "--nf4-lookups",
+        default=",".join(G.TC_NF4_LOOKUPS),
+        help="NF4's tc configs with each of these register-kernel lookups (G.TC_NF4_LOOKUPS; rows of "
+        "a lookup other than the default named '<config> <lookup>')",
+    )
+    parser.add_argument(
         "--json", default=None, help="every row as {n, k, m, name, us} (e2e_decode_step.py --tc-routes)"
     )
     args = parser.parse_args()
@@ -84,8 +90,10 @@ def main() -> None:
         f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}; building the tc library"
     )
     G._tc_library(arch)()
+    lookups = args.nf4_lookups.split(",")
     if "nf4" in args.kinds:
-        G._tc_library(arch, nf4=True)()
+        for lookup in lookups:
+            G._tc_library(arch, nf4=True, lookup=lookup)()
     log("tc library built; the other CUDA kernels build in a thread")
     threading.Thread(target=lambda: G._library(arch)(), daemon=True).start()
     copy = copy_gbps()
@@ -139,9 +147,18 @@ def main() -> None:
             public = [dataclasses.replace(q, qweight=c[0], scales=c[1], zeros=c[2]) for c in qs]
             timed("public default", [lambda p=p, x=x: int4_linear(x, p) for p in public], qbytes)
             old = [("gemv r8", 8)] if m == 1 else [("mma (one-round)", "mma")]
-            tc_configs = [(c, c, qs) for c in args.configs.split(",")]
-            tc_configs += [(f"{c} tiled", c, tiled_qs) for c in args.configs.split(",") if tiled_qs]
-            for name, config, weights in [(name, config, qs) for name, config in old] + tc_configs:
+            default_lookup = G.TC_NF4_LOOKUP
+            tc_configs = [(c, c, qs, default_lookup) for c in args.configs.split(",")]
+            if kind == "nf4":
+                tc_configs += [(f"{c} {lk}", c, qs, lk) for c in args.configs.split(",") for lk in lookups
+                               if lk != default_lookup]  # fmt: skip
+            tc_configs += [
+                (f"{c} tiled", c, tiled_qs, default_lookup) for c in args.configs.split(",") if tiled_qs
+            ]
+            for name, config, weights, lookup in [
+                (name, config, qs, default_lookup) for name, config in old
+            ] + tc_configs:
+                G.TC_NF4_LOOKUP = lookup  # the library a call loads (NF4 only; captured with the graph)
                 why = G.unsupported_call(x, *weights[0], None, out, GROUP, kind, config)
                 if why is not None:
                     log(f"  {name}: not taken: {why}")
@@ -165,6 +182,7 @@ def main() -> None:
                     qbytes,
                     f"max|err| {err:.2g}",
                 )
+            G.TC_NF4_LOOKUP = default_lookup
             table.append((n, k, m, kind, rows))
     print(
         f"\n{props.name}: copy {copy:.0f} GB/s. Kernel time (CUDA graph, weights past L2), bf16 x, group 128"

@@ -27,16 +27,21 @@ from .cases import FORMATS, assert_linear_close, make_weight, quantize
 
 @functools.cache
 def _ptxas_builds() -> dict[str, list[Future]]:
-    """The three builds' ptxas reports for each asked arch, every nvcc run side by side (one
-    process each; cold, 20-45 s apiece): the first arch's test starts them all, so six runs
-    share the two cores instead of three with a tail each."""
+    """The builds' ptxas reports for each asked arch, every nvcc run side by side (one process
+    each; cold, 20-45 s apiece): the first arch's test starts them all, so the runs share the
+    two cores instead of three with a tail each. The NF4 build with the register lookup in its
+    register kernel (TC_NF4_LOOKUP "registers", a study's variant) on sm_90 only, the
+    reference target of variants (shared.dev.testing.aot)."""
     from openkernels.shared.dev.testing.aot import targets_from_env
 
     builds = ((G._SOURCE, ()), (G._TC_SOURCE, ()), (G._TC_SOURCE, ("-DOK_TC_NF4",)))
+    registers = (G._TC_SOURCE, ("-DOK_TC_NF4", "-DOK_TC_NF4_REGISTERS"))
     archs = [a for a in ("sm_80", "sm_90") if a in targets_from_env()]
-    with ThreadPoolExecutor(len(builds) * len(archs)) as pool:
+    per_arch = {a: builds + ((registers,) if a == "sm_90" else ()) for a in archs}
+    with ThreadPoolExecutor(sum(len(b) for b in per_arch.values())) as pool:
         return {
-            a: [pool.submit(cuda_build.ptxas_report, src, a, flags) for src, flags in builds] for a in archs
+            a: [pool.submit(cuda_build.ptxas_report, src, a, flags) for src, flags in per_arch[a]]
+            for a in archs
         }
 
 
@@ -49,7 +54,7 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
         pytest.skip(f"{arch} is not among the AOT targets")
     if cuda_build.nvcc() is None:  # the CI image has nvcc (13.0): this skip is for other machines
         pytest.skip("no nvcc: the CUDA C++ compile check cannot run here")
-    report, tc_all, nf4 = (future.result() for future in _ptxas_builds()[arch])
+    report, tc_all, *nf4_builds = (future.result() for future in _ptxas_builds()[arch])
     kernels = [r for r in report if "int4_gemv_kernel" in r.name]
     assert len(kernels) == 4 * len(G.ROWS) * 3, [r.name for r in kernels]  # dtype pairs x rows x kinds
     mma = [r for r in report if "int4_mma_kernel" in r.name]
@@ -76,14 +81,19 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     x_split = [r for r in tc if re.search(r"int4_tc_kernel.*ELb0ELi2EE", r.name)]
     assert len(x_split) == 4 * len(G.TC_SHAPES), [r.name for r in tc]
     assert all(r.registers <= 128 for r in x_split), x_split  # two CTAs per SM, as the one-tile builds
-    # The NF4 build (-DOK_TC_NF4): the register, two-tile, x-split and split kernels, no dependent
-    # launch or ring; its one-tile builds within two CTAs per SM, as int4's.
-    assert len(nf4) == 4 * len(G.TC_SHAPES) * 4, [r.name for r in nf4]
-    assert not [r for r in nf4 if "ring" in r.name or re.search(r"int4_tc_kernel.*ELb1E", r.name)], nf4
-    for r in nf4:
-        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
-    one_tile = [r for r in nf4 if re.search(r"int4_tc_kernel\w*?Li\dELi1ELi\dELb0", r.name)]
-    assert len(one_tile) == 4 * len(G.TC_SHAPES) * 2 and all(r.registers <= 128 for r in one_tile), one_tile
+    # The NF4 builds (-DOK_TC_NF4, the table in shared memory; on sm_90 also the register
+    # lookup): the register, two-tile, x-split and split kernels, no dependent launch or ring;
+    # their one-tile builds within two CTAs per SM, as int4's.
+    assert len(nf4_builds) == (2 if arch == "sm_90" else 1)
+    for nf4 in nf4_builds:
+        assert len(nf4) == 4 * len(G.TC_SHAPES) * 4, [r.name for r in nf4]
+        assert not [r for r in nf4 if "ring" in r.name or re.search(r"int4_tc_kernel.*ELb1E", r.name)], nf4
+        for r in nf4:
+            assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
+        one_tile = [r for r in nf4 if re.search(r"int4_tc_kernel\w*?Li\dELi1ELi\dELb0", r.name)]
+        assert len(one_tile) == 4 * len(G.TC_SHAPES) * 2 and all(r.registers <= 128 for r in one_tile), (
+            one_tile
+        )
     for r in persistent:  # 2 CTAs of 256 threads per SM where the shape's default says so
         rows, depth = (int(v) for v in re.search(r"Li(\d+)ELi(\d+)ELi\d+ELb", r.name).groups())
         assert G.PERSISTENT_SHAPES[(rows, depth)] == 1 or r.registers <= 128, r
@@ -484,13 +494,18 @@ def test_x_split_tensor_core_gemv_gives_the_two_tile_result_bit_for_bit(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_nf4_tensor_core_gemv_within_the_error_contract(dtype: torch.dtype, device: str) -> None:
-    """NF4 on the tensor-core GEMV (its OK_TC_NF4 build: the levels looked up in registers by
-    byte permutes), every register build (one and two n8 tiles, the x split, K split over a
+@pytest.mark.parametrize("lookup", ["shared", "registers"])
+def test_nf4_tensor_core_gemv_within_the_error_contract(
+    dtype: torch.dtype, device: str, lookup: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NF4 on the tensor-core GEMV (its OK_TC_NF4 build: the register kernel's levels read from
+    a table of pairs in shared memory, or with `lookup` "registers" looked up in registers by
+    byte permutes, as the split kernel's always are), every register build (one and two n8 tiles, the x split, K split over a
     cluster), 1-16 rows of x, groups of 32 / 64 (the scale in the pairs) and 128 / the whole
     row (after the MMA), K of an odd number of chunks, both scale dtypes, bias dtypes: within
     the error contract against float64 (the levels rounded to x's dtype), two runs bitwise
     equal. Every one of the 16 levels occurs in each case's codes."""
+    monkeypatch.setattr(G, "TC_NF4_LOOKUP", lookup)
     split_ok = device == "cpu" or G._arch(torch.device("cuda")).startswith("sm_90")
     g = torch.Generator().manual_seed(37)
     if device == "cpu":  # (M, N, K, group, bias, config)

@@ -169,15 +169,25 @@ def _library(arch: str) -> cuda_build.CudaLibrary:
     )
 
 
+# How the NF4 build's register kernel reads a code's level: "shared", a table of level pairs in
+# shared memory indexed by each byte of codes (one load per pair: quant 0.10.14), or
+# "registers", the byte permutes over constant words (nf4_levels; the split kernel's always).
+TC_NF4_LOOKUPS = ("shared", "registers")
+TC_NF4_LOOKUP = "shared"
+
+
 @functools.cache
-def _tc_library(arch: str, nf4: bool = False) -> cuda_build.CudaLibrary:
+def _tc_library(arch: str, nf4: bool = False, lookup: str = "shared") -> cuda_build.CudaLibrary:
     """The tensor-core GEMV alone (int4_tc.cu): what the default path builds on first use;
     `nf4`: its NF4 build (-DOK_TC_NF4, the same kernels reading NF4 levels), built on NF4's
-    first call only."""
+    first call only, with `lookup` (TC_NF4_LOOKUPS) in its register kernel."""
     if nf4:
+        if lookup not in TC_NF4_LOOKUPS:
+            raise ValueError(f"NF4 lookup {lookup!r}: one of {TC_NF4_LOOKUPS}")
+        suffix, flags = ("", ()) if lookup == "shared" else ("_registers", ("-DOK_TC_NF4_REGISTERS",))
         return cuda_build.CudaLibrary(
-            _TC_SOURCE, name=f"openkernels_quant_tc_nf4_{arch}", arch=arch, signatures=_TC_SIGNATURES,
-            extra_flags=("-DOK_TC_NF4",),
+            _TC_SOURCE, name=f"openkernels_quant_tc_nf4{suffix}_{arch}", arch=arch, signatures=_TC_SIGNATURES,
+            extra_flags=("-DOK_TC_NF4", *flags),
         )  # fmt: skip
     return cuda_build.CudaLibrary(
         _TC_SOURCE, name=f"openkernels_quant_tc_{arch}", arch=arch, signatures=_TC_SIGNATURES
@@ -528,7 +538,7 @@ def _load(device: torch.device, tc: bool = False, nf4: bool = False):
     (warned once) when it cannot be built. CPU tensors take the kernels built for the CPU
     emulation."""
     arch = "sm_80" if device.type == "cpu" else _arch(device)
-    library = _tc_library(arch, nf4) if tc else _library(arch)  # both functools.cache'd
+    library = _tc_library(arch, nf4, TC_NF4_LOOKUP) if tc else _library(arch)  # both functools.cache'd
     if device.type == "cpu":
         return library.emulated()
     if _broken:

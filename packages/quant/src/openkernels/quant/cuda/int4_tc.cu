@@ -33,6 +33,63 @@ constexpr bool kNf4 = true;
 #else
 constexpr bool kNf4 = false;
 #endif
+// The NF4 build's register kernel reads its pairs from a table in shared memory
+// (nf4_lut_pairs) unless built with -DOK_TC_NF4_REGISTERS (the register lookup, nf4_levels);
+// the split kernel keeps the register lookup (its shared memory has no room for the table).
+#if defined(OK_TC_NF4) && !defined(OK_TC_NF4_REGISTERS)
+constexpr bool kTcNf4Lut = true;
+#else
+constexpr bool kTcNf4Lut = false;
+#endif
+
+// NF4 pairs from a table in shared memory (the register kernel's NF4 build, where the register
+// lookup left it issue-bound: 11 instructions per 4 codes against int4's ~5.5). A byte of codes
+// (two NF4 codes, the low nibble first) indexes 256 packed pairs (level[b & 15], level[b >> 4])
+// in T, so one 32-bit shared load gives an MMA register. The table is held 32 times, entry
+// (b, lane) at word 32 b + lane, so that a warp's 32 loads fall in 32 different banks whatever
+// its codes (one wavefront; a single copy would take ~3.5 on random codes): 32 KB per CTA, at
+// namespace scope (the warps' sums take its place at the end). Per pair of codes: a prmt,
+// a LEA and the load.
+constexpr int kNf4LutWords = 256 * 32;
+alignas(16) __shared__ uint32_t nf4_lut[kTcNf4Lut ? kNf4LutWords : 4];
+
+// Every thread of the CTA fills its share of the table; the caller syncs before the first lookup.
+template <typename T>
+__device__ __forceinline__ void nf4_lut_fill(int thread, int threads) {
+  for (int piece = thread; piece < kNf4LutWords / 4; piece += threads) {  // 4 lanes' copies of one entry
+    uint32_t pair, unused;
+    nf4_levels<T, 0>(static_cast<uint32_t>(piece >> 3), pair, unused);  // entry piece / 8: its byte's codes
+    const uint4 four = {pair, pair, pair, pair};
+    *reinterpret_cast<uint4*>(nf4_lut + 4 * piece) = four;
+  }
+}
+
+// nf4_levels' p0 / p1 (the pairs of bytes 2 HALF and 2 HALF + 1 of `word`) read from the table;
+// `lane_at` is the lane's copy of entry 0: the table's shared-window address + 4 * lane.
+template <int HALF>
+__device__ __forceinline__ void nf4_lut_pairs(uint32_t lane_at, uint32_t word, uint32_t& p0, uint32_t& p1) {
+  // A prmt takes the byte out (the others 0), a shift-and-add (LEA) makes its entry's address:
+  // on sm_90 the window address holds the CTA's rank in its cluster, a register, so an
+  // offset or'd into an immediate address would need an add of its own per load.
+  const uint32_t at0 = (prmt(word, 0u, HALF ? 0x4442u : 0x4440u) << 7) + lane_at;
+  const uint32_t at1 = (prmt(word, 0u, HALF ? 0x4443u : 0x4441u) << 7) + lane_at;
+#ifdef OK_CUDA_EMULATION
+  p0 = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(nf4_lut) + at0);
+  p1 = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(nf4_lut) + at1);
+#else
+  asm("ld.shared.b32 %0, [%1];" : "=r"(p0) : "r"(at0));
+  asm("ld.shared.b32 %0, [%1];" : "=r"(p1) : "r"(at1));
+#endif
+}
+
+// The lane's `lane_at` for nf4_lut_pairs (the emulation: its offset from the table's start).
+__device__ __forceinline__ uint32_t nf4_lut_lane_at() {
+#ifdef OK_CUDA_EMULATION
+  return 4 * (threadIdx.x & 31);
+#else
+  return static_cast<uint32_t>(__cvta_generic_to_shared(nf4_lut)) + 4 * (threadIdx.x & 31);
+#endif
+}
 
 // ---- 1-16 rows of x, W as the A operand: a tensor-core GEMV --------------------------------
 //
@@ -71,11 +128,15 @@ constexpr int kTcSplitMaxRows = 8;   // the split and PDL builds: one n8 tile
 // (row 8 nb + g of x; zeros past M). SCALED: the chunk is one group (scale after the MMA); a
 // template argument, not a run-time flag: as a flag it took a branch around every step's
 // dequantization in the SASS, which also kept ptxas from interleaving the steps.
-template <typename T, int TILES, int NB, bool SCALED>
+//
+// LUT (the NF4 build's register kernel): NF4 pairs read from the table in shared memory
+// (nf4_lut_pairs), instead of looked up in registers (nf4_levels).
+template <typename T, int TILES, int NB, bool SCALED, bool LUT = false>
 __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint32_t (&words)[TILES][2][4],
                                          const float (&scale)[TILES][2], const float (&zero)[TILES][2],
                                          const uint32_t (&xw)[NB][16]) {
   constexpr bool chunk_scaled = SCALED;
+  const uint32_t lane_at = LUT ? nf4_lut_lane_at() : 0u;
   uint32_t b[NB][8][2];  // x's B pairs for the chunk's 8 steps (shared by every tile)
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -112,7 +173,13 @@ __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint3
       if constexpr (kNf4) {  // levels of codes 8 word + 4 (step % 2) .. + 3 of rows g and g + 8
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if (step % 2) {
+          if constexpr (LUT) {
+            if (step % 2) {
+              nf4_lut_pairs<1>(lane_at, words[tile][h][word], a[h], a[h + 2]);
+            } else {
+              nf4_lut_pairs<0>(lane_at, words[tile][h][word], a[h], a[h + 2]);
+            }
+          } else if (step % 2) {
             nf4_levels<T, 1>(words[tile][h][word], a[h], a[h + 2]);
           } else {
             nf4_levels<T, 0>(words[tile][h][word], a[h], a[h + 2]);
@@ -226,7 +293,7 @@ __device__ __forceinline__ void tc_zero(float (&acc)[TILES][NB][4]) {
 // EVICT_FIRST: the codes' loads carry the evict-first hint (each byte is read once); the
 // x-split build (two CTAs read the same codes, XT in int4_tc_kernel) loads them L2-cached
 // instead, so that the second CTA's read can hit what the first one brought in.
-template <typename T, typename S, int TILES, int NB, int UNROLL, bool EVICT_FIRST = true>
+template <typename T, typename S, int TILES, int NB, int UNROLL, bool EVICT_FIRST = true, bool LUT = false>
 __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const T* __restrict__ x,
                                               const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
                                               const S* __restrict__ zeros, int64_t m, int64_t n0, int64_t c0,
@@ -281,9 +348,9 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
     for (int u = 0; u < UNROLL; ++u) {
       if (first + static_cast<int64_t>(u) * kTcWarps >= c1) continue;
       if (chunk_scaled) {
-        tc_chunk<T, TILES, NB, true>(acc, words[u], scale[u], zero[u], xw[u]);
+        tc_chunk<T, TILES, NB, true, LUT>(acc, words[u], scale[u], zero[u], xw[u]);
       } else {
-        tc_chunk<T, TILES, NB, false>(acc, words[u], scale[u], zero[u], xw[u]);
+        tc_chunk<T, TILES, NB, false, LUT>(acc, words[u], scale[u], zero[u], xw[u]);
       }
     }
   }
@@ -332,7 +399,17 @@ __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_t
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
     int64_t group_size, int tiled) {
   static_assert(XT == 1 || NB == 1, "the x split runs one n8 tile of x per CTA");
-  __shared__ float partial[kTcWarps * TILES * NB * 4 * 32];
+  // The warps' sums at the end; in the NF4 build with the table (kTcNf4Lut) they overwrite the
+  // table once every warp is past its last lookup (the two side by side would pass the 48 KB of
+  // static shared memory: the sums take up to 32 KB).
+  constexpr int kPartialWords = kTcWarps * TILES * NB * 4 * 32;
+  static_assert(!kTcNf4Lut || kPartialWords <= kNf4LutWords, "the warps' sums fit in the NF4 table's place");
+  __shared__ float own_partial[kTcNf4Lut ? 1 : kPartialWords];
+  float* partial = kTcNf4Lut ? reinterpret_cast<float*>(nf4_lut) : own_partial;
+  if constexpr (kTcNf4Lut) {
+    nf4_lut_fill<T>(threadIdx.x, kTcWarps * 32);
+    __syncthreads();
+  }
   const int64_t n0 = static_cast<int64_t>(blockIdx.x / XT) * 16 * TILES;
   const int64_t first_row = XT == 1 ? 0 : 8 * static_cast<int64_t>(blockIdx.x % XT);
   const int64_t rows = XT == 1 ? m : (m - first_row < 8 ? m - first_row : 8);
@@ -340,8 +417,10 @@ __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_t
                       kTcWarps * 32);
   float acc[TILES][NB][4];
   tc_zero<T, TILES, NB>(acc);
-  tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1>(acc, x + first_row * stride_x, qweight, scales, zeros, rows, n0, 0,
-                                                  k / 128, stride_x, stride_q, stride_s, group_size, tiled != 0);
+  tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1, kTcNf4Lut>(acc, x + first_row * stride_x, qweight, scales, zeros,
+                                                             rows, n0, 0, k / 128, stride_x, stride_q, stride_s,
+                                                             group_size, tiled != 0);
+  if constexpr (kTcNf4Lut) __syncthreads();  // every lookup done before the sums overwrite the table
   tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out + first_row * stride_out, rows, n0, stride_out);
 }
 
