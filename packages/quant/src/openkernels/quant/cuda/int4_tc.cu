@@ -33,9 +33,8 @@ constexpr bool kNf4 = true;
 #else
 constexpr bool kNf4 = false;
 #endif
-// The NF4 build's register kernel reads its pairs from a table in shared memory
-// (nf4_lut_pairs) unless built with -DOK_TC_NF4_REGISTERS (the register lookup, nf4_levels);
-// the split kernel keeps the register lookup (its shared memory has no room for the table).
+// The NF4 build's register and split kernels read their pairs from a table in shared memory
+// (nf4_lut_pairs) unless built with -DOK_TC_NF4_REGISTERS (the register lookup, nf4_levels).
 #if defined(OK_TC_NF4) && !defined(OK_TC_NF4_REGISTERS)
 constexpr bool kTcNf4Lut = true;
 #else
@@ -47,47 +46,52 @@ constexpr bool kTcNf4Lut = false;
 // (two NF4 codes, the low nibble first) indexes 256 packed pairs (level[b & 15], level[b >> 4])
 // in T, so one 32-bit shared load gives an MMA register. The table is held 32 times, entry
 // (b, lane) at word 32 b + lane, so that a warp's 32 loads fall in 32 different banks whatever
-// its codes (one wavefront; a single copy would take ~3.5 on random codes): 32 KB per CTA, at
-// namespace scope (the warps' sums take its place at the end). Per pair of codes: a prmt,
-// a LEA and the load.
+// its codes (one wavefront; a single copy would take ~3.5 on random codes): 32 KB per CTA,
+// which the warps' sums overwrite at the end (the register kernel's static `nf4_lut`, the
+// split kernel's dynamic shared memory). Per pair of codes: a prmt, a shift-and-add, the load.
 constexpr int kNf4LutWords = 256 * 32;
+constexpr int kNf4LutBytes = 4 * kNf4LutWords;
 alignas(16) __shared__ uint32_t nf4_lut[kTcNf4Lut ? kNf4LutWords : 4];
 
-// Every thread of the CTA fills its share of the table; the caller syncs before the first lookup.
+// Every thread of the CTA fills its share of `lut` (kNf4LutWords words, 16-byte aligned, in
+// shared memory); the caller syncs before the first lookup.
 template <typename T>
-__device__ __forceinline__ void nf4_lut_fill(int thread, int threads) {
+__device__ __forceinline__ void nf4_lut_fill(uint32_t* lut, int thread, int threads) {
   for (int piece = thread; piece < kNf4LutWords / 4; piece += threads) {  // 4 lanes' copies of one entry
     uint32_t pair, unused;
     nf4_levels<T, 0>(static_cast<uint32_t>(piece >> 3), pair, unused);  // entry piece / 8: its byte's codes
     const uint4 four = {pair, pair, pair, pair};
-    *reinterpret_cast<uint4*>(nf4_lut + 4 * piece) = four;
+    *reinterpret_cast<uint4*>(lut + 4 * piece) = four;
   }
 }
 
-// nf4_levels' p0 / p1 (the pairs of bytes 2 HALF and 2 HALF + 1 of `word`) read from the table;
-// `lane_at` is the lane's copy of entry 0: the table's shared-window address + 4 * lane.
-template <int HALF>
-__device__ __forceinline__ void nf4_lut_pairs(uint32_t lane_at, uint32_t word, uint32_t& p0, uint32_t& p1) {
-  // A prmt takes the byte out (the others 0), a shift-and-add (LEA) makes its entry's address:
-  // on sm_90 the window address holds the CTA's rank in its cluster, a register, so an
-  // offset or'd into an immediate address would need an add of its own per load.
-  const uint32_t at0 = (prmt(word, 0u, HALF ? 0x4442u : 0x4440u) << 7) + lane_at;
-  const uint32_t at1 = (prmt(word, 0u, HALF ? 0x4443u : 0x4441u) << 7) + lane_at;
-#ifdef OK_CUDA_EMULATION
-  p0 = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(nf4_lut) + at0);
-  p1 = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(nf4_lut) + at1);
-#else
-  asm("ld.shared.b32 %0, [%1];" : "=r"(p0) : "r"(at0));
-  asm("ld.shared.b32 %0, [%1];" : "=r"(p1) : "r"(at1));
-#endif
-}
-
-// The lane's `lane_at` for nf4_lut_pairs (the emulation: its offset from the table's start).
-__device__ __forceinline__ uint32_t nf4_lut_lane_at() {
+// The lane's copy of entry 0 of `lut`: its shared-window address + 4 * lane (the emulation:
+// the offset from `lut`).
+__device__ __forceinline__ uint32_t nf4_lut_lane_at(const uint32_t* lut) {
 #ifdef OK_CUDA_EMULATION
   return 4 * (threadIdx.x & 31);
 #else
-  return static_cast<uint32_t>(__cvta_generic_to_shared(nf4_lut)) + 4 * (threadIdx.x & 31);
+  return static_cast<uint32_t>(__cvta_generic_to_shared(lut)) + 4 * (threadIdx.x & 31);
+#endif
+}
+
+// nf4_levels' p0 / p1 (the pairs of bytes 2 HALF and 2 HALF + 1 of `word`) read from the table
+// at `lut`; `lane_at` from nf4_lut_lane_at(lut).
+template <int HALF>
+__device__ __forceinline__ void nf4_lut_pairs(const uint32_t* lut, uint32_t lane_at, uint32_t word, uint32_t& p0,
+                                              uint32_t& p1) {
+  // A prmt takes the byte out (the others 0), a shift-and-add makes its entry's address: on
+  // sm_90 a shared-window address holds the CTA's rank in its cluster, a register, so an offset
+  // or'd into a constant address would need an add of its own per load.
+  const uint32_t at0 = (prmt(word, 0u, HALF ? 0x4442u : 0x4440u) << 7) + lane_at;
+  const uint32_t at1 = (prmt(word, 0u, HALF ? 0x4443u : 0x4441u) << 7) + lane_at;
+#ifdef OK_CUDA_EMULATION
+  p0 = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(lut) + at0);
+  p1 = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(lut) + at1);
+#else
+  (void)lut;
+  asm("ld.shared.b32 %0, [%1];" : "=r"(p0) : "r"(at0));
+  asm("ld.shared.b32 %0, [%1];" : "=r"(p1) : "r"(at1));
 #endif
 }
 
@@ -129,14 +133,14 @@ constexpr int kTcSplitMaxRows = 8;   // the split and PDL builds: one n8 tile
 // template argument, not a run-time flag: as a flag it took a branch around every step's
 // dequantization in the SASS, which also kept ptxas from interleaving the steps.
 //
-// LUT (the NF4 build's register kernel): NF4 pairs read from the table in shared memory
-// (nf4_lut_pairs), instead of looked up in registers (nf4_levels).
+// LUT (the NF4 build): NF4 pairs read from the table at `lut` in shared memory (nf4_lut_pairs),
+// instead of looked up in registers (nf4_levels).
 template <typename T, int TILES, int NB, bool SCALED, bool LUT = false>
 __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint32_t (&words)[TILES][2][4],
                                          const float (&scale)[TILES][2], const float (&zero)[TILES][2],
-                                         const uint32_t (&xw)[NB][16]) {
+                                         const uint32_t (&xw)[NB][16], const uint32_t* lut = nullptr) {
   constexpr bool chunk_scaled = SCALED;
-  const uint32_t lane_at = LUT ? nf4_lut_lane_at() : 0u;
+  const uint32_t lane_at = LUT ? nf4_lut_lane_at(lut) : 0u;
   uint32_t b[NB][8][2];  // x's B pairs for the chunk's 8 steps (shared by every tile)
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -175,9 +179,9 @@ __device__ __forceinline__ void tc_chunk(float (&acc)[TILES][NB][4], const uint3
         for (int h = 0; h < 2; ++h) {
           if constexpr (LUT) {
             if (step % 2) {
-              nf4_lut_pairs<1>(lane_at, words[tile][h][word], a[h], a[h + 2]);
+              nf4_lut_pairs<1>(lut, lane_at, words[tile][h][word], a[h], a[h + 2]);
             } else {
-              nf4_lut_pairs<0>(lane_at, words[tile][h][word], a[h], a[h + 2]);
+              nf4_lut_pairs<0>(lut, lane_at, words[tile][h][word], a[h], a[h + 2]);
             }
           } else if (step % 2) {
             nf4_levels<T, 1>(words[tile][h][word], a[h], a[h + 2]);
@@ -298,7 +302,7 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
                                               const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
                                               const S* __restrict__ zeros, int64_t m, int64_t n0, int64_t c0,
                                               int64_t c1, int64_t stride_x, int64_t stride_q, int64_t stride_s,
-                                              int64_t group_size, bool tiled) {
+                                              int64_t group_size, bool tiled, const uint32_t* lut = nullptr) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool chunk_scaled = group_size % 128 == 0;
   // The lane's code bytes of (tile, h, chunk): base + tile * tile_step + h * half_step + chunk * chunk_step.
@@ -348,9 +352,9 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
     for (int u = 0; u < UNROLL; ++u) {
       if (first + static_cast<int64_t>(u) * kTcWarps >= c1) continue;
       if (chunk_scaled) {
-        tc_chunk<T, TILES, NB, true, LUT>(acc, words[u], scale[u], zero[u], xw[u]);
+        tc_chunk<T, TILES, NB, true, LUT>(acc, words[u], scale[u], zero[u], xw[u], lut);
       } else {
-        tc_chunk<T, TILES, NB, false, LUT>(acc, words[u], scale[u], zero[u], xw[u]);
+        tc_chunk<T, TILES, NB, false, LUT>(acc, words[u], scale[u], zero[u], xw[u], lut);
       }
     }
   }
@@ -407,7 +411,7 @@ __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_t
   __shared__ float own_partial[kTcNf4Lut ? 1 : kPartialWords];
   float* partial = kTcNf4Lut ? reinterpret_cast<float*>(nf4_lut) : own_partial;
   if constexpr (kTcNf4Lut) {
-    nf4_lut_fill<T>(threadIdx.x, kTcWarps * 32);
+    nf4_lut_fill<T>(nf4_lut, threadIdx.x, kTcWarps * 32);
     __syncthreads();
   }
   const int64_t n0 = static_cast<int64_t>(blockIdx.x / XT) * 16 * TILES;
@@ -419,7 +423,7 @@ __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_t
   tc_zero<T, TILES, NB>(acc);
   tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1, kTcNf4Lut>(acc, x + first_row * stride_x, qweight, scales, zeros,
                                                              rows, n0, 0, k / 128, stride_x, stride_q, stride_s,
-                                                             group_size, tiled != 0);
+                                                             group_size, tiled != 0, nf4_lut);
   if constexpr (kTcNf4Lut) __syncthreads();  // every lookup done before the sums overwrite the table
   tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out + first_row * stride_out, rows, n0, stride_out);
 }
@@ -445,8 +449,16 @@ __global__ void __launch_bounds__(kTcWarps * 32, PDL ? 1 : 2) int4_tc_split_kern
     int64_t group_size, int splits, int tiled) {
 #if defined(OK_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)  // clusters: sm_90
   constexpr int kOuts = 16 * TILES * kTcSplitMaxRows;  // a CTA's totals at most (16 TILES x 8 rows)
-  __shared__ float partial[kTcWarps * TILES * 4 * 32];
-  __shared__ float4 totals4[kOuts / 4];                // this CTA's, by (x row, W row)
+  constexpr int kPartialWords = kTcWarps * TILES * 4 * 32;
+  // The NF4 table's build: the table in dynamic shared memory (32 KB; with `slots` past the
+  // 48 KB of static shared memory), the warps' sums and the CTA's totals in its place once
+  // every warp is past its last lookup.
+  static_assert(!kTcNf4Lut || 4 * (kPartialWords + kOuts) <= kNf4LutBytes, "the sums fit in the table's place");
+  OK_DYNAMIC_SHARED(dynamic);
+  uint32_t* lut = reinterpret_cast<uint32_t*>(dynamic);
+  __shared__ float4 own_sums4[kTcNf4Lut ? 1 : (kPartialWords + kOuts) / 4];
+  float* partial = kTcNf4Lut ? reinterpret_cast<float*>(dynamic) : reinterpret_cast<float*>(own_sums4);
+  float4* totals4 = reinterpret_cast<float4*>(partial + kPartialWords);  // this CTA's, by (x row, W row)
   __shared__ float4 slots[kTcMaxSplits * kOuts / 4];  // rank 0: every rank's totals
   float* totals = reinterpret_cast<float*>(totals4);
   __shared__ OkBarrier full;
@@ -459,10 +471,15 @@ __global__ void __launch_bounds__(kTcWarps * 32, PDL ? 1 : 2) int4_tc_split_kern
   const int64_t c0 = per * rank < n_chunks ? per * rank : n_chunks;
   const int64_t c1 = c0 + per < n_chunks ? c0 + per : n_chunks;
   tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, c0, c1, stride_q, stride_s, group_size, kTcWarps * 32);
+  if constexpr (kTcNf4Lut) {
+    nf4_lut_fill<T>(lut, threadIdx.x, kTcWarps * 32);
+    __syncthreads();
+  }
   float acc[TILES][1][4];
   tc_zero<T, TILES, 1>(acc);
-  tc_accumulate<T, S, TILES, 1, UNROLL>(acc, x, qweight, scales, zeros, m, n0, c0, c1, stride_x, stride_q, stride_s,
-                                        group_size, tiled != 0);
+  tc_accumulate<T, S, TILES, 1, UNROLL, true, kTcNf4Lut>(acc, x, qweight, scales, zeros, m, n0, c0, c1, stride_x,
+                                                         stride_q, stride_s, group_size, tiled != 0, lut);
+  if constexpr (kTcNf4Lut) __syncthreads();  // every lookup done before the sums overwrite the table
   tc_stage<TILES, 1>(partial, acc);
   __syncthreads();
   const int outs = static_cast<int>(16 * TILES * m);  // a multiple of 16
@@ -718,6 +735,13 @@ int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void
   config.attrs = attribute;
   config.numAttrs = pdl ? 2 : 1;
   auto run = [&](auto kernel) {
+    if constexpr (kTcNf4Lut) {
+      // The NF4 table in dynamic shared memory: with the static part past 48 KB, which needs the
+      // kernel's opt-in (set at every launch, as launch_tc_ring does).
+      config.dynamicSmemBytes = kNf4LutBytes;
+      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kNf4LutBytes);
+      if (err != cudaSuccess) return static_cast<int>(err);
+    }
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
