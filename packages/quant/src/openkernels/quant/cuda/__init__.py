@@ -16,9 +16,10 @@ tensor-core GEMV. W's 16-row tiles are mma.m16n8k16's A operand and x the B oper
 MMA takes 256 codes; the codes enter the MMA as (base + q) - (base + zero), exact, and where
 the group size is a multiple of 128 the scale multiplies each 128-code chunk's fp32 sum once.
 The default for up to 16 rows of x on sm_90 where measured (default_config). NF4 runs the same
-kernels from a second build of int4_tc.cu (-DOK_TC_NF4, built on NF4's first call): each code's
-level looked up in registers by byte permutes, the levels rounded to x's dtype (quant 0.10.11;
-no dependent-launch or ring build of it). Config
+kernels from a second build of int4_tc.cu (-DOK_TC_NF4, built on NF4's first call): each byte
+of codes' two levels read from a table of level pairs in shared memory (quant 0.10.14; looked
+up in registers by byte permutes before, TC_NF4_LOOKUP "registers"), the levels rounded to x's
+dtype (quant 0.10.11; no dependent-launch or ring build of it). Config
 "tcr[-t<tiles>][-s<stages>]": the same math fed by a producer warp that keeps `stages` stages of
 1024 codes per row (with their scales, zeros and x) in flight in shared memory by bulk copies
 (cp.async.bulk on mbarriers); group sizes that are multiples of 128. Forced only, until timed.
