@@ -7,6 +7,12 @@
 
 #include <stdint.h>
 
+#ifndef OK_CUDA_EMULATION
+#include <mutex>  // ok_opt_in_dynamic_shared
+#include <tuple>
+#include <vector>
+#endif
+
 #ifdef OK_CUDA_EMULATION
 // OK_DYNAMIC_SHARED comes from cuda_emulation.h.
 template <int BYTES, bool STREAM = false>
@@ -46,3 +52,29 @@ __device__ __forceinline__ void ok_copy_async_wait_group() {
 }
 __device__ __forceinline__ void ok_copy_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 #endif
+
+// Host side: `kernel`'s opt-in to at least `bytes` of dynamic shared memory (static plus dynamic
+// past 48 KB needs it), asked of the driver only where this process has not yet opted the kernel
+// in to that much on the current device (a launch past the size set fails, so a larger size asks
+// again). cudaFuncSetAttribute at every launch cost ~1 us of host time a call (H100, quant's NF4
+// split GEMV, 2026-12-07).
+template <typename Kernel>
+cudaError_t ok_opt_in_dynamic_shared(Kernel kernel, int bytes) {
+#ifdef OK_CUDA_EMULATION
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+#else
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const void* key = reinterpret_cast<const void*>(kernel);
+  static std::mutex mutex;
+  static std::vector<std::tuple<const void*, int, int>> granted;  // (kernel, device, bytes)
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [k, d, b] : granted) {
+    if (k == key && d == device && b >= bytes) return cudaSuccess;
+  }
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) granted.emplace_back(key, device, bytes);
+  return err;
+#endif
+}

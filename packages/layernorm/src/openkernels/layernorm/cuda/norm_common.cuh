@@ -73,8 +73,7 @@ template <typename... Params, typename... Args>
 int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int threads, size_t dynamic_shared,
                      cudaStream_t stream, Args... args) {
   if (dynamic_shared > 48 * 1024) {  // past the default limit: allowed per kernel
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(dynamic_shared));
+    cudaError_t err = ok_opt_in_dynamic_shared(kernel, static_cast<int>(dynamic_shared));
     if (err != cudaSuccess) return static_cast<int>(err);
   }
   if (cluster > 8) {  // past the portable size: allowed per kernel

@@ -852,7 +852,7 @@ int launch_mma_persistent(int kind, const void* x, const void* qweight, const vo
   config.stream = stream;
   config.numAttrs = 0;
   auto run = [&](auto kernel) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kRing));
+    cudaError_t err = ok_opt_in_dynamic_shared(kernel, static_cast<int>(kRing));
     if (err != cudaSuccess) return static_cast<int>(err);
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),

@@ -16,12 +16,6 @@
 #include <type_traits>  // std::true_type; std::conditional_t (int4_mma_common.cuh)
 #include <string.h>
 
-#ifndef OK_CUDA_EMULATION
-#include <mutex>    // opt_in_dynamic_shared
-#include <utility>  // std::pair
-#include <vector>
-#endif
-
 #include "async_copy.h"        // openkernels/shared/cuda: dynamic shared memory
 #include "cluster_exchange.h"  // openkernels/shared/cuda: mbarriers and bulk copies
 #include "grid_dependency.h"   // openkernels/shared/cuda: programmatic dependent launch
@@ -650,12 +644,8 @@ int launch_tc_ring(int tiles, int stages, const void* x, const void* qweight, co
     config.dynamicSmemBytes = stages * stage_bytes;
     if (config.dynamicSmemBytes > 200 * 1024) return -3;  // the launcher's check missed it
     // Static plus dynamic shared memory past 48 KB needs the kernel's opt-in (the static part,
-    // `partial` and the barriers, is 4-16 KB: 47 KB of stages alone already passes it). Set at
-    // every launch, as the other launchers do: a cache of the size allowed kept in this lambda
-    // was one variable for all three kernels (they share a type), so the second kernel
-    // launched in a process skipped its own opt-in and failed (cudaErrorInvalidValue).
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(config.dynamicSmemBytes));
+    // `partial` and the barriers, is 4-16 KB: 47 KB of stages alone already passes it).
+    cudaError_t err = ok_opt_in_dynamic_shared(kernel, static_cast<int>(config.dynamicSmemBytes));
     if (err != cudaSuccess) return static_cast<int>(err);
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
@@ -720,30 +710,6 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
 }
 
 
-// `kernel`'s opt-in to `bytes` of dynamic shared memory, once per kernel and device (the NF4
-// split kernel's table): cudaFuncSetAttribute at every launch cost ~1 us of host time a call
-// (H100, 2048 x 8192, M = 1, eager: 13.5 us against 12.4 with the register lookup's build).
-template <typename K>
-cudaError_t opt_in_dynamic_shared(K kernel, int bytes) {
-#ifdef OK_CUDA_EMULATION
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-#else
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  static std::mutex mutex;
-  static std::vector<std::pair<const void*, int>> done;  // (kernel, device)
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device};
-  std::lock_guard<std::mutex> lock(mutex);
-  for (const auto& entry : done) {
-    if (entry == key) return cudaSuccess;
-  }
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess) done.push_back(key);
-  return err;
-#endif
-}
-
 // The split kernel over clusters of `splits` CTAs (2-8) along x: N / (16 tiles) x splits CTAs.
 template <typename T, typename S>
 int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void* qweight, const void* scales,
@@ -769,7 +735,7 @@ int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void
       // The NF4 table in dynamic shared memory: with the static part past 48 KB, which needs the
       // kernel's opt-in.
       config.dynamicSmemBytes = kNf4LutBytes;
-      const cudaError_t err = opt_in_dynamic_shared(kernel, kNf4LutBytes);
+      const cudaError_t err = ok_opt_in_dynamic_shared(kernel, kNf4LutBytes);
       if (err != cudaSuccess) return static_cast<int>(err);
     }
     return static_cast<int>(cudaLaunchKernelEx(
