@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from openkernels.quant import cuda as G
 from openkernels.quant import int4_linear
 from openkernels.quant.quantize import quantize_int4, quantize_nf4
+from openkernels.shared import replay
 from openkernels.shared.dev.bench import tensor_bytes
 
 DEV = torch.device("cuda")
@@ -67,8 +68,10 @@ def main() -> None:
             row["int4"] = wall_us([lambda q=q, x=x: int4_linear(x, q) for q in copies["int4"]])
             for lookup in G.TC_NF4_LOOKUPS:
                 G.TC_NF4_LOOKUP = lookup
+                replay.set_mode(replay.mode())  # forget recorded calls: they keep the build they recorded
                 row[f"nf4 {lookup}"] = wall_us([lambda q=q, x=x: int4_linear(x, q) for q in copies["nf4"]])
             G.TC_NF4_LOOKUP = default
+            replay.set_mode(replay.mode())
             print(
                 f"{n}x{k} M={m}: " + ", ".join(f"{name} {us:.1f}" for name, us in row.items()) + " us",
                 flush=True,

@@ -172,7 +172,9 @@ def _library(arch: str) -> cuda_build.CudaLibrary:
 
 # How the NF4 build's register kernel reads a code's level: "shared", a table of level pairs in
 # shared memory indexed by each byte of codes (one load per pair: quant 0.10.14), or
-# "registers", the byte permutes over constant words (nf4_levels; the split kernel's always).
+# "registers", the byte permutes over constant words (nf4_levels). A study's knob, read when a
+# call loads its library: calls the eager replay already recorded keep the build they recorded
+# (openkernels.shared.replay.set_mode forgets them).
 TC_NF4_LOOKUPS = ("shared", "registers")
 TC_NF4_LOOKUP = "shared"
 
