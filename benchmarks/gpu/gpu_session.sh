@@ -227,8 +227,8 @@ fi
 if [[ $steps == *lookup* && $family == quant ]]; then
   # NF4 on the tensor-core GEMV (quant 0.10.11, its OK_TC_NF4 build): its GPU tests, then NF4
   # against int4 on the same configs at M = 1 / 8 / 16 (the public op's default for both kinds,
-  # NF4's Triton path and CUDA GEMV), kernel time (issue 24: NF4 at int4's speed); NF4's register
-  # kernel with each lookup (quant 0.10.14: the table in shared memory, or the register lookup).
+  # NF4's Triton path and CUDA GEMV), kernel time (issue 24: NF4 at int4's speed); NF4's kernels
+  # with each lookup (quant 0.10.14: the table in shared memory, or the register lookup).
   timeout ${NF4TC_TESTS_S:-200} python3 -m pytest -q -rfE packages/quant/tests/test_gemv.py -m "not aot and not interpreter" \
     -k "cuda and nf4" 2>&1 | tee "$out/nf4tc_tests.txt" | tail -4
   timeout ${NF4TC_S:-240} python3 benchmarks/studies/quant_tc_gemv.py --kinds int4,nf4 --ms 1,8,16 \

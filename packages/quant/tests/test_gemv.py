@@ -30,7 +30,7 @@ def _ptxas_builds() -> dict[str, list[Future]]:
     """The builds' ptxas reports for each asked arch, every nvcc run side by side (one process
     each; cold, 20-45 s apiece): the first arch's test starts them all, so the runs share the
     two cores instead of three with a tail each. The NF4 build with the register lookup in its
-    register kernel (TC_NF4_LOOKUP "registers", a study's variant) on sm_90 only, the
+    kernels (TC_NF4_LOOKUP "registers", a study's variant) on sm_90 only, the
     reference target of variants (shared.dev.testing.aot)."""
     from openkernels.shared.dev.testing.aot import targets_from_env
 
@@ -498,9 +498,9 @@ def test_x_split_tensor_core_gemv_gives_the_two_tile_result_bit_for_bit(
 def test_nf4_tensor_core_gemv_within_the_error_contract(
     dtype: torch.dtype, device: str, lookup: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """NF4 on the tensor-core GEMV (its OK_TC_NF4 build: the register kernel's levels read from
+    """NF4 on the tensor-core GEMV (its OK_TC_NF4 build: the levels read from
     a table of pairs in shared memory, or with `lookup` "registers" looked up in registers by
-    byte permutes, as the split kernel's always are), every register build (one and two n8 tiles, the x split, K split over a
+    byte permutes), every register build (one and two n8 tiles, the x split, K split over a
     cluster), 1-16 rows of x, groups of 32 / 64 (the scale in the pairs) and 128 / the whole
     row (after the MMA), K of an odd number of chunks, both scale dtypes, bias dtypes: within
     the error contract against float64 (the levels rounded to x's dtype), two runs bitwise

@@ -170,7 +170,7 @@ def _library(arch: str) -> cuda_build.CudaLibrary:
     )
 
 
-# How the NF4 build's register kernel reads a code's level: "shared", a table of level pairs in
+# How the NF4 build's kernels (register and K-split) read a code's level: "shared", a table of level pairs in
 # shared memory indexed by each byte of codes (one load per pair: quant 0.10.14), or
 # "registers", the byte permutes over constant words (nf4_levels). A study's knob, read when a
 # call loads its library: calls the eager replay already recorded keep the build they recorded
@@ -183,7 +183,7 @@ TC_NF4_LOOKUP = "shared"
 def _tc_library(arch: str, nf4: bool = False, lookup: str = "shared") -> cuda_build.CudaLibrary:
     """The tensor-core GEMV alone (int4_tc.cu): what the default path builds on first use;
     `nf4`: its NF4 build (-DOK_TC_NF4, the same kernels reading NF4 levels), built on NF4's
-    first call only, with `lookup` (TC_NF4_LOOKUPS) in its register kernel."""
+    first call only, with `lookup` (TC_NF4_LOOKUPS) in its kernels."""
     if nf4:
         if lookup not in TC_NF4_LOOKUPS:
             raise ValueError(f"NF4 lookup {lookup!r}: one of {TC_NF4_LOOKUPS}")
