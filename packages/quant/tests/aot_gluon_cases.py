@@ -18,7 +18,7 @@ def _desc(dtype: str, shape: list[int]) -> str:
 
 
 def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True, bias: str | None = None,
-               group: int = 128, nf4: bool = False):  # fmt: skip
+               group: int = 128, nf4: bool = False, table: int = 0):  # fmt: skip
     """The launch of gluon.launch for config `cfg` (a gluon.WgmmaConfig)."""
     from openkernels.shared.dev.testing.aot import AotCase
 
@@ -30,9 +30,10 @@ def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True
     }  # fmt: skip
     constexprs = {"GROUP": group, "STAGES": cfg.stages, "HAS_ZEROS": zeros, "HAS_BIAS": bias is not None,
                   "SCALE_16": scales == x, "SCALES_AHEAD": cfg.scales_ahead, "SPLIT_K": cfg.split_k, "NF4": nf4,
-                  "PERSISTENT": cfg.persistent}  # fmt: skip
+                  "PERSISTENT": cfg.persistent, "NF4_TABLE": table}  # fmt: skip
     label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}k{cfg.split_k}{'p' if cfg.persistent else ''}-{x}-{scales}"
-             f"{'-nf4' if nf4 else '-zeros' if zeros else '-sym'}{f'-bias{bias}' if bias else ''}-g{group}")  # fmt: skip
+             f"{'-nf4' if nf4 else '-zeros' if zeros else '-sym'}{f'-t{table}' if table else ''}"
+             f"{f'-bias{bias}' if bias else ''}-g{group}")  # fmt: skip
     # K, N, the strides: the launcher passes what the call has (no "D" specialization assumed).
     return AotCase(_KERNEL, signature, constexprs, num_warps=cfg.num_warps, label=label,
                    attrs={"M": "", "N": "", "K": "", "stride_sg": "", "stride_om": "", "steps_per_split": ""})  # fmt: skip
@@ -64,6 +65,13 @@ def cases_for(family: str) -> list:
         for x in ("bf16", "fp16"):
             for scales in ("bf16", "fp16"):
                 c = wgmma_case(cfg, x, scales, zeros=False, nf4=True)
+                out[c.label] = c
+    # NF4 from the tables in shared memory (gluon.NF4_LOOKUP "pairs" and "levels").
+    for m in (128, 1024):
+        cfg = gluon.config_for(m, 8192, 8192, 128)
+        for table in (1, 2):
+            for x, scales in (("bf16", "bf16"), ("fp16", "bf16")):
+                c = wgmma_case(cfg, x, scales, zeros=False, nf4=True, table=table)
                 out[c.label] = c
     # K split over programs (the split-K epilogue: partials, the arrival counter).
     for split_cfg in (gluon.WgmmaConfig(128, 64, 128, 3, 2, 2), gluon.WgmmaConfig(16, 64, 128, 3, 2, 4)):

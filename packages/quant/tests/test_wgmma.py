@@ -79,14 +79,15 @@ def test_routing_by_measured_speed() -> None:
         gluon.slower_than_triton(256, 2048, 8192) is None
         and gluon.slower_than_triton(4096, 2048, 2048) is None
     )
-    # NF4 (12 instructions per pair of codes in its lookup): from 64 rows at 8192 x 8192 and up,
-    # from 96 below, up to 1024 (dequantize + cuBLAS faster at 2048).
-    assert gluon._routed(64, 8192, 8192, "nf4") is None and gluon._routed(1024, 4096, 4096, "nf4") is None
+    # NF4 (the "levels" lookup, quant 0.10.15): from 17 rows (the tensor-core GEMV takes 1-16) up
+    # to 1024 (dequantize + cuBLAS faster at 2048) from 4096 x 4096 up; int4's limits below.
+    for m, n, k in ((17, 8192, 8192), (24, 4096, 4096), (64, 2048, 8192), (64, 14336, 4096), (1024, 4096, 4096)):
+        assert gluon._routed(m, n, k, "nf4") is None, (m, n, k)
     assert "M = 16" in gluon._routed(16, 28672, 8192, "nf4")
     assert "M = 2048" in gluon._routed(2048, 8192, 8192, "nf4")
-    assert "below 8192 x 8192" in gluon._routed(64, 4096, 4096, "nf4")
-    assert gluon._routed(128, 4096, 4096, "nf4") is None
+    assert gluon._routed(24, 2048, 4096, "nf4") == gluon.slower_than_triton(24, 2048, 4096) is not None
     assert gluon._routed(128, 1024, 4096, "nf4") is not None  # and int4's limits
+    assert gluon._plan(*_call(kind="nf4", zeros=False), None).flags["NF4_TABLE"] == 2  # "levels"
     call = _call(m=64, n=96, k=256)
     assert gluon._plan(*call, None).routed is not None
     assert gluon._plan(*call, gluon.WgmmaConfig(64, 64, 128, 3)).routed is None
@@ -110,10 +111,10 @@ def test_refusals_go_to_triton() -> None:
     assert gluon.unsupported_call(*_call(m=16)) is None and gluon.unsupported_call(*_call(m=256)) is None
     assert "rows of x" in gluon.unsupported_call(*_call(m=15))
     assert gluon.unsupported_call(*_call(m=257)) is None  # large M: no upper limit since quant 0.10.8
-    # NF4 runs here (the register lookup, quant 0.10.8), routed by its own measurements.
+    # NF4 runs here (quant 0.10.8), routed by its own measurements.
     nf4_call = _call(kind="nf4", zeros=False)
     assert gluon.unsupported_call(*nf4_call) is None
-    assert "NF4 at M = 64" in gluon._plan(*nf4_call, None).routed
+    assert "not measured" in gluon._plan(*nf4_call, None).routed
     assert gluon._plan(*nf4_call, None).flags["NF4"] and not gluon._plan(*_call(), None).flags["NF4"]
     assert "bfloat16 / float16" in gluon.unsupported_call(*_call(dtype=torch.float32))
     call = _call()
@@ -582,6 +583,37 @@ def test_forced_nf4_matches_the_reference(m, dtype) -> None:
     assert gluon.unsupported_call(x, weight.qweight, weight.scales, None, bias, out, 64, "nf4") is None
     assert_linear_close(out, x, weight, bias, w_rounded=True, msg=f"wgmma nf4 m={m}")
     assert_linear_close(Q.int4_linear(x, weight, bias), x, weight, bias, w_rounded=True, msg="triton nf4")
+
+
+@pytest.mark.gpu
+@_needs_sm90
+@pytest.mark.parametrize(
+    ("lookup", "m", "dtype", "scale_dtype"),
+    [(lookup, m, d, s) for lookup in gluon.NF4_LOOKUPS[1:] for m in (70, 300, 1024)
+     for d, s in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16), (torch.float16, torch.float16))
+     if m == 300 or d == torch.float16],
+    ids=str,
+)  # fmt: skip
+def test_nf4_table_lookups_match_the_register_lookup(lookup, m, dtype, scale_dtype, monkeypatch) -> None:
+    """NF4's levels read from a table in shared memory (gluon.NF4_LOOKUP "pairs" / "levels")
+    give the register lookup's bits (the same level pair, the same one rounding of its product
+    with the scale), on the config each M gets, odd N, a bias: bitwise equal, and within the
+    contract."""
+    n, k = 1000 + 8 * (m % 3) + 4, 2048
+    gen = torch.Generator().manual_seed(m)
+    w = make_weight(n, k, heavy=True, generator=gen)
+    weight = Q.quantize_nf4(w, 128, scale_dtype=scale_dtype).to("cuda")
+    x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+    bias = torch.randn(n, generator=gen).to("cuda")
+    cfg = gluon.config_for(m, n, k, 128)
+    outs = []
+    for name in ("registers", lookup):
+        monkeypatch.setattr(gluon, "NF4_LOOKUP", name)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        gluon.int4_linear_fwd(x, weight.qweight, weight.scales, None, bias, out, 128, "nf4", config=cfg)
+        assert_linear_close(out, x, weight, bias, w_rounded=True, msg=f"nf4 {name} {cfg}")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

@@ -351,6 +351,8 @@ class _Plan:
                           HAS_BIAS=has_bias, SCALE_16=scales_dtype == x_dtype,
                           SCALES_AHEAD=cfg.scales_ahead, SPLIT_K=cfg.split_k, NF4=kind == "nf4",
                           PERSISTENT=cfg.persistent)  # fmt: skip
+        if kind == "nf4":
+            self.flags["NF4_TABLE"] = NF4_LOOKUPS.index(NF4_LOOKUP)
         self.num_warps = cfg.num_warps
         self.x_block = (cfg.block_m, cfg.block_k)
         self.w_block = (cfg.block_n, cfg.block_k // 2)
@@ -390,7 +392,7 @@ def int4_linear_fwd(
     key = (x.shape, qweight.shape, group_size, kind, x.dtype, scales.dtype, zeros is None,
            None if zeros is None else zeros.dtype, None if bias is None else bias.dtype, x.stride(),
            qweight.stride(), scales.stride(), None if zeros is None else zeros.stride(), out.stride(),
-           x.device, config)  # fmt: skip
+           x.device, config, NF4_LOOKUP)  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _MAX_PLANS:
@@ -425,28 +427,41 @@ def _plan(x, qweight, scales, zeros, bias, out, group_size, kind, config) -> _Pl
 def _routed(m: int, n: int, k: int, kind: str) -> str | None:
     """Why unforced calls of this shape and kind go to the Triton launcher (None: they run here)."""
     if kind == "nf4":
-        reason = nf4_slower_than_triton(m, n, k)
-        if reason is not None:
-            return reason
+        return nf4_slower_than_triton(m, n, k)
     return slower_than_triton(m, n, k)
 
 
-NF4_ROWS = (64, 1024)  # rows of x where NF4 runs on this kernel by default (nf4_slower_than_triton)
+# NF4's lookup on this kernel (the kernel's NF4_TABLE: the index here): "registers" =
+# kernels._dequantize_nf4 (byte permutes of eight constant words, 12 instructions per pair of
+# codes); "pairs" = the level pair of each byte of codes read from a 256-word table in shared
+# memory (kernels._dequantize_nf4_shared, one read per pair, but a warp's reads conflict on
+# banks); "levels" (the default since quant 0.10.15) = each code's level read from a 16-word
+# table (two reads per pair, never a bank conflict). H100 kernel time, NF4 / int4's speed
+# (quant_nf4_wgmma_table.py, bf16, group 128; 8192 x 8192 and 28672 x 8192, M = 64-1024):
+# registers 0.58-0.83, pairs 0.73-0.91, levels 0.76-0.96.
+NF4_LOOKUPS = ("registers", "pairs", "levels")
+NF4_LOOKUP = "levels"
+
+# Rows of x where NF4 runs on this kernel by default (nf4_slower_than_triton): from where the
+# tensor-core GEMV stops (16 rows) to where dequantize + cuBLAS measured faster.
+NF4_ROWS = (17, 1024)
 
 
 def nf4_slower_than_triton(m: int, n: int, k: int) -> str | None:
-    """Why an NF4 call goes to the Triton launcher (None: slower_than_triton decides). NF4's
-    register lookup costs 12 instructions per pair of codes against int4's 5, so its range is
-    narrower. CUDA-graph kernel time x F.linear, H100, 2026-12-06 (quant_wgmma_large_m.py
-    --kind nf4, bf16, group 128), wgmma / Triton path:
-      M = 16: 8192 x 8192 1.11 / 1.17, 28672 x 8192 1.22 / 1.27, 4096 x 4096 0.93 / 1.08.
-      M = 64: 1.04 / 0.84, 1.07 / 0.98, 4096 x 4096 0.71 / 0.75.
-      M = 128-1024: 0.57-0.93 / 0.33-0.68 (4096 x 4096 at M = 512: 0.46 / 0.49).
-      M = 2048 (dequantize + cuBLAS there): 8192 x 8192 0.73 / 0.81."""
+    """Why an NF4 call goes to the Triton launcher (None: it runs here). CUDA-graph kernel time,
+    H100, 2026-12-07 (quant_nf4_wgmma_table.py, bf16, group 128, the "levels" lookup), wgmma /
+    the Triton path, us:
+      M = 17-48: 8192 x 8192 31.9-36.6 / 42.7-54.0, 28672 x 8192 95.3-114.8 / 132.4-164.3,
+        14336 x 4096 28.2-30.9 / 38.2-48.4, 2048 x 8192 15.4-17.3 / 17.9-23.0, 4096 x 4096
+        16.4-18.3 / 16.5-18.9 (M = 24: 17.2 / 16.8).
+      M = 64: 14336 x 4096 31.0 / 50.8, 2048 x 8192 17.8 / 23.4, 4096 x 4096 18.5 / 19.0.
+      M = 2048 (dequantize + cuBLAS there): 8192 x 8192 465.4 / 458.8, 28672 x 8192 1722.8 /
+        1651.7, 4096 x 4096 129.9 / 118.2, 2048 x 8192 117.3 / 114.9.
+    Below 4096 x 4096 in N x K, int4's limits (slower_than_triton), not measured for NF4."""
     if not NF4_ROWS[0] <= m <= NF4_ROWS[1]:
         return f"NF4 at M = {m}: its Triton path measured faster outside {NF4_ROWS[0]}-{NF4_ROWS[1]} rows"
-    if m < 96 and n * k < 8192 * 8192:
-        return f"NF4 at M = {m}, {n} x {k}: its Triton path measured faster below 8192 x 8192"
+    if n * k < 4096 * 4096:
+        return slower_than_triton(m, n, k)
     return None
 
 

@@ -37,8 +37,13 @@ Triton tiled kernel does (triton/kernels.py, SWAP_AB):
   (y[m, n] = acc[n, m]) after a conversion to a layout with 8 consecutive n per thread.
   SPLIT_K > 1: the program takes a contiguous share of the K steps and finishes as the Triton
   kernels' split-K does (`_finish_split`).
-* NF4 (`_dequantize_nf4`): the same pairs built by a register lookup of the levels instead of
-  the mantissa trick.
+* NF4: the same pairs built from the 16 levels instead of by the mantissa trick, by one of
+  three lookups (NF4_TABLE; the launcher's gluon.NF4_LOOKUP): `_dequantize_nf4` by byte
+  permutes of eight constant registers (12 instructions per pair); `_dequantize_nf4_shared`
+  from a table in shared memory, either one read per pair from 256 level pairs (a warp's reads
+  land on random banks) or, the default, two reads per pair from 16 levels (no bank conflict)
+  and a byte permute. The table is a register tensor built once per program by the register
+  lookup; gl.gather stores it to shared memory and reads it (one barrier per K step).
 
 Where this differs from the Triton kernel (and why): the scale is applied to the weight
 *before* the product (W = (q - z) s rounded to x's dtype), not per group after it: an
@@ -98,6 +103,12 @@ def _words_smem_layout(codes_smem):
     """The code tile's NVMMA shared layout read as 32-bit words (the same bytes: the swizzle
     permutes 16-byte chunks)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=codes_smem.swizzle_byte_width, element_bitwidth=32, rank=2)
+
+
+@gluon.constexpr_function
+def _table_layout(entries, warps):
+    """nf4_shared_table's (entries,) layout: spread over the program's threads."""
+    return gl.BlockedLayout([max(1, entries // (32 * warps))], [32], [warps], [0])
 
 
 @gluon.constexpr_function
@@ -205,6 +216,83 @@ def _dequantize_nf4(words, scale, words3: gl.constexpr, a_layout: gl.constexpr, 
     return gl.convert_layout(w, a_layout)
 
 
+_NF4_LOOKUP_ASM = gl.constexpr(
+    "prmt.b32 x, $2, $2, $3; and.b32 s, x, 0x7777; shl.b32 y, x, 4; prmt.b32 m, y, x, 0xD8D8; "
+    "prmt.b32 pl, $4, $5, s; prmt.b32 ph, $6, $7, s; prmt.b32 ql, $8, $9, s; prmt.b32 qh, $10, $11, s; "
+    "lop3.b32 pl, pl, ph, m, 0xD8; lop3.b32 ql, ql, qh, m, 0xD8; prmt.b32 u, pl, ql, 0x5140; "
+)
+
+
+@gluon.jit
+def nf4_shared_table(DTYPE: gl.constexpr, TABLE: gl.constexpr, layout: gl.constexpr):
+    """The table _dequantize_nf4_shared reads, int32, built by the register lookup once per
+    program: TABLE 1, (256,): entry b = the levels of byte b's two codes in DTYPE, level[b &
+    15] in the low half and level[b >> 4] in the high one; TABLE 2, (16,): entry q = level[q]
+    in both halves."""
+    if TABLE == 1:
+        b = gl.arange(0, 256, layout)
+    else:
+        q = gl.arange(0, 16, layout)
+        b = q | (q << 4)
+    table: gl.constexpr = nf4_table_words(DTYPE)
+    zero = b * 0
+    # The register lookup's sequence on byte b (selector 0x0000 puts it in bytes 0 and 1).
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 x, y, s, m, pl, ph, ql, qh, u; " + _NF4_LOOKUP_ASM + "mov.b32 $0, u; }",
+        # $1 unused: the sequence reads the byte at $2 and the selector at $3, as in _dequantize_nf4.
+        "=r" + ",r" * 11, [zero, b, zero, zero + table[0], zero + table[1], zero + table[2], zero + table[3],
+                           zero + table[4], zero + table[5], zero + table[6], zero + table[7]],
+        dtype=gl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _dequantize_nf4_shared(words, scale, table, words3: gl.constexpr, a_layout: gl.constexpr,
+                           DTYPE: gl.constexpr, SCALE_16: gl.constexpr, TABLE: gl.constexpr):  # fmt: skip
+    """NF4 as _dequantize_nf4, the levels read from a table in shared memory (gl.gather from
+    `table`, nf4_shared_table, which stores it there) instead of the register lookup's 11
+    instructions per pair. TABLE 1: one read per pair, the byte of codes indexing 256 level
+    pairs (a warp's 32 reads land on random banks: ~3-4 wavefronts). TABLE 2: two reads per
+    pair, each code indexing 16 words (never a bank conflict) and a byte permute joining the
+    low half of the first to the high half of the second."""
+    t = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, words3)))
+    byte = (words[:, :, None] >> (8 * t)[None, None, :]) & 0xFF
+    if TABLE == 1:
+        flat = gl.reshape(byte, [byte.shape[0] * byte.shape[1] * 4])
+        pair = gl.reshape(gl.gather(table, flat, 0), [byte.shape[0], byte.shape[1], 4])
+        first = pair
+        second = pair
+        join: gl.constexpr = "mov.b32 u, $2; "  # $3 (the same pair) unused
+    else:
+        codes = gl.join(byte & 0xF, byte >> 4)  # (BLOCK_N, BLOCK_K // 8, 4, 2)
+        flat = gl.reshape(codes, [byte.shape[0] * byte.shape[1] * 8])
+        levels = gl.reshape(gl.gather(table, flat, 0), [byte.shape[0], byte.shape[1], 4, 2])
+        first, second = gl.split(levels)
+        first = gl.convert_layout(first, words3)  # the same registers: a relabelling
+        second = gl.convert_layout(second, words3)
+        join: gl.constexpr = "prmt.b32 u, $2, $3, 0x7610; "  # low half of the first, high of the second
+    if SCALE_16:
+        if DTYPE == gl.bfloat16:  # noqa: SIM300 - DTYPE is a constexpr argument
+            mul: gl.constexpr = "mul.rn.bf16x2 u, u, $4; "
+        else:
+            mul: gl.constexpr = "mul.rn.f16x2 u, u, $4; "
+        s2 = _splat_pair(scale.to(DTYPE))[:, None, None]
+        low, high = gl.inline_asm_elementwise(
+            "{ .reg .b32 u; " + join + mul + "mov.b32 {$0, $1}, u; }", "=h,=h,r,r,r", [first, second, s2],
+            dtype=(DTYPE.value, DTYPE.value), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        low, high = gl.inline_asm_elementwise(
+            "{ .reg .b32 u; " + join + "mov.b32 {$0, $1}, u; }", "=h,=h,r,r", [first, second],
+            dtype=(DTYPE.value, DTYPE.value), is_pure=True, pack=1,
+        )  # fmt: skip
+        low = (low.to(gl.float32) * scale[:, None, None]).to(DTYPE)
+        high = (high.to(gl.float32) * scale[:, None, None]).to(DTYPE)
+    w = gl.join(low, high)  # (BLOCK_N, BLOCK_K // 8, 4, 2): column 8a + 2t + e
+    w = w.reshape([words.shape[0], 8 * words.shape[1]])
+    return gl.convert_layout(w, a_layout)
+
+
 @gluon.jit
 def _dequantize(words, scale, zero, words3: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr,
                 SCALE_16: gl.constexpr):  # fmt: skip
@@ -254,7 +342,8 @@ def _dequantize(words, scale, zero, words3: gl.constexpr, a_layout: gl.constexpr
 def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr,
           offs_n, mask_n, stride_sg, n_k, base, k0, off_m, off_n, words3: gl.constexpr, a_layout: gl.constexpr,
           DTYPE: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr,
-          SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr, NF4: gl.constexpr):  # fmt: skip
+          SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr, NF4: gl.constexpr, table=0,
+          NF4_TABLE: gl.constexpr = 0):  # fmt: skip
     """The program's K step i (of n_k, K step k0 + i of the row): wait for its stage, dequantize its codes (scale, zero: its group's), issue its
     wgmma, load the scales SCALES_AHEAD steps on, wait until one wgmma is outstanding (step
     i - 1's, whose operand is w_other, has retired), refill the freed stage with step
@@ -268,7 +357,10 @@ def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, 
     words = codes._reinterpret(
         gl.int32, [codes.shape[0], codes.shape[1] // 4], _words_smem_layout(codes.layout)
     )
-    if NF4:
+    if NF4 and NF4_TABLE > 0:
+        w = _dequantize_nf4_shared(words.load(gl.SliceLayout(2, words3)), scale, table, words3, a_layout, DTYPE,
+                                   SCALE_16, NF4_TABLE)  # fmt: skip
+    elif NF4:
         w = _dequantize_nf4(words.load(gl.SliceLayout(2, words3)), scale, words3, a_layout, DTYPE, SCALE_16)
     else:
         w = _dequantize(words.load(gl.SliceLayout(2, words3)), scale, zero, words3, a_layout, DTYPE, SCALE_16)
@@ -295,7 +387,7 @@ def int4_linear_wgmma_kernel(
     M, N, K, stride_sg, stride_om, steps_per_split,
     GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
     SCALE_16: gl.constexpr, SCALES_AHEAD: gl.constexpr = 1, SPLIT_K: gl.constexpr = 1, NF4: gl.constexpr = False,
-    PERSISTENT: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False, NF4_TABLE: gl.constexpr = 0,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ W^T (+ bias). x_desc: (M, K) blocks (BLOCK_M, BLOCK_K); qw_desc:
     codes (N, K // 2) blocks (BLOCK_N, BLOCK_K // 2). K % BLOCK_K == 0 and BLOCK_K divides
@@ -349,7 +441,7 @@ def int4_linear_wgmma_kernel(
             off_n = (tile // tiles_m) * BLOCK_N
             acc = _tile_product(x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, stride_sg, N, n_k, base, 0,
                                 off_m, off_n, mma_layout, a_layout, words3, rows_layout, GROUP, STAGES, HAS_ZEROS,
-                                SCALE_16, SCALES_AHEAD, NF4)  # fmt: skip
+                                SCALE_16, SCALES_AHEAD, NF4, NF4_TABLE)  # fmt: skip
             base += n_k
             # Every stage is free (the last steps' loads were waited for): the next tile's
             # first loads go out now and run under this tile's epilogue.
@@ -380,7 +472,7 @@ def int4_linear_wgmma_kernel(
                 _issue(x_desc, qw_desc, x_smem, qw_smem, ready, j, 0, k0, off_m, off_n, BLOCK_K, STAGES)
         acc = _tile_product(x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, stride_sg, N, n_k, 0, k0, off_m,
                             off_n, mma_layout, a_layout, words3, rows_layout, GROUP, STAGES, HAS_ZEROS, SCALE_16,
-                            SCALES_AHEAD, NF4)  # fmt: skip
+                            SCALES_AHEAD, NF4, NF4_TABLE)  # fmt: skip
         for j in gl.static_range(STAGES):  # the ring is dead: the epilogue's conversion may reuse it
             mbarrier.invalidate(ready.index(j))
         _store(acc, bias_ptr, out_ptr, ws_ptr, counter_ptr, M, N, stride_om, off_m, off_n,
@@ -391,7 +483,7 @@ def int4_linear_wgmma_kernel(
 def _tile_product(x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, stride_sg, N, n_k, base, k0, off_m, off_n,
                   mma_layout: gl.constexpr, a_layout: gl.constexpr, words3: gl.constexpr, rows_layout: gl.constexpr,
                   GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, SCALE_16: gl.constexpr,
-                  SCALES_AHEAD: gl.constexpr, NF4: gl.constexpr):  # fmt: skip
+                  SCALES_AHEAD: gl.constexpr, NF4: gl.constexpr, NF4_TABLE: gl.constexpr = 0):  # fmt: skip
     """acc^T (BLOCK_N, BLOCK_M) float32 of one tile over its n_k K steps from k0, whose first
     STAGES - 1 loads the caller issued; every wgmma retired and every load consumed on return."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -404,6 +496,12 @@ def _tile_product(x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, stride_
     g1 = ((k0 + gl.minimum(1, n_k - 1)) * BLOCK_K) // GROUP
     scale_next, zero_next = _row_params(s_ptr, z_ptr, g1, stride_sg, offs_n, mask_n, HAS_ZEROS)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
+    if NF4 and NF4_TABLE > 0:
+        table = nf4_shared_table(
+            DTYPE, NF4_TABLE, _table_layout(256 if NF4_TABLE == 1 else 16, BLOCK_N // 16)
+        )
+    else:
+        table = 0
     # Two steps per trip, each with its own A-operand registers: the wgmma of one step is in
     # flight while the other step's weight is dequantized, and a step's registers are
     # written again only after the wait that retired the wgmma reading them (PTX: modifying
@@ -414,18 +512,18 @@ def _tile_product(x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, stride_
         acc, w_even, scale, zero, scale_next, zero_next = _step(
             i, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
             z_ptr, offs_n, mask_n, stride_sg, n_k, base, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES,
-            HAS_ZEROS, SCALE_16, SCALES_AHEAD, NF4,
+            HAS_ZEROS, SCALE_16, SCALES_AHEAD, NF4, table, NF4_TABLE,
         )  # fmt: skip
         acc, w_odd, scale, zero, scale_next, zero_next = _step(
             i + 1, acc, w_even, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
             z_ptr, offs_n, mask_n, stride_sg, n_k, base, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES,
-            HAS_ZEROS, SCALE_16, SCALES_AHEAD, NF4,
+            HAS_ZEROS, SCALE_16, SCALES_AHEAD, NF4, table, NF4_TABLE,
         )  # fmt: skip
     if n_k % 2 == 1:
         acc, w_even, scale, zero, scale_next, zero_next = _step(
             n_k - 1, acc, w_odd, scale, zero, scale_next, zero_next, x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr,
             z_ptr, offs_n, mask_n, stride_sg, n_k, base, k0, off_m, off_n, words3, a_layout, DTYPE, GROUP, STAGES,
-            HAS_ZEROS, SCALE_16, SCALES_AHEAD, NF4,
+            HAS_ZEROS, SCALE_16, SCALES_AHEAD, NF4, table, NF4_TABLE,
         )  # fmt: skip
         w_odd = w_even
     acc, w_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_odd))
