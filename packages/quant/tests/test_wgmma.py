@@ -81,7 +81,13 @@ def test_routing_by_measured_speed() -> None:
     )
     # NF4 (the "levels" lookup, quant 0.10.15): from 17 rows (the tensor-core GEMV takes 1-16) up
     # to 1024 (dequantize + cuBLAS faster at 2048) from 4096 x 4096 up; int4's limits below.
-    for m, n, k in ((17, 8192, 8192), (24, 4096, 4096), (64, 2048, 8192), (64, 14336, 4096), (1024, 4096, 4096)):
+    for m, n, k in (
+        (17, 8192, 8192),
+        (24, 4096, 4096),
+        (64, 2048, 8192),
+        (64, 14336, 4096),
+        (1024, 4096, 4096),
+    ):
         assert gluon._routed(m, n, k, "nf4") is None, (m, n, k)
     assert "M = 16" in gluon._routed(16, 28672, 8192, "nf4")
     assert "M = 2048" in gluon._routed(2048, 8192, 8192, "nf4")
