@@ -180,7 +180,7 @@ if _sm_90():
 def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, device: str) -> None:
     """Every built shape at the row lengths it is picked for (one CTA per short row, clusters
     for long ones, a ragged last chunk), with a residual stored, weight and bias, rows with a
-    large mean (LayerNorm) and one with an outlier first element, a NaN row; two runs bitwise
+    large mean (LayerNorm) and one with an outlier first element and a ramp, a NaN row; two runs bitwise
     equal. The chunk held in registers,
     and staged in shared memory (cp.async: the emulation fills shared memory with NaN bytes
     and copies only at the wait, so a read before it fails), and the pushed kernel (staged,
@@ -201,7 +201,9 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
                  (2, 262152, (512, 8)), (5, 20000, (256, 4)), (2, 200000, (512, 8))]  # fmt: skip
         if device == "cpu":  # 65544: the third CTA holds one vector, its 15 other warps none, and
             # their parts (48 in all) are merged after others in the same lane (as 262152 on the GPU)
-            cases = [(2, 2000, (256, 4)), (2, 20000, (256, 4)), (2, 40000, (512, 8)), (2, 65544, (512, 8))]
+            # 16384: two full CTAs, every warp's part of one count (the equal-count merge)
+            cases = [(2, 2000, (256, 4)), (2, 20000, (256, 4)), (2, 40000, (512, 8)), (2, 65544, (512, 8)),
+                     (2, 16384, (256, 4))]  # fmt: skip
     for m, n, shape in cases:
         cfg = C.cluster_config(n, dtype, shape)
         staged = kind != "registers"
@@ -214,6 +216,9 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
         x[m - 1, n // 3] = float("nan")
         if not rms:  # an outlier first element: the default build's warp shift is far from its mean there
             x[0, 0] = 3000.0
+            # and a ramp along the row: the warps' means differ, so the merge of their parts
+            # carries most of the variance (the equal-count merge's between-part term)
+            x[0] += torch.linspace(-40.0, 40.0, n, device=device).to(dtype)
         runs = []
         for _ in range(2):
             y, h = torch.empty_like(x), torch.empty_like(x)

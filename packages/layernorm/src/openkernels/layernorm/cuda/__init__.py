@@ -69,17 +69,20 @@ _PUSH_SOURCE = pathlib.Path(__file__).with_name("norm_push.cu")
 # OK_PUSH_BULK (each CTA's chunk staged by one TMA bulk copy per tensor instead of a cp.async
 # per 16 bytes). Both are on in the default build since layernorm 0.11.1: on an H100 they took
 # LayerNorm from 0.76-0.82 to 0.79-0.87 of copy and left RMSNorm and add_rms_norm where they
-# were (docs/perf.md).
-PUSH_DEFAULT_FLAGS: tuple[str, ...] = ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK")
+# were (docs/perf.md). OK_PUSH_MERGE (layernorm 0.11.8): LayerNorm's per-warp parts merged by
+# sums where they share one count (full rows), else with one fast division per pairwise merge
+# instead of two IEEE ones: the merge runs between the exchange and the normalize pass.
+PUSH_DEFAULT_FLAGS: tuple[str, ...] = ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK", "-DOK_PUSH_MERGE")
 _push_library = cuda_build.CudaLibrary(
     _PUSH_SOURCE, name="openkernels_layernorm_push", arch=ARCH,
     signatures={"ok_norm_fwd_push": _SIGNATURES["ok_norm_fwd_cluster"]}, extra_flags=PUSH_DEFAULT_FLAGS,
 )  # fmt: skip
-# Other builds of it, for studies and tests (norm_fwd(..., push=<name>)): "plain" (neither
-# macro: the default until layernorm 0.11.0), "trim" and "bulk" (one each), "lean" (both: the
-# default's flags, built apart).
+# Other builds of it, for studies and tests (norm_fwd(..., push=<name>)): "plain" (no macro:
+# the default until layernorm 0.11.0), "trim" and "bulk" (one each), "lean" (both: the default
+# of layernorm 0.11.1-0.11.7), "merge" (the default's flags, built apart).
 PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
-    "plain": (), "trim": ("-DOK_PUSH_TRIM",), "bulk": ("-DOK_PUSH_BULK",), "lean": PUSH_DEFAULT_FLAGS,
+    "plain": (), "trim": ("-DOK_PUSH_TRIM",), "bulk": ("-DOK_PUSH_BULK",), "lean": ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK"),
+    "merge": PUSH_DEFAULT_FLAGS,
 }  # fmt: skip
 _push_variants: dict[str, cuda_build.CudaLibrary] = {}
 

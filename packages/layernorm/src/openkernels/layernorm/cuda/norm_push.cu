@@ -27,12 +27,22 @@ namespace {
 // row gets the same bits, run after run.
 
 // (n, mean, m2) += (nb, mean_b, m2b) (Chan et al.); an empty side leaves the other unchanged.
+// With OK_PUSH_MERGE (on in the default build, cuda.PUSH_DEFAULT_FLAGS) one fast division
+// (__fdividef: 2 ulp) instead of two IEEE ones: every warp runs these merges one after another
+// on the row's critical path, between the exchange and the normalize pass (LayerNorm only;
+// RMSNorm adds its parts).
 __device__ __forceinline__ void chan_merge(float& n, float& mean, float& m2, float nb, float mean_b, float m2b) {
   const float total = n + nb;
   if (nb == 0.f) return;  // an empty part: nothing to add (its mean may be anything)
   const float delta = mean_b - mean;
+#if defined(OK_PUSH_MERGE) && !defined(OK_CUDA_EMULATION)
+  const float frac = __fdividef(nb, total);
+  mean = fmaf(delta, frac, mean);
+  m2 += m2b + delta * delta * (n * frac);
+#else
   mean += delta * (nb / total);
   m2 += m2b + delta * delta * (n * nb / total);
+#endif
   n = total;
 }
 
@@ -51,6 +61,26 @@ __device__ __forceinline__ float2 merge_parts(const float4* parts, int n_parts, 
     m2 = warp_sum(m2);
     return make_float2(0.f, rsqrtf(m2 / static_cast<float>(n_cols) + eps));
   }
+#ifdef OK_PUSH_MERGE
+  // Parts of one count (every warp of a row that fills its CTAs): the mean of the means, and M2
+  // = the sum of the M2s + count x the sum of the means' squared deviations from it (Chan et
+  // al.'s merge for equal counts): sums and one division, where the pairwise merges below chain
+  // one division each, n_parts / 32 + 5 deep.
+  const float n0 = parts[0].x;
+  float unequal = 0.f;
+  for (int p = lane; p < n_parts; p += 32) unequal += parts[p].x != n0 ? 1.f : 0.f;
+  if (warp_sum(unequal) == 0.f && n0 > 0.f) {
+    float sum = 0.f;
+    for (int p = lane; p < n_parts; p += 32) sum += parts[p].y;
+    const float row_mean = warp_sum(sum) / static_cast<float>(n_parts);
+    float dev = 0.f;
+    for (int p = lane; p < n_parts; p += 32) {
+      const float d = parts[p].y - row_mean;
+      dev += fmaf(n0 * d, d, parts[p].z);
+    }
+    return make_float2(row_mean, rsqrtf(warp_sum(dev) / static_cast<float>(n_cols) + eps));
+  }
+#endif
   float n = 0.f, mean = 0.f, m2 = 0.f;
   for (int p = lane; p < n_parts; p += 32) chan_merge(n, mean, m2, parts[p].x, parts[p].y, parts[p].z);
   for (int offset = 16; offset > 0; offset >>= 1) {
