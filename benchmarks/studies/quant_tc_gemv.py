@@ -112,7 +112,7 @@ def main() -> None:
         copies = max(2, math.ceil(SERIES_BYTES / qbytes))
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
         qs = [(q.qweight.clone(), q.scales.clone(), clone(q.zeros)) for _ in range(copies)]
-        tiled_qs = [(tile_codes(c[0]), c[1], c[2]) for c in qs] if args.tiled and kind == "int4" else []
+        tiled_qs = [(tile_codes(c[0]), c[1], c[2]) for c in qs] if args.tiled else []
         for m in ms:
             x = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
             out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)

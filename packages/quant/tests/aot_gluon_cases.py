@@ -18,12 +18,13 @@ def _desc(dtype: str, shape: list[int]) -> str:
 
 
 def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True, bias: str | None = None,
-               group: int = 128, nf4: bool = False, table: int = 0):  # fmt: skip
+               group: int = 128, nf4: bool = False, table: int = 0, tiled: bool = False):  # fmt: skip
     """The launch of gluon.launch for config `cfg` (a gluon.WgmmaConfig)."""
     from openkernels.shared.dev.testing.aot import AotCase
 
     signature = {
-        "x_desc": _desc(x, [cfg.block_m, cfg.block_k]), "qw_desc": _desc("u8", [cfg.block_n, cfg.block_k // 2]),
+        "x_desc": _desc(x, [cfg.block_m, cfg.block_k]),
+        "qw_desc": _desc("u8", [cfg.block_n // 16, 1, 16, cfg.block_k // 2] if tiled else [cfg.block_n, cfg.block_k // 2]),
         "s_ptr": _T[scales], "z_ptr": _T[scales], "bias_ptr": _T[bias or scales], "out_ptr": _T[x],
         "ws_ptr": "*fp32" if cfg.split_k > 1 else _T[x], "counter_ptr": "*i32" if cfg.split_k > 1 else _T[x],
         "M": "i32", "N": "i32", "K": "i32", "stride_sg": "i32", "stride_om": "i32", "steps_per_split": "i32",
@@ -32,7 +33,7 @@ def wgmma_case(cfg, x: str = "bf16", scales: str = "bf16", *, zeros: bool = True
                   "SCALE_16": scales == x, "SCALES_AHEAD": cfg.scales_ahead, "SPLIT_K": cfg.split_k, "NF4": nf4,
                   "PERSISTENT": cfg.persistent, "NF4_TABLE": table}  # fmt: skip
     label = (f"wgmma-m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.stages}a{cfg.scales_ahead}k{cfg.split_k}{'p' if cfg.persistent else ''}-{x}-{scales}"
-             f"{'-nf4' if nf4 else '-zeros' if zeros else '-sym'}{f'-t{table}' if table else ''}"
+             f"{'-nf4' if nf4 else '-zeros' if zeros else '-sym'}{f'-t{table}' if table else ''}{'-tiled' if tiled else ''}"
              f"{f'-bias{bias}' if bias else ''}-g{group}")  # fmt: skip
     # K, N, the strides: the launcher passes what the call has (no "D" specialization assumed).
     return AotCase(_KERNEL, signature, constexprs, num_warps=cfg.num_warps, label=label,
@@ -73,6 +74,13 @@ def cases_for(family: str) -> list:
             for x, scales in (("bf16", "bf16"), ("fp16", "bf16")):
                 c = wgmma_case(cfg, x, scales, zeros=False, nf4=True, table=table)
                 out[c.label] = c
+    # Tiled codes (format.tile_codes through a 4-D TMA view): the M = 16, 128 and 2048 defaults,
+    # int4 and NF4, and a K split.
+    for m in (16, 128, 2048):
+        cfg = gluon.config_for(m, 8192, 8192, 128)
+        for nf4 in (False, True):
+            c = wgmma_case(cfg, "bf16", "bf16", zeros=not nf4, nf4=nf4, table=2 if nf4 else 0, tiled=True)
+            out[c.label] = c
     # K split over programs (the split-K epilogue: partials, the arrival counter).
     for split_cfg in (gluon.WgmmaConfig(128, 64, 128, 3, 2, 2), gluon.WgmmaConfig(16, 64, 128, 3, 2, 4)):
         c = wgmma_case(split_cfg, bias="fp32")

@@ -219,6 +219,8 @@ def test_dispatch_puts_the_gemv_first_and_routes_by_shape() -> None:
     assert G.default_config(16, 28672, 8192, 128, "sm_90") == "tc-t4-u1"  # float16 scales, bfloat16 x
     assert G.default_config(16, 28672, 8192, 128, "sm_90", scales_in_x_dtype=True) is None  # wgmma's
     assert G.default_config(16, 8192, 8192, 128, "sm_90", scales_in_x_dtype=True) == "tc-t4-u1"  # not wgmma's
+    # wgmma takes 16 rows and more: 9-15 stay here (they went on to Triton before quant 0.10.15)
+    assert G.default_config(12, 28672, 8192, 128, "sm_90", scales_in_x_dtype=True) == "tc-t4-u1"
     assert G.default_config(16, 4096, 8192, 128, "sm_90") == "mma"  # wgmma hands this one on
     assert G.default_config(16, 8192 + 32, 8192, 128, "sm_90") == "mma"  # N not of 64
     assert G.default_config(17, 2048, 2048, 128, "sm_90") is None
@@ -569,24 +571,28 @@ def test_nf4_routes_to_the_tensor_core_gemv() -> None:
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
 def test_tiled_codes_give_the_rows_result_bit_for_bit(symmetric: bool, device: str) -> None:
     """format.tile_codes' layout through the tensor-core GEMV (unsplit and split builds, every
-    shape, 1-8 rows of x, groups 32 / 128 / the whole row, K of an odd number of chunks) gives
-    the same bits as the stored rows, and within the error contract; the round trip restores the
-    codes; calls the tiled codes cannot take (two n8 tiles, -p, other kernels, a K that is not
-    the codes') raise before any launch instead of reading them as rows."""
+    shape, 1-8 rows of x and 9-16 on the unsplit two-tile builds, int4 and NF4, groups 32 / 128
+    / the whole row, K of an odd number of chunks) gives the same bits as the stored rows, and
+    within the error contract; the round trip restores the codes; calls the tiled codes cannot
+    take (9-16 rows split over a cluster, the x split, -p, other kernels, a K that is not the
+    codes') raise before any launch instead of reading them as rows."""
     if device == "cuda" and not G._arch(torch.device("cuda")).startswith("sm_90"):
         pytest.skip("the split builds need thread-block clusters: sm_90")
     g = torch.Generator().manual_seed(29)
     cases = [(1, 64, 1152, 128, "tc-t1-u2"), (8, 64, 640, 32, "tc-t2-u2"), (3, 128, 2176, None, "tc-t4-u1"),
-             (1, 32, 1152, 128, "tc-t1-u2-k2"), (5, 64, 1024, 128, "tc-t2-u2-k4"), (2, 128, 1152, 64, "tc-t4-u1-k2")]  # fmt: skip
+             (1, 32, 1152, 128, "tc-t1-u2-k2"), (5, 64, 1024, 128, "tc-t2-u2-k4"), (2, 128, 1152, 64, "tc-t4-u1-k2"),
+             (16, 64, 1152, 128, "tc-t4-u1"), (11, 32, 640, 32, "tc-t1-u2"), (9, 64, 1024, None, "tc-t2-u2")]  # fmt: skip
     if device == "cuda":
         cases += [
             (1, 8192, 8192, 128, "tc-t4-u1-k2"),
             (4, 28672, 8192, 128, "tc-t4-u1"),
             (1, 2048, 8192, 128, "tc-t1-u2-k2"),
+            (16, 8192, 8192, 128, "tc-t4-u1"),
         ]
-    for m, n, k, group, config in cases:
+    kinds = ["int4", "nf4"] if not symmetric else ["int4"]  # NF4 is symmetric by its levels
+    for (m, n, k, group, config), kind in ((case, kind) for case in cases for kind in kinds):
         weight = quantize(
-            make_weight(n, k, heavy=True, generator=g, device=device), "int4", symmetric, group
+            make_weight(n, k, heavy=True, generator=g, device=device), kind, symmetric, group
         ).to(device)
         tiled = tile_codes(weight.qweight)
         assert tiled.shape == (n // 16, k // 128, 1024)
@@ -595,19 +601,23 @@ def test_tiled_codes_give_the_rows_result_bit_for_bit(symmetric: bool, device: s
         outs = []
         for codes in (weight.qweight, tiled):
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-            args = (x, codes, weight.scales, weight.zeros, None, out, weight.group_size, "int4")
+            args = (x, codes, weight.scales, weight.zeros, None, out, weight.group_size, kind)
             assert G.unsupported_call(*args, config) is None
             G.int4_linear_fwd(*args, config=config)
             outs.append(out)
         assert not G._broken, G._broken
-        assert torch.equal(outs[0], outs[1]), f"{config} m={m} {n}x{k}: tiled codes differ from the rows"
-        assert_linear_close(
-            outs[1], x, weight, None, w_rounded=weight.group_size % 128 != 0, msg=f"{config} tiled"
+        assert torch.equal(outs[0], outs[1]), (
+            f"{config} {kind} m={m} {n}x{k}: tiled codes differ from the rows"
         )
+        assert_linear_close(
+            outs[1], x, weight, None, w_rounded=weight.group_size % 128 != 0 or kind == "nf4",
+            msg=f"{config} {kind} tiled",
+        )  # fmt: skip
     weight = quantize(make_weight(64, 256, generator=g), "int4", False, 128).to(device)
     tiled = tile_codes(weight.qweight)
     for m, k, config in (
-        (9, 256, "tc-t1-u2"),
+        (9, 256, "tc-t1-u2-k2"),
+        (12, 256, "tc-t1-u2-x2"),
         (1, 256, "tc-t1-u2-p"),
         (1, 256, "mma"),
         (1, 256, 8),
@@ -793,7 +803,7 @@ def test_tc_configs() -> None:
     assert "multiple of 128" in G.unsupported_call(*_call(n=64, k=1056, group=32), "tc-t1-u2")
     assert G.unsupported_call(*_call(m=9, n=64, k=1024), "tc-t1-u2-x2") is None
     assert "9-16" in G.unsupported_call(*_call(m=8, n=64, k=1024), "tc-t1-u2-x2")
-    assert "up to 8 rows" in G.unsupported_call(*_call(m=12, n=64, k=1024, tiled=True), "tc-t1-u2-x2")
+    assert "without -p or -x2" in G.unsupported_call(*_call(m=12, n=64, k=1024, tiled=True), "tc-t1-u2-x2")
 
 
 def test_the_launchers_say_where_they_route_a_call() -> None:
@@ -812,9 +822,9 @@ def test_int4_linear_keeps_tiled_codes_for_the_tensor_core_gemv() -> None:
     """Int4Linear.use_tiled_codes: a non-persistent tiled copy of the codes (not in the state
     dict, rebuilt when one is loaded, dropped on request), refused for layers the tiled layout
     cannot hold; off sm_90 (here the CPU) the stored rows run and the output does not change.
-    The routing: cuda.tiled_config is the default tc config without -p up to 8 rows, None
-    elsewhere; tiled codes handed to the op where the tensor-core GEMV does not take the call
-    raise before any kernel runs; the op's fake tensor gets N from the tiled shape."""
+    The routing: cuda.tiled_config is the default tc config without -p or -x2 (1-16 rows, int4
+    and NF4), None elsewhere; tiled codes handed to the op where no kernel reads them are converted to rows;
+    the op's fake tensor gets N from the tiled shape."""
     from openkernels.quant import Int4Linear, ops, use_tiled_codes
 
     g = torch.Generator().manual_seed(31)
@@ -832,17 +842,25 @@ def test_int4_linear_keeps_tiled_codes_for_the_tensor_core_gemv() -> None:
     assert layer.qweight_tiled is None and torch.equal(layer(x), other(x))
     with pytest.raises(ValueError, match="out_features a multiple of 16"):
         Int4Linear.from_linear(torch.nn.Linear(256, 40), group_size=128).use_tiled_codes()
-    with pytest.raises(ValueError, match="int4"):
-        Int4Linear.from_linear(torch.nn.Linear(256, 64), group_size=128, kind="nf4").use_tiled_codes()
+    nf4 = Int4Linear.from_linear(torch.nn.Linear(256, 64), group_size=128, kind="nf4").use_tiled_codes()
+    assert nf4.qweight_tiled.shape == (4, 2, 1024)
     model = torch.nn.Sequential(
         layer, torch.nn.ReLU(), Int4Linear.from_linear(torch.nn.Linear(64, 48), group_size=64)
     )
     assert use_tiled_codes(model) == 1  # the second layer's in_features (64) is not a multiple of 128
     assert G.tiled_config(1, 8192, 8192, 128, "sm_90") == G.default_tc(1, 8192, 8192, 128, "sm_90")
-    assert G.tiled_config(9, 8192, 8192, 128, "sm_90") is None  # two n8 tiles of x: rows only
+    assert G.tiled_config(9, 8192, 8192, 128, "sm_90") == "tc-t4-u1"  # two n8 tiles of x
+    assert G.tiled_config(1, 8192, 8192, 128, "sm_90", kind="nf4") == G.default_config(
+        1, 8192, 8192, 128, "sm_90", kind="nf4"
+    )
+    assert G.tiled_config(32, 8192, 8192, 128, "sm_90") is None
     assert G.tiled_config(1, 8192, 8192, 128, "sm_80") is None
     tiled = tile_codes(layer.qweight)
-    with pytest.raises(ValueError, match="tiled codes"):
-        ops.INT4_LINEAR(x.to(torch.bfloat16), tiled, layer.scales, layer.zeros, None, 128, "int4")
+    # The op on tiled codes no kernel reads for this call (the CPU): converted to rows, the rows' result.
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(
+        ops.INT4_LINEAR(xb, tiled, layer.scales, layer.zeros, None, 128, "int4"),
+        ops.INT4_LINEAR(xb, layer.qweight, layer.scales, layer.zeros, None, 128, "int4"),
+    )
     meta = [t.to("meta") for t in (x.to(torch.bfloat16), tiled, layer.scales, layer.zeros)]
     assert ops.INT4_LINEAR.library(*meta, None, 128, "int4").shape == (3, 64)

@@ -624,6 +624,37 @@ def test_nf4_table_lookups_match_the_register_lookup(lookup, m, dtype, scale_dty
 
 @pytest.mark.gpu
 @_needs_sm90
+@pytest.mark.parametrize("kind", ["int4", "nf4"])
+def test_tiled_codes_through_a_4d_view_match_the_rows(kind) -> None:
+    """Tiled codes (format.tile_codes) read by the kernel through a 4-D TMA view give the rows'
+    bits at every config kind: 128- and 64-column steps, K split, persistent programs, odd M,
+    a bias; zeros and symmetric int4."""
+    from openkernels.quant.format import tile_codes
+
+    gen = torch.Generator().manual_seed(41)
+    n, k = 2048 + 64, 4096
+    configs = [gluon.config_for(m, 8192, 8192, 128) for m in (16, 128, 2048)] + [gluon.PERSISTENT_STUDY[0]]
+    for symmetric in (False, True) if kind == "int4" else (False,):
+        w = make_weight(n, k, heavy=True, generator=gen)
+        weight = (Q.quantize_nf4(w, 128) if kind == "nf4" else Q.quantize_int4(w, 128, symmetric)).to("cuda")
+        tiled = tile_codes(weight.qweight)
+        bias = torch.randn(n, generator=gen).to("cuda")
+        for cfg in configs:
+            m = cfg.block_m + 37
+            x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+            outs = []
+            for codes in (weight.qweight, tiled):
+                assert gluon.unsupported_call(x, codes, weight.scales, weight.zeros, bias, x.new_empty(m, n), 128,
+                                              kind, cfg) is None  # fmt: skip
+                out = torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda")
+                gluon.int4_linear_fwd(x, codes, weight.scales, weight.zeros, bias, out, 128, kind, config=cfg)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), f"{cfg} {kind} symmetric={symmetric}"
+            assert_linear_close(outs[1], x, weight, bias, w_rounded=True, msg=f"tiled {cfg}")
+
+
+@pytest.mark.gpu
+@_needs_sm90
 def test_fp16_scales_strided_x_and_nan() -> None:
     gen = torch.Generator().manual_seed(5)
     n, k = 520, 1024

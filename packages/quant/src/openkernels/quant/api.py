@@ -7,13 +7,15 @@ quantize_int4 / quantize_nf4 (quantize.py) make the Int4Weight (format.py) these
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
 from openkernels.shared import replay
 
 from . import ops, problem
-from .format import Int4Weight
+from .format import Int4Weight, untile_codes
 
 # The public functions are named by the op table (problem.OPS); linear_parts is Int4Linear's.
 __all__ = [*problem.OPS, "linear_parts"]
@@ -23,13 +25,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_call(x: Tensor, qweight: Tensor, bias: Tensor | None) -> None:  # qweight: the stored rows
+def _check_call(x: Tensor, qweight: Tensor, bias: Tensor | None) -> None:  # qweight: rows or tiled codes
     """problem.py's rules on x and bias, plus what is PyTorch's own: tensors, one device."""
     if not isinstance(x, Tensor):
         raise TypeError(f"int4_linear: x must be a tensor, got {type(x).__name__}")
     problem.check_x_dtype("int4_linear: x", _dtype_name(x.dtype), x.dtype)
     bias_part = problem.Part(tuple(bias.shape), _dtype_name(bias.dtype)) if isinstance(bias, Tensor) else bias
-    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    if qweight.dim() == 3:  # format.tile_codes' layout (Int4Linear(layout="tiled"))
+        n, k = 16 * qweight.shape[0], 128 * qweight.shape[1]
+    else:
+        n, k = qweight.shape[0], 2 * qweight.shape[1]
     problem.check_linear_call(tuple(x.shape), bias_part, n, k, noun="tensor")
     if x.device != qweight.device:
         raise ValueError(f"int4_linear: x is on {x.device}, the weight on {qweight.device}")
@@ -50,21 +55,51 @@ def linear_parts(
     tiled: Tensor | None = None,
 ) -> Tensor:
     """int4_linear on the weight's parts (what Int4Linear.forward calls; the parts were
-    checked when the module was built or loaded). `tiled`: the same codes in format.tile_codes'
-    layout (Int4Linear.use_tiled_codes), run where the tensor-core GEMV takes the call
-    (cuda.takes_tiled: sm_90, up to 8 rows of x, no autograd); the stored rows elsewhere."""
+    checked when the module was built or loaded). qweight: the stored rows (N, K // 2), or the
+    codes in format.tile_codes' layout (Int4Linear(layout="tiled")). `tiled`: the same codes
+    tiled beside the rows (Int4Linear.use_tiled_codes). Tiled codes run where a kernel reads
+    them (ops.tiled_runner: on sm_90 without autograd, the tensor-core GEMV at 1-16 rows of x,
+    the Gluon wgmma kernel where it takes the call); any other call reads rows: the stored
+    ones, or tiled codes converted for the call (one warning per shape and reason)."""
     _check_call(x, qweight, bias)
     if perm is not None:
         x = x.index_select(-1, perm)
     codes = qweight
-    if tiled is not None and x.is_cuda:
-        from . import cuda
-
-        if cuda.takes_tiled(x, tiled, scales, zeros, bias, group_size, kind):
-            codes = tiled
+    stored_tiled = qweight.dim() == 3
+    if stored_tiled or tiled is not None:
+        tiled_codes = qweight if stored_tiled else tiled
+        if ops.tiled_runner(x, tiled_codes, scales, zeros, bias, group_size, kind) is not None:
+            codes = tiled_codes
+        elif stored_tiled:
+            _warn_untiled(x, qweight, kind)
+            codes = untile_codes(qweight)
     # Plain eager tensors: the kernel directly, or one autograd.Function; anything else
     # (torch.compile, meta and fake tensors, tensor subclasses such as DTensor): the library op.
     return ops.INT4_LINEAR(x, codes, scales, zeros, bias, group_size, kind)
+
+
+_untiled_warned: set[tuple] = set()
+
+
+def _warn_untiled(x: Tensor, qweight: Tensor, kind: str) -> None:
+    """One warning per (device type, codes shape, kind, row class) that a layer storing tiled
+    codes runs a call on a kernel that reads rows (the codes converted for the call)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    reason = (
+        "not on an NVIDIA GPU" if not x.is_cuda
+        else "autograd" if torch.is_grad_enabled() and x.requires_grad
+        else f"{rows} rows of x, on a path that reads rows (Triton or the one-round kernel)"
+    )  # fmt: skip
+    key = (x.device.type, tuple(qweight.shape), kind, reason if x.is_cuda else "")
+    if key in _untiled_warned:
+        return
+    _untiled_warned.add(key)
+    warnings.warn(
+        f"int4_linear: codes stored in the 'tiled' layout {tuple(qweight.shape)} run this call on a kernel that "
+        f"reads rows ({reason}): they are converted for each such call (a pass over them). "
+        "Int4Linear.to_layout('rows') stores the rows instead.",
+        stacklevel=3,
+    )
 
 
 def int4_linear(x: Tensor, weight: Int4Weight, bias: Tensor | None = None) -> Tensor:

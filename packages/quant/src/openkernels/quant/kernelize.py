@@ -16,7 +16,7 @@ from .linear import Int4Linear, quantize_model
 
 __all__ = ["replacements"]
 
-_OPTIONS = ("group_size", "symmetric", "search", "skip", "scale_dtype", "progress")
+_OPTIONS = ("group_size", "symmetric", "search", "skip", "scale_dtype", "progress", "layout")
 
 
 def _quantize(model: nn.Module, ctx: KernelizeContext) -> Callable[[], None] | None:

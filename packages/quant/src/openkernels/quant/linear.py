@@ -26,7 +26,18 @@ from torch import Tensor, nn
 
 from . import problem
 from .api import linear_parts
-from .format import KINDS, Int4Weight, check_parts, check_scale_values, tile_codes
+from .format import (
+    KINDS,
+    LAYOUT_VERSIONS,
+    LAYOUTS,
+    Int4Weight,
+    check_parts,
+    check_scale_values,
+    codes_shape,
+    layout_refusal,
+    rows_of,
+    tile_codes,
+)
 from .quantize import quantize_int4, quantize_nf4
 
 __all__ = [
@@ -39,12 +50,25 @@ __all__ = [
 ]
 
 _FORMAT_KEY = "openkernels.quant"
-_FORMAT_VERSION = 1
+# save_quantized's metadata: version 1 (every layer's codes in rows), version 2 (since quant
+# 0.10.15: a layer may record "layout" and "layout_version"; written where a layer is tiled, so
+# that a reader before it refuses the file instead of misreading the codes).
+_FORMAT_VERSIONS = (1, 2)
 
 
 class Int4Linear(nn.Module):
     """y = x @ W^T + bias with a 4-bit W (format.py); x (..., in_features) float16 / bfloat16
-    (GPU kernels) or float32 / float64, y (..., out_features) in x's dtype."""
+    (GPU kernels) or float32 / float64, y (..., out_features) in x's dtype.
+
+    `layout` (format.LAYOUTS): how the codes buffer `qweight` is stored. "rows" (N, K // 2),
+    the default, is what every backend reads. "tiled" (N // 16, K // 128, 1024; out_features a
+    multiple of 16, in_features of 128) is format.tile_codes' layout, which the tensor-core
+    GEMV reads directly (NVIDIA sm_90, 1-16 rows of x, no autograd: decoding), 3-8% faster than
+    the rows at one row (H100, docs/perf.md); every other call converts the codes to rows first
+    (a pass over them per call, with one warning per layer shape). save_quantized records the
+    layout; load_quantized restores it or converts to the one asked for."""
+
+    layout = "rows"  # instances set their own; this default covers modules pickled before it
 
     def __init__(
         self,
@@ -59,18 +83,26 @@ class Int4Linear(nn.Module):
         scale_dtype: torch.dtype = torch.float16,
         bias_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        layout: str = "rows",
     ) -> None:
         super().__init__()
         group_size = problem.resolve_group_size(group_size, in_features)
         self.in_features, self.out_features = in_features, out_features
         self.group_size, self.kind = group_size, kind
         groups = in_features // group_size if group_size else 0
-        qweight = torch.zeros((out_features, in_features // 2), dtype=torch.uint8, device=device)
+        rows = torch.empty((out_features, in_features // 2), dtype=torch.uint8, device="meta")
         scales = torch.ones((groups, out_features), dtype=scale_dtype, device=device)
         zeros = None if symmetric or kind == "nf4" else torch.full_like(scales, 8.0)
         perm = torch.arange(in_features, device=device) if act_order else None
-        check_parts(
-            qweight, scales, zeros, group_size, kind, perm, in_features=in_features, where="Int4Linear"
+        meta = lambda t: None if t is None else t.to("meta")  # noqa: E731 - the checks read shapes only
+        check_parts(rows, meta(scales), meta(zeros), group_size, kind, meta(perm), in_features=in_features,
+                    where="Int4Linear")  # fmt: skip
+        refusal = layout_refusal(layout, out_features, in_features)
+        if refusal is not None:
+            raise ValueError(f"Int4Linear: {refusal}")
+        self.layout = layout
+        qweight = torch.zeros(
+            codes_shape(layout, out_features, in_features), dtype=torch.uint8, device=device
         )
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
@@ -79,13 +111,16 @@ class Int4Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device)) if bias else None
 
     @classmethod
-    def from_weight(cls, weight: Int4Weight, bias: Tensor | None = None) -> Int4Linear:
-        """Wrap an Int4Weight (and an optional (N,) bias, kept in its dtype)."""
+    def from_weight(
+        cls, weight: Int4Weight, bias: Tensor | None = None, *, layout: str = "rows"
+    ) -> Int4Linear:
+        """Wrap an Int4Weight (and an optional (N,) bias, kept in its dtype); `layout`: how the
+        module stores the codes (the class docstring; "tiled" converts them once, here)."""
         module = cls(weight.in_features, weight.out_features, bias is not None, group_size=weight.group_size,
                      kind=weight.kind, symmetric=weight.zeros is None, act_order=weight.perm is not None,
-                     scale_dtype=weight.scales.dtype, device="meta")  # fmt: skip
+                     scale_dtype=weight.scales.dtype, device="meta", layout=layout)  # fmt: skip
         module.qweight, module.scales, module.zeros, module.perm = (
-            weight.qweight,
+            tile_codes(weight.qweight) if layout == "tiled" else weight.qweight,
             weight.scales,
             weight.zeros,
             weight.perm,
@@ -104,14 +139,18 @@ class Int4Linear(nn.Module):
         symmetric: bool = False,
         search: str | None = None,
         scale_dtype: torch.dtype | None = None,
+        layout: str = "rows",
     ) -> Int4Linear:
         """Quantize an nn.Linear's weight (on its device); the bias is copied unchanged. Scales
         (and zeros) in `scale_dtype`, by default the weight's dtype where it is 16-bit, else
-        float16 (scale_dtype_for)."""
+        float16 (scale_dtype_for). `layout`: how the codes are stored (the class docstring)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        refusal = layout_refusal(layout, linear.out_features, linear.in_features)
+        if refusal is not None:  # before the quantization's work
+            raise ValueError(f"from_linear: {refusal}")
         q = _quantize_weight(linear.weight.detach(), group_size, kind, symmetric, search, scale_dtype)
-        return cls.from_weight(q, linear.bias)
+        return cls.from_weight(q, linear.bias, layout=layout)
 
     @classmethod
     def stack_refusal(cls, layers: Sequence[Int4Linear]) -> str | None:
@@ -121,15 +160,17 @@ class Int4Linear(nn.Module):
         for layer in layers:
             if not isinstance(layer, Int4Linear):
                 return f"expected Int4Linear layers, got {type(layer).__name__}"
-            same = (layer.in_features, layer.group_size, layer.kind, layer.zeros is None, layer.scales.dtype)
+            same = (layer.in_features, layer.group_size, layer.kind, layer.zeros is None, layer.scales.dtype,
+                    layer.layout)  # fmt: skip
             if same != (
                 first.in_features,
                 first.group_size,
                 first.kind,
                 first.zeros is None,
                 first.scales.dtype,
+                first.layout,
             ):
-                return "layers differ in in_features, group size, kind, symmetry or scale dtype"
+                return "layers differ in in_features, group size, kind, symmetry, scale dtype or layout"
             if layer.perm is not None:
                 return "act-order layers (perm) cannot be stacked"
             if (layer.bias is None) != (first.bias is None):
@@ -141,42 +182,57 @@ class Int4Linear(nn.Module):
         """One layer whose output is the layers' outputs concatenated on the last dim (a new
         copy of their buffers): the stacked gate / up projection of a gated MLP.
 
-        The layers must share in_features, group size, kind, symmetry and scale dtype, and
-        have no act-order permutation (each would reorder x its own way): `stack_refusal`."""
+        The layers must share in_features, group size, kind, symmetry, scale dtype and codes
+        layout, and have no act-order permutation (each would reorder x its own way):
+        `stack_refusal`. The result keeps their layout."""
         why = cls.stack_refusal(layers)
         if why is not None:
             raise (TypeError if why.startswith("expected") else ValueError)(f"concat_out: {why}")
         first = layers[0]
         zeros = None if first.zeros is None else torch.cat([layer.zeros for layer in layers], dim=1)
         weight = Int4Weight(
-            torch.cat([layer.qweight for layer in layers]),
+            torch.cat([rows_of(layer.qweight) for layer in layers]),
             torch.cat([layer.scales for layer in layers], dim=1),
             zeros,
             first.group_size,
             first.kind,
         )
         bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
-        return cls.from_weight(weight, bias)
+        return cls.from_weight(weight, bias, layout=first.layout)
 
     @property
     def weight(self) -> Int4Weight:
-        """The packed weight as an Int4Weight (views of this module's buffers)."""
-        return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size, self.kind, self.perm)
+        """The packed weight as an Int4Weight (views of this module's buffers; with tiled codes
+        a copy of them in the rows layout, which Int4Weight holds)."""
+        return Int4Weight(
+            rows_of(self.qweight), self.scales, self.zeros, self.group_size, self.kind, self.perm
+        )
+
+    def to_layout(self, layout: str) -> Int4Linear:
+        """Store the codes in `layout` (format.LAYOUTS; the class docstring), converting them
+        once; returns self. ValueError (the module unchanged) where the shape does not take it."""
+        refusal = layout_refusal(layout, self.out_features, self.in_features)
+        if refusal is not None:
+            raise ValueError(f"to_layout: {refusal}")
+        if layout != self.layout:
+            self.qweight = tile_codes(self.qweight) if layout == "tiled" else rows_of(self.qweight)
+            self.layout = layout
+            self.qweight_tiled = None  # use_tiled_codes' second copy: the codes are now one or the other
+        return self
 
     def use_tiled_codes(self, enable: bool = True) -> Int4Linear:
         """Keep a second copy of the codes in format.tile_codes' layout (a non-persistent buffer,
         `qweight_tiled`: not in the state dict, rebuilt when one is loaded), which the
-        tensor-core GEMV reads 5-8% faster at 1-8 rows of x (H100, docs/perf.md); calls it does
-        not take read the stored rows. The codes' memory doubles (0.5 more byte per weight).
-        int4 layers whose out_features is a multiple of 16 and in_features of 128 only."""
-        if not enable:
+        tensor-core GEMV reads 3-8% faster at one row of x (H100, docs/perf.md); calls it does
+        not take read the stored rows. The codes' memory doubles (0.5 more byte per weight):
+        `to_layout("tiled")` stores only the tiled codes instead. Layers whose out_features is a
+        multiple of 16 and in_features of 128 only; a no-op on a layer that stores tiled codes."""
+        if not enable or self.layout == "tiled":  # stored tiled: the calls read them already
             self.qweight_tiled = None
             return self
-        if self.kind != "int4" or self.out_features % 16 or self.in_features % 128:
-            raise ValueError(
-                f"use_tiled_codes: int4 with out_features a multiple of 16 and in_features of 128 only "
-                f"({self.extra_repr()})"
-            )
+        refusal = layout_refusal("tiled", self.out_features, self.in_features)
+        if refusal is not None:
+            raise ValueError(f"use_tiled_codes: {refusal} ({self.extra_repr()})")
         self.register_buffer("qweight_tiled", tile_codes(self.qweight), persistent=False)
         return self
 
@@ -189,6 +245,7 @@ class Int4Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"kind={self.kind}, group_size={self.group_size}, {zeros}{', act_order' if self.perm is not None else ''}"
+            f"{', layout=tiled' if self.layout == 'tiled' else ''}"
         )
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -201,6 +258,21 @@ class Int4Linear(nn.Module):
             if mine is None:
                 raise ValueError(
                     f"{key}: this Int4Linear has no {name} ({self.extra_repr()}), the state dict has one"
+                )
+            if (
+                name == "qweight"
+                and theirs.dtype == mine.dtype
+                and theirs.shape != mine.shape
+                and (
+                    tuple(theirs.shape)
+                    in {codes_shape(other, self.out_features, self.in_features) for other in LAYOUTS}
+                )
+            ):
+                other = "tiled" if theirs.dim() == 3 else "rows"
+                raise ValueError(
+                    f"{key}: the state dict holds the codes in layout {other!r} {tuple(theirs.shape)}, this "
+                    f"Int4Linear stores {self.layout!r} {tuple(mine.shape)} ({self.extra_repr()}); build it with "
+                    f"layout={other!r} (or load_quantized, which reads the layout from the file), then to_layout()"
                 )
             if theirs.dtype != mine.dtype or theirs.shape != mine.shape:
                 raise ValueError(
@@ -230,8 +302,7 @@ def use_tiled_codes(model: nn.Module, enable: bool = True) -> int:
     changed = 0
     for module in model.modules():
         if isinstance(module, Int4Linear) and (
-            not enable
-            or (module.kind == "int4" and module.out_features % 16 == 0 and module.in_features % 128 == 0)
+            not enable or layout_refusal("tiled", module.out_features, module.in_features) is None
         ):
             module.use_tiled_codes(enable)
             changed += 1
@@ -425,6 +496,7 @@ def quantize_model(
     skip: Iterable[str] = ("lm_head",),
     scale_dtype: torch.dtype | None = None,
     progress: bool = True,
+    layout: str = "rows",
 ) -> QuantizeReport:
     """Replace every nn.Linear of `model` (in place) by an Int4Linear.
 
@@ -442,8 +514,13 @@ def quantize_model(
     row-parallel layer whose rank shares of K the group size does not divide (or a
     whole-row group), and a sharded layer of another layout, raise ValueError naming it
     before any layer changes. Bytes in the report are this rank's.
+
+    `layout`: how every new layer stores its codes (Int4Linear's docstring). "tiled" raises
+    ValueError before any layer changes where a layer's shape cannot hold it (out_features not
+    a multiple of 16, in_features of 128; `skip` them) or the layer is sharded.
     """
     skip = tuple(skip)
+    codes_layout = layout  # (the loop below names the tensor-parallel layouts `layout`)
     report = QuantizeReport()
     todo: dict[str, _TPLayout | None] = {}
     for name, module in model.named_modules():
@@ -453,6 +530,11 @@ def quantize_model(
                 report.skipped.append((name, reason))
             else:
                 todo[name] = _tp_layout(name, module, group_size)  # refuses before anything changes
+                refusal = layout_refusal(codes_layout, module.out_features, module.in_features)
+                if refusal is None and codes_layout != "rows" and todo[name] is not None:
+                    refusal = f"layout {codes_layout!r} under tensor parallelism is not supported (sharded codes: rows only)"
+                if refusal is not None:
+                    raise ValueError(f"quantize_model: layer {name!r}: {refusal}")
     for name in _progress(list(todo), progress):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -461,7 +543,7 @@ def quantize_model(
         try:
             if layout is None:
                 quantized = Int4Linear.from_linear(linear, group_size=group_size, kind=kind, symmetric=symmetric,
-                                                   search=search, scale_dtype=scale_dtype)  # fmt: skip
+                                                   search=search, scale_dtype=scale_dtype, layout=codes_layout)  # fmt: skip
             else:
                 quantized = _quantize_shard(linear, layout, group_size, kind, symmetric, search, scale_dtype)
         except (ValueError, TypeError) as error:  # bad weights (NaN, ...): say which layer
@@ -475,21 +557,26 @@ def quantize_model(
 
 
 def _layer_meta(module: Int4Linear) -> dict:
-    return {
+    meta = {
         "in_features": module.in_features, "out_features": module.out_features, "group_size": module.group_size,
         "kind": module.kind, "symmetric": module.zeros is None, "act_order": module.perm is not None,
         "bias": module.bias is not None, "scale_dtype": str(module.scales.dtype).removeprefix("torch."),
     }  # fmt: skip
+    if module.layout != "rows":
+        meta.update(layout=module.layout, layout_version=LAYOUT_VERSIONS[module.layout])
+    return meta
 
 
 def save_quantized(model: nn.Module, path: str | Path) -> None:
     """Write the model's state dict to a safetensors file, with the Int4Linear layers' formats
-    in its metadata so load_quantized can rebuild them on an unquantized model."""
+    in its metadata (their codes' layout and its version included) so load_quantized can
+    rebuild them on an unquantized model."""
     from safetensors.torch import save_file
 
     layers = {name: _layer_meta(m) for name, m in model.named_modules() if isinstance(m, Int4Linear)}
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    meta = {_FORMAT_KEY: json.dumps({"version": _FORMAT_VERSION, "layers": layers})}
+    version = 2 if any("layout" in layer for layer in layers.values()) else 1
+    meta = {_FORMAT_KEY: json.dumps({"version": version, "layers": layers})}
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -503,6 +590,11 @@ _LAYER_FIELDS = {
     "act_order": (lambda v: type(v) is bool, "true or false"),
     "bias": (lambda v: type(v) is bool, "true or false"),
     "scale_dtype": (lambda v: v in ("float16", "bfloat16"), "'float16' or 'bfloat16'"),
+}
+# ... and the optional ones (format version 2): absent means rows.
+_OPTIONAL_FIELDS = {
+    "layout": (lambda v: v in LAYOUTS, f"one of {list(LAYOUTS)}"),
+    "layout_version": (lambda v: type(v) is int, "an integer"),
 }
 
 
@@ -523,8 +615,10 @@ def _read_layers(path: str | Path) -> dict[str, dict]:
         raise ValueError(f"{where} is not JSON ({error}); expected what save_quantized writes") from error
     if not isinstance(info, dict):
         raise ValueError(f"{where} must be an object with 'version' and 'layers', got {type(info).__name__}")
-    if info.get("version") != _FORMAT_VERSION:
-        raise ValueError(f"{path}: format version {info.get('version')} is not supported ({_FORMAT_VERSION})")
+    if info.get("version") not in _FORMAT_VERSIONS:
+        raise ValueError(
+            f"{path}: format version {info.get('version')} is not supported ({', '.join(map(str, _FORMAT_VERSIONS))})"
+        )
     if "layers" not in info:
         raise ValueError(f"{where} has no 'layers'; expected {expected}")
     layers = info["layers"]
@@ -538,6 +632,15 @@ def _read_layers(path: str | Path) -> dict[str, dict]:
                 raise ValueError(f"{where}: layers[{name!r}] has no {key!r}; expected {what}")
             if not ok(layer[key]):
                 raise ValueError(f"{where}: layers[{name!r}][{key!r}] is {layer[key]!r}; expected {what}")
+        for key, (ok, what) in _OPTIONAL_FIELDS.items():
+            if key in layer and not ok(layer[key]):
+                raise ValueError(f"{where}: layers[{name!r}][{key!r}] is {layer[key]!r}; expected {what}")
+        layout = layer.get("layout", "rows")
+        if layer.get("layout_version", LAYOUT_VERSIONS[layout]) != LAYOUT_VERSIONS[layout]:
+            raise ValueError(
+                f"{where}: layers[{name!r}] stores layout {layout!r} version {layer['layout_version']}; this "
+                f"openkernels-quant reads version {LAYOUT_VERSIONS[layout]}"
+            )
     return layers
 
 
@@ -584,17 +687,26 @@ def _check_state(model: nn.Module, new: dict[str, Int4Linear], state: dict[str, 
 
 
 def load_quantized(model: nn.Module, path: str | Path, *, device: torch.device | str | None = None,
-                   strict: bool = True) -> nn.Module:  # fmt: skip
+                   strict: bool = True, layout: str | None = None) -> nn.Module:  # fmt: skip
     """Load a file written by save_quantized into `model` (built unquantized, e.g. from its
     config): the layers recorded as Int4Linear replace the model's linear layers and the state
     dict is loaded, with every tensor's shape and dtype checked (and scales finite and
-    non-negative). All of it (the metadata, every tensor's key, shape and dtype, the scales) is
-    checked before the model changes: on an error the model is left as it was. Returns the
-    model."""
+    non-negative). `layout`: how the layers store their codes (Int4Linear's docstring); None
+    keeps each layer's recorded layout (rows in files before quant 0.10.15), "rows" or "tiled"
+    converts every layer to it once, after loading (a layer whose shape the tiled layout
+    cannot hold raises). All of it (the metadata, every tensor's key, shape and dtype, the
+    scales, the layout asked for) is checked before the model changes: on an error the model is
+    left as it was. Returns the model."""
     from safetensors.torch import load_file
 
     new: dict[str, Int4Linear] = {}
-    for name, layer in _read_layers(path).items():
+    layers = _read_layers(path)
+    if layout is not None:
+        for name, layer in layers.items():
+            refusal = layout_refusal(layout, layer["out_features"], layer["in_features"])
+            if refusal is not None:
+                raise ValueError(f"{path}: layer {name!r}: {refusal}")
+    for name, layer in layers.items():
         try:
             old = model.get_submodule(name)
         except AttributeError as error:
@@ -608,7 +720,8 @@ def load_quantized(model: nn.Module, path: str | Path, *, device: torch.device |
             new[name] = Int4Linear(layer["in_features"], layer["out_features"], layer["bias"],
                                    group_size=layer["group_size"], kind=layer["kind"], symmetric=layer["symmetric"],
                                    act_order=layer["act_order"], scale_dtype=getattr(torch, layer["scale_dtype"]),
-                                   bias_dtype=bias_dtype, device=device)  # fmt: skip
+                                   bias_dtype=bias_dtype, device=device,
+                                   layout=layer.get("layout", "rows"))  # fmt: skip
         except (ValueError, TypeError) as error:
             raise ValueError(f"{path}: metadata {_FORMAT_KEY!r}: layers[{name!r}]: {error}") from error
     state = load_file(str(path), device=str(device) if device is not None else "cpu")
@@ -628,4 +741,7 @@ def load_quantized(model: nn.Module, path: str | Path, *, device: torch.device |
         raise
     if device is not None:
         model.to(device)
+    if layout is not None:
+        for module in new.values():
+            module.to_layout(layout)
     return model

@@ -39,8 +39,8 @@ def _out_features(qweight: Tensor) -> int:
 def forward(x: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str) -> Tensor:
     """x (..., K) @ W^T + bias -> (..., N) in x's dtype, by the best backend (the weight's
     parts as format.py lays them out; zeros and bias may be None). Tiled codes (3-D,
-    format.tile_codes; api.linear_parts passes them only where cuda.takes_tiled said the
-    tensor-core GEMV takes the call) go to that launcher alone: no other kernel reads them."""
+    format.tile_codes; api.linear_parts passes them where tiled_runner names a launcher that
+    reads them: the tensor-core GEMV or the Gluon wgmma kernel) go to that launcher."""
     n, k = _out_features(qweight), x.shape[-1]
     flat = x.dim() == 2 and x.stride(1) == 1  # the common case: no reshape, no view (host time)
     rows = x if flat else x.reshape(-1, k)
@@ -49,12 +49,43 @@ def forward(x: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str)
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0] and n:
         if qweight.dim() == 3:
-            from . import cuda
-
-            cuda.int4_linear_fwd(rows, qweight, scales, zeros, bias, out, group_size, kind)
+            _forward_tiled(rows, qweight, scales, zeros, bias, out, group_size, kind)
         else:
             dispatch.run(_LINEAR, rows, qweight, scales, zeros, bias, out, group_size, kind)
     return out if flat else out.view(*x.shape[:-1], n)
+
+
+def tiled_runner(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> str | None:
+    """Which launcher runs this call (x (..., K)) on tiled codes (format.tile_codes): "gemv"
+    (the tensor-core GEMV, 1-16 rows), "wgmma" (the Gluon kernel, 16 or more), or None (no
+    kernel reads them for this call: the caller converts them to rows)."""
+    if not x.is_cuda:
+        return None
+    from . import cuda
+
+    if cuda.takes_tiled(x, tiled, scales, zeros, bias, group_size, kind):
+        return "gemv"
+    from . import gluon
+
+    return "wgmma" if gluon.takes_tiled(x, tiled, scales, zeros, bias, group_size, kind) else None
+
+
+def _forward_tiled(x, qweight, scales, zeros, bias, out, group_size, kind) -> None:
+    """forward on tiled codes (api.linear_parts passes them only where tiled_runner names a
+    launcher; any other call converts them to rows here, correct if slow)."""
+    runner = tiled_runner(x, qweight, scales, zeros, bias, group_size, kind)
+    if runner == "gemv":
+        from . import cuda
+
+        cuda.int4_linear_fwd(x, qweight, scales, zeros, bias, out, group_size, kind)
+    elif runner == "wgmma":
+        from . import gluon
+
+        gluon.int4_linear_fwd(x, qweight, scales, zeros, bias, out, group_size, kind)
+    else:
+        from .format import untile_codes
+
+        dispatch.run(_LINEAR, x, untile_codes(qweight), scales, zeros, bias, out, group_size, kind)
 
 
 def dequantize(

@@ -414,10 +414,17 @@ def unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, con
     """Why this call goes to the Triton kernels instead (None: a kernel here takes it)."""
     m, k = x.shape
     n = _n_of(qweight)
-    if qweight.dim() == 3:  # tiled codes: the tensor-core GEMV's one-tile builds, not the dependent launch
+    if (
+        qweight.dim() == 3
+    ):  # tiled codes: the tensor-core GEMV's builds but the dependent launch and the x split
         tc = tc_config(config)
-        if tcr_config(config) is None and (tc is None or tc.pdl or m > TC_SPLIT_MAX_ROWS):
-            return "tiled codes (format.tile_codes) outside the tensor-core GEMV's configs without -p, up to 8 rows"
+        if tcr_config(config) is None and (
+            tc is None or tc.pdl or tc.xtiles > 1 or (m > TC_SPLIT_MAX_ROWS and tc.splits > 1)
+        ):
+            return (
+                "tiled codes (format.tile_codes) outside the tensor-core GEMV's configs without -p or -x2 (up to "
+                f"{TC_MAX_ROWS} rows, {TC_SPLIT_MAX_ROWS} where K is split)"
+            )
         if qweight.shape[1] * 128 != k or not qweight.is_contiguous():
             return "tiled codes not contiguous or not of x's K"
     if m > MMA_MAX_ROWS:
@@ -626,7 +633,8 @@ def default_config(
         return None if tiles is None else f"tc-t{tiles}-u{1 if tiles == 4 else 2}" + x_split
     from .. import gluon  # the wgmma launcher's own routing (imported on use: gluon needs Triton)
 
-    wgmma_takes_it = gluon.slower_than_triton(m, n, k) is None
+    # (wgmma takes 16 rows and more: at 9-15 a call it "takes" went on to Triton before quant 0.10.15)
+    wgmma_takes_it = m >= gluon.MIN_M and gluon.slower_than_triton(m, n, k) is None
     if n >= 8192 and n % 64 == 0 and not (wgmma_takes_it and scales_in_x_dtype):
         return "tc-t4-u1" + x_split
     return None if wgmma_takes_it else "mma"
@@ -636,15 +644,18 @@ _CONTIGUOUS = torch.empty(0)  # unsupported_call's stand-in for the output ops.f
 
 
 def tiled_config(
-    m: int, n: int, k: int, group_size: int, arch: str, *, scales_in_x_dtype: bool = False
+    m: int, n: int, k: int, group_size: int, arch: str, *, scales_in_x_dtype: bool = False, kind: str = "int4"
 ) -> str | None:
-    """The default config where it is a tensor-core GEMV config that reads tiled codes
-    (format.tile_codes: no programmatic dependent launch, up to 8 rows of x), else None."""
-    if m > TC_SPLIT_MAX_ROWS:
-        return None
-    config = default_config(m, n, k, group_size, arch, scales_in_x_dtype=scales_in_x_dtype)
+    """The tensor-core GEMV config tiled codes (format.tile_codes) run on: the default config
+    where it is one that reads them (no programmatic dependent launch, no x split), else None
+    (wgmma reads them where it takes the call, else they are converted to rows). Where the rows
+    go to the one-round kernel (9-16 rows, int4, N below 8192), which reads rows only, NF4's
+    choice instead: the tensor-core GEMV at every N."""
+    config = default_config(m, n, k, group_size, arch, scales_in_x_dtype=scales_in_x_dtype, kind=kind)
+    if config == "mma":
+        config = default_config(m, n, k, group_size, arch, scales_in_x_dtype=scales_in_x_dtype, kind="nf4")
     tc = tc_config(config)
-    return config if tc is not None and not tc.pdl else None
+    return config if tc is not None and not tc.pdl and tc.xtiles == 1 else None
 
 
 def takes_tiled(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> bool:
@@ -652,7 +663,7 @@ def takes_tiled(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, 
     with the tiled codes (x (..., K) as ops.forward passes it on): api.linear_parts then passes
     the tiled codes instead of the stored rows. Without autograd only (the backward reads rows),
     and not while compiling (the checks read data pointers; compiled graphs run the rows)."""
-    if not x.is_cuda or _broken or kind != "int4" or x.dim() < 1 or torch.compiler.is_compiling():
+    if not x.is_cuda or _broken or x.dim() < 1 or torch.compiler.is_compiling():
         return False
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return False
@@ -664,7 +675,7 @@ def takes_tiled(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, 
     if not chosen or chosen[0].name != "gemv":
         return False
     config = tiled_config(rows.shape[0], 16 * tiled.shape[0], k, group_size, _arch(x.device),
-                          scales_in_x_dtype=scales.dtype == x.dtype)  # fmt: skip
+                          scales_in_x_dtype=scales.dtype == x.dtype, kind=kind)  # fmt: skip
     return (
         config is not None
         and unsupported_call(rows, tiled, scales, zeros, bias, _CONTIGUOUS, group_size, kind, config) is None
@@ -703,7 +714,7 @@ def int4_linear_fwd(
         if config is None and x.is_cuda:
             config = tiled_config(
                 x.shape[0], _n_of(qweight), x.shape[1], group_size, _arch(x.device),
-                scales_in_x_dtype=scales.dtype == x.dtype,
+                scales_in_x_dtype=scales.dtype == x.dtype, kind=kind,
             )  # fmt: skip
         why = unsupported_call(*args, config) or ("the CUDA library is unavailable" if _broken else None)
         if why is not None:

@@ -46,6 +46,7 @@ __all__ = [
     "slower_than_triton",
     "unsupported_call",
     "smem_bytes",
+    "takes_tiled",
 ]
 
 ARCHS = ("sm_90",)
@@ -288,15 +289,23 @@ def _unsupported_layout(x, qweight, scales, zeros, out, group_size, kind, config
         return "a persistent config with K split (persistent programs take whole tiles)"
     if config is not None and (k % config.block_k or (group_size < k and group_size % config.block_k)):
         return f"K = {k} or group size {group_size} not a multiple of block_k {config.block_k}"
-    if not _rows_aligned(x) or not _rows_aligned(qweight):
-        return "rows of x or qweight not 16-byte aligned (TMA)"
+    if qweight.dim() == 3:  # format.tile_codes' layout, read through a 4-D view (kernels._issue)
+        block_k = config.block_k if config else _block_k(k, group_size)
+        if qweight.shape[1] * 128 != k or not qweight.is_contiguous():
+            return "tiled codes not contiguous or not of x's K"
+        if block_k > 128:
+            return f"tiled codes with {block_k}-column steps (they hold 128-column blocks)"
+    elif not _rows_aligned(qweight):
+        return "rows of qweight not 16-byte aligned (TMA)"
+    if not _rows_aligned(x):
+        return "rows of x not 16-byte aligned (TMA)"
     if out.stride(1) != 1 or scales.stride(1) != 1 or (zeros is not None and zeros.stride(1) != 1):
         return "an output, scales or zeros with a non-unit column stride"
     return None
 
 
 @functools.cache
-def _shared_layout(block: tuple[int, int], dtype: torch.dtype):
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     """The swizzled shared-memory layout of a TMA tile (6 us to build: built once per tile)."""
     from triton.experimental.gluon import language as gl
 
@@ -304,10 +313,14 @@ def _shared_layout(block: tuple[int, int], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
-def _desc(t: Tensor, block: tuple[int, int]):
-    """A host TMA descriptor of the 2-D tensor t in tiles of `block` (about 2 us)."""
+def _desc(t: Tensor, block: tuple[int, ...]):
+    """A host TMA descriptor of t in tiles of `block` (about 2 us); tiled codes (N // 16,
+    K // 128, 1024) as (N // 16, K // 128, 16, 64), whose 4-D blocks land in shared memory as the
+    rows' 2-D tiles do (kernels._code_rows)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if len(block) == 4:
+        t = t.view(t.shape[0], t.shape[1], 16, 64)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
 
 
@@ -333,7 +346,7 @@ class _Plan:
 
     def __init__(self, cfg: WgmmaConfig, m: int, n: int, k: int, group_size: int, x_dtype: torch.dtype,
                  scales_dtype: torch.dtype, has_zeros: bool, has_bias: bool, s_stride: int, o_stride: int,
-                 kind: str = "int4", device: torch.device | None = None) -> None:  # fmt: skip
+                 kind: str = "int4", device: torch.device | None = None, tiled: bool = False) -> None:  # fmt: skip
         from ..triton import split_scratch  # the Triton kernels' split-K scratch and counters
         from ..triton.configs import kernel_group
         from .kernels import int4_linear_wgmma_kernel  # imports Gluon: once per plan, not per call
@@ -355,7 +368,10 @@ class _Plan:
             self.flags["NF4_TABLE"] = NF4_LOOKUPS.index(NF4_LOOKUP)
         self.num_warps = cfg.num_warps
         self.x_block = (cfg.block_m, cfg.block_k)
-        self.w_block = (cfg.block_n, cfg.block_k // 2)
+        # Tiled codes: blocks of whole 16-row tiles, one 128-column block (or half of it) deep.
+        self.w_block = (
+            (cfg.block_n // 16, 1, 16, cfg.block_k // 2) if tiled else (cfg.block_n, cfg.block_k // 2)
+        )
         self.routed: str | None = None  # why unforced calls go to Triton (slower_than_triton)
 
     def __call__(self, x: Tensor, qweight: Tensor, scales: Tensor, zeros, bias, out: Tensor) -> None:
@@ -404,11 +420,39 @@ def int4_linear_fwd(
         or qweight.data_ptr() % 16
         or (plan.routed is not None and "wgmma" not in dispatch.forced_names("int4_linear"))
     ):
+        from ..format import rows_of
         from ..triton import int4_linear_fwd as triton_fwd
 
-        triton_fwd(x, qweight, scales, zeros, bias, out, group_size, kind)
+        # (Tiled codes reach here only where takes_tiled said yes; kept correct anyway.)
+        triton_fwd(x, rows_of(qweight), scales, zeros, bias, out, group_size, kind)
         return
     plan(x, qweight, scales, zeros, bias, out)
+
+
+def takes_tiled(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> bool:
+    """Whether this launcher runs the call (x (..., K)) on the kernel with tiled codes
+    (format.tile_codes, through a 4-D TMA view): dispatch reaches it (after the gemv launcher
+    hands the call on), the call is not routed to Triton, the codes and x fit TMA. Without
+    autograd and not while compiling, as cuda.takes_tiled."""
+    if not x.is_cuda or x.dim() < 1 or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    k = x.shape[-1]
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        return False
+    names = [impl.name for impl in dispatch.select("int4_linear", dispatch.key_for(rows, kind))]
+    if names[:1] != ["wgmma"] and names[:2] != ["gemv", "wgmma"]:
+        return False
+    m, n = rows.shape[0], 16 * tiled.shape[0]
+    out = torch.empty((m, n), dtype=rows.dtype, device="meta")
+    return (
+        _unsupported_layout(rows, tiled, scales, zeros, out, group_size, kind, None) is None
+        and _routed(m, n, k, kind) is None
+        and rows.data_ptr() % 16 == 0
+        and tiled.data_ptr() % 16 == 0
+    )
 
 
 def _plan(x, qweight, scales, zeros, bias, out, group_size, kind, config) -> _Plan | str:
@@ -416,10 +460,11 @@ def _plan(x, qweight, scales, zeros, bias, out, group_size, kind, config) -> _Pl
     if reason is not None:
         return reason
     m, k = x.shape
-    n = qweight.shape[0]
+    tiled = qweight.dim() == 3
+    n = 16 * qweight.shape[0] if tiled else qweight.shape[0]
     cfg = config or config_for(m, n, k, group_size)
     plan = _Plan(cfg, m, n, k, group_size, x.dtype, scales.dtype, zeros is not None, bias is not None,
-                 scales.stride(0), out.stride(0), kind, x.device)  # fmt: skip
+                 scales.stride(0), out.stride(0), kind, x.device, tiled)  # fmt: skip
     plan.routed = None if config is not None else _routed(m, n, k, kind)
     return plan
 

@@ -99,6 +99,14 @@ def _words_layout(codes):
 
 
 @gluon.constexpr_function
+def _code_rows(shape):
+    """Rows of W in a code tile: (BLOCK_N, BLOCK_K // 2), or tiled (BLOCK_N // 16, 1, 16,
+    BLOCK_K // 2), whose blocks of 16 rows land one after another: the same bytes in shared
+    memory as the rows' tile (TMA's swizzle follows the shared address)."""
+    return shape[0] if len(shape) == 2 else shape[0] * shape[2]
+
+
+@gluon.constexpr_function
 def _words_smem_layout(codes_smem):
     """The code tile's NVMMA shared layout read as 32-bit words (the same bytes: the swizzle
     permutes 16-byte chunks)."""
@@ -129,7 +137,11 @@ def _issue(x_desc, qw_desc, x_smem, qw_smem, ready, step, base, k0, off_m, off_n
     col = (k0 + step) * BLOCK_K
     mbarrier.expect(bar, x_desc.block_type.nbytes + qw_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(x_desc, [off_m, col], bar, x_smem.index(s))
-    tma.async_copy_global_to_shared(qw_desc, [off_n, col // 2], bar, qw_smem.index(s))
+    if len(qw_desc.block_type.shape) == 4:  # tiled codes (N // 16, K // 128, 16, 64): tile_codes' blocks
+        tma.async_copy_global_to_shared(qw_desc, [off_n // 16, col // 128, 0, (col % 128) // 2], bar,
+                                        qw_smem.index(s))  # fmt: skip
+    else:
+        tma.async_copy_global_to_shared(qw_desc, [off_n, col // 2], bar, qw_smem.index(s))
 
 
 @gluon.jit
@@ -354,9 +366,8 @@ def _step(i, acc, w_other, scale, zero, scale_next, zero_next, x_desc, qw_desc, 
     slot = (base + i) % STAGES
     mbarrier.wait(ready.index(slot), ((base + i) // STAGES) & 1)
     codes = qw_smem.index(slot)
-    words = codes._reinterpret(
-        gl.int32, [codes.shape[0], codes.shape[1] // 4], _words_smem_layout(codes.layout)
-    )
+    rows: gl.constexpr = _code_rows(codes.shape)
+    words = codes._reinterpret(gl.int32, [rows, codes.shape[-1] // 4], _words_smem_layout(codes.layout))
     if NF4 and NF4_TABLE > 0:
         w = _dequantize_nf4_shared(words.load(gl.SliceLayout(2, words3)), scale, table, words3, a_layout, DTYPE,
                                    SCALE_16, NF4_TABLE)  # fmt: skip
@@ -390,7 +401,8 @@ def int4_linear_wgmma_kernel(
     PERSISTENT: gl.constexpr = False, NF4_TABLE: gl.constexpr = 0,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ W^T (+ bias). x_desc: (M, K) blocks (BLOCK_M, BLOCK_K); qw_desc:
-    codes (N, K // 2) blocks (BLOCK_N, BLOCK_K // 2). K % BLOCK_K == 0 and BLOCK_K divides
+    codes (N, K // 2) blocks (BLOCK_N, BLOCK_K // 2), or tiled codes (format.tile_codes) viewed
+    as (N // 16, K // 128, 16, 64) in blocks (BLOCK_N // 16, 1, 16, BLOCK_K // 2), BLOCK_K <= 128. K % BLOCK_K == 0 and BLOCK_K divides
     GROUP (the launcher checks). Launched with num_warps = BLOCK_N // 16 (4 or 8). Grid:
     cdiv(N, BLOCK_N) * SPLIT_K * cdiv(M, BLOCK_M), the M tiles of one weight tile and split
     consecutive. SPLIT_K > 1: split s takes K steps [s * steps_per_split, + steps_per_split)
@@ -401,9 +413,9 @@ def int4_linear_wgmma_kernel(
     epilogue, so that the loads run under it."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = qw_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = _code_rows(qw_desc.block_type.shape)
     WARPS: gl.constexpr = BLOCK_N // 16
-    gl.static_assert(qw_desc.block_type.shape[1] * 2 == BLOCK_K)
+    gl.static_assert(qw_desc.block_type.shape[-1] * 2 == BLOCK_K)
     gl.static_assert(STAGES >= 2)
     gl.static_assert(GROUP % BLOCK_K == 0)
     gl.static_assert(SCALES_AHEAD == 1 or SCALES_AHEAD == 2)
@@ -488,7 +500,7 @@ def _tile_product(x_desc, qw_desc, x_smem, qw_smem, ready, s_ptr, z_ptr, stride_
     STAGES - 1 loads the caller issued; every wgmma retired and every load consumed on return."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = qw_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = _code_rows(qw_desc.block_type.shape)
     DTYPE: gl.constexpr = x_desc.dtype
     offs_n = off_n + gl.arange(0, BLOCK_N, rows_layout)
     mask_n = offs_n < N
