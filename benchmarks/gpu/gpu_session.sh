@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,lookup,mconfigs,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,lookup,layout,mconfigs,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -234,6 +234,18 @@ if [[ $steps == *lookup* && $family == quant ]]; then
   timeout ${NF4TC_S:-240} python3 benchmarks/studies/quant_tc_gemv.py --kinds int4,nf4 --ms 1,8,16 \
     --shapes ${NF4TC_SHAPES:-8192x8192,28672x8192,2048x8192} --configs tc-t1-u2,tc-t2-u2,tc-t4-u1,tc-t1-u2-k2,tc-t4-u1-k2 \
     2>&1 | tee "$out/nf4tc.txt" | grep -v "^\[" | tail -90
+fi
+if [[ $steps == *layout* && $family == quant ]]; then
+  # The codes' stored layout (quant 0.10.15, Int4Linear(layout="tiled")): its GPU tests, the
+  # layers' eager wall and graph time rows against tiled, the 9-15-row routing fix, and the 1B
+  # decode step with tiled codes (needs transformers 5.24 from .whl).
+  timeout ${LAYOUT_TESTS_S:-200} python3 -m pytest -q -rfE packages/quant/tests/test_layout.py packages/quant/tests/test_wgmma.py \
+    packages/quant/tests/test_gemv.py -m "not aot and not interpreter" -k "cuda and tiled or layer_on_the_gpu or 4d_view" \
+    2>&1 | tee "$out/layout_tests.txt" | tail -4
+  timeout ${LAYOUT_S:-200} python3 benchmarks/studies/quant_layout_wall.py 2>&1 | tee "$out/layout_wall.txt" | tail -40
+  timeout 90 python3 benchmarks/studies/quant_m9_15_route.py 2>&1 | tee "$out/m9_15_route.txt" | tail -8
+  timeout ${E2E_S:-240} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode graph --int4-head \
+    --layout tiled --json "$out/e2e_tiled.json" 2>&1 | tail -30
 fi
 if [[ $steps == *mconfigs* && $family == quant ]]; then
   # The wgmma kernel's configs at M = 128 and 2048 on this card (config_for was swept on the

@@ -3,7 +3,7 @@ bf16 weights, with Python's generate loop out of the timing (the 4-bit linear is
 end-to-end bar).
 
     python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile|eager]
-        [--json PATH] [--tiny --device cpu] [--int4-head] [--tiled]
+        [--json PATH] [--tiny --device cpu] [--int4-head] [--tiled] [--layout tiled]
 
 Variants, each a copy of the same random-weight model:
   sdpa          transformers' own model (attn_implementation="sdpa", bf16 weights) with its
@@ -163,6 +163,7 @@ def run(
     read_lengths: bool = False,
     int4_head: bool = False,
     tiled: bool = False,
+    layout: str = "rows",
 ) -> dict:
     base = build(shape, device)
     results: dict = {
@@ -171,6 +172,7 @@ def run(
         "device": str(device),
         "mode": mode,
         "skip": list(skip),
+        "layout": layout,
     }
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(device)
@@ -181,9 +183,9 @@ def run(
         if variant == "ours-bf16":
             kernelize(model, skip=skip)
         elif variant == "ours-int4":
-            kernelize(model, quantize="int4", skip=skip)
+            kernelize(model, quantize={"kind": "int4", "layout": layout}, skip=skip)
         elif variant == "ours-int4-head":
-            kernelize(model, quantize={"kind": "int4", "skip": ()}, skip=skip)
+            kernelize(model, quantize={"kind": "int4", "skip": (), "layout": layout}, skip=skip)
         if tiled and variant.startswith("ours-int4"):
             results.setdefault("tiled_layers", {})[variant] = use_tiled_codes(model)
         # Room for every step timed: a cache that counts its length on the device moves one
@@ -308,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the int4 variants keep tiled codes too (quant's use_tiled_codes, quant 0.10.7)",
     )
+    parser.add_argument("--layout", choices=("rows", "tiled"), default="rows",
+                        help="how the int4 variants store their codes (Int4Linear's layout, quant 0.10.15)")  # fmt: skip
     parser.add_argument("--read-lengths", action="store_true",
                         help="A/B: the static cache's layers read their lengths from the device in eager calls")  # fmt: skip
     parser.add_argument("--tc-routes", default="",
@@ -333,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         args.read_lengths,
         args.int4_head,
         args.tiled,
+        args.layout,
     )
     print(json.dumps(results, indent=1))
     if args.json:
