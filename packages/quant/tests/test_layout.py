@@ -179,8 +179,9 @@ def test_files_with_an_unknown_layout_or_version_are_refused(tmp_path) -> None:
 def test_tiled_layer_on_the_gpu(kind) -> None:
     """On sm_90 a tiled layer's calls run a kernel that reads the tiled codes (no warning): the
     tensor-core GEMV at 1-16 rows, the Gluon wgmma kernel from 32 rows at 4096 x 4096; each
-    bitwise the same launcher's output on the rows, and within the contract. A call under
-    autograd converts the codes (one warning) and gives the rows layer's output."""
+    bitwise the same launcher's output on the rows (replayed calls included), and within the
+    contract. A call under autograd converts the codes (one warning) and gives the rows
+    layer's output."""
     from openkernels.quant import gluon, ops
 
     torch.manual_seed(7)
@@ -189,7 +190,10 @@ def test_tiled_layer_on_the_gpu(kind) -> None:
     tiled = Int4Linear.from_linear(linear, kind=kind, layout="tiled").cuda()
     api._untiled_warned.clear()
     parts = (tiled.scales, tiled.zeros, tiled.bias, 128, kind)
-    for m, runner in ((1, "gemv"), (9, "gemv"), (16, "gemv"), (32, "wgmma"), (200, "wgmma")):
+    cases = ((1, "gemv"), (9, "gemv"), (16, "gemv"), (32, "wgmma"), (200, "wgmma"))
+    # Four calls of each: from the third the eager replay launches the recorded kernels (the
+    # wgmma kernel's 4-D tensor map re-encoded per call).
+    for (m, runner), _ in ((case, call) for case in cases for call in range(4)):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             assert ops.tiled_runner(x, tiled.qweight, *parts) == runner, m
