@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from openkernels.quant import api, format
 from openkernels.quant import cuda as G
+from openkernels.quant import format, ops
 from openkernels.quant.linear import Int4Linear, load_quantized, quantize_model, save_quantized
 from openkernels.shared.platform import triton_interpreting
 
@@ -39,7 +39,7 @@ def test_tiled_layer_gives_the_rows_output_and_warns_once(kind) -> None:
     assert torch.equal(format.untile_codes(tiled.qweight), rows.qweight)
     assert torch.equal(tiled.weight.qweight, rows.qweight)  # Int4Weight holds rows
     assert "layout=tiled" in repr(tiled) and "layout" not in repr(rows)
-    api._untiled_warned.clear()
+    ops._untiled_warned.clear()
     x = torch.randn(3, 256)
     with pytest.warns(UserWarning, match="'tiled' layout"):
         out = tiled(x)
@@ -53,6 +53,17 @@ def test_tiled_layer_gives_the_rows_output_and_warns_once(kind) -> None:
     tiled(xg).sum().backward()
     rows(xr).sum().backward()
     assert torch.equal(xg.grad, xr.grad)
+
+
+def test_tiled_layer_compiles_without_a_graph_break() -> None:
+    """torch.compile(fullgraph=True) traces a tiled layer into the library op with the tiled
+    codes (its fake shape from the tiled codes; the op picks the path when it runs)."""
+    rows, tiled = _pair(kind="int4")
+    x = torch.randn(4, 256)
+    compiled = torch.compile(tiled, fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(compiled(x), rows(x))
 
 
 def test_to_layout_converts_both_ways_and_refuses_before_changing() -> None:
@@ -109,7 +120,7 @@ def test_quantize_model_and_files_keep_the_layout(tmp_path) -> None:
     quantize_model(model, layout="tiled", skip=("2",), progress=False)
     assert model[0].layout == "tiled" and type(model[2]) is nn.Linear
     x = torch.randn(2, 256)
-    api._untiled_warned.clear()
+    ops._untiled_warned.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = model(x)
@@ -182,13 +193,13 @@ def test_tiled_layer_on_the_gpu(kind) -> None:
     bitwise the same launcher's output on the rows (replayed calls included), and within the
     contract. A call under autograd converts the codes (one warning) and gives the rows
     layer's output."""
-    from openkernels.quant import gluon, ops
+    from openkernels.quant import gluon
 
     torch.manual_seed(7)
     linear = nn.Linear(4096, 4096, dtype=torch.bfloat16)
     rows = Int4Linear.from_linear(linear, kind=kind).cuda()
     tiled = Int4Linear.from_linear(linear, kind=kind, layout="tiled").cuda()
-    api._untiled_warned.clear()
+    ops._untiled_warned.clear()
     parts = (tiled.scales, tiled.zeros, tiled.bias, 128, kind)
     cases = ((1, "gemv"), (9, "gemv"), (16, "gemv"), (32, "wgmma"), (200, "wgmma"))
     # Four calls of each: from the third the eager replay launches the recorded kernels (the

@@ -7,15 +7,13 @@ quantize_int4 / quantize_nf4 (quantize.py) make the Int4Weight (format.py) these
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
 from openkernels.shared import replay
 
 from . import ops, problem
-from .format import Int4Weight, untile_codes
+from .format import Int4Weight
 
 # The public functions are named by the op table (problem.OPS); linear_parts is Int4Linear's.
 __all__ = [*problem.OPS, "linear_parts"]
@@ -64,42 +62,18 @@ def linear_parts(
     _check_call(x, qweight, bias)
     if perm is not None:
         x = x.index_select(-1, perm)
-    codes = qweight
-    stored_tiled = qweight.dim() == 3
-    if stored_tiled or tiled is not None:
-        tiled_codes = qweight if stored_tiled else tiled
-        if ops.tiled_runner(x, tiled_codes, scales, zeros, bias, group_size, kind) is not None:
-            codes = tiled_codes
-        elif stored_tiled:
-            _warn_untiled(x, qweight, kind)
-            codes = untile_codes(qweight)
+    codes = qweight  # stored tiled codes go to the op as they are: ops.forward picks their path
+    if (
+        tiled is not None
+        and qweight.dim() == 2
+        and x.is_cuda
+        and not torch.compiler.is_compiling()
+        and ops.tiled_runner(x, tiled, scales, zeros, bias, group_size, kind) is not None
+    ):
+        codes = tiled
     # Plain eager tensors: the kernel directly, or one autograd.Function; anything else
     # (torch.compile, meta and fake tensors, tensor subclasses such as DTensor): the library op.
     return ops.INT4_LINEAR(x, codes, scales, zeros, bias, group_size, kind)
-
-
-_untiled_warned: set[tuple] = set()
-
-
-def _warn_untiled(x: Tensor, qweight: Tensor, kind: str) -> None:
-    """One warning per (device type, codes shape, kind, row class) that a layer storing tiled
-    codes runs a call on a kernel that reads rows (the codes converted for the call)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    reason = (
-        "not on an NVIDIA GPU" if not x.is_cuda
-        else "autograd" if torch.is_grad_enabled() and x.requires_grad
-        else f"{rows} rows of x, on a path that reads rows (Triton or the one-round kernel)"
-    )  # fmt: skip
-    key = (x.device.type, tuple(qweight.shape), kind, reason if x.is_cuda else "")
-    if key in _untiled_warned:
-        return
-    _untiled_warned.add(key)
-    warnings.warn(
-        f"int4_linear: codes stored in the 'tiled' layout {tuple(qweight.shape)} run this call on a kernel that "
-        f"reads rows ({reason}): they are converted for each such call (a pass over them). "
-        "Int4Linear.to_layout('rows') stores the rows instead.",
-        stacklevel=3,
-    )
 
 
 def int4_linear(x: Tensor, weight: Int4Weight, bias: Tensor | None = None) -> Tensor:

@@ -15,6 +15,8 @@ act-order perm is applied by api.py before these ops. The backend contract
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -71,8 +73,8 @@ def tiled_runner(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int,
 
 
 def _forward_tiled(x, qweight, scales, zeros, bias, out, group_size, kind) -> None:
-    """forward on tiled codes (api.linear_parts passes them only where tiled_runner names a
-    launcher; any other call converts them to rows here, correct if slow)."""
+    """forward on tiled codes: the launcher tiled_runner names, else the codes converted to
+    rows for the call (a pass over them; one warning per shape and reason)."""
     runner = tiled_runner(x, qweight, scales, zeros, bias, group_size, kind)
     if runner == "gemv":
         from . import cuda
@@ -85,7 +87,31 @@ def _forward_tiled(x, qweight, scales, zeros, bias, out, group_size, kind) -> No
     else:
         from .format import untile_codes
 
+        _warn_untiled(x, qweight, kind)
         dispatch.run(_LINEAR, x, untile_codes(qweight), scales, zeros, bias, out, group_size, kind)
+
+
+_untiled_warned: set[tuple] = set()
+
+
+def _warn_untiled(x: Tensor, qweight: Tensor, kind: str) -> None:
+    """One warning per (device type, codes shape, kind, reason) that a call on tiled codes runs
+    a kernel that reads rows (the codes converted for the call)."""
+    reason = (
+        "not on an NVIDIA GPU" if not x.is_cuda
+        else "autograd" if torch.is_grad_enabled() and x.requires_grad
+        else f"{x.shape[0]} rows of x, on a path that reads rows (Triton or the one-round kernel)"
+    )  # fmt: skip
+    key = (x.device.type, tuple(qweight.shape), kind, reason)
+    if key in _untiled_warned:
+        return
+    _untiled_warned.add(key)
+    warnings.warn(
+        f"int4_linear: codes stored in the 'tiled' layout {tuple(qweight.shape)} run this call on a kernel that "
+        f"reads rows ({reason}): they are converted for each such call (a pass over them). "
+        "Int4Linear.to_layout('rows') stores the rows instead.",
+        stacklevel=2,
+    )
 
 
 def dequantize(
