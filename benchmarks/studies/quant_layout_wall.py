@@ -14,32 +14,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 import warnings
 
 import torch
 from torch import nn
 
 from openkernels.quant import Int4Linear
-from openkernels.shared.dev.bench import rotating_graph_ms, tensor_bytes
+from openkernels.shared.dev.bench import eager_wall_us, rotating_graph_ms, tensor_bytes
 
 DEV = torch.device("cuda")
 SERIES_BYTES = 200e6
-
-
-def wall_us(calls: list, reps: int = 5, per_rep: int = 100) -> float:
-    """Best of `reps` repetitions of `per_rep` calls cycling through `calls`, us per call."""
-    for i in range(20):
-        calls[i % len(calls)]()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(reps):
-        start = time.perf_counter()
-        for i in range(per_rep):
-            calls[i % len(calls)]()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / per_rep * 1e6)
-    return best
 
 
 def main() -> None:
@@ -70,7 +54,7 @@ def main() -> None:
                     ("tiled", [lambda layer=layer, x=x: layer(x) for layer in layers["tiled"]]),
                 ):
                     with torch.no_grad():
-                        wall = wall_us(calls)
+                        wall = eager_wall_us(calls)
                         graph = rotating_graph_ms(calls, 20)
                     row[name] = (wall, None if graph is None else graph * 1e3)
                 cells = ", ".join(

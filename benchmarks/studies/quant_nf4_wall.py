@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,25 +21,10 @@ from openkernels.quant import cuda as G
 from openkernels.quant import int4_linear
 from openkernels.quant.quantize import quantize_int4, quantize_nf4
 from openkernels.shared import replay
-from openkernels.shared.dev.bench import tensor_bytes
+from openkernels.shared.dev.bench import eager_wall_us, tensor_bytes
 
 DEV = torch.device("cuda")
 SERIES_BYTES = 200e6
-
-
-def wall_us(calls: list, reps: int = 5, per_rep: int = 100) -> float:
-    """Best of `reps` repetitions of `per_rep` calls cycling through `calls`, us per call."""
-    for i in range(20):
-        calls[i % len(calls)]()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(reps):
-        start = time.perf_counter()
-        for i in range(per_rep):
-            calls[i % len(calls)]()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / per_rep * 1e6)
-    return best
 
 
 def main() -> None:
@@ -64,12 +48,14 @@ def main() -> None:
         }
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-            row = {"F.linear": wall_us([lambda w=w, x=x: F.linear(x, w) for w in dense])}
-            row["int4"] = wall_us([lambda q=q, x=x: int4_linear(x, q) for q in copies["int4"]])
+            row = {"F.linear": eager_wall_us([lambda w=w, x=x: F.linear(x, w) for w in dense])}
+            row["int4"] = eager_wall_us([lambda q=q, x=x: int4_linear(x, q) for q in copies["int4"]])
             for lookup in G.TC_NF4_LOOKUPS:
                 G.TC_NF4_LOOKUP = lookup
                 replay.set_mode(replay.mode())  # forget recorded calls: they keep the build they recorded
-                row[f"nf4 {lookup}"] = wall_us([lambda q=q, x=x: int4_linear(x, q) for q in copies["nf4"]])
+                row[f"nf4 {lookup}"] = eager_wall_us(
+                    [lambda q=q, x=x: int4_linear(x, q) for q in copies["nf4"]]
+                )
             G.TC_NF4_LOOKUP = default
             replay.set_mode(replay.mode())
             print(

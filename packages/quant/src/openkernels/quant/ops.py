@@ -60,16 +60,28 @@ def forward(x: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str)
 def tiled_runner(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> str | None:
     """Which launcher runs this call (x (..., K)) on tiled codes (format.tile_codes): "gemv"
     (the tensor-core GEMV, 1-16 rows), "wgmma" (the Gluon kernel, 16 or more), or None (no
-    kernel reads them for this call: the caller converts them to rows)."""
-    if not x.is_cuda:
+    kernel reads them for this call: the codes are converted to rows). CUDA only, without
+    autograd (the backward reads rows) and not while compiling (the launchers' checks read data
+    pointers; the compiled graph's op decides when it runs)."""
+    if not x.is_cuda or x.dim() < 1 or torch.compiler.is_compiling():
         return None
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        return None  # forward would copy it: a new tensor, nothing to check here
+    names = [impl.name for impl in dispatch.select(_LINEAR, dispatch.key_for(rows, kind))]
     from . import cuda
 
-    if cuda.takes_tiled(x, tiled, scales, zeros, bias, group_size, kind):
+    if names[:1] == ["gemv"] and cuda.takes_tiled(rows, tiled, scales, zeros, bias, group_size, kind):
         return "gemv"
-    from . import gluon
+    from . import gluon  # after the gemv launcher hands a call on, or first where it is not registered
 
-    return "wgmma" if gluon.takes_tiled(x, tiled, scales, zeros, bias, group_size, kind) else None
+    if (names[:1] == ["wgmma"] or names[:2] == ["gemv", "wgmma"]) and gluon.takes_tiled(
+        rows, tiled, scales, zeros, group_size, kind
+    ):
+        return "wgmma"
+    return None
 
 
 def _forward_tiled(x, qweight, scales, zeros, bias, out, group_size, kind) -> None:

@@ -283,6 +283,23 @@ def host_only_us(fn: Callable[[], Any], calls: int = 50, warmup: int = 5) -> flo
     return elapsed / calls * 1e6
 
 
+def eager_wall_us(calls: Sequence[Callable[[], Any]], reps: int = 5, per_rep: int = 100) -> float:
+    """Eager wall microseconds per call as a user's loop sees them (host and kernels): the best
+    of `reps` repetitions of `per_rep` calls cycling through `calls` (rotate copies of the
+    inputs past the L2), after 20 warm-up calls (compiles, replay's recording)."""
+    for i in range(20):
+        calls[i % len(calls)]()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for i in range(per_rep):
+            calls[i % len(calls)]()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / per_rep * 1e6)
+    return best
+
+
 def rotating_do_bench_ms(fns: Sequence[Callable[[], Any]]) -> float:
     """Median wall milliseconds per call of `fns` (rotated), triton.testing.do_bench: CPU launch
     overhead included where it is longer than the kernel."""

@@ -658,24 +658,14 @@ def tiled_config(
     return config if tc is not None and not tc.pdl and tc.xtiles == 1 else None
 
 
-def takes_tiled(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> bool:
-    """Whether int4_linear_fwd, chosen by dispatch for this call, runs it on the tensor-core GEMV
-    with the tiled codes (x (..., K) as ops.forward passes it on): api.linear_parts then passes
-    the tiled codes instead of the stored rows. Without autograd only (the backward reads rows),
-    and not while compiling (the checks read data pointers; compiled graphs run the rows)."""
-    if not x.is_cuda or _broken or x.dim() < 1 or torch.compiler.is_compiling():
+def takes_tiled(rows: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> bool:
+    """Whether int4_linear_fwd runs this call (rows (M, K), dispatch's first choice here; the
+    caller's checks in ops.tiled_runner) on the tensor-core GEMV with the tiled codes."""
+    if _broken:
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return False
-    k = x.shape[-1]
-    rows = x if x.dim() == 2 else x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        return False  # ops.forward would copy it: a new tensor, nothing to check here
-    chosen = dispatch.select(_OP, dispatch.key_for(rows, kind))
-    if not chosen or chosen[0].name != "gemv":
-        return False
-    config = tiled_config(rows.shape[0], 16 * tiled.shape[0], k, group_size, _arch(x.device),
-                          scales_in_x_dtype=scales.dtype == x.dtype, kind=kind)  # fmt: skip
+    k = rows.shape[1]
+    config = tiled_config(rows.shape[0], 16 * tiled.shape[0], k, group_size, _arch(rows.device),
+                          scales_in_x_dtype=scales.dtype == rows.dtype, kind=kind)  # fmt: skip
     return (
         config is not None
         and unsupported_call(rows, tiled, scales, zeros, bias, _CONTIGUOUS, group_size, kind, config) is None

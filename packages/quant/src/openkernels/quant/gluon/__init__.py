@@ -429,23 +429,11 @@ def int4_linear_fwd(
     plan(x, qweight, scales, zeros, bias, out)
 
 
-def takes_tiled(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> bool:
-    """Whether this launcher runs the call (x (..., K)) on the kernel with tiled codes
-    (format.tile_codes, through a 4-D TMA view): dispatch reaches it (after the gemv launcher
-    hands the call on), the call is not routed to Triton, the codes and x fit TMA. Without
-    autograd and not while compiling, as cuda.takes_tiled."""
-    if not x.is_cuda or x.dim() < 1 or torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return False
-    k = x.shape[-1]
-    rows = x if x.dim() == 2 else x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        return False
-    names = [impl.name for impl in dispatch.select("int4_linear", dispatch.key_for(rows, kind))]
-    if names[:1] != ["wgmma"] and names[:2] != ["gemv", "wgmma"]:
-        return False
-    m, n = rows.shape[0], 16 * tiled.shape[0]
+def takes_tiled(rows: Tensor, tiled: Tensor, scales, zeros, group_size: int, kind: str) -> bool:
+    """Whether this launcher runs the call (rows (M, K); dispatch reaches it and the caller's
+    checks are ops.tiled_runner's) on the kernel with tiled codes (format.tile_codes, through a
+    4-D TMA view): not routed to Triton, and the codes and x fit TMA."""
+    (m, k), n = rows.shape, 16 * tiled.shape[0]
     out = torch.empty((m, n), dtype=rows.dtype, device="meta")
     return (
         _unsupported_layout(rows, tiled, scales, zeros, out, group_size, kind, None) is None

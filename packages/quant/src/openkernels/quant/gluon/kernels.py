@@ -155,6 +155,12 @@ def _row_params(s_ptr, z_ptr, g, stride_sg, offs_n, mask_n, HAS_ZEROS: gl.conste
     return scale, zero
 
 
+@gluon.constexpr_function
+def _scale_product(dtype, operand):
+    """PTX: the packed pair in register u times the scale pair `operand`, rounded once in x's dtype."""
+    return f"mul.rn.{'bf16x2' if str(dtype) in ('bf16', 'bfloat16') else 'f16x2'} u, u, {operand}; "
+
+
 @gluon.jit
 def _splat_pair(v):
     """16-bit values -> 32-bit words holding the value in both halves (a packed pair operand)."""
@@ -207,10 +213,7 @@ def _dequantize_nf4(words, scale, words3: gl.constexpr, a_layout: gl.constexpr, 
     )
     tables = [words[:, :, None], select, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3]
     if SCALE_16:
-        if DTYPE == gl.bfloat16:  # noqa: SIM300 - DTYPE is a constexpr argument
-            mul: gl.constexpr = "mul.rn.bf16x2 u, u, $12; "
-        else:
-            mul: gl.constexpr = "mul.rn.f16x2 u, u, $12; "
+        mul: gl.constexpr = _scale_product(DTYPE, "$12")
         s2 = _splat_pair(scale.to(DTYPE))[:, None, None]
         low, high = gl.inline_asm_elementwise(
             lookup + mul + "mov.b32 {$0, $1}, u; }", "=h,=h" + ",r" * 11, tables + [s2],  # noqa: RUF005
@@ -284,10 +287,7 @@ def _dequantize_nf4_shared(words, scale, table, words3: gl.constexpr, a_layout: 
         second = gl.convert_layout(second, words3)
         join: gl.constexpr = "prmt.b32 u, $2, $3, 0x7610; "  # low half of the first, high of the second
     if SCALE_16:
-        if DTYPE == gl.bfloat16:  # noqa: SIM300 - DTYPE is a constexpr argument
-            mul: gl.constexpr = "mul.rn.bf16x2 u, u, $4; "
-        else:
-            mul: gl.constexpr = "mul.rn.f16x2 u, u, $4; "
+        mul: gl.constexpr = _scale_product(DTYPE, "$4")
         s2 = _splat_pair(scale.to(DTYPE))[:, None, None]
         low, high = gl.inline_asm_elementwise(
             "{ .reg .b32 u; " + join + mul + "mov.b32 {$0, $1}, u; }", "=h,=h,r,r,r", [first, second, s2],
