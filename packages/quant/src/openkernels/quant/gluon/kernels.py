@@ -224,11 +224,7 @@ def _dequantize_nf4(words, scale, words3: gl.constexpr, a_layout: gl.constexpr, 
             lookup + "mov.b32 {$0, $1}, u; }", "=h,=h" + ",r" * 10, tables, dtype=(DTYPE.value, DTYPE.value),
             is_pure=True, pack=1,
         )  # fmt: skip
-        low = (low.to(gl.float32) * scale[:, None, None]).to(DTYPE)
-        high = (high.to(gl.float32) * scale[:, None, None]).to(DTYPE)
-    w = gl.join(low, high)  # (BLOCK_N, BLOCK_K // 8, 4, 2): column 8a + 2t + e
-    w = w.reshape([words.shape[0], 8 * words.shape[1]])
-    return gl.convert_layout(w, a_layout)
+    return _nf4_operand(low, high, scale, a_layout, DTYPE, SCALE_16)
 
 
 _NF4_LOOKUP_ASM = gl.constexpr(
@@ -298,10 +294,19 @@ def _dequantize_nf4_shared(words, scale, table, words3: gl.constexpr, a_layout: 
             "{ .reg .b32 u; " + join + "mov.b32 {$0, $1}, u; }", "=h,=h,r,r", [first, second],
             dtype=(DTYPE.value, DTYPE.value), is_pure=True, pack=1,
         )  # fmt: skip
+    return _nf4_operand(low, high, scale, a_layout, DTYPE, SCALE_16)
+
+
+@gluon.jit
+def _nf4_operand(low, high, scale, a_layout: gl.constexpr, DTYPE: gl.constexpr, SCALED: gl.constexpr):
+    """The NF4 lookups' (BLOCK_N, BLOCK_K // 8, 4) low and high halves of each pair -> the
+    (BLOCK_N, BLOCK_K) A operand; the scale applied here in float32 (one more rounding) unless
+    the lookup's packed product took it (SCALED)."""
+    if not SCALED:
         low = (low.to(gl.float32) * scale[:, None, None]).to(DTYPE)
         high = (high.to(gl.float32) * scale[:, None, None]).to(DTYPE)
     w = gl.join(low, high)  # (BLOCK_N, BLOCK_K // 8, 4, 2): column 8a + 2t + e
-    w = w.reshape([words.shape[0], 8 * words.shape[1]])
+    w = w.reshape([low.shape[0], 8 * low.shape[1]])
     return gl.convert_layout(w, a_layout)
 
 
