@@ -191,8 +191,8 @@ def test_tiled_layer_on_the_gpu(kind) -> None:
     """On sm_90 a tiled layer's calls run a kernel that reads the tiled codes (no warning): the
     tensor-core GEMV at 1-16 rows, the Gluon wgmma kernel from 32 rows at 4096 x 4096; each
     bitwise the same launcher's output on the rows (replayed calls included), and within the
-    contract. A call under autograd converts the codes (one warning) and gives the rows
-    layer's output."""
+    contract. Under autograd the forward reads them too and the backward converts them: the
+    rows layer's output and gradient."""
     from openkernels.quant import gluon
 
     torch.manual_seed(7)
@@ -221,7 +221,23 @@ def test_tiled_layer_on_the_gpu(kind) -> None:
                 gluon.int4_linear_fwd(x, rows.qweight, rows.scales, rows.zeros, rows.bias, want, 128, kind)
         assert torch.equal(out, want), f"m={m} {runner}"
         assert_linear_close(out, x, rows.weight, rows.bias, w_rounded=True, msg=f"tiled m={m}")
+    # Under autograd the op's forward (grad mode off) reads the tiled codes; the backward
+    # converts them: the rows layer's output and gradient, no warning.
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with pytest.warns(UserWarning, match="autograd"):
+    xr = x.detach().clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = tiled(x)
-    assert torch.equal(out, rows(x))
+        out.float().sum().backward()
+    want = rows(xr)
+    want.float().sum().backward()
+    assert torch.equal(out, want) and torch.equal(x.grad, xr.grad)
+    # A call no kernel reads tiled codes for (Triton's rows: few rows of NF4 at a small shape)
+    # converts them, with one warning for the layer's shape.
+    small = Int4Linear.from_linear(
+        nn.Linear(2048, 2048, dtype=torch.bfloat16), kind=kind, layout="tiled"
+    ).cuda()
+    x = torch.randn(20, 2048, device="cuda", dtype=torch.bfloat16)
+    if ops.tiled_runner(x, small.qweight, small.scales, small.zeros, small.bias, 128, kind) is None:
+        with pytest.warns(UserWarning, match="'tiled' layout"):
+            small(x)

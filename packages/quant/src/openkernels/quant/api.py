@@ -56,9 +56,9 @@ def linear_parts(
     checked when the module was built or loaded). qweight: the stored rows (N, K // 2), or the
     codes in format.tile_codes' layout (Int4Linear(layout="tiled")). `tiled`: the same codes
     tiled beside the rows (Int4Linear.use_tiled_codes). Tiled codes run where a kernel reads
-    them (ops.tiled_runner: on sm_90 without autograd, the tensor-core GEMV at 1-16 rows of x,
-    the Gluon wgmma kernel where it takes the call); any other call reads rows: the stored
-    ones, or tiled codes converted for the call (one warning per shape and reason)."""
+    them (ops.tiled_runner: on sm_90, the tensor-core GEMV at 1-16 rows of x, the Gluon wgmma
+    kernel where it takes the call; the backward converts them); any other call reads rows:
+    the stored ones, or tiled codes converted for the call (one warning per layer shape)."""
     _check_call(x, qweight, bias)
     if perm is not None:
         x = x.index_select(-1, perm)

@@ -60,8 +60,9 @@ def forward(x: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str)
 def tiled_runner(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> str | None:
     """Which launcher runs this call (x (..., K)) on tiled codes (format.tile_codes): "gemv"
     (the tensor-core GEMV, 1-16 rows), "wgmma" (the Gluon kernel, 16 or more), or None (no
-    kernel reads them for this call: the codes are converted to rows). CUDA only, without
-    autograd (the backward reads rows) and not while compiling (the launchers' checks read data
+    kernel reads them for this call: the codes are converted to rows). CUDA only; not with grad
+    mode on and x needing a gradient (the op's forward runs with grad mode off and reads them;
+    its backward converts them) and not while compiling (the launchers' checks read data
     pointers; the compiled graph's op decides when it runs)."""
     if not x.is_cuda or x.dim() < 1 or torch.compiler.is_compiling():
         return None
@@ -86,7 +87,7 @@ def tiled_runner(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int,
 
 def _forward_tiled(x, qweight, scales, zeros, bias, out, group_size, kind) -> None:
     """forward on tiled codes: the launcher tiled_runner names, else the codes converted to
-    rows for the call (a pass over them; one warning per shape and reason)."""
+    rows for the call (a pass over them; one warning per layer shape and device type)."""
     runner = tiled_runner(x, qweight, scales, zeros, bias, group_size, kind)
     if runner == "gemv":
         from . import cuda
@@ -107,20 +108,19 @@ _untiled_warned: set[tuple] = set()
 
 
 def _warn_untiled(x: Tensor, qweight: Tensor, kind: str) -> None:
-    """One warning per (device type, codes shape, kind, reason) that a call on tiled codes runs
-    a kernel that reads rows (the codes converted for the call)."""
-    reason = (
-        "not on an NVIDIA GPU" if not x.is_cuda
-        else "autograd" if torch.is_grad_enabled() and x.requires_grad
-        else f"{x.shape[0]} rows of x, on a path that reads rows (Triton or the one-round kernel)"
-    )  # fmt: skip
-    key = (x.device.type, tuple(qweight.shape), kind, reason)
+    """One warning per (device type, codes shape, kind) that a call on tiled codes runs a
+    kernel that reads rows (the codes converted for the call)."""
+    key = (x.device.type, tuple(qweight.shape), kind)
     if key in _untiled_warned:
         return
     _untiled_warned.add(key)
+    where = (
+        "not on an NVIDIA GPU" if not x.is_cuda
+        else f"e.g. {x.shape[0]} rows of x, on a path that reads rows: Triton or the one-round kernel"
+    )  # fmt: skip
     warnings.warn(
         f"int4_linear: codes stored in the 'tiled' layout {tuple(qweight.shape)} run this call on a kernel that "
-        f"reads rows ({reason}): they are converted for each such call (a pass over them). "
+        f"reads rows ({where}): they are converted for each such call (a pass over them). "
         "Int4Linear.to_layout('rows') stores the rows instead.",
         stacklevel=2,
     )
