@@ -15,6 +15,17 @@ Variants:
            1 + t in (1, 2] from a quadratic first guess and two Newton steps: one exp2 on the
            MUFU, the rest on the FMA pipe (slower than formula on an H100: the FMA pipe is
            not idle).
+  mixed    mufu, and the forward's softmax computes half of its exp2s on the FMA pipe
+           (exp2_fma: a cubic and an exponent-field add, no MUFU op): with a softcap each
+           score takes two MUFU ops (tanh, exp2), and the MUFU runs at a quarter of the FMA
+           pipe's rate. The plain call's timings in this variant show what it does without a
+           softcap. H100, twenty-fourth session: slower, plain and softcapped alike (fwd ms,
+           mufu / mixed, plain then cap: B8 H16 S2048 D128 causal 0.362 / 0.400, 0.392 /
+           0.420; full 0.619 / 0.689, 0.683 / 0.752; B2 H16 S8192 D128 causal 1.241 / 1.413,
+           1.418 / 1.562; B8 H32 S2048 D64 full 0.693 / 0.866, 0.845 / 0.936): the issue
+           slots the cubic takes (9 instructions for one MUFU op) cost more than the MUFU
+           time it frees; not adopted. sm_90 SASS of the D128 forward: MUFU 136 -> 104, 2376
+           -> 2616 instructions, registers 184 -> 178, no spills, no shared-memory traffic.
 
     PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) \\
         python3 benchmarks/studies/attention_softcap_tanh.py [variant ...]
@@ -32,7 +43,7 @@ from attention_option_cost import check, cost_table, run_variants
 from openkernels.attention.core.problem import Problem
 from openkernels.attention.core.triton import kernels
 
-VARIANTS = ("mufu", "narrow", "formula", "fma")
+VARIANTS = ("mufu", "narrow", "formula", "fma", "mixed")
 CAP = 30.0
 
 
@@ -47,6 +58,40 @@ def tanh_fma(x):
     r = r + r * (1.0 - d * r)
     y = (1.0 - t) * r
     return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def exp2_fma(x):
+    # 2^x on the FMA and integer pipes, no MUFU op: x rounded to an integer j by adding
+    # 1.5 * 2^23 (j lands in the sum's low mantissa bits), 2^(x - j) on [-0.5, 0.5] from a cubic
+    # (relative error 7.5e-5), j added to its exponent field (the sum's bits shifted by 23: the
+    # magic number's bits shift out). 0 below 2^-125 and for -inf (masked scores).
+    xc = tl.maximum(x, -125.0)
+    t = xc + 12582912.0
+    f = xc - (t - 12582912.0)
+    p = ((0.05517164245247841 * f + 0.24261116981506348) * f + 0.6932609677314758) * f + 0.9999280571937561
+    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+    return tl.where(x >= -125.0, bits.to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def exp2_half_fma(x):
+    # 2^x of a (rows, cols) tile, every other column on the FMA pipe (exp2_fma): the MMA
+    # accumulator holds column pairs in one thread's registers, so the split moves no data
+    # (sm_90 SASS: no shared-memory traffic added; a four-way split added 64 LDS / STS).
+    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+    return tl.reshape(tl.join(tl.exp2(a), exp2_fma(b)), x.shape)
+
+
+@triton.jit
+def softmax_step_mixed(s, m_i, l_i, MASK: tl.constexpr):
+    # kernels._softmax_step with half of the probabilities' exp2s on the FMA pipe
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASK:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = exp2_half_fma(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 _TANH = kernels._tanh_mufu  # the variant under study (set before the first compile)
@@ -91,7 +136,9 @@ def _reference(q, k, v, causal: bool):
 def run_variant(name: str) -> int:
     global _TANH
     _TANH = kernels._tanh_mufu = {"mufu": kernels._tanh_mufu, "narrow": kernels._tanh_mufu, "formula": kernels._tanh,
-                                  "fma": tanh_fma}[name]  # fmt: skip
+                                  "fma": tanh_fma, "mixed": kernels._tanh_mufu}[name]  # fmt: skip
+    if name == "mixed":
+        kernels._softmax_step = softmax_step_mixed
     if name == "narrow":  # attention 0.8.6's configs: a softcap took the override configs for options
         overrides = Problem.option_configs.fget
         Problem.option_configs = property(lambda p: overrides(p) or p.softcap > 0)
