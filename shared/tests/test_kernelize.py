@@ -229,6 +229,25 @@ def test_int4_quantize_and_undo():
     assert torch.equal(back, ref)
 
 
+@pytest.mark.parametrize("layout", ["rows", "tiled"])
+def test_int4_forward_never_builds_a_layer_weight(layout, monkeypatch):
+    """The swapped modules' calls read a 4-bit layer's parts, never its `weight` property: that
+    builds an Int4Weight, with tiled codes a copy of them (it was two copies a layer per decode
+    step: the attention's q / k sizes)."""
+    from openkernels.quant import Int4Linear
+
+    model, ids = _model("llama"), _inputs(1, 5)
+    with torch.no_grad():
+        kernelize(model, quantize={"kind": "int4", "layout": layout})
+        built = []
+        weight = Int4Linear.weight
+        monkeypatch.setattr(Int4Linear, "weight", property(lambda self: built.append(self) or weight.fget(self)))
+        for _ in range(3):  # the first calls and the replayed ones
+            _out(model, ids)
+    assert built == []
+    assert model.model.layers[0].self_attn.q_proj.layout == layout
+
+
 def test_state_dict_unchanged_and_saveable():
     safetensors = pytest.importorskip("safetensors.torch")
     model = _model("llama")

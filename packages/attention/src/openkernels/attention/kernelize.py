@@ -88,6 +88,16 @@ def _sliding_window(module: nn.Module) -> int | None:
     return getattr(module, "sliding_window", None)
 
 
+def _local_rows(projection: nn.Module) -> int:
+    """The output features this rank computes: a 16-bit layer's rows of its weight's local
+    part (under tensor parallelism the parameters are DTensors of the full shape); a 4-bit
+    layer's out_features (it is built from this rank's shard). Not a 4-bit layer's `weight`:
+    that property builds the weight, a copy of the codes on every call where they are tiled
+    (0.08 ms of a 1B decode step on an H100)."""
+    weight = projection._parameters.get("weight")
+    return projection.out_features if weight is None else local_tensor(weight).shape[0]
+
+
 def _rotary_attention_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -99,8 +109,7 @@ def _rotary_attention_forward(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     input_shape = hidden_states.shape[:-1]
-    # This rank's rows: under tensor parallelism the parameters are DTensors of the full shape.
-    q_size, k_size = local_tensor(self.q_proj.weight).shape[0], local_tensor(self.k_proj.weight).shape[0]
+    q_size, k_size = _local_rows(self.q_proj), _local_rows(self.k_proj)
     qkv = stacked_forward(self, _QKV, hidden_states)
     q, k, v = qkv.split([q_size, k_size, qkv.shape[-1] - q_size - k_size], dim=-1)
     hidden_shape = (*input_shape, -1, self.head_dim)
