@@ -3,9 +3,10 @@ Int4Linear(layout="tiled")): ops.tiled_runner's answer per (codes shape, rows of
 contiguous), over one eager step after the prefill, and every warning the step raised. The
 tiled step was 0.08 ms slower than the rows one in a CUDA graph on an H100 with bitwise the
 same logits (twenty-fourth session): a layer whose codes are converted per call would do that.
-The census found every call on the tensor-core GEMV, and the step's aten ops showed the copies:
+The census found every call on the tensor-core GEMV; reading the code then found the copies:
 kernelize's attention read the q / k projections' `weight` property, which builds the 4-bit
-weight (attention 0.8.12 reads out_features).
+weight (attention 0.8.12 reads out_features). The aten-op census (added after) lists what a
+step's Python path runs that copies or computes.
 
     PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src):benchmarks/peers \\
         python3 benchmarks/studies/quant_tiled_census.py [--context 4096]
