@@ -5,6 +5,9 @@ guess: each rows box line is 64 bytes of a 4 KB row, and the L2 fetches the line
 (the next K step's codes) with it; a tiled step's four 1 KB blocks bring nothing of the next
 step's. A deeper ring would hide that latency instead; this times both layouts at the routed
 config (gluon.config_for) and with its stages raised, after checking tiled against rows bitwise.
+H100, same session (--ms 32,48 --shapes 8192x8192,28672x8192 --stages 3,6): six stages slower
+for both layouts (fewer programs per SM), and the tiled gap at M = 32 stays (28672 x 8192, 3
+stages: rows 69.8, tiled 84.4 us): not a latency the ring hides.
 
     PYTHONPATH=$PWD/shared/src:$(printf '%s:' $PWD/packages/*/src) \\
         python3 benchmarks/studies/quant_tiled_stages.py [--ms 24,32,48,64] [--stages 3,4,6,8]
