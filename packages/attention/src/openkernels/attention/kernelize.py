@@ -95,7 +95,10 @@ def _local_rows(projection: nn.Module) -> int:
     that property builds the weight, a copy of the codes on every call where they are tiled
     (0.08 ms of a 1B decode step on an H100)."""
     weight = projection._parameters.get("weight")
-    return projection.out_features if weight is None else local_tensor(weight).shape[0]
+    if weight is not None:
+        return local_tensor(weight).shape[0]
+    rows = getattr(projection, "out_features", None)
+    return rows if isinstance(rows, int) else local_tensor(projection.weight).shape[0]
 
 
 def _rotary_attention_forward(
