@@ -241,7 +241,9 @@ def test_int4_forward_never_builds_a_layer_weight(layout, monkeypatch):
         kernelize(model, quantize={"kind": "int4", "layout": layout})
         built = []
         weight = Int4Linear.weight
-        monkeypatch.setattr(Int4Linear, "weight", property(lambda self: built.append(self) or weight.fget(self)))
+        monkeypatch.setattr(
+            Int4Linear, "weight", property(lambda self: built.append(self) or weight.fget(self))
+        )
         for _ in range(3):  # the first calls and the replayed ones
             _out(model, ids)
     assert built == []
