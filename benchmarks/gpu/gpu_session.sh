@@ -211,6 +211,9 @@ if [[ $steps == *bars* && $family == quant ]]; then
     --ms 1,16,128,2048 2>&1 | tee "$out/bars_wall.txt" | tail -8
   timeout ${E2E_S:-150} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode graph \
     --int4-head 2>&1 | tee "$out/bars_e2e.txt" | grep -E "ms per step|x ours bf16"
+  # The same step with tiled codes (quant 0.10.15; attention 0.8.12 took a copy of them per layer out).
+  timeout ${E2E_S:-150} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode graph \
+    --int4-head --layout tiled 2>&1 | tee "$out/bars_e2e_tiled.txt" | grep -E "ms per step|x ours bf16"
 fi
 if [[ $steps == *xsplit* && $family == quant ]]; then
   # The x-split tensor-core GEMV for 9-16 rows (quant 0.10.10, "-x2": one n8 tile of x per CTA,
