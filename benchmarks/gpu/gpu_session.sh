@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,lookup,layout,mconfigs,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,fusedappend,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,lookup,layout,mconfigs,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -32,6 +32,19 @@ if [[ $steps == *tests* ]]; then
     -q -rfE $xdist "packages/$family/tests" --ignore "packages/$family/tests/test_jax.py" \
     -m "not interpreter and not aot" -k "cuda or offsets or 2_to_the_31" \
     2>&1 | tee "$out/tests.txt" | tail -8
+fi
+if [[ $steps == *fusedappend* && $family == attention ]]; then
+  # The static cache's one-op decode step (attention 0.8.13): its GPU tests (the append inside
+  # the attention kernel, per-token rotary, the length advanced by the combine), the static
+  # cache's transformers tests, then the 1B decode step with the fusion and without it.
+  OPENKERNELS_STRICT=1 timeout ${FUSED_TESTS_S:-300} python3 -m pytest -q -rfE \
+    packages/attention/tests/test_kvcache_fused_append.py packages/attention/tests/test_hf_cache.py \
+    -m "not interpreter and not aot" -k "cuda or static or kernelized" 2>&1 | tee "$out/fused_tests.txt" | tail -6
+  for ab in "" "--unfused-append"; do
+    timeout ${E2E_S:-200} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode graph \
+      --int4-head $ab --profile ${E2E_PROFILE:-0} --json "$out/e2e_fused${ab:+_unfused}.json" 2>&1 \
+      | grep -v '^ *[{}"]\|^ *\]' | tail -${E2E_TAIL:-12}
+  done
 fi
 if [[ $steps == *cluster* && $family == layernorm ]]; then
   # The sm_90 cluster kernels (CUDA C++, forced only) under time limits: a kernel that hung

@@ -3,7 +3,7 @@ bf16 weights, with Python's generate loop out of the timing (the 4-bit linear is
 end-to-end bar).
 
     python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile|eager]
-        [--json PATH] [--tiny --device cpu] [--int4-head] [--tiled] [--layout tiled]
+        [--json PATH] [--tiny --device cpu] [--int4-head] [--tiled] [--layout tiled] [--unfused-append]
 
 Variants, each a copy of the same random-weight model:
   sdpa          transformers' own model (attn_implementation="sdpa", bf16 weights) with its
@@ -319,7 +319,15 @@ def main(argv: list[str] | None = None) -> int:
                         "default_tc: 'NxK=config,...', 'from:PATH' for the fastest tc config per shape at M = 1 in "
                         "benchmarks/studies/quant_tc_gemv.py --json PATH, or 'pdl' for default_tc's own configs "
                         "launched as programmatic dependents (their '-p' variants)")  # fmt: skip
+    parser.add_argument("--unfused-append", action="store_true",
+                        help="A/B: kernelize's attention rotates q and k before the static cache, which then "
+                        "appends and attends in two launches and advances its length in a third (as before "
+                        "attention 0.8.13's fused append)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.unfused_append:
+        from openkernels.attention import kernelize as attention_kernelize
+
+        attention_kernelize._rotates_in_attention = lambda module, cache: False
     if args.tc_routes == "pdl":
         route_tc_pdl()
     elif args.tc_routes:

@@ -102,10 +102,12 @@ def _kvcache_cases(arch: str, backend: str) -> list:
         pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", **dict.fromkeys(
             ("k_scale_ptr", "k_zero_ptr", "v_scale_ptr", "v_zero_ptr"), "*fp16"), "seqlens_ptr": "*i32",
             "block_table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slopes_ptr": "*fp32",
-            "leftpad_ptr": "*i32", "res_ptr": "*fp16", "o_ptr": dst, "lse_ptr": "*fp32"}  # fmt: skip
+            "leftpad_ptr": "*i32", "res_ptr": "*fp16", "kn_ptr": "*fp16", "vn_ptr": "*fp16", "o_ptr": dst,
+            "lse_ptr": "*fp32"}  # fmt: skip
         out.append(_case(f"{_KVCACHE}:_attention_kvcache_fwd_kernel", kv.main, pointers, backend, label))
         if kv.combine is not None and not any(c.label.endswith("combine") for c in out):  # one is enough
-            combine = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32"}
+            combine = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "advance_ptr": "*i32", "o_ptr": "*bf16",
+                       "lse_ptr": "*fp32"}  # fmt: skip
             out.append(_case(f"{_KVCACHE}:_attention_kvcache_combine_kernel", kv.combine, combine, backend,
                              f"{label}-combine"))  # fmt: skip
     return out

@@ -50,12 +50,14 @@ def _signature(kernel_name: str, pointers: dict[str, str]) -> tuple[dict[str, st
 
 def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str, split: bool,
                plain: bool = False, leftpad: bool = False, fp8: bool = False, key_group: int = 0,
-               lean: bool = False):  # fmt: skip
+               lean: bool = False, fused: bool = False):  # fmt: skip
     """plain: what a decode step on a contiguous cache launches (causal only): no block
     table, rotary tables or slopes (None pointers are constants to Triton), no scales for a
     16-bit cache. fp8: e4m3 bytes with float32 per-head scales, converted in hardware on
     sm_90 and with bit operations elsewhere (as the launcher picks). key_group: keys by channel
-    (their key blocks are the groups), with the residual's pointer."""
+    (their key blocks are the groups), with the residual's pointer. fused: a static cache's
+    decode step (16-bit): the append of the new tokens in the kernel, with per-token rotary
+    tables and left padding on a contiguous cache."""
     from openkernels.shared.dev.testing.aot import AotCase
 
     cfg = configs.kv_config(head_dim, bits, rows, arch, fp8, lean)
@@ -65,7 +67,9 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
     scales = "*fp32" if fp8 else "*fp16"
     pointers = {"q_ptr": "*bf16", "k_ptr": data, "v_ptr": data, "k_scale_ptr": scales, "k_zero_ptr": "*fp16",
                 "v_scale_ptr": scales, "v_zero_ptr": "*fp16", "o_ptr": "*fp32" if split else "*bf16",
-                "seqlens_ptr": "*i32", "block_table_ptr": "*i32", "leftpad_ptr": "*i32", "res_ptr": "*fp16"}  # fmt: skip
+                "seqlens_ptr": "*i32", "block_table_ptr": "*i32", "leftpad_ptr": "*i32", "res_ptr": "*fp16",
+                "kn_ptr": "*bf16", "vn_ptr": "*bf16", "cos_ptr": "*bf16" if fused else "*fp32",
+                "sin_ptr": "*bf16" if fused else "*fp32"}  # fmt: skip
     signature, attrs = _signature("_attention_kvcache_fwd_kernel", pointers)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": configs.block_d(head_dim), "BLOCK_M": cfg.block_m,
                   "BLOCK_N": cfg.block_n, "BITS": bits, "GROUP": group or head_dim,
@@ -107,9 +111,16 @@ def _attn_case(head_dim: int, rows: int, bits: int, group: int | None, arch: str
             HAS_SOFTCAP=False,
             HAS_LEFTPAD=False,
         )
+    if fused:
+        assert bits == 16
+        for name in ("k_scale_ptr", "k_zero_ptr", "v_scale_ptr", "v_zero_ptr"):
+            del signature[name]
+            constexprs[name] = None
+        constexprs |= dict(PAGE_SIZE=0, HAS_ROTARY=False, HAS_LEFTPAD=True, ROW_TABLE=True, FUSED_APPEND=True,
+                           ROT_TOKENS=True)  # fmt: skip
     label = (f"attn-d{head_dim}-{bits}b-g{group or 'head'}-m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}"
              f"s{cfg.num_stages}{'-split' if split else ''}{'-plain' if plain else ''}"
-             f"{'-leftpad' if leftpad else ''}{'-lean' if lean else ''}")  # fmt: skip
+             f"{'-leftpad' if leftpad else ''}{'-lean' if lean else ''}{'-fused-append' if fused else ''}")  # fmt: skip
     if fp8:
         label = label.replace(f"-{bits}b-", "-fp8-")
     if key_group:
@@ -157,16 +168,20 @@ def _append_keys_case(head_dim: int, bits: int, key_group: int):
                    label=f"append-keys-by-channel-d{head_dim}-{bits}b-g{key_group}", attrs=attrs)  # fmt: skip
 
 
-def _combine_case(head_dim: int, tile: bool = False):
-    """The split loop at 128 splits, or (tile) the widest (splits, head_dim) tile the plan loads at once."""
+def _combine_case(head_dim: int, tile: bool = False, advance: bool = False):
+    """The split loop at 128 splits, or (tile) the widest (splits, head_dim) tile the plan loads at
+    once; advance: with a static cache's length advanced by program 0."""
     from openkernels.shared.dev.testing.aot import AotCase
 
-    signature, attrs = _signature("_attention_kvcache_combine_kernel", {"o_ptr": "*bf16"})
+    signature, attrs = _signature(
+        "_attention_kvcache_combine_kernel", {"o_ptr": "*bf16", "advance_ptr": "*i32"}
+    )
     block_d = configs.block_d(head_dim)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_SPLITS": 4096 // block_d if tile else 128,
-                  "SPLITS_TILE": tile}  # fmt: skip
+                  "SPLITS_TILE": tile, "ADVANCE": advance}  # fmt: skip
     return AotCase(f"{_KERNELS}:_attention_kvcache_combine_kernel", signature, constexprs, num_warps=4,
-                   label=f"combine-d{head_dim}{'-tile' if tile else ''}", attrs=attrs)  # fmt: skip
+                   label=f"combine-d{head_dim}{'-tile' if tile else ''}{'-advance' if advance else ''}",
+                   attrs=attrs)  # fmt: skip
 
 
 def _variant(case):
@@ -194,6 +209,8 @@ def cases_for(arch: str) -> list:
             out += [_variant(_attn_case(head_dim, rows, 8, None, arch, split=False, leftpad=True)),
                     _attn_case(head_dim, rows, 4, 32, arch, split=False, leftpad=True)]  # fmt: skip
             out += [_attn_case(head_dim, rows, 8, None, arch, split=False, plain=False, fp8=True)]
+            if rows <= 16:  # a static cache's decode step: the append in the kernel
+                out += [_attn_case(head_dim, rows, 16, None, arch, split=True, fused=True)]
             out += [_variant(_attn_case(head_dim, rows, 8, None, arch, split=split, plain=plain, fp8=True))
                     for split, plain in ((True, False), (False, True))]  # fmt: skip
             out += [_attn_case(head_dim, rows, bits, None, arch, split=False, key_group=g)
@@ -216,4 +233,5 @@ def cases_for(arch: str) -> list:
         out += [_append_keys_case(head_dim, bits, g) for bits in (8, 4) for g in (32, 64)]
         out.append(_combine_case(head_dim))
     out += [_combine_case(head_dim, tile=True) for head_dim in (64, 128)]
+    out += [_combine_case(64, tile=True, advance=True)]
     return list({c.label: c for c in out}.values())

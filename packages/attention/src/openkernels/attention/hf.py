@@ -43,7 +43,14 @@ from openkernels.shared import dispatch
 from openkernels.shared.platform import graph_capturing
 
 from .core.api import attention
-from .kvcache.api import _kvcache_call, _kvcache_plan, attention_with_kvcache
+from .kvcache.api import (
+    _kvcache_append_call,
+    _kvcache_call,
+    _kvcache_plan,
+    attention_with_kvcache,
+    check_token_rotary,
+    fused_append_ready,
+)
 from .kvcache.cache import _call_signature, keep_plan, reusable_plan
 from .kvcache.format import QuantizedKV
 from .kvcache.hf import CachedKV, StaticCachedKV
@@ -187,8 +194,18 @@ def _attend_static(
     options = dict(causal=is_causal, softmax_scale=scaling, window=window, softcap=float(softcap or 0.0))
     k_new, v_new = key.k_new.transpose(1, 2), key.v_new.transpose(1, 2)
     new = k_new.shape[1]
+    q = query.transpose(1, 2)
+    if key.rotary is not None:  # q and k_new came unrotated (kernelize's attention forward)
+        cos, sin = key.rotary
+        if new == 1 and fused_append_ready(q, layer.k_cache, new):  # a decode step
+            return _attend_fused(q, key, layer, k_new, v_new, cos, sin, pad, options, tracing)
+        from .rotary.api import apply_rotary
+
+        if not tracing:
+            check_token_rotary("OpenKernelsStaticCache", cos, sin, k_new)
+        q, k_new = apply_rotary(q, k_new, cos, sin)
+        query = q.transpose(1, 2)
     if pad is None:
-        q = query.transpose(1, 2)
         plan = host = None
         if not tracing:
             # The lengths the layer counts on the host (checked against the capacity by its
@@ -219,6 +236,35 @@ def _attend_static(
                                      v_new=v_new, cache_leftpad=pad, check=not tracing,
                                      **options)  # fmt: skip
     layer.advance(new)  # after the calls that read the lengths before it (update)
+    return out
+
+
+def _attend_fused(q, key: StaticCachedKV, layer, k_new, v_new, cos, sin, pad, options, tracing):
+    """`_attend_static`'s one-op path (kvcache.api.fused_append_ready): q (B, Sq, Hq, D) and
+    k_new unrotated, rotated by the per-token cos / sin, k_new / v_new appended, attended, and
+    the layer's device length advanced, in one call (on CUDA one attention launch and its
+    split combine). Eager calls check the arguments once per signature (the layer's plans)."""
+    plan = host = None
+    if not tracing:
+        host = layer.host_lengths_after(k_new.shape[1])
+        inner = _call_signature(q, k_new, v_new, options)
+        sig = None if inner is None else ("fused", inner, cos.shape, cos.stride(), cos.dtype, pad is not None)
+        plan = reusable_plan(layer.plans, sig, layer.k_cache, layer.v_cache, None)
+        if plan is None:
+            plan = _kvcache_plan("attention_with_kvcache", q, layer.k_cache, layer.v_cache, key.cache_seqlens,
+                                 k_new, v_new, None, options["causal"], options["softmax_scale"], options["window"],
+                                 None, options["softcap"], None, None, False, None, None, pad)  # fmt: skip
+            check_token_rotary("OpenKernelsStaticCache", cos, key.rotary[1], k_new)
+            keep_plan(layer.plans, sig, plan)
+        if pad is not None:
+            pad = torch.minimum(pad, key.cache_seqlens)
+    # The length itself when it is the lengths' storage (batch 1) or a counter beside a copy.
+    out, _ = _kvcache_append_call(
+        q, layer.k_cache, layer.v_cache, key.cache_seqlens, k_new, v_new, cos, sin, layer.cumulative_length,
+        options["causal"], options["softmax_scale"], options["window"], options["softcap"], pad, host,
+        check=not tracing, plan=plan,
+    )  # fmt: skip
+    layer.advance(k_new.shape[1], on_device=False)
     return out
 
 

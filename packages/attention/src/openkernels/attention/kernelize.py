@@ -101,6 +101,21 @@ def _local_rows(projection: nn.Module) -> int:
     return rows if isinstance(rows, int) else local_tensor(projection.weight).shape[0]
 
 
+def _rotates_in_attention(module: nn.Module, cache) -> bool:
+    """Whether q and k go unrotated to the cache: an OpenKernelsStaticCache's layer hands back
+    a StaticCachedKV handle, which only this family's attention reads, and that attention then
+    rotates, appends and attends in one kernel on a decode step (one launch fewer per layer)."""
+    if cache is None or getattr(module.config, "_attn_implementation", None) != NAME:
+        return False
+    layers = getattr(cache, "layers", None)
+    idx = getattr(module, "layer_idx", None)
+    if not isinstance(layers, list) or not isinstance(idx, int) or not 0 <= idx < len(layers):
+        return False
+    from .kvcache import hf as cache_hf
+
+    return type(layers[idx]) is cache_hf.OpenKernelsStaticLayer
+
+
 def _rotary_attention_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -120,10 +135,17 @@ def _rotary_attention_forward(
     if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over head_dim before the rotation
         q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = position_embeddings
-    q, k = _rotary(q, k, cos, sin)
+    deferred = _rotates_in_attention(self, cache)
+    if not deferred:
+        q, k = _rotary(q, k, cos, sin)
     query_states, key_states, value_states = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if cache is not None:
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+        if deferred:  # the handle's attention rotates q and the new keys (kvcache/hf.py)
+            if not hasattr(type(key_states), "rotary"):
+                raise TypeError(f"{type(cache).__name__}.update returned {type(key_states).__name__}, not the static "
+                                "layer's handle")  # fmt: skip
+            key_states.rotary = (cos, sin)
     eager = sys.modules[type(self).__module__].eager_attention_forward  # transformers' default
     attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
     extra = {}

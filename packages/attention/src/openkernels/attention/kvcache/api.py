@@ -459,6 +459,95 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     return _append_then_attend(append, forward, written, append_args, forward_args)
 
 
+def fused_append_ready(q: torch.Tensor, k_cache: object, seqlen_new: int) -> bool:
+    """Whether a static cache's step can append, attend and advance in one call
+    (`_kvcache_append_call`): a 16-bit cache, one query per new token, the Triton backend
+    selected (the CPU's kernel is the two-op path's forward), not while compiling (the op
+    mutates the length, which the compiled graph reads as the lengths before it)."""
+    if not isinstance(k_cache, torch.Tensor) or type(q) is not torch.Tensor or q.shape[1] != seqlen_new:
+        return False
+    if torch.compiler.is_compiling() or q.device.type == "cpu":
+        return False
+    try:
+        chosen = dispatch.select("attention_kvcache_append", dispatch.key_for(q))
+    except dispatch.UnsupportedError:
+        return False
+    return chosen[0].name == "triton"
+
+
+def check_token_rotary(name: str, cos: object, sin: object, k_new: torch.Tensor) -> None:
+    """Per-token rotary tables: float (B or 1, Sn, R) tensors of one shape on k_new's device, a
+    unit last stride, R even and <= head_dim."""
+    batch, seqlen_new, _, head_dim = k_new.shape
+    for what, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 3:
+            raise TypeError(f"{name}: {what} must be a float (batch or 1, seqlen, rotary_dim) tensor")
+        if t.shape != cos.shape or t.device != k_new.device or t.stride(-1) != 1:
+            raise ValueError(f"{name}: cos and sin must share a shape, be on {k_new.device} and have a unit last "
+                             "stride")  # fmt: skip
+    if (
+        cos.shape[0] not in (1, batch)
+        or cos.shape[1] != seqlen_new
+        or cos.shape[2] % 2
+        or not (2 <= cos.shape[2] <= head_dim)
+    ):
+        raise ValueError(f"{name}: cos must be (1 or {batch}, {seqlen_new}, an even rotary_dim <= {head_dim}), got "
+                         f"{tuple(cos.shape)}")  # fmt: skip
+
+
+def _kvcache_append_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, token_cos, token_sin, advance, causal,
+                         softmax_scale, window, softcap, cache_leftpad, host_lengths, check=True,
+                         plan=None):  # fmt: skip
+    """A 16-bit cache's append of k_new / v_new, the attention of q and the advance of the
+    length counter `advance` (int32, one element; it may be cache_seqlens itself) by the new
+    tokens, in one op (`ops.ATTENTION_KVCACHE_APPEND`: on CUDA one attention launch, the
+    append inside it, the advance in the split combine). token_cos / token_sin: per-token
+    rotary tables of q and k_new (B or 1, Sn, R), as transformers' position embeddings give
+    them, or None. The checks and host lengths as `_kvcache_call`'s (plan: a KVCallPlan of
+    this signature, made by `_kvcache_plan` with these k_new / v_new). A call that fails
+    leaves the cache and the counter as they were."""
+    name = "attention_with_kvcache"
+    if plan is None:
+        plan = _kvcache_plan(name, q, k_cache, v_cache, cache_seqlens, k_new, v_new, None, causal, softmax_scale,
+                             window, None, softcap, None, None, False, None, None, cache_leftpad)  # fmt: skip
+        if token_cos is not None:
+            check_token_rotary(name, token_cos, token_sin, k_new)
+    if plan.bits != 16:
+        raise ValueError(f"{name}: the fused append takes a 16-bit cache")
+    seqlen_new = k_new.shape[1]
+    tracing = torch.compiler.is_compiling() or graph_capturing(q.device)
+    capacity = k_cache.shape[1]
+    if host_lengths is None and check and not tracing:
+        replay.reads_host_values("the checked cache lengths")
+        ends = cache_seqlens.tolist()
+        pads = [0] * len(ends) if cache_leftpad is None else cache_leftpad.tolist()
+        check_lengths(name, ends, capacity, seqlen_new, q.shape[1], None)
+        host_lengths = [e - min(p, e) + seqlen_new for e, p in zip(ends, pads)]
+    max_seqlen_k = max(host_lengths, default=0) if host_lengths is not None else capacity
+    max_seqlen_k = -(-max_seqlen_k // 16) * 16
+    op = ops.ATTENTION_KVCACHE_APPEND.library if tracing else ops.ATTENTION_KVCACHE_APPEND.direct
+    args = (q, k_cache, v_cache, cache_seqlens, None, k_new, v_new, token_cos, token_sin, advance, max_seqlen_k,
+            plan.scale, plan.left, plan.right, None, plan.softcap, cache_leftpad)  # fmt: skip
+    if tracing:
+        return op(*args)
+    saved = None
+    chosen = dispatch.select("attention_kvcache_append", dispatch.key_for(q))
+    if dispatch.is_strict() or dispatch.is_steered() or len(chosen) == 1:  # a failure would reach the caller
+        written = _written_parts(k_new, cache_seqlens, None, k_cache, v_cache, (None,) * 4, None, 0)
+        saved = [(t, idx, t[idx].clone()) for t, idx in written]
+        if advance is not None:
+            saved.append((advance, None, advance.clone()))
+    try:
+        return op(*args)
+    except BaseException:
+        for t, idx, old in saved or ():
+            if idx is None:
+                t.copy_(old)
+            else:
+                t[idx] = old
+        raise
+
+
 # check=False calls replay from their third on (shared.replay: the planning bound is the
 # cache's capacity, a function of the shapes); checked ones read the lengths on the host.
 @replay.replayable

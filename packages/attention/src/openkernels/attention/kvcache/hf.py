@@ -91,9 +91,12 @@ class StaticCachedKV:
     not yet written, and `cache_seqlens`, the layer's length before them as a (batch,) int32
     tensor (batch 1: a view of the layer's length). `hf_attention_forward` appends and attends
     with them in one attention_with_kvcache call, then advances the layer's length; anything
-    that treats the handle as a tensor gets an error that says so."""
+    that treats the handle as a tensor gets an error that says so. `rotary`: None, or the
+    per-token (cos, sin) of transformers' position embeddings when the caller left q and
+    k_new unrotated for the attention to rotate (kernelize's attention forward does, so that
+    a decode step rotates, appends and attends in one kernel)."""
 
-    __slots__ = ("cache_seqlens", "k_new", "layer", "v_new")
+    __slots__ = ("cache_seqlens", "k_new", "layer", "rotary", "v_new")
 
     def __init__(
         self, layer: Any, k_new: torch.Tensor, v_new: torch.Tensor, cache_seqlens: torch.Tensor
@@ -102,6 +105,7 @@ class StaticCachedKV:
         self.k_new = k_new
         self.v_new = v_new
         self.cache_seqlens = cache_seqlens
+        self.rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -423,9 +427,12 @@ def _build_classes() -> dict[str, type]:
                 return None
             return [self._host_length + new] * self.batch_size
 
-        def advance(self, new: int) -> None:
-            """The length plus `new` (in place on the device; counted on the host as well)."""
-            self.cumulative_length.add_(new)
+        def advance(self, new: int, on_device: bool = True) -> None:
+            """The length plus `new` (in place on the device; counted on the host as well).
+            on_device=False: the attention call advanced the device length itself (the fused
+            append): only the host count moves."""
+            if on_device:
+                self.cumulative_length.add_(new)
             if self._host_length is not None:
                 self._host_length += new
 

@@ -4,6 +4,10 @@
                               block_table?, rotary_cos?, rotary_sin?, ...) -> ()
   openkernels::attention_kvcache(q, k_cache, v_cache, <scales>, cache_seqlens, block_table?,
                                  ..., seqlen_new, max_seqlen_k, <options>) -> (out, lse)
+  openkernels::attention_kvcache_append(q, k_cache!, v_cache!, cache_seqlens, block_table?, k_new,
+                                        v_new, token_cos?, token_sin?, advance!?, ...) -> (out, lse)
+    (16-bit caches: the append, the attention and the length's advance in one call; the
+    static cache's decode step)
 Inference only (no autograd). A cache side is data plus, for int8/int4 (bits 8/4), float16
 scale and zero (format.py); block_table pages it; keys by channel add k_residual and
 key_group. The backend contract is in reference.py.
@@ -18,7 +22,8 @@ from openkernels.shared import dispatch, opdef
 from ..core.ops import alibi_layout, cpu_supports, triton_supports, unit_last
 from ..core.reference import compute_dtype
 
-__all__ = ["kvcache_append", "kvcache_forward", "KVCACHE_APPEND", "ATTENTION_KVCACHE"]
+__all__ = ["kvcache_append", "kvcache_forward", "kvcache_append_forward", "KVCACHE_APPEND", "ATTENTION_KVCACHE",
+           "ATTENTION_KVCACHE_APPEND"]  # fmt: skip
 
 _PKG = "openkernels.attention.kvcache"
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
@@ -103,6 +108,41 @@ def kvcache_forward(
     return out, lse
 
 
+def kvcache_append_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    token_cos: torch.Tensor | None,
+    token_sin: torch.Tensor | None,
+    advance: torch.Tensor | None,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    alibi_slopes: torch.Tensor | None,
+    softcap: float,
+    cache_leftpad: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_new / v_new (B, Sn, Hkv, D) appended to the 16-bit cache, q (B, Sq, Hq, D) attended
+    against it, then `advance` (an int32 tensor of one element) plus Sn; token_cos / token_sin
+    (B or 1, Sn, R) rotate q and k_new per token first (Sq == Sn). Returns out (B, Sq, Hq, D)
+    and lse (B, Hq, Sq) float32 (reference.attention_kvcache_append_fwd has the contract)."""
+    q = unit_last(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device)
+    dispatch.run(
+        "attention_kvcache_append", q, k_cache, v_cache, out, lse, cache_seqlens, block_table, unit_last(k_new),
+        unit_last(v_new), token_cos, token_sin, advance, max_seqlen_k=max_seqlen_k, scale=softmax_scale,
+        window_left=window_left, window_right=window_right,
+        alibi_slopes=alibi_layout(alibi_slopes, q.shape[0], q.shape[2]), softcap=softcap, leftpad=cache_leftpad,
+    )  # fmt: skip
+    return out, lse
+
+
 # Selection depends on the query tensor, and on a GPU on whether the call is plain (cudnn.py:
 # `dispatch.explain("attention", q, k, v, out, lse, None, None, **options)` says so; with q
 
@@ -158,5 +198,20 @@ ATTENTION_KVCACHE = opdef.define(
         key=_query_key,
         impls=_impls("attention_kvcache_fwd", cpu="cpu"),
         tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 21, 22),
+    ),
+)
+ATTENTION_KVCACHE_APPEND = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name="attention_kvcache_append",
+        schema="(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? block_table, "
+        "Tensor k_new, Tensor v_new, Tensor? token_cos, Tensor? token_sin, Tensor(c!)? advance, int max_seqlen_k, "
+        "float softmax_scale, int window_left, int window_right, Tensor? alibi_slopes, float softcap, "
+        "Tensor? cache_leftpad=None) -> (Tensor, Tensor)",
+        forward=kvcache_append_forward,
+        fake=_attention_kvcache_fake,
+        key=_query_key,
+        impls=_impls("attention_kvcache_append_fwd", cpu=None),
+        tensor_args=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 14, 16),
     ),
 )

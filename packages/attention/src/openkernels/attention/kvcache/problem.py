@@ -29,7 +29,11 @@ class KVProblem(NamedTuple):
     tokens start at a per-sequence slot offset (cache_leftpad); row_table: page_size 0 with a
     one-column block table naming each sequence's row (cache_batch_idx); fp8: bits 8 are
     float8_e4m3fn values with a scale per KV head (format.py), not int8 codes; key_group:
-    keys quantized by channel over groups of that many tokens (0: per token)."""
+    keys quantized by channel over groups of that many tokens (0: per token); fused_append:
+    the seqlen_new new tokens are written by the attention kernel itself (16-bit contiguous
+    caches, one block of query rows), rot_tokens: with per-token rotary tables (rot_half their
+    half width) instead of position-indexed ones; advance: the call adds seqlen_new to the
+    cache's length counter after its attention (the split combine does it when there is one)."""
 
     batch: int
     seqlen_q: int
@@ -52,6 +56,9 @@ class KVProblem(NamedTuple):
     row_table: bool = False
     fp8: bool = False
     key_group: int = 0
+    fused_append: bool = False
+    rot_tokens: bool = False
+    advance: bool = False
 
 
 def check_cache_heads(name: str, q: tuple[int, ...], cache: tuple[int, ...], cache_head_dim: bool,

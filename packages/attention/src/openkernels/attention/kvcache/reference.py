@@ -43,7 +43,8 @@ from openkernels.shared import replay
 from ..core.reference import attend, compute_dtype
 from .format import FP8, gather_kv, quantize_channels, quantize_fp8, quantize_unchecked, unpack_codes
 
-__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "keys_by_channel", "rotate", "token_spans"]
+__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "attention_kvcache_append_fwd", "keys_by_channel",
+           "rotate", "rotate_tokens", "token_spans"]  # fmt: skip
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
@@ -61,6 +62,21 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
         x[..., :half] = x1 * c - x2 * s
         x[..., half : 2 * half] = x2 * c + x1 * s
     return x
+
+
+def rotate_tokens(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, S, H, D) rotated by per-token tables cos, sin (B or 1, S, R) as apply_rotary
+    rotates (halves c1, c2 and s1, s2 each on their own half), in float32, rounded once to
+    x's dtype."""
+    half = cos.shape[-1] // 2
+    c = cos.to(torch.float32)[:, :, None, :]
+    s = sin.to(torch.float32)[:, :, None, :]
+    xf = x.to(torch.float32)
+    x1, x2 = xf[..., :half], xf[..., half : 2 * half]
+    rotated = torch.cat(
+        (x1 * c[..., :half] - x2 * s[..., :half], x2 * c[..., half:] + x1 * s[..., half:]), dim=-1
+    )
+    return torch.cat((rotated, xf[..., 2 * half :]), dim=-1).to(x.dtype)
 
 
 def token_spans(cache_seqlens: torch.Tensor, leftpad: torch.Tensor | None) -> tuple[list[int], list[int]]:
@@ -166,3 +182,25 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
                                  window_right=window_right, softcap=softcap)  # fmt: skip
             out[b].copy_(o)
             lse[b].copy_(row_lse)
+
+
+def attention_kvcache_append_fwd(q, k_data, v_data, out, lse, cache_seqlens, block_table, k_new, v_new, token_cos,
+                                 token_sin, advance, *, max_seqlen_k, scale, window_left, window_right, alibi_slopes,
+                                 softcap, leftpad=None) -> None:  # fmt: skip
+    """A 16-bit cache's append, attention and length advance in one call (the static cache's
+    decode step; the Triton backend runs them in one or two launches): q and k_new rotated by
+    the per-token tables token_cos / token_sin (B or 1, Sn, R) when given (query i and new
+    token i share row i: Sq == Sn), k_new / v_new appended as kvcache_append_fwd appends
+    them, the attention as attention_kvcache_fwd's with seqlen_new = Sn, then `advance` (an
+    int32 tensor of one element, or None; it may be cache_seqlens itself) plus Sn."""
+    if token_cos is not None:
+        q, k_new = rotate_tokens(q, token_cos, token_sin), rotate_tokens(k_new, token_cos, token_sin)
+    head_dim = q.shape[-1]
+    kvcache_append_fwd(k_data, v_data, None, None, None, None, k_new, v_new, cache_seqlens, block_table, None, None,
+                       rotary_interleaved=False, bits=16, group_size=head_dim, leftpad=leftpad)  # fmt: skip
+    attention_kvcache_fwd(q, k_data, v_data, None, None, None, None, out, lse, cache_seqlens, block_table, None, None,
+                          seqlen_new=k_new.shape[1], max_seqlen_k=max_seqlen_k, scale=scale, window_left=window_left,
+                          window_right=window_right, alibi_slopes=alibi_slopes, softcap=softcap,
+                          rotary_interleaved=False, bits=16, group_size=head_dim, leftpad=leftpad)  # fmt: skip
+    if advance is not None:
+        advance.add_(k_new.shape[1])

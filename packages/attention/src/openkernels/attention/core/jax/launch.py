@@ -63,7 +63,8 @@ def optional_pointers(inputs: dict, **pointers: Any) -> None:
     them only under their constexpr flags (IS_VARLEN, HAS_ALIBI, PAGE_SIZE, HAS_ROTARY)."""
     dummies = {"cu_q_ptr": jnp.int32, "cu_k_ptr": jnp.int32, "slopes_ptr": jnp.float32, "block_table_ptr": jnp.int32,
                "cos_ptr": jnp.float32, "sin_ptr": jnp.float32, "leftpad_ptr": jnp.int32,
-               "res_ptr": jnp.float16, "seed_ptr": jnp.int32}  # fmt: skip
+               "res_ptr": jnp.float16, "seed_ptr": jnp.int32, "kn_ptr": jnp.float16, "vn_ptr": jnp.float16,
+               "advance_ptr": jnp.int32}  # fmt: skip
     for name, value in pointers.items():
         inputs[name] = jnp.zeros((1,), dummies[name]) if value is None else value
 

@@ -51,6 +51,8 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin,
         slopes_ptr=slopes,
         leftpad_ptr=leftpad,
         res_ptr=None,
+        kn_ptr=None,  # the fused append is the PyTorch static cache's
+        vn_ptr=None,
     )
     if kv.combine is None:
         outputs = {
@@ -68,6 +70,6 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cos, sin,
     return run_kernel(
         KV._attention_kvcache_combine_kernel,
         kv.combine,
-        {"part_o_ptr": part_o, "part_lse_ptr": part_lse},
+        {"part_o_ptr": part_o, "part_lse_ptr": part_lse, "advance_ptr": jnp.zeros((1,), jnp.int32)},
         outputs,
     )

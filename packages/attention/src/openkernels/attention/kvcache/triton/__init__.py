@@ -22,7 +22,7 @@ from .kernels import (
     _kvcache_append_keys_by_channel_kernel,
 )
 
-__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "FORCE_SPLITS"]
+__all__ = ["kvcache_append_fwd", "attention_kvcache_fwd", "attention_kvcache_append_fwd", "FORCE_SPLITS"]
 
 # Pin the number of key splits (tests, tuning); None: kv_splits' heuristic.
 FORCE_SPLITS: int | None = None
@@ -122,20 +122,31 @@ _plans: dict[tuple, tuple[plan.KVLaunches, PreparedLaunch, PreparedLaunch | None
 _MAX_PLANS = 4096
 # The tensor parameters of the decode kernels, in the order their launchers pass them.
 _MAIN_TENSORS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "k_zero_ptr", "v_scale_ptr", "v_zero_ptr", "seqlens_ptr",
-                 "block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr", "leftpad_ptr", "res_ptr", "o_ptr",
-                 "lse_ptr")  # fmt: skip
-_COMBINE_TENSORS = ("part_o_ptr", "part_lse_ptr", "o_ptr", "lse_ptr")
+                 "block_table_ptr", "cos_ptr", "sin_ptr", "slopes_ptr", "leftpad_ptr", "res_ptr", "kn_ptr", "vn_ptr",
+                 "o_ptr", "lse_ptr")  # fmt: skip
+_COMBINE_TENSORS = ("part_o_ptr", "part_lse_ptr", "advance_ptr", "o_ptr", "lse_ptr")
 
 
 def _plan(q, k_data, v_data, k_scale, v_scale, k_residual, key_group, out, lse, block_table, rotary_cos, seqlen_new,
           max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap, rotary_interleaved, bits, group_size,
-          leftpad, config, num_splits, scale_gather) -> plan.KVLaunches:  # fmt: skip
+          leftpad, config, num_splits, scale_gather, fused=None) -> plan.KVLaunches:  # fmt: skip
+    """fused: (k_new, v_new, token_cos or None, advance or None) of the fused append."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     stride_ro, rot_half = _rotary(rotary_cos)
+    new_strides = ((0, 0, 0), (0, 0, 0), (0, 0))
+    if fused is not None:
+        k_new, v_new, token_cos, _ = fused
+        if token_cos is not None:
+            rot_half = token_cos.shape[-1] // 2
+            new_strides = (k_new.stride()[:3], v_new.stride()[:3],
+                           (0 if token_cos.shape[0] == 1 else token_cos.stride(0), token_cos.stride(1)))  # fmt: skip
+        else:
+            new_strides = (k_new.stride()[:3], v_new.stride()[:3], (0, 0))
     problem = plan.KVProblem(
         batch, seqlen_q, heads_q, k_data.shape[2], head_dim, bits, group_size, seqlen_new, max_seqlen_k, scale,
         window_left, window_right, alibi_slopes is not None, softcap, _page_size(k_data, block_table), rot_half,
         rotary_interleaved, leftpad is not None, _row_table(block_table), k_data.dtype == FP8, key_group,
+        fused is not None, fused is not None and fused[2] is not None, fused is not None and fused[3] is not None,
     )  # fmt: skip
     strides = (
         q.stride()[:3],
@@ -149,7 +160,7 @@ def _plan(q, k_data, v_data, k_scale, v_scale, k_residual, key_group, out, lse, 
     return plan.kvcache(
         problem, device_info(q.device).arch, _sm_count(q.device), strides, out.stride()[:3], lse.stride(),
         (0 if block_table is None else block_table.stride(0), stride_ro), _fast_dequant(q.device), scale_gather,
-        config, num_splits, _fp8_native(q.device), key_strides,
+        config, num_splits, _fp8_native(q.device), key_strides, new_strides,
     )  # fmt: skip
 
 
@@ -195,6 +206,77 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
     if k_data.dtype == FP8:
         k_data, v_data = k_data.view(torch.uint8), v_data.view(torch.uint8)
     main(kv.main.grid, q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, cache_seqlens, block_table, rotary_cos,
-         rotary_sin, alibi_slopes, leftpad, k_residual, dst_o, dst_lse)  # fmt: skip
+         rotary_sin, alibi_slopes, leftpad, k_residual, None, None, dst_o, dst_lse)  # fmt: skip
     if combine is not None:
-        combine(kv.combine.grid, dst_o, dst_lse, out, lse)
+        combine(kv.combine.grid, dst_o, dst_lse, None, out, lse)
+
+
+_fused_plans: dict[tuple, tuple[plan.KVLaunches, PreparedLaunch, PreparedLaunch | None]] = {}
+
+
+def _rotate_tokens(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, S, H, D) rotated by per-token cos / sin (B or 1, S, R) in float32, rounded once."""
+    from ..reference import rotate_tokens
+
+    return rotate_tokens(x, cos, sin)
+
+
+def attention_kvcache_append_fwd(q, k_data, v_data, out, lse, cache_seqlens, block_table, k_new, v_new, token_cos,
+                                 token_sin, advance, *, max_seqlen_k, scale, window_left, window_right, alibi_slopes,
+                                 softcap, leftpad=None) -> None:  # fmt: skip
+    """The append of k_new / v_new in the attention kernel, the length's advance in the split
+    combine (reference.attention_kvcache_append_fwd has the contract). Where the kernel does not
+    take the call (a paged cache, more than one block of query rows): the append kernel, then
+    the attention, as attention_with_kvcache runs them."""
+    _, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_new = k_new.shape[1]
+    max_k16 = -(-max_seqlen_k // 16) * 16
+    key = (q.shape, q.stride(), k_data.dtype, k_data.shape, k_data.stride(), v_data.stride(), k_new.stride(),
+           v_new.stride(), None if token_cos is None else (token_cos.shape, token_cos.stride()), out.stride(),
+           lse.stride(), None if block_table is None else (block_table.shape[1], block_table.stride(0)), q.device,
+           seqlen_new, max_k16, scale, window_left, window_right, alibi_slopes is not None, softcap,
+           leftpad is not None, advance is not None, FORCE_SPLITS)  # fmt: skip
+    cached = _fused_plans.get(key)
+    if cached is None:
+        kv = None
+        fits = _page_size(k_data, block_table) == 0 and seqlen_q * (heads_q // k_data.shape[2]) <= 16
+        if fits:
+            kv = _plan(q, k_data, v_data, None, None, None, 0, out, lse, block_table, None, seqlen_new, max_k16,
+                       scale, window_left, window_right, alibi_slopes, softcap, False, 16, head_dim, leftpad, None,
+                       FORCE_SPLITS, False, fused=(k_new, v_new, token_cos, advance))  # fmt: skip
+            if kv.main.grid[0] != 1:
+                kv = None
+        main = combine = None
+        if kv is not None:
+            main = prepare(_attention_kvcache_fwd_kernel, _MAIN_TENSORS, num_warps=kv.main.num_warps,
+                           num_stages=kv.main.num_stages, **kv.main.args)  # fmt: skip
+            if kv.combine is not None:
+                combine = prepare(_attention_kvcache_combine_kernel, _COMBINE_TENSORS, num_warps=kv.combine.num_warps,
+                                  **kv.combine.args)  # fmt: skip
+        if len(_fused_plans) >= _MAX_PLANS:
+            _fused_plans.clear()
+        cached = _fused_plans[key] = (kv, main, combine)
+    kv, main, combine = cached
+    if kv is None:  # the two launches (rotated first where the tables are per token)
+        if token_cos is not None:
+            q, k_new = _rotate_tokens(q, token_cos, token_sin), _rotate_tokens(k_new, token_cos, token_sin)
+        kvcache_append_fwd(k_data, v_data, None, None, None, None, k_new, v_new, cache_seqlens, block_table, None,
+                           None, rotary_interleaved=False, bits=16, group_size=head_dim, leftpad=leftpad)  # fmt: skip
+        attention_kvcache_fwd(q, k_data, v_data, None, None, None, None, out, lse, cache_seqlens, block_table, None,
+                              None, seqlen_new=seqlen_new, max_seqlen_k=max_seqlen_k, scale=scale,
+                              window_left=window_left, window_right=window_right, alibi_slopes=alibi_slopes,
+                              softcap=softcap, rotary_interleaved=False, bits=16, group_size=head_dim,
+                              leftpad=leftpad)  # fmt: skip
+        if advance is not None:
+            advance.add_(seqlen_new)
+        return
+    dst_o, dst_lse = out, lse
+    if kv.splits > 1:
+        dst_o = torch.empty(kv.partial_out, dtype=torch.float32, device=q.device)
+        dst_lse = torch.empty(kv.partial_lse, dtype=torch.float32, device=q.device)
+    main(kv.main.grid, q, k_data, v_data, None, None, None, None, cache_seqlens, block_table, token_cos, token_sin,
+         alibi_slopes, leftpad, None, k_new, v_new, dst_o, dst_lse)  # fmt: skip
+    if combine is not None:
+        combine(kv.combine.grid, dst_o, dst_lse, advance, out, lse)
+    if advance is not None and not kv.advanced:
+        advance.add_(seqlen_new)

@@ -57,6 +57,68 @@ def _load_rotated(row_ptrs, row_mask, offs, pos, cos_ptr, sin_ptr, stride_ro, ro
 
 
 @triton.jit
+def _load_rotated_tokens(row_ptrs, row_mask, offs, tok, trig_base, cos_ptr, sin_ptr, stride_ct, rot_half,
+                         HEAD_DIM: tl.constexpr, ROT_TOKENS: tl.constexpr):  # fmt: skip
+    """`_load_rotated` with per-token tables (ROT_TOKENS): row `tok` of the (tokens, 2 rot_half)
+    cos / sin at `trig_base`, each element with its own column (apply_rotary's rule, as
+    transformers' position embeddings give them: halves c1, c2 and s1, s2 need not be equal):
+    out[:h] = x1 c1 - x2 s1, out[h:2h] = x2 c2 + x1 s2."""
+    mask = row_mask[:, None] & (offs[None, :] < HEAD_DIM)
+    x = tl.load(row_ptrs[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROT_TOKENS:
+        first = offs < rot_half
+        partner = tl.where(first, offs + rot_half, offs - rot_half)
+        sign = tl.where(first, -1.0, 1.0)
+        rot = mask & (offs[None, :] < 2 * rot_half)
+        xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=rot, other=0.0).to(tl.float32)
+        trig = trig_base + tok[:, None].to(tl.int64) * stride_ct + offs[None, :]
+        c = tl.load(cos_ptr + trig, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + trig, mask=rot, other=0.0).to(tl.float32)
+        x = tl.where(rot, x * c + sign[None, :] * xp * s, x)
+    return x
+
+
+@triton.jit
+def _append_in_split(
+    kn_ptr, vn_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, block_table_ptr, b, hk, filled, slot0, lo, hi, seqlen_new,
+    stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_bt, stride_cb, stride_ct, rot_half, offs_d,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, ROW_TABLE: tl.constexpr, ROT_TOKENS: tl.constexpr,
+):  # fmt: skip
+    """The fused append (FUSED_APPEND): the new tokens whose keys lie in this program's split
+    [lo, hi) (keys counted from the sequence's first token) written into the 16-bit contiguous
+    cache, keys rotated with the per-token tables; then a CTA barrier, so the program's own
+    loads of those rows see them. No other program reads them (the splits part the keys), and
+    the plan runs one program per (sequence, KV head, split) (one block of query rows)."""
+    if ROW_TABLE:
+        page = tl.load(block_table_ptr + b * stride_bt).to(tl.int64)
+    else:
+        page = b.to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_T)  # a small tile: its registers are live beside q's
+    first_key = filled - slot0  # the first new token's key index
+    mask_d = offs_d[None, :] < HEAD_DIM
+    for t0 in range(0, seqlen_new, BLOCK_T):
+        t = t0 + offs_t
+        key = first_key + t
+        valid = (t < seqlen_new) & (key >= lo) & (key < hi)
+        kn_rows = kn_ptr + b.to(tl.int64) * stride_knb + t.to(tl.int64) * stride_kns + hk * stride_knh
+        vn_rows = vn_ptr + b.to(tl.int64) * stride_vnb + t.to(tl.int64) * stride_vns + hk * stride_vnh
+        k = _load_rotated_tokens(kn_rows, valid, offs_d, t, b.to(tl.int64) * stride_cb, cos_ptr, sin_ptr, stride_ct,
+                                 rot_half, HEAD_DIM, ROT_TOKENS)  # fmt: skip
+        v = tl.load(vn_rows[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d, other=0.0)
+        slot = (filled + t).to(tl.int64)
+        k_rows = k_ptr + page * stride_kb + slot * stride_ks + hk * stride_kh
+        v_rows = v_ptr + page * stride_vb + slot * stride_vs + hk * stride_vh
+        tl.store(
+            k_rows[:, None] + offs_d[None, :], k.to(k_ptr.dtype.element_ty), mask=valid[:, None] & mask_d
+        )
+        tl.store(
+            v_rows[:, None] + offs_d[None, :], v.to(v_ptr.dtype.element_ty), mask=valid[:, None] & mask_d
+        )
+    tl.debug_barrier()
+
+
+@triton.jit
 def _kvcache_append_fwd_kernel(
     k_new_ptr, v_new_ptr, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
     seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, leftpad_ptr,
@@ -707,11 +769,12 @@ def _kv_blocks(
 @triton.jit
 def _attention_kvcache_fwd_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, slopes_ptr, leftpad_ptr, res_ptr, o_ptr, lse_ptr,
+    seqlens_ptr, block_table_ptr, cos_ptr, sin_ptr, slopes_ptr, leftpad_ptr, res_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh, stride_gb, stride_gg, stride_gh, stride_rb, stride_rs, stride_rh,
     stride_ob, stride_os, stride_oh, stride_osplit,
     stride_lb, stride_lh, stride_ls, stride_lsplit, stride_bt, stride_ro,
+    stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh, stride_cb, stride_ct,
     seqlen_q, seqlen_new, heads_kv, group, split_len, rot_half,
     q_scale, qk_scale, cap_scale, cap_out, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -720,9 +783,15 @@ def _attention_kvcache_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_DEQUANT: tl.constexpr = False,
     SCALE_GATHER: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False, ROW_TABLE: tl.constexpr = False,
     FP8: tl.constexpr = False, FP8_NATIVE: tl.constexpr = False, KEY_GROUP: tl.constexpr = 0,
+    FUSED_APPEND: tl.constexpr = False, ROT_TOKENS: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_M packed (query, head) rows of one (sequence, KV head), keys of one
-    split. Writes out/lse at split index program_id(2) (a float32 partial when split). FP8:
+    split. FUSED_APPEND (16-bit contiguous caches, one block of query rows): the seqlen_new
+    new tokens at kn_ptr / vn_ptr (strides stride_kn*, stride_vn*) are written into the cache
+    by the program whose split holds them (_append_in_split) instead of by an append kernel
+    before. ROT_TOKENS (16-bit, with FUSED_APPEND): per-token cos / sin tables (batch stride
+    stride_cb, token stride stride_ct, 2 rot_half columns) rotate query row i and new token i
+    (seqlen_q == seqlen_new) instead of the position-indexed ones (HAS_ROTARY). Writes out/lse at split index program_id(2) (a float32 partial when split). FP8:
     k/v data are float8_e4m3fn bytes with float32 scales per KV head (k_scale_ptr +
     hk * stride_sh); FP8_NATIVE converts them with the hardware (sm_89+). KEY_GROUP > 0: keys by
     channel over groups of KEY_GROUP tokens (a multiple of BLOCK_N), their scale and zero at (page or
@@ -762,8 +831,12 @@ def _attention_kvcache_fwd_kernel(
         q0, q1 = _to_f16_range(qf0).to(dtype), _to_f16_range(qf1).to(dtype)
         acc0 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
     else:
-        q0 = _load_rotated(q_rows, row_ok, offs_d, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
-                           HAS_ROTARY, INTERLEAVED)  # fmt: skip
+        if ROT_TOKENS:
+            q0 = _load_rotated_tokens(q_rows, row_ok, offs_d, qrow, b.to(tl.int64) * stride_cb, cos_ptr, sin_ptr,
+                                      stride_ct, rot_half, HEAD_DIM, ROT_TOKENS)  # fmt: skip
+        else:
+            q0 = _load_rotated(q_rows, row_ok, offs_d, qpos, cos_ptr, sin_ptr, stride_ro, rot_half, HEAD_DIM,
+                               HAS_ROTARY, INTERLEAVED)  # fmt: skip
         if FP8:  # the keys' scale on q (times 2^8 with the converted tiles' 2^-8: _fp8_to_f16)
             q_scale *= tl.load(k_scale_ptr + hk * stride_sh) * (1.0 if FP8_NATIVE else 256.0)
         qf0 = q0 * q_scale
@@ -789,6 +862,11 @@ def _attention_kvcache_fwd_kernel(
                                        HAS_WINDOW_RIGHT)  # fmt: skip
     lo = split * split_len
     hi = lo + split_len
+    if FUSED_APPEND:
+        _append_in_split(kn_ptr, vn_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, block_table_ptr, b, hk, filled, slot0, lo, hi,
+                         seqlen_new, stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh, stride_kb,
+                         stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_cb, stride_ct,
+                         rot_half, offs_d, HEAD_DIM, 8, ROW_TABLE, ROT_TOKENS)  # fmt: skip
     args = (
         k_ptr,
         v_ptr,
@@ -848,16 +926,23 @@ def _attention_kvcache_fwd_kernel(
 
 @triton.jit
 def _attention_kvcache_combine_kernel(
-    part_o_ptr, part_lse_ptr, o_ptr, lse_ptr,
+    part_o_ptr, part_lse_ptr, advance_ptr, o_ptr, lse_ptr,
     stride_pb, stride_ps, stride_ph, stride_psplit, stride_plb, stride_plh, stride_pls,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    seqlen_q, heads_q, num_splits,
+    seqlen_q, heads_q, num_splits, advance_by,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLITS_TILE: tl.constexpr = False,
+    ADVANCE: tl.constexpr = False,
 ):  # fmt: skip
     """One program: one (sequence, query, head) row; merges its splits' partials by their lse.
     SPLITS_TILE: every split's partial in one (splits, head_dim) load, issued together (the
-    split loop waits on one load after another); the plan sets it where the tile is small."""
+    split loop waits on one load after another); the plan sets it where the tile is small.
+    ADVANCE: program 0 also adds advance_by to the int32 at advance_ptr (a static cache's
+    length, which the main kernel read before this kernel started): one launch fewer per
+    layer and decode step than an add of its own."""
     row = tl.program_id(0)
+    if ADVANCE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if row == 0:
+            tl.store(advance_ptr, tl.load(advance_ptr) + advance_by)
     b = row // (seqlen_q * heads_q)
     i = (row // heads_q) % seqlen_q
     h = row % heads_q

@@ -36,6 +36,7 @@ class KVLaunches:
     splits: int
     partial_out: tuple[int, ...] | None
     partial_lse: tuple[int, ...] | None
+    advanced: bool = False  # the combine adds seqlen_new to the length (KVProblem.advance)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -61,6 +62,7 @@ def kvcache(
     num_splits: int | None = None,
     fp8_native: bool = False,
     key_strides: tuple[Strides, Strides] = ((0, 0, 0), (0, 0, 0)),
+    new_strides: tuple[Strides, Strides, tuple[int, int]] = ((0, 0, 0), (0, 0, 0), (0, 0)),
 ) -> KVLaunches:
     """`_attention_kvcache_fwd_kernel` (and the combine): strides of (q, k data, v data, the
     scales: (0, 0, 0) for a 16-bit cache), of out (B, Sq, Hq) and lse (B, Hq, Sq), of the
@@ -68,7 +70,9 @@ def kvcache(
     overrides (tuning, tests); else kv_config and kv_splits for sm_count SMs. fp8_native: the
     device converts float8_e4m3fn in hardware (CUDA sm_89+). key_strides: with keys by channel,
     the (page, group, head) strides of their scales and the (sequence, row, head) strides of
-    their residual; a key block then lies in one group."""
+    their residual; a key block then lies in one group. new_strides: with p.fused_append, the
+    (batch, token, head) strides of k_new and v_new and the (batch, token) strides of the
+    per-token rotary tables (p.rot_tokens)."""
     group = p.heads_q // p.heads_kv
     lean = lean_decode(p.bits, p.group_size, p.head_dim, p.fp8, p.key_group, p.rot_half > 0,
                        p.alibi or p.softcap > 0 or p.window_left >= 0)  # fmt: skip
@@ -86,6 +90,14 @@ def kvcache(
     if cfg.block_n % 16:  # the launcher rounds max_seqlen_k up to a multiple of 16
         raise ValueError(f"kvcache plan: block_n must be a multiple of 16, got {cfg.block_n}")
     m_blocks = cdiv(p.seqlen_q * group, cfg.block_m)
+    if p.fused_append and (p.bits != 16 or p.page_size or m_blocks != 1):
+        raise ValueError(
+            "kvcache plan: the fused append takes a 16-bit contiguous cache and one block of query rows"
+        )
+    if p.rot_tokens and not (p.fused_append and p.seqlen_q == p.seqlen_new):
+        raise ValueError(
+            "kvcache plan: per-token rotary tables come with the fused append, one query per new token"
+        )
     key_blocks = cdiv(p.max_seqlen_k, cfg.block_n)
     programs = m_blocks * p.batch * p.heads_kv
     if num_splits:
@@ -125,7 +137,12 @@ def kvcache(
         "stride_gb": key_strides[0][0], "stride_gg": key_strides[0][1], "stride_gh": key_strides[0][2],
         "stride_rb": key_strides[1][0], "stride_rs": key_strides[1][1], "stride_rh": key_strides[1][2],
         "KEY_GROUP": p.key_group,
+        **dict(zip(("stride_knb", "stride_kns", "stride_knh", "stride_vnb", "stride_vns", "stride_vnh", "stride_cb",
+                    "stride_ct"), (st for part in new_strides for st in part), strict=True)),
+        "FUSED_APPEND": p.fused_append, "ROT_TOKENS": p.rot_tokens,
     }  # fmt: skip
+    if p.rot_tokens:  # the per-token tables replace the position-indexed ones
+        args["HAS_ROTARY"] = False
     main = Launch((m_blocks, p.batch * p.heads_kv, splits), cfg.num_warps, cfg.num_stages, args, cfg)
     combine = None
     if splits > 1:
@@ -136,9 +153,10 @@ def kvcache(
             "stride_oh": out_strides[2], "stride_lb": lse_strides[0], "stride_lh": lse_strides[1],
             "seqlen_q": p.seqlen_q, "heads_q": p.heads_q, "num_splits": splits, "HEAD_DIM": p.head_dim,
             "BLOCK_D": block_d(p.head_dim), "BLOCK_SPLITS": 1 << (splits - 1).bit_length(),
+            "advance_by": p.seqlen_new if p.advance else 0, "ADVANCE": p.advance,
         }  # fmt: skip
         combine_args["SPLITS_TILE"] = (
             COMBINE_SPLITS_TILE and combine_args["BLOCK_SPLITS"] * block_d(p.head_dim) <= 4096
         )
         combine = Launch((p.batch * p.seqlen_q * p.heads_q,), 4, None, combine_args)
-    return KVLaunches(main, combine, splits, partial_out, partial_lse)
+    return KVLaunches(main, combine, splits, partial_out, partial_lse, combine is not None and p.advance)
