@@ -37,10 +37,12 @@ if [[ $steps == *fusedappend* && $family == attention ]]; then
   # The static cache's one-op decode step (attention 0.8.13): its GPU tests (the append inside
   # the attention kernel, per-token rotary, the length advanced by the combine), the static
   # cache's transformers tests, then the 1B decode step with the fusion and without it.
+  # The MLP's residual in a 4-bit down_proj's bias (quant 0.10.16) is A/B'd with it.
   OPENKERNELS_STRICT=1 timeout ${FUSED_TESTS_S:-300} python3 -m pytest -q -rfE \
     packages/attention/tests/test_kvcache_fused_append.py packages/attention/tests/test_hf_cache.py \
-    -m "not interpreter and not aot" -k "cuda or static or kernelized" 2>&1 | tee "$out/fused_tests.txt" | tail -6
-  for ab in "" "--unfused-append"; do
+    packages/quant/tests/test_api.py -m "not interpreter and not aot" \
+    -k "cuda or static or kernelized or forward_add" 2>&1 | tee "$out/fused_tests.txt" | tail -6
+  for ab in "" "--unfused-append --unfused-residual"; do
     timeout ${E2E_S:-200} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode graph \
       --int4-head $ab --profile ${E2E_PROFILE:-0} --json "$out/e2e_fused${ab:+_unfused}.json" 2>&1 \
       | grep -v '^ *[{}"]\|^ *\]' | tail -${E2E_TAIL:-12}

@@ -4,6 +4,7 @@ end-to-end bar).
 
     python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile|eager]
         [--json PATH] [--tiny --device cpu] [--int4-head] [--tiled] [--layout tiled] [--unfused-append]
+        [--unfused-residual]
 
 Variants, each a copy of the same random-weight model:
   sdpa          transformers' own model (attn_implementation="sdpa", bf16 weights) with its
@@ -323,7 +324,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="A/B: kernelize's attention rotates q and k before the static cache, which then "
                         "appends and attends in two launches and advances its length in a third (as before "
                         "attention 0.8.13's fused append)")  # fmt: skip
+    parser.add_argument("--unfused-residual", action="store_true",
+                        help="A/B: the decoder layers add the MLP's residual after the MLP instead of in a "
+                        "4-bit down_proj's kernel (as before quant 0.10.16's Int4Linear.forward_add)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.unfused_residual:
+        from openkernels.activations import kernelize as activations_kernelize
+
+        activations_kernelize._gated_forward.adds_residual = False
     if args.unfused_append:
         from openkernels.attention import kernelize as attention_kernelize
 

@@ -292,3 +292,41 @@ def test_failing_kernel_falls_back_with_one_warning(monkeypatch) -> None:
         Q.int4_linear(x, q)
     assert sum(issubclass(w.category, dispatch.KernelFallbackWarning) for w in caught) == 1
     torch.testing.assert_close(out, x @ Q.dequantize_int4(q).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_forward_add_folds_one_row_into_the_kernels_bias(device) -> None:
+    """Int4Linear.forward_add(x, r) = r + forward(x): at one row of x (a decode step) r goes in
+    as the kernel's bias (bit for bit the layer with that bias), elsewhere the add follows
+    (bit for bit r + forward(x)); a layer with a bias of its own, or gradients, add after."""
+    if triton_interpreting():
+        pytest.skip("module plumbing, once, outside the interpreter")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    dense = nn.Linear(256, 384, bias=False).to(device, dtype)
+    layer = Int4Linear.from_linear(dense)
+    with_bias = Int4Linear.from_linear(nn.Linear(256, 384).to(device, dtype))
+    with torch.no_grad():
+        for shape in ((1, 1, 256), (1, 256), (3, 256), (2, 1, 256)):
+            x = torch.randn(shape, device=device, dtype=dtype)
+            r = torch.randn(*shape[:-1], 384, device=device, dtype=dtype)
+            got = layer.forward_add(x, r)
+            assert got.shape == r.shape
+            if x.numel() == 256:  # the bias path: the same bits as a layer whose bias is r
+                want = Q.linear_parts(x, layer.qweight, layer.scales, layer.zeros, r.reshape(-1), layer.group_size,
+                                      layer.kind).reshape(r.shape)  # fmt: skip
+                assert torch.equal(got, want)
+                unfused = r + layer(x)  # two roundings against one
+                assert (got.float() - unfused.float()).abs().max() <= 2 ** -6 * unfused.float().abs().max()
+            else:
+                assert torch.equal(got, r + layer(x))
+            x1 = torch.randn(1, 256, device=device, dtype=dtype)
+            r1 = torch.randn(1, 384, device=device, dtype=dtype)
+            assert torch.equal(with_bias.forward_add(x1, r1), r1 + with_bias(x1))
+    x = torch.randn(1, 256, device=device, dtype=dtype, requires_grad=True)
+    r = torch.randn(1, 384, device=device, dtype=dtype, requires_grad=True)
+    out = layer.forward_add(x, r)
+    out.float().sum().backward()
+    assert r.grad is not None and torch.equal(r.grad, torch.ones_like(r))

@@ -112,9 +112,21 @@ def _gated_prepare(mlp: nn.Module, ctx: KernelizeContext) -> Callable[[], None]:
     return undo
 
 
-def _gated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    h = stacked_forward(self, _GATE_UP, x)
-    return self.down_proj(self.__dict__[_KIND](h))
+def _gated_forward(self: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """down_proj(act(gate_proj(x)) * up_proj(x)), plus `residual` when given (the decoder
+    layer's add, layernorm's decoder fusion): a 4-bit down_proj without hooks takes it as its
+    kernel's bias at one row (Int4Linear.forward_add), any other adds it after."""
+    h = self.__dict__[_KIND](stacked_forward(self, _GATE_UP, x))
+    if residual is None:
+        return self.down_proj(h)
+    down = self.down_proj
+    forward_add = getattr(down, "forward_add", None)
+    if forward_add is not None and not (down._forward_hooks or down._forward_pre_hooks):
+        return forward_add(h, residual)
+    return residual + down(h)
+
+
+_gated_forward.adds_residual = True  # decoder_fusion passes the residual in
 
 
 # ---------------------------------------------------------------------------- dense + activation

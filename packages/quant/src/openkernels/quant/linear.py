@@ -240,6 +240,27 @@ class Int4Linear(nn.Module):
         return linear_parts(x, self.qweight, self.scales, self.zeros, self.bias, self.group_size, self.kind,
                             self.perm, getattr(self, "qweight_tiled", None))  # fmt: skip
 
+    def forward_add(self, x: Tensor, addend: Tensor) -> Tensor:
+        """addend + forward(x): x (..., in_features), addend broadcastable to the output
+        (..., out_features). Where x is one row (a decode step at batch 1), the layer has no
+        bias and the addend is one row of out_features in x's dtype, without gradients, the
+        addend goes in as the kernel's bias: added in float32 to the row's sums before their
+        one rounding (the separate add rounds twice), one launch fewer. kernelize's decoder
+        layers add their MLP's residual this way."""
+        if (
+            self.bias is None
+            and x.numel() == x.shape[-1]
+            and addend.numel() == self.out_features
+            and addend.shape[-1] == self.out_features
+            and addend.dtype == x.dtype
+            and addend.device == x.device
+            and not (torch.is_grad_enabled() and (x.requires_grad or addend.requires_grad))
+        ):
+            out = linear_parts(x, self.qweight, self.scales, self.zeros, addend.reshape(-1), self.group_size,
+                               self.kind, self.perm, getattr(self, "qweight_tiled", None))  # fmt: skip
+            return out.reshape(torch.broadcast_shapes(out.shape, addend.shape))
+        return addend + self.forward(x)
+
     def extra_repr(self) -> str:
         zeros = "symmetric" if self.zeros is None else "zeros"
         return (

@@ -235,16 +235,17 @@ def _bench_modules(family: str) -> list[ModuleType]:
 
 
 def _run_first_case(module: ModuleType, device: torch.device) -> None:
-    """Run "ours" of the module's first benchmark case once."""
+    """Run "ours" of the module's first benchmark case once, then the contenders the module
+    names in OP_CONTENDERS (those that reach an op "ours" does not)."""
     try:
         cases = module.cases(device, peers=())
     except TypeError:  # a cases() without a peers argument
         cases = module.cases(device)
     case: BenchCase = cases[0]
-    inputs = case.make_inputs(device)
-    if "ours" in case.setup:
-        inputs = case.setup["ours"](inputs)
-    case.contenders["ours"](inputs)
+    made = case.make_inputs(device)
+    for name in ("ours", *getattr(module, "OP_CONTENDERS", ())):
+        inputs = case.setup[name](made) if name in case.setup else made
+        case.contenders[name](inputs)
 
 
 def _representative_calls(

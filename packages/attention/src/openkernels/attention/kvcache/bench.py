@@ -11,6 +11,9 @@ Contenders (each cache built from the same bf16 K/V in a setup step, outside the
   ours-int4       KVCache int4 (group = head)       ours-int4-g32: int4, groups of 32
   ours-fp8        KVCache fp8 e4m3 (scale 1.0 per head)
   ours-int4-keys32  KVCache int4, keys by channel over groups of 32 tokens, values per token
+  ours-step       a static cache's decode step on the bf16 cache: the new token's keys and
+                  values appended and attended in one op (attention_kvcache_append: on CUDA
+                  the append inside the attention kernel), the same slot rewritten each call
   sdpa            F.scaled_dot_product_attention(enable_gqa=True) on the bf16 cache (B, H, S, D)
   flex            FlexAttention (enable_gqa=True, no mask: the query is the last position),
                   torch.compile(dynamic=False)'d once per case
@@ -45,6 +48,8 @@ FORMATS: dict[str, dict[str, Any]] = {
     "ours-fp8": {"kv_dtype": "fp8"},
     "ours-int4-keys32": {"kv_dtype": "int4", "key_group": 32},
 }
+STEPS = ("ours-step",)
+OP_CONTENDERS = STEPS  # `openkernels env` explains attention_kvcache_append on this one's call
 PEERS = ("sdpa", "flex")
 
 
@@ -65,6 +70,24 @@ def _cache_setup(options: dict[str, Any]) -> Callable[[dict], dict]:
         return {"q": s["q"], "cache": cache}
 
     return prepare
+
+
+def _step_setup(s: dict) -> dict:
+    """A cache of the case's tokens with room for one more, and that token's keys and values."""
+    k, v = s["k"], s["v"]
+    b, n, hkv, d = k.shape
+    k_cache = torch.cat([k, torch.zeros_like(k[:, :16])], 1)
+    v_cache = torch.cat([v, torch.zeros_like(v[:, :16])], 1)
+    seqlens = torch.full((b,), n - 1, dtype=torch.int32, device=k.device)
+    return {"q": s["q"], "k_cache": k_cache, "v_cache": v_cache, "seqlens": seqlens, "lengths": [n] * b,
+            "k_new": k[:, -1:].clone(), "v_new": v[:, -1:].clone()}  # fmt: skip
+
+
+def _step(s: dict) -> Any:
+    from .api import _kvcache_append_call
+
+    return _kvcache_append_call(s["q"], s["k_cache"], s["v_cache"], s["seqlens"], s["k_new"], s["v_new"], None, None,
+                                None, True, None, (-1, -1), 0.0, None, s["lengths"])[0]  # fmt: skip
 
 
 def _bhsd_setup(s: dict) -> dict:
@@ -90,10 +113,10 @@ def cases(
     """Decode cases on `device` (GPU_SHAPES on CUDA, CPU_SHAPES on CPU)."""
     device = torch.device(device)
     shapes = shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
-    formats = list(FORMATS) if formats is None else list(formats)
-    unknown = set(formats) - set(FORMATS) | set(peers) - set(PEERS)
+    formats = [*FORMATS, *STEPS] if formats is None else list(formats)
+    unknown = set(formats) - set(FORMATS) - set(STEPS) | set(peers) - set(PEERS)
     if unknown:
-        raise ValueError(f"decode benchmark contenders are {[*FORMATS, *PEERS]}, got {sorted(unknown)}")
+        raise ValueError(f"decode benchmark contenders are {[*FORMATS, *STEPS, *PEERS]}, got {sorted(unknown)}")
     out = []
     for shape in shapes:
         b, hq, hkv, n, d = shape
@@ -106,6 +129,9 @@ def cases(
         fns: dict[str, Callable[[dict], Any]] = {}
         setup: dict[str, Callable[[dict], dict]] = {}
         for name in formats:
+            if name in STEPS:
+                fns[name], setup[name] = _step, _step_setup
+                continue
             fns[name] = lambda s: s["cache"].attend(s["q"])
             setup[name] = _cache_setup(FORMATS[name])
         if "sdpa" in peers:

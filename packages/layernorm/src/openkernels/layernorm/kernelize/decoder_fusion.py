@@ -8,7 +8,9 @@ A pre-norm decoder layer (Llama and its kin in transformers) does
 and the add of `h` is its own pass over the hidden state (one kernel launch per layer at
 decode). `rms_norm(attn, w, eps, residual=residual, prenorm=True)` returns both the norm of
 the sum and the sum itself (rounded to the residual's dtype first, as the add does), so the
-swapped forward does the add and the norm in one call.
+swapped forward does the add and the norm in one call. The add after the MLP goes to
+kernelize's gated MLP forward when the MLP has it (activations' swap): a 4-bit down_proj
+takes it as its kernel's bias at one row (a decode step at batch 1), one launch fewer again.
 
 A class is swapped only when its forward is, statement for statement, the template below
 (checked on its source, so a transformers release that changes the layer is left alone with
@@ -176,4 +178,7 @@ def decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwarg
         out_dtype=out_dtype,
         residual_dtype=h_dtype,
     )
-    return residual + self.mlp(hidden_states)
+    mlp = self.mlp
+    if getattr(type(mlp).forward, "adds_residual", False) and not (mlp._forward_hooks or mlp._forward_pre_hooks):
+        return mlp(hidden_states, residual=residual)  # kernelize's gated MLP: added in its down_proj
+    return residual + mlp(hidden_states)
