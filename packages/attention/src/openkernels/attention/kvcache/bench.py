@@ -75,7 +75,7 @@ def _cache_setup(options: dict[str, Any]) -> Callable[[dict], dict]:
 def _step_setup(s: dict) -> dict:
     """A cache of the case's tokens with room for one more, and that token's keys and values."""
     k, v = s["k"], s["v"]
-    b, n, hkv, d = k.shape
+    b, n = k.shape[:2]
     k_cache = torch.cat([k, torch.zeros_like(k[:, :16])], 1)
     v_cache = torch.cat([v, torch.zeros_like(v[:, :16])], 1)
     seqlens = torch.full((b,), n - 1, dtype=torch.int32, device=k.device)
