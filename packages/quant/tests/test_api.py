@@ -319,7 +319,7 @@ def test_forward_add_folds_one_row_into_the_kernels_bias(device) -> None:
                                       layer.kind).reshape(r.shape)  # fmt: skip
                 assert torch.equal(got, want)
                 unfused = r + layer(x)  # two roundings against one
-                assert (got.float() - unfused.float()).abs().max() <= 2 ** -6 * unfused.float().abs().max()
+                assert (got.float() - unfused.float()).abs().max() <= 2**-6 * unfused.float().abs().max()
             else:
                 assert torch.equal(got, r + layer(x))
             x1 = torch.randn(1, 256, device=device, dtype=dtype)

@@ -116,7 +116,9 @@ def cases(
     formats = [*FORMATS, *STEPS] if formats is None else list(formats)
     unknown = set(formats) - set(FORMATS) - set(STEPS) | set(peers) - set(PEERS)
     if unknown:
-        raise ValueError(f"decode benchmark contenders are {[*FORMATS, *STEPS, *PEERS]}, got {sorted(unknown)}")
+        raise ValueError(
+            f"decode benchmark contenders are {[*FORMATS, *STEPS, *PEERS]}, got {sorted(unknown)}"
+        )
     out = []
     for shape in shapes:
         b, hq, hkv, n, d = shape

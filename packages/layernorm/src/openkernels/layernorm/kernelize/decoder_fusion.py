@@ -179,6 +179,8 @@ def decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwarg
         residual_dtype=h_dtype,
     )
     mlp = self.mlp
-    if getattr(type(mlp).forward, "adds_residual", False) and not (mlp._forward_hooks or mlp._forward_pre_hooks):
+    if getattr(type(mlp).forward, "adds_residual", False) and not (
+        mlp._forward_hooks or mlp._forward_pre_hooks
+    ):
         return mlp(hidden_states, residual=residual)  # kernelize's gated MLP: added in its down_proj
     return residual + mlp(hidden_states)
