@@ -309,3 +309,33 @@ def test_kernelized_decode_on_cuda_takes_one_attention_launch(captured: bool, mo
     assert torch.isfinite(got).all()
     scale = want.abs().max()
     assert (got - want).abs().max() <= 2e-2 * scale, float((got - want).abs().max() / scale)
+
+
+def test_kernelized_static_decode_compiles_fullgraph() -> None:
+    """The unrotated q / k handed to the static cache (with cos / sin on its handle) trace in one
+    graph: torch.compile(fullgraph=True) of a kernelized decoder's step gives the eager step's
+    logits and lengths (the fused op stays out of compiled graphs; they rotate first)."""
+    if INTERPRETING:
+        pytest.skip("torch.compile on the CPU backends, once, outside the interpreter")
+    transformers = pytest.importorskip("transformers")
+    import openkernels.attention as A
+    from openkernels.shared.kernelize import kernelize
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256,
+                                   initializer_range=0.1)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    kernelize(model)
+    compiled_cache, eager_cache = (A.OpenKernelsStaticCache(model.config, 1, 64) for _ in range(2))
+    prompt = torch.randint(1, 128, (1, 9))
+    with torch.no_grad():
+        for cache in (compiled_cache, eager_cache):
+            model(prompt, cache=cache, use_cache=True)
+        step = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+        for t in range(3):
+            token = torch.tensor([[5 + t]])
+            got = step(input_ids=token, cache=compiled_cache, use_cache=True).logits
+            want = model(input_ids=token, cache=eager_cache, use_cache=True).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert int(compiled_cache.get_seq_length()) == int(eager_cache.get_seq_length()) == 12
