@@ -311,14 +311,21 @@ def test_kernelized_decode_on_cuda_takes_one_attention_launch(captured: bool, mo
     assert (got - want).abs().max() <= 2e-2 * scale, float((got - want).abs().max() / scale)
 
 
-def test_kernelized_static_decode_compiles_fullgraph() -> None:
+@pytest.mark.parametrize(
+    ("fused", "backend"),
+    [(False, "aot_eager"), (True, "aot_eager"), (True, "inductor")],
+    ids=["unfused-aot_eager", "fused-aot_eager", "fused-inductor"],
+)
+def test_kernelized_static_decode_compiles_fullgraph(fused: bool, backend: str, monkeypatch) -> None:
     """The unrotated q / k handed to the static cache (with cos / sin on its handle) trace in one
     graph: torch.compile(fullgraph=True) of a kernelized decoder's step gives the eager step's
-    logits and lengths (the fused op stays out of compiled graphs; they rotate first)."""
+    logits and lengths, with the fused op in the graph (its reference here: the readiness the
+    prefill found is forced; on CUDA it is the Triton backend's) or with the rotation first."""
     if INTERPRETING:
         pytest.skip("torch.compile on the CPU backends, once, outside the interpreter")
     transformers = pytest.importorskip("transformers")
     import openkernels.attention as A
+    from openkernels.attention import hf as attention_hf
     from openkernels.shared.kernelize import kernelize
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -329,13 +336,23 @@ def test_kernelized_static_decode_compiles_fullgraph() -> None:
     kernelize(model)
     compiled_cache, eager_cache = (A.OpenKernelsStaticCache(model.config, 1, 64) for _ in range(2))
     prompt = torch.randint(1, 128, (1, 9))
+    calls = []
     with torch.no_grad():
-        for cache in (compiled_cache, eager_cache):
-            model(prompt, cache=cache, use_cache=True)
-        step = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+        model(prompt, cache=eager_cache, use_cache=True)
+        if fused:  # the prefill records the layers' readiness for the compiled steps
+            original = attention_hf._attend_fused
+            monkeypatch.setattr(attention_hf, "fused_append_ready", lambda q, k_cache, new: True)
+            monkeypatch.setattr(attention_hf, "_attend_fused", lambda *a: calls.append(1) or original(*a))
+        model(prompt, cache=compiled_cache, use_cache=True)
+        step = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
         for t in range(3):
             token = torch.tensor([[5 + t]])
             got = step(input_ids=token, cache=compiled_cache, use_cache=True).logits
-            want = model(input_ids=token, cache=eager_cache, use_cache=True).logits
+            want = model(input_ids=token, cache=eager_cache, use_cache=True).logits if not fused else None
+            if fused:
+                with monkeypatch.context() as m:  # the eager reference: the unfused path
+                    m.setattr(attention_hf, "fused_append_ready", lambda q, k_cache, new: False)
+                    want = model(input_ids=token, cache=eager_cache, use_cache=True).logits
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert int(compiled_cache.get_seq_length()) == int(eager_cache.get_seq_length()) == 12
+    assert bool(calls) == fused, "the compiled step did not take the fused op"

@@ -197,8 +197,12 @@ def _attend_static(
     q = query.transpose(1, 2)
     if key.rotary is not None:  # q and k_new came unrotated (kernelize's attention forward)
         cos, sin = key.rotary
-        if new == 1 and fused_append_ready(q, layer.k_cache, new):  # a decode step
-            return _attend_fused(q, key, layer, k_new, v_new, cos, sin, pad, options, tracing)
+        if compiling:  # what the layer's eager calls (the prefill, at least) found
+            ready = getattr(layer, "fused_ready", False)
+        else:
+            ready = layer.fused_ready = fused_append_ready(q, layer.k_cache, new)
+        if new == 1 and ready:  # a decode step
+            return _attend_fused(q, key, layer, k_new, v_new, cos, sin, pad, options, tracing, compiling)
         from .rotary.api import apply_rotary
 
         if not tracing:
@@ -239,11 +243,14 @@ def _attend_static(
     return out
 
 
-def _attend_fused(q, key: StaticCachedKV, layer, k_new, v_new, cos, sin, pad, options, tracing):
+def _attend_fused(q, key: StaticCachedKV, layer, k_new, v_new, cos, sin, pad, options, tracing, compiling=False):
     """`_attend_static`'s one-op path (kvcache.api.fused_append_ready): q (B, Sq, Hq, D) and
     k_new unrotated, rotated by the per-token cos / sin, k_new / v_new appended, attended, and
     the layer's device length advanced, in one call (on CUDA one attention launch and its
-    split combine). Eager calls check the arguments once per signature (the layer's plans)."""
+    split combine). Eager calls check the arguments once per signature (the layer's plans).
+    Compiled: the length advances after the op (an add the compiler schedules), not in it: at
+    batch 1 the lengths the op reads are the length itself, which a compiled graph may not
+    also hand to the op as a tensor it mutates."""
     plan = host = None
     if not tracing:
         host = layer.host_lengths_after(k_new.shape[1])
@@ -260,11 +267,11 @@ def _attend_fused(q, key: StaticCachedKV, layer, k_new, v_new, cos, sin, pad, op
             pad = torch.minimum(pad, key.cache_seqlens)
     # The length itself when it is the lengths' storage (batch 1) or a counter beside a copy.
     out, _ = _kvcache_append_call(
-        q, layer.k_cache, layer.v_cache, key.cache_seqlens, k_new, v_new, cos, sin, layer.cumulative_length,
-        options["causal"], options["softmax_scale"], options["window"], options["softcap"], pad, host,
-        check=not tracing, plan=plan,
+        q, layer.k_cache, layer.v_cache, key.cache_seqlens, k_new, v_new, cos, sin,
+        None if compiling else layer.cumulative_length, options["causal"], options["softmax_scale"],
+        options["window"], options["softcap"], pad, host, check=not tracing, plan=plan,
     )  # fmt: skip
-    layer.advance(k_new.shape[1], on_device=False)
+    layer.advance(k_new.shape[1], on_device=compiling)
     return out
 
 

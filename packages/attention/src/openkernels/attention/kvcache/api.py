@@ -462,11 +462,11 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
 def fused_append_ready(q: torch.Tensor, k_cache: object, seqlen_new: int) -> bool:
     """Whether a static cache's step can append, attend and advance in one call
     (`_kvcache_append_call`): a 16-bit cache, one query per new token, the Triton backend
-    selected (the CPU's kernel is the two-op path's forward), not while compiling (the op
-    mutates the length, which the compiled graph reads as the lengths before it)."""
+    selected (the CPU's kernel is the two-op path's forward). Eager calls only (it reads the
+    dispatch state): a compiled step reads what the layer's eager calls found (hf.py)."""
     if not isinstance(k_cache, torch.Tensor) or type(q) is not torch.Tensor or q.shape[1] != seqlen_new:
         return False
-    if torch.compiler.is_compiling() or q.device.type == "cpu":
+    if q.device.type == "cpu":
         return False
     try:
         chosen = dispatch.select("attention_kvcache_append", dispatch.key_for(q))
