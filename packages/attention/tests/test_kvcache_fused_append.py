@@ -242,11 +242,13 @@ def test_kernelized_decode_steps_through_the_fused_path(arch: str, padded: bool,
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("captured", [False, True], ids=["eager", "cuda-graph"])
-def test_kernelized_decode_on_cuda_takes_one_attention_launch(captured: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["eager", "cuda-graph", "compiled"])
+def test_kernelized_decode_on_cuda_takes_one_attention_launch(mode: str, monkeypatch) -> None:
     """On CUDA the fused path is the default for a kernelized bf16 decoder with a static cache:
-    logits within bf16 rounding of the unfused path's, step by step, eager and replayed from a
-    CUDA graph (where the length advances on the device, in the combine)."""
+    logits within bf16 rounding of the unfused path's, step by step, eager, replayed from a
+    CUDA graph (where the length advances on the device, in the combine) and compiled
+    (torch.compile fullgraph, inductor: the op in the graph, the length's add beside it)."""
+    captured = mode == "cuda-graph"
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     transformers = pytest.importorskip("transformers")
@@ -296,6 +298,12 @@ def test_kernelized_decode_on_cuda_takes_one_attention_launch(captured: bool, mo
                         graph.replay()
                         rows.append(logits.float().clone())
                 else:
+                    if mode == "compiled":
+                        compiled = torch.compile(model, fullgraph=True, dynamic=False)
+
+                        def step():
+                            return compiled(input_ids=token, cache=cache, use_cache=True).logits
+
                     for t in tokens.unbind(1):
                         token.copy_(t[:, None])
                         rows.append(step().float().clone())
@@ -304,7 +312,7 @@ def test_kernelized_decode_on_cuda_takes_one_attention_launch(captured: bool, mo
 
     want, want_len, _ = decode(fused=False)
     got, got_len, calls = decode(fused=True)
-    assert calls >= 2, "the fused path was not taken"
+    assert calls >= (1 if mode == "compiled" else 2), "the fused path was not taken"  # compiled: traced once
     assert got_len == want_len
     assert torch.isfinite(got).all()
     scale = want.abs().max()
