@@ -243,7 +243,9 @@ def _attend_static(
     return out
 
 
-def _attend_fused(q, key: StaticCachedKV, layer, k_new, v_new, cos, sin, pad, options, tracing, compiling=False):
+def _attend_fused(
+    q, key: StaticCachedKV, layer, k_new, v_new, cos, sin, pad, options, tracing, compiling=False
+):
     """`_attend_static`'s one-op path (kvcache.api.fused_append_ready): q (B, Sq, Hq, D) and
     k_new unrotated, rotated by the per-token cos / sin, k_new / v_new appended, attended, and
     the layer's device length advanced, in one call (on CUDA one attention launch and its

@@ -317,19 +317,29 @@ def _append_then_attend(append, forward, written: list[tuple[torch.Tensor, tuple
     reach the caller: the tensors the append writes, each with the index of what it writes,
     None for all of it), those parts are saved first and put back if the forward raises, so
     a failed call leaves the cache bitwise as it was."""
-    saved = None
-    if written is not None:
-        saved = [(t, idx, (t if idx is None else t[idx]).clone()) for t, idx in written]
+    saved = _save(written)
     append(*append_args)
     try:
         return forward(*forward_args)
     except BaseException:
-        for t, idx, old in saved or ():
-            if idx is None:
-                t.copy_(old)
-            else:
-                t[idx] = old
+        _restore(saved)
         raise
+
+
+def _save(written: list[tuple[torch.Tensor, tuple | None]] | None) -> list | None:
+    """Copies of the parts a call may write ((tensor, index or None for all of it) pairs)."""
+    return (
+        None if written is None else [(t, idx, (t if idx is None else t[idx]).clone()) for t, idx in written]
+    )
+
+
+def _restore(saved: list | None) -> None:
+    """Put `_save`'s copies back (a call that failed after writing)."""
+    for t, idx, old in saved or ():
+        if idx is None:
+            t.copy_(old)
+        else:
+            t[idx] = old
 
 
 class KVCallPlan(NamedTuple):
@@ -530,21 +540,16 @@ def _kvcache_append_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, token
             plan.scale, plan.left, plan.right, None, plan.softcap, cache_leftpad)  # fmt: skip
     if tracing:
         return op(*args)
-    saved = None
+    written = None
     chosen = dispatch.select("attention_kvcache_append", dispatch.key_for(q))
     if dispatch.is_strict() or dispatch.is_steered() or len(chosen) == 1:  # a failure would reach the caller
         written = _written_parts(k_new, cache_seqlens, None, k_cache, v_cache, (None,) * 4, None, 0)
-        saved = [(t, idx, t[idx].clone()) for t, idx in written]
-        if advance is not None:
-            saved.append((advance, None, advance.clone()))
+        written += [(advance, None)] if advance is not None else []
+    saved = _save(written)
     try:
         return op(*args)
     except BaseException:
-        for t, idx, old in saved or ():
-            if idx is None:
-                t.copy_(old)
-            else:
-                t[idx] = old
+        _restore(saved)
         raise
 
 

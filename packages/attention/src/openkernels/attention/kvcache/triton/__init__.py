@@ -164,6 +164,18 @@ def _plan(q, k_data, v_data, k_scale, v_scale, k_residual, key_group, out, lse, 
     )  # fmt: skip
 
 
+def _prepared(kv: plan.KVLaunches) -> tuple[PreparedLaunch, PreparedLaunch | None]:
+    """The plan's main and combine launches: every argument fixed but the tensors, which each
+    call keys and binds."""
+    main = prepare(_attention_kvcache_fwd_kernel, _MAIN_TENSORS, num_warps=kv.main.num_warps,
+                   num_stages=kv.main.num_stages, **kv.main.args)  # fmt: skip
+    combine = None
+    if kv.combine is not None:
+        combine = prepare(_attention_kvcache_combine_kernel, _COMBINE_TENSORS, num_warps=kv.combine.num_warps,
+                          **kv.combine.args)  # fmt: skip
+    return main, combine
+
+
 def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, out, lse, cache_seqlens, block_table, rotary_cos,
             rotary_sin, *, seqlen_new, max_seqlen_k, scale, window_left, window_right, alibi_slopes, softcap,
             rotary_interleaved, bits, group_size, leftpad=None, k_residual=None, key_group=0,
@@ -188,16 +200,9 @@ def attention_kvcache_fwd(q, k_data, v_data, k_scale, k_zero, v_scale, v_zero, o
         kv = _plan(q, k_data, v_data, k_scale, v_scale, k_residual, key_group, out, lse, block_table, rotary_cos,
                    seqlen_new, max_k16, scale, window_left, window_right, alibi_slopes, softcap, rotary_interleaved,
                    bits, group_size, leftpad, config, num_splits or FORCE_SPLITS, scale_gather)  # fmt: skip
-        # The plan fixes every argument but the tensors: each call keys and binds only those.
-        main = prepare(_attention_kvcache_fwd_kernel, _MAIN_TENSORS, num_warps=kv.main.num_warps,
-                       num_stages=kv.main.num_stages, **kv.main.args)  # fmt: skip
-        combine = None
-        if kv.combine is not None:
-            combine = prepare(_attention_kvcache_combine_kernel, _COMBINE_TENSORS, num_warps=kv.combine.num_warps,
-                              **kv.combine.args)  # fmt: skip
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        cached = _plans[key] = (kv, main, combine)
+        cached = _plans[key] = (kv, *_prepared(kv))
     kv, main, combine = cached
     dst_o, dst_lse = out, lse
     if kv.splits > 1:  # float32 partials, merged below
@@ -246,16 +251,9 @@ def attention_kvcache_append_fwd(q, k_data, v_data, out, lse, cache_seqlens, blo
                        FORCE_SPLITS, False, fused=(k_new, v_new, token_cos, advance))  # fmt: skip
             if kv.main.grid[0] != 1:
                 kv = None
-        main = combine = None
-        if kv is not None:
-            main = prepare(_attention_kvcache_fwd_kernel, _MAIN_TENSORS, num_warps=kv.main.num_warps,
-                           num_stages=kv.main.num_stages, **kv.main.args)  # fmt: skip
-            if kv.combine is not None:
-                combine = prepare(_attention_kvcache_combine_kernel, _COMBINE_TENSORS, num_warps=kv.combine.num_warps,
-                                  **kv.combine.args)  # fmt: skip
         if len(_fused_plans) >= _MAX_PLANS:
             _fused_plans.clear()
-        cached = _fused_plans[key] = (kv, main, combine)
+        cached = _fused_plans[key] = (kv, *(_prepared(kv) if kv is not None else (None, None)))
     kv, main, combine = cached
     if kv is None:  # the two launches (rotated first where the tables are per token)
         if token_cos is not None:
