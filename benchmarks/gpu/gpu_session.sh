@@ -8,7 +8,8 @@
 # (GLUON_TESTS_S, GLUON_STUDY_S, NF4_S, WGMMA_TESTS_S, WGMMA_STUDY_S, WALL_S, BACKWARD_S,
 # BWDSWEEP_S, SPLIT_S, TC_S, E2E_S, NCU_S, PUSH_S, in seconds; NCU_SHAPES, NCU_VARIANTS, NCU_OP,
 # PUSH_SHAPES; E2E_PROFILE=steps lists the decode step's kernels per variant, E2E_AB=1 runs it
-# again without the decoder layers' add + norm fusion, TC_WALL=0 skips the tc tests and wall times);
+# again without the decoder layers' add + norm fusion, TC_WALL=0 skips the tc tests and wall times,
+# E2E_MODES=graph,compile times the fusedappend step's decode both ways);
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -33,6 +34,7 @@ if [[ $steps == *tests* ]]; then
     -m "not interpreter and not aot" -k "cuda or offsets or 2_to_the_31" \
     2>&1 | tee "$out/tests.txt" | tail -8
 fi
+E2E_MODES=${E2E_MODES:-graph}
 if [[ $steps == *fusedappend* && $family == attention ]]; then
   # The static cache's one-op decode step (attention 0.8.13): its GPU tests (the append inside
   # the attention kernel, per-token rotary, the length advanced by the combine), the static
@@ -42,10 +44,13 @@ if [[ $steps == *fusedappend* && $family == attention ]]; then
     packages/attention/tests/test_kvcache_fused_append.py packages/attention/tests/test_hf_cache.py \
     packages/quant/tests/test_api.py -m "not interpreter and not aot" \
     -k "cuda or static or kernelized or forward_add" 2>&1 | tee "$out/fused_tests.txt" | tail -6
-  for ab in "" "--unfused-append --unfused-residual"; do
-    timeout ${E2E_S:-200} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode graph \
-      --int4-head $ab --profile ${E2E_PROFILE:-0} --json "$out/e2e_fused${ab:+_unfused}.json" 2>&1 \
-      | grep -v '^ *[{}"]\|^ *\]' | tail -${E2E_TAIL:-12}
+  # E2E_MODES=graph,compile also times the step as generate() compiles it (the op in the graph).
+  for mode in ${E2E_MODES//,/ }; do
+    for ab in "" "--unfused-append --unfused-residual"; do
+      timeout ${E2E_S:-200} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode $mode \
+        --int4-head $ab --profile ${E2E_PROFILE:-0} --json "$out/e2e_fused_$mode${ab:+_unfused}.json" 2>&1 \
+        | grep -v '^ *[{}"]\|^ *\]\|Warning\|forward_call' | tail -${E2E_TAIL:-12}
+    done
   done
 fi
 if [[ $steps == *cluster* && $family == layernorm ]]; then
