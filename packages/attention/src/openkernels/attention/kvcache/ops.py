@@ -93,8 +93,7 @@ def kvcache_forward(
     """Attention of q (B, Sq, Hq, D) against the cache (the append already done); returns
     out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) float32."""
     q = unit_last(q)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device)
+    out, lse = _outputs(q)
     if out.numel() == 0:
         return out, lse
     dispatch.run(
@@ -132,8 +131,7 @@ def kvcache_append_forward(
     (B or 1, Sn, R) rotate q and k_new per token first (Sq == Sn). Returns out (B, Sq, Hq, D)
     and lse (B, Hq, Sq) float32 (reference.attention_kvcache_append_fwd has the contract)."""
     q = unit_last(q)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device)
+    out, lse = _outputs(q)
     dispatch.run(
         "attention_kvcache_append", q, k_cache, v_cache, out, lse, cache_seqlens, block_table, unit_last(k_new),
         unit_last(v_new), token_cos, token_sin, advance, max_seqlen_k=max_seqlen_k, scale=softmax_scale,
@@ -162,11 +160,16 @@ def _impls(entry: str, cpu: str | None) -> tuple[opdef.Impl, ...]:
     )
 
 
-def _attention_kvcache_fake(q, *args):
+def _outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) of an attention against the cache."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty(
         (q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype), device=q.device
     )
+
+
+def _attention_kvcache_fake(q, *args):
+    return _outputs(q)
 
 
 # The cache ops: append has no CPU kernel of its own (the reference's indexed writes are it).
