@@ -53,6 +53,21 @@ if [[ $steps == *fusedappend* && $family == attention ]]; then
     done
   done
 fi
+if [[ $steps == *gated* && $family == quant ]]; then
+  # The gated down projection (quant 0.10.17): act(gate) * up in the tensor-core GEMV's x loads.
+  # Its GPU tests, the fused KV op at 128K tokens (owed since attention 0.8.13), then the 1B
+  # decode step with it and without it (--unfused-gated), CUDA graph and E2E_MODES.
+  OPENKERNELS_STRICT=1 timeout ${GATED_TESTS_S:-240} python3 -m pytest -q -rfE packages/quant/tests/test_gated.py \
+    packages/attention/tests/test_kvcache_fused_append.py -m "not interpreter and not aot" -k "gpu or 128k" \
+    2>&1 | tee "$out/gated_tests.txt" | tail -6
+  for mode in ${E2E_MODES//,/ }; do
+    for ab in "" "--unfused-gated"; do
+      timeout ${E2E_S:-200} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode $mode \
+        --int4-head $ab --profile ${E2E_PROFILE:-0} --json "$out/e2e_gated_$mode${ab:+_unfused}.json" 2>&1 \
+        | grep -v '^ *[{}"]\|^ *\]\|Warning\|forward_call' | tail -${E2E_TAIL:-12}
+    done
+  done
+fi
 if [[ $steps == *cluster* && $family == layernorm ]]; then
   # The sm_90 cluster kernels (CUDA C++, forced only) under time limits: a kernel that hung
   # would otherwise take the whole call. Their own tests first, then the correctness suite's

@@ -4,7 +4,7 @@ end-to-end bar).
 
     python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile|eager]
         [--json PATH] [--tiny --device cpu] [--int4-head] [--tiled] [--layout tiled] [--unfused-append]
-        [--unfused-residual]
+        [--unfused-residual] [--unfused-gated]
 
 Variants, each a copy of the same random-weight model:
   sdpa          transformers' own model (attn_implementation="sdpa", bf16 weights) with its
@@ -327,7 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unfused-residual", action="store_true",
                         help="A/B: the decoder layers add the MLP's residual after the MLP instead of in a "
                         "4-bit down_proj's kernel (as before quant 0.10.16's Int4Linear.forward_add)")  # fmt: skip
+    parser.add_argument("--unfused-gated", action="store_true",
+                        help="A/B: the gated MLP's activation in its own launch before a 4-bit down_proj instead "
+                        "of in the down_proj's GEMV (as before quant 0.10.17's Int4Linear.forward_gated)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.unfused_gated:
+        from openkernels.quant import Int4Linear
+
+        Int4Linear.gated_fuses = lambda self, gate_up, act: False
     if args.unfused_residual:
         from openkernels.activations import kernelize as activations_kernelize
 

@@ -229,6 +229,31 @@ def test_int4_quantize_and_undo():
     assert torch.equal(back, ref)
 
 
+def test_int4_gated_down_projection_takes_the_stacked_output(monkeypatch):
+    """Where a 4-bit down_proj's GEMV computes act(gate) * up itself (Int4Linear.gated_fuses,
+    forced here on the CPU, where the op composes), the kernelized MLP hands it the stacked
+    gate / up output and the decoder layer's residual: once per layer and step, and the logits
+    those of the path with the activation's own launch."""
+    from openkernels.quant import Int4Linear
+
+    model, ids = _model("llama"), _inputs(1, 1)
+    calls = []
+    forward_gated = Int4Linear.forward_gated
+
+    def counted(self, gate_up, act, addend=None):
+        calls.append((act, addend is not None))
+        return forward_gated(self, gate_up, act, addend)
+
+    with torch.no_grad():
+        kernelize(model, quantize="int4")
+        unfused = _out(model, ids)
+        monkeypatch.setattr(Int4Linear, "gated_fuses", lambda self, gate_up, act: True)
+        monkeypatch.setattr(Int4Linear, "forward_gated", counted)
+        fused = _out(model, ids)
+    assert calls == [("silu", True)] * len(model.model.layers)
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["rows", "tiled"])
 def test_int4_forward_never_builds_a_layer_weight(layout, monkeypatch):
     """The swapped modules' calls read a 4-bit layer's parts, never its `weight` property: that

@@ -123,6 +123,46 @@ def test_fused_append_matches_the_unfused_sequence(device, impl, dtype, splits, 
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("b1-128k-gqa-rotary", (131071,), (32, 8), 64, (0,), True),
+        ("b2-128k-ragged-d128", (131070, 65537), (16, 2), 128, (0, 7), True),
+    ],
+    ids=lambda c: c[0],
+)
+def test_fused_append_at_128k_tokens_on_the_gpu(case) -> None:
+    """The Triton fused op at the length users run (128K tokens, the split holding the new
+    token far from the first), batch 1 with the counter as the lengths' storage and a ragged,
+    left-padded batch: against the unfused sequence on the reference."""
+    name, lengths, heads, head_dim, pads, rotary = case
+    capacity = max(n + p for n, p in zip(lengths, pads)) + 2
+    args = _case("cuda", torch.bfloat16, lengths, heads, head_dim, pads, rotary, capacity, seed=head_dim)
+    q, k_cache, v_cache, filled, k_new, v_new, cos, sin, leftpad = args
+    scale = head_dim**-0.5
+    with dispatch.force("reference"):
+        want_out, want_lse, want_k, want_v = _unfused(*args, scale)
+    before = filled.clone()
+    batch1 = len(lengths) == 1
+    counter = filled.view(()) if batch1 else torch.tensor(7, dtype=torch.int32, device="cuda")
+    with dispatch.force("triton"):
+        out, lse = kvcache_api._kvcache_append_call(
+            q, k_cache, v_cache, filled.expand(1) if batch1 else filled, k_new, v_new, cos, sin, counter, True,
+            scale, (-1, -1), 0.0, leftpad, None,
+        )  # fmt: skip
+    assert int(counter) == (int(before[0]) + 1 if batch1 else 8)
+    assert not torch.isnan(out).any()
+    for got, want, what in ((k_cache, want_k, "k_cache"), (v_cache, want_v, "v_cache")):
+        diff = (got.float() - want.float()).abs()
+        assert torch.all(diff <= 2.0**-7 * want.float().abs() + 1e-6), (
+            f"{name}: {what} differs by {diff.max()}"
+        )
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
 def test_failed_fused_call_leaves_cache_and_counter() -> None:
     """A backend that fails after writing the slots and advancing the counter: the call
     raises, and the new slots and the counter are as they were."""

@@ -67,27 +67,29 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     assert len(mma_persistent) == 4 * 2 * len(G.MMA_PERSISTENT_SHAPES), [r.name for r in mma_persistent]
     # tc_all: int4_tc.cu, the tensor-core GEMV's own library
     tc = [r for r in tc_all if "int4_tc_kernel" in r.name]
-    # dtype pairs x shapes x (one n8 tile of x with PDL or without, two tiles without, the x split)
-    assert len(tc) == 4 * len(G.TC_SHAPES) * 4, [r.name for r in tc_all]
+    # dtype pairs x shapes x (one n8 tile of x with PDL or without, two tiles without, the x split,
+    # the gated build: act(gate) * up in the x loads)
+    assert len(tc) == 4 * len(G.TC_SHAPES) * 5, [r.name for r in tc_all]
     ring = [r for r in tc_all if "int4_tc_ring_kernel" in r.name]  # sm_80: empty bodies (no bulk copies)
     assert len(ring) == 4 * len(G.TCR_SHAPES), [r.name for r in tc_all]
     split = [r for r in tc_all if "int4_tc_split_kernel" in r.name]  # sm_80: empty bodies (no clusters)
-    assert len(split) == 4 * len(G.TC_SHAPES) * 2, [r.name for r in tc_all]
+    assert len(split) == 4 * len(G.TC_SHAPES) * 3, [r.name for r in tc_all]  # PDL or not, gated
     assert len(tc_all) == len(tc) + len(ring) + len(split), [r.name for r in tc_all]
     tc += ring + split
     for r in kernels + mma + persistent + mma_persistent + tc:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
         assert r.odd_descriptors <= 0, r  # an odd uniform register for a descriptor: illegal on the GPU
-    x_split = [r for r in tc if re.search(r"int4_tc_kernel.*ELb0ELi2EE", r.name)]
+    x_split = [r for r in tc if re.search(r"int4_tc_kernel.*ELb0ELi2ELb0EE", r.name)]
     assert len(x_split) == 4 * len(G.TC_SHAPES), [r.name for r in tc]
     assert all(r.registers <= 128 for r in x_split), x_split  # two CTAs per SM, as the one-tile builds
     # The NF4 builds (-DOK_TC_NF4, the table in shared memory; on sm_90 also the register
-    # lookup): the register, two-tile, x-split and split kernels, no dependent launch or ring;
-    # their one-tile builds within two CTAs per SM, as int4's.
+    # lookup): the register, two-tile, x-split and split kernels, no dependent launch, ring or
+    # gated build; their one-tile builds within two CTAs per SM, as int4's.
     assert len(nf4_builds) == (2 if arch == "sm_90" else 1)
     for nf4 in nf4_builds:
         assert len(nf4) == 4 * len(G.TC_SHAPES) * 4, [r.name for r in nf4]
-        assert not [r for r in nf4 if "ring" in r.name or re.search(r"int4_tc_kernel.*ELb1E", r.name)], nf4
+        pdl = r"int4_tc_kernel\w*?Li\d+ELi\d+ELi\d+ELb1E"  # <T, S, TILES, NB, UNROLL, PDL = true, ...>
+        assert not [r for r in nf4 if "ring" in r.name or re.search(pdl, r.name)], nf4
         for r in nf4:
             assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
         one_tile = [r for r in nf4 if re.search(r"int4_tc_kernel\w*?Li\dELi1ELi\dELb0", r.name)]

@@ -68,9 +68,20 @@ _GATED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 _KIND = "_openkernels_activation"  # the fused function, found once at swap time (not per call)
 
 
+# its name ("silu", ...), which a 4-bit down_proj's forward_gated takes
+_KIND_NAME = "_openkernels_activation_name"
+
+
 def _remember(module: nn.Module, table: dict[str, Callable], source: nn.Module) -> Callable[[], None]:
-    object.__setattr__(module, _KIND, table[_act_kind(source)])
-    return lambda: module.__dict__.pop(_KIND, None)
+    kind = _act_kind(source)
+    object.__setattr__(module, _KIND, table[kind])
+    object.__setattr__(module, _KIND_NAME, kind)
+
+    def forget() -> None:
+        module.__dict__.pop(_KIND, None)
+        module.__dict__.pop(_KIND_NAME, None)
+
+    return forget
 
 
 def _activation_prepare(module: nn.Module, ctx: KernelizeContext) -> Callable[[], None]:
@@ -115,13 +126,21 @@ def _gated_prepare(mlp: nn.Module, ctx: KernelizeContext) -> Callable[[], None]:
 def _gated_forward(self: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """down_proj(act(gate_proj(x)) * up_proj(x)), plus `residual` when given (the decoder
     layer's add, layernorm's decoder fusion): a 4-bit down_proj without hooks takes it as its
-    kernel's bias at one row (Int4Linear.forward_add), any other adds it after."""
-    h = self.__dict__[_KIND](stacked_forward(self, _GATE_UP, x))
-    if residual is None:
-        return self.down_proj(h)
+    kernel's bias at one row (Int4Linear.forward_add), any other adds it after. Where such a
+    down_proj's GEMV computes act(gate) * up itself (Int4Linear.gated_fuses: a decode step on
+    sm_90), the stacked gate / up output goes to it whole (forward_gated): one launch fewer."""
+    gate_up = stacked_forward(self, _GATE_UP, x)
     down = self.down_proj
+    hooked = bool(down._forward_hooks or down._forward_pre_hooks)
+    if not hooked and getattr(down, "forward_gated", None) is not None:
+        kind = self.__dict__[_KIND_NAME]
+        if down.gated_fuses(gate_up, kind):
+            return down.forward_gated(gate_up, kind, residual)
+    h = self.__dict__[_KIND](gate_up)
+    if residual is None:
+        return down(h)
     forward_add = getattr(down, "forward_add", None)
-    if forward_add is not None and not (down._forward_hooks or down._forward_pre_hooks):
+    if forward_add is not None and not hooked:
         return forward_add(h, residual)
     return residual + down(h)
 

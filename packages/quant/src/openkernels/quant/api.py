@@ -16,7 +16,7 @@ from . import ops, problem
 from .format import Int4Weight
 
 # The public functions are named by the op table (problem.OPS); linear_parts is Int4Linear's.
-__all__ = [*problem.OPS, "linear_parts"]
+__all__ = [*problem.OPS, "linear_parts", "gated_linear_parts"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -74,6 +74,37 @@ def linear_parts(
     # Plain eager tensors: the kernel directly, or one autograd.Function; anything else
     # (torch.compile, meta and fake tensors, tensor subclasses such as DTensor): the library op.
     return ops.INT4_LINEAR(x, codes, scales, zeros, bias, group_size, kind)
+
+
+@replay.replayable
+def gated_linear_parts(
+    gate_up: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None,
+    bias: Tensor | None,
+    group_size: int,
+    kind: str,
+    act: str,
+    tiled: Tensor | None = None,
+) -> Tensor:
+    """(act(gate) * up) @ W^T + bias on the weight's parts (Int4Linear.forward_gated; gated.py):
+    gate_up (..., 2K), gate in [0, K) and up in [K, 2K) of its last dim; no act-order perm, no
+    gradient. `tiled`: the codes tiled beside the rows, read where the tensor-core GEMV's gated
+    build takes the call."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"int4_linear_gated: gate_up's last dim {gate_up.shape[-1]} is not even (gate, then up)"
+        )
+    _check_call(gate_up[..., : gate_up.shape[-1] // 2], qweight, bias)
+    codes = qweight
+    if tiled is not None and qweight.dim() == 2 and gate_up.is_cuda and not torch.compiler.is_compiling():
+        from . import cuda
+
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        if rows.stride(-1) == 1 and cuda.takes_gated(rows, tiled, scales, zeros, bias, group_size, kind, act):
+            codes = tiled
+    return ops.INT4_LINEAR_GATED(gate_up, codes, scales, zeros, bias, group_size, kind, act)
 
 
 def int4_linear(x: Tensor, weight: Int4Weight, bias: Tensor | None = None) -> Tensor:

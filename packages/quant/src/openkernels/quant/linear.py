@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from . import problem
-from .api import linear_parts
+from .api import gated_linear_parts, linear_parts
 from .format import (
     KINDS,
     LAYOUT_VERSIONS,
@@ -247,19 +247,82 @@ class Int4Linear(nn.Module):
         addend goes in as the kernel's bias: added in float32 to the row's sums before their
         one rounding (the separate add rounds twice), one launch fewer. kernelize's decoder
         layers add their MLP's residual this way."""
-        if (
+        if self._addend_as_bias(x, addend) and not (
+            torch.is_grad_enabled() and (x.requires_grad or addend.requires_grad)
+        ):
+            out = linear_parts(x, self.qweight, self.scales, self.zeros, addend.reshape(-1), self.group_size,
+                               self.kind, self.perm, getattr(self, "qweight_tiled", None))  # fmt: skip
+            return out.reshape(torch.broadcast_shapes(out.shape, addend.shape))
+        return addend + self.forward(x)
+
+    def forward_gated(self, gate_up: Tensor, act: str, addend: Tensor | None = None) -> Tensor:
+        """forward(act(gate) * up) (+ addend): a gated MLP's down projection on its stacked
+        gate / up output, gate_up (..., 2 in_features) with gate first; act "silu", "gelu" or
+        "gelu_tanh" (gated.ACTS), the product rounded to gate_up's dtype. On sm_90 at up to 8
+        rows the tensor-core GEMV computes the product as it loads x (one launch instead of
+        two; gated_fuses says where); elsewhere, with an act-order perm or where a gradient is
+        needed, the product is computed first. `addend` as in forward_add (the decoder
+        layer's residual: the kernel's bias at one row)."""
+        from .gated import ACTS, gated_product
+
+        if act not in ACTS:
+            raise ValueError(f"forward_gated: act {act!r}, one of {ACTS}")
+        if gate_up.shape[-1] != 2 * self.in_features:
+            raise ValueError(
+                f"forward_gated: gate_up's last dim is {gate_up.shape[-1]}, expected 2 x in_features = "
+                f"{2 * self.in_features} ({self.extra_repr()})"
+            )
+        grads = torch.is_grad_enabled() and (
+            gate_up.requires_grad
+            or (addend is not None and addend.requires_grad)
+            or (self.bias is not None and self.bias.requires_grad)
+        )
+        if grads or self.perm is not None:
+            h = gated_product(gate_up, act)
+            return self.forward(h) if addend is None else self.forward_add(h, addend)
+        bias, add_after = self.bias, addend
+        if addend is not None and self._addend_as_bias(gate_up, addend):
+            bias, add_after = addend.reshape(-1), None
+        out = gated_linear_parts(gate_up, self.qweight, self.scales, self.zeros, bias, self.group_size, self.kind,
+                                 act, getattr(self, "qweight_tiled", None))  # fmt: skip
+        if add_after is not None:
+            return add_after + out
+        return out if addend is None else out.reshape(torch.broadcast_shapes(out.shape, addend.shape))
+
+    def gated_fuses(self, gate_up: Tensor, act: str) -> bool:
+        """Whether forward_gated(gate_up, act) runs as one launch of the tensor-core GEMV here:
+        CUDA, up to 8 rows, where the GEMV's gated build takes this layer's shape on this GPU.
+        An eager call decides and remembers it on the module; a compiled one reads what the
+        last eager call found (False before any), since the op's dispatch runs later."""
+        rows = gate_up.numel() // max(gate_up.shape[-1], 1)
+        if not gate_up.is_cuda or self.perm is not None or not 1 <= rows <= 8:
+            return False
+        if torch.is_grad_enabled() and gate_up.requires_grad:
+            return False  # forward_gated composes where a gradient is needed
+        if torch.compiler.is_compiling():
+            return self.__dict__.get("_openkernels_gated_fuses", False)
+        from . import cuda
+
+        one_row = gate_up.reshape(-1, gate_up.shape[-1])[:1]
+        codes = getattr(self, "qweight_tiled", None)
+        codes = self.qweight if codes is None else codes
+        fuses = one_row.stride(-1) == 1 and cuda.takes_gated(
+            one_row, codes, self.scales, self.zeros, self.bias, self.group_size, self.kind, act
+        )
+        self.__dict__["_openkernels_gated_fuses"] = fuses
+        return fuses
+
+    def _addend_as_bias(self, x: Tensor, addend: Tensor) -> bool:
+        """forward_add's rule: one row of x, no bias, the addend one row of out_features in x's
+        dtype and device."""
+        return (
             self.bias is None
             and x.numel() == x.shape[-1]
             and addend.numel() == self.out_features
             and addend.shape[-1] == self.out_features
             and addend.dtype == x.dtype
             and addend.device == x.device
-            and not (torch.is_grad_enabled() and (x.requires_grad or addend.requires_grad))
-        ):
-            out = linear_parts(x, self.qweight, self.scales, self.zeros, addend.reshape(-1), self.group_size,
-                               self.kind, self.perm, getattr(self, "qweight_tiled", None))  # fmt: skip
-            return out.reshape(torch.broadcast_shapes(out.shape, addend.shape))
-        return addend + self.forward(x)
+        )
 
     def extra_repr(self) -> str:
         zeros = "symmetric" if self.zeros is None else "zeros"

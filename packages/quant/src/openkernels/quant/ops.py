@@ -8,6 +8,11 @@ registrations and eager fast paths from one `opdef` declaration each):
       grad_x = grad_out @ W, grad_bias = grad_out summed over the leading dims
       (openkernels::int4_linear_backward).
   openkernels::dequantize_int4(qweight, scales, zeros?, group_size, kind, dtype) -> W (N, K)
+  openkernels::int4_linear_gated(gate_up, qweight, scales, zeros?, bias?, group_size, kind, act) -> out
+      A gated MLP's down projection on its stacked gate / up output (gated.py): gate_up
+      (..., 2K), out (..., N) = (act(gate) * up) @ W^T + bias in gate_up's dtype. Inference
+      only (no autograd); the tensor-core GEMV's gated build where it takes the call, else
+      composed (the activation, then int4_linear).
 The weight parts are format.py's layout (checked once, when the Int4Weight is built); the
 act-order perm is applied by api.py before these ops. The backend contract
 (int4_linear_fwd / dequantize_int4_fwd) is in reference.py.
@@ -24,13 +29,23 @@ from openkernels.shared import dispatch, opdef
 
 from . import problem
 
-__all__ = ["forward", "dequantize", "INT4_LINEAR", "DEQUANTIZE_INT4", "KERNEL_DTYPES", "OPS"]
+__all__ = [
+    "forward",
+    "forward_gated",
+    "dequantize",
+    "INT4_LINEAR",
+    "INT4_LINEAR_GATED",
+    "DEQUANTIZE_INT4",
+    "KERNEL_DTYPES",
+    "OPS",
+]
 
 _PKG = "openkernels.quant"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # activations the Triton kernels take
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
 _LINEAR, _DEQUANTIZE = problem.OPS  # the op table's names (problem.OPS)
+_GATED = "int4_linear_gated"  # a decode step's fused op, not in the table (no JAX face, no gradient)
 
 
 def _out_features(qweight: Tensor) -> int:
@@ -55,6 +70,20 @@ def forward(x: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str)
         else:
             dispatch.run(_LINEAR, rows, qweight, scales, zeros, bias, out, group_size, kind)
     return out if flat else out.view(*x.shape[:-1], n)
+
+
+def forward_gated(
+    gate_up: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str, act: str
+) -> Tensor:
+    """(act(gate) * up) @ W^T + bias -> (..., N) in gate_up's dtype, gate_up (..., 2K) (gated.py)."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = _out_features(qweight)
+    out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and n:
+        dispatch.run(_GATED, rows, qweight, scales, zeros, bias, out, group_size, kind, act)
+    return out.view(*gate_up.shape[:-1], n)
 
 
 def tiled_runner(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> str | None:
@@ -149,6 +178,10 @@ def _linear_key(x: Tensor, qweight: Tensor, scales: Tensor, zeros, bias, out, gr
 
 def _dequantize_key(qweight: Tensor, scales: Tensor, zeros, out: Tensor, group_size: int, kind: str):
     return dispatch.key_for(out, kind)
+
+
+def _gated_key(gate_up: Tensor, qweight, scales, zeros, bias, out, group_size: int, kind: str, act: str):
+    return dispatch.key_for(gate_up, kind)
 
 
 def _triton_linear_supports(key: dispatch.DispatchKey) -> str | None:
@@ -287,5 +320,32 @@ DEQUANTIZE_INT4 = opdef.define(
 )
 
 
+def _gated_fake(gate_up, qweight, scales, zeros, bias, group_size, kind, act):
+    return gate_up.new_empty((*gate_up.shape[:-1], _out_features(qweight)))
+
+
+_PKG_ENTRY = "int4_linear_gated_fwd"
+INT4_LINEAR_GATED = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name=_GATED,
+        schema="(Tensor gate_up, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, "
+        "str kind, str act) -> Tensor",
+        forward=forward_gated,
+        fake=_gated_fake,
+        key=_gated_key,
+        impls=(
+            # the GEMV's gated build where it takes the call; it composes every other call itself
+            opdef.Impl("gemv", f"{_PKG}.cuda:{_PKG_ENTRY}", ("cuda",), _GEMV_PRIORITY, _gemv_supports),
+            opdef.Impl("composed", f"{_PKG}.gated:{_PKG_ENTRY}", ("cuda", "rocm", "cpu"), 5),
+            opdef.Impl("reference", f"{_PKG}.reference:{_PKG_ENTRY}", ("cuda", "rocm", "cpu"), 0),
+        ),
+        tensor_args=(0, 1, 2, 3, 4),
+    ),
+)
+
+
 # op name -> its callable (eager fast paths, library op otherwise): every op of problem.OPS
 OPS: dict[str, opdef.DefinedOp] = {_LINEAR: INT4_LINEAR, _DEQUANTIZE: DEQUANTIZE_INT4}
+# ... and the fused ops outside the op table
+FUSED_OPS: dict[str, opdef.DefinedOp] = {_GATED: INT4_LINEAR_GATED}

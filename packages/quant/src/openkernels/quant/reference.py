@@ -12,6 +12,10 @@ implements the same two entries:
         x (M, K) with unit column stride, fp16 / bf16 / fp32 (fp64 on the reference); bias
         (N,) or None; out (M, N) contiguous, x's dtype. The act-order perm is applied by
         the caller (api.py), never by a backend.
+    int4_linear_gated_fwd(gate_up, qweight, scales, zeros, bias, out, group_size, kind, act)
+        int4_linear of act(gate) * up (gated.py): gate_up (M, 2K), gate in columns [0, K) and
+        up in [K, 2K); the product rounded to gate_up's dtype before the linear; inference
+        only (no gradient).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "int4_linear_ref",
     "dequantize_int4_fwd",
     "int4_linear_fwd",
+    "int4_linear_gated_fwd",
     "linear_error_bound",
 ]
 
@@ -85,6 +90,16 @@ def dequantize_int4_fwd(qweight, scales, zeros, out: Tensor, group_size: int, ki
 
 def int4_linear_fwd(x, qweight, scales, zeros, bias, out: Tensor, group_size: int, kind: str) -> None:
     out.copy_(int4_linear_ref(x, qweight, scales, zeros, group_size, kind, bias))
+
+
+def int4_linear_gated_fwd(gate_up, qweight, scales, zeros, bias, out: Tensor, group_size: int, kind: str,
+                          act: str) -> None:  # fmt: skip
+    from .format import untile_codes
+    from .gated import gated_product
+
+    if qweight.dim() == 3:  # format.tile_codes' layout: the reference reads rows
+        qweight = untile_codes(qweight)
+    out.copy_(int4_linear_ref(gated_product(gate_up, act), qweight, scales, zeros, group_size, kind, bias))
 
 
 _SMALLEST_SUBNORMAL = {

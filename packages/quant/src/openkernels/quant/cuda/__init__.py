@@ -79,6 +79,10 @@ __all__ = [
     "TcConfig",
     "tc_config",
     "int4_linear_fwd",
+    "GATED_ACTS",
+    "gated_config",
+    "takes_gated",
+    "int4_linear_gated_fwd",
     "mma_persistent_config",
     "persistent_config",
     "supports",
@@ -154,10 +158,10 @@ _SIGNATURES = {
 
 
 _TC_SIGNATURES = {
-    # (device, x, scale dtype codes, tiles, unroll, splits, pdl, tiled, xtiles, the pointers, bias code, out, sizes,
-    # strides, group size, stream)
-    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64,
-                   _I64, _I64, _I64, _I64, _I64, _I64],
+    # (device, x, scale dtype codes, tiles, unroll, splits, pdl, tiled, xtiles, act, the pointers, bias code, out,
+    # sizes, strides, group size, stream)
+    "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64,
+                   _I64, _I64, _I64, _I64, _I64, _I64, _I64],
     "ok_int4_tc_ring": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64,
                         _I64, _I64, _I64, _I64],
 }  # fmt: skip
@@ -743,7 +747,7 @@ def int4_linear_fwd(
         p = tc_config(config)
         status = lib.ok_int4_tc(
             device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.splits, int(p.pdl),
-            int(tiled), p.xtiles, x.data_ptr(),
+            int(tiled), p.xtiles, 0, x.data_ptr(),
             qweight.data_ptr(), scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k,
             x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
         )  # fmt: skip
@@ -790,6 +794,83 @@ def int4_linear_fwd(
         stacklevel=2,
     )
     return _triton(*args)
+
+
+# The gated builds' activations (int4_tc.cu's gated_value): act(gate) * up in the x loads.
+GATED_ACTS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
+
+
+def gated_config(gate_up: Tensor, qweight: Tensor, scales, zeros, bias, out, group_size: int, kind: str,
+                 act: str, config: str | None = None) -> str | None:  # fmt: skip
+    """The tensor-core GEMV config that runs down(act(gate) * up) for this call in one launch
+    (gate_up (M, 2K): gate in columns [0, K), up in [K, 2K)), or None: the call is composed
+    (the activation, then int4_linear). Up to 8 rows, the config int4_linear's default would
+    run on the gate half (`config`, for tests and the CPU emulation: that config instead)
+    when it is a tensor-core GEMV build without a dependent launch or x split."""
+    if act not in GATED_ACTS or kind == "nf4" or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        return None  # (NF4: no gated build; its split t4-u1 spilled on sm_90)
+    if gate_up.stride(1) != 1:
+        return None
+    if gate_up.is_cuda and _broken:
+        return None
+    m, k = gate_up.shape[0], gate_up.shape[1] // 2
+    x = gate_up[:, :k]
+    if config is None:
+        if not gate_up.is_cuda:
+            return None  # the CPU emulation runs only when a test names the config
+        pick = tiled_config if qweight.dim() == 3 else default_config
+        config = pick(m, _n_of(qweight), k, group_size, _arch(gate_up.device),
+                      scales_in_x_dtype=scales.dtype == gate_up.dtype, kind=kind)  # fmt: skip
+    tc = tc_config(config)
+    if tc is None or tc.pdl or tc.xtiles != 1 or m > TC_SPLIT_MAX_ROWS:
+        return None
+    if unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config) is not None:
+        return None
+    return config
+
+
+def takes_gated(
+    gate_up: Tensor, qweight: Tensor, scales, zeros, bias, group_size: int, kind: str, act: str
+) -> bool:
+    """Whether int4_linear_gated_fwd runs this call (gate_up (M, 2K) on the GPU) in one launch."""
+    return gated_config(gate_up, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind, act) is not None
+
+
+def int4_linear_gated_fwd(
+    gate_up: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None, out: Tensor,
+    group_size: int, kind: str, act: str, *, config: str | None = None,
+) -> None:  # fmt: skip
+    """out (M, N) = (act(gate) * up) @ W^T + bias, gate_up (M, 2K) (the gated op's contract:
+    reference.int4_linear_gated_fwd): one launch of the tensor-core GEMV's gated build where
+    gated_config names one, else composed (gated.int4_linear_gated_fwd)."""
+    from ..gated import int4_linear_gated_fwd as composed
+
+    chosen = gated_config(gate_up, qweight, scales, zeros, bias, out, group_size, kind, act, config)
+    lib = None if chosen is None else _load(gate_up.device, tc=True, nf4=kind == "nf4")
+    if lib is None:
+        return composed(gate_up, qweight, scales, zeros, bias, out, group_size, kind, act)
+    m, k = gate_up.shape[0], gate_up.shape[1] // 2
+    p = tc_config(chosen)
+    status = lib.ok_int4_tc(
+        gate_up.device.index if gate_up.is_cuda else -1, _CODES[gate_up.dtype], _CODES[scales.dtype], p.tiles,
+        p.unroll, p.splits, 0, int(qweight.dim() == 3), 1, GATED_ACTS[act], gate_up.data_ptr(), qweight.data_ptr(),
+        scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        0 if bias is None else _BIAS_CODES[bias.dtype], out.data_ptr(), m, _n_of(qweight), k, gate_up.stride(0),
+        qweight.stride(0), scales.stride(0), out.stride(0), group_size,
+        torch.cuda.current_stream(gate_up.device).cuda_stream if gate_up.is_cuda else 0,
+    )  # fmt: skip
+    if status == 0:
+        return None
+    if not gate_up.is_cuda:
+        raise RuntimeError(f"the emulated kernel refused a launch (status {status})")
+    _broken.append(f"launch status {status}")
+    warnings.warn(
+        f"openkernels.quant: the CUDA C++ kernel's launch failed (status {status}); the Triton kernels run from "
+        "now on",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return composed(gate_up, qweight, scales, zeros, bias, out, group_size, kind, act)
 
 
 def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=None) -> str | None:

@@ -284,6 +284,45 @@ __device__ __forceinline__ void tc_zero(float (&acc)[TILES][NB][4]) {
   }
 }
 
+// The gated builds (GATED, config's `act` > 0): x is a gated MLP's stacked gate / up output (M,
+// 2K), gate in columns [0, K) and up in [K, 2K), and the GEMV's x is act(gate) * up, computed
+// where x's windows are loaded (the activation's own launch and its pass over memory gone):
+// in float32 and rounded once to x's dtype, as activations' *_and_mul kernels round it.
+// act: 1 silu, 2 gelu (erf), 3 gelu (tanh approximation); cuda/__init__.py's _ACTS.
+__device__ __forceinline__ float ok_exp(float v) {
+#ifdef OK_CUDA_EMULATION
+  return std::exp(v);
+#else
+  return __expf(v);
+#endif
+}
+
+__device__ __forceinline__ float gated_value(float gate, float up, int act) {
+  float a;
+  if (act == 1) {
+    a = gate / (1.f + ok_exp(-gate));
+  } else if (act == 2) {
+    a = 0.5f * gate * (1.f + erff(gate * 0.70710678118654752f));
+  } else {  // 0.5 (1 + tanh(u)) == sigmoid(2 u)
+    const float u = 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate);
+    a = gate / (1.f + ok_exp(-2.f * u));
+  }
+  return a * up;
+}
+
+// Eight values of act(gate) * up from 16-byte windows of gate and up (eight values of T each).
+template <typename T>
+__device__ __forceinline__ uint4 gated_window(uint4 gate, uint4 up, int act) {
+  const uint32_t g[4] = {gate.x, gate.y, gate.z, gate.w}, u[4] = {up.x, up.y, up.z, up.w};
+  uint32_t r[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    r[i] = pack2<T>(gated_value(half_of<T>(g[i], 0), half_of<T>(u[i], 0), act),
+                    gated_value(half_of<T>(g[i], 1), half_of<T>(u[i], 1), act));
+  }
+  return {r[0], r[1], r[2], r[3]};
+}
+
 // Registers: each warp trip issues UNROLL chunks' loads (codes evict-first, scales, zeros,
 // x) before their math. Warp w takes chunks c0 + w, c0 + w + 8, ... below c1.
 //
@@ -297,12 +336,16 @@ __device__ __forceinline__ void tc_zero(float (&acc)[TILES][NB][4]) {
 // EVICT_FIRST: the codes' loads carry the evict-first hint (each byte is read once); the
 // x-split build (two CTAs read the same codes, XT in int4_tc_kernel) loads them L2-cached
 // instead, so that the second CTA's read can hit what the first one brought in.
-template <typename T, typename S, int TILES, int NB, int UNROLL, bool EVICT_FIRST = true, bool LUT = false>
+//
+// GATED: x's windows are act(gate) * up (gated_window), gate at x, up `up_offset` values after it.
+template <typename T, typename S, int TILES, int NB, int UNROLL, bool EVICT_FIRST = true, bool LUT = false,
+          bool GATED = false>
 __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const T* __restrict__ x,
                                               const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
                                               const S* __restrict__ zeros, int64_t m, int64_t n0, int64_t c0,
                                               int64_t c1, int64_t stride_x, int64_t stride_q, int64_t stride_s,
-                                              int64_t group_size, bool tiled, const uint32_t* lut = nullptr) {
+                                              int64_t group_size, bool tiled, const uint32_t* lut = nullptr,
+                                              int act = 0, int64_t up_offset = 0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool chunk_scaled = group_size % 128 == 0;
   // The lane's code bytes of (tile, h, chunk): base + tile * tile_step + h * half_step + chunk * chunk_step.
@@ -340,7 +383,11 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           uint4 v = {0, 0, 0, 0};
-          if (row < m) v = *reinterpret_cast<const uint4*>(x + row * stride_x + k0 + 8 * q);
+          if (row < m) {
+            const T* at = x + row * stride_x + k0 + 8 * q;
+            v = *reinterpret_cast<const uint4*>(at);
+            if constexpr (GATED) v = gated_window<T>(v, *reinterpret_cast<const uint4*>(at + up_offset), act);
+          }
           xw[u][nb][4 * q] = v.x;
           xw[u][nb][4 * q + 1] = v.y;
           xw[u][nb][4 * q + 2] = v.z;
@@ -396,12 +443,14 @@ constexpr int kTcMinBlocks = NB == 1 ? 2 : 1;
 // 16 TILES rows of W, each for its own 8 rows of x (one n8 tile), instead of one CTA taking both
 // n8 tiles: twice the CTAs, each with one n8 tile's registers (two CTAs per SM), and the weight
 // read twice from L2 but about once from DRAM (the pair runs at the same time).
-template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL, int XT = 1>
+//
+// GATED (`act` > 0): x holds gate and up (tc_accumulate's GATED), up K values after gate.
+template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL, int XT = 1, bool GATED = false>
 __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_tc_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
-    int64_t group_size, int tiled) {
+    int64_t group_size, int tiled, int act) {
   static_assert(XT == 1 || NB == 1, "the x split runs one n8 tile of x per CTA");
   // The warps' sums at the end; in the NF4 build with the table (kTcNf4Lut) they overwrite the
   // table once every warp is past its last lookup (the two side by side would pass the 48 KB of
@@ -421,9 +470,9 @@ __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_t
                       kTcWarps * 32);
   float acc[TILES][NB][4];
   tc_zero<T, TILES, NB>(acc);
-  tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1, kTcNf4Lut>(acc, x + first_row * stride_x, qweight, scales, zeros,
-                                                             rows, n0, 0, k / 128, stride_x, stride_q, stride_s,
-                                                             group_size, tiled != 0, nf4_lut);
+  tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1, kTcNf4Lut, GATED>(acc, x + first_row * stride_x, qweight, scales,
+                                                                    zeros, rows, n0, 0, k / 128, stride_x, stride_q,
+                                                                    stride_s, group_size, tiled != 0, nf4_lut, act, k);
   if constexpr (kTcNf4Lut) __syncthreads();  // every lookup done before the sums overwrite the table
   tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out + first_row * stride_out, rows, n0, stride_out);
 }
@@ -441,12 +490,12 @@ __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_t
 // no atomics, nothing to zero between launches.
 constexpr int kTcMaxSplits = 8;  // the portable cluster size
 
-template <typename T, typename S, int TILES, int UNROLL, bool PDL>
+template <typename T, typename S, int TILES, int UNROLL, bool PDL, bool GATED = false>
 __global__ void __launch_bounds__(kTcWarps * 32, PDL ? 1 : 2) int4_tc_split_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
-    int64_t group_size, int splits, int tiled) {
+    int64_t group_size, int splits, int tiled, int act) {
 #if defined(OK_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)  // clusters: sm_90
   constexpr int kOuts = 16 * TILES * kTcSplitMaxRows;  // a CTA's totals at most (16 TILES x 8 rows)
   constexpr int kPartialWords = kTcWarps * TILES * 4 * 32;
@@ -477,8 +526,9 @@ __global__ void __launch_bounds__(kTcWarps * 32, PDL ? 1 : 2) int4_tc_split_kern
   }
   float acc[TILES][1][4];
   tc_zero<T, TILES, 1>(acc);
-  tc_accumulate<T, S, TILES, 1, UNROLL, true, kTcNf4Lut>(acc, x, qweight, scales, zeros, m, n0, c0, c1, stride_x,
-                                                         stride_q, stride_s, group_size, tiled != 0, lut);
+  tc_accumulate<T, S, TILES, 1, UNROLL, true, kTcNf4Lut, GATED>(acc, x, qweight, scales, zeros, m, n0, c0, c1,
+                                                                stride_x, stride_q, stride_s, group_size, tiled != 0,
+                                                                lut, act, k);
   if constexpr (kTcNf4Lut) __syncthreads();  // every lookup done before the sums overwrite the table
   tc_stage<TILES, 1>(partial, acc);
   __syncthreads();
@@ -660,12 +710,12 @@ int launch_tc_ring(int tiles, int stages, const void* x, const void* qweight, co
 }
 
 // (tiles, unroll) pairs built: TC_SHAPES in cuda/__init__.py; up to 8 rows of x (one n8 tile), or
-// 9-16 (two; no PDL build).
+// 9-16 (two; no PDL build). `act` > 0: the gated builds (one n8 tile, neither PDL nor x split).
 template <typename T, typename S>
 int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const void* scales, const void* zeros,
               const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
               int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int pdl, int tiled,
-              int xtiles, cudaStream_t stream) {
+              int xtiles, int act, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles) * xtiles), 1, 1);
   config.blockDim = dim3(kTcWarps * 32, 1, 1);
@@ -679,8 +729,17 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
-        stride_x, stride_q, stride_s, stride_out, group_size, tiled));
+        stride_x, stride_q, stride_s, stride_out, group_size, tiled, act));
   };
+  if (act != 0) {  // no NF4 build of it (its split t4-u1 build spilled 16 bytes on sm_90)
+    if (kNf4 || pdl || xtiles != 1 || m > kTcSplitMaxRows) return -1;
+    if constexpr (!kNf4) {
+      if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2, false, 1, true>);
+      if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 1, 2, false, 1, true>);
+      if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, false, 1, true>);
+    }
+    return -2;
+  }
   auto build = [&](auto pdl_flag) {
     constexpr bool P = decltype(pdl_flag)::value;
     if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2, P>);
@@ -715,8 +774,8 @@ template <typename T, typename S>
 int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void* qweight, const void* scales,
                     const void* zeros, const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k,
                     int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
-                    int pdl, int tiled, cudaStream_t stream) {
-  if (splits < 2 || splits > kTcMaxSplits) return -1;
+                    int pdl, int tiled, int act, cudaStream_t stream) {
+  if (splits < 2 || splits > kTcMaxSplits || (act != 0 && pdl)) return -1;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles) * splits), 1, 1);
   config.blockDim = dim3(kTcWarps * 32, 1, 1);
@@ -741,8 +800,18 @@ int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
-        stride_x, stride_q, stride_s, stride_out, group_size, splits, tiled));
+        stride_x, stride_q, stride_s, stride_out, group_size, splits, tiled, act));
   };
+  if (act != 0) {  // the gated builds: no dependent launch, no NF4
+    if constexpr (kNf4) {
+      return -1;
+    } else {
+      if (tiles == 1 && unroll == 2) return run(int4_tc_split_kernel<T, S, 1, 2, false, true>);
+      if (tiles == 2 && unroll == 2) return run(int4_tc_split_kernel<T, S, 2, 2, false, true>);
+      if (tiles == 4 && unroll == 1) return run(int4_tc_split_kernel<T, S, 4, 1, false, true>);
+      return -2;
+    }
+  }
   auto build = [&](auto pdl_flag) {
     constexpr bool P = decltype(pdl_flag)::value;
     if (tiles == 1 && unroll == 2) return run(int4_tc_split_kernel<T, S, 1, 2, P>);
@@ -786,11 +855,13 @@ int from_packed(const int64_t* a) {
 // each per CTA) and `unroll` (chunks per warp trip) pick a built shape; `splits` > 1 (2-8, sm_90)
 // splits K over clusters of that many CTAs (int4_tc_split_kernel); `pdl` (sm_90) launches it as a
 // programmatic dependent of the kernel before it (tc_prologue); `xtiles` 2 (9-16 rows of x, stored
-// rows, neither split nor PDL) gives each n8 tile of x its own CTA (int4_tc_kernel's XT). N a
-// multiple of 16 x tiles, K of 128, the group size of 32. Returns 0, a cudaError_t, -1 (dtypes, M,
-// splits or xtiles), -2 (shape not built).
+// rows, neither split nor PDL) gives each n8 tile of x its own CTA (int4_tc_kernel's XT); `act`
+// 1-3 (int4, up to 8 rows, neither PDL nor x split): x (M, 2K) holds a gated MLP's gate and up, and
+// the product takes act(gate) * up (gated_value). N a multiple of 16 x tiles, K of 128, the
+// group size of 32. Returns 0, a cudaError_t, -1 (dtypes, M, splits, xtiles or act), -2 (shape
+// not built).
 extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, int splits, int pdl, int tiled,
-                          int xtiles, const void* x, const void* qweight, const void* scales, const void* zeros, const void* bias,
+                          int xtiles, int act, const void* x, const void* qweight, const void* scales, const void* zeros, const void* bias,
                           int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
                           int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int64_t stream) {
   cudaError_t err = cudaSetDevice(device);
@@ -798,16 +869,17 @@ extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unr
   if (m < 1 || m > kTcMaxRows || (m > kTcSplitMaxRows && splits > 1)) return -1;
   if (xtiles != 1 && (xtiles != 2 || splits != 1 || pdl || tiled || m <= kTcSplitMaxRows)) return -1;
   if (tiled && pdl) return -1;  // the dependent launch's L2 prefetch walks the stored rows
+  if (act < 0 || act > 3) return -1;
   const auto s_ = reinterpret_cast<cudaStream_t>(stream);
   return by_dtypes(x_code, s_code, [&](auto t, auto s) {
     using T = decltype(t);
     using S = decltype(s);
     if (splits == 1) {
       return launch_tc<T, S>(tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x,
-                             stride_q, stride_s, stride_out, group_size, pdl, tiled, xtiles, s_);
+                             stride_q, stride_s, stride_out, group_size, pdl, tiled, xtiles, act, s_);
     }
     return launch_tc_split<T, S>(tiles, unroll, splits, x, qweight, scales, zeros, bias, bias_code, out, m, n, k,
-                                 stride_x, stride_q, stride_s, stride_out, group_size, pdl, tiled, s_);
+                                 stride_x, stride_q, stride_s, stride_out, group_size, pdl, tiled, act, s_);
   });
 }
 
@@ -837,7 +909,7 @@ extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, in
 extern "C" int ok_int4_tc_packed(const int64_t* a) {
   auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
-  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), i32(6), i32(7), i32(8), p(9), p(10), p(11), p(12),
-                    p(13), i32(14), p(15), a[16], a[17], a[18], a[19], a[20], a[21], a[22], a[23], a[24]);
+  return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), i32(6), i32(7), i32(8), i32(9), p(10), p(11), p(12),
+                    p(13), p(14), i32(15), p(16), a[17], a[18], a[19], a[20], a[21], a[22], a[23], a[24], a[25]);
 }
 extern "C" int ok_int4_tc_ring_packed(const int64_t* a) { return from_packed<ok_int4_tc_ring>(a); }
