@@ -4,7 +4,7 @@ end-to-end bar).
 
     python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile|eager]
         [--json PATH] [--tiny --device cpu] [--int4-head] [--tiled] [--layout tiled] [--unfused-append]
-        [--unfused-residual] [--unfused-gated]
+        [--unfused-residual] [--unfused-gated] [--unfused-norms]
 
 Variants, each a copy of the same random-weight model:
   sdpa          transformers' own model (attn_implementation="sdpa", bf16 weights) with its
@@ -330,7 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unfused-gated", action="store_true",
                         help="A/B: the gated MLP's activation in its own launch before a 4-bit down_proj instead "
                         "of in the down_proj's GEMV (as before quant 0.10.17's Int4Linear.forward_gated)")  # fmt: skip
+    parser.add_argument("--unfused-norms", action="store_true",
+                        help="A/B: the decoder layers' norms in launches of their own before the 4-bit q/k/v and "
+                        "gate/up projections instead of in their GEMVs (as before quant 0.10.17's "
+                        "Int4Linear.forward_normed)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.unfused_norms:
+        from openkernels.quant import Int4Linear
+
+        Int4Linear.normed_fuses = lambda self, x, weight: False
     if args.unfused_gated:
         from openkernels.quant import Int4Linear
 

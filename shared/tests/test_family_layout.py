@@ -53,7 +53,15 @@ def _families() -> list:
 
 FAMILY_DATA = {
     "activations": {"spec.py"},
-    "quant": {"format.py", "quantize.py", "checkpoints.py", "linear.py", "jax/format.py", "jax/quantize.py"},
+    "quant": {
+        "format.py",
+        "quantize.py",
+        "checkpoints.py",
+        "linear.py",
+        "fused.py",
+        "jax/format.py",
+        "jax/quantize.py",
+    },
     "attention": {"core/cudnn.py", "core/adopt.py", "kvcache/format.py", "kvcache/cache.py", "kvcache/hf.py"},
 }
 # A family root that splits into problems keeps only these beside its sub-packages.

@@ -229,29 +229,48 @@ def test_int4_quantize_and_undo():
     assert torch.equal(back, ref)
 
 
-def test_int4_gated_down_projection_takes_the_stacked_output(monkeypatch):
-    """Where a 4-bit down_proj's GEMV computes act(gate) * up itself (Int4Linear.gated_fuses,
-    forced here on the CPU, where the op composes), the kernelized MLP hands it the stacked
-    gate / up output and the decoder layer's residual: once per layer and step, and the logits
-    those of the path with the activation's own launch."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_decode_step_hands_norms_and_activation_to_the_projections(dtype, monkeypatch):
+    """Where a 4-bit GEMV computes the activation or the norm itself (Int4Linear.gated_fuses /
+    normed_fuses, forced here on the CPU, where the ops compose), a one-token step of the
+    kernelized decoder hands the stacked q / k / v and gate / up layers their un-normed input
+    with the norm (forward_normed), o_proj the residual (forward_add), the down_proj the stacked
+    gate / up output (forward_gated): per layer, once each; the logits those of the step with
+    every norm and activation in its own launch (the fuses forced False), within the
+    roundings the fusions move. Two tokens keep the input norm's deferral and the gated down
+    projection, and run the residual add and the post-attention norm as before."""
     from openkernels.quant import Int4Linear
 
-    model, ids = _model("llama"), _inputs(1, 1)
+    model, ids = _model("llama", dtype), _inputs(1, 1)
     calls = []
-    forward_gated = Int4Linear.forward_gated
+    for name in ("forward_gated", "forward_normed", "forward_add"):
+        original = getattr(Int4Linear, name)
 
-    def counted(self, gate_up, act, addend=None):
-        calls.append((act, addend is not None))
-        return forward_gated(self, gate_up, act, addend)
+        def counted(self, *args, _name=name, _original=original):
+            calls.append((_name, self.out_features))
+            return _original(self, *args)
 
+        monkeypatch.setattr(Int4Linear, name, counted)
     with torch.no_grad():
         kernelize(model, quantize="int4")
+        monkeypatch.setattr(Int4Linear, "gated_fuses", lambda self, gate_up, act: False)
+        monkeypatch.setattr(Int4Linear, "normed_fuses", lambda self, x, weight: False)
         unfused = _out(model, ids)
+        calls.clear()
         monkeypatch.setattr(Int4Linear, "gated_fuses", lambda self, gate_up, act: True)
-        monkeypatch.setattr(Int4Linear, "forward_gated", counted)
+        monkeypatch.setattr(Int4Linear, "normed_fuses", lambda self, x, weight: True)
         fused = _out(model, ids)
-    assert calls == [("silu", True)] * len(model.model.layers)
-    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
+        layer = model.model.layers[0]
+        qkv = sum(getattr(layer.self_attn, p).out_features for p in ("q_proj", "k_proj", "v_proj"))
+        per_layer = [("forward_normed", qkv), ("forward_add", layer.self_attn.o_proj.out_features),
+                     ("forward_normed", 2 * layer.mlp.up_proj.out_features),
+                     ("forward_gated", layer.mlp.down_proj.out_features)]  # fmt: skip
+        assert calls == per_layer * len(model.model.layers), calls
+        calls.clear()
+        _out(model, _inputs(1, 2))
+        assert [c[0] for c in calls] == ["forward_normed", "forward_gated"] * len(model.model.layers), calls
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(fused.float(), unfused.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("layout", ["rows", "tiled"])

@@ -1,4 +1,4 @@
-"""The gated down projection (gated.py): int4_linear of act(gate) * up on a gated MLP's stacked
+"""The gated down projection (fused.py): int4_linear of act(gate) * up on a gated MLP's stacked
 gate / up output. The tensor-core GEMV's gated builds (int4_tc.cu, GATED) on the CPU
 emulation and, on an sm_90 GPU, at the decode shapes; the composed path and the reference on
 every device; Int4Linear.forward_gated's rules (addend, gradients, bad input) and its op under
@@ -14,7 +14,7 @@ from openkernels.quant import Int4Linear, ops
 from openkernels.quant import cuda as G
 from openkernels.quant import reference as R
 from openkernels.quant.format import tile_codes
-from openkernels.quant.gated import ACTS, gated_product
+from openkernels.quant.fused import ACTS, gated_product
 from openkernels.shared.platform import triton_interpreting
 
 from .cases import FORMATS, make_weight, quantize

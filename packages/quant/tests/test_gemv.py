@@ -68,8 +68,8 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     # tc_all: int4_tc.cu, the tensor-core GEMV's own library
     tc = [r for r in tc_all if "int4_tc_kernel" in r.name]
     # dtype pairs x shapes x (one n8 tile of x with PDL or without, two tiles without, the x split,
-    # the gated build: act(gate) * up in the x loads)
-    assert len(tc) == 4 * len(G.TC_SHAPES) * 5, [r.name for r in tc_all]
+    # the gated build: act(gate) * up in the x loads, the normed build: x's RMSNorm in them)
+    assert len(tc) == 4 * len(G.TC_SHAPES) * 6, [r.name for r in tc_all]
     ring = [r for r in tc_all if "int4_tc_ring_kernel" in r.name]  # sm_80: empty bodies (no bulk copies)
     assert len(ring) == 4 * len(G.TCR_SHAPES), [r.name for r in tc_all]
     split = [r for r in tc_all if "int4_tc_split_kernel" in r.name]  # sm_80: empty bodies (no clusters)
@@ -79,7 +79,12 @@ def test_every_kernel_compiles_without_spills(arch: str) -> None:
     for r in kernels + mma + persistent + mma_persistent + tc:
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0, r
         assert r.odd_descriptors <= 0, r  # an odd uniform register for a descriptor: illegal on the GPU
-    x_split = [r for r in tc if re.search(r"int4_tc_kernel.*ELb0ELi2ELb0EE", r.name)]
+    x_split = [r for r in tc if re.search(r"int4_tc_kernel.*ELb0ELi2ELb0ELb0EE", r.name)]
+    # the one-tile builds with a prologue (gated, normed) stay within two CTAs per SM
+    prologue = [
+        r for r in tc if re.search(r"int4_tc_kernel\w*?Li\dELi1ELi\dELb0ELi1ELb[01]ELb[01]EE", r.name)
+    ]
+    assert len(prologue) == 4 * len(G.TC_SHAPES) * 3 and all(r.registers <= 128 for r in prologue), prologue
     assert len(x_split) == 4 * len(G.TC_SHAPES), [r.name for r in tc]
     assert all(r.registers <= 128 for r in x_split), x_split  # two CTAs per SM, as the one-tile builds
     # The NF4 builds (-DOK_TC_NF4, the table in shared memory; on sm_90 also the register

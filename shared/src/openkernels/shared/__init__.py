@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any
 
-__version__ = "0.16.14"
+__version__ = "0.16.15"
 
 
 class _CallableModule(types.ModuleType):

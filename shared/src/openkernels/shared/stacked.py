@@ -14,6 +14,10 @@ built again, once, when any of its members is replaced or written in place.
 
 Freshness is checked per call from cheap identity marks of every member (the layer, and
 each of its tensors' id, data_ptr and, for a copy, _version), a tuple compare.
+
+`stacked_normed_forward` takes the input before a pre-norm decoder's RMSNorm (a `DeferredNorm`):
+a stacked 4-bit layer whose GEMV computes the norm as it loads x (`normed_fuses`) runs both in
+one launch; any other stack gets the norm module's output, as before.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +33,7 @@ from torch import nn
 
 from .kernelize import local_tensor
 
-__all__ = ["stack", "stackable", "stacked_forward"]
+__all__ = ["DeferredNorm", "stack", "stackable", "stacked_forward", "stacked_layer", "stacked_normed_forward"]
 
 
 def _key(names: Sequence[str]) -> str:
@@ -186,3 +191,36 @@ def stacked_forward(owner: nn.Module, names: Sequence[str], x: torch.Tensor) -> 
             object.__setattr__(owner, key, entry)
             return _run(entry.fused, x)
     return _unfused(layers, x)
+
+
+class DeferredNorm(NamedTuple):
+    """An RMSNorm a decoder layer has not applied yet: `module` (its kernelized norm, what runs
+    where the projection does not take it) and the norm's terms, x * rsqrt(mean(x^2) + eps) *
+    (weight + weight_offset)."""
+
+    module: nn.Module
+    weight: torch.Tensor
+    eps: float
+    weight_offset: float
+
+
+def stacked_normed_forward(
+    owner: nn.Module, names: Sequence[str], x: torch.Tensor, norm: DeferredNorm
+) -> torch.Tensor:
+    """stacked_forward(owner, names, norm.module(x)), in one launch where the stack is one 4-bit
+    layer whose GEMV takes the norm (Int4Linear.normed_fuses)."""
+    entry = owner.__dict__.get(_key(names))
+    fused = None if entry is None else entry.fused
+    if isinstance(fused, nn.Module) and hasattr(fused, "normed_fuses") and fused.normed_fuses(x, norm.weight):
+        layers = [owner._modules[name] for name in names]
+        if torch.compiler.is_compiling() or _fresh(entry, layers):
+            return fused.forward_normed(x, norm.weight, norm.eps, norm.weight_offset)
+    return stacked_forward(owner, names, norm.module(x))
+
+
+def stacked_layer(owner: nn.Module, names: Sequence[str]) -> nn.Module | None:
+    """The stack's own layer (a 4-bit layer's concat_out) while it is fresh, else None."""
+    entry = owner.__dict__.get(_key(names))
+    if entry is None or not isinstance(entry.fused, nn.Module):
+        return None
+    return entry.fused if _fresh(entry, [owner._modules[name] for name in names]) else None

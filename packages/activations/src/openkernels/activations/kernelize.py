@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 from openkernels.shared.kernelize import KernelizeContext, Swap
-from openkernels.shared.stacked import stack, stackable, stacked_forward
+from openkernels.shared.stacked import (
+    DeferredNorm,
+    stack,
+    stackable,
+    stacked_forward,
+    stacked_layer,
+    stacked_normed_forward,
+)
 
 from .api import gelu, gelu_and_mul, gelu_quick, relu_squared, silu, silu_and_mul
 
@@ -123,13 +130,20 @@ def _gated_prepare(mlp: nn.Module, ctx: KernelizeContext) -> Callable[[], None]:
     return undo
 
 
-def _gated_forward(self: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+def _gated_forward(
+    self: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None, norm: DeferredNorm | None = None
+) -> torch.Tensor:
     """down_proj(act(gate_proj(x)) * up_proj(x)), plus `residual` when given (the decoder
     layer's add, layernorm's decoder fusion): a 4-bit down_proj without hooks takes it as its
     kernel's bias at one row (Int4Linear.forward_add), any other adds it after. Where such a
     down_proj's GEMV computes act(gate) * up itself (Int4Linear.gated_fuses: a decode step on
-    sm_90), the stacked gate / up output goes to it whole (forward_gated): one launch fewer."""
-    gate_up = stacked_forward(self, _GATE_UP, x)
+    sm_90), the stacked gate / up output goes to it whole (forward_gated): one launch fewer.
+    `norm` (the decoder fusion's post-attention norm, not yet applied to x): a stacked 4-bit
+    gate / up GEMV computes it as it loads x (stacked_normed_forward), else it runs first."""
+    if norm is not None:
+        gate_up = stacked_normed_forward(self, _GATE_UP, x, norm)
+    else:
+        gate_up = stacked_forward(self, _GATE_UP, x)
     down = self.down_proj
     hooked = bool(down._forward_hooks or down._forward_pre_hooks)
     if not hooked and getattr(down, "forward_gated", None) is not None:
@@ -145,7 +159,18 @@ def _gated_forward(self: nn.Module, x: torch.Tensor, residual: torch.Tensor | No
     return residual + down(h)
 
 
+def _prime_norm(mlp: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Let a stacked 4-bit gate / up layer decide, in an eager call, whether its GEMV takes the
+    post-attention norm (Int4Linear.normed_fuses remembers it): a compiled decode step after an
+    eager prefill reads that decision (the prefill's steps run the norm apart)."""
+    fused = stacked_layer(mlp, _GATE_UP)
+    if fused is not None and hasattr(fused, "normed_fuses"):
+        fused.normed_fuses(x, weight)
+
+
 _gated_forward.adds_residual = True  # decoder_fusion passes the residual in
+_gated_forward.takes_decoder_norms = True  # ... and may defer the post-attention norm to it
+_gated_forward.prime_norm = _prime_norm
 
 
 # ---------------------------------------------------------------------------- dense + activation

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from openkernels.shared.kernelize import KernelizeContext, ModelPatch, Swap, local_tensor
-from openkernels.shared.stacked import stack, stackable, stacked_forward
+from openkernels.shared.stacked import DeferredNorm, stack, stackable, stacked_forward, stacked_normed_forward
 
 from .hf import NAME, register_with_transformers
 
@@ -122,13 +122,23 @@ def _rotary_attention_forward(
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
     cache=None,
+    openkernels_input_norm: DeferredNorm | None = None,
+    openkernels_residual: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' attention forward (q / k / v stacked, the fused rotary). From layernorm's
+    decoder fusion (takes_decoder_norms): `openkernels_input_norm`, the layer's input norm not
+    yet applied to hidden_states (a stacked 4-bit q / k / v GEMV computes it as it loads x:
+    stacked_normed_forward); `openkernels_residual`, added to o_proj's output (a 4-bit o_proj
+    takes it as its kernel's bias at one row: Int4Linear.forward_add)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     input_shape = hidden_states.shape[:-1]
     q_size, k_size = _local_rows(self.q_proj), _local_rows(self.k_proj)
-    qkv = stacked_forward(self, _QKV, hidden_states)
+    if openkernels_input_norm is not None:
+        qkv = stacked_normed_forward(self, _QKV, hidden_states, openkernels_input_norm)
+    else:
+        qkv = stacked_forward(self, _QKV, hidden_states)
     q, k, v = qkv.split([q_size, k_size, qkv.shape[-1] - q_size - k_size], dim=-1)
     hidden_shape = (*input_shape, -1, self.head_dim)
     q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
@@ -156,7 +166,16 @@ def _rotary_attention_forward(
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,
     )  # fmt: skip
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+    if openkernels_residual is None:
+        return self.o_proj(attn_output), attn_weights
+    o_proj = self.o_proj
+    forward_add = getattr(o_proj, "forward_add", None)
+    if forward_add is not None and not (o_proj._forward_hooks or o_proj._forward_pre_hooks):
+        return forward_add(attn_output, openkernels_residual), attn_weights
+    return openkernels_residual + o_proj(attn_output), attn_weights
+
+
+_rotary_attention_forward.takes_decoder_norms = True  # layernorm's decoder fusion defers its norms to it
 
 
 def replacements() -> list[Swap | ModelPatch]:

@@ -16,7 +16,7 @@ from . import ops, problem
 from .format import Int4Weight
 
 # The public functions are named by the op table (problem.OPS); linear_parts is Int4Linear's.
-__all__ = [*problem.OPS, "linear_parts", "gated_linear_parts"]
+__all__ = [*problem.OPS, "linear_parts", "gated_linear_parts", "normed_linear_parts"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -88,7 +88,7 @@ def gated_linear_parts(
     act: str,
     tiled: Tensor | None = None,
 ) -> Tensor:
-    """(act(gate) * up) @ W^T + bias on the weight's parts (Int4Linear.forward_gated; gated.py):
+    """(act(gate) * up) @ W^T + bias on the weight's parts (Int4Linear.forward_gated; fused.py):
     gate_up (..., 2K), gate in [0, K) and up in [K, 2K) of its last dim; no act-order perm, no
     gradient. `tiled`: the codes tiled beside the rows, read where the tensor-core GEMV's gated
     build takes the call."""
@@ -105,6 +105,43 @@ def gated_linear_parts(
         if rows.stride(-1) == 1 and cuda.takes_gated(rows, tiled, scales, zeros, bias, group_size, kind, act):
             codes = tiled
     return ops.INT4_LINEAR_GATED(gate_up, codes, scales, zeros, bias, group_size, kind, act)
+
+
+@replay.replayable
+def normed_linear_parts(
+    x: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    weight_offset: float,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None,
+    bias: Tensor | None,
+    group_size: int,
+    kind: str,
+    tiled: Tensor | None = None,
+) -> Tensor:
+    """RMSNorm(x) @ W^T + bias on the weight's parts (Int4Linear.forward_normed; fused.py): x
+    (..., K), norm_weight (K,) in x's dtype; no act-order perm, no gradient. `tiled`: the codes
+    tiled beside the rows, read where the tensor-core GEMV's normed build takes the call."""
+    _check_call(x, qweight, bias)
+    if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
+        raise ValueError(
+            f"int4_linear_rmsnorm: norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} on "
+            f"{norm_weight.device}, expected ({x.shape[-1]},) {x.dtype} on {x.device}"
+        )
+    codes = qweight
+    if tiled is not None and qweight.dim() == 2 and x.is_cuda and not torch.compiler.is_compiling():
+        from . import cuda
+
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) == 1 and cuda.takes_normed(
+            rows, norm_weight, tiled, scales, zeros, bias, group_size, kind
+        ):
+            codes = tiled
+    return ops.INT4_LINEAR_RMSNORM(
+        x, norm_weight, eps, weight_offset, codes, scales, zeros, bias, group_size, kind
+    )
 
 
 def int4_linear(x: Tensor, weight: Int4Weight, bias: Tensor | None = None) -> Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from . import problem
-from .api import gated_linear_parts, linear_parts
+from .api import gated_linear_parts, linear_parts, normed_linear_parts
 from .format import (
     KINDS,
     LAYOUT_VERSIONS,
@@ -258,12 +258,12 @@ class Int4Linear(nn.Module):
     def forward_gated(self, gate_up: Tensor, act: str, addend: Tensor | None = None) -> Tensor:
         """forward(act(gate) * up) (+ addend): a gated MLP's down projection on its stacked
         gate / up output, gate_up (..., 2 in_features) with gate first; act "silu", "gelu" or
-        "gelu_tanh" (gated.ACTS), the product rounded to gate_up's dtype. On sm_90 at up to 8
+        "gelu_tanh" (fused.ACTS), the product rounded to gate_up's dtype. On sm_90 at up to 8
         rows the tensor-core GEMV computes the product as it loads x (one launch instead of
         two; gated_fuses says where); elsewhere, with an act-order perm or where a gradient is
         needed, the product is computed first. `addend` as in forward_add (the decoder
         layer's residual: the kernel's bias at one row)."""
-        from .gated import ACTS, gated_product
+        from .fused import ACTS, gated_product
 
         if act not in ACTS:
             raise ValueError(f"forward_gated: act {act!r}, one of {ACTS}")
@@ -295,14 +295,16 @@ class Int4Linear(nn.Module):
         An eager call decides and remembers it on the module; a compiled one reads what the
         last eager call found (False before any), since the op's dispatch runs later."""
         rows = gate_up.numel() // max(gate_up.shape[-1], 1)
-        if not gate_up.is_cuda or self.perm is not None or not 1 <= rows <= 8:
+        if not gate_up.is_cuda or self.perm is not None or rows < 1:
             return False
         if torch.is_grad_enabled() and gate_up.requires_grad:
             return False  # forward_gated composes where a gradient is needed
         if torch.compiler.is_compiling():
-            return self.__dict__.get("_openkernels_gated_fuses", False)
+            return rows <= 8 and self.__dict__.get("_openkernels_gated_fuses", False)
         from . import cuda
 
+        # decided for one row (what up to 8 rows take too), also at a prefill's rows, so that a
+        # compiled decode step after an eager prefill knows it
         one_row = gate_up.reshape(-1, gate_up.shape[-1])[:1]
         codes = getattr(self, "qweight_tiled", None)
         codes = self.qweight if codes is None else codes
@@ -310,7 +312,68 @@ class Int4Linear(nn.Module):
             one_row, codes, self.scales, self.zeros, self.bias, self.group_size, self.kind, act
         )
         self.__dict__["_openkernels_gated_fuses"] = fuses
-        return fuses
+        return fuses and rows <= 8
+
+    def forward_normed(
+        self, x: Tensor, norm_weight: Tensor, eps: float, weight_offset: float = 0.0
+    ) -> Tensor:
+        """forward(RMSNorm(x)): a pre-norm decoder's projection on its un-normed hidden state,
+        RMSNorm(x) = x * rsqrt(mean(x^2) + eps) * (norm_weight + weight_offset), computed in
+        float32 and rounded once to x's dtype (fused.py). On sm_90 at up to 8 rows the
+        tensor-core GEMV computes the norm as it loads x (one launch instead of two;
+        normed_fuses says where); elsewhere, with an act-order perm or where a gradient is
+        needed, the norm is computed first. norm_weight (in_features,) in x's dtype."""
+        from .fused import rms_normed
+
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"forward_normed: x's last dim is {x.shape[-1]}, expected {self.in_features} ({self.extra_repr()})"
+            )
+        if norm_weight.shape != (self.in_features,):
+            raise ValueError(
+                f"forward_normed: norm_weight has shape {tuple(norm_weight.shape)}, expected ({self.in_features},) "
+                f"({self.extra_repr()})"
+            )
+        grads = torch.is_grad_enabled() and (
+            x.requires_grad
+            or norm_weight.requires_grad
+            or (self.bias is not None and self.bias.requires_grad)
+        )
+        if grads or self.perm is not None or norm_weight.dtype != x.dtype:
+            return self.forward(rms_normed(x, norm_weight, eps, weight_offset))
+        return normed_linear_parts(x, norm_weight.detach(), float(eps), float(weight_offset), self.qweight, self.scales,
+                                   self.zeros, self.bias, self.group_size, self.kind,
+                                   getattr(self, "qweight_tiled", None))  # fmt: skip
+
+    def normed_fuses(self, x: Tensor, norm_weight: Tensor) -> bool:
+        """Whether forward_normed(x, norm_weight, ...) runs as one launch of the tensor-core
+        GEMV here: CUDA, up to 8 rows, norm_weight in x's dtype, where the GEMV's normed build
+        takes this layer's shape on this GPU. An eager call decides and remembers it on the
+        module; a compiled one reads what the last eager call found (False before any)."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        if not x.is_cuda or self.perm is not None or rows < 1 or norm_weight.dtype != x.dtype:
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or norm_weight.requires_grad):
+            return False  # forward_normed composes where a gradient is needed
+        if torch.compiler.is_compiling():
+            return rows <= 8 and self.__dict__.get("_openkernels_normed_fuses", False)
+        from . import cuda
+
+        one_row = x.reshape(-1, x.shape[-1])[:1]  # one row's decision: as gated_fuses
+        codes = getattr(self, "qweight_tiled", None)
+        codes = self.qweight if codes is None else codes
+        fuses = one_row.stride(-1) == 1 and cuda.takes_normed(
+            one_row,
+            norm_weight.detach(),
+            codes,
+            self.scales,
+            self.zeros,
+            self.bias,
+            self.group_size,
+            self.kind,
+        )
+        self.__dict__["_openkernels_normed_fuses"] = fuses
+        return fuses and rows <= 8
 
     def _addend_as_bias(self, x: Tensor, addend: Tensor) -> bool:
         """forward_add's rule: one row of x, no bias, the addend one row of out_features in x's

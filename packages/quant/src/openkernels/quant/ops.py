@@ -9,10 +9,15 @@ registrations and eager fast paths from one `opdef` declaration each):
       (openkernels::int4_linear_backward).
   openkernels::dequantize_int4(qweight, scales, zeros?, group_size, kind, dtype) -> W (N, K)
   openkernels::int4_linear_gated(gate_up, qweight, scales, zeros?, bias?, group_size, kind, act) -> out
-      A gated MLP's down projection on its stacked gate / up output (gated.py): gate_up
+      A gated MLP's down projection on its stacked gate / up output (fused.py): gate_up
       (..., 2K), out (..., N) = (act(gate) * up) @ W^T + bias in gate_up's dtype. Inference
       only (no autograd); the tensor-core GEMV's gated build where it takes the call, else
       composed (the activation, then int4_linear).
+  openkernels::int4_linear_rmsnorm(x, norm_weight, eps, weight_offset, qweight, scales, zeros?,
+                                   bias?, group_size, kind) -> out
+      A pre-norm decoder's projection on its un-normed hidden state (fused.py): out (..., N)
+      = RMSNorm(x) @ W^T + bias in x's dtype. Inference only; the tensor-core GEMV's normed
+      build where it takes the call, else composed (the norm, then int4_linear).
 The weight parts are format.py's layout (checked once, when the Int4Weight is built); the
 act-order perm is applied by api.py before these ops. The backend contract
 (int4_linear_fwd / dequantize_int4_fwd) is in reference.py.
@@ -35,6 +40,8 @@ __all__ = [
     "dequantize",
     "INT4_LINEAR",
     "INT4_LINEAR_GATED",
+    "INT4_LINEAR_RMSNORM",
+    "forward_normed",
     "DEQUANTIZE_INT4",
     "KERNEL_DTYPES",
     "OPS",
@@ -45,7 +52,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # activations the Triton kernel
 
 _LIB = torch.library.Library("openkernels", "FRAGMENT")
 _LINEAR, _DEQUANTIZE = problem.OPS  # the op table's names (problem.OPS)
-_GATED = "int4_linear_gated"  # a decode step's fused op, not in the table (no JAX face, no gradient)
+# a decode step's fused ops, not in the table (no JAX face, no gradient)
+_GATED, _NORMED = "int4_linear_gated", "int4_linear_rmsnorm"
 
 
 def _out_features(qweight: Tensor) -> int:
@@ -75,7 +83,7 @@ def forward(x: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str)
 def forward_gated(
     gate_up: Tensor, qweight, scales, zeros, bias, group_size: int, kind: str, act: str
 ) -> Tensor:
-    """(act(gate) * up) @ W^T + bias -> (..., N) in gate_up's dtype, gate_up (..., 2K) (gated.py)."""
+    """(act(gate) * up) @ W^T + bias -> (..., N) in gate_up's dtype, gate_up (..., 2K) (fused.py)."""
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -84,6 +92,20 @@ def forward_gated(
     if rows.shape[0] and n:
         dispatch.run(_GATED, rows, qweight, scales, zeros, bias, out, group_size, kind, act)
     return out.view(*gate_up.shape[:-1], n)
+
+
+def forward_normed(x: Tensor, norm_weight: Tensor, eps: float, weight_offset: float, qweight, scales, zeros, bias,
+                   group_size: int, kind: str) -> Tensor:  # fmt: skip
+    """RMSNorm(x) @ W^T + bias -> (..., N) in x's dtype, x (..., K) (fused.py)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = _out_features(qweight)
+    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    if rows.shape[0] and n:
+        dispatch.run(_NORMED, rows, norm_weight, eps, weight_offset, qweight, scales, zeros, bias, out, group_size,
+                     kind)  # fmt: skip
+    return out.view(*x.shape[:-1], n)
 
 
 def tiled_runner(x: Tensor, tiled: Tensor, scales, zeros, bias, group_size: int, kind: str) -> str | None:
@@ -182,6 +204,12 @@ def _dequantize_key(qweight: Tensor, scales: Tensor, zeros, out: Tensor, group_s
 
 def _gated_key(gate_up: Tensor, qweight, scales, zeros, bias, out, group_size: int, kind: str, act: str):
     return dispatch.key_for(gate_up, kind)
+
+
+def _normed_key(
+    x: Tensor, norm_weight, eps, weight_offset, qweight, scales, zeros, bias, out, group_size, kind
+):
+    return dispatch.key_for(x, kind)
 
 
 def _triton_linear_supports(key: dispatch.DispatchKey) -> str | None:
@@ -337,7 +365,7 @@ INT4_LINEAR_GATED = opdef.define(
         impls=(
             # the GEMV's gated build where it takes the call; it composes every other call itself
             opdef.Impl("gemv", f"{_PKG}.cuda:{_PKG_ENTRY}", ("cuda",), _GEMV_PRIORITY, _gemv_supports),
-            opdef.Impl("composed", f"{_PKG}.gated:{_PKG_ENTRY}", ("cuda", "rocm", "cpu"), 5),
+            opdef.Impl("composed", f"{_PKG}.fused:{_PKG_ENTRY}", ("cuda", "rocm", "cpu"), 5),
             opdef.Impl("reference", f"{_PKG}.reference:{_PKG_ENTRY}", ("cuda", "rocm", "cpu"), 0),
         ),
         tensor_args=(0, 1, 2, 3, 4),
@@ -345,7 +373,30 @@ INT4_LINEAR_GATED = opdef.define(
 )
 
 
+_NORMED_ENTRY = "int4_linear_normed_fwd"
+INT4_LINEAR_RMSNORM = opdef.define(
+    _LIB,
+    opdef.OpDef(
+        name=_NORMED,
+        schema="(Tensor x, Tensor norm_weight, float eps, float weight_offset, Tensor qweight, Tensor scales, "
+        "Tensor? zeros, Tensor? bias, int group_size, str kind) -> Tensor",
+        forward=forward_normed,
+        fake=lambda x, norm_weight, eps, weight_offset, qweight, scales, zeros, bias, group_size, kind: (
+            x.new_empty((*x.shape[:-1], _out_features(qweight)))
+        ),
+        key=_normed_key,
+        impls=(
+            # the GEMV's normed build where it takes the call; it composes every other call itself
+            opdef.Impl("gemv", f"{_PKG}.cuda:{_NORMED_ENTRY}", ("cuda",), _GEMV_PRIORITY, _gemv_supports),
+            opdef.Impl("composed", f"{_PKG}.fused:{_NORMED_ENTRY}", ("cuda", "rocm", "cpu"), 5),
+            opdef.Impl("reference", f"{_PKG}.reference:{_NORMED_ENTRY}", ("cuda", "rocm", "cpu"), 0),
+        ),
+        tensor_args=(0, 1, 4, 5, 6, 7),
+    ),
+)
+
+
 # op name -> its callable (eager fast paths, library op otherwise): every op of problem.OPS
 OPS: dict[str, opdef.DefinedOp] = {_LINEAR: INT4_LINEAR, _DEQUANTIZE: DEQUANTIZE_INT4}
 # ... and the fused ops outside the op table
-FUSED_OPS: dict[str, opdef.DefinedOp] = {_GATED: INT4_LINEAR_GATED}
+FUSED_OPS: dict[str, opdef.DefinedOp] = {_GATED: INT4_LINEAR_GATED, _NORMED: INT4_LINEAR_RMSNORM}

@@ -13,9 +13,13 @@ implements the same two entries:
         (N,) or None; out (M, N) contiguous, x's dtype. The act-order perm is applied by
         the caller (api.py), never by a backend.
     int4_linear_gated_fwd(gate_up, qweight, scales, zeros, bias, out, group_size, kind, act)
-        int4_linear of act(gate) * up (gated.py): gate_up (M, 2K), gate in columns [0, K) and
+        int4_linear of act(gate) * up (fused.py): gate_up (M, 2K), gate in columns [0, K) and
         up in [K, 2K); the product rounded to gate_up's dtype before the linear; inference
         only (no gradient).
+    int4_linear_normed_fwd(x, norm_weight, eps, weight_offset, qweight, scales, zeros, bias, out,
+                           group_size, kind)
+        int4_linear of x's RMSNorm (fused.py), rounded to x's dtype before the linear;
+        inference only.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
     "dequantize_int4_fwd",
     "int4_linear_fwd",
     "int4_linear_gated_fwd",
+    "int4_linear_normed_fwd",
     "linear_error_bound",
 ]
 
@@ -95,11 +100,22 @@ def int4_linear_fwd(x, qweight, scales, zeros, bias, out: Tensor, group_size: in
 def int4_linear_gated_fwd(gate_up, qweight, scales, zeros, bias, out: Tensor, group_size: int, kind: str,
                           act: str) -> None:  # fmt: skip
     from .format import untile_codes
-    from .gated import gated_product
+    from .fused import gated_product
 
     if qweight.dim() == 3:  # format.tile_codes' layout: the reference reads rows
         qweight = untile_codes(qweight)
     out.copy_(int4_linear_ref(gated_product(gate_up, act), qweight, scales, zeros, group_size, kind, bias))
+
+
+def int4_linear_normed_fwd(x, norm_weight, eps: float, weight_offset: float, qweight, scales, zeros, bias,
+                           out: Tensor, group_size: int, kind: str) -> None:  # fmt: skip
+    from .format import untile_codes
+    from .fused import rms_normed
+
+    if qweight.dim() == 3:
+        qweight = untile_codes(qweight)
+    normed = rms_normed(x, norm_weight, eps, weight_offset)
+    out.copy_(int4_linear_ref(normed, qweight, scales, zeros, group_size, kind, bias))
 
 
 _SMALLEST_SUBNORMAL = {

@@ -12,6 +12,14 @@ swapped forward does the add and the norm in one call. The add after the MLP goe
 kernelize's gated MLP forward when the MLP has it (activations' swap): a 4-bit down_proj
 takes it as its kernel's bias at one row (a decode step at batch 1), one launch fewer again.
 
+With kernelize's attention and gated MLP (their forwards say `takes_decoder_norms`) a decode
+step goes further: the input norm goes to the attention un-applied, and a stacked 4-bit
+q / k / v GEMV computes it as it loads x (up to 8 rows); at one row, the attention's residual
+goes into a 4-bit o_proj's kernel (its bias) and the post-attention norm to the MLP un-applied,
+for the stacked 4-bit gate / up GEMV. Where a projection does not take its norm (not 4-bit, not
+sm_90, more rows, ...) the norm module runs first, as without this: never a launch more at one
+row.
+
 A class is swapped only when its forward is, statement for statement, the template below
 (checked on its source, so a transformers release that changes the layer is left alone with
 a reason). At call time the fused path is taken only when the post-attention norm was itself
@@ -28,6 +36,7 @@ import torch
 from torch import nn
 
 from openkernels.shared.kernelize import KernelizeContext
+from openkernels.shared.stacked import DeferredNorm
 
 from ..api import rms_norm
 from .hf_norm_classes import GEMMA_STYLE_RMS_NORMS, LLAMA_STYLE_RMS_NORMS
@@ -162,9 +171,33 @@ def decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwarg
         kwargs["cache"] = kwargs.pop("past_key_values")
     passed.update(kwargs)
     residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    attended, _ = self.self_attn(hidden_states=hidden_states, **passed)
+    attention, mlp = self.self_attn, self.mlp
+    rows = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+    # (any rows: the q / k / v layer decides, and remembers for compiled steps, at a prefill too)
+    defers = getattr(type(attention).forward, "takes_decoder_norms", False) and not (
+        attention._forward_hooks or attention._forward_pre_hooks
+    )
+    input_norm = self.input_layernorm
+    input_args = _norm_args(input_norm) if defers and _fused_norm_ready(input_norm) else None
+    if input_args is not None:  # the q / k / v projection normalizes (or runs the module first)
+        passed["openkernels_input_norm"] = DeferredNorm(input_norm, input_norm.weight, *input_args)
+    else:
+        hidden_states = input_norm(hidden_states)
     eps, weight_offset = _norm_args(norm)
+    if (
+        defers
+        and rows == 1
+        and getattr(getattr(attention, "o_proj", None), "forward_add", None) is not None
+        and getattr(type(mlp).forward, "takes_decoder_norms", False)
+        and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+    ):
+        # a 4-bit o_proj adds the residual in its kernel; the gate / up projection normalizes
+        h, _ = attention(hidden_states=hidden_states, openkernels_residual=residual, **passed)
+        return mlp(h, residual=h, norm=DeferredNorm(norm, norm.weight, eps, weight_offset))
+    attended, _ = attention(hidden_states=hidden_states, **passed)
+    prime = getattr(type(mlp).forward, "prime_norm", None)
+    if defers and prime is not None and not torch.compiler.is_compiling():
+        prime(mlp, attended, norm.weight)  # for compiled one-row steps after this eager one
     h_dtype = torch.promote_types(residual.dtype, attended.dtype)  # what `residual + attended` gives
     # Llama-style norms return the promotion of input and weight dtypes, Gemma's the input's.
     out_dtype = torch.promote_types(h_dtype, norm.weight.dtype) if weight_offset == 0.0 else h_dtype
@@ -178,7 +211,6 @@ def decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwarg
         out_dtype=out_dtype,
         residual_dtype=h_dtype,
     )
-    mlp = self.mlp
     if getattr(type(mlp).forward, "adds_residual", False) and not (
         mlp._forward_hooks or mlp._forward_pre_hooks
     ):

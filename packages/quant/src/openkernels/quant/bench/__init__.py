@@ -141,6 +141,42 @@ def checks(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> l
                 got = api.dequantize_int4(q, dtype)
             results.append(Check(f"dequantize_int4[{kind}]", "fwd", impl, str(dtype).removeprefix("torch."),
                                  *_score(got, w64.to(dtype).double(), dtype)))  # fmt: skip
+        results += _fused_checks(q, w64, kind, device, dtype, gen)
+    return results
+
+
+def _fused_checks(q, w64, kind: str, device: torch.device, dtype: torch.dtype, gen) -> list[Check]:
+    """The decode step's fused ops (fused.py) at 1 and 5 rows on every implementation usable on
+    `device`: int4_linear of the composed input (act(gate) * up, x's RMSNorm) against float64,
+    within the linear's bound plus one rounding of each input value (the kernels compute it
+    in float32 as they load x)."""
+    from openkernels.shared import dispatch
+    from openkernels.shared.dev.testing import testable_implementations
+
+    from .. import ops
+    from ..fused import gated_product, rms_normed
+
+    results = []
+    unit = 2.0 ** -(8 if dtype == torch.bfloat16 else 11)
+    norm_weight = (0.5 + torch.rand(512, generator=gen)).to(device, dtype)
+    for m in (1, 5):
+        gate_up = torch.randn(m, 1024, generator=gen).to(device, dtype)
+        x = (3 * torch.randn(m, 512, generator=gen)).to(device, dtype)
+        parts = (q.qweight, q.scales, q.zeros, None, q.group_size, kind)
+        for op, h, fn, args in (
+            ("int4_linear_gated", gated_product(gate_up, "silu"), ops.INT4_LINEAR_GATED, (gate_up, *parts, "silu")),
+            ("int4_linear_rmsnorm", rms_normed(x, norm_weight, 1e-5), ops.INT4_LINEAR_RMSNORM,
+             (x, norm_weight, 1e-5, 0.0, *parts)),
+        ):  # fmt: skip
+            ref = h.double() @ w64.t()
+            bound = reference.linear_error_bound(h.double(), w64, ref, dtype, weight_rounded_to=dtype)
+            bound = bound + 2 * unit * (h.double().abs() @ w64.abs().t())
+            for impl in testable_implementations(op, device):
+                with dispatch.force(impl):
+                    out = fn(*args)
+                error, ok = _bound_score(out, ref, bound)
+                results.append(Check(f"{op}[{kind}] M={m}", "fwd", impl, str(dtype).removeprefix("torch."), error,
+                                     ok))  # fmt: skip
     return results
 
 

@@ -82,6 +82,9 @@ __all__ = [
     "GATED_ACTS",
     "gated_config",
     "takes_gated",
+    "normed_config",
+    "takes_normed",
+    "int4_linear_normed_fwd",
     "int4_linear_gated_fwd",
     "mma_persistent_config",
     "persistent_config",
@@ -144,7 +147,7 @@ TCR_SHAPES = ((1, 4), (1, 8), (2, 4), (4, 2))
 TCR_CONFIGS = tuple(f"tcr-t{t}-s{s}" for t, s in TCR_SHAPES)
 _TCR_MAX_SHARED = 200 * 1024  # the ring's dynamic shared memory (int4_tc.cu's launch_tc_ring)
 _EMULATED_SMS = 2  # what the CPU emulation counts as SMs (a grid of 2 x CTAs per SM)
-_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_P, _I64, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
 _SIGNATURES = {
     "ok_int4_gemv": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64,
                      _I64],
@@ -158,10 +161,10 @@ _SIGNATURES = {
 
 
 _TC_SIGNATURES = {
-    # (device, x, scale dtype codes, tiles, unroll, splits, pdl, tiled, xtiles, act, the pointers, bias code, out,
-    # sizes, strides, group size, stream)
+    # (device, x, scale dtype codes, tiles, unroll, splits, pdl, tiled, xtiles, prologue, the pointers, bias code,
+    # out, sizes, strides, group size, the norm's weight, epsilon and weight offset, stream)
     "ok_int4_tc": [_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64,
-                   _I64, _I64, _I64, _I64, _I64, _I64, _I64],
+                   _I64, _I64, _I64, _I64, _I64, _I64, _P, _F64, _F64, _I64],
     "ok_int4_tc_ring": [_I32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64,
                         _I64, _I64, _I64, _I64],
 }  # fmt: skip
@@ -749,7 +752,7 @@ def int4_linear_fwd(
             device, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, p.splits, int(p.pdl),
             int(tiled), p.xtiles, 0, x.data_ptr(),
             qweight.data_ptr(), scales.data_ptr(), zeros_ptr, bias_ptr, bias_code, out.data_ptr(), m, n, k,
-            x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size, stream,
+            x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size, 0, 0.0, 0.0, stream,
         )  # fmt: skip
     elif _path(m, config) == "tcr":
         p = tcr_config(config)
@@ -842,8 +845,8 @@ def int4_linear_gated_fwd(
 ) -> None:  # fmt: skip
     """out (M, N) = (act(gate) * up) @ W^T + bias, gate_up (M, 2K) (the gated op's contract:
     reference.int4_linear_gated_fwd): one launch of the tensor-core GEMV's gated build where
-    gated_config names one, else composed (gated.int4_linear_gated_fwd)."""
-    from ..gated import int4_linear_gated_fwd as composed
+    gated_config names one, else composed (fused.int4_linear_gated_fwd)."""
+    from ..fused import int4_linear_gated_fwd as composed
 
     chosen = gated_config(gate_up, qweight, scales, zeros, bias, out, group_size, kind, act, config)
     lib = None if chosen is None else _load(gate_up.device, tc=True, nf4=kind == "nf4")
@@ -856,7 +859,7 @@ def int4_linear_gated_fwd(
         p.unroll, p.splits, 0, int(qweight.dim() == 3), 1, GATED_ACTS[act], gate_up.data_ptr(), qweight.data_ptr(),
         scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), 0 if bias is None else bias.data_ptr(),
         0 if bias is None else _BIAS_CODES[bias.dtype], out.data_ptr(), m, _n_of(qweight), k, gate_up.stride(0),
-        qweight.stride(0), scales.stride(0), out.stride(0), group_size,
+        qweight.stride(0), scales.stride(0), out.stride(0), group_size, 0, 0.0, 0.0,
         torch.cuda.current_stream(gate_up.device).cuda_stream if gate_up.is_cuda else 0,
     )  # fmt: skip
     if status == 0:
@@ -871,6 +874,87 @@ def int4_linear_gated_fwd(
         stacklevel=2,
     )
     return composed(gate_up, qweight, scales, zeros, bias, out, group_size, kind, act)
+
+
+def normed_config(x: Tensor, norm_weight: Tensor, qweight: Tensor, scales, zeros, bias, out, group_size: int,
+                  kind: str, config: str | None = None) -> str | None:  # fmt: skip
+    """The tensor-core GEMV config that runs forward(RMSNorm(x)) for this call in one launch (x
+    (M, K), norm_weight (K,) in x's dtype, contiguous and 16-byte aligned), or None: the call is
+    composed (the norm, then int4_linear). Up to 8 rows, int4, the config int4_linear's default
+    would run (`config`: that one instead, for tests and the CPU emulation) when it is a
+    tensor-core GEMV build with K unsplit, no dependent launch and no x split."""
+    if kind == "nf4" or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    if (
+        norm_weight.dim() != 1
+        or norm_weight.shape[0] != x.shape[1]
+        or norm_weight.dtype != x.dtype
+        or norm_weight.device != x.device
+        or norm_weight.stride(0) != 1
+        or norm_weight.data_ptr() % 16
+    ):
+        return None
+    if x.is_cuda and _broken:
+        return None
+    m, k = x.shape
+    if config is None:
+        if not x.is_cuda:
+            return None  # the CPU emulation runs only when a test names the config
+        pick = tiled_config if qweight.dim() == 3 else default_config
+        config = pick(m, _n_of(qweight), k, group_size, _arch(x.device), scales_in_x_dtype=scales.dtype == x.dtype,
+                      kind=kind)  # fmt: skip
+    tc = tc_config(config)
+    if tc is None or tc.pdl or tc.xtiles != 1 or tc.splits > 1 or m > TC_SPLIT_MAX_ROWS:
+        return None
+    if unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config) is not None:
+        return None
+    return config
+
+
+def takes_normed(x: Tensor, norm_weight: Tensor, qweight: Tensor, scales, zeros, bias, group_size: int,
+                 kind: str) -> bool:  # fmt: skip
+    """Whether int4_linear_normed_fwd runs this call (x (M, K) on the GPU) in one launch."""
+    return (
+        normed_config(x, norm_weight, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind) is not None
+    )
+
+
+def int4_linear_normed_fwd(
+    x: Tensor, norm_weight: Tensor, eps: float, weight_offset: float, qweight: Tensor, scales: Tensor,
+    zeros: Tensor | None, bias: Tensor | None, out: Tensor, group_size: int, kind: str, *, config: str | None = None,
+) -> None:  # fmt: skip
+    """out (M, N) = RMSNorm(x) @ W^T + bias (the normed op's contract:
+    reference.int4_linear_normed_fwd): one launch of the tensor-core GEMV's normed build where
+    normed_config names one, else composed (fused.int4_linear_normed_fwd)."""
+    from ..fused import int4_linear_normed_fwd as composed
+
+    args = (x, norm_weight, eps, weight_offset, qweight, scales, zeros, bias, out, group_size, kind)
+    chosen = normed_config(x, norm_weight, qweight, scales, zeros, bias, out, group_size, kind, config)
+    lib = None if chosen is None else _load(x.device, tc=True)
+    if lib is None:
+        return composed(*args)
+    m, k = x.shape
+    p = tc_config(chosen)
+    status = lib.ok_int4_tc(
+        x.device.index if x.is_cuda else -1, _CODES[x.dtype], _CODES[scales.dtype], p.tiles, p.unroll, 1, 0,
+        int(qweight.dim() == 3), 1, 4, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
+        0 if zeros is None else zeros.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        0 if bias is None else _BIAS_CODES[bias.dtype], out.data_ptr(), m, _n_of(qweight), k, x.stride(0),
+        qweight.stride(0), scales.stride(0), out.stride(0), group_size, norm_weight.data_ptr(), float(eps),
+        float(weight_offset), torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0,
+    )  # fmt: skip
+    if status == 0:
+        return None
+    if not x.is_cuda:
+        raise RuntimeError(f"the emulated kernel refused a launch (status {status})")
+    _broken.append(f"launch status {status}")
+    warnings.warn(
+        f"openkernels.quant: the CUDA C++ kernel's launch failed (status {status}); the Triton kernels run from "
+        "now on",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return composed(*args)
 
 
 def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=None) -> str | None:

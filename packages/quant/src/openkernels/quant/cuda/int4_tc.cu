@@ -323,6 +323,54 @@ __device__ __forceinline__ uint4 gated_window(uint4 gate, uint4 up, int act) {
   return {r[0], r[1], r[2], r[3]};
 }
 
+// The normed build (NORM, prologue 4): x is a pre-norm decoder's hidden state and the GEMV's x is
+// its RMSNorm, x * rstd * (weight + offset), rstd = 1 / sqrt(mean(x^2) + eps) per row: each CTA
+// takes its rows' sums of squares itself (norm_rows: the whole row, K values, from L2) before
+// the main loop, and the windows are scaled where they are loaded; in float32, rounded once to
+// x's dtype. The norm's own launch and its pass over memory go.
+template <typename T>
+__device__ __forceinline__ uint4 normed_window(uint4 x, uint4 weight, float rstd, float offset) {
+  const uint32_t v[4] = {x.x, x.y, x.z, x.w}, w[4] = {weight.x, weight.y, weight.z, weight.w};
+  uint32_t r[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    r[i] = pack2<T>(half_of<T>(v[i], 0) * rstd * (half_of<T>(w[i], 0) + offset),
+                    half_of<T>(v[i], 1) * rstd * (half_of<T>(w[i], 1) + offset));
+  }
+  return {r[0], r[1], r[2], r[3]};
+}
+
+// rstd of x's rows [0, rows) (rows <= 8) into `rstd` (shared), the sums in warp order (the same
+// bits in every CTA and run). Every thread of the CTA calls it.
+template <typename T>
+__device__ __forceinline__ void norm_rows(const T* __restrict__ x, int64_t rows, int64_t k, int64_t stride_x,
+                                          float eps, float (&scratch)[kTcWarps][8], float (&rstd)[8]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.f;
+    for (int64_t i = 8 * static_cast<int64_t>(threadIdx.x); i < k; i += 8 * kTcWarps * 32) {
+      const uint4 v = *reinterpret_cast<const uint4*>(x + r * stride_x + i);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float a = half_of<T>(w[j], 0), b = half_of<T>(w[j], 1);
+        sum = fmaf(a, a, fmaf(b, b, sum));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) scratch[warp][r] = sum;
+  }
+  __syncthreads();
+  if (threadIdx.x < rows) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kTcWarps; ++w) total += scratch[w][threadIdx.x];
+    rstd[threadIdx.x] = rsqrtf(total / static_cast<float>(k) + eps);
+  }
+  __syncthreads();
+}
+
 // Registers: each warp trip issues UNROLL chunks' loads (codes evict-first, scales, zeros,
 // x) before their math. Warp w takes chunks c0 + w, c0 + w + 8, ... below c1.
 //
@@ -338,14 +386,17 @@ __device__ __forceinline__ uint4 gated_window(uint4 gate, uint4 up, int act) {
 // instead, so that the second CTA's read can hit what the first one brought in.
 //
 // GATED: x's windows are act(gate) * up (gated_window), gate at x, up `up_offset` values after it.
+// NORM: x's windows are normed (normed_window) with the lane's row's `rstd`, `norm_w` the norm's
+// weight (K values of T) and `offset` added to it.
 template <typename T, typename S, int TILES, int NB, int UNROLL, bool EVICT_FIRST = true, bool LUT = false,
-          bool GATED = false>
+          bool GATED = false, bool NORM = false>
 __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const T* __restrict__ x,
                                               const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
                                               const S* __restrict__ zeros, int64_t m, int64_t n0, int64_t c0,
                                               int64_t c1, int64_t stride_x, int64_t stride_q, int64_t stride_s,
                                               int64_t group_size, bool tiled, const uint32_t* lut = nullptr,
-                                              int act = 0, int64_t up_offset = 0) {
+                                              int act = 0, int64_t up_offset = 0, const T* norm_w = nullptr,
+                                              float rstd = 0.f, float offset = 0.f) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool chunk_scaled = group_size % 128 == 0;
   // The lane's code bytes of (tile, h, chunk): base + tile * tile_step + h * half_step + chunk * chunk_step.
@@ -387,6 +438,7 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
             const T* at = x + row * stride_x + k0 + 8 * q;
             v = *reinterpret_cast<const uint4*>(at);
             if constexpr (GATED) v = gated_window<T>(v, *reinterpret_cast<const uint4*>(at + up_offset), act);
+            if constexpr (NORM) v = normed_window<T>(v, *reinterpret_cast<const uint4*>(norm_w + k0 + 8 * q), rstd, offset);
           }
           xw[u][nb][4 * q] = v.x;
           xw[u][nb][4 * q + 1] = v.y;
@@ -444,13 +496,17 @@ constexpr int kTcMinBlocks = NB == 1 ? 2 : 1;
 // n8 tiles: twice the CTAs, each with one n8 tile's registers (two CTAs per SM), and the weight
 // read twice from L2 but about once from DRAM (the pair runs at the same time).
 //
-// GATED (`act` > 0): x holds gate and up (tc_accumulate's GATED), up K values after gate.
-template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL, int XT = 1, bool GATED = false>
+// GATED (`act` 1-3): x holds gate and up (tc_accumulate's GATED), up K values after gate. NORM
+// (`act` 4): x is RMS-normed on the way in (norm_rows, then tc_accumulate's NORM), `norm_w` the
+// norm's weight, `norm_eps` its epsilon, `norm_offset` added to the weight (Gemma: 1).
+template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL, int XT = 1, bool GATED = false,
+          bool NORM = false>
 __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_tc_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
-    int64_t group_size, int tiled, int act) {
+    int64_t group_size, int tiled, int act, const T* __restrict__ norm_w, float norm_eps, float norm_offset) {
+  static_assert(!NORM || (NB == 1 && XT == 1 && !PDL), "the normed build: one n8 tile of x, no PDL");
   static_assert(XT == 1 || NB == 1, "the x split runs one n8 tile of x per CTA");
   // The warps' sums at the end; in the NF4 build with the table (kTcNf4Lut) they overwrite the
   // table once every warp is past its last lookup (the two side by side would pass the 48 KB of
@@ -468,11 +524,17 @@ __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_t
   const int64_t rows = XT == 1 ? m : (m - first_row < 8 ? m - first_row : 8);
   tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, 0, k / 128, stride_q, stride_s, group_size,
                       kTcWarps * 32);
+  float rstd = 0.f;  // NORM: the lane's row's (row g of x)
+  if constexpr (NORM) {
+    __shared__ float norm_scratch[kTcWarps][8], row_rstd[8];
+    norm_rows<T>(x, rows, k, stride_x, norm_eps, norm_scratch, row_rstd);
+    if ((threadIdx.x & 31) / 4 < rows) rstd = row_rstd[(threadIdx.x & 31) / 4];
+  }
   float acc[TILES][NB][4];
   tc_zero<T, TILES, NB>(acc);
-  tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1, kTcNf4Lut, GATED>(acc, x + first_row * stride_x, qweight, scales,
-                                                                    zeros, rows, n0, 0, k / 128, stride_x, stride_q,
-                                                                    stride_s, group_size, tiled != 0, nf4_lut, act, k);
+  tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1, kTcNf4Lut, GATED, NORM>(
+      acc, x + first_row * stride_x, qweight, scales, zeros, rows, n0, 0, k / 128, stride_x, stride_q, stride_s,
+      group_size, tiled != 0, nf4_lut, act, k, norm_w, rstd, norm_offset);
   if constexpr (kTcNf4Lut) __syncthreads();  // every lookup done before the sums overwrite the table
   tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out + first_row * stride_out, rows, n0, stride_out);
 }
@@ -715,7 +777,7 @@ template <typename T, typename S>
 int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const void* scales, const void* zeros,
               const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
               int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int pdl, int tiled,
-              int xtiles, int act, cudaStream_t stream) {
+              int xtiles, int act, const void* norm_w, float norm_eps, float norm_offset, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles) * xtiles), 1, 1);
   config.blockDim = dim3(kTcWarps * 32, 1, 1);
@@ -729,11 +791,19 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
     return static_cast<int>(cudaLaunchKernelEx(
         &config, kernel, static_cast<const T*>(x), static_cast<const uint8_t*>(qweight),
         static_cast<const S*>(scales), static_cast<const S*>(zeros), bias, bias_code, static_cast<T*>(out), m, n, k,
-        stride_x, stride_q, stride_s, stride_out, group_size, tiled, act));
+        stride_x, stride_q, stride_s, stride_out, group_size, tiled, act, static_cast<const T*>(norm_w), norm_eps,
+        norm_offset));
   };
-  if (act != 0) {  // no NF4 build of it (its split t4-u1 build spilled 16 bytes on sm_90)
+  if (act != 0) {  // the gated and normed builds; no NF4 build of them (its split t4-u1 gated build
+                   // spilled 16 bytes on sm_90)
     if (kNf4 || pdl || xtiles != 1 || m > kTcSplitMaxRows) return -1;
     if constexpr (!kNf4) {
+      if (act == 4) {
+        if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2, false, 1, false, true>);
+        if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 1, 2, false, 1, false, true>);
+        if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, false, 1, false, true>);
+        return -2;
+      }
       if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2, false, 1, true>);
       if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 1, 2, false, 1, true>);
       if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, false, 1, true>);
@@ -775,7 +845,7 @@ int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void
                     const void* zeros, const void* bias, int bias_code, void* out, int64_t m, int64_t n, int64_t k,
                     int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
                     int pdl, int tiled, int act, cudaStream_t stream) {
-  if (splits < 2 || splits > kTcMaxSplits || (act != 0 && pdl)) return -1;
+  if (splits < 2 || splits > kTcMaxSplits || (act != 0 && pdl) || act == 4) return -1;  // no normed split build
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n / (16 * tiles) * splits), 1, 1);
   config.blockDim = dim3(kTcWarps * 32, 1, 1);
@@ -857,26 +927,30 @@ int from_packed(const int64_t* a) {
 // programmatic dependent of the kernel before it (tc_prologue); `xtiles` 2 (9-16 rows of x, stored
 // rows, neither split nor PDL) gives each n8 tile of x its own CTA (int4_tc_kernel's XT); `act`
 // 1-3 (int4, up to 8 rows, neither PDL nor x split): x (M, 2K) holds a gated MLP's gate and up, and
-// the product takes act(gate) * up (gated_value). N a multiple of 16 x tiles, K of 128, the
-// group size of 32. Returns 0, a cudaError_t, -1 (dtypes, M, splits, xtiles or act), -2 (shape
-// not built).
+// the product takes act(gate) * up (gated_value); `act` 4 (the same, and K not split): the
+// product takes x's RMSNorm with weight `norm_w` (K values of x's dtype, 16-byte aligned),
+// `norm_eps` and `norm_offset` (normed_window). N a multiple of 16 x tiles, K of 128, the group
+// size of 32. Returns 0, a cudaError_t, -1 (dtypes, M, splits, xtiles or act), -2 (shape not
+// built).
 extern "C" int ok_int4_tc(int device, int x_code, int s_code, int tiles, int unroll, int splits, int pdl, int tiled,
                           int xtiles, int act, const void* x, const void* qweight, const void* scales, const void* zeros, const void* bias,
                           int bias_code, void* out, int64_t m, int64_t n, int64_t k, int64_t stride_x,
-                          int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size, int64_t stream) {
+                          int64_t stride_q, int64_t stride_s, int64_t stride_out, int64_t group_size,
+                          const void* norm_w, double norm_eps, double norm_offset, int64_t stream) {
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (m < 1 || m > kTcMaxRows || (m > kTcSplitMaxRows && splits > 1)) return -1;
   if (xtiles != 1 && (xtiles != 2 || splits != 1 || pdl || tiled || m <= kTcSplitMaxRows)) return -1;
   if (tiled && pdl) return -1;  // the dependent launch's L2 prefetch walks the stored rows
-  if (act < 0 || act > 3) return -1;
+  if (act < 0 || act > 4 || (act == 4 && norm_w == nullptr)) return -1;
   const auto s_ = reinterpret_cast<cudaStream_t>(stream);
   return by_dtypes(x_code, s_code, [&](auto t, auto s) {
     using T = decltype(t);
     using S = decltype(s);
     if (splits == 1) {
       return launch_tc<T, S>(tiles, unroll, x, qweight, scales, zeros, bias, bias_code, out, m, n, k, stride_x,
-                             stride_q, stride_s, stride_out, group_size, pdl, tiled, xtiles, act, s_);
+                             stride_q, stride_s, stride_out, group_size, pdl, tiled, xtiles, act, norm_w,
+                             static_cast<float>(norm_eps), static_cast<float>(norm_offset), s_);
     }
     return launch_tc_split<T, S>(tiles, unroll, splits, x, qweight, scales, zeros, bias, bias_code, out, m, n, k,
                                  stride_x, stride_q, stride_s, stride_out, group_size, pdl, tiled, act, s_);
@@ -909,7 +983,13 @@ extern "C" int ok_int4_tc_ring(int device, int x_code, int s_code, int tiles, in
 extern "C" int ok_int4_tc_packed(const int64_t* a) {
   auto p = [a](int i) { return reinterpret_cast<void*>(a[i]); };
   auto i32 = [a](int i) { return static_cast<int>(a[i]); };
+  auto f64 = [a](int i) {
+    double v;
+    memcpy(&v, &a[i], 8);  // doubles travel as their bits (replay.observe_library)
+    return v;
+  };
   return ok_int4_tc(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), i32(6), i32(7), i32(8), i32(9), p(10), p(11), p(12),
-                    p(13), p(14), i32(15), p(16), a[17], a[18], a[19], a[20], a[21], a[22], a[23], a[24], a[25]);
+                    p(13), p(14), i32(15), p(16), a[17], a[18], a[19], a[20], a[21], a[22], a[23], a[24], p(25), f64(26),
+                    f64(27), a[28]);
 }
 extern "C" int ok_int4_tc_ring_packed(const int64_t* a) { return from_packed<ok_int4_tc_ring>(a); }
