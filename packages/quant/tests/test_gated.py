@@ -110,6 +110,12 @@ def test_gated_config_takes_only_what_its_builds_run() -> None:
     assert G.gated_config(gate_up, *parts, out, 128, "nf4", "silu", "tc-t1-u2") is None
     assert G.gated_config(gate_up, *parts, out, 128, "int4", "silu", "tc-t1-u2-p") is None
     assert G.gated_config(gate_up, *parts, out, 128, "int4", "silu", "mma") is None
+    big = quantize(make_weight(16, 8192, generator=g), "int4", False, 128)
+    big_parts = (big.qweight, big.scales.to(torch.bfloat16), None, None)
+    eight = torch.randn(8, 2 * 8192, generator=g).to(torch.bfloat16)  # 8 x 8192 x 2 bytes: past 64 KB
+    big_out = torch.empty(8, 16, dtype=torch.bfloat16)
+    assert G.gated_config(eight, *big_parts, big_out, 128, "int4", "silu", "tc-t1-u2") is None
+    assert G.gated_config(eight, *big_parts, big_out, 128, "int4", "silu", "tc-t1-u2-k2") == "tc-t1-u2-k2"
     nine = torch.randn(9, 512, generator=g).to(torch.bfloat16)
     assert G.gated_config(nine, *parts, torch.empty(9, 32, dtype=torch.bfloat16), 128, "int4", "silu",
                           "tc-t1-u2") is None  # fmt: skip

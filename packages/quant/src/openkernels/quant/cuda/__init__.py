@@ -799,8 +799,12 @@ def int4_linear_fwd(
     return _triton(*args)
 
 
-# The gated builds' activations (int4_tc.cu's gated_value): act(gate) * up in the x loads.
+# The prologue builds (int4_tc.cu's PRO): the CTA's x computed into shared memory before the main
+# loop, act(gate) * up (gated_value: these activations) or the RMSNorm (normed_prologue: K up to
+# NORMED_MAX_K, one round of loads); at most PROLOGUE_MAX_BYTES of it per CTA.
 GATED_ACTS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
+NORMED_MAX_K = 8192
+PROLOGUE_MAX_BYTES = 64 * 1024
 
 
 def gated_config(gate_up: Tensor, qweight: Tensor, scales, zeros, bias, out, group_size: int, kind: str,
@@ -826,6 +830,9 @@ def gated_config(gate_up: Tensor, qweight: Tensor, scales, zeros, bias, out, gro
                       scales_in_x_dtype=scales.dtype == gate_up.dtype, kind=kind)  # fmt: skip
     tc = tc_config(config)
     if tc is None or tc.pdl or tc.xtiles != 1 or m > TC_SPLIT_MAX_ROWS:
+        return None
+    span = k if tc.splits == 1 else -(-(k // 128) // tc.splits) * 128  # a CTA's share of K
+    if m * span * gate_up.element_size() > PROLOGUE_MAX_BYTES:
         return None
     if unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config) is not None:
         return None
@@ -905,6 +912,8 @@ def normed_config(x: Tensor, norm_weight: Tensor, qweight: Tensor, scales, zeros
                       kind=kind)  # fmt: skip
     tc = tc_config(config)
     if tc is None or tc.pdl or tc.xtiles != 1 or tc.splits > 1 or m > TC_SPLIT_MAX_ROWS:
+        return None
+    if k > NORMED_MAX_K or m * k * x.element_size() > PROLOGUE_MAX_BYTES:
         return None
     if unsupported_call(x, qweight, scales, zeros, bias, out, group_size, kind, config) is not None:
         return None

@@ -323,11 +323,9 @@ __device__ __forceinline__ uint4 gated_window(uint4 gate, uint4 up, int act) {
   return {r[0], r[1], r[2], r[3]};
 }
 
-// The normed build (NORM, prologue 4): x is a pre-norm decoder's hidden state and the GEMV's x is
-// its RMSNorm, x * rstd * (weight + offset), rstd = 1 / sqrt(mean(x^2) + eps) per row: each CTA
-// takes its rows' sums of squares itself (norm_rows: the whole row, K values, from L2) before
-// the main loop, and the windows are scaled where they are loaded; in float32, rounded once to
-// x's dtype. The norm's own launch and its pass over memory go.
+// The normed builds (prologue 4): x is a pre-norm decoder's hidden state and the GEMV's x is its
+// RMSNorm, x * rstd * (weight + offset), rstd = 1 / sqrt(mean(x^2) + eps) per row; in float32,
+// rounded once to x's dtype.
 template <typename T>
 __device__ __forceinline__ uint4 normed_window(uint4 x, uint4 weight, float rstd, float offset) {
   const uint32_t v[4] = {x.x, x.y, x.z, x.w}, w[4] = {weight.x, weight.y, weight.z, weight.w};
@@ -340,35 +338,100 @@ __device__ __forceinline__ uint4 normed_window(uint4 x, uint4 weight, float rstd
   return {r[0], r[1], r[2], r[3]};
 }
 
-// rstd of x's rows [0, rows) (rows <= 8) into `rstd` (shared), the sums in warp order (the same
-// bits in every CTA and run). Every thread of the CTA calls it.
+// The prologue builds (PRO 1 gated, 2 normed) compute the CTA's x into shared memory `xs` before
+// the main loop, which then reads its windows from there: done where the windows are loaded,
+// the math sat between each trip's loads and the next's (in-order issue), and the gated GEMV
+// ran at half speed (H100, docs/perf.md). Every 16-byte window of the CTA's x once, all of a
+// thread's loads issued before its math (kPrologueWindows per thread and round). The CTA's
+// codes are prefetched into L2 first (tc_prefetch_codes), so that their DRAM latency passes
+// under the prologue.
+constexpr int kPrologueWindows = 4;
+constexpr size_t kPrologueMaxBytes = 64 * 1024;  // x in shared memory: two CTAs per SM still fit
+
+// L2 prefetches of the CTA's codes: rows [n0, n0 + 16 TILES) of chunks [c0, c1), stored rows or
+// tiled (format.py's tile_codes: each tile's chunks contiguous).
+__device__ __forceinline__ void tc_prefetch_codes(const uint8_t* qweight, bool tiled, int64_t n0, int tiles,
+                                                  int64_t c0, int64_t c1, int64_t stride_q) {
+  const int64_t line = 128;
+  if (tiled) {
+    const int64_t per_tile = (c1 - c0) * 1024 / line;
+    for (int64_t l = threadIdx.x; l < tiles * per_tile; l += kTcWarps * 32)
+      ok_prefetch_l2(qweight + (n0 / 16 + l / per_tile) * stride_q + c0 * 1024 + (l % per_tile) * line);
+    return;
+  }
+  const int64_t per_row = ((c1 - c0) * 64 + line - 1) / line;
+  for (int64_t l = threadIdx.x; l < 16 * tiles * per_row; l += kTcWarps * 32)
+    ok_prefetch_l2(qweight + (n0 + l / per_row) * stride_q + c0 * 64 + (l % per_row) * line);
+}
+
+// xs[r, j] = act(gate[r, lo + j]) * up[r, lo + j] for rows r < rows, j < span (x: gate, up
+// `up_offset` values after it).
 template <typename T>
-__device__ __forceinline__ void norm_rows(const T* __restrict__ x, int64_t rows, int64_t k, int64_t stride_x,
-                                          float eps, float (&scratch)[kTcWarps][8], float (&rstd)[8]) {
+__device__ __forceinline__ void gated_prologue(const T* __restrict__ x, int64_t rows, int64_t stride_x,
+                                               int64_t up_offset, int64_t lo, int64_t span, int act, T* xs) {
+  const int64_t per_row = span / 8, total = rows * per_row;
+  for (int64_t base = threadIdx.x; base < total; base += kTcWarps * 32 * kPrologueWindows) {
+    uint4 gate[kPrologueWindows], up[kPrologueWindows];
+#pragma unroll
+    for (int s = 0; s < kPrologueWindows; ++s) {
+      const int64_t i = base + s * kTcWarps * 32;
+      if (i < total) {
+        const T* at = x + (i / per_row) * stride_x + lo + 8 * (i % per_row);
+        gate[s] = *reinterpret_cast<const uint4*>(at);
+        up[s] = *reinterpret_cast<const uint4*>(at + up_offset);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kPrologueWindows; ++s) {
+      const int64_t i = base + s * kTcWarps * 32;
+      if (i < total) *reinterpret_cast<uint4*>(xs + 8 * i) = gated_window<T>(gate[s], up[s], act);
+    }
+  }
+}
+
+// xs[r, :] = RMSNorm(x[r, :]) for rows r < rows (k <= kTcWarps * 32 * 8 * kPrologueWindows: one
+// round of loads per row); the row's sum of squares in warp order (the same bits in every CTA).
+template <typename T>
+__device__ __forceinline__ void normed_prologue(const T* __restrict__ x, int64_t rows, int64_t stride_x, int64_t k,
+                                                const T* __restrict__ norm_w, float eps, float offset,
+                                                float (&scratch)[8][kTcWarps], T* xs) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int64_t r = 0; r < rows; ++r) {
+    uint4 v[kPrologueWindows], w[kPrologueWindows];
     float sum = 0.f;
-    for (int64_t i = 8 * static_cast<int64_t>(threadIdx.x); i < k; i += 8 * kTcWarps * 32) {
-      const uint4 v = *reinterpret_cast<const uint4*>(x + r * stride_x + i);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float a = half_of<T>(w[j], 0), b = half_of<T>(w[j], 1);
-        sum = fmaf(a, a, fmaf(b, b, sum));
+    for (int s = 0; s < kPrologueWindows; ++s) {
+      const int64_t j = 8 * (threadIdx.x + s * kTcWarps * 32);
+      if (j < k) {
+        v[s] = *reinterpret_cast<const uint4*>(x + r * stride_x + j);
+        w[s] = *reinterpret_cast<const uint4*>(norm_w + j);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kPrologueWindows; ++s) {
+      if (8 * (threadIdx.x + s * kTcWarps * 32) < k) {
+        const uint32_t h[4] = {v[s].x, v[s].y, v[s].z, v[s].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float a = half_of<T>(h[i], 0), b = half_of<T>(h[i], 1);
+          sum = fmaf(a, a, fmaf(b, b, sum));
+        }
       }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) scratch[warp][r] = sum;
-  }
-  __syncthreads();
-  if (threadIdx.x < rows) {
+    if (lane == 0) scratch[r][warp] = sum;
+    __syncthreads();
     float total = 0.f;
 #pragma unroll
-    for (int w = 0; w < kTcWarps; ++w) total += scratch[w][threadIdx.x];
-    rstd[threadIdx.x] = rsqrtf(total / static_cast<float>(k) + eps);
+    for (int i = 0; i < kTcWarps; ++i) total += scratch[r][i];
+    const float rstd = rsqrtf(total / static_cast<float>(k) + eps);
+#pragma unroll
+    for (int s = 0; s < kPrologueWindows; ++s) {
+      const int64_t j = 8 * (threadIdx.x + s * kTcWarps * 32);
+      if (j < k) *reinterpret_cast<uint4*>(xs + r * k + j) = normed_window<T>(v[s], w[s], rstd, offset);
+    }
   }
-  __syncthreads();
 }
 
 // Registers: each warp trip issues UNROLL chunks' loads (codes evict-first, scales, zeros,
@@ -384,19 +447,12 @@ __device__ __forceinline__ void norm_rows(const T* __restrict__ x, int64_t rows,
 // EVICT_FIRST: the codes' loads carry the evict-first hint (each byte is read once); the
 // x-split build (two CTAs read the same codes, XT in int4_tc_kernel) loads them L2-cached
 // instead, so that the second CTA's read can hit what the first one brought in.
-//
-// GATED: x's windows are act(gate) * up (gated_window), gate at x, up `up_offset` values after it.
-// NORM: x's windows are normed (normed_window) with the lane's row's `rstd`, `norm_w` the norm's
-// weight (K values of T) and `offset` added to it.
-template <typename T, typename S, int TILES, int NB, int UNROLL, bool EVICT_FIRST = true, bool LUT = false,
-          bool GATED = false, bool NORM = false>
+template <typename T, typename S, int TILES, int NB, int UNROLL, bool EVICT_FIRST = true, bool LUT = false>
 __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const T* __restrict__ x,
                                               const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
                                               const S* __restrict__ zeros, int64_t m, int64_t n0, int64_t c0,
                                               int64_t c1, int64_t stride_x, int64_t stride_q, int64_t stride_s,
-                                              int64_t group_size, bool tiled, const uint32_t* lut = nullptr,
-                                              int act = 0, int64_t up_offset = 0, const T* norm_w = nullptr,
-                                              float rstd = 0.f, float offset = 0.f) {
+                                              int64_t group_size, bool tiled, const uint32_t* lut = nullptr) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool chunk_scaled = group_size % 128 == 0;
   // The lane's code bytes of (tile, h, chunk): base + tile * tile_step + h * half_step + chunk * chunk_step.
@@ -434,12 +490,7 @@ __device__ __forceinline__ void tc_accumulate(float (&acc)[TILES][NB][4], const 
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           uint4 v = {0, 0, 0, 0};
-          if (row < m) {
-            const T* at = x + row * stride_x + k0 + 8 * q;
-            v = *reinterpret_cast<const uint4*>(at);
-            if constexpr (GATED) v = gated_window<T>(v, *reinterpret_cast<const uint4*>(at + up_offset), act);
-            if constexpr (NORM) v = normed_window<T>(v, *reinterpret_cast<const uint4*>(norm_w + k0 + 8 * q), rstd, offset);
-          }
+          if (row < m) v = *reinterpret_cast<const uint4*>(x + row * stride_x + k0 + 8 * q);
           xw[u][nb][4 * q] = v.x;
           xw[u][nb][4 * q + 1] = v.y;
           xw[u][nb][4 * q + 2] = v.z;
@@ -496,17 +547,16 @@ constexpr int kTcMinBlocks = NB == 1 ? 2 : 1;
 // n8 tiles: twice the CTAs, each with one n8 tile's registers (two CTAs per SM), and the weight
 // read twice from L2 but about once from DRAM (the pair runs at the same time).
 //
-// GATED (`act` 1-3): x holds gate and up (tc_accumulate's GATED), up K values after gate. NORM
-// (`act` 4): x is RMS-normed on the way in (norm_rows, then tc_accumulate's NORM), `norm_w` the
-// norm's weight, `norm_eps` its epsilon, `norm_offset` added to the weight (Gemma: 1).
-template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL, int XT = 1, bool GATED = false,
-          bool NORM = false>
+// PRO (a prologue build, `act` > 0: gated_prologue for 1-3, normed_prologue for 4) computes x into
+// dynamic shared memory first (rows x K values of T) and reads its windows from there: `act` the
+// activation, `norm_w` / `norm_eps` / `norm_offset` the norm's weight, epsilon and offset.
+template <typename T, typename S, int TILES, int NB, int UNROLL, bool PDL, int XT = 1, int PRO = 0>
 __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_tc_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
     int64_t n, int64_t k, int64_t stride_x, int64_t stride_q, int64_t stride_s, int64_t stride_out,
     int64_t group_size, int tiled, int act, const T* __restrict__ norm_w, float norm_eps, float norm_offset) {
-  static_assert(!NORM || (NB == 1 && XT == 1 && !PDL), "the normed build: one n8 tile of x, no PDL");
+  static_assert(PRO == 0 || (NB == 1 && XT == 1 && !PDL), "a prologue build: one n8 tile of x, no PDL");
   static_assert(XT == 1 || NB == 1, "the x split runs one n8 tile of x per CTA");
   // The warps' sums at the end; in the NF4 build with the table (kTcNf4Lut) they overwrite the
   // table once every warp is past its last lookup (the two side by side would pass the 48 KB of
@@ -524,17 +574,27 @@ __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_t
   const int64_t rows = XT == 1 ? m : (m - first_row < 8 ? m - first_row : 8);
   tc_prologue<PDL, S>(qweight, scales, zeros, n0, 16 * TILES, 0, k / 128, stride_q, stride_s, group_size,
                       kTcWarps * 32);
-  float rstd = 0.f;  // NORM: the lane's row's (row g of x)
-  if constexpr (NORM) {
-    __shared__ float norm_scratch[kTcWarps][8], row_rstd[8];
-    norm_rows<T>(x, rows, k, stride_x, norm_eps, norm_scratch, row_rstd);
-    if ((threadIdx.x & 31) / 4 < rows) rstd = row_rstd[(threadIdx.x & 31) / 4];
+  const T* xin = x + first_row * stride_x;
+  int64_t stride_in = stride_x;
+  if constexpr (PRO != 0) {
+    OK_DYNAMIC_SHARED(dynamic);
+    T* xs = reinterpret_cast<T*>(dynamic);
+    tc_prefetch_codes(qweight, tiled != 0, n0, TILES, 0, k / 128, stride_q);
+    if constexpr (PRO == 1) {
+      gated_prologue<T>(x, rows, stride_x, k, 0, k, act, xs);
+    } else {
+      __shared__ float norm_scratch[8][kTcWarps];
+      normed_prologue<T>(x, rows, stride_x, k, norm_w, norm_eps, norm_offset, norm_scratch, xs);
+    }
+    __syncthreads();
+    xin = xs;
+    stride_in = k;
   }
   float acc[TILES][NB][4];
   tc_zero<T, TILES, NB>(acc);
-  tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1, kTcNf4Lut, GATED, NORM>(
-      acc, x + first_row * stride_x, qweight, scales, zeros, rows, n0, 0, k / 128, stride_x, stride_q, stride_s,
-      group_size, tiled != 0, nf4_lut, act, k, norm_w, rstd, norm_offset);
+  tc_accumulate<T, S, TILES, NB, UNROLL, XT == 1, kTcNf4Lut>(acc, xin, qweight, scales, zeros, rows, n0, 0, k / 128,
+                                                             stride_in, stride_q, stride_s, group_size, tiled != 0,
+                                                             nf4_lut);
   if constexpr (kTcNf4Lut) __syncthreads();  // every lookup done before the sums overwrite the table
   tc_finish<T, TILES, NB>(partial, acc, bias, bias_code, out + first_row * stride_out, rows, n0, stride_out);
 }
@@ -552,7 +612,7 @@ __global__ void __launch_bounds__(kTcWarps * 32, kTcMinBlocks<TILES, NB>) int4_t
 // no atomics, nothing to zero between launches.
 constexpr int kTcMaxSplits = 8;  // the portable cluster size
 
-template <typename T, typename S, int TILES, int UNROLL, bool PDL, bool GATED = false>
+template <typename T, typename S, int TILES, int UNROLL, bool PDL, bool GATED = false>  // GATED: gated_prologue
 __global__ void __launch_bounds__(kTcWarps * 32, PDL ? 1 : 2) int4_tc_split_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ qweight, const S* __restrict__ scales,
     const S* __restrict__ zeros, const void* __restrict__ bias, int bias_code, T* __restrict__ out, int64_t m,
@@ -588,9 +648,18 @@ __global__ void __launch_bounds__(kTcWarps * 32, PDL ? 1 : 2) int4_tc_split_kern
   }
   float acc[TILES][1][4];
   tc_zero<T, TILES, 1>(acc);
-  tc_accumulate<T, S, TILES, 1, UNROLL, true, kTcNf4Lut, GATED>(acc, x, qweight, scales, zeros, m, n0, c0, c1,
-                                                                stride_x, stride_q, stride_s, group_size, tiled != 0,
-                                                                lut, act, k);
+  const T* xin = x;
+  int64_t stride_in = stride_x;
+  if constexpr (GATED) {  // this rank's chunks of act(gate) * up into shared memory, after the table's place
+    T* xs = reinterpret_cast<T*>(dynamic + (kTcNf4Lut ? kNf4LutBytes : 0));
+    tc_prefetch_codes(qweight, tiled != 0, n0, TILES, c0, c1, stride_q);
+    gated_prologue<T>(x, m, stride_x, k, c0 * 128, (c1 - c0) * 128, act, xs);
+    __syncthreads();
+    xin = xs - c0 * 128;  // indexed by absolute k below
+    stride_in = (c1 - c0) * 128;
+  }
+  tc_accumulate<T, S, TILES, 1, UNROLL, true, kTcNf4Lut>(acc, xin, qweight, scales, zeros, m, n0, c0, c1, stride_in,
+                                                         stride_q, stride_s, group_size, tiled != 0, lut);
   if constexpr (kTcNf4Lut) __syncthreads();  // every lookup done before the sums overwrite the table
   tc_stage<TILES, 1>(partial, acc);
   __syncthreads();
@@ -794,19 +863,26 @@ int launch_tc(int tiles, int unroll, const void* x, const void* qweight, const v
         stride_x, stride_q, stride_s, stride_out, group_size, tiled, act, static_cast<const T*>(norm_w), norm_eps,
         norm_offset));
   };
-  if (act != 0) {  // the gated and normed builds; no NF4 build of them (its split t4-u1 gated build
-                   // spilled 16 bytes on sm_90)
+  if (act != 0) {  // the prologue builds (x in dynamic shared memory); none of NF4
     if (kNf4 || pdl || xtiles != 1 || m > kTcSplitMaxRows) return -1;
+    if (act == 4 && k > kTcWarps * 32 * 8 * kPrologueWindows) return -1;  // normed_prologue's one round
+    const size_t bytes = static_cast<size_t>(m) * k * sizeof(T);
+    if (bytes > kPrologueMaxBytes) return -1;
     if constexpr (!kNf4) {
+      auto run_pro = [&](auto kernel) {
+        config.dynamicSmemBytes = bytes;
+        const cudaError_t err = ok_opt_in_dynamic_shared(kernel, static_cast<int>(bytes));
+        return err != cudaSuccess ? static_cast<int>(err) : run(kernel);
+      };
       if (act == 4) {
-        if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2, false, 1, false, true>);
-        if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 1, 2, false, 1, false, true>);
-        if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, false, 1, false, true>);
+        if (tiles == 1 && unroll == 2) return run_pro(int4_tc_kernel<T, S, 1, 1, 2, false, 1, 2>);
+        if (tiles == 2 && unroll == 2) return run_pro(int4_tc_kernel<T, S, 2, 1, 2, false, 1, 2>);
+        if (tiles == 4 && unroll == 1) return run_pro(int4_tc_kernel<T, S, 4, 1, 1, false, 1, 2>);
         return -2;
       }
-      if (tiles == 1 && unroll == 2) return run(int4_tc_kernel<T, S, 1, 1, 2, false, 1, true>);
-      if (tiles == 2 && unroll == 2) return run(int4_tc_kernel<T, S, 2, 1, 2, false, 1, true>);
-      if (tiles == 4 && unroll == 1) return run(int4_tc_kernel<T, S, 4, 1, 1, false, 1, true>);
+      if (tiles == 1 && unroll == 2) return run_pro(int4_tc_kernel<T, S, 1, 1, 2, false, 1, 1>);
+      if (tiles == 2 && unroll == 2) return run_pro(int4_tc_kernel<T, S, 2, 1, 2, false, 1, 1>);
+      if (tiles == 4 && unroll == 1) return run_pro(int4_tc_kernel<T, S, 4, 1, 1, false, 1, 1>);
     }
     return -2;
   }
@@ -859,12 +935,16 @@ int launch_tc_split(int tiles, int unroll, int splits, const void* x, const void
   attribute[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 2 : 1;
+  const int64_t per = (k / 128 + splits - 1) / splits;  // a rank's chunks: the gated prologue's span
+  const size_t pro_bytes = act != 0 ? static_cast<size_t>(m) * per * 128 * sizeof(T) : 0;
+  if (pro_bytes > kPrologueMaxBytes) return -1;
   auto run = [&](auto kernel) {
-    if constexpr (kTcNf4Lut) {
-      // The NF4 table in dynamic shared memory: with the static part past 48 KB, which needs the
-      // kernel's opt-in.
-      config.dynamicSmemBytes = kNf4LutBytes;
-      const cudaError_t err = ok_opt_in_dynamic_shared(kernel, kNf4LutBytes);
+    // The NF4 table in dynamic shared memory (with the static part past 48 KB, which needs the
+    // kernel's opt-in), then a gated build's x.
+    const size_t bytes = (kTcNf4Lut ? kNf4LutBytes : 0) + pro_bytes;
+    if (bytes > 0) {
+      config.dynamicSmemBytes = bytes;
+      const cudaError_t err = ok_opt_in_dynamic_shared(kernel, static_cast<int>(bytes));
       if (err != cudaSuccess) return static_cast<int>(err);
     }
     return static_cast<int>(cudaLaunchKernelEx(
