@@ -805,6 +805,9 @@ def int4_linear_fwd(
 GATED_ACTS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
 NORMED_MAX_K = 8192
 PROLOGUE_MAX_BYTES = 64 * 1024
+# Whether Int4Linear's gated_fuses / normed_fuses route a decode step's calls to them (takes_gated,
+# takes_normed): on where they measured faster than the two launches they replace.
+PROLOGUES_DEFAULT = True
 
 
 def gated_config(gate_up: Tensor, qweight: Tensor, scales, zeros, bias, out, group_size: int, kind: str,
@@ -842,8 +845,10 @@ def gated_config(gate_up: Tensor, qweight: Tensor, scales, zeros, bias, out, gro
 def takes_gated(
     gate_up: Tensor, qweight: Tensor, scales, zeros, bias, group_size: int, kind: str, act: str
 ) -> bool:
-    """Whether int4_linear_gated_fwd runs this call (gate_up (M, 2K) on the GPU) in one launch."""
-    return gated_config(gate_up, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind, act) is not None
+    """Whether int4_linear_gated_fwd runs this call (gate_up (M, 2K) on the GPU) in one launch and
+    the default route sends it there (PROLOGUES_DEFAULT)."""
+    config = gated_config(gate_up, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind, act)
+    return PROLOGUES_DEFAULT and config is not None
 
 
 def int4_linear_gated_fwd(
@@ -922,10 +927,10 @@ def normed_config(x: Tensor, norm_weight: Tensor, qweight: Tensor, scales, zeros
 
 def takes_normed(x: Tensor, norm_weight: Tensor, qweight: Tensor, scales, zeros, bias, group_size: int,
                  kind: str) -> bool:  # fmt: skip
-    """Whether int4_linear_normed_fwd runs this call (x (M, K) on the GPU) in one launch."""
-    return (
-        normed_config(x, norm_weight, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind) is not None
-    )
+    """Whether int4_linear_normed_fwd runs this call (x (M, K) on the GPU) in one launch and the
+    default route sends it there (PROLOGUES_DEFAULT)."""
+    config = normed_config(x, norm_weight, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind)
+    return PROLOGUES_DEFAULT and config is not None
 
 
 def int4_linear_normed_fwd(
