@@ -55,18 +55,19 @@ if [[ $steps == *fusedappend* && $family == attention ]]; then
 fi
 if [[ $steps == *gated* && $family == quant ]]; then
   # The gated down projection and the normed q/k/v and gate/up projections (quant 0.10.17): the
-  # activation and the decoder's norms in the tensor-core GEMV's x loads. Their GPU tests, the
-  # fused KV op at 128K tokens (owed since attention 0.8.13), then the 1B decode step with them
-  # and without them (--unfused-gated --unfused-norms), CUDA graph and E2E_MODES.
+  # activation and the decoder's norms in the tensor-core GEMV's prologue. Their GPU tests, the
+  # fused KV op at 128K tokens (owed since attention 0.8.13), their kernel time against the two
+  # launches they replace, then the 1B decode step without them (the default) and with them
+  # (--prologues), CUDA graph and E2E_MODES.
   OPENKERNELS_STRICT=1 timeout ${GATED_TESTS_S:-240} python3 -m pytest -q -rfE packages/quant/tests/test_gated.py \
     packages/quant/tests/test_normed.py packages/attention/tests/test_kvcache_fused_append.py \
     -m "not interpreter and not aot" -k "gpu or 128k" 2>&1 | tee "$out/gated_tests.txt" | tail -6
   timeout ${FUSED_GEMV_S:-120} python3 benchmarks/studies/quant_fused_gemv.py --ms 1,4 --json "$out/fused_gemv.json" 2>&1 \
     | tail -8
   for mode in ${E2E_MODES//,/ }; do
-    for ab in "" "--unfused-gated --unfused-norms"; do
+    for ab in "" "--prologues"; do
       timeout ${E2E_S:-200} python3 benchmarks/peers/e2e_decode_step.py --context 4096 --reps 50 --mode $mode \
-        --int4-head $ab --profile ${E2E_PROFILE:-0} --json "$out/e2e_gated_$mode${ab:+_unfused}.json" 2>&1 \
+        --int4-head $ab --profile ${E2E_PROFILE:-0} --json "$out/e2e_gated_$mode${ab:+_prologues}.json" 2>&1 \
         | grep -v '^ *[{}"]\|^ *\]\|Warning\|forward_call' | tail -${E2E_TAIL:-12}
     done
   done

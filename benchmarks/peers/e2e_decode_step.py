@@ -4,7 +4,7 @@ end-to-end bar).
 
     python benchmarks/peers/e2e_decode_step.py [--context 4096] [--reps 50] [--mode graph|compile|eager]
         [--json PATH] [--tiny --device cpu] [--int4-head] [--tiled] [--layout tiled] [--unfused-append]
-        [--unfused-residual] [--unfused-gated] [--unfused-norms]
+        [--unfused-residual] [--prologues]
 
 Variants, each a copy of the same random-weight model:
   sdpa          transformers' own model (attn_implementation="sdpa", bf16 weights) with its
@@ -327,22 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unfused-residual", action="store_true",
                         help="A/B: the decoder layers add the MLP's residual after the MLP instead of in a "
                         "4-bit down_proj's kernel (as before quant 0.10.16's Int4Linear.forward_add)")  # fmt: skip
-    parser.add_argument("--unfused-gated", action="store_true",
-                        help="A/B: the gated MLP's activation in its own launch before a 4-bit down_proj instead "
-                        "of in the down_proj's GEMV (as before quant 0.10.17's Int4Linear.forward_gated)")  # fmt: skip
-    parser.add_argument("--unfused-norms", action="store_true",
-                        help="A/B: the decoder layers' norms in launches of their own before the 4-bit q/k/v and "
-                        "gate/up projections instead of in their GEMVs (as before quant 0.10.17's "
-                        "Int4Linear.forward_normed)")  # fmt: skip
+    parser.add_argument("--prologues", action="store_true",
+                        help="A/B: the 4-bit GEMVs' prologue builds take the decoder's norms and the gated "
+                        "activation (quant 0.10.17's forward_normed / forward_gated; off by default: "
+                        "quant.cuda.PROLOGUES_DEFAULT)")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.unfused_norms:
-        from openkernels.quant import Int4Linear
+    if args.prologues:
+        from openkernels.quant import cuda as quant_cuda
 
-        Int4Linear.normed_fuses = lambda self, x, weight: False
-    if args.unfused_gated:
-        from openkernels.quant import Int4Linear
-
-        Int4Linear.gated_fuses = lambda self, gate_up, act: False
+        quant_cuda.PROLOGUES_DEFAULT = True
     if args.unfused_residual:
         from openkernels.activations import kernelize as activations_kernelize
 

@@ -806,8 +806,13 @@ GATED_ACTS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
 NORMED_MAX_K = 8192
 PROLOGUE_MAX_BYTES = 64 * 1024
 # Whether Int4Linear's gated_fuses / normed_fuses route a decode step's calls to them (takes_gated,
-# takes_normed): on where they measured faster than the two launches they replace.
-PROLOGUES_DEFAULT = True
+# takes_normed). Off: on an H100 (2026-12-07, `benchmarks/studies/quant_fused_gemv.py`, kernel us
+# against the activation's or the norm's kernel plus the GEMV, CUDA graph) the gated GEMV at
+# 2048 x 8192 took 9.37 against 8.85 (M = 1) and 13.97 against 9.38 (M = 4), the normed one 5.27
+# against 5.58 at 3072 x 2048 and 11.06 against 10.41 at 16384 x 2048 (M = 1), slower again at
+# M = 4; the 1B decode step 1.258 ms with them, 1.251 without (docs/perf.md). Forced by name
+# (gated_config / normed_config with a config, or this flag) they run and are tested.
+PROLOGUES_DEFAULT = False
 
 
 def gated_config(gate_up: Tensor, qweight: Tensor, scales, zeros, bias, out, group_size: int, kind: str,
