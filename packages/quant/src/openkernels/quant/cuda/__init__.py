@@ -690,6 +690,23 @@ def _hand_on(args) -> None:
     return _triton(*args)
 
 
+def _check_status(status: int, on_gpu: bool) -> None:
+    """After a launch: nothing where it ran (0); an emulated launch's refusal raises (a bug of the
+    caller's checks); a GPU launch's failure turns the library off with one warning (the caller
+    then runs its fallback, as every later call does)."""
+    if status == 0:
+        return
+    if not on_gpu:
+        raise RuntimeError(f"the emulated kernel refused a launch (status {status})")
+    _broken.append(f"launch status {status}")
+    warnings.warn(
+        f"openkernels.quant: the CUDA C++ kernel's launch failed (status {status}); the Triton kernels run from "
+        "now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def _triton(x, qweight, scales, zeros, bias, out, group_size, kind) -> None:
     from ..triton import int4_linear_fwd as triton_int4_linear_fwd
 
@@ -785,18 +802,8 @@ def int4_linear_fwd(
             qweight.data_ptr(), scales.data_ptr(), zeros_ptr, 0 if lut is None else lut.data_ptr(), bias_ptr,
             bias_code, out.data_ptr(), n, k, qweight.stride(0), scales.stride(0), group_size, stream,
         )  # fmt: skip
-    if status == 0:
-        return None
-    if not x.is_cuda:
-        raise RuntimeError(f"the emulated kernel refused a launch (status {status})")
-    _broken.append(f"launch status {status}")
-    warnings.warn(
-        f"openkernels.quant: the CUDA C++ kernel's launch failed (status {status}); the Triton kernels run from "
-        "now on",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    return _triton(*args)
+    _check_status(status, x.is_cuda)
+    return None if status == 0 else _triton(*args)
 
 
 # The prologue builds (int4_tc.cu's PRO): the CTA's x computed into shared memory before the main
@@ -852,8 +859,9 @@ def takes_gated(
 ) -> bool:
     """Whether int4_linear_gated_fwd runs this call (gate_up (M, 2K) on the GPU) in one launch and
     the default route sends it there (PROLOGUES_DEFAULT)."""
-    config = gated_config(gate_up, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind, act)
-    return PROLOGUES_DEFAULT and config is not None
+    if not PROLOGUES_DEFAULT:
+        return False
+    return gated_config(gate_up, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind, act) is not None
 
 
 def int4_linear_gated_fwd(
@@ -879,18 +887,10 @@ def int4_linear_gated_fwd(
         qweight.stride(0), scales.stride(0), out.stride(0), group_size, 0, 0.0, 0.0,
         torch.cuda.current_stream(gate_up.device).cuda_stream if gate_up.is_cuda else 0,
     )  # fmt: skip
-    if status == 0:
-        return None
-    if not gate_up.is_cuda:
-        raise RuntimeError(f"the emulated kernel refused a launch (status {status})")
-    _broken.append(f"launch status {status}")
-    warnings.warn(
-        f"openkernels.quant: the CUDA C++ kernel's launch failed (status {status}); the Triton kernels run from "
-        "now on",
-        RuntimeWarning,
-        stacklevel=2,
+    _check_status(status, gate_up.is_cuda)
+    return (
+        None if status == 0 else composed(gate_up, qweight, scales, zeros, bias, out, group_size, kind, act)
     )
-    return composed(gate_up, qweight, scales, zeros, bias, out, group_size, kind, act)
 
 
 def normed_config(x: Tensor, norm_weight: Tensor, qweight: Tensor, scales, zeros, bias, out, group_size: int,
@@ -934,8 +934,11 @@ def takes_normed(x: Tensor, norm_weight: Tensor, qweight: Tensor, scales, zeros,
                  kind: str) -> bool:  # fmt: skip
     """Whether int4_linear_normed_fwd runs this call (x (M, K) on the GPU) in one launch and the
     default route sends it there (PROLOGUES_DEFAULT)."""
-    config = normed_config(x, norm_weight, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind)
-    return PROLOGUES_DEFAULT and config is not None
+    if not PROLOGUES_DEFAULT:
+        return False
+    return (
+        normed_config(x, norm_weight, qweight, scales, zeros, bias, _CONTIGUOUS, group_size, kind) is not None
+    )
 
 
 def int4_linear_normed_fwd(
@@ -962,18 +965,8 @@ def int4_linear_normed_fwd(
         qweight.stride(0), scales.stride(0), out.stride(0), group_size, norm_weight.data_ptr(), float(eps),
         float(weight_offset), torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0,
     )  # fmt: skip
-    if status == 0:
-        return None
-    if not x.is_cuda:
-        raise RuntimeError(f"the emulated kernel refused a launch (status {status})")
-    _broken.append(f"launch status {status}")
-    warnings.warn(
-        f"openkernels.quant: the CUDA C++ kernel's launch failed (status {status}); the Triton kernels run from "
-        "now on",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    return composed(*args)
+    _check_status(status, x.is_cuda)
+    return None if status == 0 else composed(*args)
 
 
 def _route(x, qweight, scales, zeros, bias, out, group_size, kind, *, config=None) -> str | None:
