@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, config sweep and the peer benchmark of a family.
-#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,fusedappend,cluster,push,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,lookup,layout,mconfigs,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
+#   bash benchmarks/gpu/gpu_session.sh [family] [steps: tests,fusedappend,cluster,push,wload,bwdgrid,ncu,gemv,tc,pdl,bars,xsplit,lookup,layout,mconfigs,genreport,largem,route,persist,alibi,combine,kvshort,dropout,gluon,nf4,wgmma,wall,backward,bwdsweep,split,check,tune,hosttime,bench,long,dtypes,demo,decode,replay]
 # decode (attention): KV-cache decode of every format at the issue's shapes and one short
 # sequence (B1 S4096) beside SDPA, kernel and wall time, then the end-to-end decode benchmark.
 # Carry .whl (peer wheels from ../shared/tools/peer-wheels, pytest-xdist) with the call;
@@ -10,6 +10,7 @@
 # PUSH_SHAPES; E2E_PROFILE=steps lists the decode step's kernels per variant, E2E_AB=1 runs it
 # again without the decoder layers' add + norm fusion, TC_WALL=0 skips the tc tests and wall times,
 # E2E_MODES=graph,compile times the fusedappend step's decode both ways);
+# WLOAD_VARIANTS, WLOAD_SHAPES, WLOAD_S;
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -95,6 +96,15 @@ if [[ $steps == *push* && $family == layernorm ]]; then
     | tee "$out/push_variants.txt" | grep -v "^bwd\|^fwd+bwd" | tail -14
   timeout ${PUSH_S:-200} python3 benchmarks/peers/run.py layernorm --shapes ${PUSH_SHAPES:-2048x32768,1024x65536,512x131072,256x262144} \
     --directions fwd --peers torch,quack --kernel-time --json "$out/push_public.json" 2>&1 | tail -40
+fi
+if [[ $steps == *wload* && $family == layernorm ]]; then
+  # Where the pushed forward's weight and bias loads are issued (layernorm 0.11.11 study:
+  # cuda.PUSH_VARIANTS g2, g4, w2, w3, pf, w2r, w3r beside the default build), kernel level,
+  # QuACK in the same process (source .whl-cute-b/install.sh first), forward only.
+  NORM_VARIANTS=${WLOAD_VARIANTS:-"triton,push(,push-g2,push-g4,push-w2,push-w3,push-pf,push-w2r,push-w3r,quack"} \
+    timeout ${WLOAD_S:-360} python3 benchmarks/studies/norm_cluster_variants.py \
+    ${WLOAD_SHAPES:-4096x16384,2048x32768,1024x65536,512x131072,256x262144} rms,ln,addrms none 2>&1 \
+    | tee "$out/wload_variants.txt" | tail -20
 fi
 if [[ $steps == *bwdgrid* && $family == layernorm ]]; then
   # The tile backward's grid sized to fit an SM (layernorm 0.11.5): candidate tiles beside

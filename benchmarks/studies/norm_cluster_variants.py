@@ -10,7 +10,7 @@ write per pass (forward 2 or 4, backward 3, forward+backward 4), fraction of a d
 measured here; inputs rotated past the 60 MB L2; each variant's output compared with the
 Triton one (max abs difference) before it is timed.
 
-    python benchmarks/studies/norm_cluster_variants.py [ROWSxCOLS,...] [rms,ln,addrms] [bwd shapes]
+    python benchmarks/studies/norm_cluster_variants.py [ROWSxCOLS,...] [rms,ln,addrms] [bwd shapes | none]
     NORM_EXTRA_FLAGS="-DOK_PLAIN_STORES" python ...   # the CUDA kernels built with extra nvcc flags
     PUSH_VARIANT_FLAGS="-DOK_PLAIN_STORES" python ...    # also the pushed forward built that way
     NORM_VARIANTS=triton,push,quack python ...           # only the variants whose names start so
@@ -243,7 +243,8 @@ def main() -> None:
     copy = _copy_gbs()
     print(f"copy {copy:.0f} GB/s", flush=True)
     forward(_shapes(argv[0] or SHAPES), (argv[1] or "rms,ln,addrms").split(","), copy, qr)
-    backward(_shapes(argv[2] or SHAPES), copy, qr)
+    if argv[2] != "none":  # "none": the forward only
+        backward(_shapes(argv[2] or SHAPES), copy, qr)
 
 
 if __name__ == "__main__":

@@ -80,9 +80,21 @@ _push_library = cuda_build.CudaLibrary(
 # Other builds of it, for studies and tests (norm_fwd(..., push=<name>)): "plain" (no macro:
 # the default until layernorm 0.11.0), "trim" and "bulk" (one each), "lean" (both: the default
 # of layernorm 0.11.1-0.11.7), "merge" (the default's flags, built apart).
+# Where the normalize pass's weight and bias loads are issued (layernorm 0.11.11 study: the
+# default issues each vector's behind the previous vector's bounds branch, one L2 round trip
+# each): "g2" / "g4" (OK_PUSH_WGROUP: that many vectors' loads together), "w2" / "w3"
+# (OK_PUSH_WLOAD: every vector's into registers before the exchange / while the chunk lands),
+# "pf" (their lines asked into L1 before the exchange, no registers held).
 PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
     "plain": (), "trim": ("-DOK_PUSH_TRIM",), "bulk": ("-DOK_PUSH_BULK",), "lean": ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK"),
     "merge": PUSH_DEFAULT_FLAGS,
+    "g2": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_WGROUP=2"), "g4": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_WGROUP=4"),
+    "w2": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_WLOAD=2"), "w3": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_WLOAD=3"),
+    "pf": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_WLOAD=4"),
+    # w2 / w3 with an instance for RMSNorm alone (OK_PUSH_BY_OP): LayerNorm's bias vectors
+    # no longer set RMSNorm's registers
+    "w2r": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_WLOAD=2", "-DOK_PUSH_BY_OP"),
+    "w3r": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_WLOAD=3", "-DOK_PUSH_BY_OP"),
 }  # fmt: skip
 _push_variants: dict[str, cuda_build.CudaLibrary] = {}
 

@@ -12,6 +12,13 @@
 
 #include "cluster_exchange.h"  // openkernels/shared/cuda: st.async into peers, mbarriers
 
+#ifndef OK_PUSH_WLOAD
+#define OK_PUSH_WLOAD 0
+#endif
+#ifndef OK_PUSH_WGROUP
+#define OK_PUSH_WGROUP 1
+#endif
+
 namespace {
 
 // Nsight Compute on an H100 (1024 x 65536 bf16 RMSNorm, docs/perf.md) put the staged kernel at
@@ -210,50 +217,103 @@ __device__ __forceinline__ float push_m2_pass(const Vec<T, 16 / sizeof(T)>* h, i
   return m2;
 }
 
-// y = (h - mean) * rstd * (w + offset) + b from shared memory, options compiled in (OFFSET:
-// weight_offset is not 0).
-template <typename T, typename W, int THREADS, int VPT, bool RMS, bool WEIGHT, bool BIAS, bool OFFSET = true>
-__device__ __forceinline__ void push_normalize(const Vec<T, 16 / sizeof(T)>* h, const W* weight_at, const W* bias_at,
-                                               T* out_at, int64_t left, float mean, float rstd, float weight_offset) {
-  constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
-  using WVec = Vec<W, VEC>;
+// This thread's VPT vectors of a per-column parameter (the weight or the bias), loaded by
+// predicated loads issued back to back (OK_PUSH_WLOAD): loaded inside the normalize loop, each
+// vector's load sat behind the previous vector's `i * STEP < left` branch, so a thread waited
+// for one L2 round trip per vector (8 in a row at the common shapes; SASS of the sm_90a build).
+template <typename W, int VEC, int VPT>
+struct ParamVecs {
+  Vec<W, VEC> v[VPT];
+};
+
+template <typename W, int THREADS, int VPT, int VEC>
+__device__ __forceinline__ void load_params(ParamVecs<W, VEC, VPT>& p, const W* at, int64_t left) {
+  constexpr int STEP = THREADS * VEC;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
-    if (i * STEP < left) {
-      WVec w, b;
-      if constexpr (WEIGHT) w = *reinterpret_cast<const WVec*>(weight_at + i * STEP);
-      if constexpr (BIAS) b = *reinterpret_cast<const WVec*>(bias_at + i * STEP);
-      const Vec<T, VEC> hv = h[i * THREADS];
-      Vec<T, VEC> y;
+    if (i * STEP < left) p.v[i] = *reinterpret_cast<const Vec<W, VEC>*>(at + i * STEP);
+  }
+}
+
+// y = (h - mean) * rstd * (w + offset) + b from shared memory, options compiled in (OFFSET:
+// weight_offset is not 0; HOISTED: the weight and bias already in `wv` / `bv`, else loaded here).
+template <typename T, typename W, int THREADS, int VPT, bool RMS, bool WEIGHT, bool BIAS, bool OFFSET = true,
+          bool HOISTED = false>
+__device__ __forceinline__ void push_normalize(const Vec<T, 16 / sizeof(T)>* h, const W* weight_at, const W* bias_at,
+                                               T* out_at, int64_t left, float mean, float rstd, float weight_offset,
+                                               const ParamVecs<W, 16 / sizeof(T), VPT>& wv,
+                                               const ParamVecs<W, 16 / sizeof(T), VPT>& bv) {
+  constexpr int VEC = 16 / sizeof(T), STEP = THREADS * VEC;
+  using WVec = Vec<W, VEC>;
+  // Vector i's output from its weight and bias.
+  auto emit = [&](int i, const WVec& w, const WVec& b) {
+    const Vec<T, VEC> hv = h[i * THREADS];
+    Vec<T, VEC> y;
 #pragma unroll
-      for (int e = 0; e < VEC; e += 2) {
-        const float2 pair = pair_at(hv, e);
-        float v[2] = {pair.x, pair.y};
-        float2 wp = make_float2(0.f, 0.f), bp = wp;
-        if constexpr (WEIGHT) wp = pair_at(w, e);
-        if constexpr (BIAS) bp = pair_at(b, e);
-        const float ws[2] = {wp.x, wp.y}, bs[2] = {bp.x, bp.y};
+    for (int e = 0; e < VEC; e += 2) {
+      const float2 pair = pair_at(hv, e);
+      float v[2] = {pair.x, pair.y};
+      float2 wp = make_float2(0.f, 0.f), bp = wp;
+      if constexpr (WEIGHT) wp = pair_at(w, e);
+      if constexpr (BIAS) bp = pair_at(b, e);
+      const float ws[2] = {wp.x, wp.y}, bs[2] = {bp.x, bp.y};
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          v[j] = RMS ? v[j] * rstd : (v[j] - mean) * rstd;
+      for (int k = 0; k < 2; ++k) {
+        v[k] = RMS ? v[k] * rstd : (v[k] - mean) * rstd;
 #ifdef OK_PUSH_TRIM  // weight and bias in one FMA
-          if constexpr (WEIGHT && BIAS) {
-            v[j] = fmaf(v[j], OFFSET ? ws[j] + weight_offset : ws[j], bs[j]);
-            continue;
-          }
-#endif
-          if constexpr (WEIGHT) v[j] *= OFFSET ? ws[j] + weight_offset : ws[j];
-          if constexpr (BIAS) v[j] += bs[j];
+        if constexpr (WEIGHT && BIAS) {
+          v[k] = fmaf(v[k], OFFSET ? ws[k] + weight_offset : ws[k], bs[k]);
+          continue;
         }
-        store_pair(&y.v[e], v[0], v[1]);
+#endif
+        if constexpr (WEIGHT) v[k] *= OFFSET ? ws[k] + weight_offset : ws[k];
+        if constexpr (BIAS) v[k] += bs[k];
       }
-      store_stream(out_at + i * STEP, y);
+      store_pair(&y.v[e], v[0], v[1]);
+    }
+    store_stream(out_at + i * STEP, y);
+  };
+  auto load = [&](int i, WVec& w, WVec& b) {
+    if constexpr (WEIGHT) w = *reinterpret_cast<const WVec*>(weight_at + i * STEP);
+    if constexpr (BIAS) b = *reinterpret_cast<const WVec*>(bias_at + i * STEP);
+  };
+  // Vectors whose weight and bias loads are issued together (OK_PUSH_WGROUP; 1, the default
+  // build: each behind the previous vector's bounds branch).
+  constexpr int GROUP = HOISTED || OK_PUSH_WGROUP > VPT ? VPT : OK_PUSH_WGROUP;
+  if constexpr (GROUP == 1) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (i * STEP < left) {
+        WVec w, b;
+        load(i, w, b);
+        emit(i, w, b);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int g = 0; g < VPT; g += GROUP) {
+      WVec w[GROUP], b[GROUP];
+#pragma unroll
+      for (int j = 0; j < GROUP; ++j) {
+        if constexpr (HOISTED) {
+          w[j] = wv.v[g + j];
+          b[j] = bv.v[g + j];
+        } else if ((g + j) * STEP < left) {
+          load(g + j, w[j], b[j]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < GROUP; ++j) {
+        if ((g + j) * STEP < left) emit(g + j, w[j], b[j]);
+      }
     }
   }
 }
 
 // At least two CTAs of 256 threads per SM (at most 128 registers; the kernel takes 40-60).
-template <typename T, typename W, int THREADS, int VPT>
+// RMS_ONLY (OK_PUSH_BY_OP builds): an instance for RMSNorm calls alone, so that the registers
+// LayerNorm's bias takes do not set its occupancy.
+template <typename T, typename W, int THREADS, int VPT, bool RMS_ONLY = false>
 __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push_kernel(
     const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ weight, const W* __restrict__ bias,
     T* __restrict__ out, T* __restrict__ res_out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
@@ -275,7 +335,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   const int rank = static_cast<int>(cluster.block_rank());
   const int64_t row = blockIdx.x / n_ranks;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool is_rms = flags & kIsRms;
+  const bool is_rms = RMS_ONLY || (flags & kIsRms);
   const bool has_residual = flags & kHasResidual;
   const bool exchange = n_ranks > 1;
 #ifdef OK_PUSH_BULK
@@ -294,6 +354,29 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   // This thread's first column; vector i is in the row when i * STEP < left.
   const int64_t col0 = static_cast<int64_t>(rank) * CHUNK + static_cast<int64_t>(threadIdx.x) * VEC;
   const int64_t left = n_cols - col0;
+  // The weight and bias vectors in registers, loaded at OK_PUSH_WLOAD's point (1: before the
+  // normalize pass, 2: before the exchange, 3: while the chunk lands); 0 or wider than 128
+  // bytes a thread (float32 parameters of 8 vectors): loaded inside the normalize loop.
+  constexpr bool kHoist = (OK_PUSH_WLOAD == 2 || OK_PUSH_WLOAD == 3) && sizeof(W) * VEC * VPT <= 128;
+  const bool has_weight = flags & kHasWeight, has_bias = !RMS_ONLY && (flags & kHasBias);
+  ParamVecs<W, VEC, VPT> wv, bv;
+  auto load_weight_and_bias = [&](int point) {
+#if OK_PUSH_WLOAD == 4 && !defined(OK_CUDA_EMULATION)
+    // 4: no registers held; the weight's and bias's lines asked into L1 before the exchange.
+    if (point == 2) {
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        if (i * STEP < left) {
+          if (has_weight) asm volatile("prefetch.global.L1 [%0];" ::"l"(weight + col0 + i * STEP));
+          if (has_bias) asm volatile("prefetch.global.L1 [%0];" ::"l"(bias + col0 + i * STEP));
+        }
+      }
+    }
+#endif
+    if (!kHoist || point != OK_PUSH_WLOAD) return;
+    if (has_weight) load_params<W, THREADS, VPT>(wv, weight + col0, left);
+    if (has_bias) load_params<W, THREADS, VPT>(bv, bias + col0, left);
+  };
   OK_DYNAMIC_SHARED(stage);
   RowVec* const h = reinterpret_cast<RowVec*>(stage) + threadIdx.x;  // vector i at h[i * THREADS]
   const RowVec* const staged_res = h + THREADS * VPT;
@@ -311,6 +394,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
     if (has_residual)
       ok_bulk_copy(stage + THREADS * VPT * sizeof(RowVec), res + row * stride_res + first, bytes, &staged);
   }
+  load_weight_and_bias(3);
   ok_barrier_wait(&staged, 0);
 #else
   const T* const x_at = x + row * stride_x + col0;
@@ -322,6 +406,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
       if (has_residual) ok_copy_async<16, true>(&h[(VPT + i) * THREADS], res_at + i * STEP);
     }
   }
+  load_weight_and_bias(3);
   ok_copy_async_wait_all();  // each thread reads back only its own vectors: no CTA barrier
 #endif
 
@@ -382,6 +467,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
 
   // Every CTA of the cluster gets every warp's part (a cluster of one: rows of one CTA,
   // launched without clusters, keeps them in its own shared memory).
+  load_weight_and_bias(2);
   if (exchange) {
     ok_cluster_wait();  // every peer's barrier is initialised
     if (threadIdx.x == 0) ok_barrier_arrive_expect_tx(&full, static_cast<uint32_t>(n_ranks * WARPS * sizeof(float4)));
@@ -402,9 +488,11 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   const W* const weight_at = weight + col0;
   const W* const bias_at = bias + col0;
   T* const out_at = out + row * stride_out + col0;
+  load_weight_and_bias(1);
   auto normalize_as = [&](auto rms, auto with_weight, auto with_bias, auto offset) {
     push_normalize<T, W, THREADS, VPT, decltype(rms)::value, decltype(with_weight)::value, decltype(with_bias)::value,
-                   decltype(offset)::value>(h, weight_at, bias_at, out_at, left, mean, rstd, weight_offset);
+                   decltype(offset)::value, kHoist>(h, weight_at, bias_at, out_at, left, mean, rstd, weight_offset,
+                                                    wv, bv);
   };
   auto normalize = [&](auto rms, auto with_weight, auto with_bias) {
 #ifdef OK_PUSH_TRIM  // no add of a zero weight_offset per element
@@ -414,7 +502,6 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
 #endif
     normalize_as(rms, with_weight, with_bias, Flag<true>());
   };
-  const bool has_weight = flags & kHasWeight, has_bias = flags & kHasBias;
   if (is_rms) {
     if (has_weight) normalize(Flag<true>(), Flag<true>(), Flag<false>());
     else normalize(Flag<true>(), Flag<false>(), Flag<false>());
@@ -434,6 +521,13 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
 template <typename T, typename W>
 FwdKernel<T, W> pick_fwd(int threads, int vpt, int flags, size_t& dynamic_shared) {
   dynamic_shared = static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1);
+#ifdef OK_PUSH_BY_OP
+  if (flags & kIsRms) {
+    if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, true>;
+    if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, true>;
+    if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8, true>;
+  }
+#endif
   if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4>;
   if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8>;
   if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8>;
