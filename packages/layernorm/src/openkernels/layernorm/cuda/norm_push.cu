@@ -354,10 +354,18 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   // This thread's first column; vector i is in the row when i * STEP < left.
   const int64_t col0 = static_cast<int64_t>(rank) * CHUNK + static_cast<int64_t>(threadIdx.x) * VEC;
   const int64_t left = n_cols - col0;
-  // The weight and bias vectors in registers, loaded at OK_PUSH_WLOAD's point (1: before the
-  // normalize pass, 2: before the exchange, 3: while the chunk lands); 0 or wider than 128
-  // bytes a thread (float32 parameters of 8 vectors): loaded inside the normalize loop.
-  constexpr bool kHoist = (OK_PUSH_WLOAD == 2 || OK_PUSH_WLOAD == 3) && sizeof(W) * VEC * VPT <= 128;
+  // The weight and bias vectors in registers, loaded at OK_PUSH_WLOAD's point (2: before the
+  // exchange, 3: while the chunk lands; 4: their lines asked into L1 before the exchange);
+  // otherwise, or wider than 128 bytes a thread (float32 parameters of 8 vectors), loaded inside
+  // the normalize loop. With OK_PUSH_BY_OP only the RMSNorm instance holds them: the generic
+  // one (LayerNorm) would hold the bias too, 110-116 registers, and lost 10-35% that way (H200).
+#ifdef OK_PUSH_BY_OP
+  constexpr bool kHoistHere = RMS_ONLY;
+#else
+  constexpr bool kHoistHere = true;
+#endif
+  constexpr bool kHoist =
+      kHoistHere && (OK_PUSH_WLOAD == 2 || OK_PUSH_WLOAD == 3) && sizeof(W) * VEC * VPT <= 128;
   const bool has_weight = flags & kHasWeight, has_bias = !RMS_ONLY && (flags & kHasBias);
   ParamVecs<W, VEC, VPT> wv, bv;
   auto load_weight_and_bias = [&](int point) {
@@ -522,7 +530,7 @@ template <typename T, typename W>
 FwdKernel<T, W> pick_fwd(int threads, int vpt, int flags, size_t& dynamic_shared) {
   dynamic_shared = static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1);
 #ifdef OK_PUSH_BY_OP
-  if (flags & kIsRms) {
+  if ((flags & kIsRms) && !(flags & kHasBias)) {  // the RMSNorm instance has no bias pass
     if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, true>;
     if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, true>;
     if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8, true>;
