@@ -198,8 +198,17 @@ def test_forward_against_float64(rms: bool, dtype: torch.dtype, kind: str, devic
         cases = [(3, 1000, (128, 2)), (2, 5000, (128, 2)), (2, 9800, (128, 2)), (2, 40000, (512, 8))]
     push = {"push": True, "push-plain": "plain"}.get(kind, False)
     if push:  # its own shapes: the lengths push_config routes, ragged chunks, one CTA
-        cases = [(3, 32768, (256, 8)), (3, 65536, (256, 4)), (2, 131072, (256, 8)), (2, 262144, (512, 8)),
-                 (2, 262152, (512, 8)), (5, 20000, (256, 4)), (2, 200000, (512, 8))]  # fmt: skip
+        cases = [
+            (3, 32768, (256, 8)),
+            (3, 65536, (256, 4)),
+            (2, 131072, (256, 8)),
+            (2, 262144, (512, 8)),
+            (2, 262152, (512, 8)),
+            (5, 20000, (256, 4)),
+            (2, 200000, (512, 8)),
+            (2, 262144, (256, 8)),
+            (2, 100000, (256, 4)),
+        ]  # fmt: skip  (the last two: clusters of 16, 13)
         if device == "cpu":  # 65544: the third CTA holds one vector, its 15 other warps none, and
             # their parts (48 in all) are merged after others in the same lane (as 262152 on the GPU)
             # 16384: two full CTAs, every warp's part of one count (the equal-count merge)
@@ -280,18 +289,49 @@ def test_push_config_routes_the_lengths_it_measured_faster_at() -> None:
     assert C._explain_push(torch.empty(2, 65536, dtype=bf16)) is None  # CPU tensors: no note
 
 
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-def test_the_default_launcher_runs_the_pushed_kernel_emulated(residual: bool) -> None:
+def test_non_portable_clusters_are_routed_only_where_the_device_schedules_them(monkeypatch) -> None:
+    """RMSNorm calls take clusters of 9-16 CTAs where they measured faster (past 131072 columns,
+    with a residual past 65536), once the device says it schedules them (asked once per device
+    and kernel; the emulation schedules up to 16); else the portable launch (or Triton)."""
+    bf16 = torch.bfloat16
+    assert C.push_config(262144, bf16, False, wide=True) == C.ClusterConfig(256, 8, 16)
+    assert C.push_config(200000, bf16, False, wide=True) == C.ClusterConfig(256, 8, 13)
+    assert C.push_config(131072, bf16, False, wide=True) == C.ClusterConfig(256, 8, 8)
+    assert C.push_config(131072, bf16, True, wide=True) == C.ClusterConfig(256, 4, 16)
+    assert C.push_config(100000, bf16, True, wide=True) == C.ClusterConfig(256, 4, 13)
+    assert C.push_config(262144, bf16, True, wide=True) == C.ClusterConfig(256, 8, 16)
+    for n, residual in ((16384, False), (262152, False), (262152, True), (16384, True)):
+        assert C.push_config(n, bf16, residual, wide=True) is None, (n, residual)
+    x, w = torch.empty(2, 262144, dtype=bf16), torch.empty(262144, dtype=bf16)
+    C._wide_fits.clear()
+    assert C.wide_clusters_fit(x, w, C.ClusterConfig(256, 8, 16), False)
+    assert not C.wide_clusters_fit(x, w, C.ClusterConfig(256, 8, 17), False)  # past 16: the entry refuses
+    assert C._push_route(x, False, w, rms_only=True) == C.ClusterConfig(256, 8, 16)
+    assert C._push_route(x, False, w, rms_only=False) == C.ClusterConfig(512, 8, 8)  # LayerNorm: portable
+    C._wide_fits.clear()
+    monkeypatch.setattr(C, "wide_clusters_fit", lambda *args: False)  # a part that cannot schedule 16
+    assert C._push_route(x, False, w, rms_only=True) == C.ClusterConfig(512, 8, 8)
+    assert C._push_route(x, True, w, rms_only=True) is None  # with a residual: Triton
+
+
+@pytest.mark.parametrize(
+    "n,residual", [(32768, False), (32768, True), (140000, False), (70000, True)],
+    ids=["plain", "residual", "plain-wide", "residual-wide"],
+)  # fmt: skip
+def test_the_default_launcher_runs_the_pushed_kernel_emulated(n: int, residual: bool) -> None:
     """cuda.push_norm_fwd (dispatch "push") on rows push_config routes: the pushed kernel, under
-    the emulation here (2 rows of 32768 bf16 columns: clusters of 2, of 4 with a residual)."""
+    the emulation here (2 rows of 32768 bf16 columns: clusters of 2, of 4 with a residual; of
+    140000 and, with a residual, 70000: non-portable clusters of 9, a ragged last CTA)."""
     from openkernels.layernorm import reference as R
 
-    m, n, dtype = 2, 32768, torch.bfloat16
+    m, dtype = 2, torch.bfloat16
     x, w = random_tensor((m, n), dtype, "cpu"), random_tensor((n,), dtype, "cpu")
     r = random_tensor((m, n), dtype, "cpu") if residual else None
     y, h, rstd = torch.empty_like(x), torch.empty_like(x) if residual else None, torch.empty(m)
-    assert C.push_config(n, dtype, residual) is not None
+    cfg = C._push_route(x, residual, w, rms_only=True)
+    assert cfg is not None and (cfg.cluster == 9) == (n > 65536), cfg
     C.push_norm_fwd(x, r, w, None, y, h, None, rstd, eps=1e-6, weight_offset=0.0, rms=True, h_dtype=dtype)
+    assert not C._broken, C._broken
     want = [torch.empty(m, n, dtype=torch.float64) for _ in range(2)] + [
         None,
         torch.empty(m, dtype=torch.float64),

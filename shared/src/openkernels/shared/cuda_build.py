@@ -126,15 +126,18 @@ class CudaLibrary:
     cudaError_t, or a negative code of the entry's own), the library seen by replay
     recordings as `cpu_build.KernelLibrary`'s is: an entry `f` with an exported
     `int f_packed(const int64_t* args)` replays from C++ (pass the stream as an integer, a
-    constant of the recording: recordings key on the stream). Calling it returns the library."""
+    constant of the recording: recordings key on the stream). `queries`: entries that launch
+    nothing (they ask the device, say, an occupancy), declared alike but not seen by
+    recordings. Calling it returns the library."""
 
     def __init__(
         self, source: pathlib.Path, *, name: str, arch: str, signatures: Mapping[str, Sequence[Any]],
-        extra_flags: Sequence[str] = (),
+        extra_flags: Sequence[str] = (), queries: Mapping[str, Sequence[Any]] | None = None,
     ) -> None:  # fmt: skip
         self.source, self.name, self.arch = pathlib.Path(source), name, arch
         self.extra_flags = tuple(extra_flags)
         self.signatures = {entry: list(argtypes) for entry, argtypes in signatures.items()}
+        self.queries = {entry: list(argtypes) for entry, argtypes in (queries or {}).items()}
         self._lib: Any = None
         self._emulated: Any = None
         self._lock = threading.Lock()
@@ -153,7 +156,9 @@ class CudaLibrary:
                     for entry, argtypes in self.signatures.items():
                         fn = getattr(lib, entry)
                         fn.argtypes, fn.restype = argtypes, ctypes.c_int
-                    self._emulated = replay.observe_library(lib, tuple(self.signatures))
+                    self._emulated = self._with_queries(
+                        lib, replay.observe_library(lib, tuple(self.signatures))
+                    )
         return self._emulated
 
     def __call__(self) -> Any:
@@ -168,8 +173,15 @@ class CudaLibrary:
                     for entry, argtypes in self.signatures.items():
                         fn = getattr(lib, entry)
                         fn.argtypes, fn.restype = argtypes, ctypes.c_int
-                    self._lib = replay.observe_library(lib, tuple(self.signatures))
+                    self._lib = self._with_queries(lib, replay.observe_library(lib, tuple(self.signatures)))
         return self._lib
+
+    def _with_queries(self, lib: ctypes.CDLL, observed: Any) -> Any:
+        for entry, argtypes in self.queries.items():
+            fn = getattr(lib, entry)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            setattr(observed, entry, fn)
+        return observed
 
 
 @dataclass(frozen=True)

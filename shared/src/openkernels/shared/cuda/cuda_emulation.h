@@ -582,6 +582,15 @@ template <typename... Params, typename... Args>
 cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Params...), Args&&... args) {
   return ok_emu::launch(config, kernel, std::forward<Args>(args)...);
 }
+// Every cluster of 1..16 CTAs schedules here (one at a time); a larger one does not.
+template <typename... Params>
+cudaError_t cudaOccupancyMaxActiveClusters(int* count, void (*)(Params...), const cudaLaunchConfig_t* config) {
+  unsigned cluster_size = 1;
+  for (unsigned i = 0; i < config->numAttrs; ++i)
+    if (config->attrs[i].id == cudaLaunchAttributeClusterDimension) cluster_size = config->attrs[i].val.clusterDim.x;
+  *count = cluster_size >= 1 && cluster_size <= 16 ? 1 : 0;
+  return cudaSuccess;
+}
 
 namespace cooperative_groups {
 struct cluster_group {

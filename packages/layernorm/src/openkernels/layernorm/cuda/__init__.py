@@ -38,6 +38,7 @@ __all__ = [
     "cluster_config",
     "push_config",
     "push_norm_fwd",
+    "wide_clusters_fit",
     "push_supports",
     "staged_bytes",
     "use_staged",
@@ -79,9 +80,13 @@ _PUSH_SOURCE = pathlib.Path(__file__).with_name("norm_push.cu")
 # columns, add_rms_norm unchanged, LayerNorm's instance as before (docs/perf.md).
 _MERGE_FLAGS = ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK", "-DOK_PUSH_MERGE")
 PUSH_DEFAULT_FLAGS: tuple[str, ...] = (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=3", "-DOK_PUSH_BY_OP")
+# ok_norm_fwd_push_clusters(device, dtype code, weight code, threads, vpt, cluster, flags): how
+# many such clusters the device holds at once (asked before a non-portable cluster is routed).
+_PUSH_QUERIES = {"ok_norm_fwd_push_clusters": [_I32] * 7}
 _push_library = cuda_build.CudaLibrary(
     _PUSH_SOURCE, name="openkernels_layernorm_push", arch=ARCH,
     signatures={"ok_norm_fwd_push": _SIGNATURES["ok_norm_fwd_cluster"]}, extra_flags=PUSH_DEFAULT_FLAGS,
+    queries=_PUSH_QUERIES,
 )  # fmt: skip
 # Other builds of it, for studies and tests (norm_fwd(..., push=<name>)): "plain" (no macro:
 # the default until layernorm 0.11.0), "trim" and "bulk" (one each), "lean" (both: the default
@@ -110,7 +115,7 @@ def push_variant_library(variant: str) -> cuda_build.CudaLibrary:
     if variant not in _push_variants:
         _push_variants[variant] = cuda_build.CudaLibrary(
             _PUSH_SOURCE, name=f"openkernels_layernorm_push_{variant}", arch=ARCH,
-            signatures=_push_library.signatures, extra_flags=PUSH_VARIANTS[variant],
+            signatures=_push_library.signatures, extra_flags=PUSH_VARIANTS[variant], queries=_PUSH_QUERIES,
         )  # fmt: skip
     return _push_variants[variant]
 
@@ -174,7 +179,7 @@ def cluster_config(
     return None
 
 
-def push_config(n_cols: int, dtype: torch.dtype, residual: bool) -> ClusterConfig | None:
+def push_config(n_cols: int, dtype: torch.dtype, residual: bool, wide: bool = False) -> ClusterConfig | None:
     """The pushed forward's launch where it measured faster than the Triton kernels, else
     None. H200, bf16, kernel time as a fraction of copy (push / Triton; QuACK), 2026-12-05
     (`benchmarks/studies/norm_cluster_variants.py`, docs/perf.md):
@@ -183,17 +188,54 @@ def push_config(n_cols: int, dtype: torch.dtype, residual: bool) -> ClusterConfi
       with a residual (add_rms_norm) 32768 0.88 / 0.86, 65536 0.88 / 0.80; 131072 only with a
       cluster of 16 (0.84 / 0.82), 262144 0.69 / 0.82 (Triton), 1048576 and 16384 Triton.
     So rows of 32768-262144 columns (16384 per CTA, 32768 past 131072: clusters of 2-8, all
-    portable), with a residual 32768-65536 (8192 per CTA: clusters of 4-8); 16-bit dtypes."""
+    portable), with a residual 32768-65536 (8192 per CTA: clusters of 4-8); 16-bit dtypes.
+
+    `wide` (RMSNorm calls, where the device schedules clusters of 9-16 CTAs: wide_clusters_fit)
+    also takes non-portable clusters where they measured faster (H200, layernorm 0.11.11's
+    RMSNorm instance, 2026-12-07): RMSNorm 262144 on 16 CTAs of 16384 columns 0.83 (0.78 on 8
+    of 32768), add_rms_norm 262144 on 16 of 16384 0.86 (Triton 0.82) and 131072 on 16 of 8192
+    (0.84 / 0.82, 2026-12-05). So past 131072 columns 16384 per CTA; with a residual 8192 per
+    CTA up to 131072, 16384 per CTA up to 262144."""
     if dtype not in PUSH_DTYPES:
         return None
     vec = _vector(dtype)
     if residual:
-        shape = (256, 4) if 32768 <= n_cols <= 65536 else None
+        shape = (
+            (256, 4) if 32768 <= n_cols <= 65536 or (wide and 65536 < n_cols <= 131072)
+            else (256, 8) if wide and 131072 < n_cols <= 262144 else None
+        )  # fmt: skip
+    elif 32768 <= n_cols <= 131072:
+        shape = (256, 8)
     else:
-        shape = (256, 8) if 32768 <= n_cols <= 131072 else (512, 8) if 131072 < n_cols <= 262144 else None
+        shape = ((256, 8) if wide else (512, 8)) if 131072 < n_cols <= 262144 else None
     if shape is None:
         return None
     return ClusterConfig(*shape, -(-n_cols // (shape[0] * shape[1] * vec)))
+
+
+# (device index, dtype, weight dtype, config, residual) -> whether the device schedules the RMSNorm
+# instance's non-portable cluster (asked once each: cudaOccupancyMaxActiveClusters)
+_wide_fits: dict[tuple, bool] = {}
+
+
+def wide_clusters_fit(
+    x: torch.Tensor, weight: torch.Tensor | None, cfg: ClusterConfig, residual: bool
+) -> bool:
+    """Whether x's device can run the RMSNorm instance of the pushed forward on clusters of
+    cfg.cluster CTAs (past 8, the portable size, a part may not: Hopper's GPCs differ in free
+    SMs). Asked of the device once per (device, dtypes, shape, residual); False where the
+    library cannot load or the device answers 0 or an error (the portable launch runs then)."""
+    key = (x.device, x.dtype, None if weight is None else weight.dtype, cfg, residual)
+    fits = _wide_fits.get(key)
+    if fits is None:
+        lib = _load(x.device, True)
+        flags = _FLAGS["rms"] + _FLAGS["residual"] * residual + _FLAGS["weight"] * (weight is not None)
+        count = -1 if lib is None else lib.ok_norm_fwd_push_clusters(
+            _device_index(x), _CODES[x.dtype], 0 if weight is None else _CODES[weight.dtype], cfg.threads,
+            cfg.vectors_per_thread, cfg.cluster, flags,
+        )  # fmt: skip
+        fits = _wide_fits[key] = count > 0
+    return fits
 
 
 def push_supports(key: DispatchKey) -> str | None:
@@ -403,26 +445,47 @@ def push_norm_fwd(
     (norm_fwd also sends there the calls the kernel cannot take: dtypes, alignment)."""
     args = (x, residual, weight, bias, out, residual_out, mean, rstd)
     kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
-    cfg = push_config(x.shape[1], x.dtype, residual is not None)
+    cfg = _push_route(x, residual is not None, weight, rms and bias is None)
     if cfg is None:
         return _triton_fwd(*args, **kwargs)
     return norm_fwd(*args, **kwargs, config=(cfg.threads, cfg.vectors_per_thread), push=True)
 
 
-def _explain_push(x, residual=None, *_args, **_kwargs) -> str | None:
+def _push_route(
+    x: torch.Tensor, residual: bool, weight: torch.Tensor | None, rms_only: bool
+) -> ClusterConfig | None:
+    """push_config for this call: non-portable clusters for RMSNorm calls (no bias) where the
+    device schedules them, else the portable launch."""
+    n_cols, dtype = x.shape[-1], x.dtype
+    cfg = push_config(n_cols, dtype, residual, wide=rms_only)
+    if cfg is not None and cfg.cluster > PORTABLE_CLUSTER and not wide_clusters_fit(x, weight, cfg, residual):
+        cfg = push_config(n_cols, dtype, residual)
+    return cfg
+
+
+def _explain_push(x, *args, **kwargs) -> str | None:
     """For dispatch.explain (the public call's arguments or the launcher's): where the default
-    forward sends a call on rows like x's (the launcher also checks alignment and dtypes)."""
+    forward sends a call on rows like x's (the launcher also checks alignment and dtypes). The
+    launcher's arguments (x, residual, weight, bias, ..., rms=) name the call exactly; the
+    public call's are read as RMSNorm's, a residual only when passed by keyword."""
     if not x.is_cuda:
         return None
-    cfg = push_config(x.shape[-1], x.dtype, residual is not None and torch.is_tensor(residual))
+    if "rms" in kwargs:  # the launcher's
+        residual, weight, bias = (*args, None, None, None)[:3]
+        rms_only = kwargs["rms"] and bias is None
+    else:
+        residual, weight, rms_only = kwargs.get("residual"), None, True
+    has_residual = torch.is_tensor(residual)
+    cfg = _push_route(x, has_residual, weight, rms_only)
     if cfg is not None:
+        wide = " (non-portable: this device schedules them)" if cfg.cluster > PORTABLE_CLUSTER else ""
         return (
             f"the pushed cluster kernel ({cfg.threads} threads x {cfg.vectors_per_thread} vectors,"
-            f" clusters of {cfg.cluster})"
+            f" clusters of {cfg.cluster}{wide})"
         )
     return (
-        "handed on to 'triton' (the pushed kernel runs 32768-262144 columns, 32768-65536 with a residual,"
-        f" bfloat16 / float16; this is {x.shape[-1]} columns, {x.dtype})"
+        "handed on to 'triton' (the pushed kernel runs 32768-262144 columns, with a residual 32768-65536 or"
+        f" to 262144 on clusters of 9-16, bfloat16 / float16; this is {x.shape[-1]} columns, {x.dtype})"
     )
 
 

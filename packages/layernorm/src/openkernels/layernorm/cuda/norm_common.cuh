@@ -68,33 +68,60 @@ __device__ __forceinline__ void store_stream(void* p, const V& v) {
 #endif
 }
 
-// One launch of `kernel` over `ctas` CTAs of `threads` threads in clusters of `cluster`.
-template <typename... Params, typename... Args>
-int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int threads, size_t dynamic_shared,
-                     cudaStream_t stream, Args... args) {
-  if (dynamic_shared > 48 * 1024) {  // past the default limit: allowed per kernel
+// The per-kernel opt-ins a launch of `kernel` with this much dynamic shared memory in clusters
+// of `cluster` needs: past 48 KiB of dynamic shared memory, past the portable cluster size.
+template <typename... Params>
+cudaError_t allow_launch(void (*kernel)(Params...), int cluster, size_t dynamic_shared) {
+  if (dynamic_shared > 48 * 1024) {
     cudaError_t err = ok_opt_in_dynamic_shared(kernel, static_cast<int>(dynamic_shared));
-    if (err != cudaSuccess) return static_cast<int>(err);
+    if (err != cudaSuccess) return err;
   }
-  if (cluster > 8) {  // past the portable size: allowed per kernel
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (err != cudaSuccess) return static_cast<int>(err);
-  }
+  if (cluster > 8) return cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  return cudaSuccess;
+}
+
+// A launch configuration over `ctas` CTAs of `threads` threads in clusters of `cluster`
+// (`attribute`: its storage). A cluster of one launches without the attribute: every CTA of a
+// plain launch is its own cluster of one on sm_90, and a plain launch schedules CTAs freely.
+inline cudaLaunchConfig_t clustered_config(int cluster, int64_t ctas, int threads, size_t dynamic_shared,
+                                           cudaStream_t stream, cudaLaunchAttribute& attribute) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(ctas), 1, 1);
   config.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
   config.dynamicSmemBytes = dynamic_shared;
   config.stream = stream;
-  // A cluster of one launches without the attribute: every CTA of a plain launch is its own
-  // cluster of one on sm_90, and a plain launch schedules CTAs freely.
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cluster;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
   config.numAttrs = cluster > 1 ? 1 : 0;
+  return config;
+}
+
+// One launch of `kernel` over `ctas` CTAs of `threads` threads in clusters of `cluster`.
+template <typename... Params, typename... Args>
+int launch_clustered(void (*kernel)(Params...), int cluster, int64_t ctas, int threads, size_t dynamic_shared,
+                     cudaStream_t stream, Args... args) {
+  cudaError_t err = allow_launch(kernel, cluster, dynamic_shared);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = clustered_config(cluster, ctas, threads, dynamic_shared, stream, attribute);
   return static_cast<int>(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+}
+
+// How many clusters of `cluster` CTAs of `kernel` the device holds at once: 0 where it cannot
+// schedule such a cluster at all (a part whose GPCs have fewer free SMs than a non-portable
+// cluster needs), or -(1000 + a cudaError_t).
+template <typename... Params>
+int active_clusters(void (*kernel)(Params...), int cluster, int threads, size_t dynamic_shared) {
+  cudaError_t err = allow_launch(kernel, cluster, dynamic_shared);
+  if (err != cudaSuccess) return -(1000 + static_cast<int>(err));
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = clustered_config(cluster, cluster, threads, dynamic_shared, nullptr, attribute);
+  int count = 0;
+  err = cudaOccupancyMaxActiveClusters(&count, kernel, &config);
+  return err == cudaSuccess ? count : -(1000 + static_cast<int>(err));
 }
 
 // Every forward kernel's signature (x, res, weight, bias, out, res_out, mean, rstd, n_cols,
@@ -120,6 +147,15 @@ int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const 
   return launch_clustered(kernel, cluster, cluster * n_rows, threads, shared, stream, x, res, weight, bias, out, res_out,
                           mean, rstd, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, weight_offset,
                           flags);
+}
+
+// fwd's kernel: how many clusters of it the device holds at once (active_clusters), or -2.
+template <typename T, typename W>
+int fwd_clusters(int threads, int vpt, int cluster, int flags) {
+  size_t shared = 0;
+  FwdKernel<T, W> kernel = pick_fwd<T, W>(threads, vpt, flags, shared);
+  if (kernel == nullptr || shared > kMaxDynamicShared) return -2;
+  return active_clusters(kernel, cluster, threads, shared);
 }
 
 }  // namespace
@@ -162,4 +198,18 @@ int fwd(int threads, int vpt, int cluster, int64_t n_rows, const void* x, const 
     auto i32 = [a](int i) { return static_cast<int>(a[i]); };                                                  \
     return name(i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), a[6], p(7), p(8), p(9), p(10), p(11), p(12),   \
                 p(13), p(14), a[15], a[16], a[17], a[18], a[19], eps, offset, i32(22), a[23]);                  \
+  }
+
+// A source's `name(device, dtype_code, weight_code, threads, vpt, cluster, flags)`: how many
+// clusters of `cluster` CTAs of the forward kernel those arguments launch the device holds at
+// once (0: it cannot schedule them), or -1 (dtypes), -2 (a shape the library was not built
+// for), -3 (a cluster outside 1..16), -(1000 + a cudaError_t). Asked once per device and kernel
+// before a non-portable cluster (9-16 CTAs) is routed.
+#define OK_NORM_FWD_CLUSTERS_ENTRY(name)                                                                     \
+  extern "C" int name(int device, int dtype_code, int weight_code, int threads, int vpt, int cluster,         \
+                      int flags) {                                                                             \
+    if (cluster < 1 || cluster > kMaxCluster) return -3;                                                       \
+    cudaError_t err = cudaSetDevice(device);                                                                   \
+    if (err != cudaSuccess) return -(1000 + static_cast<int>(err));                                            \
+    OK_NORM_CLUSTER_DTYPES(fwd_clusters, threads, vpt, cluster, flags)                                         \
   }

@@ -547,3 +547,4 @@ FwdKernel<T, W> pick_fwd(int threads, int vpt, int flags, size_t& dynamic_shared
 // One forward, ok_norm_fwd_cluster's arguments and answers (flags: kIsRms | kHasResidual |
 // kStoreResidual | kHasWeight | kHasBias), and its packed twin.
 OK_NORM_FWD_ENTRIES(ok_norm_fwd_push, ok_norm_fwd_push_packed)
+OK_NORM_FWD_CLUSTERS_ENTRY(ok_norm_fwd_push_clusters)
