@@ -89,11 +89,15 @@ if [[ $steps == *push* && $family == layernorm ]]; then
   # its GPU tests and the long-row replay, the kernel-level variants against Triton and QuACK
   # (its other builds push-plain / -trim / -bulk / -lean included: cuda.PUSH_VARIANTS; source
   # .whl-cute-b/install.sh first for QuACK), then the public op's wall and kernel time.
-  timeout 240 python3 -m pytest -q -rfE packages/layernorm/tests/test_cluster.py packages/layernorm/tests/test_replay.py \
-    -k "cuda or long_rows or replay or push" -m "not aot and not interpreter" 2>&1 | tee "$out/push_tests.txt" | tail -4
-  NORM_VARIANTS=triton,push,quack timeout ${PUSH_S:-200} python3 benchmarks/studies/norm_cluster_variants.py \
-    ${PUSH_SHAPES:-2048x32768,1024x65536,512x131072,256x262144} rms,ln,addrms 8x4096 2>&1 \
-    | tee "$out/push_variants.txt" | grep -v "^bwd\|^fwd+bwd" | tail -14
+  # PUSH_TESTS=0 skips the tests; PUSH_RUN names the study's variants (push( : the default build
+  # alone, push : every build of cuda.PUSH_VARIANTS too), PUSH_BWD its backward shapes (none).
+  if [[ ${PUSH_TESTS:-1} == 1 ]]; then
+    timeout 240 python3 -m pytest -q -rfE packages/layernorm/tests/test_cluster.py packages/layernorm/tests/test_replay.py \
+      -k "cuda or long_rows or replay or push" -m "not aot and not interpreter" 2>&1 | tee "$out/push_tests.txt" | tail -4
+  fi
+  NORM_VARIANTS=${PUSH_RUN:-"triton,push(,quack"} timeout ${PUSH_S:-200} python3 benchmarks/studies/norm_cluster_variants.py \
+    ${PUSH_SHAPES:-2048x32768,1024x65536,512x131072,256x262144} rms,ln,addrms ${PUSH_BWD:-8x4096} 2>&1 \
+    | tee "$out/push_variants.txt" | grep -v "^bwd\|^fwd+bwd" | tail -16
   timeout ${PUSH_S:-200} python3 benchmarks/peers/run.py layernorm --shapes ${PUSH_SHAPES:-2048x32768,1024x65536,512x131072,256x262144} \
     --directions fwd --peers torch,quack --kernel-time --json "$out/push_public.json" 2>&1 | tail -40
 fi

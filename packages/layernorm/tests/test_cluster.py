@@ -344,6 +344,39 @@ def test_the_default_launcher_runs_the_pushed_kernel_emulated(n: int, residual: 
         assert_close(h, want[1], dtype=dtype, msg="h")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm_90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("n,residual", [(262144, False), (200000, False), (100000, True), (262144, True)])
+def test_the_public_op_pushed_on_non_portable_clusters(n: int, residual: bool) -> None:
+    """rms_norm on rows the default routes to clusters of 9-16 CTAs where this GPU schedules
+    them (explain names the cluster): y and h against float64, two calls bitwise equal."""
+    import openkernels.layernorm as LN
+    from openkernels.layernorm import reference as R
+
+    dtype = torch.bfloat16
+    x, w = random_tensor((3, n), dtype, "cuda"), random_tensor((n,), dtype, "cuda")
+    r = random_tensor((3, n), dtype, "cuda") if residual else None
+    cfg = C._push_route(x, residual, w, rms_only=True)
+    assert cfg is not None
+    note = dispatch.explain("rms_norm", x, w, residual=r)
+    assert f"clusters of {cfg.cluster}" in note, note
+    print(torch.cuda.get_device_name(), n, residual, cfg, C._wide_fits)
+    runs = [LN.rms_norm(x, w, 1e-6, residual=r, prenorm=True) if residual else LN.rms_norm(x, w, 1e-6)
+            for _ in range(2)]  # fmt: skip
+    assert not C._broken, C._broken
+    y, h = runs[0] if residual else (runs[0], None)
+    assert torch.equal(y, runs[1][0] if residual else runs[1])
+    want = [torch.empty(3, n, dtype=torch.float64) for _ in range(2)] + [
+        None,
+        torch.empty(3, dtype=torch.float64),
+    ]
+    R.norm_fwd(x.double().cpu(), None if r is None else r.double().cpu(), w.double().cpu(), None, *want,
+               eps=1e-6, weight_offset=0.0, rms=True, h_dtype=dtype)  # fmt: skip
+    assert_close(y, want[0], dtype=dtype, terms=n, msg="y")
+    if residual:
+        assert_close(h, want[1], dtype=dtype, msg="h")
+
+
 def test_backward_config_and_calls() -> None:
     assert tuple(C.cluster_config(65536, torch.bfloat16, shapes=C.BWD_SHAPES)) == (512, 2, 8)
     assert tuple(C.cluster_config(16384, torch.bfloat16, shapes=C.BWD_SHAPES)) == (256, 2, 4)
