@@ -470,6 +470,7 @@ def test_backward_against_float64(rms: bool, dtype: torch.dtype, staged: bool, d
     [
         (False, False, False, False),
         (False, True, True, False),
+        (False, False, True, True),  # LayerNorm's common call: weight and bias, no residual
         (True, False, False, True),
         (True, True, True, True),
     ],

@@ -312,8 +312,11 @@ __device__ __forceinline__ void push_normalize(const Vec<T, 16 / sizeof(T)>* h, 
 
 // At least two CTAs of 256 threads per SM (at most 128 registers; the kernel takes 40-60).
 // RMS_ONLY (OK_PUSH_BY_OP builds): an instance for RMSNorm calls alone, so that the registers
-// LayerNorm's bias takes do not set its occupancy.
-template <typename T, typename W, int THREADS, int VPT, bool RMS_ONLY = false>
+// LayerNorm's bias takes do not set its occupancy. STAGE_PARAMS (OK_PUSH_SMEM_PARAMS study
+// builds, the generic instance without a residual): the chunk's weight and bias staged in
+// shared memory by the same bulk copies as x, so the normalize pass reads all three there (no
+// L2 round trip per vector, no registers held) at the cost of shared memory per CTA.
+template <typename T, typename W, int THREADS, int VPT, bool RMS_ONLY = false, bool STAGE_PARAMS = false>
 __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push_kernel(
     const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ weight, const W* __restrict__ bias,
     T* __restrict__ out, T* __restrict__ res_out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
@@ -388,6 +391,11 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   OK_DYNAMIC_SHARED(stage);
   RowVec* const h = reinterpret_cast<RowVec*>(stage) + threadIdx.x;  // vector i at h[i * THREADS]
   const RowVec* const staged_res = h + THREADS * VPT;
+  // STAGE_PARAMS: the chunk's weight, then its bias (CHUNK elements of W each), after x.
+  W* const staged_weight = reinterpret_cast<W*>(stage + THREADS * VPT * sizeof(RowVec));
+#ifndef OK_PUSH_BULK
+  static_assert(!STAGE_PARAMS, "the weight and bias are staged by bulk copies (OK_PUSH_BULK)");
+#endif
 #ifdef OK_PUSH_BULK
   // (On in the default build.) The CTA's chunk of x (and of the residual) in one bulk copy
   // each, issued by one thread (the TMA unit splits it), instead of a cp.async per thread and
@@ -397,10 +405,16 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
     const int64_t first = static_cast<int64_t>(rank) * CHUNK;
     const int64_t cols = n_cols - first < CHUNK ? n_cols - first : CHUNK;
     const uint32_t bytes = static_cast<uint32_t>(cols * static_cast<int64_t>(sizeof(T)));
-    ok_barrier_arrive_expect_tx(&staged, has_residual ? 2 * bytes : bytes);
+    const uint32_t param_bytes = static_cast<uint32_t>(cols * static_cast<int64_t>(sizeof(W)));
+    const uint32_t params = STAGE_PARAMS ? param_bytes * ((has_weight ? 1 : 0) + (has_bias ? 1 : 0)) : 0;
+    ok_barrier_arrive_expect_tx(&staged, (has_residual ? 2 * bytes : bytes) + params);
     ok_bulk_copy(stage, x + row * stride_x + first, bytes, &staged);
     if (has_residual)
       ok_bulk_copy(stage + THREADS * VPT * sizeof(RowVec), res + row * stride_res + first, bytes, &staged);
+    if constexpr (STAGE_PARAMS) {  // the pick leaves no residual beside them
+      if (has_weight) ok_bulk_copy(staged_weight, weight + first, param_bytes, &staged);
+      if (has_bias) ok_bulk_copy(staged_weight + CHUNK, bias + first, param_bytes, &staged);
+    }
   }
   load_weight_and_bias(3);
   ok_barrier_wait(&staged, 0);
@@ -493,8 +507,9 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
   }
 
   // Normalize from shared memory; the weight and bias come from L2 (every row reads them).
-  const W* const weight_at = weight + col0;
-  const W* const bias_at = bias + col0;
+  // (STAGE_PARAMS: the same offsets into the staged chunk: this thread's first column in it.)
+  const W* const weight_at = STAGE_PARAMS ? staged_weight + threadIdx.x * VEC : weight + col0;
+  const W* const bias_at = STAGE_PARAMS ? staged_weight + CHUNK + threadIdx.x * VEC : bias + col0;
   T* const out_at = out + row * stride_out + col0;
   load_weight_and_bias(1);
   auto normalize_as = [&](auto rms, auto with_weight, auto with_bias, auto offset) {
@@ -529,6 +544,18 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
 template <typename T, typename W>
 FwdKernel<T, W> pick_fwd(int threads, int vpt, int flags, size_t& dynamic_shared) {
   dynamic_shared = static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1);
+#ifdef OK_PUSH_SMEM_PARAMS
+  // The generic instance without a residual stages the weight and bias too, where they fit.
+  const size_t params = static_cast<size_t>(threads) * vpt * (16 / sizeof(T)) * sizeof(W) * 2;
+  const bool rms_only = (flags & kIsRms) && !(flags & kHasBias);
+  if (!rms_only && !(flags & kHasResidual) && dynamic_shared + params <= kMaxDynamicShared) {
+    dynamic_shared += params;
+    if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, false, true>;
+    if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, false, true>;
+    if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8, false, true>;
+    dynamic_shared -= params;
+  }
+#endif
 #ifdef OK_PUSH_BY_OP
   if ((flags & kIsRms) && !(flags & kHasBias)) {  // the RMSNorm instance has no bias pass
     if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, true>;
