@@ -84,6 +84,8 @@ def _report(label: str, variants: dict, sets: list[dict], nbytes: int, copy: flo
             continue
         try:
             fn(sets[0])
+            if C._broken:  # a refused launch fell back to Triton: report it, and let the next variant run
+                raise RuntimeError(C._broken.pop())
             err = check()
             ms = _bench(fn, sets)
             gbs = nbytes / ms / 1e6
