@@ -97,7 +97,8 @@ _push_library = cuda_build.CudaLibrary(
 # chunk lands, in the one instance every op runs), "pf" (their lines asked into L1 before the
 # exchange, no registers held), "w2r" / "w3r" (as w2 / w3 in an RMSNorm instance of its own;
 # w3r is the default's flags). "sp" (layernorm 0.11.12's study, on the default): LayerNorm calls
-# without a residual stage the chunk's weight and bias in shared memory by bulk copies beside x.
+# without a residual stage the chunk's weight and bias in shared memory by bulk copies beside x;
+# "sp2" RMSNorm calls without a residual too (their weight staged instead of held in registers).
 PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
     "plain": (), "trim": ("-DOK_PUSH_TRIM",), "bulk": ("-DOK_PUSH_BULK",), "lean": ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK"),
     "merge": _MERGE_FLAGS,
@@ -105,7 +106,7 @@ PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
     "w2": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=2"), "w3": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=3"),
     "pf": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=4"),
     "w2r": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=2", "-DOK_PUSH_BY_OP"), "w3r": PUSH_DEFAULT_FLAGS,
-    "sp": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_SMEM_PARAMS"),
+    "sp": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_SMEM_PARAMS=1"), "sp2": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_SMEM_PARAMS=2"),
 }  # fmt: skip
 _push_variants: dict[str, cuda_build.CudaLibrary] = {}
 

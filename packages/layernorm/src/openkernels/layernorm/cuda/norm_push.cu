@@ -367,8 +367,8 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1) norm_fwd_push
 #else
   constexpr bool kHoistHere = true;
 #endif
-  constexpr bool kHoist =
-      kHoistHere && (OK_PUSH_WLOAD == 2 || OK_PUSH_WLOAD == 3) && sizeof(W) * VEC * VPT <= 128;
+  constexpr bool kHoist = kHoistHere && !STAGE_PARAMS && (OK_PUSH_WLOAD == 2 || OK_PUSH_WLOAD == 3) &&
+                          sizeof(W) * VEC * VPT <= 128;
   const bool has_weight = flags & kHasWeight, has_bias = !RMS_ONLY && (flags & kHasBias);
   ParamVecs<W, VEC, VPT> wv, bv;
   auto load_weight_and_bias = [&](int point) {
@@ -545,14 +545,25 @@ template <typename T, typename W>
 FwdKernel<T, W> pick_fwd(int threads, int vpt, int flags, size_t& dynamic_shared) {
   dynamic_shared = static_cast<size_t>(threads) * vpt * 16 * ((flags & kHasResidual) ? 2 : 1);
 #ifdef OK_PUSH_SMEM_PARAMS
-  // The generic instance without a residual stages the weight and bias too, where they fit.
-  const size_t params = static_cast<size_t>(threads) * vpt * (16 / sizeof(T)) * sizeof(W) * 2;
+  // The generic instance without a residual stages the weight and bias too, where they fit
+  // (OK_PUSH_SMEM_PARAMS=2: the RMSNorm instance its weight as well, instead of holding it in
+  // registers).
   const bool rms_only = (flags & kIsRms) && !(flags & kHasBias);
-  if (!rms_only && !(flags & kHasResidual) && dynamic_shared + params <= kMaxDynamicShared) {
+  const size_t params = static_cast<size_t>(threads) * vpt * (16 / sizeof(T)) * sizeof(W) * 2;
+  if (!(flags & kHasResidual) && dynamic_shared + params <= kMaxDynamicShared) {
     dynamic_shared += params;
-    if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, false, true>;
-    if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, false, true>;
-    if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8, false, true>;
+    if (!rms_only) {
+      if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, false, true>;
+      if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, false, true>;
+      if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8, false, true>;
+    }
+#if OK_PUSH_SMEM_PARAMS == 2 && defined(OK_PUSH_BY_OP)
+    if (rms_only) {
+      if (threads == 256 && vpt == 4) return norm_fwd_push_kernel<T, W, 256, 4, true, true>;
+      if (threads == 256 && vpt == 8) return norm_fwd_push_kernel<T, W, 256, 8, true, true>;
+      if (threads == 512 && vpt == 8) return norm_fwd_push_kernel<T, W, 512, 8, true, true>;
+    }
+#endif
     dynamic_shared -= params;
   }
 #endif
