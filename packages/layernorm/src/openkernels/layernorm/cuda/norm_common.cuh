@@ -69,13 +69,13 @@ __device__ __forceinline__ void store_stream(void* p, const V& v) {
 }
 
 // The per-kernel opt-ins a launch of `kernel` with this much dynamic shared memory in clusters
-// of `cluster` needs: past 48 KiB of shared memory, static and dynamic together (the kernels
-// here hold at most a few KiB static: the cluster's parts and barriers, so from 40 KiB
-// dynamic; at exactly 48 KiB dynamic a launch without it failed, status 1, on an H100), past
-// the portable cluster size.
+// of `cluster` needs: past 48 KiB of shared memory, static and dynamic together (asked for any
+// dynamic size: the opt-in is remembered per kernel and device, and a launch of exactly 48 KiB
+// dynamic beside the kernel's static parts and barriers failed without it, status 1, on an
+// H100), past the portable cluster size.
 template <typename... Params>
 cudaError_t allow_launch(void (*kernel)(Params...), int cluster, size_t dynamic_shared) {
-  if (dynamic_shared > 40 * 1024) {
+  if (dynamic_shared > 0) {
     cudaError_t err = ok_opt_in_dynamic_shared(kernel, static_cast<int>(dynamic_shared));
     if (err != cudaSuccess) return err;
   }
