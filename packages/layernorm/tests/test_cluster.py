@@ -320,6 +320,45 @@ def test_non_portable_clusters_are_routed_only_where_the_device_schedules_them(m
     assert C._push_route(x, True, w, rms_only=True) is None  # with a residual: Triton
 
 
+def test_a_refused_non_portable_launch_falls_back_to_portable_clusters(monkeypatch) -> None:
+    """A device that refuses a cluster of 9-16 CTAs it had said it schedules: one warning, this
+    call and every later one on portable clusters (the pushed kernel still runs), the result
+    right; the cluster kernels stay on."""
+    from openkernels.layernorm import reference as R
+
+    lib = C._load(torch.device("cpu"), True)
+    launch = lib.ok_norm_fwd_push
+    clusters = []
+
+    def refusing(*args):  # status 1 (invalid value) for a non-portable cluster, as a driver may answer
+        clusters.append(args[5])
+        return 1 if args[5] > C.PORTABLE_CLUSTER else launch(*args)
+
+    monkeypatch.setattr(lib, "ok_norm_fwd_push", refusing)
+    monkeypatch.setattr(C, "_wide_refused", set())
+    m, n, dtype = 2, 140000, torch.bfloat16
+    x, w = random_tensor((m, n), dtype, "cpu"), random_tensor((n,), dtype, "cpu")
+    y, rstd = torch.empty_like(x), torch.empty(m)
+    with pytest.warns(RuntimeWarning, match="portable clusters"):
+        C.push_norm_fwd(
+            x, None, w, None, y, None, None, rstd, eps=1e-6, weight_offset=0.0, rms=True, h_dtype=dtype
+        )
+    assert clusters == [9, 5] and not C._broken, (clusters, C._broken)
+    want = [torch.empty(m, n, dtype=torch.float64) for _ in range(2)] + [
+        None,
+        torch.empty(m, dtype=torch.float64),
+    ]
+    R.norm_fwd(
+        x.double(), None, w.double(), None, *want, eps=1e-6, weight_offset=0.0, rms=True, h_dtype=dtype
+    )
+    assert_close(y, want[0], dtype=dtype, terms=n, msg="y")
+    assert C._push_route(x, False, w, rms_only=True) == C.ClusterConfig(512, 8, 5)
+    C.push_norm_fwd(
+        x, None, w, None, y, None, None, rstd, eps=1e-6, weight_offset=0.0, rms=True, h_dtype=dtype
+    )
+    assert clusters == [9, 5, 5]
+
+
 @pytest.mark.parametrize(
     "n,residual", [(32768, False), (32768, True), (140000, False), (70000, True)],
     ids=["plain", "residual", "plain-wide", "residual-wide"],

@@ -216,9 +216,11 @@ def push_config(n_cols: int, dtype: torch.dtype, residual: bool, wide: bool = Fa
     return ClusterConfig(*shape, -(-n_cols // (shape[0] * shape[1] * vec)))
 
 
-# (device index, dtype, weight dtype, config, residual) -> whether the device schedules the RMSNorm
+# (device, dtype, weight dtype, config, residual) -> whether the device schedules the RMSNorm
 # instance's non-portable cluster (asked once each: cudaOccupancyMaxActiveClusters)
 _wide_fits: dict[tuple, bool] = {}
+# Devices that refused a non-portable launch the query had allowed: portable launches from then on.
+_wide_refused: set[torch.device] = set()
 
 
 def wide_clusters_fit(
@@ -228,6 +230,8 @@ def wide_clusters_fit(
     cfg.cluster CTAs (past 8, the portable size, a part may not: Hopper's GPCs differ in free
     SMs). Asked of the device once per (device, dtypes, shape, residual); False where the
     library cannot load or the device answers 0 or an error (the portable launch runs then)."""
+    if x.device in _wide_refused:
+        return False
     key = (x.device, x.dtype, None if weight is None else weight.dtype, cfg, residual)
     fits = _wide_fits.get(key)
     if fits is None:
@@ -395,12 +399,15 @@ def _launch_failed(status: int, what: str, on_gpu: bool) -> None:
 
 def norm_fwd(
     x, residual, weight, bias, out, residual_out, mean, rstd, *, eps, weight_offset, rms, h_dtype, config=None,
-    staged=None, push: bool | str = False,
+    staged=None, push: bool | str = False, routed: bool = False,
 ) -> None:  # fmt: skip
     """triton.norm_fwd's contract. `config`: (threads, vectors per thread) forced, `staged`: the
     chunk in shared memory (True) or registers (False) forced, `push`: the pushed kernel
     (norm_push.cu: staged chunk, statistics sent to every CTA by st.async; a shape of
-    PUSH_SHAPES), or a name of PUSH_VARIANTS: that variant of it (tests, benchmarks)."""
+    PUSH_SHAPES), or a name of PUSH_VARIANTS: that variant of it (tests, benchmarks).
+    `routed` (push_norm_fwd's calls): a refused non-portable launch sends this device's later
+    calls to portable launches, and this one through that route, instead of turning the
+    cluster kernels off."""
     args = (x, residual, weight, bias, out, residual_out, mean, rstd)
     kwargs = dict(eps=eps, weight_offset=weight_offset, rms=rms, h_dtype=h_dtype)
     if (_broken and x.is_cuda) or unsupported_call(*args, h_dtype) is not None:
@@ -435,6 +442,15 @@ def norm_fwd(
         _stream(x),
     )  # fmt: skip
     if status != 0:
+        if routed and cfg.cluster > PORTABLE_CLUSTER and x.device not in _wide_refused:
+            _wide_refused.add(x.device)
+            warnings.warn(
+                f"openkernels.layernorm: {x.device} refused a cluster of {cfg.cluster} CTAs that it had said it "
+                f"schedules (status {status}); the pushed forward takes portable clusters there from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return push_norm_fwd(*args, **kwargs)
         _launch_failed(status, f"{'pushed ' if push else ''}forward {cfg}", x.is_cuda)
         return _triton_fwd(*args, **kwargs)
     return None
@@ -451,7 +467,7 @@ def push_norm_fwd(
     cfg = _push_route(x, residual is not None, weight, rms and bias is None)
     if cfg is None:
         return _triton_fwd(*args, **kwargs)
-    return norm_fwd(*args, **kwargs, config=(cfg.threads, cfg.vectors_per_thread), push=True)
+    return norm_fwd(*args, **kwargs, config=(cfg.threads, cfg.vectors_per_thread), push=True, routed=True)
 
 
 def _push_route(
