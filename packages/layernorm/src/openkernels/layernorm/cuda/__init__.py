@@ -498,6 +498,11 @@ def _explain_push(x, *args, **kwargs) -> str | None:
     cfg = _push_route(x, has_residual, weight, rms_only)
     if cfg is not None:
         wide = " (non-portable: this device schedules them)" if cfg.cluster > PORTABLE_CLUSTER else ""
+        if wide and "rms" not in kwargs:  # the public call's: LayerNorm's differ
+            portable = push_config(x.shape[-1], x.dtype, has_residual)
+            wide += "; LayerNorm calls: " + (
+                f"clusters of {portable.cluster}" if portable is not None else "handed on to 'triton'"
+            )
         return (
             f"the pushed cluster kernel ({cfg.threads} threads x {cfg.vectors_per_thread} vectors,"
             f" clusters of {cfg.cluster}{wide})"
