@@ -314,6 +314,21 @@ def test_non_portable_clusters_are_routed_only_where_the_device_schedules_them(m
     assert not C.wide_clusters_fit(x, w, C.ClusterConfig(256, 8, 17), False)  # past 16: the entry refuses
     assert C._push_route(x, False, w, rms_only=True) == C.ClusterConfig(256, 8, 16)
     assert C._push_route(x, False, w, rms_only=False) == C.ClusterConfig(512, 8, 8)  # LayerNorm: portable
+
+    class Rows:  # x seen as a GPU call's rows (explain notes only those), on a part that schedules 16
+        is_cuda, shape, dtype, device = True, x.shape, x.dtype, x.device
+
+    monkeypatch.setattr(C, "wide_clusters_fit", lambda *args: True)
+
+    note = C._explain_push(Rows(), w)  # a public call's arguments: RMSNorm's route, LayerNorm's beside it
+    assert "clusters of 16 (non-portable" in note and "LayerNorm calls: clusters of 8" in note, note
+    launcher = dict(eps=1e-6, weight_offset=0.0, h_dtype=bf16)
+    note = C._explain_push(
+        Rows(), None, w, w, x, None, None, None, rms=False, **launcher
+    )  # LayerNorm's launch
+    assert note.endswith("clusters of 8)"), note
+    note = C._explain_push(Rows(), None, w, None, x, None, None, None, rms=True, **launcher)
+    assert note.endswith("clusters of 16 (non-portable: this device schedules them))"), note
     C._wide_fits.clear()
     monkeypatch.setattr(C, "wide_clusters_fit", lambda *args: False)  # a part that cannot schedule 16
     assert C._push_route(x, False, w, rms_only=True) == C.ClusterConfig(512, 8, 8)
