@@ -216,11 +216,13 @@ def push_config(n_cols: int, dtype: torch.dtype, residual: bool, wide: bool = Fa
     return ClusterConfig(*shape, -(-n_cols // (shape[0] * shape[1] * vec)))
 
 
-# (device, dtype, weight dtype, config, residual) -> whether the device schedules the RMSNorm
-# instance's non-portable cluster (asked once each: cudaOccupancyMaxActiveClusters)
+# (device index: get_device(), -1 on the CPU; dtype, weight dtype, config, residual) -> whether the
+# device schedules the RMSNorm instance's non-portable cluster (asked once each:
+# cudaOccupancyMaxActiveClusters). Keyed by the index, not x.device: building a torch.device per
+# call cost more than the rest of the lookup.
 _wide_fits: dict[tuple, bool] = {}
-# Devices that refused a non-portable launch the query had allowed: portable launches from then on.
-_wide_refused: set[torch.device] = set()
+# Device indices that refused a non-portable launch the query had allowed: portable from then on.
+_wide_refused: set[int] = set()
 
 
 def wide_clusters_fit(
@@ -230,9 +232,10 @@ def wide_clusters_fit(
     cfg.cluster CTAs (past 8, the portable size, a part may not: Hopper's GPCs differ in free
     SMs). Asked of the device once per (device, dtypes, shape, residual); False where the
     library cannot load or the device answers 0 or an error (the portable launch runs then)."""
-    if x.device in _wide_refused:
+    device = x.get_device()
+    if device in _wide_refused:
         return False
-    key = (x.device, x.dtype, None if weight is None else weight.dtype, cfg, residual)
+    key = (device, x.dtype, None if weight is None else weight.dtype, cfg, residual)
     fits = _wide_fits.get(key)
     if fits is None:
         lib = _load(x.device, True)
@@ -442,8 +445,8 @@ def norm_fwd(
         _stream(x),
     )  # fmt: skip
     if status != 0:
-        if routed and cfg.cluster > PORTABLE_CLUSTER and x.device not in _wide_refused:
-            _wide_refused.add(x.device)
+        if routed and cfg.cluster > PORTABLE_CLUSTER and x.get_device() not in _wide_refused:
+            _wide_refused.add(x.get_device())
             warnings.warn(
                 f"openkernels.layernorm: {x.device} refused a cluster of {cfg.cluster} CTAs that it had said it "
                 f"schedules (status {status}); the pushed forward takes portable clusters there from now on",
