@@ -420,7 +420,7 @@ def test_the_public_op_pushed_on_non_portable_clusters(n: int, residual: bool) -
     assert cfg is not None
     note = dispatch.explain("rms_norm", x, w, residual=r)
     assert f"clusters of {cfg.cluster}" in note, note
-    print(torch.cuda.get_device_name(), n, residual, cfg, C._wide_fits)
+    print(torch.cuda.get_device_name(), n, residual, cfg)  # the route, for the device log (-s)
     runs = [LN.rms_norm(x, w, 1e-6, residual=r, prenorm=True) if residual else LN.rms_norm(x, w, 1e-6)
             for _ in range(2)]  # fmt: skip
     assert not C._broken, C._broken
