@@ -10,7 +10,8 @@
 # PUSH_SHAPES; E2E_PROFILE=steps lists the decode step's kernels per variant, E2E_AB=1 runs it
 # again without the decoder layers' add + norm fusion, TC_WALL=0 skips the tc tests and wall times,
 # E2E_MODES=graph,compile times the fusedappend step's decode both ways);
-# WLOAD_VARIANTS, WLOAD_SHAPES, WLOAD_S; SPARAMS_RUN, SPARAMS_SHAPES, SPARAMS_S, SPARAMS_TESTS_S;
+# WLOAD_VARIANTS, WLOAD_SHAPES, WLOAD_S; SPARAMS_RUN, SPARAMS_SHAPES, SPARAMS_S, SPARAMS_TESTS_S,
+# SPARAMS_TEST_VARIANTS;
 # results in $OUT.
 set -uo pipefail
 family=${1:-activations}
@@ -103,16 +104,19 @@ if [[ $steps == *push* && $family == layernorm ]]; then
 fi
 if [[ $steps == *sparams* && $family == layernorm ]]; then
   # The weight and bias staged in shared memory (layernorm 0.11.12's study builds sp / sp2,
-  # cuda.PUSH_VARIANTS), kernel level beside the default and Triton (QuACK where installed:
-  # source .whl-cute-b/install.sh first), then the GPU tests of the pushed forward on sp2.
+  # cuda.PUSH_VARIANTS) and LayerNorm's centring as one FMA (cf; spf: both), kernel level beside
+  # the default and Triton (QuACK where installed: source .whl-cute-b/install.sh first), then the
+  # GPU tests of the pushed forward on each build of SPARAMS_TEST_VARIANTS.
   python3 -c "from concurrent.futures import ThreadPoolExecutor as P; from openkernels.layernorm import cuda as C
-with P(3) as p: list(p.map(lambda v: C.push_variant_library(v)(), ['w3r', 'sp', 'sp2']))"
-  NORM_VARIANTS=${SPARAMS_RUN:-"triton,push(,push-sp(,push-sp2(,quack"} timeout ${SPARAMS_S:-240} python3 \
-    benchmarks/studies/norm_cluster_variants.py ${SPARAMS_SHAPES:-4096x16384,2048x32768,1024x65536,512x131072,256x262144} \
+with P(5) as p: list(p.map(lambda v: C.push_variant_library(v)(), ['w3r', 'sp', 'sp2', 'cf', 'spf']))"
+  NORM_VARIANTS=${SPARAMS_RUN:-"triton,push(,push-sp(,push-sp2(,push-cf(,push-spf(,quack"} timeout ${SPARAMS_S:-240} \
+    python3 benchmarks/studies/norm_cluster_variants.py ${SPARAMS_SHAPES:-4096x16384,2048x32768,1024x65536,512x131072,256x262144} \
     rms,ln none 2>&1 | tee "$out/sparams_variants.txt" | tail -12
-  PUSH_VARIANT_UNDER_TEST=sp2 PYTHONPATH=$PWD/benchmarks/gpu:$PYTHONPATH timeout ${SPARAMS_TESTS_S:-200} python3 -m pytest \
-    -q -rfE -p push_variant_plugin packages/layernorm/tests/test_cluster.py -k "(cuda and push) or pushed_on" \
-    -m "not aot and not interpreter" 2>&1 | tee "$out/sparams_tests.txt" | tail -4
+  for variant in ${SPARAMS_TEST_VARIANTS:-sp2 spf}; do
+    PUSH_VARIANT_UNDER_TEST=$variant PYTHONPATH=$PWD/benchmarks/gpu:$PYTHONPATH timeout ${SPARAMS_TESTS_S:-200} python3 \
+      -m pytest -q -rfE -p push_variant_plugin packages/layernorm/tests/test_cluster.py -k "(cuda and push) or pushed_on" \
+      -m "not aot and not interpreter" 2>&1 | tee "$out/sparams_tests_$variant.txt" | tail -4
+  done
 fi
 if [[ $steps == *wload* && $family == layernorm ]]; then
   # Where the pushed forward's weight and bias loads are issued (layernorm 0.11.11 study:

@@ -107,6 +107,8 @@ PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
     "pf": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=4"),
     "w2r": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=2", "-DOK_PUSH_BY_OP"), "w3r": PUSH_DEFAULT_FLAGS,
     "sp": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_SMEM_PARAMS=1"), "sp2": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_SMEM_PARAMS=2"),
+    "cf": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_CENTER_FMA"),
+    "spf": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_SMEM_PARAMS=1", "-DOK_PUSH_CENTER_FMA"),
 }  # fmt: skip
 _push_variants: dict[str, cuda_build.CudaLibrary] = {}
 
