@@ -99,6 +99,8 @@ _push_library = cuda_build.CudaLibrary(
 # w3r is the default's flags). "sp" (layernorm 0.11.12's study, on the default): LayerNorm calls
 # without a residual stage the chunk's weight and bias in shared memory by bulk copies beside x;
 # "sp2" RMSNorm calls without a residual too (their weight staged instead of held in registers).
+# "cf" (layernorm 0.11.13's study, on the default): LayerNorm's centring as one FMA per element;
+# "spf" that on "sp".
 PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
     "plain": (), "trim": ("-DOK_PUSH_TRIM",), "bulk": ("-DOK_PUSH_BULK",), "lean": ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK"),
     "merge": _MERGE_FLAGS,
