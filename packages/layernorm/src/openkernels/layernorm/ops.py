@@ -168,7 +168,7 @@ def _triton_supports(key: dispatch.DispatchKey) -> str | None:
 
 # The sm_90 cluster kernels (CUDA C++): below Triton's priority (20), so they run only when
 # forced by name; the pushed forward ("push", norm_push.cu) above it: its launcher runs the
-# rows it measured faster on (cuda.push_config: 32768-262144 columns, H200) and hands every
+# rows it measured faster on (cuda.push_config: 32768-262144 columns, to 524288 on clusters of 9-16; H200 and H100) and hands every
 # other call to the Triton launcher.
 _CLUSTER_PRIORITY = 15
 _PUSH_PRIORITY = 25

@@ -78,8 +78,12 @@ _PUSH_SOURCE = pathlib.Path(__file__).with_name("norm_push.cu")
 # vector's weight inside the normalize loop, behind the previous vector's bounds branch: one L2
 # round trip per vector); H200, kernel time: RMSNorm 0.82-0.83 -> 0.85 of copy at 32768-65536
 # columns, add_rms_norm unchanged, LayerNorm's instance as before (docs/perf.md).
+# OK_PUSH_CENTER_FMA (layernorm 0.11.14): LayerNorm's (h - mean) * rstd as one FMA per element,
+# h * rstd - mean * rstd; H100, kernel time: LayerNorm 0-1.5% faster at every routed shape,
+# RMSNorm unchanged (docs/perf.md, thirtieth session).
 _MERGE_FLAGS = ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK", "-DOK_PUSH_MERGE")
-PUSH_DEFAULT_FLAGS: tuple[str, ...] = (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=3", "-DOK_PUSH_BY_OP")
+_W3R_FLAGS = (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=3", "-DOK_PUSH_BY_OP")
+PUSH_DEFAULT_FLAGS: tuple[str, ...] = (*_W3R_FLAGS, "-DOK_PUSH_CENTER_FMA")
 # ok_norm_fwd_push_clusters(device, dtype code, weight code, threads, vpt, cluster, flags): how
 # many such clusters the device holds at once (asked before a non-portable cluster is routed).
 _PUSH_QUERIES = {"ok_norm_fwd_push_clusters": [_I32] * 7}
@@ -96,21 +100,21 @@ _push_library = cuda_build.CudaLibrary(
 # "w2" / "w3" (OK_PUSH_WLOAD: every vector's into registers before the exchange / while the
 # chunk lands, in the one instance every op runs), "pf" (their lines asked into L1 before the
 # exchange, no registers held), "w2r" / "w3r" (as w2 / w3 in an RMSNorm instance of its own;
-# w3r is the default's flags). "sp" (layernorm 0.11.12's study, on the default): LayerNorm calls
-# without a residual stage the chunk's weight and bias in shared memory by bulk copies beside x;
-# "sp2" RMSNorm calls without a residual too (their weight staged instead of held in registers).
-# "cf" (layernorm 0.11.13's study, on the default): LayerNorm's centring as one FMA per element;
-# "spf" that on "sp".
+# w3r is the default of layernorm 0.11.11-0.11.13). "sp" (layernorm 0.11.12's study, on w3r):
+# LayerNorm calls without a residual stage the chunk's weight and bias in shared memory by bulk
+# copies beside x; "sp2" RMSNorm calls without a residual too (their weight staged instead of
+# held in registers): both slower on an H100 (LayerNorm 5-60%, sp2's RMSNorm up to 50%; docs/
+# perf.md). "cf" (layernorm 0.11.13's study): LayerNorm's centring as one FMA per element, the
+# default's flags since 0.11.14; "spf" that on "sp".
 PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
     "plain": (), "trim": ("-DOK_PUSH_TRIM",), "bulk": ("-DOK_PUSH_BULK",), "lean": ("-DOK_PUSH_TRIM", "-DOK_PUSH_BULK"),
     "merge": _MERGE_FLAGS,
     "g2": (*_MERGE_FLAGS, "-DOK_PUSH_WGROUP=2"), "g4": (*_MERGE_FLAGS, "-DOK_PUSH_WGROUP=4"),
     "w2": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=2"), "w3": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=3"),
     "pf": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=4"),
-    "w2r": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=2", "-DOK_PUSH_BY_OP"), "w3r": PUSH_DEFAULT_FLAGS,
-    "sp": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_SMEM_PARAMS=1"), "sp2": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_SMEM_PARAMS=2"),
-    "cf": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_CENTER_FMA"),
-    "spf": (*PUSH_DEFAULT_FLAGS, "-DOK_PUSH_SMEM_PARAMS=1", "-DOK_PUSH_CENTER_FMA"),
+    "w2r": (*_MERGE_FLAGS, "-DOK_PUSH_WLOAD=2", "-DOK_PUSH_BY_OP"), "w3r": _W3R_FLAGS,
+    "sp": (*_W3R_FLAGS, "-DOK_PUSH_SMEM_PARAMS=1"), "sp2": (*_W3R_FLAGS, "-DOK_PUSH_SMEM_PARAMS=2"),
+    "cf": PUSH_DEFAULT_FLAGS, "spf": (*_W3R_FLAGS, "-DOK_PUSH_SMEM_PARAMS=1", "-DOK_PUSH_CENTER_FMA"),
 }  # fmt: skip
 _push_variants: dict[str, cuda_build.CudaLibrary] = {}
 
@@ -197,11 +201,14 @@ def push_config(n_cols: int, dtype: torch.dtype, residual: bool, wide: bool = Fa
     So rows of 32768-262144 columns (16384 per CTA, 32768 past 131072: clusters of 2-8, all
     portable), with a residual 32768-65536 (8192 per CTA: clusters of 4-8); 16-bit dtypes.
 
-    `wide` (RMSNorm calls, where the device schedules clusters of 9-16 CTAs: wide_clusters_fit)
-    also takes non-portable clusters where they measured faster (H200, layernorm 0.11.11's
-    RMSNorm instance, 2026-12-07): RMSNorm 262144 on 16 CTAs of 16384 columns 0.83 (0.78 on 8
-    of 32768), add_rms_norm 262144 on 16 of 16384 0.86 (Triton 0.82) and 131072 on 16 of 8192
-    (0.84 / 0.82, 2026-12-05). So past 131072 columns 16384 per CTA; with a residual 8192 per
+    `wide` (where the device schedules clusters of 9-16 CTAs: wide_clusters_fit; RMSNorm calls,
+    and LayerNorm calls without a residual) also takes non-portable clusters where they
+    measured faster (H200, layernorm 0.11.11's RMSNorm instance, 2026-12-07): RMSNorm 262144
+    on 16 CTAs of 16384 columns 0.83 (0.78 on 8 of 32768), add_rms_norm 262144 on 16 of 16384
+    0.86 (Triton 0.82) and 131072 on 16 of 8192 (0.84 / 0.82, 2026-12-05). H100, layernorm
+    0.11.13 (thirtieth session): LayerNorm 262144 on 16 of 16384 0.81 (0.79 on 8 of 32768);
+    524288 on 16 of 32768 RMSNorm 0.84, LayerNorm 0.74 (Triton 0.77 / 0.67). So past 131072
+    columns 16384 per CTA, past 262144 32768 per CTA up to 524288; with a residual 8192 per
     CTA up to 131072, 16384 per CTA up to 262144."""
     if dtype not in PUSH_DTYPES:
         return None
@@ -213,15 +220,17 @@ def push_config(n_cols: int, dtype: torch.dtype, residual: bool, wide: bool = Fa
         )  # fmt: skip
     elif 32768 <= n_cols <= 131072:
         shape = (256, 8)
+    elif 131072 < n_cols <= 262144:
+        shape = (256, 8) if wide else (512, 8)
     else:
-        shape = ((256, 8) if wide else (512, 8)) if 131072 < n_cols <= 262144 else None
+        shape = (512, 8) if wide and 262144 < n_cols <= 524288 else None
     if shape is None:
         return None
     return ClusterConfig(*shape, -(-n_cols // (shape[0] * shape[1] * vec)))
 
 
-# (device index: get_device(), -1 on the CPU; dtype, weight dtype, config, residual) -> whether the
-# device schedules the RMSNorm instance's non-portable cluster (asked once each:
+# (device index: get_device(), -1 on the CPU; dtype, weight dtype, config, residual, RMSNorm
+# instance) -> whether the device schedules that instance's non-portable cluster (asked once each:
 # cudaOccupancyMaxActiveClusters). Keyed by the index, not x.device: building a torch.device per
 # call cost more than the rest of the lookup.
 _wide_fits: dict[tuple, bool] = {}
@@ -230,20 +239,23 @@ _wide_refused: set[int] = set()
 
 
 def wide_clusters_fit(
-    x: torch.Tensor, weight: torch.Tensor | None, cfg: ClusterConfig, residual: bool
+    x: torch.Tensor, weight: torch.Tensor | None, cfg: ClusterConfig, residual: bool, rms_only: bool = True
 ) -> bool:
-    """Whether x's device can run the RMSNorm instance of the pushed forward on clusters of
-    cfg.cluster CTAs (past 8, the portable size, a part may not: Hopper's GPCs differ in free
-    SMs). Asked of the device once per (device, dtypes, shape, residual); False where the
-    library cannot load or the device answers 0 or an error (the portable launch runs then)."""
+    """Whether x's device can run the pushed forward on clusters of cfg.cluster CTAs (past 8,
+    the portable size, a part may not: Hopper's GPCs differ in free SMs), in the RMSNorm
+    instance (`rms_only`: RMSNorm without a bias) or the other one. Asked of the device once per
+    (device, dtypes, shape, residual, instance); False where the library cannot load or the
+    device answers 0 or an error (the portable launch runs then)."""
     device = x.get_device()
     if device in _wide_refused:
         return False
-    key = (device, x.dtype, None if weight is None else weight.dtype, cfg, residual)
+    key = (device, x.dtype, None if weight is None else weight.dtype, cfg, residual, rms_only)
     fits = _wide_fits.get(key)
     if fits is None:
         lib = _load(x.device, True)
-        flags = _FLAGS["rms"] + _FLAGS["residual"] * residual + _FLAGS["weight"] * (weight is not None)
+        flags = (
+            _FLAGS["rms"] * rms_only + _FLAGS["residual"] * residual + _FLAGS["weight"] * (weight is not None)
+        )
         count = -1 if lib is None else lib.ok_norm_fwd_push_clusters(
             _device_index(x), _CODES[x.dtype], 0 if weight is None else _CODES[weight.dtype], cfg.threads,
             cfg.vectors_per_thread, cfg.cluster, flags,
@@ -480,11 +492,14 @@ def push_norm_fwd(
 def _push_route(
     x: torch.Tensor, residual: bool, weight: torch.Tensor | None, rms_only: bool
 ) -> ClusterConfig | None:
-    """push_config for this call: non-portable clusters for RMSNorm calls (no bias) where the
-    device schedules them, else the portable launch."""
+    """push_config for this call: non-portable clusters for RMSNorm calls (no bias) and calls
+    without a residual where the device schedules them, else the portable launch."""
     n_cols, dtype = x.shape[-1], x.dtype
-    cfg = push_config(n_cols, dtype, residual, wide=rms_only)
-    if cfg is not None and cfg.cluster > PORTABLE_CLUSTER and not wide_clusters_fit(x, weight, cfg, residual):
+    cfg = push_config(n_cols, dtype, residual, wide=rms_only or not residual)
+    if (
+        cfg is not None and cfg.cluster > PORTABLE_CLUSTER
+        and not wide_clusters_fit(x, weight, cfg, residual, rms_only)
+    ):  # fmt: skip
         cfg = push_config(n_cols, dtype, residual)
     return cfg
 
@@ -505,7 +520,7 @@ def _explain_push(x, *args, **kwargs) -> str | None:
     cfg = _push_route(x, has_residual, weight, rms_only)
     if cfg is not None:
         wide = " (non-portable: this device schedules them)" if cfg.cluster > PORTABLE_CLUSTER else ""
-        if wide and "rms" not in kwargs:  # the public call's: LayerNorm's differ
+        if wide and "rms" not in kwargs and has_residual:  # the public call's: LayerNorm's differ
             portable = push_config(x.shape[-1], x.dtype, has_residual)
             wide += "; LayerNorm calls: " + (
                 f"clusters of {portable.cluster}" if portable is not None else "handed on to 'triton'"
@@ -515,8 +530,9 @@ def _explain_push(x, *args, **kwargs) -> str | None:
             f" clusters of {cfg.cluster}{wide})"
         )
     return (
-        "handed on to 'triton' (the pushed kernel runs 32768-262144 columns, with a residual 32768-65536 or"
-        f" to 262144 on clusters of 9-16, bfloat16 / float16; this is {x.shape[-1]} columns, {x.dtype})"
+        "handed on to 'triton' (the pushed kernel runs 32768-262144 columns or to 524288 on clusters of 9-16,"
+        " with a residual 32768-65536 or to 262144 on clusters of 9-16 (RMSNorm), bfloat16 / float16; this is"
+        f" {x.shape[-1]} columns, {x.dtype})"
     )
 
 
