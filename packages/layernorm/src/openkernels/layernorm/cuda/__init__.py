@@ -103,7 +103,7 @@ _push_library = cuda_build.CudaLibrary(
 # w3r is the default of layernorm 0.11.11-0.11.13). "sp" (layernorm 0.11.12's study, on w3r):
 # LayerNorm calls without a residual stage the chunk's weight and bias in shared memory by bulk
 # copies beside x; "sp2" RMSNorm calls without a residual too (their weight staged instead of
-# held in registers): both slower on an H100 (LayerNorm 5-60%, sp2's RMSNorm up to 50%; docs/
+# held in registers): both slower on an H100 (LayerNorm up to 1.8x, sp2's RMSNorm up to 1.5x; docs/
 # perf.md). "cf" (layernorm 0.11.13's study): LayerNorm's centring as one FMA per element, the
 # default's flags since 0.11.14; "spf" that on "sp".
 PUSH_VARIANTS: dict[str, tuple[str, ...]] = {
