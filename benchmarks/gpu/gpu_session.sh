@@ -97,9 +97,9 @@ if [[ $steps == *push* && $family == layernorm ]]; then
       -k "cuda or long_rows or replay or push" -m "not aot and not interpreter" 2>&1 | tee "$out/push_tests.txt" | tail -4
   fi
   NORM_VARIANTS=${PUSH_RUN:-"triton,push(,quack"} timeout ${PUSH_S:-200} python3 benchmarks/studies/norm_cluster_variants.py \
-    ${PUSH_SHAPES:-2048x32768,1024x65536,512x131072,256x262144} rms,ln,addrms ${PUSH_BWD:-8x4096} 2>&1 \
+    ${PUSH_SHAPES:-4096x16384,2048x32768,1024x65536,512x131072,256x262144,128x524288} rms,ln,addrms ${PUSH_BWD:-8x4096} 2>&1 \
     | tee "$out/push_variants.txt" | grep -v "^bwd\|^fwd+bwd" | tail -16
-  timeout ${PUSH_S:-200} python3 benchmarks/peers/run.py layernorm --shapes ${PUSH_SHAPES:-2048x32768,1024x65536,512x131072,256x262144} \
+  timeout ${PUSH_S:-200} python3 benchmarks/peers/run.py layernorm --shapes ${PUSH_SHAPES:-4096x16384,2048x32768,1024x65536,512x131072,256x262144,128x524288} \
     --directions fwd --peers torch,quack --kernel-time --json "$out/push_public.json" 2>&1 | tail -40
 fi
 if [[ $steps == *sparams* && $family == layernorm ]]; then
