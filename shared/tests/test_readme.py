@@ -73,3 +73,16 @@ def test_readme_test_command_is_the_ci_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(rf"^\s*{re.escape(commands[1])}\s*$", ci, re.MULTILINE), ci
     assert text.index("## Two commands") < text.index("## Install") < text.index("## Activations")
+
+
+def test_readme_package_versions_are_the_packages():
+    """The package table's version column is each package's `__version__` (it read 0.5.x for
+    many releases after the packages had moved on)."""
+    text = README.read_text()
+    rows = re.findall(r"^\| `openkernels-(\w+)` \([^)]*\) \| `([\w.]+)` \| ([\d.]+) \|", text, re.MULTILINE)
+    assert {name for name, _, _ in rows} == {"shared", "activations", "layernorm", "attention", "quant"}, rows
+    for _, module, version in rows:
+        source = ROOT / ("shared" if module == "openkernels.shared" else f"packages/{module.split('.')[1]}")
+        init = source / "src" / Path(*module.split(".")) / "__init__.py"
+        declared = re.search(r'^__version__ = "([^"]+)"', init.read_text(), re.MULTILINE)
+        assert declared and declared.group(1) == version, (module, version, declared and declared.group(1))
