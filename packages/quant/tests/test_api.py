@@ -96,6 +96,29 @@ def test_quantize_rejects_bad_input(kwargs, error) -> None:
         Q.quantize_int4(**kwargs)
 
 
+@pytest.mark.parametrize("search", [None, "clip"])
+def test_groups_that_do_not_hold_zero_stay_on_the_grid(search) -> None:
+    """Asymmetric int4 stores the zero point as a code (0..15), so each group's range must
+    hold 0: a group of [10, 11] once got zero 0, its codes clamped at 15 and came back ~1.0."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.rand(6, 256, generator=gen)
+    w[0] += 10.0  # far above 0
+    w[1] = -w[1] - 3.0  # below 0
+    w[2] = w[2] * 0.97 + 0.13  # just above 0
+    w[3, :128] = 7.0  # a constant group beside an offset one
+    w[4] = w[4] * 1e-3 + 1.0  # narrow and far: the step is the group's max / 15
+    q = Q.quantize_int4(w, 64, search=search)
+    assert q.zeros is not None and q.zeros.min() >= 0 and q.zeros.max() <= 15
+    step = q.scales.t().double().repeat_interleave(64, dim=1)
+    err = (Q.dequantize_int4(q, torch.float64) - w.double()).abs()
+    if search is None:  # round to nearest: every value within half a step of its own
+        assert (err <= 0.5 * step * (1 + 1e-3)).all(), err.max()
+    else:  # the search keeps a group's squared error at most round to nearest's
+        rtn = Q.dequantize_int4(Q.quantize_int4(w, 64), torch.float64) - w.double()
+        group_sq = err.square().reshape(6, 4, 64).sum(-1)
+        assert (group_sq <= rtn.square().reshape(6, 4, 64).sum(-1) * (1 + 1e-6)).all()
+
+
 def test_all_zero_groups_and_bfloat16_scales() -> None:
     w = make_weight(8, 256)
     w[:, :128] = 0
@@ -227,6 +250,123 @@ def test_safetensors_round_trip(tmp_path, kind) -> None:
     load_quantized(fresh, path)
     assert isinstance(fresh.up, Int4Linear) and fresh.up.kind == kind
     torch.testing.assert_close(fresh(x), want, rtol=0, atol=0)
+
+
+class _TiedHead(nn.Module):
+    """An embedding and a 16-bit head that share one weight (a Llama with tied embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 64)
+        self.up = nn.Linear(64, 64)
+        self.lm_head = nn.Linear(64, 10, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.up(self.embed(ids)))
+
+
+def test_tied_weights_are_saved_once_and_loaded_into_both(tmp_path) -> None:
+    """quant 0.10.18: safetensors refused the two keys of one tensor (save_quantized raised on
+    any tied-embedding model whose lm_head stays in 16 bits, the default skip)."""
+    torch.manual_seed(3)
+    model = _TiedHead()
+    quantize_model(model, group_size=32, progress=False)
+    ids = torch.randint(0, 10, (2, 5))
+    want = model(ids)
+    path = tmp_path / "tied.safetensors"
+    save_quantized(model, path)
+    for fresh in (_TiedHead(), _untie(_TiedHead())):  # tied as saved, or not: both keys filled
+        load_quantized(fresh, path)
+        torch.testing.assert_close(fresh(ids), want, rtol=0, atol=0)
+        assert torch.equal(fresh.lm_head.weight, model.embed.weight)
+
+
+def _untie(model: _TiedHead) -> _TiedHead:
+    model.lm_head.weight = nn.Parameter(model.embed.weight.detach().clone())
+    return model
+
+
+def test_dtype_casts_keep_the_scales_format(tmp_path) -> None:
+    """quant 0.10.18: model.float() made the scales float32; the CPU kernel refused them at the
+    next call (dispatch then ran the reference for the rest of the process) and save_quantized
+    wrote a file load_quantized refused. Scales and zeros now keep their dtype under casts."""
+    torch.manual_seed(4)
+    model = _Tiny().to(torch.bfloat16)
+    quantize_model(model, group_size=32, progress=False)
+    x = torch.randn(3, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no KernelFallbackWarning
+        for cast in (nn.Module.float, nn.Module.half, nn.Module.double, lambda m: m.to(torch.bfloat16)):
+            cast(model)
+            assert model.up.scales.dtype == model.up.zeros.dtype == torch.bfloat16
+            assert model.up.bias.dtype == model.lm_head.weight.dtype  # the bias casts as any parameter
+            model(x.to(model.lm_head.weight.dtype))
+    path = tmp_path / "cast.safetensors"
+    model.float()
+    save_quantized(model, path)
+    load_quantized(_Tiny(), path)
+
+
+def test_int4_weight_takes_any_strides_and_checks_its_perm() -> None:
+    """A weight of transposed-copy scales ran into the CPU kernel's stride check at every call,
+    and dispatch gave up on that kernel for the process (a 400x slower reference from then on
+    for every call of that dtype): Int4Weight now holds contiguous copies."""
+    weight = Q.quantize_int4(make_weight(32, 128), 32)
+    odd = Q.Int4Weight(weight.qweight, weight.scales.t().contiguous().t(), weight.zeros, 32)
+    assert odd.scales.is_contiguous() and torch.equal(odd.scales, weight.scales)
+    x = torch.randn(2, 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(Q.int4_linear(x, odd), Q.int4_linear(x, weight), rtol=0, atol=0)
+    for perm in (torch.zeros(128, dtype=torch.long), torch.arange(128) + 1):
+        with pytest.raises(ValueError, match="perm: not a permutation"):
+            Q.Int4Weight(weight.qweight, weight.scales, weight.zeros, 32, perm=perm)
+
+
+def test_shared_layers_and_single_layers_in_quantize_model() -> None:
+    """One nn.Linear under two names is quantized once and replaced under both (the second
+    name kept the 16-bit layer before, unreported); kernelize's undo puts it back under both.
+    A bare nn.Linear is refused with the call that quantizes one layer."""
+    from openkernels.shared.kernelize import kernelize, unkernelize
+
+    shared = nn.Linear(64, 64)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    report = quantize_model(model, group_size=32, progress=False)
+    assert report.quantized == ["0", "2"] and model[0] is model[2] and isinstance(model[0], Int4Linear)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    report = quantize_model(model, group_size=32, progress=False, skip=("2",))
+    assert model[0] is shared and [name for name, _ in report.skipped] == ["0", "2"]
+    kernelize(model, quantize={"kind": "int4", "group_size": 32})
+    assert isinstance(model[0], Int4Linear) and model[0] is model[2]
+    unkernelize(model)
+    assert model[0] is shared and model[2] is shared
+    with pytest.raises(TypeError, match=r"Int4Linear\.from_linear"):
+        quantize_model(nn.Linear(64, 64))
+
+
+def test_odd_arguments_get_clear_errors(tmp_path) -> None:
+    with pytest.raises(ValueError, match="in_features 127 must be even"):
+        Int4Linear(127, 8)
+    with pytest.raises(ValueError, match="in_features must be positive"):
+        Q.quantize_int4(torch.zeros(4, 0), 32)
+    with pytest.raises(ValueError, match=r"group_size 32\.0"):
+        Q.quantize_int4(torch.zeros(4, 64), 32.0)
+    model = _Tiny()
+    quantize_model(model, group_size=32, progress=False)
+    path = tmp_path / "m.safetensors"
+    save_quantized(model, path)
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    for version in ('"1"', "true"):
+        key = next(iter(meta))
+        bad = {key: meta[key].replace('"version": 1', f'"version": {version}')}
+        save_file(load_file(str(path)), str(tmp_path / "bad.safetensors"), metadata=bad)
+        with pytest.raises(ValueError, match="is not supported"):
+            load_quantized(_Tiny(), tmp_path / "bad.safetensors")
 
 
 def test_state_dict_with_wrong_tensors_is_rejected_by_name(tmp_path) -> None:

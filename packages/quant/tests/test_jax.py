@@ -362,6 +362,8 @@ def test_quantizers_match_torch(kind, symmetric, group, scale_dtype, search) -> 
     w = make_weight(96, 256, heavy=True, generator=gen)
     w[3] = 0.0  # an all-zero row: scale 1
     w[4, :] = 0.01  # constant groups
+    w[5] = w[5].abs() + 10.0  # groups that do not hold 0, on either side of it
+    w[6] = -w[6].abs() - 0.5
     jscale = to_jax(torch.zeros(0, dtype=scale_dtype)).dtype
     if kind == "nf4":
         want = Q.quantize_nf4(w, group, search=search, scale_dtype=scale_dtype)

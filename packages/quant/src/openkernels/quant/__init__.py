@@ -19,7 +19,7 @@ from .linear import (
 )
 from .quantize import quantize_int4, quantize_nf4
 
-__version__ = "0.10.17"
+__version__ = "0.10.18"
 
 __all__ = [
     "Int4Weight",

@@ -112,6 +112,16 @@ def check_parts(
     return k
 
 
+def check_perm_values(perm: Tensor | None, in_features: int, name: str) -> None:
+    """ValueError unless `perm` (None, or (K,) int64, checked by check_parts) holds each of
+    0..K-1 once: an act-order permutation. Reads its values (a device sync on a GPU), so it
+    runs where a weight is built or loaded, never per call."""
+    if perm is None or perm.is_meta:
+        return
+    if not torch.equal(perm.sort().values.cpu(), torch.arange(in_features)):
+        raise ValueError(f"{name}: not a permutation of 0..{in_features - 1}")
+
+
 def tile_codes(qweight: Tensor) -> Tensor:
     """qweight (N, K // 2) uint8 in the tiled layout of the tensor-core GEMV (quant's CUDA
     "tc..." configs): (N // 16, K // 128, 1024) uint8, N a multiple of 16 and K of 128.
@@ -230,7 +240,15 @@ class Int4Weight(problem.Int4Shape):
     perm: Tensor | None = None
 
     def __post_init__(self) -> None:
-        check_parts(self.qweight, self.scales, self.zeros, self.group_size, self.kind, self.perm)
+        k = check_parts(self.qweight, self.scales, self.zeros, self.group_size, self.kind, self.perm)
+        check_perm_values(self.perm, k, "Int4Weight: perm")
+        # The kernels read each part densely: a part of other strides (a transposed copy of the
+        # scales, say) is copied once here, not refused by a kernel at every call (which made
+        # dispatch give up on that kernel for the rest of the process).
+        for name in ("qweight", "scales", "zeros", "perm"):
+            part = getattr(self, name)
+            if part is not None and not part.is_contiguous():
+                object.__setattr__(self, name, part.contiguous())
 
     @property
     def device(self) -> torch.device:

@@ -29,7 +29,7 @@ def _quantize(model: nn.Module, ctx: KernelizeContext) -> Callable[[], None] | N
         raise ValueError(f"kernelize: unknown quantize options {unknown}; known: {', '.join(_OPTIONS)}")
     options["skip"] = (*options.get("skip", ("lm_head",)), *ctx.skip)
     options.setdefault("progress", False)
-    originals = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    originals = {name: m for name, m in model.named_modules(remove_duplicate=False) if type(m) is nn.Linear}
     try:
         report = quantize_model(model, kind=kind, **options)
     except BaseException:  # no undo step yet: put back the layers quantized before the error

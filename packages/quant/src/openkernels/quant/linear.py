@@ -32,6 +32,7 @@ from .format import (
     LAYOUTS,
     Int4Weight,
     check_parts,
+    check_perm_values,
     check_scale_values,
     codes_shape,
     layout_refusal,
@@ -199,6 +200,21 @@ class Int4Linear(nn.Module):
         )
         bias = None if first.bias is None else torch.cat([layer.bias.detach() for layer in layers])
         return cls.from_weight(weight, bias, layout=first.layout)
+
+    def _apply(self, fn, recurse: bool = True):
+        """nn.Module's dtype casts (`.float()`, `.half()`, `.to(dtype)`) convert every floating
+        buffer; the scales and zeros are the weight's format (float16 / bfloat16, which the
+        kernels, save_quantized and load_quantized take), not activations: they keep their
+        dtype and follow only device moves. The bias casts as any parameter."""
+        kept = {
+            name: self._buffers[name] for name in ("scales", "zeros") if self._buffers.get(name) is not None
+        }
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after is not None and after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)  # from the original: no double rounding
+        return self
 
     @property
     def weight(self) -> Int4Weight:
@@ -426,9 +442,7 @@ class Int4Linear(nn.Module):
                     f"{key}: expected {tuple(mine.shape)} {mine.dtype}, got {tuple(theirs.shape)} {theirs.dtype} "
                     f"({self.extra_repr()})"
                 )
-        perm = state_dict.get(prefix + "perm")
-        if perm is not None and not torch.equal(perm.sort().values.cpu(), torch.arange(self.in_features)):
-            raise ValueError(f"{prefix}perm: not a permutation of 0..{self.in_features - 1}")
+        check_perm_values(state_dict.get(prefix + "perm"), self.in_features, f"{prefix}perm")
         scales = state_dict.get(prefix + "scales")
         if scales is not None:
             check_scale_values(scales, f"{prefix}scales")
@@ -667,21 +681,34 @@ def quantize_model(
     a multiple of 16, in_features of 128; `skip` them) or the layer is sharded.
     """
     skip = tuple(skip)
+    if type(model) is nn.Linear:
+        raise TypeError(
+            "quantize_model: replaces the nn.Linear layers inside a model; for one layer use "
+            "Int4Linear.from_linear(layer, ...)"
+        )
     codes_layout = layout  # (the loop below names the tensor-parallel layouts `layout`)
     report = QuantizeReport()
     todo: dict[str, _TPLayout | None] = {}
-    for name, module in model.named_modules():
+    # A layer registered under several names (shared weights) is quantized once and replaced
+    # under each of them; it is skipped if any of its names is.
+    aliases: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
         if type(module) is nn.Linear:
-            reason = _skip_reason(name, module, skip, group_size)
-            if reason:
-                report.skipped.append((name, reason))
-            else:
-                todo[name] = _tp_layout(name, module, group_size)  # refuses before anything changes
-                refusal = layout_refusal(codes_layout, module.out_features, module.in_features)
-                if refusal is None and codes_layout != "rows" and todo[name] is not None:
-                    refusal = f"layout {codes_layout!r} under tensor parallelism is not supported (sharded codes: rows only)"
-                if refusal is not None:
-                    raise ValueError(f"quantize_model: layer {name!r}: {refusal}")
+            aliases.setdefault(id(module), []).append(name)
+    for names in aliases.values():
+        name, module = names[0], model.get_submodule(names[0])
+        reason = next(filter(None, (_skip_reason(n, module, skip, group_size) for n in names)), None)
+        if len(names) > 1 and reason:
+            reason += f" (the layer is shared by {', '.join(names)})"
+        if reason:
+            report.skipped.extend((n, reason) for n in names)
+            continue
+        todo[name] = _tp_layout(name, module, group_size)  # refuses before anything changes
+        refusal = layout_refusal(codes_layout, module.out_features, module.in_features)
+        if refusal is None and codes_layout != "rows" and todo[name] is not None:
+            refusal = f"layout {codes_layout!r} under tensor parallelism is not supported (sharded codes: rows only)"
+        if refusal is not None:
+            raise ValueError(f"quantize_model: layer {name!r}: {refusal}")
     for name in _progress(list(todo), progress):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -698,8 +725,10 @@ def quantize_model(
         weight = linear.weight.to_local() if layout is not None else linear.weight
         report.bytes_before += weight.numel() * weight.element_size()
         report.bytes_after += quantized.weight.nbytes()
-        setattr(parent, child, quantized)
-        report.quantized.append(name)
+        for alias in aliases[id(linear)]:
+            alias_parent, _, alias_child = alias.rpartition(".")
+            setattr(model.get_submodule(alias_parent), alias_child, quantized)
+            report.quantized.append(alias)
     return report
 
 
@@ -721,10 +750,34 @@ def save_quantized(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import save_file
 
     layers = {name: _layer_meta(m) for name, m in model.named_modules() if isinstance(m, Int4Linear)}
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors, tied = _untied(model.state_dict())
     version = 2 if any("layout" in layer for layer in layers.values()) else 1
-    meta = {_FORMAT_KEY: json.dumps({"version": version, "layers": layers})}
-    save_file(tensors, str(path), metadata=meta)
+    info = {"version": version, "layers": layers}
+    if tied:
+        info["tied"] = tied
+    save_file(tensors, str(path), metadata={_FORMAT_KEY: json.dumps(info)})
+
+
+def _untied(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The state dict with each tensor stored once, and {dropped key: the key that holds its
+    tensor}: tied weights (a Llama's embed_tokens and lm_head, when lm_head stays in 16 bits)
+    are one tensor under two keys, which safetensors refuses to write twice."""
+    tensors: dict[str, Tensor] = {}
+    tied: dict[str, str] = {}
+    holders: dict[tuple, str] = {}
+    for key, value in state.items():
+        same = (
+            (value.device, value.dtype, value.data_ptr(), tuple(value.shape), value.stride())
+            if value.numel()
+            else None
+        )
+        if same is not None and same in holders:
+            tied[key] = holders[same]
+            continue
+        if same is not None:
+            holders[same] = key
+        tensors[key] = value.detach().contiguous()
+    return tensors, tied
 
 
 # save_quantized's format of one layer: key -> (check, what is expected).
@@ -762,9 +815,10 @@ def _read_layers(path: str | Path) -> dict[str, dict]:
         raise ValueError(f"{where} is not JSON ({error}); expected what save_quantized writes") from error
     if not isinstance(info, dict):
         raise ValueError(f"{where} must be an object with 'version' and 'layers', got {type(info).__name__}")
-    if info.get("version") not in _FORMAT_VERSIONS:
+    if type(info.get("version")) is not int or info["version"] not in _FORMAT_VERSIONS:  # not "1", not true
         raise ValueError(
-            f"{path}: format version {info.get('version')} is not supported ({', '.join(map(str, _FORMAT_VERSIONS))})"
+            f"{path}: format version {info.get('version')!r} is not supported (integers "
+            f"{', '.join(map(str, _FORMAT_VERSIONS))})"
         )
     if "layers" not in info:
         raise ValueError(f"{where} has no 'layers'; expected {expected}")
@@ -789,6 +843,21 @@ def _read_layers(path: str | Path) -> dict[str, dict]:
                 f"openkernels-quant reads version {LAYOUT_VERSIONS[layout]}"
             )
     return layers
+
+
+def _read_tied(path: str | Path) -> dict[str, str]:
+    """save_quantized's {key: key holding the same tensor} (tied weights), {} when absent."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        tied = json.loads((f.metadata() or {})[_FORMAT_KEY]).get("tied", {})  # _read_layers checked the rest
+    if not isinstance(tied, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in tied.items()
+    ):
+        raise ValueError(
+            f"{path}: metadata {_FORMAT_KEY!r}: 'tied' must be an object {{key: key}}, got {tied!r}"
+        )
+    return tied
 
 
 def _within(path: str, names: dict[str, Int4Linear]) -> bool:
@@ -837,8 +906,9 @@ def load_quantized(model: nn.Module, path: str | Path, *, device: torch.device |
                    strict: bool = True, layout: str | None = None) -> nn.Module:  # fmt: skip
     """Load a file written by save_quantized into `model` (built unquantized, e.g. from its
     config): the layers recorded as Int4Linear replace the model's linear layers and the state
-    dict is loaded, with every tensor's shape and dtype checked (and scales finite and
-    non-negative). `layout`: how the layers store their codes (Int4Linear's docstring); None
+    dict is loaded, the Int4Linear buffers' shapes and dtypes checked (and scales finite and
+    non-negative), every other tensor's shape (load_state_dict casts those, and the bias, to
+    the model's dtypes). Tied weights saved once (save_quantized's "tied") fill both keys. `layout`: how the layers store their codes (Int4Linear's docstring); None
     keeps each layer's recorded layout (rows in files before quant 0.10.15), "rows" or "tiled"
     converts every layer to it once, after loading (a layer whose shape the tiled layout
     cannot hold raises). All of it (the metadata, every tensor's key, shape and dtype, the
@@ -872,6 +942,12 @@ def load_quantized(model: nn.Module, path: str | Path, *, device: torch.device |
         except (ValueError, TypeError) as error:
             raise ValueError(f"{path}: metadata {_FORMAT_KEY!r}: layers[{name!r}]: {error}") from error
     state = load_file(str(path), device=str(device) if device is not None else "cpu")
+    for key, holder in _read_tied(path).items():
+        if holder not in state:
+            raise ValueError(
+                f"{path}: metadata {_FORMAT_KEY!r}: 'tied' names {key!r} as {holder!r}, which the file lacks"
+            )
+        state[key] = state[holder]
     _check_state(model, new, state, strict, path)
     replaced = {}
     for name, module in new.items():

@@ -68,6 +68,8 @@ def check_parts(
         )
     n, half_k = qweight.shape
     k = 2 * half_k if in_features is None else in_features
+    if k % 2:
+        raise ValueError(f"{where}: in_features {k} must be even (two 4-bit codes per byte)")
     if k != 2 * half_k:
         raise ValueError(f"{where}: qweight has {half_k} bytes per row, in_features {k} needs {k // 2}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or k % group_size:
@@ -138,9 +140,11 @@ def check_quantize_options(
     """quantize_int4 / quantize_nf4's rules on their options (group_size resolved): raise
     ValueError naming the option."""
     k = in_features
+    if k <= 0:
+        raise ValueError(f"in_features must be positive, got {k}")
     if k % 2:
         raise ValueError(f"in_features {k} must be even: two 4-bit codes are packed per byte")
-    if group_size not in (32, 64, 128, k) or k % group_size:
+    if type(group_size) is not int or group_size not in (32, 64, 128, k) or k % group_size:
         raise ValueError(
             f"group_size {group_size} must be 32, 64, 128 or None (whole row) and divide in_features {k}"
         )

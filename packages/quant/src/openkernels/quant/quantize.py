@@ -2,7 +2,8 @@
 optional clipping search.
 
 Per group of `group_size` columns of a row:
-  asymmetric int4: scale = (max - min) / 15, zero = round(-min / scale), code = round(w / scale) + zero
+  asymmetric int4: scale = (max - min) / 15, zero = round(-min / scale), code = round(w / scale) + zero,
+                   with max >= 0 >= min (the range widened to hold 0, so that the zero is a code)
   symmetric int4:  scale = max|w| / 7, code = round(w / scale) + 8 (codes 1..15 used)
   nf4:             scale = max|w|, code = the NF4 level nearest to w / scale
 Codes are clamped to 0..15. Scales are rounded to their storage dtype before the codes are
@@ -49,10 +50,12 @@ def _fit(w: Tensor, kind: str, symmetric: bool, ratio: float, scale_dtype: torch
         scale = top if kind == "nf4" else top / 7
         zero = None
     else:
-        hi, lo = w.amax(dim=-1) * ratio, w.amin(dim=-1) * ratio
-        # A constant group (hi == lo) spans 0..hi instead, so its value lands on code 0 or 15.
-        span = torch.where(hi > lo, hi - lo, hi.abs())
-        scale = span / 15
+        # The range always holds 0 (as GPTQ's quantizer): the zero point round(-lo / scale) must
+        # be a code, 0..15. A group of [10, 11] would otherwise get zero 0 and every code
+        # clamped at 15 (all of it dequantized near 1.0); a constant group spans 0..value.
+        hi = (w.amax(dim=-1) * ratio).clamp(min=0)
+        lo = (w.amin(dim=-1) * ratio).clamp(max=0)
+        scale = (hi - lo) / 15
     scale = scale.to(scale_dtype).float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero group: any scale works
     if not torch.isfinite(scale).all():

@@ -53,9 +53,10 @@ def _fit(w: jax.Array, kind: str, symmetric: bool, ratio: float, scale_dtype: jn
         top = jnp.abs(w).max(axis=-1) * ratio
         scale = top if kind == "nf4" else top / 7
     else:
-        hi, lo = w.max(axis=-1) * ratio, w.min(axis=-1) * ratio
-        # A constant group (hi == lo) spans 0..hi instead, so its value lands on code 0 or 15.
-        scale = jnp.where(hi > lo, hi - lo, jnp.abs(hi)) / 15
+        # The range holds 0, so that the zero point is a code (quantize.py's _fit).
+        hi = jnp.maximum(w.max(axis=-1) * ratio, 0.0)
+        lo = jnp.minimum(w.min(axis=-1) * ratio, 0.0)
+        scale = (hi - lo) / 15
     scale = _round_to(scale, scale_dtype)
     scale = jnp.where(scale > 0, scale, 1.0)  # all-zero group: any scale works
     s = scale[..., None]
