@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 
@@ -109,7 +110,10 @@ def test_failure_falls_back_once_with_one_warning(monkeypatch: pytest.MonkeyPatc
         warnings.simplefilter("error")
         assert dispatch.run(op, torch.ones(2)) == "reference"
     assert calls == ["reference", "reference"]
-    assert "failed earlier" in dispatch.explain(op, torch.ones(2))
+    explained = dispatch.explain(op, torch.ones(2))
+    assert "failed earlier" in explained
+    assert "runs 'reference'" in explained.splitlines()[0]  # what runs now, not the failed one
+    assert any(line.startswith(" -> reference") for line in explained.splitlines())
     dispatch.reset_failures()
 
 
@@ -123,6 +127,33 @@ def test_failure_raises_when_strict_or_forced(monkeypatch: pytest.MonkeyPatch) -
         dispatch.run(op, torch.ones(2))
     with dispatch.strict(), pytest.raises(RuntimeError, match="boom"):
         dispatch.run(op, torch.ones(2))
+
+
+def test_invalid_input_propagates_and_marks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel's own input check (InvalidInputError) is the caller's error: no fallback onto
+    the same bad inputs, and the kernel keeps running later calls (a length past a KV cache
+    once sent every later CPU decode of that key to the reference)."""
+    monkeypatch.setenv("OPENKERNELS_STRICT", "0")
+    bad = dispatch.InvalidInputError("length past the cache")
+    op, calls = _fresh_op(("fast", ("cpu",), 10, lambda key: None), ("reference", ALL, 0, None))
+    impl = next(i for i in dispatch._op(op).impls if i.name == "fast")
+    good = impl.fn
+    state = {"bad": True}
+
+    def fast(x: torch.Tensor) -> str:
+        if state["bad"]:
+            raise bad
+        return good(x)
+
+    dispatch._op(op).impls[dispatch._op(op).impls.index(impl)] = dataclasses.replace(impl, fn=fast)
+    dispatch.changed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no KernelFallbackWarning
+        with pytest.raises(ValueError, match="past the cache"):
+            dispatch.run(op, torch.ones(2))
+        state["bad"] = False
+        assert dispatch.run(op, torch.ones(2)) == "fast"
+    assert calls == ["fast"] and "failed earlier" not in dispatch.explain(op, torch.ones(2))
 
 
 def test_out_of_memory_is_never_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:

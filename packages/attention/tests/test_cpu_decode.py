@@ -15,7 +15,7 @@ import openkernels.attention as A
 from openkernels.attention.core import cpu
 from openkernels.attention.core.cpu import decode
 from openkernels.attention.kvcache import cpu as cpu_kvcache
-from openkernels.shared import cpu_build, replay
+from openkernels.shared import cpu_build, dispatch, replay
 from openkernels.shared.dev.testing import random_tensor
 
 from .kvcache_cases import KVCall, Scenario, build, check_call
@@ -99,7 +99,12 @@ def test_nan_stays_in_its_rows() -> None:
     assert torch.equal(torch.isnan(lse).transpose(1, 2), expected)
 
 
-def test_lengths_outside_the_cache_are_refused_before_anything_is_written() -> None:
+@pytest.mark.parametrize("strict", ["1", "0"])
+def test_lengths_outside_the_cache_are_refused_before_anything_is_written(strict, monkeypatch) -> None:
+    """Also without OPENKERNELS_STRICT: the refusal reaches the caller (dispatch's
+    InvalidInputError), where it once fell back to the reference, which returned a result on
+    the bad lengths, and kept every later call of the key off the CPU kernel."""
+    monkeypatch.setenv("OPENKERNELS_STRICT", strict)
     q = random_tensor((2, 1, 4, 64), torch.bfloat16)
     k, v = (random_tensor((2, 16, 2, 64), torch.bfloat16) for _ in range(2))
     before = [k.clone(), v.clone()]
@@ -112,6 +117,7 @@ def test_lengths_outside_the_cache_are_refused_before_anything_is_written() -> N
             q, k, v, torch.tensor([3, 4], dtype=torch.int32), block_table=table, check=False
         )
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])
+    assert "failed earlier" not in dispatch.explain("attention_kvcache", q)
 
 
 def test_unchecked_calls_replay_whole() -> None:

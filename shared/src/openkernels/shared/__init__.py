@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any
 
-__version__ = "0.16.16"
+__version__ = "0.16.17"
 
 
 class _CallableModule(types.ModuleType):

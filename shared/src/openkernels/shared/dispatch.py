@@ -20,7 +20,9 @@ its "interpret" under TRITON_INTERPRET=1), "jax:name" the JAX face only, and
 
 A kernel that raises while compiling or launching is skipped for that key with one
 warning and the next implementation runs, unless OPENKERNELS_STRICT=1 (the test suites
-set it) or the implementation was forced, in which case the error propagates.
+set it) or the implementation was forced, in which case the error propagates. An
+InvalidInputError (the inputs break the op's contract, found by the kernel's own checks)
+always propagates and marks nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "JAX",
     "DispatchKey",
     "Implementation",
+    "InvalidInputError",
     "KernelFallbackWarning",
     "UnsupportedError",
     "changed",
@@ -81,6 +84,14 @@ JAX = "jax"
 
 class UnsupportedError(ValueError):
     """No registered implementation can run these inputs (or the forced one cannot)."""
+
+
+class InvalidInputError(ValueError):
+    """An implementation's own check found the call's inputs outside the op's contract (a
+    length past the cache, a part of strides the kernel cannot read). `run` raises it to the
+    caller instead of falling back: the kernel is not broken, and the next implementation
+    would compute on the same bad inputs, and marking the kernel failed would send every later
+    call with that key to the slower one."""
 
 
 class KernelFallbackWarning(RuntimeWarning):
@@ -514,7 +525,7 @@ def run(op: str, *args: Any, **kwargs: Any) -> Any:
             continue
         try:
             return impl.fn(*args, **kwargs)
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, InvalidInputError):
             raise
         except Exception as error:
             forced = bool(steering(op)[0])
@@ -539,8 +550,10 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     forced, forbidden = steering(op)
     try:
         chosen = select(op, key)
-        head = f"{op} on {key}: runs {chosen[0].name!r}"
-        route = getattr(chosen[0].fn, "route", None)
+        # The implementation a call runs now: the first that has not failed on this key.
+        runs = next((impl for impl in chosen if (op, impl.name, key) not in _BROKEN), chosen[-1])
+        head = f"{op} on {key}: runs {runs.name!r}"
+        route = getattr(runs.fn, "route", None)
         try:
             note = route(*args, **kwargs) if callable(route) else None
         except Exception as error:  # an explanation never fails the caller
@@ -551,7 +564,7 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
         chosen, head = (), f"{op} on {key}: nothing can run ({error})"
     lines = [head]
     for impl, reason in zip(entry.impls, _reasons(op, key, forced, forbidden)):
-        mark = "->" if chosen and impl is chosen[0] else "  "
+        mark = "->" if chosen and impl is runs else "  "
         broken = " (failed earlier, skipped)" if (op, impl.name, key) in _BROKEN else ""
         lines.append(f" {mark} {reason} [priority {impl.priority}]{broken}")
     return "\n".join(lines)

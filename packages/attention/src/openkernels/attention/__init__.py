@@ -14,7 +14,7 @@ from .kvcache.cache import KVCache
 from .kvcache.format import QuantizedKV, dequantize_kv, fp8_scale, quantize_fp8, quantize_kv
 from .rotary.api import apply_rotary
 
-__version__ = "0.8.14"
+__version__ = "0.8.15"
 
 __all__ = [
     "attention",

@@ -170,7 +170,8 @@ def check_qkv(
                 f"{name}: q, k, v must be on one device, got q on {q.device} and {what} on {t.device}"
             )
     if q.dtype not in kind.floats:
-        raise TypeError(f"{name}: dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
+        names = ", ".join(getattr(d, "__name__", str(d).rpartition(".")[2]) for d in kind.floats)
+        raise TypeError(f"{name}: dtype {q.dtype} is not supported; use one of {names}")
     check_qkv_shapes(name, tuple(q.shape), tuple(k.shape), tuple(v.shape), dims, head_dims)
 
 

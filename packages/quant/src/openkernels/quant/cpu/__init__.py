@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from openkernels.shared import cpu_build
-from openkernels.shared.dispatch import DispatchKey
+from openkernels.shared.dispatch import DispatchKey, InvalidInputError
 
 from ..format import KINDS, SCALE_DTYPES, nf4_values
 
@@ -142,38 +142,41 @@ def _unit_columns(t: Tensor) -> bool:
 def _check_weight(
     qweight: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int, kind: str
 ) -> tuple[int, int, int]:
-    """Validate what the kernels rely on (they index raw memory); return (N, K, kind code)."""
+    """Validate what the kernels rely on (they index raw memory); return (N, K, kind code).
+    InvalidInputError (a ValueError): dispatch raises it to the caller, marking nothing."""
     if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise InvalidInputError(f"kind must be one of {KINDS}, got {kind!r}")
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.device.type != "cpu":
-        raise ValueError(
+        raise InvalidInputError(
             f"qweight must be a 2D uint8 CPU tensor, got {qweight.dim()}D {qweight.dtype} {qweight.device}"
         )
     if not _unit_columns(qweight):
-        raise ValueError(f"qweight must have unit column stride, got strides {qweight.stride()}")
+        raise InvalidInputError(f"qweight must have unit column stride, got strides {qweight.stride()}")
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % 2:
-        raise ValueError(f"group_size must be a positive even int, got {group_size!r}")
+        raise InvalidInputError(f"group_size must be a positive even int, got {group_size!r}")
     if k % group_size:
-        raise ValueError(f"group_size {group_size} does not divide in_features {k}")
+        raise InvalidInputError(f"group_size {group_size} does not divide in_features {k}")
     groups = k // group_size
     if scales.dtype not in SCALE_DTYPES or scales.device.type != "cpu":
-        raise ValueError(
+        raise InvalidInputError(
             f"scales must be a float16 or bfloat16 CPU tensor, got {scales.dtype} {scales.device}"
         )
     if tuple(scales.shape) != (groups, n) or not _unit_columns(scales):
-        raise ValueError(
+        raise InvalidInputError(
             f"scales must be ({groups}, {n}) (in_features // group_size, out_features) with unit column "
             f"stride, got {tuple(scales.shape)} strides {scales.stride()}"
         )
     if zeros is None:
         return n, k, _NF4 if kind == "nf4" else _INT4_SYMMETRIC
     if kind == "nf4":
-        raise ValueError("nf4 weights have no zeros")
+        raise InvalidInputError("nf4 weights have no zeros")
     if zeros.dtype != scales.dtype or zeros.device.type != "cpu":
-        raise ValueError(f"zeros must be a CPU tensor of the scales' dtype {scales.dtype}, got {zeros.dtype}")
+        raise InvalidInputError(
+            f"zeros must be a CPU tensor of the scales' dtype {scales.dtype}, got {zeros.dtype}"
+        )
     if tuple(zeros.shape) != (groups, n) or not _unit_columns(zeros):
-        raise ValueError(
+        raise InvalidInputError(
             f"zeros must be ({groups}, {n}) with unit column stride, got {tuple(zeros.shape)} strides {zeros.stride()}"
         )
     return n, k, _INT4_ZEROS

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from openkernels.shared import cpu_build
+from openkernels.shared import cpu_build, dispatch
 
 __all__ = ["why_not", "why_not_dense", "attend", "backward_dense", "MAX_ROWS"]
 
@@ -127,8 +127,8 @@ def attend(q, k_data, v_data, out, lse, cache_seqlens, block_table, *, seqlen_ne
         scale, softcap, window_left, window_right, _DTYPE_CODES[q.dtype], _DTYPE_CODES[k_data.dtype],
         torch.get_num_threads(),
     )  # fmt: skip
-    if status == 2:
-        raise ValueError(
+    if status == 2:  # the caller's lengths or pages (check=False): theirs to fix, not a kernel failure
+        raise dispatch.InvalidInputError(
             "attention_kvcache: a sequence's cache_seqlens (plus the new tokens), cache_leftpad or block_table "
             "entries point outside the cache (check=True says which)"
         )
