@@ -102,6 +102,32 @@ def test_sinks_match_the_reference(device: str, impl: str, dtype: torch.dtype, s
     assert float((plain.double() - ref).abs().max()) > 0.05 * max(1.0, float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_sinks_keep_float64_exact(varlen: bool) -> None:
+    """float64 q / k / v stay float64 through the sinks' fold (it took float32 products:
+    5e-8 off the reference and a failing gradcheck) on the CPU path."""
+    gen = torch.Generator().manual_seed(9)
+    sinks = torch.tensor([0.3, -1.2], dtype=torch.float32)
+    if varlen:
+        q, k, v = (torch.randn(7, 2, 16, dtype=torch.float64, generator=gen) for _ in range(3))
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+
+        def call(q, k, v):
+            return A.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True, sinks=sinks)
+
+        want = R.attention_varlen_ref(q, k, v, cu, cu, causal=True, sinks=sinks)
+    else:
+        q, k, v = (torch.randn(1, 5, 2, 16, dtype=torch.float64, generator=gen) for _ in range(3))
+
+        def call(q, k, v):
+            return A.attention(q, k, v, causal=True, sinks=sinks)
+
+        want = R.attention_ref(q, k, v, causal=True, sinks=sinks)
+    torch.testing.assert_close(call(q, k, v), want, rtol=1e-12, atol=1e-12)
+    inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(call, inputs)
+
+
 def test_sinks_bad_input_is_a_clear_error() -> None:
     q, k, v = (
         random_tensor((1, 4, 2, 32), torch.bfloat16),

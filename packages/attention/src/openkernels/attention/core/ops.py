@@ -322,10 +322,11 @@ def _per_row(x: torch.Tensor, varlen: bool) -> torch.Tensor:
 
 def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, varlen: bool):
     """(out', lse', share) of a call with sinks from (out, lse) of the call without them;
-    share = sigmoid(lse - sink) (lse's layout, float32), the keys' part of each row."""
+    share = sigmoid(lse - sink) (lse's layout and dtype: float32, float64 for float64 inputs),
+    the keys' part of each row. The products run in share's dtype."""
     sink = _per_head(sinks, varlen)
     share = torch.sigmoid(lse - sink)
-    folded = out.float() * _per_row(share, varlen)
+    folded = out.to(share.dtype) * _per_row(share, varlen)
     return folded.to(out.dtype), torch.logaddexp(lse, sink), share
 
 
@@ -348,10 +349,10 @@ class _WithSinks(torch.autograd.Function):
         max_q, max_k, scale, left, right, softcap, dropout_p = ctx.options
         varlen = cu_q is not None
         dout = torch.zeros_like(out) if dout is None else dout
-        scaled = (dout.float() * _per_row(share, varlen)).to(out.dtype)
+        scaled = (dout.to(share.dtype) * _per_row(share, varlen)).to(out.dtype)
         dq, dk, dv = backward(scaled, q, k, v, out, plain_lse, cu_q, cu_k, max_q, max_k, scale, left, right, alibi,
                               softcap, dropout_p, seed)  # fmt: skip
-        delta = (dout.float() * out.float()).sum(-1)  # (B, S, H) or (T, H)
+        delta = (dout.to(share.dtype) * out.to(share.dtype)).sum(-1)  # (B, S, H) or (T, H)
         delta = delta.transpose(0, 1) if varlen else delta.transpose(1, 2)  # as lse
         dsink = -((1 - share) * delta)
         dsink = dsink.sum(dim=1) if varlen else dsink.sum(dim=(0, 2))
