@@ -373,3 +373,32 @@ def test_twice_and_undo_errors():
     assert isinstance(kernelize(model), KernelizeReport)
     with pytest.raises(RuntimeError, match="already kernelized"):
         kernelize(model)
+
+
+def test_in_place_swaps_leave_a_hooked_or_identity_dense_alone():
+    """BertIntermediate's dense + activation and BertSelfOutput's dense + add + LayerNorm write
+    over the dense layer's output when nothing else holds it: a forward hook keeping it (an
+    activation cache) or an nn.Identity dense (the caller's own tensor) once saw it
+    overwritten."""
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertIntermediate, BertSelfOutput
+
+    cfg = BertConfig(hidden_size=16, intermediate_size=32)
+    for cls, args in ((BertIntermediate, (torch.randn(2, 16),)), (BertSelfOutput, (torch.randn(2, 16), torch.randn(2, 16)))):  # fmt: skip
+        module = cls(cfg).eval()
+        want = module(*args)
+        seen = []
+        module.dense.register_forward_hook(lambda m, i, o, seen=seen: seen.append((o, o.clone())))
+        kernelize(module)
+        with torch.no_grad():
+            got = module(*args)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(*seen[-1]), cls.__name__
+        unkernelize(module)
+        if cls is BertSelfOutput:
+            module.dense = torch.nn.Identity()
+            hidden = args[0].clone()
+            kernelize(module)
+            with torch.no_grad():
+                module(hidden, args[1])
+            assert torch.equal(hidden, args[0])

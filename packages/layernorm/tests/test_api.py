@@ -195,6 +195,46 @@ def test_rmsnorm_module_matches_torch(device: str, shape, affine: bool, eps) -> 
     _same_module_outputs(ours, theirs, (3, 5, 16), device)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_rmsnorm_default_eps_is_torchs_for_every_dtype(dtype: torch.dtype) -> None:
+    """eps=None: torch takes the epsilon of the type it computes in (float32 for 16-bit x), not
+    x's dtype's (bfloat16's 0.0078 made a row of RMS 0.05 come out ~2x too small), in the
+    module and in kernelize's swap of nn.RMSNorm."""
+    import copy
+
+    from openkernels.shared.kernelize import kernelize
+
+    theirs = torch.nn.RMSNorm(16).to(dtype)
+    swapped = copy.deepcopy(theirs)
+    kernelize(swapped)
+    x = (torch.randn(4, 16, generator=torch.Generator().manual_seed(2)) * 0.05).to(dtype)
+    want = theirs(x)
+    for module in (L.RMSNorm(16).to(dtype), swapped):
+        assert_close(module(x), want, dtype=dtype)
+
+
+def test_layer_norm_bias_gradient_keeps_its_own_dtype() -> None:
+    """A float32 bias beside a bfloat16 weight: dbias was rounded to bfloat16 (the weight's
+    dtype) before its cast back; it is the float32 sum of grad_out over the rows."""
+    gen = torch.Generator().manual_seed(6)
+    x, grad = torch.randn(64, 256, generator=gen), torch.randn(64, 256, generator=gen)
+    for w_dtype, b_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        w = torch.randn(256, generator=gen).to(w_dtype).requires_grad_()
+        b = torch.randn(256, generator=gen).to(b_dtype).requires_grad_()
+        db = torch.autograd.grad(L.layer_norm(x, w, b), b, grad)[0]
+        assert db.dtype == b_dtype
+        torch.testing.assert_close(db, grad.double().sum(0).to(b_dtype), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_with_a_symbolic_weight_offset() -> None:
+    """weight_offset's finiteness check traces on a SymFloat (math.isfinite did not)."""
+    x, w = torch.randn(2, 8), torch.ones(8)
+    torch.compile(lambda x: L.rms_norm(x), fullgraph=True, dynamic=True)(x)
+    f = torch.compile(lambda x, offset: L.rms_norm(x, w, weight_offset=offset), fullgraph=True)
+    f(x, 0.0)
+    torch.testing.assert_close(f(x, 1.0), L.rms_norm(x, w, weight_offset=1.0))
+
+
 @pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("shape", [16, (4, 4)], ids=["int", "tuple"])
 def test_layernorm_module_matches_torch(device: str, shape, affine: bool, bias: bool) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "kernelize",
     "kernelize_report",
     "local_tensor",
+    "output_is_private",
     "unkernelize",
 ]
 
@@ -150,6 +151,22 @@ def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is not None and type(t).__name__ == "DTensor":
         return t.to_local()
     return t
+
+
+def output_is_private(producer: nn.Module, *passers: nn.Module) -> bool:
+    """Whether a swapped forward may overwrite what `producer` returned (then passed through
+    `passers`, such as an eval-mode dropout) in place: the producer is a linear layer (an
+    nn.Linear, or a module whose class sets `fresh_output = True`, as Int4Linear does), whose
+    output is a new tensor, and no forward hook (the module's own or a global one) could have
+    kept a reference to it. An nn.Identity dense, or a hook caching activations, would see its
+    tensor overwritten."""
+    from torch.nn.modules import module as torch_module
+
+    if not (isinstance(producer, nn.Linear) or getattr(type(producer), "fresh_output", False)):
+        return False
+    if torch_module._global_forward_hooks:
+        return False
+    return not any(m._forward_hooks for m in (producer, *passers))
 
 
 # ---------------------------------------------------------------------------- discovery

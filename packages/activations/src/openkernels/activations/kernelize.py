@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from openkernels.shared.kernelize import KernelizeContext, Swap
+from openkernels.shared.kernelize import KernelizeContext, Swap, output_is_private
 from openkernels.shared.stacked import (
     DeferredNorm,
     stack,
@@ -194,7 +194,12 @@ def _dense_act_prepare(module: nn.Module, ctx: KernelizeContext) -> Callable[[],
 def _dense_act_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     h = self.dense(x)
     act = self.__dict__[_KIND]
-    if type(h) is torch.Tensor and h.is_contiguous() and not (h.requires_grad and torch.is_grad_enabled()):
+    if (
+        type(h) is torch.Tensor
+        and h.is_contiguous()
+        and not (h.requires_grad and torch.is_grad_enabled())
+        and output_is_private(self.dense)
+    ):
         # In place on the dense layer's fresh output, which nothing else holds: no second
         # activation-sized allocation (on the CPU its page faults cost as much as the pass).
         return act(h, out=h)

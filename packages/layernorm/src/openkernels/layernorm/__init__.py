@@ -7,7 +7,7 @@ from . import api as _api
 from . import ops as _ops  # registers the torch.library ops and dispatch entries
 from .api import *  # noqa: F403 - the public API is api.__all__ (named by problem.NORMS)
 
-__version__ = "0.11.14"
+__version__ = "0.11.15"
 
 __all__ = _api.__all__
 

@@ -208,10 +208,17 @@ def _residual_rows(
     return residual.reshape(flat.shape)
 
 
+def torch_default_eps(dtype: torch.dtype) -> float:
+    """The epsilon torch's RMSNorm takes for eps=None: that of the type it computes in
+    (float32 for float16 / bfloat16 inputs, float64 for float64), not of x's dtype (bfloat16's
+    is 0.0078, which scaled a bfloat16 row of RMS 0.05 by ~0.45)."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
 class RMSNorm(nn.RMSNorm):
     """Drop-in for torch.nn.RMSNorm (same arguments, attributes and state_dict keys).
 
-    eps=None means torch.finfo(x.dtype).eps, as in torch. weight_offset=1.0 gives Gemma's
+    eps=None means torch's default, torch_default_eps(x.dtype). weight_offset=1.0 gives Gemma's
     (1 + weight) scaling (reset_parameters still starts the weight at ones, as torch does).
     """
 
@@ -231,7 +238,7 @@ class RMSNorm(nn.RMSNorm):
             raise ValueError(f"{type(self).__name__}: weight_offset must be finite, got {weight_offset!r}")
 
     def _eps(self, x: torch.Tensor) -> float:
-        return torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return torch_default_eps(x.dtype) if self.eps is None else self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat, (w,) = _flatten_normalized(type(self).__name__, x, self.normalized_shape, self.weight)

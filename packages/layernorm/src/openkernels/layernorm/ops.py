@@ -339,8 +339,15 @@ def _ln_grads(run, tensors: tuple, values: tuple, grad_outputs: tuple, needs: tu
     grad_out, grad_residual_out = _upstream(grad_outputs[0], grad_outputs[1], h, store_residual, out_dtype)
     weight_grad = weight is not None and needs[1]
     bias_grad = bias_dtype is not None and needs[2]
-    grad_h, grad_w, grad_b = run(grad_out, grad_residual_out, h, weight, mean, rstd, weight_grad, bias_grad)
+    # The op returns dbias in the weight's dtype; a bias of another dtype (a float32 bias beside
+    # a bfloat16 weight) takes its sum of grad_out over the rows apart, in float32, rounded once.
+    bias_apart = bias_grad and bias_dtype != _param_grad_dtype(h, weight)
+    grad_h, grad_w, grad_b = run(
+        grad_out, grad_residual_out, h, weight, mean, rstd, weight_grad, bias_grad and not bias_apart
+    )
     grad_x, grad_res = _input_grads(grad_h, x_dtype, residual_dtype, needs[0], needs[3])
+    if bias_apart:
+        grad_b = grad_out.reshape(-1, h.shape[-1]).sum(0, dtype=rstd.dtype)
     grad_b = grad_b.to(bias_dtype) if bias_grad else None
     return grad_x, grad_w if weight_grad else None, grad_b, grad_res, None, None, None, None
 

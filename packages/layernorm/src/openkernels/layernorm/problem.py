@@ -108,7 +108,7 @@ def check_shapes_and_scalars(
         raise ValueError(f"{name}: eps must be a non-negative float, not NaN or inf, got {eps!r}")
     if not isinstance(weight_offset, numbers.Real) or isinstance(weight_offset, bool):
         raise TypeError(f"{name}: weight_offset must be a float, got {weight_offset!r}")
-    if not math.isfinite(weight_offset):
+    if not -math.inf < weight_offset < math.inf:  # comparisons: torch.compile traces them on a SymFloat
         raise ValueError(f"{name}: weight_offset must be finite, got {weight_offset!r}")
     if weight_offset != 0 and params.get("weight") is None:
         raise ValueError(f"{name}: weight_offset={weight_offset} scales a weight, but weight is None")

@@ -69,6 +69,10 @@ class Int4Linear(nn.Module):
     (a pass over them per call, with one warning per layer shape). save_quantized records the
     layout; load_quantized restores it or converts to the one asked for."""
 
+    # Each forward returns a new tensor: kernelize's swaps may write over it in place
+    # (openkernels.shared.kernelize.output_is_private).
+    fresh_output = True
+
     layout = "rows"  # instances set their own; this default covers modules pickled before it
 
     def __init__(

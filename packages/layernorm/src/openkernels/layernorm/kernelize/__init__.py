@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openkernels.shared.kernelize import KernelizeContext, Swap
+from openkernels.shared.kernelize import KernelizeContext, Swap, output_is_private
 
-from ..api import layer_norm, rms_norm
+from ..api import layer_norm, rms_norm, torch_default_eps
 from .decoder_fusion import DECODER_LAYERS, decoder_check, decoder_forward
 from .hf_norm_classes import GEMMA_STYLE_RMS_NORMS, LLAMA_STYLE_RMS_NORMS
 
@@ -45,7 +45,7 @@ def _layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_rms_norm_forward(self: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+    eps = torch_default_eps(x.dtype) if self.eps is None else self.eps
     return rms_norm(x, self.weight, eps)
 
 
@@ -75,6 +75,7 @@ def _post_norm_forward(
         type(h) is torch.Tensor
         and h.is_contiguous()
         and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        and output_is_private(self.dense, self.dropout)
     ):
         # In place on the dense layer's fresh output, which nothing else holds: no second
         # hidden-sized allocation (on the CPU its page faults cost about as much as the pass).
